@@ -1,0 +1,237 @@
+"""Engine options as dataclasses that validate themselves.
+
+``ModelConfig`` is what ridge needs of a Hugging Face ``config.json``; ``EngineConfig`` holds
+the user's engine options (the CLI flags, the ``LLM(...)`` keywords). Both raise ``ValueError``
+with a message that names the offending value, so bad input fails before any weight is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+SCHEDULER_POLICIES = ("continuous", "static")
+
+
+def canonical_dtype(name: str) -> str:
+    """'bf16' -> 'bfloat16'; a clear error for anything ridge does not run."""
+    name = DTYPE_ALIASES.get(name, name)
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPES)} (or 'auto')")
+    return name
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family model, read from a Hugging Face config dict."""
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2 (and Llama with attention_bias) put a bias on q/k/v
+    o_bias: bool  # Llama's attention_bias also biases o_proj; Qwen2's does not
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    dtype: str  # the checkpoint's dtype (the default for --dtype)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model config: num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any], max_model_len: int | None = None) -> "ModelConfig":
+        """Parse a Hugging Face config dict; clear errors for what ridge does not run."""
+        archs = hf.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r}; ridge supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            hidden = int(hf["hidden_size"])
+            heads = int(hf["num_attention_heads"])
+            layers = int(hf["num_hidden_layers"])
+            inter = int(hf["intermediate_size"])
+            vocab = int(hf["vocab_size"])
+        except KeyError as exc:
+            raise ValueError(f"model config is missing {exc.args[0]!r}") from None
+        head_dim = hf.get("head_dim") or hidden // heads
+        max_pos = int(hf.get("max_position_embeddings", 2048))
+        limit = min(max_pos, max_model_len) if max_model_len else max_pos
+        _check_sliding_window(arch, hf, limit)
+        rope_scaling = hf.get("rope_scaling") or None
+        rope_theta = hf.get("rope_theta")
+        rope_params = hf.get("rope_parameters")  # transformers 5 folds theta and scaling into one dict
+        if isinstance(rope_params, dict):
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = rope_params
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+        attention_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            vocab_size=vocab,
+            max_position_embeddings=max_pos,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+            o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            dtype=canonical_dtype(str(dtype)) if str(dtype) in DTYPES or str(dtype) in DTYPE_ALIASES else "float32",
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _check_sliding_window(arch: str, hf: dict, context_limit: int) -> None:
+    """A window at least as wide as the context limit is full attention; a narrower one ridge does not run."""
+    window = hf.get("sliding_window")
+    if arch == "Qwen2ForCausalLM" and not hf.get("use_sliding_window", False):
+        window = None
+    if arch == "Qwen3ForCausalLM" and not hf.get("use_sliding_window", False):
+        window = None
+    if window is not None and int(window) < context_limit:
+        raise ValueError(
+            f"sliding-window attention (window {window} < context limit {context_limit}) is not supported; "
+            f"pass max_model_len <= {window} to serve it as full attention"
+        )
+
+
+@dataclass
+class EngineConfig:
+    """Every engine option, as ``LLM(...)`` keywords and ``ridge`` CLI flags.
+
+    model: a Hugging Face model directory, or ``random:<preset>`` (random weights, built in memory).
+    kv_cache_memory: GiB for the KV pool; None takes a share of free memory. num_kv_blocks overrides it.
+    """
+
+    model: str = "random:tiny"
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    kv_cache_memory: float | None = None
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    scheduler: str = "continuous"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a model directory or 'random:<preset>'")
+        if self.dtype != "auto":
+            self.dtype = canonical_dtype(self.dtype)
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        _require_positive_int(self, "block_size", "max_num_seqs", "max_num_batched_tokens")
+        if self.num_kv_blocks is not None:
+            _require_positive_int(self, "num_kv_blocks")
+        if self.max_model_len is not None:
+            _require_positive_int(self, "max_model_len")
+        if self.num_threads is not None:
+            _require_positive_int(self, "num_threads")
+        if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if self.scheduler not in SCHEDULER_POLICIES:
+            raise ValueError(f"scheduler must be one of {', '.join(SCHEDULER_POLICIES)}, got {self.scheduler!r}")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":
+        """Build from keywords, with a clear error for an unknown one."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(model=model, **kwargs)
+
+
+def _require_positive_int(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' is CUDA when present, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(requested: str, model_default: str, device: torch.device) -> torch.dtype:
+    """'auto' takes the checkpoint's dtype; fall back to float32 where the device cannot run it."""
+    name = model_default if requested == "auto" else requested
+    dtype = DTYPES[canonical_dtype(name)]
+    if dtype is torch.float32:
+        return dtype
+    try:
+        a = torch.ones(4, 4, dtype=dtype, device=device)
+        (a @ a).sum().item()
+    except (RuntimeError, TypeError):
+        return torch.float32
+    return dtype
+
+

@@ -1,0 +1,72 @@
+"""Engine and sampling flags shared by every command that builds an engine."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from ridge.config import EngineConfig, SCHEDULER_POLICIES
+from ridge.sampling import SamplingParams
+
+_ENGINE_DEFAULTS = EngineConfig()
+
+
+def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None = None) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=default_model, required=default_model is None,
+                   help="Hugging Face model directory, or random:<preset> (random weights)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
+    g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda[:N]")
+    g.add_argument("--seed", type=int, default=_ENGINE_DEFAULTS.seed)
+    g.add_argument("--block-size", type=int, default=_ENGINE_DEFAULTS.block_size, help="tokens per KV block")
+    g.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV pool (default: from free memory)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-cache-memory)")
+    g.add_argument("--max-num-seqs", type=int, default=_ENGINE_DEFAULTS.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=_ENGINE_DEFAULTS.max_num_batched_tokens)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--scheduler", choices=SCHEDULER_POLICIES, default=_ENGINE_DEFAULTS.scheduler)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The parsed engine flags as ``LLM(...)`` keywords (model excluded)."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    return {name: getattr(args, name) for name in names if hasattr(args, name)}
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the CLI's default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, default=None, help="also return the top-N logprobs")
+    g.add_argument("-n", type=int, default=1, help="completions per prompt")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        n=args.n,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.sampling_seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+    )

@@ -1,0 +1,204 @@
+"""Iteration-level scheduling (continuous batching), in the vLLM v1 spirit.
+
+Each step builds a token budget (``max_num_batched_tokens``) like this:
+
+    1. running decodes (one token each), oldest first;
+    2. running requests still in prefill, a chunk each (as much as the budget allows);
+    3. waiting requests, FIFO, a chunk each, up to ``max_num_seqs`` running sequences,
+       starting after their prefix-cache hits.
+
+When the KV pool cannot supply a block, the most recently admitted running request is
+preempted: its blocks are freed and it returns to the head of the queue, to be recomputed
+(its cached blocks usually survive, so the recompute is mostly prefix hits). Old requests
+keep their blocks, so every request eventually runs alone if need be, and the engine
+refuses at admission any request that could not fit the whole pool: no deadlock.
+
+``static`` admits a batch only when nothing runs, and runs it until every member finishes:
+the baseline that continuous batching is measured against.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ridge.engine.request import Request, RequestStatus
+from ridge.kv.manager import KVCacheManager
+
+
+@dataclass
+class ScheduledChunk:
+    """``num_new_tokens`` tokens of ``request`` starting at ``start`` (its computed tokens)."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the request's last token, so its logits give the next token."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)  # single-token chunks first
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    policy: str = "continuous"
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("continuous", "static"):
+            raise ValueError(f"scheduler policy must be 'continuous' or 'static', got {self.policy!r}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is preempted first
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.num_preemptions = 0
+
+    # -- requests -----------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Finish a request now: it leaves the queues and its blocks return to the pool."""
+        if req.is_finished:
+            return
+        req.status = status
+        req.finish_time = time.monotonic()
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledChunk] = {}
+        preempted: list[Request] = []
+
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes + prefills:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this step
+                continue
+            num_new = self._chunk_size(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new == 0:
+                continue
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim.request_id in scheduled:
+                    budget += scheduled.pop(victim.request_id).num_new_tokens
+                if victim is req:
+                    break
+            else:
+                scheduled[req.request_id] = ScheduledChunk(req, req.num_computed_tokens, num_new)
+                budget -= num_new
+
+        # Static batching admits only into an empty engine; nobody is admitted in a step
+        # that had to preempt (memory is short).
+        may_admit = not preempted and (self.config.policy == "continuous" or not self.running)
+        while may_admit and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            num_new = self._chunk_size(req.num_tokens - num_hit_tokens, budget)
+            if num_new == 0 or not self.kv.allocate_slots(req, num_new, hits):
+                break
+            self.kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit_tokens
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            scheduled[req.request_id] = ScheduledChunk(req, num_hit_tokens, num_new)
+            budget -= num_new
+
+        chunks = sorted(scheduled.values(), key=lambda c: c.num_new_tokens != 1)
+        return SchedulerOutput(chunks=chunks, preempted=preempted)
+
+    def _chunk_size(self, remaining: int, budget: int) -> int:
+        if remaining <= budget:
+            return remaining
+        return budget if self.config.enable_chunked_prefill else 0
+
+    def _preempt(self, req: Request) -> None:
+        """Free a running request's blocks and queue it first, to be recomputed."""
+        self.kv.free(req)
+        self.running.remove(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish what stopped.
+
+        Returns the requests that received a token this step (finished ones included).
+        """
+        now = time.monotonic()
+        progressed = []
+        for chunk in output.chunks:
+            req = chunk.request
+            if req.is_finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens = chunk.end
+            if not chunk.samples:
+                continue
+            req.append_output_token(sampled[req.request_id])
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            status = req.check_stop(self.max_model_len)
+            if status is not None:
+                self.finish(req, status)
+            progressed.append(req)
+        return progressed

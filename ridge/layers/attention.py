@@ -1,0 +1,123 @@
+"""Attention over the paged KV cache: one write, then two read paths.
+
+Tokens of a step are flattened; decodes come first, then prefill chunks:
+
+    flat tokens:  [ d0 d1 ... d(D-1) | p0 chunk ........ | p1 chunk .... ]
+                    one query each      queries start:end  (per request)
+
+Each token's K/V is first written to its slot (``slot = block_id * block_size + offset``).
+Then:
+  * decode path:  one query per sequence against its whole paged context, batched with a
+                  padding mask (scores are D x H x 1 x L);
+  * prefill path: per request, the chunk's queries against the cached prefix plus the chunk,
+                  causal (scores are one request's chunk x context, never more).
+
+A block table maps a sequence's logical block i to a physical block in the pool:
+
+    position p  ->  block_table[p // block_size], offset p % block_size
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """A run of query tokens of one request: flat rows [start, end), context_len after the chunk."""
+
+    start: int
+    end: int
+    context_len: int
+    block_table: torch.Tensor  # (num_blocks_of_request,) long
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token's K/V goes and what each query attends to, for one step."""
+
+    slot_mapping: torch.Tensor  # (T,) long: cache slot of each flat token
+    num_decode_tokens: int = 0  # the first D flat tokens are decodes
+    decode_block_tables: torch.Tensor | None = None  # (D, max_blocks) long, padded with 0
+    decode_context_lens: torch.Tensor | None = None  # (D,) long
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """k/v: (T, Hkv, D) into the pool (num_blocks, block_size, Hkv, D) at flat slots."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """The sequence's cached K (or V) in order: (..., num_blocks * block_size, Hkv, D)."""
+    blocks = cache[block_table]  # (..., nb, bs, Hkv, D)
+    return blocks.flatten(-4, -3)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """q: (T, Hq, D), k/v: (T, Hkv, D) of this step's tokens -> output (T, Hq, D)."""
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    num_decodes = meta.num_decode_tokens
+    if num_decodes:
+        out[:num_decodes] = _decode_attention(q[:num_decodes], k_cache, v_cache, meta)
+    for chunk in meta.prefills:
+        s, e = chunk.start, chunk.end
+        out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, chunk)
+    return out
+
+
+def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    keys = gather_context(k_cache, meta.decode_block_tables)  # (D, L, Hkv, Dh)
+    values = gather_context(v_cache, meta.decode_block_tables)
+    max_len = keys.shape[1]
+    valid = torch.arange(max_len, device=q.device)[None, :] < meta.decode_context_lens[:, None]  # (D, L)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # (D, Hq, 1, Dh)
+        keys.transpose(1, 2),  # (D, Hkv, L, Dh)
+        values.transpose(1, 2),
+        attn_mask=valid[:, None, None, :],
+        enable_gqa=True,
+    )
+    return out.squeeze(2)
+
+
+def _prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
+    n, ctx = chunk.num_tokens, chunk.context_len
+    if ctx == n:
+        # Nothing cached before this chunk: attend within the chunk, plain causal.
+        keys, values, mask, causal = k, v, None, True
+    else:
+        block_size = k_cache.shape[1]
+        table = chunk.block_table[: (ctx + block_size - 1) // block_size]
+        keys = gather_context(k_cache, table)[:ctx]
+        values = gather_context(v_cache, table)[:ctx]
+        # Query i sits at absolute position ctx - n + i and sees keys 0 ..= that position.
+        q_pos = torch.arange(ctx - n, ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+        causal = False
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),  # (Hq, n, Dh)
+        keys.transpose(0, 1),  # (Hkv, ctx, Dh)
+        values.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=causal,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1)

@@ -1,0 +1,28 @@
+"""Linear layers, including the packed ones that fuse several checkpoint matrices.
+
+A packed layer stacks its shards along the output dimension; the loader copies each
+checkpoint tensor into its row range (see ``models/llama.py``'s packing map):
+
+    qkv_proj.weight  rows: [ q_proj (Hq*D) | k_proj (Hkv*D) | v_proj (Hkv*D) ]
+    gate_up_proj     rows: [ gate_proj (I) | up_proj (I) ]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class PackedLinear(nn.Linear):
+    """``nn.Linear`` whose rows are the concatenation of ``output_sizes`` shards."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = list(output_sizes)
+
+    def shard_rows(self, index: int) -> slice:
+        start = sum(self.output_sizes[:index])
+        return slice(start, start + self.output_sizes[index])
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(y.split(self.output_sizes, dim=-1))

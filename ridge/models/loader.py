@@ -1,0 +1,173 @@
+"""Build a model from a spec: a Hugging Face directory, or ``random:<preset>``.
+
+A directory holds ``config.json`` and one or sharded ``*.safetensors`` files (with
+``model.safetensors.index.json``). Weights are streamed file by file straight into the
+parameters; packed projections receive each checkpoint shard in its row range.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ridge.config import ModelConfig
+from ridge.models.llama import LlamaForCausalLM
+from ridge.models.presets import get_preset
+
+RANDOM_PREFIX = "random:"
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    hf_config: dict
+    model_dir: Path | None  # None for random models
+    max_model_len: int
+
+
+def read_hf_config(spec: str) -> tuple[dict, Path | None]:
+    """The config dict of a spec, and its directory (None for ``random:<preset>``)."""
+    if spec.startswith(RANDOM_PREFIX):
+        return get_preset(spec[len(RANDOM_PREFIX):]), None
+    model_dir = Path(spec).expanduser()
+    if not model_dir.is_dir():
+        raise ValueError(f"model directory {spec!r} does not exist (or pass random:<preset>)")
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{spec!r} has no config.json: not a Hugging Face model directory")
+    try:
+        return json.loads(config_file.read_text()), model_dir
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{config_file} is not valid JSON: {exc}") from None
+
+
+def load_model(
+    hf_config: dict,
+    model_dir: Path | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int | None = None,
+    seed: int = 0,
+) -> LoadedModel:
+    """Weights from ``model_dir``'s safetensors, or random ones (seeded) when it is None."""
+    config = ModelConfig.from_hf_config(hf_config, max_model_len)
+    context_limit = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+    model = _empty_model(config, context_limit, dtype, device)
+    if model_dir is None:
+        _init_random(model, seed)
+    else:
+        _load_safetensors(model, model_dir)
+    model.eval()
+    return LoadedModel(model, config, hf_config, model_dir, context_limit)
+
+
+def _empty_model(config: ModelConfig, context_limit: int, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    # Build on the meta device (no init cost), then allocate uninitialized storage once.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, context_limit)
+    model = model.to(dtype).to_empty(device=device)
+    model.model.rotary.__init__(config.head_dim, context_limit, config.rope_theta, config.rope_scaling)
+    model.model.rotary.to(device)
+    if config.tie_word_embeddings:  # to_empty makes new tensors, which unties them
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def _init_random(model: LlamaForCausalLM, seed: int) -> None:
+    """Gaussian(0, 0.02) weights, norms at 1: reproducible for a seed on any device."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ValueError(f"{index} is corrupt: {exc}") from None
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{model_dir}: shards named in the index are missing: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} has no *.safetensors weights")
+    return files
+
+
+def _load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
+    loaded: set[str] = set()
+    for file in _weight_files(model_dir):
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            raise ValueError(f"cannot read weights {file}: {exc}") from None
+        with handle:
+            for name in handle.keys():
+                if "rotary_emb" in name:
+                    continue
+                target = _target_of(name, params, model.packed_modules)
+                if target is None:
+                    if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                        continue
+                    raise ValueError(f"{file.name}: unexpected tensor {name!r} for {model.config.architecture}")
+                param_name, shard = target
+                tensor = handle.get_tensor(name)
+                param = params[param_name]
+                with torch.no_grad():
+                    if shard is None:
+                        _copy_checked(param, tensor, name)
+                    else:
+                        module = modules[param_name.rsplit(".", 1)[0]]
+                        _copy_checked(param[module.shard_rows(shard)], tensor, name)
+                loaded.add(param_name if shard is None else f"{param_name}#{shard}")
+    _check_complete(model, loaded)
+
+
+def _target_of(name: str, params: dict, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None] | None:
+    """Checkpoint tensor name -> (ridge parameter name, packed shard index or None)."""
+    candidates = [name] if name.startswith(("model.", "lm_head.")) else [name, f"model.{name}"]
+    for cand in candidates:
+        if cand in params:
+            return cand, None
+        parts = cand.split(".")
+        if len(parts) >= 2 and parts[-2] in packed:
+            packed_name, shard = packed[parts[-2]]
+            packed_param = ".".join(parts[:-2] + [packed_name, parts[-1]])
+            if packed_param in params:
+                return packed_param, shard
+    return None
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, the config expects {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def _check_complete(model: LlamaForCausalLM, loaded: set[str]) -> None:
+    missing = []
+    modules = dict(model.named_modules())
+    for name, _ in model.named_parameters():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        module = modules[name.rsplit(".", 1)[0]]
+        shards = len(getattr(module, "output_sizes", [])) or None
+        wanted = [name] if shards is None else [f"{name}#{i}" for i in range(shards)]
+        missing += [w for w in wanted if w not in loaded]
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")

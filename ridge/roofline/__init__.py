@@ -1,0 +1,1 @@
+"""Roofline analysis (issue 3): being written."""

@@ -1,0 +1,53 @@
+"""Tiny random Hugging Face models of each supported architecture, saved with save_pretrained."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+COMMON = dict(
+    vocab_size=300,  # >= 259, so the byte tokenizer can drive them
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+VARIANTS = {
+    "llama-gqa": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=False)),
+    "llama-tied-llama3-rope": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(
+            tie_word_embeddings=True,
+            num_key_value_heads=4,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        ),
+    ),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None, head_dim=16)),
+    "qwen2-bias": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+    "qwen3-qknorm": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=16, tie_word_embeddings=False)),
+}
+
+
+def build(variant: str, directory: Path, seed: int = 0):
+    """Save a random model of ``variant`` in ``directory``; return the HF model (float32, eval)."""
+    config_cls, model_cls, extra = VARIANTS[variant]
+    config = config_cls(**{**COMMON, **extra})
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # larger-than-default weights make logits spread, so argmax ties are unlikely
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.08)
+            elif p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(directory)
+    return model

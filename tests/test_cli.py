@@ -1,0 +1,35 @@
+"""The ridge command line, run as a user would (a subprocess)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def ridge(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ridge.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_on_stories(stories_dir):
+    res = ridge("generate", "--model", str(stories_dir), "--prompt", "Once upon a time", "--max-tokens", "20")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("Once upon a time, there was a little girl named Lily.")
+
+
+def test_demo_runs_and_summarizes():
+    res = ridge("demo", "--num-requests", "6")
+    assert res.returncode == 0, res.stderr
+    for needle in ("summary", "time to first token", "time per out token", "generated tok/s"):
+        assert needle in res.stdout
+
+
+def test_bad_model_path_is_one_line_and_exit_2(tmp_path):
+    res = ridge("generate", "--model", str(tmp_path / "nope"), "--prompt", "hi")
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "does not exist" in lines[0]
+
+
+def test_invalid_sampling_value_exit_2():
+    res = ridge("generate", "--model", "random:tiny", "--prompt", "hi", "--top-p", "1.5")
+    assert res.returncode == 2 and "top_p" in res.stderr
