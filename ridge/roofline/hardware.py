@@ -244,7 +244,7 @@ DEFAULT_HARDWARE = "h100-sxm"
 def resolve_hardware(
     spec: str | None,
     *,
-    dtype: str,
+    dtype: str = "bf16",
     peak_tflops: float | None = None,
     bandwidth_gbs: float | None = None,
     memory_gib: float | None = None,
@@ -253,23 +253,22 @@ def resolve_hardware(
 ) -> Hardware:
     """A preset name, ``local`` (probed, cached), ``custom``, or a hardware JSON file.
 
-    ``custom`` (or no ``spec`` with --peak-tflops and --bandwidth-gbs given) builds hardware from
-    the flags alone. Overrides are applied for ``dtype`` (the analysis' compute dtype).
+    None means the default preset. ``custom`` builds hardware from the flags alone (both
+    --peak-tflops and --bandwidth-gbs needed); otherwise the flags override the resolved
+    hardware, the peak for ``dtype``.
     """
     overrides = dict(dtype=dtype, peak_tflops=peak_tflops, bandwidth_gbs=bandwidth_gbs, memory_gib=memory_gib)
-    if spec is None:
-        spec = "custom" if peak_tflops is not None and bandwidth_gbs is not None else DEFAULT_HARDWARE
+    spec = spec or DEFAULT_HARDWARE
     if spec == "custom":
         if peak_tflops is None or bandwidth_gbs is None:
             raise ValueError("--hardware custom needs --peak-tflops and --bandwidth-gbs")
-        base = Hardware(
+        return Hardware(
             name="custom",
             peak_flops={dtype: peak_tflops * TERA},
             bandwidth_bytes_per_s=bandwidth_gbs * GIGA,
             memory_bytes=(memory_gib or 80) * GIB,
             source="user-given values" + ("" if memory_gib else " (memory defaults to 80 GiB)"),
         )
-        return base
     if spec == "local":
         from ridge.roofline.probe import local_hardware
 

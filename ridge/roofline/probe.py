@@ -44,7 +44,7 @@ class ProbeSettings:
     bandwidth_repeats: int = 10
     matmul_sizes: tuple[int, ...] = (256, 512, 1024, 2048)
     matmul_repeats: int = 5
-    matmul_budget_s: float = 0.8  # per dtype
+    matmul_budget_s: float = 1.0  # per dtype
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8")
 
     def __post_init__(self) -> None:
