@@ -11,8 +11,10 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ridge.bench import cli as bench_cli
     from ridge.engine import commands as engine_commands
     from ridge.roofline import cli as roofline_cli
+    from ridge.server import cli as server_cli
 
     parser = argparse.ArgumentParser(
         prog="ridge",
@@ -21,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     engine_commands.register(subparsers)
     roofline_cli.register(subparsers)
+    server_cli.register(subparsers)
+    bench_cli.register(subparsers)
     return parser
 
 

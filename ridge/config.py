@@ -28,6 +28,8 @@ DTYPES = {
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 SCHEDULER_POLICIES = ("continuous", "static")
+# auto: ridge's CPU kernel for bf16 decode where the CPU has AVX-512 BF16, else F.linear.
+KERNEL_CHOICES = ("auto", "torch", "ridge")
 
 
 def canonical_dtype(name: str) -> str:
@@ -174,6 +176,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     num_threads: int | None = None
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -191,6 +194,8 @@ class EngineConfig:
             _require_positive_int(self, "num_threads")
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         if self.scheduler not in SCHEDULER_POLICIES:
             raise ValueError(f"scheduler must be one of {', '.join(SCHEDULER_POLICIES)}, got {self.scheduler!r}")
 

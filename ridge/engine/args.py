@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ridge.config import EngineConfig, SCHEDULER_POLICIES
+from ridge.config import KERNEL_CHOICES, SCHEDULER_POLICIES, EngineConfig
 from ridge.sampling import SamplingParams
 
 _ENGINE_DEFAULTS = EngineConfig()
@@ -29,6 +29,8 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None =
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
+                   help="matmuls: auto (ridge's AVX-512 BF16 kernel for bf16 decode on CPU), torch, ridge")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -18,6 +18,8 @@ def register(subparsers) -> None:
     add_sampling_args(gen)
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     gen.add_argument("--chat", action="store_true", help="treat each prompt as a user message (chat template)")
+    gen.add_argument("--stats", action="store_true",
+                     help="print the steps' achieved GB/s, GFLOP/s and roofline fraction per phase")
     gen.set_defaults(func=run_generate)
 
     demo = subparsers.add_parser("demo", help="serve a mix of short and long requests and summarize")
@@ -42,6 +44,8 @@ def run_generate(args: argparse.Namespace) -> int:
                 for token_lps in comp.logprobs:
                     tops = ", ".join(f"{lp.decoded_token!r}:{lp.logprob:.3f}" for lp in token_lps.values())
                     print(f"  [{tops}]")
+    if args.stats:
+        print(llm.engine.telemetry.format())
     return 0
 
 
@@ -78,6 +82,7 @@ def run_demo(args: argparse.Namespace) -> int:
         text = done[rid].outputs[0].text
         print(f"[{rid:>2}] {_clip(prompt, 40)!r} -> {_clip(text, 60)!r}")
     _print_summary([done[i] for i in ids], elapsed, steps)
+    print(engine.telemetry.format())
     return 0
 
 

@@ -10,6 +10,7 @@ thread-safe: one thread (the ``LLM`` loop, or the server's engine loop) drives i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 import time
@@ -24,8 +25,13 @@ from ridge.engine.runner import ModelRunner, allocate_kv_caches
 from ridge.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ridge.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer, load_tokenizer
 from ridge.kv.manager import KVCacheManager
+from ridge.layers.cpu_kernels import select_matmul
+from ridge.layers.linear import set_matmul
 from ridge.models.loader import load_model, read_hf_config
+from ridge.roofline.probe import local_hardware
+from ridge.roofline.shapes import ModelShape
 from ridge.sampling import Sampler, SamplingParams, SamplingState
+from ridge.telemetry import TORCH_TO_ROOFLINE_DTYPE, Telemetry, cuda_hardware
 
 
 # tokenizer="bytes": UTF-8 bytes as tokens, no files (random models, token-id-only use).
@@ -72,6 +78,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
         loaded = load_model(hf_config, model_dir, self.dtype, self.device, config.max_model_len, config.seed)
         self.model = loaded.model
+        set_matmul(self.model, select_matmul(config.kernels, self.device, self.dtype))
         self.model_config = loaded.config
         self.hf_config = loaded.hf_config
         self.max_model_len = loaded.max_model_len
@@ -103,6 +110,7 @@ class LLMEngine:
             self.max_model_len,
         )
         self.runner = ModelRunner(self.model, self.kv_caches, self.kv, Sampler(config.seed), self.device)
+        self.telemetry = self._make_telemetry()
         self._requests: dict[str, _UserRequest] = {}
         self._sequence_of: dict[str, _Sequence] = {}  # scheduler request id -> sequence
         self._ids = itertools.count()
@@ -129,6 +137,21 @@ class LLMEngine:
                 f"KV cache memory too small: one block needs {self.kv_bytes_per_block} bytes; raise kv_cache_memory"
             )
         return blocks
+
+    def _make_telemetry(self) -> Telemetry:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        if self.device.type == "cuda":
+            hardware_fn = functools.partial(cuda_hardware, self.device)
+        else:
+            hardware_fn = local_hardware
+        return Telemetry(
+            model=ModelShape.from_hf_config(self.hf_config),
+            weight_bytes=elem,
+            kv_bytes=elem,
+            act_bytes=elem,
+            compute_dtype=TORCH_TO_ROOFLINE_DTYPE[str(self.dtype)],
+            hardware_fn=hardware_fn,
+        )
 
     # -- requests -----------------------------------------------------------------------
     def add_request(
@@ -226,11 +249,18 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return an output for every request that progressed."""
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
         out = self.runner.run(plan, self.scheduler.requests)
-        return self._postprocess(plan, out)
+        outputs = self._postprocess(plan, out)
+        self.telemetry.record(
+            [(c.num_new_tokens, c.end) for c in plan.chunks if c.num_new_tokens > 1],
+            [c.end for c in plan.chunks if c.num_new_tokens == 1],
+            time.perf_counter() - start,
+        )
+        return outputs
 
     def _postprocess(self, plan: SchedulerOutput, out) -> list[RequestOutput]:
         progressed = self.scheduler.update(plan, out.sampled)

@@ -395,9 +395,9 @@ class IncrementalDetokenizer:
       ``include_stop_str_in_output``) and the detokenizer accepts no more tokens.
       Among several matches the one that ends first wins.
     * The deltas from ``take_delta`` concatenate to ``.text`` once one is taken with
-      ``finished=True`` (or after a stop); before that they never include text a later
-      token could change (an open byte-fallback run, a trailing U+FFFD of a partial
-      character) nor a suffix that could begin a stop string.
+      ``finished=True`` (which ends the output) or after a stop; before that they never
+      include text a later token could change (an open byte-fallback run, a trailing
+      U+FFFD of a partial character) nor a suffix that could begin a stop string.
 
     Cost per step is O(new tokens + the open window), not a re-decode of the output.
     """
@@ -440,6 +440,7 @@ class IncrementalDetokenizer:
         self._window_text = ""
         self._streamed = 0  # characters of .text already returned by take_delta
         self._stop_hit: str | None = None
+        self._finished = False  # take_delta(finished=True) flushed everything
 
     @property
     def text(self) -> str:
@@ -456,10 +457,12 @@ class IncrementalDetokenizer:
     def add_tokens(self, token_ids: Sequence[int]) -> str | None:
         """Append generated tokens; return the stop string they complete, else None.
 
-        Raises RuntimeError after a stop string was hit.
+        Raises RuntimeError after a stop string was hit or ``take_delta(finished=True)``.
         """
         if self._stop_hit is not None:
             raise RuntimeError(f"stop string {self._stop_hit!r} already hit; no more tokens accepted")
+        if self._finished:
+            raise RuntimeError("the output was finished by take_delta(finished=True); no more tokens accepted")
         old_len = len(self._ids)
         for i in map(int, token_ids):
             piece = self._tok.piece(i)
@@ -489,24 +492,20 @@ class IncrementalDetokenizer:
         """The text since the last call that is safe to stream.
 
         With ``finished`` (or after a stop string) everything left is returned, so the
-        deltas then add up to ``.text``.
+        deltas then add up to ``.text``, and no more tokens are accepted.
         """
+        pending = self._text_from(self._streamed)
         if finished or self._stop_hit is not None:
-            end = self._text_len()
+            self._finished = True
+            n = len(pending)
         else:
             if self._pieces and self._pieces[-1].attach is Attach.BYTE_RUN:
-                end = self._committed_len  # the open run's text is not known yet
-            else:
-                end = self._text_len()
-            candidate = self._text_from(self._streamed)[: max(0, end - self._streamed)]
+                pending = pending[: max(0, self._committed_len - self._streamed)]  # run's text unknown yet
             # A trailing U+FFFD may be the start of a character the next token completes.
-            candidate = candidate.rstrip(_REPLACEMENT)
-            end = self._streamed + len(candidate) - self._stop_prefix_len(candidate)
-        if end <= self._streamed:
-            return ""
-        delta = self._text_from(self._streamed)[: end - self._streamed]
-        self._streamed = end
-        return delta
+            pending = pending.rstrip(_REPLACEMENT)
+            n = len(pending) - self._stop_prefix_len(pending)
+        self._streamed += n
+        return pending[:n]
 
     # -- internals -------------------------------------------------------------------
 
@@ -581,9 +580,10 @@ class IncrementalDetokenizer:
     def _stop_prefix_len(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop."""
         longest = 0
+        last = text[-1:]
         for stop in self._stops:
             for n in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:n]):
+                if stop[n - 1] == last and text.endswith(stop[:n]):
                     longest = n
                     break
         return longest

@@ -10,10 +10,29 @@ checkpoint tensor into its row range (see ``models/llama.py``'s packing map):
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
-class PackedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """``nn.Linear`` whose matmul is chosen by the engine (``F.linear`` or ridge's CPU kernel)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.matmul = F.linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.weight, self.bias)
+
+
+def set_matmul(model: nn.Module, matmul) -> None:
+    """Route every ``Linear`` of ``model`` through ``matmul(x, weight, bias)``."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.matmul = matmul
+
+
+class PackedLinear(Linear):
     """``nn.Linear`` whose rows are the concatenation of ``output_sizes`` shards."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:

@@ -132,7 +132,12 @@ class Roof:
 
 
 # Preferred compute dtypes by the wider of weight and activation bits (W4A16 runs in bf16).
-_COMPUTE_DTYPES = {32: ("fp32",), 16: ("bf16", "fp16", "fp32"), 8: ("fp8", "int8", "bf16", "fp16")}
+_COMPUTE_DTYPES = {
+    32: ("fp32",),
+    16: ("bf16", "fp16", "fp32"),
+    8: ("fp8", "int8", "bf16", "fp16"),
+    4: ("fp4", "int4", "fp8", "int8", "bf16"),
+}
 
 
 def infer_compute_dtype(precision: Precision, hardware: Hardware | None = None) -> str:
@@ -219,9 +224,10 @@ class Analyzer:
         self._bytes = (p.weight_bytes, p.kv_bytes, p.activation_bytes)
         ops.ShardWidths.of(model, conventions.cost.tensor_parallel)  # fail early on bad TP
 
-    def step(self, prefill_chunks, decode_contexts, logit_rows: int | None = None) -> StepCost:
-        return ops.step_cost(
-            self.model, prefill_chunks, decode_contexts, *self._bytes,
+    def step(self, sequences: dict[tuple[int, int], int], logit_rows: int | None = None) -> StepCost:
+        """{(num_query_tokens, context_len): count} priced by ``ops.step_cost_from_counts``."""
+        return ops.step_cost_from_counts(
+            self.model, sequences, *self._bytes,
             conventions=self.conventions.cost, logit_rows=logit_rows,
         )
 
@@ -232,14 +238,14 @@ class Analyzer:
 
     def prefill(self, batch: int) -> Phase:
         P = self.workload.prompt_len
-        return self.phase("prefill", batch, P, self.step([(P, P)] * batch, []), batch * P)
+        return self.phase("prefill", batch, P, self.step({(P, P): batch}), batch * P)
 
     def decode(self, batch: int, context_len: int) -> Phase:
-        return self.phase("decode", batch, context_len, self.step([], [context_len] * batch), batch)
+        return self.phase("decode", batch, context_len, self.step({(1, context_len): batch}), batch)
 
     def spec_verify(self, batch: int, context_len: int) -> Phase:
         k = self.workload.spec_k
-        cost = self.step([(k + 1, context_len + k)] * batch, [], logit_rows=batch * (k + 1))
+        cost = self.step({(k + 1, context_len + k): batch}, logit_rows=batch * (k + 1))
         return self.phase("spec_verify", batch, context_len, cost,
                           batch * self.workload.expected_tokens_per_verify())
 
@@ -264,7 +270,7 @@ class Analyzer:
         return hi
 
     def is_compute_bound(self, batch: int, linear_only: bool = False) -> bool:
-        cost = self.step([], [self.workload.mean_decode_context] * batch)
+        cost = self.step({(1, self.workload.mean_decode_context): batch})
         chosen = [op for op in cost.ops if op.kind == "linear"] if linear_only else cost.ops
         flops = sum(op.flops for op in chosen)
         moved = sum(op.bytes for op in chosen)
@@ -319,7 +325,7 @@ def analyze(
             )
         )
 
-    floor_step = az.step([], [workload.mean_decode_context])
+    floor_step = az.step({(1, workload.mean_decode_context): 1})
     compute_bound = az.first_batch(az.is_compute_bound)
     compute_bound_linear = az.first_batch(lambda b: az.is_compute_bound(b, linear_only=True))
 

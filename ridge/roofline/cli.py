@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--context-len", type=_int_list, default=(),
                       help="decode context lengths to tabulate (default: prompt + output/2)")
     load.add_argument("--weight-bits", type=int, choices=(32, 16, 8, 4), default=16)
-    load.add_argument("--act-bits", type=int, choices=(32, 16, 8), default=16)
+    load.add_argument("--act-bits", type=int, choices=(32, 16, 8, 4), default=16)
     load.add_argument("--kv-bits", type=int, choices=(32, 16, 8, 4), default=16)
     load.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (costs are per GPU)")
     load.add_argument("--spec-k", type=int, default=0, help="speculative decoding: draft tokens per step")
@@ -150,11 +150,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hardware_spec(args: argparse.Namespace) -> str | None:
+    """--hardware as given; with none but both --peak-tflops and --bandwidth-gbs, ``custom``."""
+    if args.hardware is None and args.peak_tflops is not None and args.bandwidth_gbs is not None:
+        return "custom"
+    return args.hardware
+
+
 def _hardware(args: argparse.Namespace, precision: Precision) -> Hardware:
     """Resolve --hardware, then apply the overrides to the dtype the analysis will use."""
-    spec = args.hardware
-    if spec is None and args.peak_tflops is not None and args.bandwidth_gbs is not None:
-        spec = "custom"
+    spec = _hardware_spec(args)
     if spec == "custom":
         dtype = args.compute_dtype or infer_compute_dtype(precision)
         return resolve_hardware("custom", dtype=dtype, peak_tflops=args.peak_tflops,
@@ -187,10 +192,9 @@ def matmul_result(m: int, k: int, n: int, dtype: str, hardware: Hardware | None 
 
 
 def _run_matmul(args: argparse.Namespace, console) -> int:
-    spec = args.hardware
-    if spec is None and args.peak_tflops is not None and args.bandwidth_gbs is not None:
-        spec = "custom"
-    hardware = resolve_hardware(spec, dtype=args.dtype, peak_tflops=args.peak_tflops,
+    if args.plot:
+        raise ValueError("--plot is for model analyses, not --matmul")
+    hardware = resolve_hardware(_hardware_spec(args), dtype=args.dtype, peak_tflops=args.peak_tflops,
                                 bandwidth_gbs=args.bandwidth_gbs, memory_gib=args.memory_gib,
                                 reprobe=args.reprobe)
     result = matmul_result(*args.matmul, args.dtype, hardware)
@@ -200,8 +204,6 @@ def _run_matmul(args: argparse.Namespace, console) -> int:
         from ridge.roofline.report import render_matmul_text
 
         render_matmul_text(result, console, args.units)
-    if args.plot:
-        raise ValueError("--plot is for model analyses, not --matmul")
     return 0
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
 from ridge.roofline.ops import DTYPE_BYTES
 
@@ -59,15 +60,18 @@ class Hardware:
     """
 
     name: str
-    peak_flops: dict[str, float]
+    peak_flops: Mapping[str, float]
     bandwidth_bytes_per_s: float
     memory_bytes: float
     source: str
     measured_at: str | None = None
     bandwidth_probe: Measurement | None = None
-    flops_probes: dict[str, Measurement] = field(default_factory=dict)
+    flops_probes: Mapping[str, Measurement] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # Read-only views: a Hardware is a value, shared by presets and analyses.
+        object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
+        object.__setattr__(self, "flops_probes", MappingProxyType(dict(self.flops_probes)))
         if not self.peak_flops:
             raise ValueError(f"hardware {self.name!r}: needs a peak FLOP/s for at least one dtype")
         for dtype, value in self.peak_flops.items():
@@ -168,7 +172,7 @@ def _tflops(**peaks: float) -> dict[str, float]:
 
 # Datasheet figures, dense (vendors quote 2x "with sparsity"); capacities in GiB (HBM and GDDR
 # parts are binary-sized; driver reservations not subtracted).
-HARDWARE_PRESETS: dict[str, Hardware] = {
+HARDWARE_PRESETS: Mapping[str, Hardware] = MappingProxyType({
     hw.name: hw
     for hw in (
         Hardware(
@@ -236,7 +240,7 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
             source="AMD Instinct MI300X datasheet: 5.3 TB/s HBM3, 192 GB; 1,307 TFLOP/s bf16 dense",
         ),
     )
-}
+})
 
 DEFAULT_HARDWARE = "h100-sxm"
 

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from types import MappingProxyType
+from typing import Mapping, Sequence
 
 from ridge.roofline.shapes import ModelShape, ceil_div
 
 # Bytes per element of the dtypes a single matmul (``--matmul``) or a peak can be quoted in.
-DTYPE_BYTES: dict[str, float] = {
+DTYPE_BYTES: Mapping[str, float] = MappingProxyType({
     "fp32": 4.0,
     "tf32": 4.0,
     "bf16": 2.0,
@@ -35,7 +36,7 @@ DTYPE_BYTES: dict[str, float] = {
     "int8": 1.0,
     "fp4": 0.5,
     "int4": 0.5,
-}
+})
 
 ATTENTION_CONVENTIONS = ("causal", "full")
 EMBEDDING_CONVENTIONS = ("gathered", "full")
@@ -55,7 +56,7 @@ class Precision:
     def __post_init__(self) -> None:
         for name, value, allowed in (
             ("weight_bits", self.weight_bits, (32, 16, 8, 4)),
-            ("activation_bits", self.activation_bits, (32, 16, 8)),
+            ("activation_bits", self.activation_bits, (32, 16, 8, 4)),
             ("kv_bits", self.kv_bits, (32, 16, 8, 4)),
         ):
             if value not in allowed:
@@ -434,16 +435,35 @@ def step_cost(
     position that is sampled); pass more for speculative verification.
     Raises ValueError for an empty step or an inconsistent chunk.
     """
+    sequences: Counter = Counter(tuple(chunk) for chunk in prefill_chunks)
+    for context_len, count in Counter(decode_context_lens).items():
+        sequences[(1, context_len)] += count
+    return step_cost_from_counts(
+        model, sequences, weight_bytes_per_param, kv_bytes_per_elem, act_bytes,
+        conventions=conventions, logit_rows=logit_rows,
+    )
+
+
+def step_cost_from_counts(
+    model: ModelShape,
+    sequences: Mapping[tuple[int, int], int],
+    weight_bytes_per_param: float,
+    kv_bytes_per_elem: float,
+    act_bytes: float,
+    *,
+    conventions: CostConventions = CostConventions(),
+    logit_rows: int | None = None,
+) -> StepCost:
+    """``step_cost`` with the step given as {(num_query_tokens, context_len): how many sequences}
+    (a decode is num_query_tokens 1): O(distinct shapes), for sweeps over huge batches."""
     shapes: Counter = Counter()
-    for chunk in prefill_chunks:
-        q, c = chunk
+    for (q, c), count in sequences.items():
         if q < 1 or c < q:
-            raise ValueError(f"prefill chunk {chunk}: need 1 <= num_query_tokens <= context_len")
-        shapes[(int(q), int(c))] += 1
-    for c in decode_context_lens:
-        if c < 1:
-            raise ValueError(f"decode context_len must be >= 1, got {c}")
-        shapes[(1, int(c))] += 1
+            raise ValueError(f"sequence ({q}, {c}): need 1 <= num_query_tokens <= context_len")
+        if count < 0 or int(count) != count:
+            raise ValueError(f"sequence ({q}, {c}): count must be a non-negative integer, got {count}")
+        if count:
+            shapes[(int(q), int(c))] += int(count)
     if not shapes:
         raise ValueError("a step needs at least one prefill chunk or decode")
     for label, value in (
@@ -455,11 +475,11 @@ def step_cost(
             raise ValueError(f"{label} must be positive, got {value}")
     builder = _StepBuilder(model, conventions, weight_bytes_per_param, kv_bytes_per_elem, act_bytes)
     tokens = sum(q * n for (q, _), n in shapes.items())
-    sequences = sum(shapes.values())
-    rows = sequences if logit_rows is None else logit_rows
+    count = sum(shapes.values())
+    rows = count if logit_rows is None else logit_rows
     if not 1 <= rows <= tokens:
         raise ValueError(f"logit_rows must be in [1, {tokens}], got {logit_rows}")
-    return StepCost(ops=tuple(builder.build(shapes, tokens, rows)), tokens=tokens, sequences=sequences)
+    return StepCost(ops=tuple(builder.build(shapes, tokens, rows)), tokens=tokens, sequences=count)
 
 
 class _StepBuilder:

@@ -19,7 +19,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from ridge.roofline.analyze import Analysis, Phase, Roof
+from ridge.roofline.analyze import MAX_SEARCH_BATCH, Analysis, Phase, Roof
 from ridge.roofline.hardware import Hardware
 from ridge.roofline.ops import OpCost
 
@@ -99,7 +99,7 @@ def describe_hardware(hw: Hardware, roof: Roof, units: str) -> list[str]:
     for dtype, m in hw.flops_probes.items():
         lines.append(
             f"probe spread: {dtype} matmul {fmt_si(m.median, 'FLOP/s')} "
-            f"(range {fmt_si(m.low)} .. {fmt_si(m.high)}, n={m.samples})"
+            f"(range {fmt_si(m.low, 'FLOP/s')} .. {fmt_si(m.high, 'FLOP/s')}, n={m.samples})"
         )
     return lines
 
@@ -205,8 +205,9 @@ def _summary_table(a: Analysis) -> Table:
                                 f"{a.prefill.tokens_per_s:,.0f} prompt tokens/s)"),
         ("decode floor", f"{fmt_time(a.decode_floor_s)} per token = weight bytes read per step / bandwidth "
                          f"-> ceiling {1 / a.decode_floor_s:,.1f} tokens/s per sequence"),
-        ("compute-bound decode", _batch_or_never(a.compute_bound_batch, "whole step")
-         + "; " + _batch_or_never(a.compute_bound_batch_linear, "linear layers")
+        ("compute-bound decode", _batch_or_never(a.compute_bound_batch, "whole step",
+                                                 "KV reads grow with the batch")
+         + "; " + _batch_or_never(a.compute_bound_batch_linear, "linear layers", "weight reads dominate")
          + f" (context {a.workload.mean_decode_context})"),
         ("memory fit", f"largest batch {a.max_batch:,} (weights + KV at {a.workload.final_context} tokens "
                        f"in {fmt_bytes(a.hardware.memory_bytes, units)})"),
@@ -216,8 +217,10 @@ def _summary_table(a: Analysis) -> Table:
     return table
 
 
-def _batch_or_never(batch: int | None, what: str) -> str:
-    return f"{what} from batch {batch:,}" if batch else f"{what} never (KV reads grow with the batch)"
+def _batch_or_never(batch: int | None, what: str, why: str) -> str:
+    if batch:
+        return f"{what} from batch {batch:,}"
+    return f"{what} never up to batch {MAX_SEARCH_BATCH:,} ({why})"
 
 
 def render_matmul_text(result: dict[str, Any], console: Console, units: str) -> None:

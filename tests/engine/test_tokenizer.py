@@ -111,7 +111,7 @@ def byte():
 
 @pytest.fixture
 def tokenizer(request):
-    """The tokenizer named by the test's `name` parameter."""
+    """The tokenizer fixture named by an indirect `tokenizer` parameter."""
     return request.getfixturevalue(request.param)
 
 
@@ -122,7 +122,7 @@ def interesting_ids(tok) -> list[int]:
     """Ids a random draw would rarely hit together: specials, single bytes, the pieces
     of multi-byte text, and one id past the vocabulary (a model's padded vocab)."""
     ids = set(tok.encode(MULTIBYTE, add_special_tokens=False)) | set(tok.eos_token_ids)
-    ids |= set(range(min(tok.vocab_size, 259)))  # specials and single bytes, in all four
+    ids |= set(range(min(tok.vocab_size, 259)))  # all four keep specials and single bytes low
     if tok.bos_token_id is not None:
         ids.add(tok.bos_token_id)
     ids.add(tok.vocab_size + 5)
@@ -455,6 +455,17 @@ def test_byte_fallback_run_is_held_until_it_ends(stories):
     assert detok.take_delta() == "\ufffd" * 4 + " end"
 
 
+@pytest.mark.parametrize(("skip", "text"), [(True, "世"), (False, "\ufffd<s>\ufffd\ufffd")])
+def test_skipped_special_token_inside_a_byte_run(stories, skip, text):
+    """decode drops skipped specials before joining bytes, so a bos inside a run does
+    not split the character; rendered, it does."""
+    ids = [0xE4 + 3, 1, 0xB8 + 3, 0x96 + 3]
+    assert stories.decode(ids, skip_special_tokens=skip) == text
+    detok = IncrementalDetokenizer(stories, [], skip_special_tokens=skip)
+    deltas, _ = stream(detok, ids, [1], [True])
+    assert detok.text == "".join(deltas) == text
+
+
 def test_work_per_token_does_not_grow_with_the_output():
     """O(new tokens) per step: the ids decoded per step stay bounded as output grows."""
 
@@ -514,6 +525,8 @@ def test_partial_stop_string_is_held_back_then_flushed(byte):
     assert detok.take_delta() == "tie"  # no longer a stop prefix; "\n" still could be
     assert detok.take_delta(finished=True) == "\n"
     assert detok.text == "a tie\n"
+    with pytest.raises(RuntimeError, match="finished"):
+        detok.add_tokens(byte.encode("\n", add_special_tokens=False))
 
 
 def test_first_ending_stop_wins(byte):

@@ -1,0 +1,61 @@
+"""Pieces shared by the engine benchmarks: statistics, random prompts, the machine line."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+
+import torch
+
+
+def summarize(values: list[float]) -> dict:
+    """Median and spread (p10, p90, min, max) of a sample."""
+    if not values:
+        return {"median": float("nan"), "p10": float("nan"), "p90": float("nan"), "min": float("nan"),
+                "max": float("nan"), "n": 0}
+    ordered = sorted(values)
+
+    def pct(q: float) -> float:
+        if len(ordered) == 1:
+            return ordered[0]
+        pos = q * (len(ordered) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(ordered) - 1)
+        return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+    return {"median": statistics.median(ordered), "p10": pct(0.1), "p90": pct(0.9), "min": ordered[0],
+            "max": ordered[-1], "n": len(ordered)}
+
+
+def random_prompts(count: int, lengths: list[int], vocab_size: int, seed: int) -> list[list[int]]:
+    """Token-id prompts (ids 3.. to skip the usual specials), reproducible for a seed."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lengths[:count]]
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """'128' -> (128, 128); '8:512' -> (8, 512)."""
+    lo, _, hi = text.partition(":")
+    lo_i, hi_i = int(lo), int(hi or lo)
+    if lo_i < 1 or hi_i < lo_i:
+        raise ValueError(f"bad length range {text!r}: need 1 <= lo <= hi")
+    return lo_i, hi_i
+
+
+def machine() -> dict:
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def dump_json(payload: dict) -> str:
+    return json.dumps(payload, indent=2, default=float)

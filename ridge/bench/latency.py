@@ -1,0 +1,120 @@
+"""``ridge bench latency``: prefill and decode step times against this machine's roofline.
+
+Each round serves ``batch`` requests of ``--input-len`` prompt tokens and ``--output-len``
+new tokens; the engine's telemetry gives each step's shape and wall time, the analyzer its
+FLOPs and bytes. Memory bandwidth is probed right before and after every round (on these
+machines it jumps between levels), so each floor is ``bytes / bandwidth measured in the
+same round`` or ``FLOPs / measured peak``, whichever is larger.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from ridge.bench.common import dump_json, machine, random_prompts, summarize
+from ridge.engine.args import add_engine_args, engine_options
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("latency", help="batch prefill + decode step times vs the roofline floor")
+    add_engine_args(p)
+    p.add_argument("--batch", type=int, action="append", help="batch size (repeatable; default 1)")
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup-rounds", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="print JSON only")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ridge.engine.llm import LLM
+
+    if args.input_len < 1 or args.output_len < 2 or args.rounds < 1:
+        raise ValueError("need --input-len >= 1, --output-len >= 2, --rounds >= 1")
+    llm = LLM(args.model, **engine_options(args))
+    results = [bench_latency(llm, batch, args.input_len, args.output_len, args.rounds, args.warmup_rounds)
+               for batch in (args.batch or [1])]
+    engine = llm.engine
+    payload = {"model": args.model, "dtype": str(engine.dtype).replace("torch.", ""), "device": str(engine.device),
+               "machine": machine(), "input_len": args.input_len, "output_len": args.output_len, "results": results}
+    print(dump_json(payload) if args.json else format_latency(payload))
+    return 0
+
+
+def bench_latency(llm, batch: int, input_len: int, output_len: int, rounds: int, warmup_rounds: int = 1) -> dict:
+    """Run warm-up + timed rounds at one batch size; medians and spreads with floors per round."""
+    from ridge.roofline.probe import ProbeSettings, probe_bandwidth
+    from ridge.sampling import SamplingParams
+
+    engine, telemetry = llm.engine, llm.engine.telemetry
+    hardware = telemetry.hardware
+    peak = hardware.peak(telemetry.compute_dtype)
+    probe = ProbeSettings(bandwidth_bytes=512 * 1024**2, bandwidth_repeats=3)
+    on_cpu = engine.device.type == "cpu"
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    prefill_rates, decode_ms, floors_ms, fractions, gbps, prefill_fracs, bandwidths = [], [], [], [], [], [], []
+    for round_index in range(warmup_rounds + rounds):
+        prompts = random_prompts(batch, [input_len] * batch, engine.model_config.vocab_size, seed=round_index)
+        bw_before = probe_bandwidth(probe).median if on_cpu else hardware.bandwidth_bytes_per_s
+        telemetry.reset()
+        llm.generate(prompts, params, use_tqdm=False)
+        bw_after = probe_bandwidth(probe).median if on_cpu else hardware.bandwidth_bytes_per_s
+        if round_index < warmup_rounds:
+            continue
+        bandwidth = statistics.median([bw_before, bw_after])
+        bandwidths.append(bandwidth)
+        records = list(telemetry.recent)
+        prefill = [r for r in records if r.phase != "decode"]
+        decode = [r for r in records if r.phase == "decode" and len(r.decode_contexts) == batch]
+        prefill_time = sum(r.wall_s for r in prefill)
+        prefill_rates.append(batch * input_len / prefill_time)
+        prefill_floor = sum(_floor(telemetry.price(r), peak, bandwidth) for r in prefill)
+        prefill_fracs.append(prefill_floor / prefill_time)
+        for r in decode:
+            cost = telemetry.price(r)
+            floor = _floor(cost, peak, bandwidth)
+            decode_ms.append(r.wall_s * 1e3)
+            floors_ms.append(floor * 1e3)
+            fractions.append(floor / r.wall_s)
+            gbps.append(cost.bytes / r.wall_s / 1e9)
+    step = summarize(decode_ms)
+    return {
+        "batch": batch,
+        "bandwidth_gb_per_s": summarize([b / 1e9 for b in bandwidths]),
+        "peak_gflop_per_s": peak / 1e9,
+        "prefill": {"tokens_per_s": summarize(prefill_rates), "roofline_fraction": summarize(prefill_fracs)},
+        "decode": {
+            "ms_per_step": step,
+            "tokens_per_s": batch * 1e3 / step["median"],
+            "floor_ms": summarize(floors_ms),
+            "roofline_fraction": summarize(fractions),
+            "achieved_gb_per_s": summarize(gbps),
+        },
+    }
+
+
+def _floor(cost, peak: float, bandwidth: float) -> float:
+    return max(cost.flops / peak, cost.bytes / bandwidth)
+
+
+def format_latency(payload: dict) -> str:
+    m = payload["machine"]
+    lines = [f"ridge bench latency: {payload['model']} {payload['dtype']} on {payload['device']} "
+             f"({m['cpus']} cpus, {m['torch_threads']} threads, torch {m['torch']}, {m['date']})",
+             f"prompt {payload['input_len']} tokens, {payload['output_len']} new tokens per request"]
+    for r in payload["results"]:
+        d, p = r["decode"], r["prefill"]
+        lines += [
+            f"batch {r['batch']}: bandwidth probed {r['bandwidth_gb_per_s']['median']:.1f} GB/s "
+            f"(range {r['bandwidth_gb_per_s']['min']:.1f}-{r['bandwidth_gb_per_s']['max']:.1f}), "
+            f"peak {r['peak_gflop_per_s']:.0f} GFLOP/s",
+            f"  prefill  {p['tokens_per_s']['median']:9.1f} tok/s (p10 {p['tokens_per_s']['p10']:.1f}, "
+            f"p90 {p['tokens_per_s']['p90']:.1f})   {100 * p['roofline_fraction']['median']:5.1f}% of roofline",
+            f"  decode   {d['ms_per_step']['median']:9.2f} ms/step (p10 {d['ms_per_step']['p10']:.2f}, "
+            f"p90 {d['ms_per_step']['p90']:.2f})  {d['tokens_per_s']:.1f} tok/s",
+            f"           floor {d['floor_ms']['median']:.2f} ms -> {100 * d['roofline_fraction']['median']:5.1f}% "
+            f"of roofline, {d['achieved_gb_per_s']['median']:.1f} GB/s achieved",
+        ]
+    return "\n".join(lines)

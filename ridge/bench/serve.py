@@ -1,0 +1,5 @@
+"""`ridge bench serve`: being written."""
+
+
+def register(subparsers) -> None:
+    return None

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server (issue 4): being written."""

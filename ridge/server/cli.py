@@ -1,0 +1,5 @@
+"""Placeholder until `ridge serve` lands."""
+
+
+def register(subparsers) -> None:
+    return None

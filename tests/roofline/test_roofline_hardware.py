@@ -1,0 +1,133 @@
+"""Hardware presets, overrides, JSON round trips, and the local probe with its on-disk cache.
+
+The probe runs at a tiny size here (format, not timing); the real one takes a few seconds.
+"""
+
+import datetime as dt
+import json
+
+import pytest
+
+from ridge.roofline import probe
+from ridge.roofline.hardware import GIB, HARDWARE_PRESETS, Hardware, Measurement, resolve_hardware
+from ridge.roofline.probe import ProbeSettings, local_hardware
+
+ISSUE_HARDWARE = ("a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200", "l40s", "rtx-4090", "mi300x")
+TINY = ProbeSettings(
+    bandwidth_bytes=1 << 20, bandwidth_repeats=3, matmul_sizes=(16, 32), matmul_repeats=2,
+    matmul_budget_s=0.2, dtypes=("fp32", "bf16"),
+)
+
+
+@pytest.mark.parametrize("name", ISSUE_HARDWARE)
+def test_presets_have_dense_peaks_bandwidth_memory_and_a_source(name):
+    hw = HARDWARE_PRESETS[name]
+    assert hw.peak("bf16") > hw.peak("fp32") > 0
+    assert hw.bandwidth_bytes_per_s > 0 and hw.memory_bytes >= 24 * GIB
+    assert hw.source and ("datasheet" in hw.source or "whitepaper" in hw.source)
+    assert 50 < hw.ridge_point("bf16") < 500
+
+
+def test_h100_numbers_are_dense_not_sparse():
+    hw = HARDWARE_PRESETS["h100-sxm"]
+    assert hw.peak("bf16") == pytest.approx(989.4e12)
+    assert hw.bandwidth_bytes_per_s == pytest.approx(3.35e12)
+
+
+def test_overrides_and_custom_hardware():
+    hw = resolve_hardware("h100-sxm", dtype="bf16", bandwidth_gbs=2000, memory_gib=40)
+    assert hw.bandwidth_bytes_per_s == 2e12 and hw.memory_bytes == 40 * GIB
+    assert hw.peak("bf16") == HARDWARE_PRESETS["h100-sxm"].peak("bf16")
+    assert "user-set" in hw.source
+    custom = resolve_hardware("custom", dtype="bf16", peak_tflops=100, bandwidth_gbs=1000)
+    assert custom.ridge_point("bf16") == pytest.approx(100)
+    with pytest.raises(ValueError, match="needs --peak-tflops"):
+        resolve_hardware("custom", bandwidth_gbs=1000)
+    with pytest.raises(ValueError, match="not one of"):
+        resolve_hardware("tpu-v9")
+    with pytest.raises(ValueError, match="no int4 peak"):
+        HARDWARE_PRESETS["h100-sxm"].peak("int4")
+
+
+def test_hardware_validates_itself():
+    with pytest.raises(ValueError, match="bandwidth"):
+        Hardware("x", {"bf16": 1e12}, 0, 1e9, "test")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        Hardware("x", {"bf17": 1e12}, 1e9, 1e9, "test")
+    with pytest.raises(ValueError):
+        Measurement(median=5, low=6, high=7, samples=3)
+
+
+def test_hardware_json_round_trip(tmp_path):
+    hw = HARDWARE_PRESETS["mi300x"]
+    assert Hardware.from_json(json.loads(json.dumps(hw.to_json()))) == hw
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps({"name": "mine", "peak_flops": {"bf16": 1e14}, "bandwidth_bytes_per_s": 1e12,
+                                "memory_bytes": 1e10}))
+    assert resolve_hardware(str(path)).ridge_point("bf16") == pytest.approx(100)
+
+
+def test_local_probe_reports_bandwidth_and_flops_with_spread(tmp_path):
+    hw = local_hardware(cache_dir=tmp_path, settings=TINY)
+    assert hw.name == "local"
+    assert set(hw.peak_flops) == {"fp32", "bf16"}
+    assert hw.bandwidth_probe.samples == 3
+    assert hw.bandwidth_probe.low <= hw.bandwidth_bytes_per_s <= hw.bandwidth_probe.high
+    for dtype, m in hw.flops_probes.items():
+        assert m.low <= hw.peak(dtype) <= m.high
+    assert dt.datetime.fromisoformat(hw.measured_at).date() == dt.datetime.now(dt.timezone.utc).date()
+    assert hw.memory_bytes > 0 and "measured on this machine" in hw.source
+
+
+def test_local_probe_is_cached_with_the_date_and_reused(tmp_path, monkeypatch):
+    first = local_hardware(cache_dir=tmp_path, settings=TINY)
+    cached = json.loads((tmp_path / probe.CACHE_FILE_NAME).read_text())
+    assert cached["measured_at"] == first.measured_at
+    assert cached["fingerprint"] == probe.machine_fingerprint()
+
+    def no_probe(settings):
+        raise AssertionError("the cache should have been used")
+
+    monkeypatch.setattr(probe, "probe_local", no_probe)
+    assert local_hardware(cache_dir=tmp_path, settings=TINY) == first
+    # The cache file is itself a hardware JSON file.
+    assert resolve_hardware(str(tmp_path / probe.CACHE_FILE_NAME)) == first
+
+
+def test_local_probe_reruns_when_asked_or_when_the_machine_changed(tmp_path, monkeypatch):
+    local_hardware(cache_dir=tmp_path, settings=TINY)
+    calls = []
+    real = probe.probe_local
+
+    def counting(settings):
+        calls.append(settings)
+        return real(settings)
+
+    monkeypatch.setattr(probe, "probe_local", counting)
+    local_hardware(cache_dir=tmp_path, reprobe=True, settings=TINY)
+    monkeypatch.setattr(probe, "machine_fingerprint", lambda: {"cpu": "another one"})
+    local_hardware(cache_dir=tmp_path, settings=TINY)
+    assert len(calls) == 2
+
+
+def test_cache_dir_comes_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("RIDGE_CACHE_DIR", str(tmp_path / "c"))
+    assert probe.default_cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("RIDGE_CACHE_DIR")
+    assert probe.default_cache_dir().parts[-2:] == (".cache", "ridge")
+
+
+def test_matmul_probe_stops_growing_when_over_budget(monkeypatch):
+    """A dtype that is slow here (fp16 on CPUs without it) must not run the big sizes."""
+    sizes = []
+    real_runner = probe._matmul_runner
+
+    def recording_runner(dtype, n):
+        sizes.append(n)
+        return real_runner(dtype, n)
+
+    monkeypatch.setattr(probe, "_matmul_runner", recording_runner)
+    monkeypatch.setattr(probe, "_seconds", lambda run: 0.5)  # every run "takes" half a second
+    settings = ProbeSettings(matmul_sizes=(8, 16, 32), matmul_repeats=2, matmul_budget_s=2.0)
+    measured = probe.probe_matmul("fp32", settings)
+    assert measured is not None and sizes == [8, 16]  # 16 is priced by one run, then dropped
