@@ -25,8 +25,7 @@ from ridge.engine.runner import ModelRunner, allocate_kv_caches
 from ridge.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ridge.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer, load_tokenizer
 from ridge.kv.manager import KVCacheManager
-from ridge.layers.cpu_kernels import select_matmul
-from ridge.layers.linear import set_matmul
+from ridge.layers.cpu_kernels import select_kernels
 from ridge.models.loader import load_model, read_hf_config
 from ridge.roofline.probe import local_hardware
 from ridge.roofline.shapes import ModelShape
@@ -78,7 +77,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
         loaded = load_model(hf_config, model_dir, self.dtype, self.device, config.max_model_len, config.seed)
         self.model = loaded.model
-        set_matmul(self.model, select_matmul(config.kernels, self.device, self.dtype))
+        self.model.set_kernels(select_kernels(config.kernels, self.device, self.dtype))
         self.model_config = loaded.config
         self.hf_config = loaded.hf_config
         self.max_model_len = loaded.max_model_len

@@ -7,8 +7,9 @@ Tokens of a step are flattened; decodes come first, then prefill chunks:
 
 Each token's K/V is first written to its slot (``slot = block_id * block_size + offset``).
 Then:
-  * decode path:  one query per sequence against its whole paged context, batched with a
-                  padding mask (scores are D x H x 1 x L);
+  * decode path:  one query per sequence against its whole paged context (scores are
+                  D x H x 1 x L), by the kernels object (``layers/kernels.py``): grouped
+                  matmuls over gathered blocks in torch, or straight from the pool in C++;
   * prefill path: per request, the chunk's queries against the cached prefix plus the chunk,
                   causal (scores are one request's chunk x context, never more).
 
@@ -47,6 +48,7 @@ class AttentionMetadata:
     num_decode_tokens: int = 0  # the first D flat tokens are decodes
     decode_block_tables: torch.Tensor | None = None  # (D, max_blocks) long, padded with 0
     decode_context_lens: torch.Tensor | None = None  # (D,) long
+    decode_mask: torch.Tensor | None = None  # (D, 1, 1, L) bool: slot l < context_len (built once per step)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -70,32 +72,28 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
+    decode_attention,
 ) -> torch.Tensor:
-    """q: (T, Hq, D), k/v: (T, Hkv, D) of this step's tokens -> output (T, Hq, D)."""
+    """q: (T, Hq, D), k/v: (T, Hkv, D) of this step's tokens -> output (T, Hq, D).
+
+    ``decode_attention(q, k_cache, v_cache, meta)`` is the kernels' decode path.
+    """
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    out = torch.empty_like(q)
     num_decodes = meta.num_decode_tokens
+    if num_decodes == q.shape[0]:  # a pure decode step: no copy into a shared output
+        return decode_attention(q, k_cache, v_cache, meta)
+    out = torch.empty_like(q)
     if num_decodes:
-        out[:num_decodes] = _decode_attention(q[:num_decodes], k_cache, v_cache, meta)
+        out[:num_decodes] = decode_attention(q[:num_decodes], k_cache, v_cache, meta)
     for chunk in meta.prefills:
         s, e = chunk.start, chunk.end
         out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, chunk)
     return out
 
 
-def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-    keys = gather_context(k_cache, meta.decode_block_tables)  # (D, L, Hkv, Dh)
-    values = gather_context(v_cache, meta.decode_block_tables)
-    max_len = keys.shape[1]
-    valid = torch.arange(max_len, device=q.device)[None, :] < meta.decode_context_lens[:, None]  # (D, L)
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # (D, Hq, 1, Dh)
-        keys.transpose(1, 2),  # (D, Hkv, L, Dh)
-        values.transpose(1, 2),
-        attn_mask=valid[:, None, None, :],
-        enable_gqa=True,
-    )
-    return out.squeeze(2)
+def decode_valid_mask(context_lens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """(D, 1, 1, L): which gathered slots hold a token of each sequence."""
+    return (torch.arange(max_len, device=context_lens.device)[None, :] < context_lens[:, None])[:, None, None, :]
 
 
 def _prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:

@@ -1,31 +1,27 @@
-"""ridge's own CPU kernel: a bf16 GEMM for small M (decode), built on first use.
+"""ridge's own CPU kernels: a bf16 GEMM for small M (decode) and fused decode ops.
 
 Stock ``F.linear`` with one row reads bf16 weights at about half the memory bandwidth on
 the AVX-512 machines ridge is developed on (see ``../shared/notes/cpu-matmul.md``); this
-kernel (``csrc/linear_bf16.cpp``) streams them at ~90%. It is compiled with torch's
-cpp_extension the first time (about half a minute) and cached on disk. Where it cannot be
-used (no AVX-512 BF16, no compiler, another dtype or device) ridge uses ``F.linear``.
+kernel (``csrc/linear_bf16.cpp``) streams them at ~90%; ``csrc/decode_ops.cpp`` fuses the
+small ops around it. The extension is compiled with torch's cpp_extension the first time
+(about a minute) and cached on disk. Where it cannot be used (no AVX-512 BF16, no
+compiler, another dtype or device) ridge runs the torch ops.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import warnings
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
 
-CSRC = Path(__file__).with_name("csrc") / "linear_bf16.cpp"
+CSRC_DIR = Path(__file__).with_name("csrc")
+SOURCES = ("linear_bf16.cpp", "decode_ops.cpp", "bindings.cpp")
 # Above this many rows the step is compute-bound and oneDNN's GEMM (F.linear) wins.
 MAX_KERNEL_ROWS = 64
-
-MatmulFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-
 
 def cache_dir() -> Path:
     return Path(os.environ.get("RIDGE_CACHE_DIR", Path.home() / ".cache" / "ridge"))
@@ -39,15 +35,15 @@ def cpu_has_avx512_bf16() -> bool:
         return False
 
 
-def build_linear_bf16():
-    """Compile (or load the cached build of) the kernel; returns the extension module."""
+def build_extension():
+    """Compile (or load the cached build of) ridge's CPU extension; returns the module."""
     from torch.utils.cpp_extension import load
 
     build_dir = cache_dir() / "extensions" / f"torch-{torch.__version__}"
     build_dir.mkdir(parents=True, exist_ok=True)
     return load(
-        name="ridge_linear_bf16",
-        sources=[str(CSRC)],
+        name="ridge_cpu",
+        sources=[str(CSRC_DIR / name) for name in SOURCES],
         extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"],
         build_directory=str(build_dir),
         verbose=False,
@@ -66,18 +62,22 @@ class CpuLinear:
         return F.linear(x, weight, bias)
 
 
-def select_matmul(kind: str, device: torch.device, dtype: torch.dtype) -> MatmulFn:
-    """'torch' -> F.linear; 'auto' -> the CPU kernel where it applies and builds, else F.linear."""
+def select_kernels(kind: str, device: torch.device, dtype: torch.dtype):
+    """'torch' -> TorchKernels; 'auto' -> ridge's CPU extension where it applies and builds."""
+    from ridge.layers.kernels import CpuBf16Kernels, TorchKernels
+
     if kind == "torch" or device.type != "cpu" or dtype is not torch.bfloat16:
-        return F.linear
+        if kind == "ridge":
+            raise ValueError("kernels='ridge' runs bfloat16 on CPU only")
+        return TorchKernels()
     if not cpu_has_avx512_bf16():
         if kind == "ridge":
             raise ValueError("kernels='ridge' needs a CPU with AVX-512 BF16")
-        return F.linear
+        return TorchKernels()
     try:
-        return CpuLinear(build_linear_bf16())
+        return CpuBf16Kernels(build_extension())
     except Exception as exc:  # no compiler, no ninja, ...: fall back, loudly
         if kind == "ridge":
-            raise ValueError(f"cannot build ridge's CPU kernel: {exc}") from None
-        warnings.warn(f"ridge: CPU kernel unavailable ({exc}); using F.linear", stacklevel=2)
-        return F.linear
+            raise ValueError(f"cannot build ridge's CPU kernels: {exc}") from None
+        warnings.warn(f"ridge: CPU kernels unavailable ({exc}); using torch ops", stacklevel=2)
+        return TorchKernels()

@@ -7,13 +7,15 @@ for the packed projections, declared below as data for the loader.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ridge.config import ModelConfig
 from ridge.layers.attention import AttentionMetadata, paged_attention
-from ridge.layers.linear import Linear, PackedLinear
+from ridge.layers.kernels import TorchKernels
+from ridge.layers.linear import Linear, PackedLinear, set_matmul
 from ridge.layers.norm import RMSNorm
 from ridge.layers.rotary import RotaryEmbedding
 
@@ -27,8 +29,16 @@ PACKED_MODULES: dict[str, tuple[str, int]] = {
 }
 
 
+@dataclass
+class StepInputs:
+    """What every layer of one forward pass shares: the kernels and the RoPE inputs."""
+
+    kernels: TorchKernels
+    rope: object
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = PackedLinear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], bias=cfg.qkv_bias)
@@ -37,17 +47,22 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.rotary = rotary  # shared by all layers; not a submodule, so it is not saved or loaded
 
-    def forward(self, positions, x, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+    def forward(self, x, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, step: StepInputs):
+        ops = step.kernels
+        tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.qkv_proj.output_sizes[:2]
+        v = qkv[:, q_size + kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta)
+            q = self.q_norm(qkv[:, :q_size].view(tokens, self.num_heads, self.head_dim), ops)
+            k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(tokens, self.num_kv_heads, self.head_dim), ops)
+            q, k = ops.rope(q, step.rope), ops.rope(k, step.rope)
+        else:
+            # q and k heads side by side: one rotation for both
+            qk = ops.rope(qkv[:, : q_size + kv_size].view(tokens, -1, self.head_dim), step.rope)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, ops.decode_attention)
         return self.o_proj(out.flatten(1))
 
 
@@ -58,31 +73,32 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = PackedLinear(cfg.hidden_size, [inter, inter], bias=cfg.mlp_bias)
         self.down_proj = Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary)
+        self.self_attn = LlamaAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, positions, h, kv_cache, meta):
-        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, kv_cache, meta, step: StepInputs) -> None:
+        """h: the residual stream (T, hidden), updated in place."""
+        ops = step.kernels
+        attn = self.self_attn(self.input_layernorm(h, ops), kv_cache, meta, step)
+        x = ops.add_rms_norm(attn, h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        h.add_(self.mlp(x, ops))
 
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.rotary = rotary
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -98,6 +114,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.kernels = TorchKernels()
 
     def forward(
         self,
@@ -106,11 +123,17 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids)
+        h = self.model.embed_tokens(input_ids)  # a fresh tensor: the residual stream, updated in place
+        step = StepInputs(self.kernels, self.kernels.rope_state(self.model.rotary, positions, h.dtype))
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(positions, h, kv_cache, meta)
+            layer(h, kv_cache, meta, step)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (R, hidden_size) rows that sample -> (R, vocab) logits."""
-        return self.lm_head(self.model.norm(hidden))
+        return self.lm_head(self.model.norm(hidden, self.kernels))
+
+    def set_kernels(self, kernels) -> None:
+        """Run on ``kernels`` (``layers/kernels.py``): its matmul for every linear layer, its ops elsewhere."""
+        self.kernels = kernels
+        set_matmul(self, kernels.matmul)

@@ -6,14 +6,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ridge.layers.cpu_kernels import MAX_KERNEL_ROWS, CpuLinear, build_linear_bf16, cpu_has_avx512_bf16, select_matmul
+from ridge.layers.cpu_kernels import MAX_KERNEL_ROWS, CpuLinear, build_extension, cpu_has_avx512_bf16, select_kernels
+from ridge.layers.kernels import CpuBf16Kernels, TorchKernels
 
 pytestmark = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU has no AVX-512 BF16")
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    return build_linear_bf16()  # compiled once per machine, then cached on disk
+    return build_extension()  # compiled once per machine, then cached on disk
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13, 64])
@@ -47,8 +48,77 @@ def test_dispatch_uses_f_linear_for_large_m_and_other_dtypes(kernel):
     assert torch.equal(fn(x32, w.float(), None), F.linear(x32, w.float()))
 
 
-def test_select_matmul_choices():
+def test_select_kernels_choices():
     cpu = torch.device("cpu")
-    assert select_matmul("torch", cpu, torch.bfloat16) is F.linear
-    assert select_matmul("auto", cpu, torch.float32) is F.linear
-    assert isinstance(select_matmul("auto", cpu, torch.bfloat16), CpuLinear)
+    assert type(select_kernels("torch", cpu, torch.bfloat16)) is TorchKernels
+    assert type(select_kernels("auto", cpu, torch.float32)) is TorchKernels
+    assert isinstance(select_kernels("auto", cpu, torch.bfloat16), CpuBf16Kernels)
+    with pytest.raises(ValueError, match="bfloat16 on CPU"):
+        select_kernels("ridge", cpu, torch.float32)
+
+
+# -- the fused decode ops against the torch reference path, in bf16 --------------------------
+
+@pytest.fixture(scope="module")
+def pair(kernel):
+    return TorchKernels(), CpuBf16Kernels(kernel)
+
+
+def _bf16(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference in units of bf16 rounding at each element's magnitude."""
+    scale = torch.maximum(a.float().abs(), b.float().abs()).clamp_min(1e-3) * 2**-8
+    return ((a.float() - b.float()).abs() / scale).max().item()
+
+
+def test_rms_norm_and_fused_add(pair):
+    ref, fast = pair
+    x, w, delta = _bf16(5, 192, seed=1), _bf16(192, seed=2), _bf16(5, 192, seed=3)
+    assert _ulps(fast.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5)) <= 2
+    r1, r2 = x.clone(), x.clone()
+    y_ref, y_fast = ref.add_rms_norm(delta, r1, w, 1e-5), fast.add_rms_norm(delta, r2, w, 1e-5)
+    assert torch.equal(r1, r2)  # the residual add rounds the same way
+    assert _ulps(y_fast, y_ref) <= 2
+
+
+def test_rope_in_place_equals_torch(pair):
+    from ridge.layers.rotary import RotaryEmbedding
+
+    ref, fast = pair
+    rotary = RotaryEmbedding(64, 512, 10000.0, None)
+    positions = torch.tensor([0, 7, 300, 511])
+    qkv = _bf16(4, 6 * 64 + 64, seed=4)
+    view = qkv[:, : 6 * 64].view(4, 6, 64)  # strided rows, like q|k inside the packed qkv
+    want = ref.rope(view, ref.rope_state(rotary, positions, torch.bfloat16))
+    got = fast.rope(view, fast.rope_state(rotary, positions, torch.bfloat16))
+    assert got.data_ptr() == view.data_ptr()  # in place
+    assert torch.equal(got, want)
+
+
+def test_silu_mul(pair):
+    ref, fast = pair
+    gate_up = _bf16(3, 2 * 100, seed=5) * 4
+    assert _ulps(fast.silu_mul(gate_up), ref.silu_mul(gate_up)) <= 1
+
+
+@pytest.mark.parametrize("lens", [[1], [5, 40, 17], [64, 3]])
+def test_paged_decode_attention_reads_the_pool_like_the_gathered_path(pair, lens):
+    from ridge.layers.attention import AttentionMetadata, decode_valid_mask
+
+    ref, fast = pair
+    block_size, heads, kv_heads, dim = 4, 8, 2, 64
+    k_cache, v_cache = _bf16(40, block_size, kv_heads, dim, seed=6), _bf16(40, block_size, kv_heads, dim, seed=7)
+    width = max(-(-n // block_size) for n in lens)
+    perm = torch.randperm(40, generator=torch.Generator().manual_seed(8))  # scattered blocks
+    tables = perm[: len(lens) * width].view(len(lens), width)
+    context = torch.tensor(lens)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(len(lens), dtype=torch.long), num_decode_tokens=len(lens),
+                             decode_block_tables=tables, decode_context_lens=context,
+                             decode_mask=decode_valid_mask(context, width * block_size))
+    q = _bf16(len(lens), heads, dim, seed=9)
+    got = fast.decode_attention(q, k_cache, v_cache, meta)
+    want = ref.decode_attention(q, k_cache, v_cache, meta)
+    assert (got.float() - want.float()).abs().max().item() <= 0.02 * want.float().abs().max().item()

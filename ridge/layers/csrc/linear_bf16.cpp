@@ -128,7 +128,3 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   else gemm<4, 4>(xp, M, K, wp, N, bias_ptr, yp);
   return y.view(out_shape);
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_bf16", &linear_bf16, "y = x @ w.T (+ bias), bfloat16, AVX-512 BF16");
-}

@@ -1,0 +1,253 @@
+// The small ops of a bf16 decode step, fused, for AVX-512 CPUs.
+//
+// In a decode step the weights stream at memory bandwidth and everything else is overhead:
+// dozens of tiny torch ops per layer, each paying dispatch, allocation and (after the
+// weights swept the caches) cold misses. These kernels do the same arithmetic in one call
+// each, and round where Hugging Face's bf16 path rounds, so results match the torch path
+// up to the order of fp32 sums.
+//
+// paged_decode_attention reads K/V straight from the block pool:
+//
+//   token t of sequence b  ->  block_tables[b][t / BS], slot t % BS
+//   k_cache[block][slot][kv_head][:]   (no gathered copy of the context)
+//
+// Work is split over (sequence, kv head); the G = Hq / Hkv query heads of a group share
+// each K/V row read.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using bf16 = at::BFloat16;
+
+inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
+
+// 16 bf16 -> 16 fp32 (exact: bf16 is the top half of an fp32)
+inline __m512 load16(const bf16* p) {
+  __m256i raw = _mm256_loadu_si256((const __m256i*)p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// e^x for 16 lanes: Cephes' expf polynomial on x - n ln2, scaled by 2^n (rel. error ~1e-7).
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+void check_bf16_cpu(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16, name, ": bfloat16 CPU tensor expected");
+}
+
+// y[row] = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))), as Hugging Face rounds in bf16.
+void rms_row(const bf16* x, const bf16* w, bf16* y, int64_t n, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    ss += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i)
+    y[i] = bf16(static_cast<float>(w[i]) * round_bf16(static_cast<float>(x[i]) * inv));
+}
+
+}  // namespace
+
+torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor w, double eps) {
+  check_bf16_cpu(x, "rms_norm");
+  check_bf16_cpu(w, "rms_norm weight");
+  const int64_t n = x.size(-1);
+  auto xc = x.contiguous();
+  auto y = torch::empty_like(xc);
+  const int64_t rows = xc.numel() / n;
+  const bf16* xp = xc.data_ptr<bf16>();
+  const bf16* wp = w.data_ptr<bf16>();
+  bf16* yp = y.data_ptr<bf16>();
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) rms_row(xp + r * n, wp, yp + r * n, n, (float)eps);
+  });
+  return y;
+}
+
+torch::Tensor add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+  check_bf16_cpu(x, "add_rms_norm");
+  check_bf16_cpu(residual, "add_rms_norm residual");
+  TORCH_CHECK(residual.is_contiguous() && x.sizes() == residual.sizes(), "add_rms_norm: shapes differ");
+  const int64_t n = x.size(-1);
+  auto xc = x.contiguous();
+  auto y = torch::empty_like(residual);
+  const int64_t rows = xc.numel() / n;
+  const bf16* xp = xc.data_ptr<bf16>();
+  bf16* rp = residual.data_ptr<bf16>();
+  const bf16* wp = w.data_ptr<bf16>();
+  bf16* yp = y.data_ptr<bf16>();
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      bf16* res = rp + r * n;
+      for (int64_t i = 0; i < n; ++i) res[i] = bf16(static_cast<float>(res[i]) + static_cast<float>(xp[r * n + i]));
+      rms_row(res, wp, yp + r * n, n, (float)eps);
+    }
+  });
+  return y;
+}
+
+// x: (T, H, D) with unit stride in D and H (rows may be strided: a view into qkv).
+// cos/sin: fp32 tables (max_positions, D); rotate-half layout, bf16 roundings as torch's.
+void rope_bf16_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
+  check_bf16_cpu(x, "rope");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope: (T, H, D) rows expected");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t row_stride = x.stride(0);
+  auto pos = positions.contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  bf16* xp = x.data_ptr<bf16>();
+  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* c = cp + pp[t] * D;
+      const float* s = sp + pp[t] * D;
+      for (int64_t h = 0; h < H; ++h) {
+        bf16* v = xp + t * row_stride + h * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = v[i], x2 = v[i + half];
+          const float c1 = round_bf16(c[i]), s1 = round_bf16(s[i]);
+          const float c2 = round_bf16(c[i + half]), s2 = round_bf16(s[i + half]);
+          // torch: x * cos + cat(-x2, x1) * sin, each product and the sum rounded to bf16
+          v[i] = bf16(round_bf16(x1 * c1) + round_bf16(-x2 * s1));
+          v[i + half] = bf16(round_bf16(x2 * c2) + round_bf16(x1 * s2));
+        }
+      }
+    }
+  });
+}
+
+torch::Tensor silu_mul_bf16(torch::Tensor gate_up) {
+  check_bf16_cpu(gate_up, "silu_mul");
+  auto g = gate_up.contiguous();
+  const int64_t I = g.size(-1) / 2;
+  const int64_t rows = g.numel() / (2 * I);
+  auto out_shape = g.sizes().vec();
+  out_shape.back() = I;
+  auto y = torch::empty(out_shape, g.options());
+  const bf16* gp = g.data_ptr<bf16>();
+  bf16* yp = y.data_ptr<bf16>();
+  at::parallel_for(0, rows * I, 4096, [&](int64_t b, int64_t e) {
+    std::vector<float> tmp(16);
+    for (int64_t idx = b; idx < e;) {
+      const int64_t r = idx / I, i = idx % I;
+      const int64_t len = std::min<int64_t>({16, I - i, e - idx});
+      const bf16* gate = gp + r * 2 * I + i;
+      const bf16* up = gate + I;
+      if (len == 16) {
+        __m512 gv = load16(gate);
+        __m512 act = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        _mm512_storeu_ps(tmp.data(), act);
+      } else {
+        for (int64_t j = 0; j < len; ++j) {
+          const float gvs = gate[j];
+          tmp[j] = gvs / (1.f + std::exp(-gvs));
+        }
+      }
+      for (int64_t j = 0; j < len; ++j) yp[r * I + i + j] = bf16(round_bf16(tmp[j]) * static_cast<float>(up[j]));
+      idx += len;
+    }
+  });
+  return y;
+}
+
+torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                          torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  check_bf16_cpu(q, "decode_attention q");
+  check_bf16_cpu(k_cache, "decode_attention k_cache");
+  check_bf16_cpu(v_cache, "decode_attention v_cache");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: contiguous caches expected");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(D % 16 == 0 && D <= 256 && k_cache.size(3) == D, "decode_attention: head_dim must be a multiple of 16, <= 256");
+  const int64_t G = Hq / Hkv;
+  auto qc = q.contiguous();
+  auto tables = block_tables.contiguous();
+  auto lens = context_lens.contiguous();
+  auto out = torch::empty_like(qc);
+  const bf16* qp = qc.data_ptr<bf16>();
+  const bf16* kp = k_cache.data_ptr<bf16>();
+  const bf16* vp = v_cache.data_ptr<bf16>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t max_blocks = tables.size(1);
+  bf16* op = out.data_ptr<bf16>();
+  const int64_t DV = D / 16;
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), scores, acc(G * D);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t b = job / Hkv, h = job % Hkv;
+      const int64_t L = lp[b];
+      const int64_t* table = tp + b * max_blocks;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(qp[(b * Hq + h * G + g) * D + d]);
+      scores.assign(G * L, 0.f);
+      // scores[g][t] = bf16(q_g . k_t) * scale   (torch: bf16 matmul output, then * scale in fp32)
+      for (int64_t t = 0; t < L; ++t) {
+        const bf16* krow = kp + ((table[t / BS] * BS + t % BS) * Hkv + h) * D;
+        __m512 kv[16];
+        for (int64_t j = 0; j < DV; ++j) kv[j] = load16(krow + 16 * j);
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(&qf[g * D]), kv[0]);
+          for (int64_t j = 1; j < DV; ++j) a = _mm512_fmadd_ps(_mm512_loadu_ps(&qf[g * D + 16 * j]), kv[j], a);
+          scores[g * L + t] = round_bf16(_mm512_reduce_add_ps(a)) * fscale;
+        }
+      }
+      // softmax per query head (fp32), probabilities rounded to bf16
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = &scores[g * L];
+        float mx = -INFINITY;
+        for (int64_t t = 0; t < L; ++t) mx = std::max(mx, s[t]);
+        __m512 sum = _mm512_setzero_ps();
+        int64_t t = 0;
+        for (; t + 16 <= L; t += 16) {
+          __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(mx)));
+          _mm512_storeu_ps(s + t, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        float total = _mm512_reduce_add_ps(sum);
+        for (; t < L; ++t) {
+          s[t] = std::exp(s[t] - mx);
+          total += s[t];
+        }
+        const float inv = 1.f / total;
+        for (int64_t u = 0; u < L; ++u) s[u] = round_bf16(s[u] * inv);
+      }
+      // out[g] = sum_t p[g][t] * v_t, fp32 accumulation, one bf16 rounding
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < L; ++t) {
+        const bf16* vrow = vp + ((table[t / BS] * BS + t % BS) * Hkv + h) * D;
+        __m512 vv[16];
+        for (int64_t j = 0; j < DV; ++j) vv[j] = load16(vrow + 16 * j);
+        for (int64_t g = 0; g < G; ++g) {
+          const __m512 p = _mm512_set1_ps(scores[g * L + t]);
+          float* a = &acc[g * D];
+          for (int64_t j = 0; j < DV; ++j) _mm512_storeu_ps(a + 16 * j, _mm512_fmadd_ps(p, vv[j], _mm512_loadu_ps(a + 16 * j)));
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) op[(b * Hq + h * G + g) * D + d] = bf16(acc[g * D + d]);
+    }
+  });
+  return out;
+}

@@ -1,0 +1,105 @@
+"""The ops a step is made of, behind one object the model receives at load time.
+
+``TorchKernels`` is the reference: plain torch, any dtype and device (the parity tests run
+it in float32 against Hugging Face). ``CpuBf16Kernels`` runs the same arithmetic with
+ridge's AVX-512 extension for bfloat16 on CPU: the streaming GEMM for decode and fused
+small ops (norms, RoPE, SiLU-gating, paged decode attention without a gathered copy),
+rounding where the torch path rounds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ridge.layers.attention import AttentionMetadata, gather_context
+from ridge.layers.rotary import RotaryEmbedding, rotate_half
+
+
+class TorchKernels:
+    name = "torch"
+
+    def __init__(self) -> None:
+        self.matmul = F.linear
+
+    def rope_state(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype):
+        """Per-step RoPE inputs, shared by every layer: the gathered (cos, sin) rows."""
+        return rotary(positions, dtype)
+
+    def rope(self, x: torch.Tensor, state) -> torch.Tensor:
+        """x: (T, H, D) -> rotated (may be x itself, rotated in place)."""
+        cos, sin = state
+        return x * cos + rotate_half(x) * sin
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.rms_norm(x, weight.shape, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """residual += x (in place); return rms_norm(residual)."""
+        residual.add_(x)
+        return F.rms_norm(residual, weight.shape, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def decode_attention(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """q: (D, Hq, Dh), one query per sequence over its paged context -> (D, Hq, Dh)."""
+        num_seqs, num_heads, head_dim = q.shape
+        keys = gather_context(k_cache, meta.decode_block_tables)  # (D, L, Hkv, Dh)
+        values = gather_context(v_cache, meta.decode_block_tables)
+        num_kv_heads = keys.shape[2]
+        # GQA without copying K/V: the G query heads of a group share one K/V head.
+        #   q (D, Hkv, G, Dh) @ K^T (D, Hkv, Dh, L) -> scores (D, Hkv, G, L)
+        qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * head_dim**-0.5
+        scores.masked_fill_(~meta.decode_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        out = torch.matmul(probs, values.transpose(1, 2))  # (D, Hkv, G, Dh)
+        return out.reshape(num_seqs, num_heads, head_dim)
+
+
+class CpuBf16Kernels(TorchKernels):
+    """ridge's extension for bf16 on AVX-512 BF16 CPUs; anything else falls back to torch."""
+
+    name = "ridge-cpu-bf16"
+
+    def __init__(self, ext) -> None:
+        from ridge.layers.cpu_kernels import CpuLinear
+
+        super().__init__()
+        self.ext = ext
+        self.matmul = CpuLinear(ext)
+
+    def rope_state(self, rotary, positions, dtype):
+        return positions, rotary.cos, rotary.sin
+
+    def rope(self, x, state):
+        positions, cos, sin = state
+        if x.dtype is not torch.bfloat16 or x.stride(-1) != 1 or x.stride(1) != x.shape[2]:
+            return super().rope(x, (cos[positions].unsqueeze(1).to(x.dtype), sin[positions].unsqueeze(1).to(x.dtype)))
+        self.ext.rope_bf16_(x, positions, cos, sin)
+        return x
+
+    def rms_norm(self, x, weight, eps):
+        if x.dtype is not torch.bfloat16:
+            return super().rms_norm(x, weight, eps)
+        return self.ext.rms_norm_bf16(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if x.dtype is not torch.bfloat16 or not residual.is_contiguous():
+            return super().add_rms_norm(x, residual, weight, eps)
+        return self.ext.add_rms_norm_bf16(x, residual, weight, eps)
+
+    def silu_mul(self, gate_up):
+        if gate_up.dtype is not torch.bfloat16:
+            return super().silu_mul(gate_up)
+        return self.ext.silu_mul_bf16(gate_up)
+
+    def decode_attention(self, q, k_cache, v_cache, meta):
+        head_dim = q.shape[-1]
+        if q.dtype is not torch.bfloat16 or head_dim % 16 or head_dim > 256:
+            return super().decode_attention(q, k_cache, v_cache, meta)
+        return self.ext.paged_decode_attention_bf16(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, head_dim**-0.5
+        )
