@@ -59,6 +59,7 @@ class _UserRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     arrival_time: float
+    stream: bool = True  # an output every step (for streaming), or only the final one
     sequences: list[_Sequence] = field(default_factory=list)
 
     @property
@@ -159,8 +160,13 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        stream: bool = True,
     ) -> str:
-        """Validate and queue a request (n sequences); returns its id. Raises ValueError on bad input."""
+        """Validate and queue a request (n sequences); returns its id. Raises ValueError on bad input.
+
+        ``stream=False``: ``step`` returns this request's output only once it finishes
+        (``LLM.generate`` does this; a server streams).
+        """
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -170,7 +176,7 @@ class LLMEngine:
         prompt_text, prompt_ids = self._tokenize(prompt)
         max_tokens = self._resolve_max_tokens(prompt_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        user = _UserRequest(request_id, prompt_text, prompt_ids, arrival)
+        user = _UserRequest(request_id, prompt_text, prompt_ids, arrival, stream)
         for index in range(params.n):
             seq_params = params
             if params.n > 1 and params.seed is not None:  # each sample its own stream, reproducibly
@@ -279,7 +285,7 @@ class LLMEngine:
                     req.stop_reason = stop
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
             touched[seq.user_id] = self._requests[seq.user_id]
-        outputs = [self._make_output(user) for user in touched.values()]
+        outputs = [self._make_output(user) for user in touched.values() if user.stream or user.finished]
         for user in touched.values():
             if user.finished:
                 del self._requests[user.request_id]

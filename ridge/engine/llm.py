@@ -64,7 +64,7 @@ class LLM:
         added: list[str] = []
         try:
             for prompt, sp in zip(prompts, params):
-                added.append(self.engine.add_request(None, prompt, sp))
+                added.append(self.engine.add_request(None, prompt, sp, stream=False))
         except ValueError as exc:
             for rid in added:
                 self.engine.abort_request(rid)

@@ -13,14 +13,18 @@ import torch
 import torch.nn.functional as F
 
 from ridge.layers.attention import AttentionMetadata, gather_context
+from ridge.layers.linear import Linear, dense_linear
 from ridge.layers.rotary import RotaryEmbedding, rotate_half
 
 
 class TorchKernels:
     name = "torch"
 
-    def __init__(self) -> None:
-        self.matmul = F.linear
+    def matmul(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
+        return dense_linear(x, layer)
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        """Called once with the loaded model (weights may be repacked here)."""
 
     def rope_state(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype):
         """Per-step RoPE inputs, shared by every layer: the gathered (cos, sin) rows."""
@@ -65,11 +69,29 @@ class CpuBf16Kernels(TorchKernels):
     name = "ridge-cpu-bf16"
 
     def __init__(self, ext) -> None:
-        from ridge.layers.cpu_kernels import CpuLinear
-
-        super().__init__()
         self.ext = ext
-        self.matmul = CpuLinear(ext)
+
+    def matmul(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
+        if layer.packed is None or x.dtype is not torch.bfloat16:
+            return dense_linear(x, layer)
+        return self.ext.linear_bf16(x, layer.packed, layer.out_features, layer.bias)
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        """Repack every bf16 CPU linear weight into the kernel's blocks and free the dense copy,
+        unless another module shares it (a tied lm_head keeps the embedding's)."""
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        owners: dict[int, int] = {}
+        for module in model.modules():
+            for param in module.parameters(recurse=False):
+                owners[param.data_ptr()] = owners.get(param.data_ptr(), 0) + 1
+        for layer in linears:
+            weight = layer.weight
+            if weight.dtype is not torch.bfloat16 or weight.device.type != "cpu" or weight.numel() == 0:
+                continue
+            layer.packed = self.ext.pack_vnni(weight.detach())
+            layer.unpack = self.ext.unpack_vnni
+            if owners[weight.data_ptr()] == 1:
+                layer.weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
     def rope_state(self, rotary, positions, dtype):
         return positions, rotary.cos, rotary.sin

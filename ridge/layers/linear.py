@@ -14,19 +14,34 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def dense_linear(x: torch.Tensor, layer: "Linear") -> torch.Tensor:
+    return F.linear(x, layer.weight, layer.bias)
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` whose matmul is chosen by the engine (``F.linear`` or ridge's CPU kernel)."""
+    """``nn.Linear`` whose matmul is chosen by the engine's kernels (``matmul(x, layer)``).
+
+    Kernels may keep the weight in their own layout (``packed``, with ``unpack`` to get the
+    dense ``(out, in)`` matrix back) and free the dense copy: ``dense_weight()`` always works.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self.matmul = F.linear
+        self.matmul = dense_linear
+        self.packed: torch.Tensor | None = None
+        self.unpack = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.weight, self.bias)
+        return self.matmul(x, self)
+
+    def dense_weight(self) -> torch.Tensor:
+        if self.weight.numel() == 0 and self.packed is not None:
+            return self.unpack(self.packed, self.out_features, self.in_features)
+        return self.weight
 
 
 def set_matmul(model: nn.Module, matmul) -> None:
-    """Route every ``Linear`` of ``model`` through ``matmul(x, weight, bias)``."""
+    """Route every ``Linear`` of ``model`` through ``matmul(x, layer)``."""
     for module in model.modules():
         if isinstance(module, Linear):
             module.matmul = matmul

@@ -136,4 +136,5 @@ class LlamaForCausalLM(nn.Module):
     def set_kernels(self, kernels) -> None:
         """Run on ``kernels`` (``layers/kernels.py``): its matmul for every linear layer, its ops elsewhere."""
         self.kernels = kernels
+        kernels.prepare(self)
         set_matmul(self, kernels.matmul)

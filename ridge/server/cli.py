@@ -1,5 +1,90 @@
-"""Placeholder until `ridge serve` lands."""
+"""``ridge serve``: the OpenAI-compatible server on uvicorn.
+
+The listening socket is bound before the model loads, so a taken port fails at once (exit
+code 2). Ctrl-C (SIGINT) or SIGTERM: uvicorn stops accepting, lets in-flight responses finish
+for up to ``--graceful-shutdown-timeout`` seconds, then the app's lifespan stops the engine
+loop; a second Ctrl-C exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+from ridge.engine.args import add_engine_args, engine_options
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
 
 
 def register(subparsers) -> None:
-    return None
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                              description="An OpenAI-compatible server: /v1/completions, /v1/chat/completions, "
+                                          "/v1/models, /health, /metrics (Prometheus).")
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
+    g.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free port)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $RIDGE_API_KEY, else none)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use (default: the --model value)")
+    g.add_argument("--max-request-bytes", type=int, default=8 * 2**20, help="larger request bodies get a 413")
+    g.add_argument("--graceful-shutdown-timeout", type=int, default=10,
+                   help="seconds in-flight responses get to finish on shutdown")
+    g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    g.add_argument("--disable-access-log", action="store_true")
+    p.set_defaults(func=run_serve)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (IPv4 or IPv6 by ``host``); ValueError when it cannot bind."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be in [0, 65535], got {port}")
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ridge.config import EngineConfig
+    from ridge.engine.engine import LLMEngine
+    from ridge.server.app import build_app
+    from ridge.server.serving import ServerConfig
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get("RIDGE_API_KEY") or None
+    config = ServerConfig(
+        served_model_names=tuple(args.served_model_name or [args.model]),
+        model_root=args.model,
+        api_key=api_key,
+        max_request_bytes=args.max_request_bytes,
+    )
+    engine_config = EngineConfig.from_kwargs(args.model, **engine_options(args))  # bad flags fail before binding
+    sock = bind_socket(args.host, args.port)
+    try:
+        engine = LLMEngine(engine_config)
+        app = build_app(engine, config)
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        print(f"ridge serve: {config.served_model_names[0]} on http://{shown}:{port} "
+              f"({engine.dtype}, {engine.device}, {engine.num_kv_blocks} KV blocks, {engine_config.scheduler} batching, "
+              f"max_model_len {engine.max_model_len}){' (API key required)' if api_key else ''}",
+              file=sys.stderr, flush=True)
+        server = uvicorn.Server(uvicorn.Config(
+            app, log_level=args.log_level, access_log=not args.disable_access_log,
+            timeout_graceful_shutdown=args.graceful_shutdown_timeout, timeout_keep_alive=30))
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from ridge.sampling import SamplingParams
 
@@ -88,7 +88,7 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False  # vLLM's; accepted, ignored
 
 
-class _SamplingRequest(_Strict):
+class SamplingRequest(_Strict):
     """Fields shared by completions and chat: sampling, stopping, streaming."""
 
     model: str | None = None  # None: the first served name (as vLLM)
@@ -157,7 +157,7 @@ class _SamplingRequest(_Strict):
         )
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``. ``prompt``: a string, a list of strings, token ids, or a list of those."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -203,7 +203,7 @@ class ResponseFormat(_Strict):
     type: str
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage]
@@ -320,8 +320,14 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
+    """A streamed message fragment; unset fields are left out (``{}`` on the final chunk)."""
+
     role: str | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatStreamChoice(BaseModel):

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ridge.layers.cpu_kernels import MAX_KERNEL_ROWS, CpuLinear, build_extension, cpu_has_avx512_bf16, select_kernels
+from ridge import SamplingParams
+from ridge.layers.cpu_kernels import build_extension, cpu_has_avx512_bf16, select_kernels
 from ridge.layers.kernels import CpuBf16Kernels, TorchKernels
 
 pytestmark = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU has no AVX-512 BF16")
@@ -17,16 +18,18 @@ def kernel():
     return build_extension()  # compiled once per machine, then cached on disk
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13, 64])
-@pytest.mark.parametrize("k,n", [(64, 112), (100, 37), (2048, 96), (31, 8)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13, 64, 130])
+@pytest.mark.parametrize("k,n", [(64, 112), (100, 37), (2048, 96), (31, 8), (64, 200)])
 def test_matches_fp32_reference_within_one_bf16_rounding(kernel, m, k, n):
     gen = torch.Generator().manual_seed(m * 1000 + k + n)
     x = torch.randn(m, k, generator=gen).bfloat16()
     w = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16()
     ref = F.linear(x.float(), w.float(), b.float())
+    packed = kernel.pack_vnni(w)
+    assert torch.equal(kernel.unpack_vnni(packed, n, k), w)
     for bias in (b, None):
-        got = kernel.linear_bf16(x, w, bias)
+        got = kernel.linear_bf16(x, packed, n, bias)
         want = ref if bias is not None else F.linear(x.float(), w.float())
         assert got.dtype == torch.bfloat16 and got.shape == (m, n)
         # one rounding of the fp32 sum to bf16: relative error <= 2^-8
@@ -36,16 +39,28 @@ def test_matches_fp32_reference_within_one_bf16_rounding(kernel, m, k, n):
 def test_keeps_leading_dimensions(kernel):
     x = torch.randn(2, 3, 64).bfloat16()
     w = torch.randn(16, 64).bfloat16()
-    assert kernel.linear_bf16(x, w, None).shape == (2, 3, 16)
+    assert kernel.linear_bf16(x, kernel.pack_vnni(w), 16, None).shape == (2, 3, 16)
 
 
-def test_dispatch_uses_f_linear_for_large_m_and_other_dtypes(kernel):
-    fn = CpuLinear(kernel)
-    w = torch.randn(8, 32).bfloat16()
-    big = torch.randn(MAX_KERNEL_ROWS + 1, 32).bfloat16()
-    assert torch.equal(fn(big, w, None), F.linear(big, w))
-    x32 = torch.randn(2, 32)
-    assert torch.equal(fn(x32, w.float(), None), F.linear(x32, w.float()))
+def test_prepare_packs_linears_frees_dense_copies_but_keeps_a_tied_embedding(kernel, tmp_path):
+    from ridge import LLM
+
+    from ..models.hf_tiny import build
+
+    build("llama-tied-llama3-rope", tmp_path)
+    fast = LLM(str(tmp_path), tokenizer="bytes", dtype="bfloat16", num_kv_blocks=8)
+    ref = LLM(str(tmp_path), tokenizer="bytes", dtype="bfloat16", num_kv_blocks=8, kernels="torch")
+    model, ref_model = fast.engine.model, ref.engine.model
+    layer = model.model.layers[0].self_attn.qkv_proj
+    assert layer.packed is not None and layer.weight.numel() == 0  # the dense copy is freed
+    assert torch.equal(layer.dense_weight(), ref_model.model.layers[0].self_attn.qkv_proj.weight)
+    assert model.lm_head.packed is not None  # tied: packed, but the shared embedding stays
+    assert torch.equal(model.model.embed_tokens.weight, ref_model.model.embed_tokens.weight)
+    prompt = [5, 9, 200, 17, 3]
+    lp = SamplingParams(temperature=0.0, max_tokens=1, logprobs=3)
+    a = fast.generate([prompt], lp, use_tqdm=False)[0].outputs[0]
+    b = ref.generate([prompt], lp, use_tqdm=False)[0].outputs[0]
+    assert a.token_ids == b.token_ids and abs(a.cumulative_logprob - b.cumulative_logprob) < 0.05
 
 
 def test_select_kernels_choices():

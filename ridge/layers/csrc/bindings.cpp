@@ -1,7 +1,9 @@
 // Python bindings of ridge's CPU kernels (one extension, several sources).
 #include <torch/extension.h>
 
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor pack_vnni(torch::Tensor w);
+torch::Tensor unpack_vnni(torch::Tensor packed, int64_t N, int64_t K);
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias);
 torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
 void rope_bf16_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
@@ -10,7 +12,9 @@ torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache
                                           torch::Tensor block_tables, torch::Tensor context_lens, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_bf16", &linear_bf16, "y = x @ w.T (+ bias), bfloat16, AVX-512 BF16");
+  m.def("pack_vnni", &pack_vnni, "(N, K) bf16 -> (N/16, K/2, 16, 2) blocks for linear_bf16");
+  m.def("unpack_vnni", &unpack_vnni, "the inverse of pack_vnni");
+  m.def("linear_bf16", &linear_bf16, "y = x @ W.T (+ bias) with W packed by pack_vnni; bfloat16, AVX-512 BF16");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm, rounded like Hugging Face's bf16 path");
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual += x (in place), then RMSNorm(residual)");
   m.def("rope_bf16_", &rope_bf16_, "rotate-half RoPE in place on (T, H, D) rows");

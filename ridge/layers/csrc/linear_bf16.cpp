@@ -1,114 +1,123 @@
-// y = x @ w^T (+ bias) for bfloat16 on AVX-512 BF16 CPUs, tuned for decode (small M).
+// y = x @ w^T (+ bias) for bfloat16 on AVX-512 BF16 CPUs, from weights packed once at load.
 //
 // Decode is a GEMV: every weight byte is read once per step, so the kernel's job is to
-// stream W at memory bandwidth. Layout and blocking:
+// stream W at memory bandwidth, and at batch 8-64 to keep the FMA units busy. The layout
+// makes both easy: W is packed (pack_vnni) into blocks of 16 output rows x 2 k-values,
 //
-//   W: [N, K] row-major (as nn.Linear stores it), split among threads in contiguous
-//      blocks of NR rows, so each thread streams one contiguous stretch of memory.
-//   x: [M, K], read in tiles of MR rows (it stays in L1/L2).
-//   For each NR-row block of W, every MR-row tile of x is multiplied against it while
-//   the block is hot in cache; MR x NR fp32 accumulators live in zmm registers and
-//   vdpbf16ps does 32 multiply-adds per instruction (pairs of bf16 -> fp32).
-//   While computing block b, software prefetch pulls the block PREFETCH_BLOCKS ahead
-//   into L2, so loads overlap arithmetic (without it M = 8 drops to ~20 GB/s here).
+//   W [N, K]  ->  P [N/16][K/2][16][2]      P[nb][kp][r][j] = W[16 nb + r][2 kp + j]
+//
+// so one 64-byte load holds 16 outputs x one k-pair, vdpbf16ps multiplies it with a
+// broadcast pair of x and accumulates 16 outputs in one register: no horizontal sums, and
+// each block of 16 rows is one contiguous stream. A tile keeps MR rows of x x NB blocks
+// (MR x NB x 16 outputs) in registers; threads take contiguous groups of blocks.
 //
 // Accumulation is fp32; the result is rounded once to bf16 (as F.linear does).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <vector>
+
 namespace {
 
-constexpr int64_t PREFETCH_BLOCKS = 4;
+using bf16 = at::BFloat16;
+constexpr int64_t PREFETCH_PAIRS = 64;  // k-pairs ahead (4 KiB per block stream) into L1
 
-inline __m512bh load_bf16(const at::BFloat16* p, int64_t remaining) {
-  if (remaining >= 32) return (__m512bh)_mm512_loadu_si512((const void*)p);
-  const __mmask32 mask = (__mmask32)((1ull << remaining) - 1);
-  return (__m512bh)_mm512_maskz_loadu_epi16(mask, (const void*)p);
-}
-
-// One k-step of 32: acc[i][j] += x[i, k:k+32] . w[j, k:k+32] (masked loads past K).
-template <int MR, int NR, bool PREFETCH, bool TAIL>
-inline void kstep(__m512 (&acc)[MR][NR], const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
-                  int64_t ldw, const at::BFloat16* ahead, int64_t k, int64_t rem) {
-  __m512bh wv[NR];
-  for (int j = 0; j < NR; ++j) {
-    wv[j] = TAIL ? load_bf16(w + j * ldw + k, rem) : (__m512bh)_mm512_loadu_si512((const void*)(w + j * ldw + k));
-    if (PREFETCH) _mm_prefetch((const char*)(ahead + j * ldw + k), _MM_HINT_T1);
-  }
-  for (int i = 0; i < MR; ++i) {
-    const __m512bh xv =
-        TAIL ? load_bf16(x + i * ldx + k, rem) : (__m512bh)_mm512_loadu_si512((const void*)(x + i * ldx + k));
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
-  }
-}
-
-// out[i * ldo + j] = dot(x row i, w row j) for i < MR, j < NR.
-template <int MR, int NR, bool PREFETCH>
-inline void tile(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t ldw, int64_t K,
-                 float* out, int64_t ldo) {
-  __m512 acc[MR][NR];
+template <int MR, int NB>
+inline void tile(const bf16* x, int64_t ldx, int64_t K, const bf16* wp, int64_t KP, float* out, int64_t ldo) {
+  __m512 acc[MR][NB];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  const at::BFloat16* ahead = w + PREFETCH_BLOCKS * NR * ldw;
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) kstep<MR, NR, PREFETCH, false>(acc, x, ldx, w, ldw, ahead, k, 32);
-  if (k < K) kstep<MR, NR, PREFETCH, true>(acc, x, ldx, w, ldw, ahead, k, K - k);
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) out[i * ldo + j] = _mm512_reduce_add_ps(acc[i][j]);
-}
-
-// All M rows of x against NR rows of w; x tiles of MR rows, the remainder one row at a time.
-template <int MR, int NR>
-inline void rows_block(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* w, float* out,
-                       int64_t ldo) {
-  int64_t m = 0;
-  bool first = true;  // prefetch the next W blocks only on the first pass over this block
-  for (; m + MR <= M; m += MR) {
-    if (first) tile<MR, NR, true>(x + m * K, K, w, K, K, out + m * ldo, ldo);
-    else tile<MR, NR, false>(x + m * K, K, w, K, K, out + m * ldo, ldo);
-    first = false;
-  }
-  for (; m < M; ++m) {
-    if (first) tile<1, NR, true>(x + m * K, K, w, K, K, out + m * ldo, ldo);
-    else tile<1, NR, false>(x + m * K, K, w, K, K, out + m * ldo, ldo);
-    first = false;
-  }
-}
-
-template <int MR, int NR>
-void gemm(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* w, int64_t N, const float* bias,
-          at::BFloat16* y) {
-  const int64_t blocks = (N + NR - 1) / NR;
-  at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(M * NR);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * NR;
-      const int64_t nr = std::min<int64_t>(NR, N - n0);
-      if (nr == NR) {
-        rows_block<MR, NR>(x, M, K, w + n0 * K, buf.data(), NR);
-      } else {
-        for (int64_t j = 0; j < nr; ++j) rows_block<MR, 1>(x, M, K, w + (n0 + j) * K, buf.data() + j, NR);
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t full_pairs = K / 2;
+  for (int64_t kp = 0; kp < KP; ++kp) {
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; ++j) {
+      const bf16* block = wp + (j * KP + kp) * 32;
+      wv[j] = (__m512bh)_mm512_loadu_si512((const void*)block);
+      _mm_prefetch((const char*)(block + PREFETCH_PAIRS * 32), _MM_HINT_T0);
+    }
+    for (int i = 0; i < MR; ++i) {
+      int32_t pair;
+      if (kp < full_pairs) {
+        pair = *reinterpret_cast<const int32_t*>(x + i * ldx + 2 * kp);
+      } else {  // odd K: the last pair is (x[K-1], 0); the packed weight is zero there too
+        pair = *reinterpret_cast<const uint16_t*>(x + i * ldx + 2 * kp);
       }
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t j = 0; j < nr; ++j) {
-          float v = buf[m * NR + j];
-          if (bias) v += bias[n0 + j];
-          y[m * N + n0 + j] = at::BFloat16(v);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(out + i * ldo + 16 * j, acc[i][j]);
+}
+
+// Blocks [b0, b0 + nb) of all M rows (x padded to a multiple of MR rows).
+template <int MR, int NB>
+inline void tile_any_nb(int64_t nb, const bf16* x, int64_t ldx, int64_t K, const bf16* wp, int64_t KP, float* out,
+                        int64_t ldo) {
+  if constexpr (NB > 1) {
+    if (nb < NB) return tile_any_nb<MR, NB - 1>(nb, x, ldx, K, wp, KP, out, ldo);
+  }
+  tile<MR, NB>(x, ldx, K, wp, KP, out, ldo);
+}
+
+template <int MR, int NB>
+void gemm(const bf16* x, int64_t M, int64_t K, const bf16* wp, int64_t N, const float* bias, bf16* y) {
+  const int64_t blocks = (N + 15) / 16, KP = (K + 1) / 2;
+  const int64_t groups = (blocks + NB - 1) / NB;
+  const int64_t m_tiles = (M + MR - 1) / MR;
+  at::parallel_for(0, groups, 1, [&](int64_t g_begin, int64_t g_end) {
+    std::vector<float> buf(MR * NB * 16);
+    for (int64_t g = g_begin; g < g_end; ++g) {
+      const int64_t b0 = g * NB, nb = std::min<int64_t>(NB, blocks - b0);
+      const int64_t n0 = b0 * 16, n_end = std::min<int64_t>(N, (b0 + nb) * 16);
+      // The group's weights (nb x 16 rows) stay in cache while every tile of x passes.
+      for (int64_t t = 0; t < m_tiles; ++t) {
+        tile_any_nb<MR, NB>(nb, x + t * MR * K, K, K, wp + b0 * KP * 32, KP, buf.data(), NB * 16);
+        const int64_t rows = std::min<int64_t>(MR, M - t * MR);
+        for (int64_t i = 0; i < rows; ++i) {
+          bf16* yrow = y + (t * MR + i) * N;
+          const float* brow = buf.data() + i * NB * 16;
+          for (int64_t n = n0; n < n_end; ++n) yrow[n] = bf16(brow[n - n0] + (bias ? bias[n] : 0.f));
         }
+      }
     }
   });
 }
 
 }  // namespace
 
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16: bfloat16 only");
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_bf16: CPU tensors only");
-  TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "linear_bf16: shape mismatch");
-  const int64_t K = w.size(1), N = w.size(0);
-  auto x2 = x.reshape({-1, K}).contiguous();
+torch::Tensor pack_vnni(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.device().is_cpu(), "pack_vnni: (N, K) bf16 CPU");
+  const int64_t N = w.size(0), K = w.size(1), NB = (N + 15) / 16, KP = (K + 1) / 2;
+  auto out = torch::zeros({NB, KP, 16, 2}, w.options());
   auto wc = w.contiguous();
+  const bf16* src = wc.data_ptr<bf16>();
+  bf16* dst = out.data_ptr<bf16>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t k = 0; k < K; ++k) dst[(((n / 16) * KP + k / 2) * 16 + n % 16) * 2 + k % 2] = src[n * K + k];
+  });
+  return out;
+}
+
+torch::Tensor unpack_vnni(torch::Tensor packed, int64_t N, int64_t K) {
+  const int64_t KP = packed.size(1);
+  auto out = torch::empty({N, K}, packed.options());
+  const bf16* src = packed.data_ptr<bf16>();
+  bf16* dst = out.data_ptr<bf16>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) dst[n * K + k] = src[(((n / 16) * KP + k / 2) * 16 + n % 16) * 2 + k % 2];
+  return out;
+}
+
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "linear_bf16: bfloat16 only");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear_bf16: CPU tensors only");
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(packed.dim() == 4 && packed.size(0) == (N + 15) / 16 && packed.size(1) == (K + 1) / 2,
+              "linear_bf16: packed weight does not match (N, K)");
+  auto x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
@@ -119,12 +128,15 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
     bias_f = bias->to(at::kFloat).contiguous();
     bias_ptr = bias_f.data_ptr<float>();
   }
-  const auto* xp = x2.data_ptr<at::BFloat16>();
-  const auto* wp = wc.data_ptr<at::BFloat16>();
-  auto* yp = y.data_ptr<at::BFloat16>();
-  if (M == 1) gemm<1, 8>(xp, M, K, wp, N, bias_ptr, yp);
-  else if (M == 2) gemm<2, 8>(xp, M, K, wp, N, bias_ptr, yp);
-  else if (M == 3) gemm<3, 6>(xp, M, K, wp, N, bias_ptr, yp);
-  else gemm<4, 4>(xp, M, K, wp, N, bias_ptr, yp);
+  // Rows of x in tiles of MR: pad to a whole number of tiles (zeros; their outputs are dropped).
+  const int64_t MR = M == 1 ? 1 : (M <= 4 ? 4 : 8);
+  const int64_t padded = (M + MR - 1) / MR * MR;
+  if (padded != M) x2 = torch::cat({x2, torch::zeros({padded - M, K}, x2.options())});
+  const bf16* xp = x2.data_ptr<bf16>();
+  const bf16* wp = packed.data_ptr<bf16>();
+  bf16* yp = y.data_ptr<bf16>();
+  if (MR == 1) gemm<1, 8>(xp, M, K, wp, N, bias_ptr, yp);
+  else if (MR == 4) gemm<4, 6>(xp, M, K, wp, N, bias_ptr, yp);
+  else gemm<8, 3>(xp, M, K, wp, N, bias_ptr, yp);
   return y.view(out_shape);
 }

@@ -1,0 +1,726 @@
+"""transformers vs ridge vs llama.cpp on one random-initialized model, interleaved round by round.
+
+    .venv/bin/python benchmarks/compare.py                          # TinyLlama-1.1B shape, bf16, 2 threads
+    .venv/bin/python benchmarks/compare.py --rounds 5 --json compare.json --plot benchmarks/compare.png
+    .venv/bin/python benchmarks/compare.py --preset tiny --rounds 1 --new-tokens 4     # smoke run
+
+The model is built once by ridge (``random:<preset>``, fixed seed) and exported with
+``ridge.models.export``: a Hugging Face directory for transformers and a GGUF for llama.cpp
+(``llama-cpp-python``, optional: pip install llama-cpp-python gguf). The exports are cached
+under ``$RIDGE_CACHE_DIR/compare/`` (else ``~/.cache/ridge/compare/``), keyed by preset, dtype
+and seed, and checked against the weights' fingerprint. Every engine sees the same weights
+and the same prompts (random token ids, fixed seed per round) and decodes greedily for
+exactly the requested number of tokens (no EOS stop).
+
+Scenarios (``--scenarios``), each run in every round right after a memory-bandwidth probe,
+engine after engine (transformers, ridge, llama.cpp), because this machine's bandwidth jumps
+between levels and a figure means something only next to the floor measured with it:
+
+- ``batch1``: one prompt of ``--prompt-len`` tokens, ``--new-tokens`` new ones: prefill time
+  and decode ms per token.
+- ``batch32``: 32 prompts of that length decoding together: prefill time, decode ms per step.
+- ``mixed``: offline, ``--mixed-requests`` requests with prompt and output lengths drawn
+  uniformly (fixed seed), all submitted at once; output tokens per second.
+
+How each engine runs:
+- transformers: the model's forward called step by step with its KV cache
+  (``use_cache=True``, greedy argmax): the loop ``generate`` runs, timed per step. The mixed
+  workload: ``generate`` in static batches of ``--hf-batch`` requests, left padded, each batch
+  generating its longest request's length (the tokens past a request's own length are waste).
+- ridge: ``LLMEngine.add_request`` + ``step()``, each step timed; mixed: ``LLM.generate``
+  (continuous batching).
+- llama.cpp: its C API through ``llama_cpp`` (low level): one context per batch size
+  (``n_seq_max`` sequences, a separate KV stream each), ``llama_batch`` with one sequence id per
+  request, ``llama_decode`` per step (prompts in ``n_batch``-token chunks, decodes first), greedy
+  argmax of the returned logits. The mixed workload runs the same loop with a slot per request:
+  continuous batching like llama-server's.
+
+Floors: a decode step cannot beat ``max(bytes / bandwidth, FLOPs / peak)`` with bytes and FLOPs
+from ridge's analyzer (``roofline.ops.step_cost``; weights + KV cache + activations, averaged
+over the decode steps), bandwidth from the probe of the same round, peak from the machine's
+probed ``local`` hardware (``roofline.probe.local_hardware``). "% of floor" is floor / measured.
+The mixed workload has no floor (it depends on the schedule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import datetime as dt
+import gc
+import hashlib
+import importlib.util
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from ridge.bench.common import parse_range, random_prompts, summarize  # noqa: E402
+from ridge.models.export import hf_state_dict, save_hf_checkpoint, write_gguf  # noqa: E402
+from ridge.roofline.ops import step_cost, weight_bytes  # noqa: E402
+from ridge.roofline.probe import ProbeSettings, local_hardware, machine_fingerprint, probe_bandwidth  # noqa: E402
+from ridge.roofline.shapes import ModelShape  # noqa: E402
+
+SCENARIOS = ("batch1", "batch32", "mixed")
+BATCH_OF = {"batch1": 1, "batch32": 32}
+ENGINES = ("transformers", "ridge", "llama.cpp")
+PROBE = ProbeSettings(bandwidth_bytes=512 * 1024**2, bandwidth_repeats=3)
+ROOFLINE_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+EXPORT_FORMAT = 1  # bump when the export layout changes: invalidates cached exports
+
+
+@dataclass
+class Timed:
+    """One batch run: prefill wall time, the wall time of every decode step, the tokens made."""
+
+    prefill_s: float
+    decode_s: list[float]
+    tokens: list[list[int]]
+
+
+@dataclass
+class Floor:
+    """A scenario's roofline inputs: mean FLOPs and bytes of its prefill and of a decode step."""
+
+    prefill_flops: float
+    prefill_bytes: float
+    decode_flops: float
+    decode_bytes: float
+
+    def decode_s(self, bandwidth: float, peak: float) -> float:
+        return max(self.decode_bytes / bandwidth, self.decode_flops / peak)
+
+    def prefill_s(self, bandwidth: float, peak: float) -> float:
+        return max(self.prefill_bytes / bandwidth, self.prefill_flops / peak)
+
+
+# ---- engines --------------------------------------------------------------------------------
+class RidgeRunner:
+    """ridge's engine, driven step by step; each ``step()`` timed from outside."""
+
+    name = "ridge"
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def run_batch(self, prompts: list[list[int]], new_tokens: int) -> Timed:
+        from ridge.sampling import SamplingParams
+
+        engine = self.llm.engine
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        ids = [engine.add_request(None, p, params) for p in prompts]
+        started: set[str] = set()
+        tokens: dict[str, list[int]] = {}
+        prefill_s, decode_s = 0.0, []
+        while engine.has_unfinished_requests():
+            all_started = len(started) == len(ids)  # every request has its first token: a decode step
+            t0 = time.perf_counter()
+            outputs = engine.step()
+            elapsed = time.perf_counter() - t0
+            if all_started:
+                decode_s.append(elapsed)
+            else:
+                prefill_s += elapsed
+            for out in outputs:
+                if out.outputs[0].token_ids:
+                    started.add(out.request_id)
+                if out.finished:
+                    tokens[out.request_id] = list(out.outputs[0].token_ids)
+        return Timed(prefill_s, decode_s, [tokens[i] for i in ids])
+
+    def run_offline(self, prompts: list[list[int]], output_lens: list[int]) -> float:
+        from ridge.sampling import SamplingParams
+
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+        t0 = time.perf_counter()
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        assert [len(o.outputs[0].token_ids) for o in outs] == output_lens
+        return elapsed
+
+    def close(self) -> None:
+        pass
+
+
+class TransformersRunner:
+    """Hugging Face transformers: the greedy KV-cache loop of ``generate``, timed per step."""
+
+    name = "transformers"
+
+    def __init__(self, hf_dir: Path, dtype: torch.dtype, static_batch: int) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
+        self.static_batch = static_batch
+
+    def run_batch(self, prompts: list[list[int]], new_tokens: int) -> Timed:
+        ids = torch.tensor(prompts)  # equal lengths: no padding, no mask
+        decode_s, steps = [], []
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            nxt = out.logits[:, -1].argmax(-1)
+            prefill_s = time.perf_counter() - t0
+            steps.append(nxt)
+            cache = out.past_key_values
+            for _ in range(new_tokens - 1):
+                t0 = time.perf_counter()
+                out = self.model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
+                nxt = out.logits[:, -1].argmax(-1)
+                cache = out.past_key_values
+                decode_s.append(time.perf_counter() - t0)
+                steps.append(nxt)
+        return Timed(prefill_s, decode_s, torch.stack(steps, dim=1).tolist())
+
+    def run_offline(self, prompts: list[list[int]], output_lens: list[int]) -> float:
+        """Static batches in request order, left padded; each batch runs to its longest output."""
+        pad = 0
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for start in range(0, len(prompts), self.static_batch):
+                batch = prompts[start : start + self.static_batch]
+                longest = max(len(p) for p in batch)
+                ids = torch.tensor([[pad] * (longest - len(p)) + p for p in batch])
+                mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch])
+                steps = max(output_lens[start : start + self.static_batch])
+                self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
+                                    do_sample=False, pad_token_id=pad)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        del self.model
+
+
+class LlamaCppRunner:
+    """llama.cpp through llama-cpp-python's C bindings: ``llama_batch`` + ``llama_decode``, greedy.
+
+    One context per number of sequences (``n_seq_max``), KV per sequence (``kv_unified`` off,
+    llama.h's advice for sequences without a shared prefix). Prompts go in ``n_batch``-token
+    chunks, decodes first, a slot per request: continuous batching, as llama-server does it.
+    Only ``llama_decode`` and the argmax of its logits are timed, not the Python that fills
+    the batch (a C++ caller would not pay for it).
+    """
+
+    name = "llama.cpp"
+
+    def __init__(self, gguf_path: Path, threads: int, context_per_seq: int, n_batch: int = 512) -> None:
+        import llama_cpp as lc
+
+        self.lc = lc
+        self.threads, self.n_batch = threads, n_batch
+        self.context_per_seq = -(-context_per_seq // 256) * 256
+        lc.llama_backend_init()
+        # Keep the callback alive as long as the model: llama.cpp calls it from C.
+        self._quiet = lc.llama_log_callback(lambda level, text, data: None)
+        lc.llama_log_set(self._quiet, ctypes.c_void_p())
+        mparams = lc.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        self.model = lc.llama_model_load_from_file(str(gguf_path).encode(), mparams)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp cannot load {gguf_path}")
+        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+        self.batch = lc.llama_batch_init(n_batch, 0, 1)
+        self.contexts: dict[int, object] = {}
+
+    def context(self, slots: int):
+        if slots not in self.contexts:
+            lc = self.lc
+            cp = lc.llama_context_default_params()
+            cp.n_ctx = slots * self.context_per_seq
+            cp.n_batch = cp.n_ubatch = self.n_batch
+            cp.n_seq_max = slots
+            cp.n_threads = cp.n_threads_batch = self.threads
+            cp.kv_unified = False
+            ctx = lc.llama_init_from_model(self.model, cp)
+            if not ctx:
+                raise RuntimeError(f"llama.cpp cannot create a context for {slots} sequences")
+            self.contexts[slots] = ctx
+        return self.contexts[slots]
+
+    def run_batch(self, prompts: list[list[int]], new_tokens: int) -> Timed:
+        tokens, steps = self._serve(prompts, [new_tokens] * len(prompts), slots=len(prompts))
+        # Steps up to the one that gave the last first token are the prefill.
+        first_all = max(i for i, (_, first_tokens) in enumerate(steps) if first_tokens)
+        prefill_s = sum(s for s, _ in steps[: first_all + 1])
+        return Timed(prefill_s, [s for s, _ in steps[first_all + 1 :]], tokens)
+
+    def run_offline(self, prompts: list[list[int]], output_lens: list[int]) -> float:
+        t0 = time.perf_counter()
+        tokens, _ = self._serve(prompts, output_lens, slots=len(prompts))
+        elapsed = time.perf_counter() - t0
+        assert [len(t) for t in tokens] == output_lens
+        return elapsed
+
+    def _serve(self, prompts, output_lens, slots: int) -> tuple[list[list[int]], list[tuple[float, int]]]:
+        """Greedy generation; returns the tokens and, per ``llama_decode``, (seconds, first tokens made)."""
+        import numpy as np
+
+        lc, b = self.lc, self.batch
+        ctx = self.context(slots)
+        memory = lc.llama_get_memory(ctx)
+        lc.llama_memory_clear(memory, True)
+        queue = collections.deque(range(len(prompts)))
+        free = list(range(slots))
+        slot_of: dict[int, int] = {}
+        fed: dict[int, int] = {}  # prompt tokens already in the cache
+        outputs: list[list[int]] = [[] for _ in prompts]
+        active: list[int] = []
+        steps: list[tuple[float, int]] = []
+
+        def add(i: int, token: int, pos: int, seq: int, logits: bool) -> None:
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, logits
+            b.seq_id[i][0] = seq
+
+        while queue or active:
+            while queue and free:
+                r = queue.popleft()
+                slot_of[r], fed[r] = free.pop(0), 0
+                active.append(r)
+            n, rows, first_tokens = 0, [], 0
+            for r in active:  # decodes first
+                if fed[r] == len(prompts[r]) and n < self.n_batch:
+                    add(n, outputs[r][-1], len(prompts[r]) + len(outputs[r]) - 1, slot_of[r], True)
+                    rows.append((n, r))
+                    n += 1
+            for r in active:  # then prompt chunks, up to n_batch tokens in all
+                prompt = prompts[r]
+                take = min(len(prompt) - fed[r], self.n_batch - n)
+                for j in range(fed[r], fed[r] + max(take, 0)):
+                    last = j == len(prompt) - 1
+                    add(n, prompt[j], j, slot_of[r], last)
+                    if last:
+                        rows.append((n, r))
+                        first_tokens += 1
+                    n += 1
+                fed[r] += max(take, 0)
+            b.n_tokens = n
+            t0 = time.perf_counter()
+            status = lc.llama_decode(ctx, b)
+            if status != 0:
+                raise RuntimeError(f"llama_decode returned {status}")
+            for index, r in rows:
+                logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, index), shape=(self.n_vocab,))
+                outputs[r].append(int(logits.argmax()))
+            steps.append((time.perf_counter() - t0, first_tokens))
+            for r in [r for r in active if len(outputs[r]) >= output_lens[r]]:
+                active.remove(r)
+                lc.llama_memory_seq_rm(memory, slot_of[r], -1, -1)
+                free.append(slot_of[r])
+        return outputs, steps
+
+    def close(self) -> None:
+        lc = self.lc
+        for ctx in self.contexts.values():
+            lc.llama_free(ctx)
+        self.contexts.clear()
+        lc.llama_batch_free(self.batch)
+        lc.llama_model_free(self.model)
+
+
+# ---- exports --------------------------------------------------------------------------------
+def weights_fingerprint(llm) -> str:
+    """A hash of a few weight rows: tells a cached export from a stale one (another init)."""
+    state = hf_state_dict(llm)
+    last = llm.engine.model_config.num_layers - 1
+    digest = hashlib.sha256()
+    for name in ("model.embed_tokens.weight", f"model.layers.{last}.mlp.down_proj.weight"):
+        digest.update(state[name][:2].float().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def prepare_exports(llm, preset: str, dtype: str, seed: int, cache_root: Path, need_hf: bool,
+                    need_gguf: bool) -> tuple[Path | None, Path | None]:
+    """The cached HF directory and GGUF of this model, (re)written when missing or stale."""
+    base = cache_root / f"{preset}-{dtype}-seed{seed}"
+    meta_file = base / "meta.json"
+    meta = {"preset": preset, "dtype": dtype, "seed": seed, "format": EXPORT_FORMAT,
+            "fingerprint": weights_fingerprint(llm)}
+    try:
+        fresh = json.loads(meta_file.read_text()) == meta
+    except (OSError, json.JSONDecodeError):
+        fresh = False
+    if not fresh:
+        shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True, exist_ok=True)
+    hf_dir, gguf = base / "hf", base / "model.gguf"
+    hf_config = llm.engine.hf_config
+    if need_hf and not (hf_dir / "model.safetensors").is_file():
+        log(f"exporting the model for transformers -> {hf_dir}")
+        tmp = base / "hf.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_hf_checkpoint(llm, hf_config, tmp)
+        tmp.rename(hf_dir)
+    if need_gguf and not gguf.is_file():
+        log(f"exporting the model for llama.cpp -> {gguf}")
+        tmp = base / "model.gguf.tmp"
+        write_gguf(hf_state_dict(llm), hf_config, tmp)
+        tmp.rename(gguf)
+    meta_file.write_text(json.dumps(meta, indent=2) + "\n")
+    gc.collect()
+    return (hf_dir if need_hf else None), (gguf if need_gguf else None)
+
+
+# ---- the benchmark --------------------------------------------------------------------------
+def log(message: str) -> None:
+    print(f"[compare {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def scenario_floor(shape: ModelShape, batch: int, prompt_len: int, new_tokens: int, elem: float) -> Floor:
+    """Prefill of ``batch`` prompts and the mean decode step, priced by the analyzer."""
+    prefill = step_cost(shape, [(prompt_len, prompt_len)] * batch, [], elem, elem, elem)
+    decodes = [step_cost(shape, [], [prompt_len + i + 1] * batch, elem, elem, elem) for i in range(1, new_tokens)]
+    decodes = decodes or [step_cost(shape, [], [prompt_len + 1] * batch, elem, elem, elem)]
+    return Floor(prefill.flops, prefill.bytes, statistics.mean(c.flops for c in decodes),
+                 statistics.mean(c.bytes for c in decodes))
+
+
+def agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
+    """Mean share of each sequence's greedy tokens equal to the reference's before they first differ."""
+    shares = []
+    for got, ref in zip(tokens, reference):
+        same = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+        shares.append(same / max(len(ref), 1))
+    return statistics.mean(shares)
+
+
+def mixed_workload(args, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    (p_lo, p_hi), (o_lo, o_hi) = parse_range(args.mixed_prompt_len), parse_range(args.mixed_output_len)
+    prompt_lens = [rng.randint(p_lo, p_hi) for _ in range(args.mixed_requests)]
+    output_lens = [rng.randint(o_lo, o_hi) for _ in range(args.mixed_requests)]
+    return random_prompts(args.mixed_requests, prompt_lens, vocab, seed), output_lens
+
+
+def run_rounds(args, runners: list, vocab: int) -> list[dict]:
+    """Every round: per scenario a bandwidth probe, then each engine on the same prompts."""
+    rounds = []
+    for r in range(args.rounds):
+        seed = args.seed + 1000 * (r + 1)
+        record: dict = {"round": r}
+        for scenario in args.scenarios:
+            bandwidth = probe_bandwidth(PROBE)
+            entry: dict = {"bandwidth_gb_per_s": bandwidth.median / 1e9,
+                           "bandwidth_range_gb_per_s": [bandwidth.low / 1e9, bandwidth.high / 1e9], "engines": {}}
+            if scenario == "mixed":
+                prompts, output_lens = mixed_workload(args, vocab, seed)
+                for runner in runners:
+                    seconds = runner.run_offline(prompts, output_lens)
+                    entry["engines"][runner.name] = {"seconds": seconds, "output_tokens": sum(output_lens),
+                                                     "output_tokens_per_s": sum(output_lens) / seconds}
+                    log(f"round {r + 1} {scenario:<8} {runner.name:<13} {sum(output_lens) / seconds:8.1f} out tok/s")
+            else:
+                batch = BATCH_OF[scenario]
+                prompts = random_prompts(batch, [args.prompt_len] * batch, vocab, seed)
+                timed_by: dict[str, Timed] = {}
+                for runner in runners:
+                    timed = runner.run_batch(prompts, args.new_tokens)
+                    timed_by[runner.name] = timed
+                    decode_ms = [s * 1e3 for s in timed.decode_s]
+                    entry["engines"][runner.name] = {
+                        "prefill_s": timed.prefill_s, "decode_ms": decode_ms,
+                        "decode_ms_median": statistics.median(decode_ms) if decode_ms else float("nan"),
+                    }
+                    log(f"round {r + 1} {scenario:<8} {runner.name:<13} prefill {timed.prefill_s * 1e3:8.1f} ms  "
+                        f"decode {entry['engines'][runner.name]['decode_ms_median']:8.2f} ms/step")
+                if "ridge" in timed_by:
+                    for name, timed in timed_by.items():
+                        entry["engines"][name]["greedy_agreement_with_ridge"] = agreement(
+                            timed.tokens, timed_by["ridge"].tokens)
+            record[scenario] = entry
+        rounds.append(record)
+    return rounds
+
+
+def summarize_rounds(args, rounds: list[dict], floors: dict[str, Floor], peak: float, engines: list[str]) -> dict:
+    """Medians and spreads per scenario and engine, floors and fractions per round, ratios to ridge."""
+    summary: dict = {}
+    for scenario in args.scenarios:
+        entries = [rnd[scenario] for rnd in rounds]
+        bandwidths = [e["bandwidth_gb_per_s"] * 1e9 for e in entries]
+        out: dict = {"bandwidth_gb_per_s": summarize([b / 1e9 for b in bandwidths]), "engines": {}}
+        if scenario == "mixed":
+            for name in engines:
+                rates = [e["engines"][name]["output_tokens_per_s"] for e in entries]
+                out["engines"][name] = {"output_tokens_per_s": summarize(rates)}
+            key, higher = "output_tokens_per_s", True
+            per_round = {name: [e["engines"][name][key] for e in entries] for name in engines}
+        else:
+            floor = floors[scenario]
+            batch = BATCH_OF[scenario]
+            floor_ms = [floor.decode_s(bw, peak) * 1e3 for bw in bandwidths]
+            prefill_floor_s = [floor.prefill_s(bw, peak) for bw in bandwidths]
+            out["floor"] = {
+                "decode_ms": summarize(floor_ms),
+                "decode_bound": "memory" if floor.decode_bytes / statistics.median(bandwidths) >= floor.decode_flops / peak
+                else "compute",
+                "decode_bytes": floor.decode_bytes, "decode_flops": floor.decode_flops,
+                "prefill_ms": summarize([s * 1e3 for s in prefill_floor_s]),
+                "prefill_bytes": floor.prefill_bytes, "prefill_flops": floor.prefill_flops,
+            }
+            for name in engines:
+                runs = [e["engines"][name] for e in entries]
+                all_steps = [ms for run in runs for ms in run["decode_ms"]]
+                medians = [run["decode_ms_median"] for run in runs]
+                out["engines"][name] = {
+                    "decode_ms_per_step": summarize(all_steps),
+                    "decode_tokens_per_s": batch * 1e3 / statistics.median(all_steps) if all_steps else float("nan"),
+                    "decode_floor_fraction": summarize([f / m for f, m in zip(floor_ms, medians)]),
+                    "achieved_gb_per_s": summarize([floor.decode_bytes / m / 1e6 for m in medians]),
+                    "prefill_ms": summarize([run["prefill_s"] * 1e3 for run in runs]),
+                    "prefill_tokens_per_s": summarize([batch * args.prompt_len / run["prefill_s"] for run in runs]),
+                    "prefill_floor_fraction": summarize([f / run["prefill_s"] for f, run in zip(prefill_floor_s, runs)]),
+                }
+                if "greedy_agreement_with_ridge" in runs[0]:
+                    out["engines"][name]["greedy_agreement_with_ridge"] = statistics.mean(
+                        run["greedy_agreement_with_ridge"] for run in runs)
+            key, higher = "decode_ms_median", False
+            per_round = {name: medians_of(entries, name, key) for name in engines}
+        if "ridge" in engines:
+            # speed of ridge over each peer, round by round (>1: ridge is faster)
+            out["ridge_speedup"] = {
+                name: summarize([(r / p if higher else p / r) for r, p in zip(per_round["ridge"], per_round[name])])
+                for name in engines if name != "ridge"
+            }
+        summary[scenario] = out
+    return summary
+
+
+def medians_of(entries: list[dict], name: str, key: str) -> list[float]:
+    return [e["engines"][name][key] for e in entries]
+
+
+# ---- output ---------------------------------------------------------------------------------
+def format_report(payload: dict) -> str:
+    cfg, summary = payload["config"], payload["summary"]
+    m = payload["machine"]
+    lines = [
+        f"compare: random:{cfg['preset']} {cfg['dtype']} (seed {cfg['seed']}), {cfg['threads']} threads, "
+        f"{cfg['rounds']} rounds, {m['cpu']} ({m['cpus']} cpus), torch {m['torch']}, {m['date']}",
+        f"weights {payload['weight_bytes'] / 1e6:.1f} MB; peak {payload['peak_gflop_per_s']:.0f} GFLOP/s "
+        f"{cfg['roofline_dtype']} (probed local hardware); engines: {', '.join(payload['engines'])}",
+    ]
+    for note in payload["notes"]:
+        lines.append(f"note: {note}")
+    for scenario, out in summary.items():
+        bw = out["bandwidth_gb_per_s"]
+        lines.append("")
+        if scenario == "mixed":
+            lines.append(f"mixed offline: {cfg['mixed_requests']} requests, prompt {cfg['mixed_prompt_len']}, "
+                         f"output {cfg['mixed_output_len']} tokens; bandwidth {bw['median']:.1f} GB/s "
+                         f"({bw['min']:.1f}-{bw['max']:.1f})")
+            lines.append(f"  {'engine':<13} {'out tok/s':>10} {'(min-max)':>17}  how")
+            for name, e in out["engines"].items():
+                t = e["output_tokens_per_s"]
+                lines.append(f"  {name:<13} {t['median']:10.1f} {t['min']:8.1f}-{t['max']:<8.1f}  {payload['how'][name]}")
+        else:
+            f = out["floor"]
+            batch = BATCH_OF[scenario]
+            lines.append(f"batch {batch}: prompt {cfg['prompt_len']}, {cfg['new_tokens']} new tokens; bandwidth "
+                         f"{bw['median']:.1f} GB/s ({bw['min']:.1f}-{bw['max']:.1f}); decode floor "
+                         f"{f['decode_ms']['median']:.2f} ms/step ({f['decode_bound']}-bound: "
+                         f"{f['decode_bytes'] / 1e6:.1f} MB, {f['decode_flops'] / 1e9:.2f} GFLOP per step)")
+            lines.append(f"  {'engine':<13} {'prefill ms':>10} {'decode ms/step':>15} {'(p10-p90)':>17} "
+                         f"{'tok/s':>8} {'% floor':>8} {'GB/s':>6} {'prefill %':>9} {'= ridge':>8}")
+            for name, e in out["engines"].items():
+                d = e["decode_ms_per_step"]
+                agree = e.get("greedy_agreement_with_ridge")
+                lines.append(
+                    f"  {name:<13} {e['prefill_ms']['median']:10.1f} {d['median']:15.2f} "
+                    f"{d['p10']:8.2f}-{d['p90']:<8.2f} {e['decode_tokens_per_s']:8.1f} "
+                    f"{100 * e['decode_floor_fraction']['median']:7.1f}% {e['achieved_gb_per_s']['median']:6.1f} "
+                    f"{100 * e['prefill_floor_fraction']['median']:8.1f}% "
+                    f"{'' if agree is None else f'{100 * agree:7.0f}%'}")
+        for name, s in out.get("ridge_speedup", {}).items():
+            lines.append(f"  ridge vs {name}: {s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f}) "
+                         f"{'output throughput' if scenario == 'mixed' else 'decode speed'}")
+    lines.append("")
+    lines.append("% floor: roofline floor / measured (decode: per step, with the bandwidth probed in the same round); "
+                 "GB/s: analyzer bytes per step / measured step; = ridge: greedy tokens equal to ridge's "
+                 "(prefix share; bf16 rounding differs between engines, so late divergence is expected)")
+    return "\n".join(lines)
+
+
+def plot(payload: dict, path: Path) -> None:
+    """Bars per engine per scenario (ms per decode step, or per output token for mixed), floor dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = payload["summary"]
+    colors = {"transformers": "#d62728", "ridge": "#1f77b4", "llama.cpp": "#2ca02c"}
+    fig, axes = plt.subplots(1, len(summary), figsize=(4.2 * len(summary), 4.2), squeeze=False)
+    for ax, (scenario, out) in zip(axes[0], summary.items()):
+        names = list(out["engines"])
+        if scenario == "mixed":
+            stats = [out["engines"][n]["output_tokens_per_s"] for n in names]
+            heights = [1e3 / s["median"] for s in stats]
+            lows = [h - 1e3 / s["max"] for h, s in zip(heights, stats)]
+            highs = [1e3 / s["min"] - h for h, s in zip(heights, stats)]
+            ax.set_title(f"mixed offline ({payload['config']['mixed_requests']} requests)")
+            ax.set_ylabel("ms per output token (lower is better)")
+        else:
+            stats = [out["engines"][n]["decode_ms_per_step"] for n in names]
+            heights = [s["median"] for s in stats]
+            lows = [h - s["p10"] for h, s in zip(heights, stats)]
+            highs = [s["p90"] - h for h, s in zip(heights, stats)]
+            floor = out["floor"]["decode_ms"]["median"]
+            ax.axhline(floor, color="black", linestyle="--", linewidth=1)
+            ax.annotate(f"floor {floor:.1f} ms", (1.0, floor), xycoords=("axes fraction", "data"), ha="right",
+                        va="bottom", fontsize=8, xytext=(-2, 2), textcoords="offset points")
+            ax.set_title(f"decode, batch {BATCH_OF[scenario]}")
+            ax.set_ylabel("ms per decode step (lower is better)")
+        ax.set_ylim(0, 1.15 * max(h + e for h, e in zip(heights, highs)))
+        bars = ax.bar(names, heights, yerr=[lows, highs], capsize=4, color=[colors.get(n, "gray") for n in names])
+        for bar, h, high in zip(bars, heights, highs):
+            ax.annotate(f"{h:.1f}", (bar.get_x() + bar.get_width() / 2, h + high), ha="center", va="bottom", fontsize=8,
+                        xytext=(0, 2), textcoords="offset points")
+    cfg = payload["config"]
+    fig.suptitle(f"random:{cfg['preset']} {cfg['dtype']}, {cfg['threads']} threads, {payload['machine']['cpu']}, "
+                 f"{payload['machine']['date'][:10]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- main -----------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tinyllama-1.1b", help="ridge preset of the random model (tiny for smoke runs)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(ROOFLINE_DTYPE))
+    p.add_argument("--seed", type=int, default=0, help="weights seed (prompts derive from it too)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2, help="torch threads and llama.cpp n_threads")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {','.join(SCENARIOS)}")
+    p.add_argument("--mixed-requests", type=int, default=32)
+    p.add_argument("--mixed-prompt-len", default="16:128", help="N or LO:HI (uniform)")
+    p.add_argument("--mixed-output-len", default="8:128", help="N or LO:HI (uniform)")
+    p.add_argument("--hf-batch", type=int, default=8, help="transformers' static batch size in the mixed workload")
+    p.add_argument("--llamacpp-n-batch", type=int, default=512)
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--skip-llamacpp", action="store_true")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each engine")
+    p.add_argument("--cache-dir", type=Path, default=None, help="where exports are cached")
+    p.add_argument("--json", type=Path, default=None, help="write every number to this file")
+    p.add_argument("--plot", type=Path, default=None, help="write a bar chart (PNG)")
+    args = p.parse_args(argv)
+    args.scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    bad = [s for s in args.scenarios if s not in SCENARIOS]
+    if bad or not args.scenarios:
+        p.error(f"unknown scenarios {bad}; choose from {', '.join(SCENARIOS)}")
+    if args.rounds < 1 or args.prompt_len < 1 or args.new_tokens < 2 or args.threads < 1 or args.mixed_requests < 1:
+        p.error("need --rounds >= 1, --prompt-len >= 1, --new-tokens >= 2, --threads >= 1, --mixed-requests >= 1")
+    parse_range(args.mixed_prompt_len), parse_range(args.mixed_output_len)
+    return args
+
+
+def warm_up(runners: list, args, vocab: int) -> None:
+    """One short untimed run per engine and batch size: kernel builds, thread pools, caches."""
+    for batch in sorted({BATCH_OF.get(s, args.mixed_requests) for s in args.scenarios}):
+        prompts = random_prompts(batch, [min(args.prompt_len, 16)] * batch, vocab, seed=args.seed)
+        for runner in runners:
+            runner.run_batch(prompts, 3)
+
+
+def main(argv=None) -> int:
+    from ridge import LLM
+
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    notes: list[str] = []
+    have_llamacpp = importlib.util.find_spec("llama_cpp") is not None
+    use_llamacpp = not args.skip_llamacpp and have_llamacpp
+    if not args.skip_llamacpp and not have_llamacpp:
+        notes.append("llama.cpp not measured: llama-cpp-python is not installed (pip install llama-cpp-python gguf)")
+    if use_llamacpp and importlib.util.find_spec("gguf") is None:
+        notes.append("llama.cpp not measured: the gguf package (needed for the export) is not installed")
+        use_llamacpp = False
+
+    (_, mixed_prompt_hi), (_, mixed_output_hi) = parse_range(args.mixed_prompt_len), parse_range(args.mixed_output_len)
+    longest = max(args.prompt_len + args.new_tokens, mixed_prompt_hi + mixed_output_hi if "mixed" in args.scenarios else 0)
+    max_seqs = max([BATCH_OF.get(s, args.mixed_requests) for s in args.scenarios])
+    log(f"building random:{args.preset} ({args.dtype}, seed {args.seed}) in ridge")
+    llm = LLM(f"random:{args.preset}", dtype=args.dtype, seed=args.seed, num_threads=args.threads,
+              max_num_seqs=max_seqs, max_model_len=longest + 16)
+    hf_config, vocab = llm.engine.hf_config, llm.engine.model_config.vocab_size
+    cache_root = args.cache_dir or (Path(os.environ.get("RIDGE_CACHE_DIR", Path.home() / ".cache" / "ridge")) / "compare")
+    hf_dir, gguf_path = prepare_exports(llm, args.preset, args.dtype, args.seed, cache_root,
+                                        need_hf=not args.skip_transformers, need_gguf=use_llamacpp)
+
+    runners: list = []
+    how: dict[str, str] = {}
+    if not args.skip_transformers:
+        log("loading the export in transformers")
+        runners.append(TransformersRunner(hf_dir, getattr(torch, args.dtype), args.hf_batch))
+        how["transformers"] = f"generate, static batches of {args.hf_batch}, left padded"
+    runners.append(RidgeRunner(llm))
+    how["ridge"] = "LLM.generate, continuous batching"
+    if use_llamacpp:
+        log("loading the GGUF in llama.cpp")
+        runners.append(LlamaCppRunner(gguf_path, args.threads, longest + 16, args.llamacpp_n_batch))
+        how["llama.cpp"] = f"llama_batch, {args.mixed_requests} slots, continuous batching"
+        notes.append("llama.cpp: batch 32 and the mixed workload use llama_batch with one sequence id per request")
+    engines = [r.name for r in runners]
+
+    hardware = local_hardware()
+    roofline_dtype = ROOFLINE_DTYPE[args.dtype]
+    peak = hardware.peak(roofline_dtype)
+    shape = ModelShape.from_hf_config(hf_config)
+    elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    floors = {s: scenario_floor(shape, BATCH_OF[s], args.prompt_len, args.new_tokens, elem)
+              for s in args.scenarios if s in BATCH_OF}
+
+    try:
+        if not args.no_warmup:
+            log("warm-up")
+            warm_up(runners, args, vocab)
+        rounds = run_rounds(args, runners, vocab)
+    finally:
+        for runner in runners:
+            runner.close()
+    payload = {
+        "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                   "roofline_dtype": roofline_dtype},
+        "machine": {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                    "cpu": machine_fingerprint()["cpu"],
+                    "cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                    "transformers": _version("transformers"), "llama_cpp_python": _version("llama_cpp")},
+        "engines": engines, "how": how, "notes": notes,
+        "peak_gflop_per_s": peak / 1e9, "weight_bytes": weight_bytes(shape, elem),
+        "hardware": hardware.to_json(),
+        "rounds": rounds,
+        "summary": summarize_rounds(args, rounds, floors, peak, engines),
+    }
+    print(format_report(payload))
+    if args.json:
+        args.json.write_text(json.dumps(payload, indent=2, default=float) + "\n")
+        log(f"wrote {args.json}")
+    if args.plot:
+        plot(payload, args.plot)
+        log(f"wrote {args.plot}")
+    return 0
+
+
+def _version(module: str) -> str | None:
+    try:
+        return getattr(__import__(module), "__version__", None)
+    except ImportError:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

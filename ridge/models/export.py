@@ -1,0 +1,281 @@
+"""Write a loaded ridge model back out: a Hugging Face directory, or a GGUF file for llama.cpp.
+
+The benchmarks compare engines on one random-initialized model; these functions hand the
+exact same weights to transformers (``save_hf_checkpoint``) and to llama.cpp (``write_gguf``).
+
+- ``hf_state_dict``: ridge's parameters under Hugging Face names, the packed projections
+  (``qkv_proj``, ``gate_up_proj``, see ``models/llama.py``'s packing map) split back into
+  their checkpoint matrices; a tied ``lm_head`` is left out (the checkpoint ties it again).
+- ``save_hf_checkpoint``: ``config.json`` + ``model.safetensors``, loadable with
+  ``AutoModelForCausalLM.from_pretrained(directory)`` and with ridge's own loader.
+- ``write_gguf``: llama-architecture GGUF (matrices in the export's dtype, bf16 by default,
+  1-D norms in f32 as llama.cpp's converter writes them), q/k rows permuted the way
+  ``convert_hf_to_gguf.py`` permutes Llama q/k for llama.cpp's RoPE layout, and a
+  placeholder vocabulary (``<unk> <s> </s>``, the 256 byte tokens, then ``<tok_N>``) that
+  lets llama.cpp load the file; callers feed token ids, so the text of the vocab is moot.
+
+The ``gguf`` package is imported inside ``write_gguf`` only: it is an optional dependency.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import torch
+
+from ridge.config import ModelConfig
+
+# Llama-family checkpoints that llama.cpp runs as its "llama" architecture.
+GGUF_LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+# Hugging Face name (after "model.layers.{i}.") -> GGUF name (after "blk.{i}.").
+_GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GGUF_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+_GGUF_FILE_TYPES = {torch.bfloat16: "MOSTLY_BF16", torch.float16: "MOSTLY_F16", torch.float32: "ALL_F32"}
+
+
+def _as_model(engine_or_model) -> torch.nn.Module:
+    """An ``LLM``, ``LLMEngine``, ``LoadedModel`` or the model itself -> the ``LlamaForCausalLM``."""
+    obj = getattr(engine_or_model, "engine", engine_or_model)  # LLM -> LLMEngine
+    model = obj if isinstance(obj, torch.nn.Module) else getattr(obj, "model", None)
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "packed_modules"):
+        raise TypeError(f"cannot find a ridge model in {type(engine_or_model).__name__}")
+    return model
+
+
+def hf_state_dict(engine_or_model) -> dict[str, torch.Tensor]:
+    """ridge parameters under Hugging Face checkpoint names (views, no copies).
+
+    Packed parameters are split into their shards (``qkv_proj.weight`` -> q/k/v_proj.weight,
+    biases likewise); ``lm_head.weight`` is omitted when the embeddings are tied.
+    """
+    model = _as_model(engine_or_model)
+    unpacked: dict[str, list[tuple[int, str]]] = {}
+    for checkpoint_name, (packed_name, shard) in model.packed_modules.items():
+        unpacked.setdefault(packed_name, []).append((shard, checkpoint_name))
+    modules = dict(model.named_modules())
+    state: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():  # a tied lm_head is a duplicate: not listed
+        module_name, _, leaf = name.rpartition(".")
+        prefix, _, short = module_name.rpartition(".")
+        if leaf == "weight" and hasattr(modules[module_name], "dense_weight"):
+            param = modules[module_name].dense_weight()  # kernels may hold it repacked
+        if short in unpacked:
+            module = modules[module_name]
+            for shard, checkpoint_name in sorted(unpacked[short]):
+                state[f"{prefix}.{checkpoint_name}.{leaf}"] = param.detach()[module.shard_rows(shard)]
+        else:
+            state[name] = param.detach()
+    return state
+
+
+def save_hf_checkpoint(engine_or_model, hf_config: dict, directory: str | Path) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` for the model's current weights.
+
+    ``hf_config`` is written as given, with ``torch_dtype``/``dtype`` set to the weights'
+    dtype (so ``dtype="auto"`` loads them as stored). Returns the directory.
+    """
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    # safetensors refuses tensors that share storage (the split shards do): copy each one.
+    tensors = {name: t.to("cpu").contiguous().clone() for name, t in hf_state_dict(engine_or_model).items()}
+    dtype = str(next(iter(tensors.values())).dtype).replace("torch.", "")
+    config = {**hf_config, "torch_dtype": dtype, "dtype": dtype}
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+def permute_for_llama_cpp(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Reorder q/k rows from Hugging Face's rotate-half layout to llama.cpp's interleaved one.
+
+    Within each head, HF rotates the pairs (i, i + D/2); llama.cpp the pairs (2i, 2i + 1). Same
+    arithmetic as ``convert_hf_to_gguf.py``'s ``LlamaModel.permute`` (for k, ``n_head`` is the
+    number of KV heads).
+    """
+    rows = weight.shape[0]
+    return weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_gguf(directory_or_state: str | Path | Mapping[str, torch.Tensor], hf_config: dict, path: str | Path) -> Path:
+    """Write a llama-architecture GGUF for llama.cpp from a Hugging Face directory or state dict.
+
+    ``directory_or_state``: a directory with ``*.safetensors`` (e.g. from ``save_hf_checkpoint``)
+    or a mapping of Hugging Face names to tensors (``hf_state_dict``). Matrices keep their dtype
+    (bf16, f16 or f32), 1-D tensors are written in f32. Raises ValueError for a model that
+    llama.cpp's llama architecture does not express (biases, q/k norms, other RoPE scalings),
+    ImportError when the ``gguf`` package is missing. Returns the path.
+    """
+    import gguf  # optional: pip install gguf
+
+    cfg = ModelConfig.from_hf_config(hf_config)
+    if cfg.architecture not in GGUF_LLAMA_ARCHITECTURES or cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or cfg.qk_norm:
+        raise ValueError(f"write_gguf writes plain Llama models (no biases, no q/k norm), not {cfg.architecture}")
+    state = dict(_read_state(directory_or_state))
+    matrix_dtype = state["model.embed_tokens.weight"].dtype
+    if matrix_dtype not in _GGUF_FILE_TYPES:
+        raise ValueError(f"write_gguf: cannot store {matrix_dtype} tensors")
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name(str(hf_config.get("_name_or_path") or "ridge-export"))
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    if cfg.head_dim * cfg.num_heads != cfg.hidden_size:
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_file_type(getattr(gguf.LlamaFileType, _GGUF_FILE_TYPES[matrix_dtype]))
+    rope_factors = _add_rope_scaling(writer, gguf, cfg)
+    _add_placeholder_vocab(writer, gguf, cfg)
+
+    for name, tensor in _gguf_tensors(state, cfg):
+        _add_tensor(writer, gguf, name, tensor)
+    if rope_factors is not None:
+        _add_tensor(writer, gguf, "rope_freqs.weight", rope_factors)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _read_state(source) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(source, Mapping):
+        yield from source.items()
+        return
+    from safetensors import safe_open
+
+    files = sorted(Path(source).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{source} has no *.safetensors weights")
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def _gguf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(GGUF name, tensor) in llama.cpp's layout; raises ValueError on unknown or missing names."""
+    expected = {f"model.layers.{i}.{k}" for i in range(cfg.num_layers) for k in _GGUF_LAYER_NAMES}
+    expected |= {"model.embed_tokens.weight", "model.norm.weight"}
+    if not cfg.tie_word_embeddings:
+        expected.add("lm_head.weight")
+    names = {n for n in state if "rotary_emb" not in n and not (cfg.tie_word_embeddings and n == "lm_head.weight")}
+    if names != expected:
+        extra, missing = sorted(names - expected), sorted(expected - names)
+        raise ValueError(f"write_gguf: unexpected tensors {extra[:4]}, missing {missing[:4]}")
+    for name in sorted(names, key=_tensor_order):
+        tensor = state[name]
+        if name in _GGUF_GLOBAL_NAMES:
+            yield _GGUF_GLOBAL_NAMES[name], tensor
+            continue
+        layer, rest = name[len("model.layers."):].split(".", 1)
+        if rest == "self_attn.q_proj.weight":
+            tensor = permute_for_llama_cpp(tensor, cfg.num_heads)
+        elif rest == "self_attn.k_proj.weight":
+            tensor = permute_for_llama_cpp(tensor, cfg.num_kv_heads)
+        yield f"blk.{layer}.{_GGUF_LAYER_NAMES[rest]}", tensor
+
+
+def _tensor_order(name: str) -> tuple:
+    # embeddings first, then layers in numeric order, then the final norm and head (as llama.cpp's converter)
+    if name.startswith("model.layers."):
+        layer, rest = name[len("model.layers."):].split(".", 1)
+        return (1, int(layer), list(_GGUF_LAYER_NAMES).index(rest))
+    return (0 if name == "model.embed_tokens.weight" else 2, 0, name)
+
+
+def _add_tensor(writer, gguf, name: str, tensor: torch.Tensor) -> None:
+    tensor = tensor.detach().to("cpu").contiguous()
+    if tensor.dim() == 1 or tensor.dtype is torch.float32:
+        writer.add_tensor(name, tensor.float().numpy())
+    elif tensor.dtype is torch.float16:
+        writer.add_tensor(name, tensor.numpy())
+    else:  # bf16: numpy has no bf16, so hand over the raw bytes with their GGML type
+        writer.add_tensor(name, tensor.view(torch.uint8).numpy(), raw_dtype=gguf.GGMLQuantizationType.BF16)
+
+
+def _add_rope_scaling(writer, gguf, cfg: ModelConfig) -> torch.Tensor | None:
+    """Write the RoPE scaling keys; llama3 scaling becomes a ``rope_freqs`` tensor (returned)."""
+    scaling = cfg.rope_scaling
+    if not scaling:
+        return None
+    kind = str(scaling.get("rope_type", scaling.get("type", "default"))).lower()
+    if kind == "default":
+        return None
+    if kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+        return None
+    if kind == "llama3":
+        return _llama3_rope_factors(cfg.rope_theta, cfg.head_dim, scaling)
+    raise ValueError(f"write_gguf: RoPE scaling {kind!r} is not supported")
+
+
+def _llama3_rope_factors(theta: float, head_dim: int, scaling: dict) -> torch.Tensor:
+    """Per-frequency divisors of llama3 RoPE scaling, as ``convert_hf_to_gguf.py`` computes them."""
+    factor = float(scaling.get("factor", 8.0))
+    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+    old_context = float(scaling.get("original_max_position_embeddings", 8192))
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            factors.append(1.0)
+        elif wavelen > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32)
+
+
+def _add_placeholder_vocab(writer, gguf, cfg: ModelConfig) -> None:
+    """A SentencePiece-style vocab of ``vocab_size`` unique tokens: specials, bytes, placeholders."""
+    types = gguf.TokenType
+    tokens: list[str] = ["<unk>", "<s>", "</s>"]
+    kinds: list[int] = [types.UNKNOWN, types.CONTROL, types.CONTROL]
+    if cfg.vocab_size >= len(tokens) + 256:  # byte tokens let llama.cpp find its newline token
+        tokens += [f"<0x{b:02X}>" for b in range(256)]
+        kinds += [types.BYTE] * 256
+    tokens += [f"<tok_{i}>" for i in range(len(tokens), cfg.vocab_size)]
+    kinds += [types.NORMAL] * (cfg.vocab_size - len(kinds))
+    tokens, kinds = tokens[: cfg.vocab_size], kinds[: cfg.vocab_size]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types([int(k) for k in kinds])
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(cfg.bos_token_id if cfg.bos_token_id is not None and cfg.bos_token_id < cfg.vocab_size else 1)
+    eos = cfg.eos_token_ids[0] if cfg.eos_token_ids and cfg.eos_token_ids[0] < cfg.vocab_size else 2
+    writer.add_eos_token_id(eos)

@@ -1,0 +1,419 @@
+"""OpenAI requests in, engine requests through the ``AsyncEngine``, OpenAI responses out.
+
+``OpenAIServing`` implements ``/v1/completions`` and ``/v1/chat/completions`` for the app:
+
+1. check the request (unsupported fields, the model name, sampling values) -> ``APIError``;
+2. tokenize on a dedicated tokenizer thread (never on the event loop, and one encode at a
+   time: Hugging Face fast tokenizers are not meant to be driven from many threads at once);
+3. check lengths against the context limit: a prompt that leaves no room, or ``max_tokens``
+   beyond the room left, is a 400 (``context_length_exceeded``), as in vLLM;
+4. queue the prompts as one group; the engine's own validation errors come back as 400s;
+5. answer: a full response, or server-sent events ending in ``data: [DONE]``: one event per
+   choice per engine step that produced a token (as vLLM), so clients can time every token;
+   its text may be empty while the detokenizer holds back an unfinished character or what
+   could be the start of a stop string.
+
+A client that goes away is noticed (the stream is cancelled by Starlette; a non-streaming
+request watches for ``http.disconnect``) and its requests are aborted, which frees their KV
+blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from ridge.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from ridge.sampling import SamplingParams
+from ridge.server.async_engine import AsyncEngine, EngineDeadError, OutputStream
+from ridge.server.protocol import (
+    APIError,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+    SamplingRequest,
+    bad_request,
+)
+
+DONE = "data: [DONE]\n\n"
+# HTTP 499 (nginx's "client closed request"): the status logged when a client leaves early.
+CLIENT_CLOSED = 499
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What the server needs beyond the engine.
+
+    ``served_model_names``: the names clients may ask for (the first is reported in
+    responses and metrics); ``api_key``: when set, ``/v1`` needs ``Authorization: Bearer``;
+    ``max_request_bytes``: larger bodies get a 413.
+    """
+
+    served_model_names: tuple[str, ...]
+    model_root: str | None = None
+    api_key: str | None = None
+    max_request_bytes: int = 8 * 2**20
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names or not all(isinstance(n, str) and n for n in self.served_model_names):
+            raise ValueError("served_model_names must hold at least one non-empty name")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+
+
+class ClientGone(Exception):
+    """The client disconnected before a non-streaming response was ready."""
+
+
+@dataclass
+class _Prompt:
+    text: str | None  # as given (None for token ids)
+    token_ids: list[int]
+
+
+def sse(payload: BaseModel) -> str:
+    """One server-sent event carrying ``payload`` as JSON."""
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+class OpenAIServing:
+    """The two generation endpoints over one ``AsyncEngine`` (see the module docstring)."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="ridge-tokenizer")
+
+    def close(self) -> None:
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_names[0]
+
+    # -- checks shared by both endpoints --------------------------------------------------
+    def _check_request(self, body: SamplingRequest) -> None:
+        if body.model is not None and body.model not in self.config.served_model_names:
+            raise APIError(404, f"The model {body.model!r} does not exist; this server serves "
+                           f"{', '.join(map(repr, self.config.served_model_names))}.",
+                           param="model", code="model_not_found")
+        problem = body.unsupported()
+        if problem is not None:
+            raise bad_request(problem[1], param=problem[0])
+
+    def _sampling_params(self, body: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            return body.sampling_params(max_tokens, logprobs)
+        except ValueError as exc:
+            raise bad_request(str(exc), param=_param_of(str(exc), body, {"logprobs": _logprobs_field(body)})) from None
+
+    def _check_length(self, prompt_len: int, max_tokens: int | None, prompt_param: str,
+                      max_param: str = "max_tokens") -> None:
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens, but the prompt has {prompt_len} tokens "
+                "(and at least one token must be generated). Please shorten the prompt.",
+                param=prompt_param, code="context_length_exceeded")
+        if max_tokens is not None and prompt_len + max_tokens > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
+                f"Please reduce the prompt or {max_param}.",
+                param=max_param, code="context_length_exceeded")
+
+    async def _on_tokenizer_thread(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+
+    async def _add(self, request_id: str, prompts: list[_Prompt], params: SamplingParams,
+                   arrival: float, prompt_param: str) -> OutputStream:
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        try:
+            return await self.engine.add_group(ids, [p.token_ids for p in prompts], params, arrival)
+        except ValueError as exc:
+            raise bad_request(str(exc), param=prompt_param) from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc)) from None
+
+    # -- /v1/completions ------------------------------------------------------------------
+    async def create_completion(self, body: CompletionRequest, raw: Request) -> CompletionResponse | AsyncIterator[str]:
+        arrival = time.monotonic()
+        self._check_request(body)
+        params = self._sampling_params(body, body.max_tokens, body.logprobs)
+        prompts = await self._completion_prompts(body.prompt)
+        for p in prompts:
+            self._check_length(len(p.token_ids), body.max_tokens, "prompt")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        stream = await self._add(request_id, prompts, params, arrival, "prompt")
+        ctx = _CompletionContext(request_id, int(time.time()), self.model_name, prompts, params, body.echo,
+                                 self.tokenizer)
+        if body.stream:
+            return self._completion_events(ctx, stream, body.include_usage)
+        finals = await _collect(stream, raw, len(prompts))
+        choices = []
+        for i, out in enumerate(finals):
+            echo = ctx.prompt_text(i) if body.echo else ""
+            for c in out.outputs:
+                choices.append(ctx.choice(i, c, echo + c.text, 0, len(c.token_ids)))
+        return CompletionResponse(id=request_id, created=ctx.created, model=ctx.model, choices=choices,
+                                  usage=_usage(finals))
+
+    async def _completion_prompts(self, prompt: Any) -> list[_Prompt]:
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise bad_request("prompt must not be empty", param="prompt")
+        out = []
+        for i, item in enumerate(items):
+            where = "prompt" if len(items) == 1 else f"prompt {i}"
+            if isinstance(item, str):
+                if not item:
+                    raise bad_request(f"{where} is empty", param="prompt")
+                out.append(_Prompt(item, await self._on_tokenizer_thread(self.tokenizer.encode, item)))
+            else:
+                if not item:
+                    raise bad_request(f"{where} has no token ids", param="prompt")
+                out.append(_Prompt(None, list(item)))
+        return out
+
+    async def _completion_events(self, ctx: "_CompletionContext", stream: OutputStream,
+                                 include_usage: bool) -> AsyncIterator[str]:
+        finals: list[RequestOutput | None] = [None] * len(ctx.prompts)
+        echoed: set[int] = set()
+        try:
+            async for i, out in stream:
+                for c in out.outputs:
+                    index = i * ctx.params.n + c.index
+                    text = c.delta_text
+                    if ctx.echo and index not in echoed:
+                        echoed.add(index)
+                        text = ctx.prompt_text(i) + text
+                    end = len(c.token_ids)
+                    start = end - len(c.delta_token_ids)
+                    if not text and c.finish_reason is None and start == end:
+                        continue  # no new token (a prefill chunk): nothing to say
+                    choice = ctx.choice(i, c, text, start, end)
+                    yield sse(CompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model,
+                                                 choices=[choice]))
+                if out.finished:
+                    finals[i] = out
+            if include_usage:
+                yield sse(CompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[],
+                                             usage=_usage(finals)))
+        except (EngineDeadError, RuntimeError) as exc:
+            yield sse(ErrorResponse(error=ErrorInfo(message=str(exc), type="server_error")))
+        finally:
+            stream.abort()  # a no-op when every request finished
+        yield DONE
+
+    # -- /v1/chat/completions -------------------------------------------------------------
+    async def create_chat_completion(self, body: ChatCompletionRequest,
+                                     raw: Request) -> ChatCompletionResponse | AsyncIterator[str]:
+        arrival = time.monotonic()
+        self._check_request(body)
+        max_tokens = body.max_output_tokens
+        params = self._sampling_params(body, max_tokens, body.num_logprobs)
+        messages = [m.for_template() for m in body.messages]
+        try:
+            token_ids = await self._on_tokenizer_thread(self._render_chat, messages, body.add_generation_prompt)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages") from None
+        self._check_length(len(token_ids), max_tokens, "messages",
+                           "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = await self._add(request_id, [_Prompt(None, token_ids)], params, arrival, "messages")
+        created = int(time.time())
+        top = body.top_logprobs or 0
+        if body.stream:
+            return self._chat_events(request_id, created, stream, params, top, body.include_usage)
+        (final,) = await _collect(stream, raw, 1)
+        choices = [
+            ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                       logprobs=_chat_logprobs(c, 0, len(c.token_ids), top) if params.logprobs is not None else None,
+                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            for c in final.outputs
+        ]
+        return ChatCompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
+                                      usage=_usage([final]))
+
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        # The template text may already hold bos: don't add special tokens again (as LLM.chat).
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def _chat_events(self, request_id: str, created: int, stream: OutputStream, params: SamplingParams,
+                           top: int, include_usage: bool) -> AsyncIterator[str]:
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+            return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices,
+                                           usage=usage))
+
+        final: RequestOutput | None = None
+        try:
+            for index in range(params.n):  # the role first, before any token (as OpenAI and vLLM)
+                yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+            async for _, out in stream:
+                for c in out.outputs:
+                    end = len(c.token_ids)
+                    start = end - len(c.delta_token_ids)
+                    if not c.delta_text and c.finish_reason is None and start == end:
+                        continue
+                    logprobs = _chat_logprobs(c, start, end, top) if params.logprobs is not None else None
+                    yield chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.delta_text or None),
+                                                  logprobs=logprobs, finish_reason=c.finish_reason,
+                                                  stop_reason=c.stop_reason)])
+                if out.finished:
+                    final = out
+            if include_usage:
+                yield chunk([], _usage([final]))
+        except (EngineDeadError, RuntimeError) as exc:
+            yield sse(ErrorResponse(error=ErrorInfo(message=str(exc), type="server_error")))
+        finally:
+            stream.abort()
+        yield DONE
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _CompletionContext:
+    request_id: str
+    created: int
+    model: str
+    prompts: list[_Prompt]
+    params: SamplingParams
+    echo: bool
+    tokenizer: Any
+
+    def prompt_text(self, i: int) -> str:
+        p = self.prompts[i]
+        return p.text if p.text is not None else self.tokenizer.decode(p.token_ids)
+
+    def choice(self, i: int, c: CompletionOutput, text: str, start: int, end: int) -> CompletionChoice:
+        """The choice for ``text`` and tokens ``[start, end)`` of completion ``c`` of prompt ``i``."""
+        logprobs = None
+        if self.params.logprobs is not None:
+            logprobs = _completion_logprobs(c, start, end)
+        return CompletionChoice(index=i * self.params.n + c.index, text=text, logprobs=logprobs,
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+
+def _entries(c: CompletionOutput, start: int, end: int) -> list[tuple[int, dict[int, Logprob]]]:
+    lps = c.logprobs or []
+    return [(c.token_ids[k], lps[k]) for k in range(start, min(end, len(lps)))]
+
+
+def _completion_logprobs(c: CompletionOutput, start: int, end: int) -> CompletionLogprobs:
+    """OpenAI's legacy logprobs for tokens ``[start, end)``; offsets count from the first of them."""
+    out = CompletionLogprobs()
+    lps = c.logprobs or []
+    offset = sum(len(_token_text(lps[k], c.token_ids[k])) for k in range(min(start, len(lps))))
+    for token_id, entry in _entries(c, start, end):
+        token = _token_text(entry, token_id)
+        out.tokens.append(token)
+        out.token_logprobs.append(entry[token_id].logprob)
+        out.top_logprobs.append({lp.decoded_token or "": lp.logprob for lp in entry.values()})
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
+
+
+def _chat_logprobs(c: CompletionOutput, start: int, end: int, top: int) -> ChatLogprobs:
+    content = []
+    for token_id, entry in _entries(c, start, end):
+        token = _token_text(entry, token_id)
+        ranked = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)[:top]
+        content.append(TokenLogprob(
+            token=token, logprob=entry[token_id].logprob, bytes=list(token.encode("utf-8")),
+            top_logprobs=[TopLogprob(token=lp.decoded_token or "", logprob=lp.logprob,
+                                     bytes=list((lp.decoded_token or "").encode("utf-8"))) for lp in ranked]))
+    return ChatLogprobs(content=content)
+
+
+def _token_text(entry: dict[int, Logprob], token_id: int) -> str:
+    return entry[token_id].decoded_token or ""
+
+
+def _usage(finals: Sequence[RequestOutput | None]) -> UsageInfo:
+    """Prompt tokens once per prompt (whatever n), completion tokens over every choice."""
+    done = [f for f in finals if f is not None]
+    return UsageInfo.of(sum(len(f.prompt_token_ids) for f in done),
+                        sum(len(c.token_ids) for f in done for c in f.outputs))
+
+
+def _logprobs_field(body: SamplingRequest) -> str:
+    return "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+
+
+def _param_of(message: str, body: BaseModel, renames: dict[str, str]) -> str | None:
+    """The request field a ``SamplingParams`` error names (its first word), if it is one."""
+    match = re.match(r"\w+", message)
+    if match is None:
+        return None
+    name = renames.get(match.group(0), match.group(0))
+    if isinstance(body, ChatCompletionRequest) and name == "max_tokens" and body.max_completion_tokens is not None:
+        name = "max_completion_tokens"
+    return name if name in type(body).model_fields else None
+
+
+async def _collect(stream: OutputStream, raw: Request, count: int) -> list[RequestOutput]:
+    """The final output of each request of the group; aborts them if the client leaves first."""
+    finals: list[RequestOutput | None] = [None] * count
+
+    async def consume() -> None:
+        async for i, out in stream:
+            if out.finished:
+                finals[i] = out
+
+    work = asyncio.ensure_future(consume())
+    gone = asyncio.ensure_future(_disconnected(raw))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            try:
+                work.result()
+            except EngineDeadError as exc:
+                raise APIError(503, str(exc)) from None
+            except RuntimeError as exc:
+                raise APIError(500, str(exc)) from None
+            return finals  # type: ignore[return-value]
+        raise ClientGone()
+    finally:
+        gone.cancel()
+        work.cancel()
+        stream.abort()
+
+
+async def _disconnected(raw: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so only that can come)."""
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
