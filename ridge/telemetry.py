@@ -47,6 +47,7 @@ class PhaseStats:
     flops: float = 0.0
     bytes: float = 0.0
     floor_s: float = 0.0  # roofline time: sum over steps of max(flops / peak, bytes / bw)
+    floored_wall_s: float = 0.0  # wall time of the steps priced with a known roofline
 
     @property
     def achieved_bytes_per_s(self) -> float:
@@ -58,7 +59,7 @@ class PhaseStats:
 
     @property
     def roofline_fraction(self) -> float:
-        return self.floor_s / self.wall_s if self.wall_s else 0.0
+        return self.floor_s / self.floored_wall_s if self.floored_wall_s else 0.0
 
     def to_json(self) -> dict:
         return {
@@ -100,6 +101,10 @@ class Telemetry:
         return rec.cost
 
     @property
+    def hardware_resolved(self) -> bool:
+        return self._hardware is not None
+
+    @property
     def hardware(self) -> Hardware:
         if self._hardware is None:
             self._hardware = self.hardware_fn()
@@ -110,7 +115,11 @@ class Telemetry:
         return max(cost.flops / hw.peak(self.compute_dtype), cost.bytes / hw.bandwidth_bytes_per_s)
 
     def phases(self) -> dict[str, PhaseStats]:
-        """Per-phase totals since the last reset (pricing any steps not yet priced)."""
+        """Per-phase totals since the last reset (pricing any steps not yet priced).
+
+        Roofline floors need the hardware: steps priced before it is resolved (a server
+        resolves it at start-up; ``report`` does first) count in FLOPs and bytes only.
+        """
         for rec in self._pending:
             cost = self.price(rec)
             stats = self._totals[rec.phase]
@@ -119,7 +128,9 @@ class Telemetry:
             stats.wall_s += rec.wall_s
             stats.flops += cost.flops
             stats.bytes += cost.bytes
-            stats.floor_s += self.floor_s(cost)
+            if self._hardware is not None:
+                stats.floor_s += self.floor_s(cost)
+                stats.floored_wall_s += rec.wall_s
         self._pending.clear()
         return self._totals
 

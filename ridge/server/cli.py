@@ -74,6 +74,7 @@ def run_serve(args: argparse.Namespace) -> int:
     sock = bind_socket(args.host, args.port)
     try:
         engine = LLMEngine(engine_config)
+        engine.telemetry.hardware  # the roofline for /metrics: probed (or read from cache) now, not at a scrape
         app = build_app(engine, config)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host

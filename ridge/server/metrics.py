@@ -12,20 +12,8 @@ Two kinds of metric, fed two ways:
   ``publish_state`` and renders. Each *state source* is a function ``engine -> [Sample]``;
   ``STATE_SOURCES`` lists the defaults.
 
-Adding gauges (e.g. the roofline telemetry's per-phase bandwidth and FLOP/s) is one function::
-
-    def telemetry_samples(engine) -> list[Sample]:
-        out = []
-        for phase, st in engine.telemetry.phases().items():
-            out += [Sample("ridge_achieved_bandwidth_bytes_per_second", "...", st.achieved_bytes_per_s,
-                           labels={"phase": phase}),
-                    Sample("ridge_roofline_fraction", "...", st.roofline_fraction, labels={"phase": phase})]
-        return out
-
-    build_app(engine, config, state_sources=(*STATE_SOURCES, telemetry_samples))
-
-A source runs on the engine thread, between steps: it must be quick (a hardware probe on the
-first scrape would stall serving; resolve such things at startup).
+Adding gauges is one function ``engine -> [Sample]`` in ``STATE_SOURCES``; ``telemetry_samples``
+(the steps on the roofline, per phase) is one.
 
 Every metric carries a ``model_name`` label (the first served name), as vLLM's do.
 """
@@ -95,7 +83,33 @@ def engine_state_samples(engine: LLMEngine) -> list[Sample]:
     return samples
 
 
-STATE_SOURCES: tuple[StateSource, ...] = (engine_state_samples,)
+def telemetry_samples(engine: LLMEngine) -> list[Sample]:
+    """The steps on the roofline, per phase (prefill, decode, mixed), since the engine started.
+
+    Achieved rates need only the analyzer's FLOPs and bytes; the roofline fraction also needs
+    the hardware, which ``ridge serve`` resolves at start-up (a scrape never probes).
+    """
+    telemetry = engine.telemetry
+    samples = []
+    for phase, stats in telemetry.phases().items():
+        labels = {"phase": phase}
+        samples += [
+            Sample("ridge_step_achieved_bandwidth_bytes_per_second",
+                   "Bytes the analyzer says the phase's steps move, per second of their wall time.",
+                   stats.achieved_bytes_per_s, labels),
+            Sample("ridge_step_achieved_flops_per_second",
+                   "FLOPs the analyzer says the phase's steps do, per second of their wall time.",
+                   stats.achieved_flops_per_s, labels),
+            Sample("ridge_steps", "Engine steps by phase.", stats.steps, labels, kind="counter"),
+        ]
+        if telemetry.hardware_resolved:
+            samples.append(Sample("ridge_step_roofline_fraction",
+                                  "Roofline time / wall time of the phase's steps (1 = at the hardware limit).",
+                                  stats.roofline_fraction, labels))
+    return samples
+
+
+STATE_SOURCES: tuple[StateSource, ...] = (engine_state_samples, telemetry_samples)
 
 
 class _StateCollector(Collector):

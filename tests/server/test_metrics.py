@@ -134,3 +134,22 @@ def test_state_sources_are_pluggable():
     (sample,) = families["ridge_achieved_bandwidth_bytes_per_second"].samples
     assert sample.labels == {"model_name": "m", "phase": "decode"} and sample.value == pytest.approx(1.5e9)
     assert STATE_SOURCES  # the defaults stay available to extend
+
+
+def test_roofline_telemetry_per_phase(server, http, client):
+    """The steps' achieved rates come from the analyzer; the fraction appears once the roofline is known."""
+    from ridge.roofline.hardware import resolve_hardware
+
+    client.completions.create(model=STORIES_NAME, prompt="Once upon a time", max_tokens=8, temperature=0,
+                              extra_body={"ignore_eos": True})
+    samples = scrape(http)
+    assert value(samples, "ridge_steps_total", phase="decode") >= 7
+    assert value(samples, "ridge_step_achieved_bandwidth_bytes_per_second", phase="decode") > 0
+    assert value(samples, "ridge_step_achieved_flops_per_second", phase="decode") > 0
+    telemetry = server.engine.telemetry
+    if not telemetry.hardware_resolved:  # as `ridge serve` does at start-up; a preset keeps the test fast
+        telemetry._hardware = resolve_hardware("h100-sxm")
+    client.completions.create(model=STORIES_NAME, prompt="The cat", max_tokens=8, temperature=0,
+                              extra_body={"ignore_eos": True})
+    fraction = value(scrape(http), "ridge_step_roofline_fraction", phase="decode")
+    assert 0 < fraction < 1
