@@ -1,7 +1,7 @@
-"""``python -m ridge.roofline analyze ...``: the same command without the rest of the CLI."""
+"""``python -m ridge.roofline ...``: ``ridge analyze ...``."""
 
 import sys
 
-from ridge.roofline.cli import main
+from ridge.cli import main
 
-sys.exit(main())
+sys.exit(main(["analyze", *sys.argv[1:]]))

@@ -205,16 +205,3 @@ def _run_matmul(args: argparse.Namespace, console) -> int:
 
         render_matmul_text(result, console, args.units)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (``python -m ridge.roofline analyze ...``), same errors as ``ridge``."""
-    parser = argparse.ArgumentParser(prog="ridge")
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    register(subparsers)
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, NotImplementedError) as exc:
-        print(f"ridge {args.command}: error: {exc}", file=sys.stderr)
-        return 2

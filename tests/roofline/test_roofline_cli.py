@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from ridge.cli import main as ridge_main
 from ridge.models.presets import PRESETS
 from ridge.roofline import cli
 from ridge.roofline.probe import ProbeSettings, local_hardware
@@ -15,7 +16,7 @@ CONTRACT_DECODE_KEYS = {"batch", "context_len", "flops", "bytes", "time_s", "tok
 
 def run(argv, capsys):
     """Run through the same parser wiring ``ridge.cli`` uses; returns (exit code, stdout, stderr)."""
-    code = cli.main(["analyze", *argv])
+    code = ridge_main(["analyze", *argv])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 

@@ -15,7 +15,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <sys/mman.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -49,6 +52,55 @@ inline void tile(const bf16* x, int64_t ldx, int64_t K, const bf16* wp, int64_t 
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NB; ++j) _mm512_storeu_ps(out + i * ldo + 16 * j, acc[i][j]);
+}
+
+// Small M (decode): one block at a time, so each thread reads one contiguous stream of W
+// (blocks are stored one after another) -- the pattern DRAM and the hardware prefetcher
+// serve best. Four accumulators per row over consecutive k-pairs keep the FMAs independent.
+template <int MR>
+inline void stream_block(const bf16* x, int64_t ldx, int64_t K, const bf16* wp, int64_t KP, float* out, int64_t ldo) {
+  constexpr int U = 4;
+  __m512 acc[MR][U];
+  for (int i = 0; i < MR; ++i)
+    for (int u = 0; u < U; ++u) acc[i][u] = _mm512_setzero_ps();
+  const int64_t full_pairs = K / 2;
+  int64_t kp = 0;
+  for (; kp + U <= full_pairs; kp += U) {
+    __m512bh wv[U];
+    for (int u = 0; u < U; ++u) wv[u] = (__m512bh)_mm512_loadu_si512((const void*)(wp + (kp + u) * 32));
+    _mm_prefetch((const char*)(wp + (kp + PREFETCH_PAIRS) * 32), _MM_HINT_T0);
+    _mm_prefetch((const char*)(wp + (kp + PREFETCH_PAIRS + 2) * 32), _MM_HINT_T0);
+    for (int i = 0; i < MR; ++i)
+      for (int u = 0; u < U; ++u) {
+        const int32_t pair = *reinterpret_cast<const int32_t*>(x + i * ldx + 2 * (kp + u));
+        acc[i][u] = _mm512_dpbf16_ps(acc[i][u], (__m512bh)_mm512_set1_epi32(pair), wv[u]);
+      }
+  }
+  for (; kp < KP; ++kp) {  // the last few pairs (and a half pair when K is odd)
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void*)(wp + kp * 32));
+    for (int i = 0; i < MR; ++i) {
+      const int32_t pair = kp < full_pairs ? *reinterpret_cast<const int32_t*>(x + i * ldx + 2 * kp)
+                                           : *reinterpret_cast<const uint16_t*>(x + i * ldx + 2 * kp);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], (__m512bh)_mm512_set1_epi32(pair), wv);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    _mm512_storeu_ps(out + i * ldo,
+                     _mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(acc[i][2], acc[i][3])));
+}
+
+template <int MR>
+void gemv(const bf16* x, int64_t M, int64_t K, const bf16* wp, int64_t N, const float* bias, bf16* y) {
+  const int64_t blocks = (N + 15) / 16, KP = (K + 1) / 2;
+  at::parallel_for(0, blocks, 1, [&](int64_t b_begin, int64_t b_end) {
+    alignas(64) float buf[MR * 16];
+    for (int64_t b = b_begin; b < b_end; ++b) {
+      stream_block<MR>(x, K, K, wp + b * KP * 32, KP, buf, 16);
+      const int64_t n0 = b * 16, n_end = std::min<int64_t>(N, n0 + 16);
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t n = n0; n < n_end; ++n) y[i * N + n] = bf16(buf[i * 16 + n - n0] + (bias ? bias[n] : 0.f));
+    }
+  });
 }
 
 // Blocks [b0, b0 + nb) of all M rows (x padded to a multiple of MR rows).
@@ -87,10 +139,30 @@ void gemm(const bf16* x, int64_t M, int64_t K, const bf16* wp, int64_t N, const 
 
 }  // namespace
 
+// Packed weights live in 2 MiB pages where the kernel allows it: streaming gigabytes through
+// 4 KiB pages costs a TLB miss every 64 cache lines (torch's allocator does not ask for huge
+// pages, and transparent huge pages here are "madvise" only).
+static torch::Tensor huge_page_zeros(at::IntArrayRef shape, const at::TensorOptions& options) {
+  constexpr size_t kHuge = 2u << 20;
+  int64_t numel = 1;
+  for (auto d : shape) numel *= d;
+  const size_t bytes = static_cast<size_t>(numel) * 2;
+  if (bytes < kHuge) return torch::zeros(shape, options);
+  const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
+  void* ptr = nullptr;
+  if (posix_memalign(&ptr, kHuge, rounded) != 0) return torch::zeros(shape, options);
+  madvise(ptr, rounded, MADV_HUGEPAGE);  // before the first touch, so faults take huge pages
+  auto* bytes_ptr = static_cast<char*>(ptr);
+  at::parallel_for(0, static_cast<int64_t>(rounded / kHuge), 1, [&](int64_t b, int64_t e) {
+    std::memset(bytes_ptr + b * kHuge, 0, (e - b) * kHuge);
+  });
+  return torch::from_blob(ptr, shape, [](void* p) { std::free(p); }, options);
+}
+
 torch::Tensor pack_vnni(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.device().is_cpu(), "pack_vnni: (N, K) bf16 CPU");
   const int64_t N = w.size(0), K = w.size(1), NB = (N + 15) / 16, KP = (K + 1) / 2;
-  auto out = torch::zeros({NB, KP, 16, 2}, w.options());
+  auto out = huge_page_zeros({NB, KP, 16, 2}, w.options());
   auto wc = w.contiguous();
   const bf16* src = wc.data_ptr<bf16>();
   bf16* dst = out.data_ptr<bf16>();
@@ -129,14 +201,15 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
     bias_ptr = bias_f.data_ptr<float>();
   }
   // Rows of x in tiles of MR: pad to a whole number of tiles (zeros; their outputs are dropped).
-  const int64_t MR = M == 1 ? 1 : (M <= 4 ? 4 : 8);
+  const int64_t MR = M <= 2 ? M : (M <= 4 ? 4 : 8);
   const int64_t padded = (M + MR - 1) / MR * MR;
   if (padded != M) x2 = torch::cat({x2, torch::zeros({padded - M, K}, x2.options())});
   const bf16* xp = x2.data_ptr<bf16>();
   const bf16* wp = packed.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
-  if (MR == 1) gemm<1, 8>(xp, M, K, wp, N, bias_ptr, yp);
-  else if (MR == 4) gemm<4, 6>(xp, M, K, wp, N, bias_ptr, yp);
+  if (M == 1) gemv<1>(xp, M, K, wp, N, bias_ptr, yp);
+  else if (M == 2) gemv<2>(xp, M, K, wp, N, bias_ptr, yp);
+  else if (MR == 4) gemv<4>(xp, M, K, wp, N, bias_ptr, yp);
   else gemm<8, 3>(xp, M, K, wp, N, bias_ptr, yp);
   return y.view(out_shape);
 }
