@@ -8,7 +8,9 @@ with a message that names the offending value, so bad input fails before any wei
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -214,6 +216,12 @@ def _require_positive_int(obj: Any, *names: str) -> None:
         value = getattr(obj, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def default_cache_dir() -> Path:
+    """Where ridge caches what it measures or builds: ``$RIDGE_CACHE_DIR`` or ``~/.cache/ridge``."""
+    env = os.environ.get("RIDGE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "ridge"
 
 
 def resolve_device(name: str) -> torch.device:

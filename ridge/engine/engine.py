@@ -76,7 +76,7 @@ class LLMEngine:
         hf_config, model_dir = read_hf_config(config.model)
         model_config = ModelConfig.from_hf_config(hf_config, config.max_model_len)
         self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
-        loaded = load_model(hf_config, model_dir, self.dtype, self.device, config.max_model_len, config.seed)
+        loaded = load_model(hf_config, model_config, model_dir, self.dtype, self.device, config.max_model_len, config.seed)
         self.model = loaded.model
         self.model.set_kernels(select_kernels(config.kernels, self.device, self.dtype))
         self.model_config = loaded.config
@@ -119,7 +119,7 @@ class LLMEngine:
     @property
     def kv_bytes_per_block(self) -> int:
         cfg = self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         return 2 * cfg.num_layers * self.config.block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
     def _num_kv_blocks(self) -> int:
@@ -139,7 +139,7 @@ class LLMEngine:
         return blocks
 
     def _make_telemetry(self) -> Telemetry:
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         if self.device.type == "cuda":
             hardware_fn = functools.partial(cuda_hardware, self.device)
         else:

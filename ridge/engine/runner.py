@@ -13,7 +13,7 @@ import torch
 
 from ridge.engine.scheduler import SchedulerOutput
 from ridge.kv.manager import KVCacheManager
-from ridge.layers.attention import AttentionMetadata, PrefillChunk, decode_valid_mask
+from ridge.layers.attention import AttentionMetadata, PrefillChunk
 from ridge.models.llama import LlamaForCausalLM
 from ridge.sampling import Sampler
 
@@ -101,7 +101,6 @@ class ModelRunner:
             width = max(len(t) for t in decode_tables)
             meta.decode_block_tables = as_tensor([t + [0] * (width - len(t)) for t in decode_tables])
             meta.decode_context_lens = as_tensor(decode_lens)
-            meta.decode_mask = decode_valid_mask(meta.decode_context_lens, width * bs)
         return ForwardBatch(as_tensor(tokens), as_tensor(positions), meta, as_tensor(sample_rows), sample_ids)
 
     @torch.inference_mode()

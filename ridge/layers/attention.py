@@ -48,7 +48,7 @@ class AttentionMetadata:
     num_decode_tokens: int = 0  # the first D flat tokens are decodes
     decode_block_tables: torch.Tensor | None = None  # (D, max_blocks) long, padded with 0
     decode_context_lens: torch.Tensor | None = None  # (D,) long
-    decode_mask: torch.Tensor | None = None  # (D, 1, 1, L) bool: slot l < context_len (built once per step)
+    decode_mask: torch.Tensor | None = None  # (D, 1, 1, L) bool: slot l < context_len (torch path; built once per step)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 

@@ -18,13 +18,11 @@ from pathlib import Path
 
 import torch
 
+from ridge.config import default_cache_dir
+
 
 CSRC_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("linear_bf16.cpp", "decode_ops.cpp", "bindings.cpp")
-def cache_dir() -> Path:
-    return Path(os.environ.get("RIDGE_CACHE_DIR", Path.home() / ".cache" / "ridge"))
-
-
 def cpu_has_avx512_bf16() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
@@ -41,7 +39,7 @@ def build_extension():
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    build_dir = cache_dir() / "extensions" / f"torch-{torch.__version__}"
+    build_dir = default_cache_dir() / "extensions" / f"torch-{torch.__version__}"
     build_dir.mkdir(parents=True, exist_ok=True)
     return load(
         name="ridge_cpu",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ridge.layers.attention import AttentionMetadata, gather_context
+from ridge.layers.attention import AttentionMetadata, decode_valid_mask, gather_context
 from ridge.layers.linear import Linear, dense_linear
 from ridge.layers.rotary import RotaryEmbedding, rotate_half
 
@@ -57,6 +57,8 @@ class TorchKernels:
         #   q (D, Hkv, G, Dh) @ K^T (D, Hkv, Dh, L) -> scores (D, Hkv, G, L)
         qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * head_dim**-0.5
+        if meta.decode_mask is None:  # built by the first layer, shared by the rest of the step
+            meta.decode_mask = decode_valid_mask(meta.decode_context_lens, keys.shape[1])
         scores.masked_fill_(~meta.decode_mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         out = torch.matmul(probs, values.transpose(1, 2))  # (D, Hkv, G, Dh)

@@ -48,6 +48,7 @@ def read_hf_config(spec: str) -> tuple[dict, Path | None]:
 
 def load_model(
     hf_config: dict,
+    config: ModelConfig,
     model_dir: Path | None,
     dtype: torch.dtype,
     device: torch.device,
@@ -55,7 +56,6 @@ def load_model(
     seed: int = 0,
 ) -> LoadedModel:
     """Weights from ``model_dir``'s safetensors, or random ones (seeded) when it is None."""
-    config = ModelConfig.from_hf_config(hf_config, max_model_len)
     context_limit = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
     model = _empty_model(config, context_limit, dtype, device)
     if model_dir is None:

@@ -24,6 +24,8 @@ from typing import Callable
 
 import torch
 
+from ridge.config import default_cache_dir
+
 from ridge.roofline.hardware import GIB, Hardware, Measurement
 
 CACHE_FILE_NAME = "hardware-local.json"
@@ -55,11 +57,6 @@ class ProbeSettings:
         unknown = set(self.dtypes) - set(_TORCH_DTYPES)
         if unknown:
             raise ValueError(f"ProbeSettings: cannot probe dtypes {sorted(unknown)}")
-
-
-def default_cache_dir() -> Path:
-    env = os.environ.get("RIDGE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "ridge"
 
 
 def machine_fingerprint() -> dict[str, str | int]:
