@@ -8,8 +8,8 @@
 //
 // so one 64-byte load holds 16 outputs x one k-pair, vdpbf16ps multiplies it with a
 // broadcast pair of x and accumulates 16 outputs in one register: no horizontal sums, and
-// each block of 16 rows is one contiguous stream. A tile keeps MR rows of x x NB blocks
-// (MR x NB x 16 outputs) in registers; threads take contiguous groups of blocks.
+// each block of 16 rows is one contiguous stream. A tile keeps up to 16 rows of x x one
+// block (16 outputs each) in registers; threads take contiguous runs of blocks.
 //
 // Accumulation is fp32; the result is rounded once to bf16 (as F.linear does).
 #include <torch/extension.h>
@@ -24,7 +24,100 @@
 namespace {
 
 using bf16 = at::BFloat16;
-constexpr int64_t PREFETCH_PAIRS = 64;  // k-pairs ahead (4 KiB per block stream) into L1
+constexpr int64_t PREFETCH_PAIRS = 64;  // k-pairs ahead (4 KiB of the block's stream) into L1
+constexpr int64_t SMALL_M = 64;  // decode-sized batches stream; larger ones (prefill) tile
+
+// x rows of a tile, pair-major: xt[kp][i] = (x[i][2kp], x[i][2kp+1]) as one int32, so the MR
+// broadcasts of a k-pair come from one cache line and x streams through L1 in order.
+//
+//   x [MR][K]  ->  xt [K/2][MR]
+template <int MR, int U>
+inline void tile_block(const int32_t* xt, int64_t KP, const bf16* wp, float* out) {
+  __m512 acc[MR][U];
+  for (int i = 0; i < MR; ++i)
+    for (int u = 0; u < U; ++u) acc[i][u] = _mm512_setzero_ps();
+  int64_t kp = 0;
+  for (; kp + U <= KP; kp += U) {
+    __m512bh wv[U];
+    for (int u = 0; u < U; ++u) wv[u] = (__m512bh)_mm512_loadu_si512((const void*)(wp + (kp + u) * 32));
+    for (int u = 0; u < U; ++u) _mm_prefetch((const char*)(wp + (kp + u + PREFETCH_PAIRS) * 32), _MM_HINT_T0);
+    for (int u = 0; u < U; ++u)
+      for (int i = 0; i < MR; ++i)
+        acc[i][u] = _mm512_dpbf16_ps(acc[i][u], (__m512bh)_mm512_set1_epi32(xt[(kp + u) * MR + i]), wv[u]);
+  }
+  for (; kp < KP; ++kp) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void*)(wp + kp * 32));
+    for (int i = 0; i < MR; ++i)
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], (__m512bh)_mm512_set1_epi32(xt[kp * MR + i]), wv);
+  }
+  for (int i = 0; i < MR; ++i) {
+    __m512 sum = acc[i][0];
+    for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[i][u]);
+    _mm512_storeu_ps(out + i * 16, sum);
+  }
+}
+
+// A tile: rows [row0, row0 + rows) of x, padded to MR (4, 8, 12 or 16) zero rows.
+struct Tile {
+  int64_t row0, rows, mr, offset;  // offset: where its pair-major rows start in the xt buffer
+};
+
+// Tiles of 16 rows and one smaller last tile: the fewest zero rows, measured fastest at every M
+// from 1 to 64 here. 16 x 1 or MR x 2 accumulators (16-24 registers) per block of 16 outputs.
+std::vector<Tile> plan_tiles(int64_t M, int64_t KP) {
+  std::vector<Tile> tiles;
+  int64_t offset = 0;
+  for (int64_t r0 = 0; r0 < M; r0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, M - r0);
+    const int64_t mr = rows <= 4 ? 4 : rows <= 8 ? 8 : rows <= 12 ? 12 : 16;
+    tiles.push_back({r0, rows, mr, offset});
+    offset += KP * mr;
+  }
+  return tiles;
+}
+
+template <int MR>
+inline void run_tile(const Tile& t, const int32_t* xt, int64_t KP, const bf16* block, int64_t b, int64_t N,
+                     const float* bias, bf16* y) {
+  alignas(64) float buf[MR * 16];
+  tile_block<MR, MR == 16 ? 1 : 2>(xt + t.offset, KP, block, buf);
+  const int64_t n0 = b * 16, n_end = std::min<int64_t>(N, n0 + 16);
+  for (int64_t i = 0; i < t.rows; ++i) {
+    bf16* yrow = y + (t.row0 + i) * N;
+    for (int64_t n = n0; n < n_end; ++n) yrow[n] = bf16(buf[i * 16 + n - n0] + (bias ? bias[n] : 0.f));
+  }
+}
+
+// Threads take contiguous runs of blocks, so each reads one contiguous stream of W (the
+// pattern DRAM and the hardware prefetcher serve best); every tile of x passes over a block
+// while it is in cache, so W is read from memory once whatever M is.
+void gemm(const bf16* x, int64_t M, int64_t K, const bf16* wp, int64_t N, const float* bias, bf16* y) {
+  const int64_t blocks = (N + 15) / 16, KP = (K + 1) / 2;
+  const std::vector<Tile> tiles = plan_tiles(M, KP);
+  std::vector<int32_t> xt(tiles.back().offset + KP * tiles.back().mr, 0);
+  for (const Tile& t : tiles)
+    for (int64_t i = 0; i < t.rows; ++i) {
+      const uint16_t* row = reinterpret_cast<const uint16_t*>(x + (t.row0 + i) * K);
+      int32_t* dst = xt.data() + t.offset + i;
+      for (int64_t kp = 0; kp < KP; ++kp) {  // odd K: the last pair is (x[K-1], 0), as is the packed W
+        const uint32_t lo = row[2 * kp], hi = 2 * kp + 1 < K ? row[2 * kp + 1] : 0;
+        dst[kp * t.mr] = static_cast<int32_t>(lo | (hi << 16));
+      }
+    }
+  at::parallel_for(0, blocks, 1, [&](int64_t b_begin, int64_t b_end) {
+    for (int64_t b = b_begin; b < b_end; ++b) {
+      const bf16* block = wp + b * KP * 32;
+      for (const Tile& t : tiles) {
+        switch (t.mr) {
+          case 4: run_tile<4>(t, xt.data(), KP, block, b, N, bias, y); break;
+          case 8: run_tile<8>(t, xt.data(), KP, block, b, N, bias, y); break;
+          case 12: run_tile<12>(t, xt.data(), KP, block, b, N, bias, y); break;
+          default: run_tile<16>(t, xt.data(), KP, block, b, N, bias, y);
+        }
+      }
+    }
+  });
+}
 
 template <int MR, int NB>
 inline void tile(const bf16* x, int64_t ldx, int64_t K, const bf16* wp, int64_t KP, float* out, int64_t ldo) {
@@ -54,55 +147,8 @@ inline void tile(const bf16* x, int64_t ldx, int64_t K, const bf16* wp, int64_t 
     for (int j = 0; j < NB; ++j) _mm512_storeu_ps(out + i * ldo + 16 * j, acc[i][j]);
 }
 
-// Small M (decode): one block at a time, so each thread reads one contiguous stream of W
-// (blocks are stored one after another) -- the pattern DRAM and the hardware prefetcher
-// serve best. Four accumulators per row over consecutive k-pairs keep the FMAs independent.
-template <int MR>
-inline void stream_block(const bf16* x, int64_t ldx, int64_t K, const bf16* wp, int64_t KP, float* out, int64_t ldo) {
-  constexpr int U = 4;
-  __m512 acc[MR][U];
-  for (int i = 0; i < MR; ++i)
-    for (int u = 0; u < U; ++u) acc[i][u] = _mm512_setzero_ps();
-  const int64_t full_pairs = K / 2;
-  int64_t kp = 0;
-  for (; kp + U <= full_pairs; kp += U) {
-    __m512bh wv[U];
-    for (int u = 0; u < U; ++u) wv[u] = (__m512bh)_mm512_loadu_si512((const void*)(wp + (kp + u) * 32));
-    _mm_prefetch((const char*)(wp + (kp + PREFETCH_PAIRS) * 32), _MM_HINT_T0);
-    _mm_prefetch((const char*)(wp + (kp + PREFETCH_PAIRS + 2) * 32), _MM_HINT_T0);
-    for (int i = 0; i < MR; ++i)
-      for (int u = 0; u < U; ++u) {
-        const int32_t pair = *reinterpret_cast<const int32_t*>(x + i * ldx + 2 * (kp + u));
-        acc[i][u] = _mm512_dpbf16_ps(acc[i][u], (__m512bh)_mm512_set1_epi32(pair), wv[u]);
-      }
-  }
-  for (; kp < KP; ++kp) {  // the last few pairs (and a half pair when K is odd)
-    const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void*)(wp + kp * 32));
-    for (int i = 0; i < MR; ++i) {
-      const int32_t pair = kp < full_pairs ? *reinterpret_cast<const int32_t*>(x + i * ldx + 2 * kp)
-                                           : *reinterpret_cast<const uint16_t*>(x + i * ldx + 2 * kp);
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], (__m512bh)_mm512_set1_epi32(pair), wv);
-    }
-  }
-  for (int i = 0; i < MR; ++i)
-    _mm512_storeu_ps(out + i * ldo,
-                     _mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(acc[i][2], acc[i][3])));
-}
-
-template <int MR>
-void gemv(const bf16* x, int64_t M, int64_t K, const bf16* wp, int64_t N, const float* bias, bf16* y) {
-  const int64_t blocks = (N + 15) / 16, KP = (K + 1) / 2;
-  at::parallel_for(0, blocks, 1, [&](int64_t b_begin, int64_t b_end) {
-    alignas(64) float buf[MR * 16];
-    for (int64_t b = b_begin; b < b_end; ++b) {
-      stream_block<MR>(x, K, K, wp + b * KP * 32, KP, buf, 16);
-      const int64_t n0 = b * 16, n_end = std::min<int64_t>(N, n0 + 16);
-      for (int64_t i = 0; i < M; ++i)
-        for (int64_t n = n0; n < n_end; ++n) y[i * N + n] = bf16(buf[i * 16 + n - n0] + (bias ? bias[n] : 0.f));
-    }
-  });
-}
-
+// Prefill (M > 64): tiles of 8 rows x 3 blocks, each group of blocks in cache while every
+// tile of x passes (measured 5-15% faster than the streaming tiles at M = 256-1024).
 // Blocks [b0, b0 + nb) of all M rows (x padded to a multiple of MR rows).
 template <int MR, int NB>
 inline void tile_any_nb(int64_t nb, const bf16* x, int64_t ldx, int64_t K, const bf16* wp, int64_t KP, float* out,
@@ -114,7 +160,7 @@ inline void tile_any_nb(int64_t nb, const bf16* x, int64_t ldx, int64_t K, const
 }
 
 template <int MR, int NB>
-void gemm(const bf16* x, int64_t M, int64_t K, const bf16* wp, int64_t N, const float* bias, bf16* y) {
+void gemm_large_m(const bf16* x, int64_t M, int64_t K, const bf16* wp, int64_t N, const float* bias, bf16* y) {
   const int64_t blocks = (N + 15) / 16, KP = (K + 1) / 2;
   const int64_t groups = (blocks + NB - 1) / NB;
   const int64_t m_tiles = (M + MR - 1) / MR;
@@ -200,17 +246,12 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
     bias_f = bias->to(at::kFloat).contiguous();
     bias_ptr = bias_f.data_ptr<float>();
   }
-  // Rows of x in tiles of MR: pad to a whole number of tiles (zeros; their outputs are dropped).
-  // One row runs as two (a zero row): measured faster here, the 2-row loop keeps more loads
-  // in flight per cycle than the 1-row one.
-  const int64_t MR = M <= 2 ? 2 : (M <= 4 ? 4 : 8);
-  const int64_t padded = (M + MR - 1) / MR * MR;
+  if (M <= SMALL_M) {
+    if (M > 0) gemm(x2.data_ptr<bf16>(), M, K, packed.data_ptr<bf16>(), N, bias_ptr, y.data_ptr<bf16>());
+    return y.view(out_shape);
+  }
+  const int64_t padded = (M + 7) / 8 * 8;  // whole tiles of 8 rows (zeros; their outputs are dropped)
   if (padded != M) x2 = torch::cat({x2, torch::zeros({padded - M, K}, x2.options())});
-  const bf16* xp = x2.data_ptr<bf16>();
-  const bf16* wp = packed.data_ptr<bf16>();
-  bf16* yp = y.data_ptr<bf16>();
-  if (MR == 2) gemv<2>(xp, M, K, wp, N, bias_ptr, yp);
-  else if (MR == 4) gemm<4, 6>(xp, M, K, wp, N, bias_ptr, yp);  // streaming 4 rows is FMA-bound
-  else gemm<8, 3>(xp, M, K, wp, N, bias_ptr, yp);
+  gemm_large_m<8, 3>(x2.data_ptr<bf16>(), M, K, packed.data_ptr<bf16>(), N, bias_ptr, y.data_ptr<bf16>());
   return y.view(out_shape);
 }
