@@ -32,6 +32,14 @@ inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// 16 fp32 -> 16 bf16, round to nearest even (as c10::BFloat16 rounds)
+inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+inline void store16(bf16* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, to_bf16(v)); }
+// round 16 fp32 to bf16 precision, staying in fp32 (torch's bf16 ops round every result)
+inline __m512 round16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
+}
+
 // e^x for 16 lanes: Cephes' expf polynomial on x - n ln2, scaled by 2^n (rel. error ~1e-7).
 inline __m512 exp512(__m512 x) {
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
@@ -54,14 +62,26 @@ void check_bf16_cpu(const torch::Tensor& t, const char* name) {
 
 // y[row] = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))), as Hugging Face rounds in bf16.
 void rms_row(const bf16* x, const bf16* w, bf16* y, int64_t n, float eps) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = static_cast<float>(x[i]);
-    ss += v * v;
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = load16(x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
   }
+  float ss = _mm512_reduce_add_ps(acc);
+  for (int64_t j = i; j < n; ++j) ss += static_cast<float>(x[j]) * static_cast<float>(x[j]);
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i)
-    y[i] = bf16(static_cast<float>(w[i]) * round_bf16(static_cast<float>(x[i]) * inv));
+  const __m512 inv_v = _mm512_set1_ps(inv);
+  for (i = 0; i + 16 <= n; i += 16)
+    store16(y + i, _mm512_mul_ps(load16(w + i), round16(_mm512_mul_ps(load16(x + i), inv_v))));
+  for (; i < n; ++i) y[i] = bf16(static_cast<float>(w[i]) * round_bf16(static_cast<float>(x[i]) * inv));
+}
+
+// res = bf16(res + x), row-wise
+void add_row(bf16* res, const bf16* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) store16(res + i, _mm512_add_ps(load16(res + i), load16(x + i)));
+  for (; i < n; ++i) res[i] = bf16(static_cast<float>(res[i]) + static_cast<float>(x[i]));
 }
 
 }  // namespace
@@ -96,9 +116,8 @@ torch::Tensor add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::
   bf16* yp = y.data_ptr<bf16>();
   at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
-      bf16* res = rp + r * n;
-      for (int64_t i = 0; i < n; ++i) res[i] = bf16(static_cast<float>(res[i]) + static_cast<float>(xp[r * n + i]));
-      rms_row(res, wp, yp + r * n, n, (float)eps);
+      add_row(rp + r * n, xp + r * n, n);
+      rms_row(rp + r * n, wp, yp + r * n, n, (float)eps);
     }
   });
   return y;
@@ -145,24 +164,24 @@ torch::Tensor silu_mul_bf16(torch::Tensor gate_up) {
   auto y = torch::empty(out_shape, g.options());
   const bf16* gp = g.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
+  // silu in fp32, rounded to bf16, times up, rounded again: torch's F.silu(gate) * up in bf16
   at::parallel_for(0, rows * I, 4096, [&](int64_t b, int64_t e) {
-    std::vector<float> tmp(16);
     for (int64_t idx = b; idx < e;) {
       const int64_t r = idx / I, i = idx % I;
       const int64_t len = std::min<int64_t>({16, I - i, e - idx});
       const bf16* gate = gp + r * 2 * I + i;
       const bf16* up = gate + I;
+      bf16* out = yp + r * I + i;
       if (len == 16) {
-        __m512 gv = load16(gate);
-        __m512 act = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-        _mm512_storeu_ps(tmp.data(), act);
+        const __m512 gv = load16(gate);
+        const __m512 act = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        store16(out, _mm512_mul_ps(round16(act), load16(up)));
       } else {
         for (int64_t j = 0; j < len; ++j) {
           const float gvs = gate[j];
-          tmp[j] = gvs / (1.f + std::exp(-gvs));
+          out[j] = bf16(round_bf16(gvs / (1.f + std::exp(-gvs))) * static_cast<float>(up[j]));
         }
       }
-      for (int64_t j = 0; j < len; ++j) yp[r * I + i + j] = bf16(round_bf16(tmp[j]) * static_cast<float>(up[j]));
       idx += len;
     }
   });
