@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ridge.engine.scheduler import SchedulerOutput
@@ -78,17 +79,19 @@ class ModelRunner:
         for chunk in plan.chunks:
             req = chunk.request
             table = self.kv.block_table(req)
-            row = len(tokens)
-            tokens.extend(req.all_token_ids[chunk.start : chunk.end])
-            for pos in range(chunk.start, chunk.end):
-                positions.append(pos)
-                slots.append(table[pos // bs] * bs + pos % bs)
-            if chunk.num_new_tokens == 1:
+            start, end = chunk.start, chunk.end
+            if end - start == 1:  # a decode (or a one-token chunk): the common case, kept lean
+                tokens.append(req.all_token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
                 decode_tables.append(table)
-                decode_lens.append(chunk.end)
+                decode_lens.append(end)
             else:
-                table_t = torch.tensor(table, dtype=torch.long, device=self.device)
-                prefills.append(PrefillChunk(row, len(tokens), chunk.end, table_t))
+                row = len(tokens)
+                tokens.extend(req.all_token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, end))
+                prefills.append(PrefillChunk(row, len(tokens), end, torch.tensor(table, dtype=torch.long, device=self.device)))
             if chunk.samples:
                 sample_rows.append(len(tokens) - 1)
                 sample_ids.append(req.request_id)
@@ -98,8 +101,11 @@ class ModelRunner:
 
         meta = AttentionMetadata(slot_mapping=as_tensor(slots), num_decode_tokens=len(decode_tables), prefills=prefills)
         if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            meta.decode_block_tables = as_tensor([t + [0] * (width - len(t)) for t in decode_tables])
+            width = max(map(len, decode_tables))
+            padded = np.zeros((len(decode_tables), width), dtype=np.int64)
+            for i, table in enumerate(decode_tables):
+                padded[i, : len(table)] = table
+            meta.decode_block_tables = torch.from_numpy(padded).to(self.device)
             meta.decode_context_lens = as_tensor(decode_lens)
         return ForwardBatch(as_tensor(tokens), as_tensor(positions), meta, as_tensor(sample_rows), sample_ids)
 

@@ -33,6 +33,10 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self._req_blocks: dict[str, list[Block]] = {}
+        # Kept beside the blocks so a step reads them without rebuilding: each request's
+        # block ids (its block table) and how many of its leading blocks are hashed.
+        self._req_table: dict[str, list[int]] = {}
+        self._num_hashed: dict[str, int] = {}
         # Prefix-cache statistics, in tokens: what new requests asked for and what was found.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -73,20 +77,31 @@ class KVCacheManager:
 
         Returns False, changing nothing, when the pool cannot supply the blocks.
         """
-        blocks = self._req_blocks.setdefault(req.request_id, [])
+        rid = req.request_id
+        blocks = self._req_blocks.get(rid)
         num_hit_tokens = len(new_computed_blocks) * self.block_size
         total_tokens = req.num_computed_tokens + num_hit_tokens + num_new_tokens
+        if blocks and not new_computed_blocks and total_tokens <= len(blocks) * self.block_size:
+            # The usual decode step: the last block has room.
+            if self.enable_prefix_caching and total_tokens // self.block_size > self._num_hashed[rid]:
+                self._cache_full_blocks(req, blocks, total_tokens)
+            return True
+        if blocks is None:
+            blocks = self._req_blocks[rid] = []
+            self._req_table[rid] = []
+            self._num_hashed[rid] = 0
         needed = -(-total_tokens // self.block_size) - len(blocks) - len(new_computed_blocks)
         # Hits that sit unreferenced in the free queue stop being available once taken.
         hits_in_queue = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if max(needed, 0) > self.pool.num_free_blocks - hits_in_queue:
             if not blocks:
-                del self._req_blocks[req.request_id]
+                self._forget(rid)
             return False
         self.pool.touch(list(new_computed_blocks))
         blocks.extend(new_computed_blocks)
         if needed > 0:
             blocks.extend(self.pool.allocate(needed))
+        self._req_table[rid].extend(b.block_id for b in blocks[len(self._req_table[rid]) :])
         if self.enable_prefix_caching:
             self._cache_full_blocks(req, blocks, total_tokens)
         return True
@@ -95,17 +110,26 @@ class KVCacheManager:
         # Blocks full once this step's tokens are written can be shared from now on: the
         # step runs before any other request could read them.
         hashes = self._update_hashes(req)
-        for i in range(min(num_tokens // self.block_size, len(hashes))):
+        first = self._num_hashed[req.request_id]
+        last = min(num_tokens // self.block_size, len(hashes))
+        for i in range(first, last):
             if blocks[i].block_hash is None:
                 self.pool.cache(blocks[i], hashes[i])
+        self._num_hashed[req.request_id] = max(first, last)
+
+    def _forget(self, request_id: str) -> list[Block]:
+        self._req_table.pop(request_id, None)
+        self._num_hashed.pop(request_id, None)
+        return self._req_blocks.pop(request_id, [])
 
     def free(self, req) -> None:
         """Release the request's blocks, tail first, so a prefix outlives its suffix in the LRU."""
-        blocks = self._req_blocks.pop(req.request_id, [])
+        blocks = self._forget(req.request_id)
         self.pool.release(list(reversed(blocks)))
 
     def block_table(self, req) -> list[int]:
-        return [b.block_id for b in self._req_blocks.get(req.request_id, [])]
+        """The request's physical block ids, in order: kept up to date, read-only for callers."""
+        return self._req_table.get(req.request_id, [])
 
     # -- state --------------------------------------------------------------------------
     @property
@@ -127,6 +151,8 @@ class KVCacheManager:
         for blocks in self._req_blocks.values():
             for b in blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for rid, blocks in self._req_blocks.items():
+            assert self._req_table[rid] == [b.block_id for b in blocks], f"request {rid}: block table out of date"
         for block in self.pool.blocks:
             assert block.ref_cnt == refs.get(block.block_id, 0), (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {refs.get(block.block_id, 0)} requests"

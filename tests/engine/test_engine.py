@@ -84,6 +84,30 @@ def test_streamed_deltas_add_up_to_the_text(llm):
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finish_time
 
 
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_text_decoded_at_finish_equals_the_streamed_text(llm, include_stop):
+    """Non-streamed requests without stop strings are detokenized once, at the end."""
+    engine = llm.engine
+    first = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
+    stop_id = first.outputs[0].token_ids[5]  # ends the request on a token: hidden unless include_stop
+    params = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop_id],
+                            include_stop_str_in_output=include_stop)
+    long_params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    results = []
+    for params_ in (params, long_params):
+        engine.add_request("streamed", "Once upon a time", params_, stream=True)
+        engine.add_request("at-finish", "Once upon a time", params_, stream=False)
+        final = drain(engine)
+        streamed, at_finish = final["streamed"].outputs[0], final["at-finish"].outputs[0]
+        assert at_finish.token_ids == streamed.token_ids
+        assert at_finish.text == streamed.text and at_finish.finish_reason == streamed.finish_reason
+        assert at_finish.delta_text == at_finish.text  # one output, all of it
+        results.append(at_finish)
+    stopped, long = results
+    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == stop_id
+    assert long.finish_reason == "length" and len(long.token_ids) == 40 and long.text
+
+
 def test_stop_string_is_not_returned(llm):
     base = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=30), use_tqdm=False)[0]
     assert "Lily" in base.outputs[0].text
