@@ -4,7 +4,7 @@ Stock ``F.linear`` with one row reads bf16 weights at about half the memory band
 the AVX-512 machines ridge is developed on (see ``../shared/notes/cpu-matmul.md``); this
 kernel (``csrc/linear_bf16.cpp``, weights repacked at load into 16-row x 2-k blocks)
 streams them at ~95% and stays near the bandwidth floor up to batch 8; ``csrc/decode_ops.cpp``
-fuses the small ops around it. The extension is compiled with torch's cpp_extension the first time
+fuses the small ops around it (and gives float32 its paged decode attention). The extension is compiled with torch's cpp_extension the first time
 (about a minute) and cached on disk. Where it cannot be used (no AVX-512 BF16, no
 compiler, another dtype or device) ridge runs the torch ops.
 """
@@ -52,18 +52,18 @@ def build_extension():
 
 def select_kernels(kind: str, device: torch.device, dtype: torch.dtype):
     """'torch' -> TorchKernels; 'auto' -> ridge's CPU extension where it applies and builds."""
-    from ridge.layers.kernels import CpuBf16Kernels, TorchKernels
+    from ridge.layers.kernels import CpuKernels, TorchKernels
 
-    if kind == "torch" or device.type != "cpu" or dtype is not torch.bfloat16:
+    if kind == "torch" or device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         if kind == "ridge":
-            raise ValueError("kernels='ridge' runs bfloat16 on CPU only")
+            raise ValueError("kernels='ridge' runs bfloat16 or float32 on CPU only")
         return TorchKernels()
     if not cpu_has_avx512_bf16():
         if kind == "ridge":
             raise ValueError("kernels='ridge' needs a CPU with AVX-512 BF16")
         return TorchKernels()
     try:
-        return CpuBf16Kernels(build_extension())
+        return CpuKernels(build_extension())
     except Exception as exc:  # no compiler, no ninja, ...: fall back, loudly
         if kind == "ridge":
             raise ValueError(f"cannot build ridge's CPU kernels: {exc}") from None

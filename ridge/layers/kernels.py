@@ -1,10 +1,10 @@
 """The ops a step is made of, behind one object the model receives at load time.
 
 ``TorchKernels`` is the reference: plain torch, any dtype and device (the parity tests run
-it in float32 against Hugging Face). ``CpuBf16Kernels`` runs the same arithmetic with
-ridge's AVX-512 extension for bfloat16 on CPU: the streaming GEMM for decode and fused
-small ops (norms, RoPE, SiLU-gating, paged decode attention without a gathered copy),
-rounding where the torch path rounds.
+it in float32 against Hugging Face). ``CpuKernels`` runs the same arithmetic with
+ridge's AVX-512 extension on CPU: in bfloat16 the streaming GEMM for decode and fused
+small ops (norms, RoPE, SiLU-gating), rounding where the torch path rounds; in bfloat16 and
+float32 the paged decode attention, read from the pool without a gathered copy.
 """
 
 from __future__ import annotations
@@ -65,10 +65,11 @@ class TorchKernels:
         return out.reshape(num_seqs, num_heads, head_dim)
 
 
-class CpuBf16Kernels(TorchKernels):
-    """ridge's extension for bf16 on AVX-512 BF16 CPUs; anything else falls back to torch."""
+class CpuKernels(TorchKernels):
+    """ridge's extension on AVX-512 BF16 CPUs: bf16 throughout, float32 decode attention;
+    anything else falls back to torch."""
 
-    name = "ridge-cpu-bf16"
+    name = "ridge-cpu"
 
     def __init__(self, ext) -> None:
         self.ext = ext
@@ -122,8 +123,9 @@ class CpuBf16Kernels(TorchKernels):
 
     def decode_attention(self, q, k_cache, v_cache, meta):
         head_dim = q.shape[-1]
-        if q.dtype is not torch.bfloat16 or head_dim % 16 or head_dim > 256:
-            return super().decode_attention(q, k_cache, v_cache, meta)
-        return self.ext.paged_decode_attention_bf16(
-            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, head_dim**-0.5
-        )
+        args = (q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, head_dim**-0.5)
+        if q.dtype is torch.bfloat16 and head_dim % 16 == 0 and head_dim <= 256:
+            return self.ext.paged_decode_attention_bf16(*args)  # AVX-512, 16 lanes of a head at a time
+        if q.dtype in (torch.bfloat16, torch.float32):
+            return self.ext.paged_decode_attention(*args)
+        return super().decode_attention(q, k_cache, v_cache, meta)

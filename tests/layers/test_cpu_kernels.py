@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ridge import SamplingParams
 from ridge.layers.cpu_kernels import build_extension, cpu_has_avx512_bf16, select_kernels
-from ridge.layers.kernels import CpuBf16Kernels, TorchKernels
+from ridge.layers.kernels import CpuKernels, TorchKernels
 
 pytestmark = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU has no AVX-512 BF16")
 
@@ -66,17 +66,18 @@ def test_prepare_packs_linears_frees_dense_copies_but_keeps_a_tied_embedding(ker
 def test_select_kernels_choices():
     cpu = torch.device("cpu")
     assert type(select_kernels("torch", cpu, torch.bfloat16)) is TorchKernels
-    assert type(select_kernels("auto", cpu, torch.float32)) is TorchKernels
-    assert isinstance(select_kernels("auto", cpu, torch.bfloat16), CpuBf16Kernels)
-    with pytest.raises(ValueError, match="bfloat16 on CPU"):
-        select_kernels("ridge", cpu, torch.float32)
+    assert type(select_kernels("auto", cpu, torch.float16)) is TorchKernels
+    assert isinstance(select_kernels("auto", cpu, torch.bfloat16), CpuKernels)
+    assert isinstance(select_kernels("auto", cpu, torch.float32), CpuKernels)
+    with pytest.raises(ValueError, match="bfloat16 or float32 on CPU"):
+        select_kernels("ridge", cpu, torch.float16)
 
 
 # -- the fused decode ops against the torch reference path, in bf16 --------------------------
 
 @pytest.fixture(scope="module")
 def pair(kernel):
-    return TorchKernels(), CpuBf16Kernels(kernel)
+    return TorchKernels(), CpuKernels(kernel)
 
 
 def _bf16(*shape, seed=0):
@@ -117,6 +118,29 @@ def test_silu_mul(pair):
     ref, fast = pair
     gate_up = _bf16(3, 2 * 100, seed=5) * 4
     assert _ulps(fast.silu_mul(gate_up), ref.silu_mul(gate_up)) <= 1
+
+
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 8), (torch.float32, 64), (torch.bfloat16, 24)])
+@pytest.mark.parametrize("lens", [[1], [5, 40, 17]])
+def test_portable_decode_attention_any_head_size(pair, lens, dtype, dim):
+    """The portable kernel (any head size; float32 or bfloat16) against the gathered torch path."""
+    from ridge.layers.attention import AttentionMetadata, decode_valid_mask
+
+    ref, fast = pair
+    block_size, heads, kv_heads = 4, 6, 2
+    gen = torch.Generator().manual_seed(11)
+    k_cache, v_cache = (torch.randn(40, block_size, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+    width = max(-(-n // block_size) for n in lens)
+    tables = torch.randperm(40, generator=gen)[: len(lens) * width].view(len(lens), width)
+    context = torch.tensor(lens)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(len(lens), dtype=torch.long), num_decode_tokens=len(lens),
+                             decode_block_tables=tables, decode_context_lens=context,
+                             decode_mask=decode_valid_mask(context, width * block_size))
+    q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+    got = fast.decode_attention(q, k_cache, v_cache, meta)
+    want = ref.decode_attention(q, k_cache, v_cache, meta)
+    tol = 1e-5 if dtype is torch.float32 else 0.02
+    assert got.dtype == dtype and (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
 
 
 @pytest.mark.parametrize("lens", [[1], [5, 40, 17], [64, 3]])

@@ -10,6 +10,8 @@ void rope_bf16_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, tor
 torch::Tensor silu_mul_bf16(torch::Tensor gate_up);
 torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                           torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_vnni", &pack_vnni, "(N, K) bf16 -> (N/16, K/2, 16, 2) blocks for linear_bf16");
@@ -21,4 +23,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up for (T, 2I) -> (T, I)");
   m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16,
         "one query per sequence over its paged K/V, no gather");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "the same for any head size, float32 or bfloat16 (portable loops)");
 }

@@ -17,7 +17,9 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -268,5 +270,72 @@ torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache
         for (int64_t d = 0; d < D; ++d) op[(b * Hq + h * G + g) * D + d] = bf16(acc[g * D + d]);
     }
   });
+  return out;
+}
+
+// Any head size, float32 or bfloat16 (the AVX-512 kernel above takes multiples of 16 in
+// bf16): plain loops the compiler vectorizes, same order of operations and roundings.
+template <typename T>
+void paged_decode_attention_any(const T* qp, const T* kp, const T* vp, const int64_t* tp, const int64_t* lp, T* op,
+                                int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t max_blocks,
+                                float scale) {
+  constexpr bool kRound = std::is_same_v<T, bf16>;  // torch rounds bf16 matmul outputs and probabilities
+  const int64_t G = Hq / Hkv;
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), scores, acc(G * D);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t b = job / Hkv, h = job % Hkv, L = lp[b];
+      const int64_t* table = tp + b * max_blocks;
+      for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(qp[(b * Hq + h * G) * D + i]);
+      scores.assign(G * L, 0.f);
+      for (int64_t t = 0; t < L; ++t) {
+        const T* krow = kp + ((table[t / BS] * BS + t % BS) * Hkv + h) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          float dot = 0.f;
+          for (int64_t d = 0; d < D; ++d) dot += qf[g * D + d] * static_cast<float>(krow[d]);
+          scores[g * L + t] = (kRound ? round_bf16(dot) : dot) * scale;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = &scores[g * L];
+        const float mx = *std::max_element(s, s + L);
+        float total = 0.f;
+        for (int64_t t = 0; t < L; ++t) total += (s[t] = std::exp(s[t] - mx));
+        const float inv = 1.f / total;
+        for (int64_t t = 0; t < L; ++t) s[t] = kRound ? round_bf16(s[t] * inv) : s[t] * inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < L; ++t) {
+        const T* vrow = vp + ((table[t / BS] * BS + t % BS) * Hkv + h) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * L + t];
+          for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p * static_cast<float>(vrow[d]);
+        }
+      }
+      for (int64_t i = 0; i < G * D; ++i) op[(b * Hq + h * G) * D + i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(q.device().is_cpu() && (dtype == at::kFloat || dtype == at::kBFloat16), "decode_attention: float32 or bfloat16 CPU q");
+  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype, "decode_attention: cache dtype differs from q");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: contiguous caches expected");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), BS = k_cache.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0, "decode_attention: head sizes do not match the cache");
+  auto qc = q.contiguous();
+  auto tables = block_tables.to(at::kLong).contiguous();
+  auto lens = context_lens.to(at::kLong).contiguous();
+  auto out = torch::empty_like(qc);
+  if (dtype == at::kFloat)
+    paged_decode_attention_any<float>(qc.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                                      tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, Hq,
+                                      Hkv, D, BS, tables.size(1), static_cast<float>(scale));
+  else
+    paged_decode_attention_any<bf16>(qc.data_ptr<bf16>(), k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(),
+                                     tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<bf16>(), B, Hq,
+                                     Hkv, D, BS, tables.size(1), static_cast<float>(scale));
   return out;
 }
