@@ -295,10 +295,15 @@ class LLMEngine:
                 if stop is not None and not req.is_finished:
                     req.stop_reason = stop
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-            touched[seq.user_id] = self._requests[seq.user_id]
-        outputs = [self._make_output(user) for user in touched.values() if user.stream or user.finished]
+            # A user request finishes only in a step where one of its sequences finishes.
+            if seq.user_id not in touched and (req.is_finished or self._requests[seq.user_id].stream):
+                touched[seq.user_id] = self._requests[seq.user_id]
+        outputs = []
         for user in touched.values():
-            if user.finished:
+            finished = user.finished
+            if user.stream or finished:
+                outputs.append(self._make_output(user))
+            if finished:
                 del self._requests[user.request_id]
                 for seq in user.sequences:
                     self._sequence_of.pop(seq.request.request_id, None)

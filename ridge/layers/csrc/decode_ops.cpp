@@ -58,6 +58,27 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// softmax of one row of scores in place (fp32; exp 16 lanes at a time), probabilities
+// rounded to bf16 when the torch path computes them in bf16
+void softmax_row(float* s, int64_t L, bool round_to_bf16) {
+  float mx = -INFINITY;
+  for (int64_t t = 0; t < L; ++t) mx = std::max(mx, s[t]);
+  __m512 sum = _mm512_setzero_ps();
+  int64_t t = 0;
+  for (; t + 16 <= L; t += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(mx)));
+    _mm512_storeu_ps(s + t, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  float total = _mm512_reduce_add_ps(sum);
+  for (; t < L; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    total += s[t];
+  }
+  const float inv = 1.f / total;
+  for (int64_t u = 0; u < L; ++u) s[u] = round_to_bf16 ? round_bf16(s[u] * inv) : s[u] * inv;
+}
+
 void check_bf16_cpu(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16, name, ": bfloat16 CPU tensor expected");
 }
@@ -235,25 +256,7 @@ torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache
         }
       }
       // softmax per query head (fp32), probabilities rounded to bf16
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = &scores[g * L];
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < L; ++t) mx = std::max(mx, s[t]);
-        __m512 sum = _mm512_setzero_ps();
-        int64_t t = 0;
-        for (; t + 16 <= L; t += 16) {
-          __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(mx)));
-          _mm512_storeu_ps(s + t, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        float total = _mm512_reduce_add_ps(sum);
-        for (; t < L; ++t) {
-          s[t] = std::exp(s[t] - mx);
-          total += s[t];
-        }
-        const float inv = 1.f / total;
-        for (int64_t u = 0; u < L; ++u) s[u] = round_bf16(s[u] * inv);
-      }
+      for (int64_t g = 0; g < G; ++g) softmax_row(&scores[g * L], L, true);
       // out[g] = sum_t p[g][t] * v_t, fp32 accumulation, one bf16 rounding
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {
@@ -296,14 +299,7 @@ void paged_decode_attention_any(const T* qp, const T* kp, const T* vp, const int
           scores[g * L + t] = (kRound ? round_bf16(dot) : dot) * scale;
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = &scores[g * L];
-        const float mx = *std::max_element(s, s + L);
-        float total = 0.f;
-        for (int64_t t = 0; t < L; ++t) total += (s[t] = std::exp(s[t] - mx));
-        const float inv = 1.f / total;
-        for (int64_t t = 0; t < L; ++t) s[t] = kRound ? round_bf16(s[t] * inv) : s[t] * inv;
-      }
+      for (int64_t g = 0; g < G; ++g) softmax_row(&scores[g * L], L, kRound);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {
         const T* vrow = vp + ((table[t / BS] * BS + t % BS) * Hkv + h) * D;
