@@ -64,7 +64,8 @@ class PhaseStats:
     def to_json(self) -> dict:
         return {
             "steps": self.steps, "tokens": self.tokens, "wall_s": self.wall_s, "flops": self.flops,
-            "bytes": self.bytes, "floor_s": self.floor_s, "achieved_gb_per_s": self.achieved_bytes_per_s / 1e9,
+            "bytes": self.bytes, "floor_s": self.floor_s, "floored_wall_s": self.floored_wall_s,
+            "achieved_gb_per_s": self.achieved_bytes_per_s / 1e9,
             "achieved_gflop_per_s": self.achieved_flops_per_s / 1e9, "roofline_fraction": self.roofline_fraction,
         }
 

@@ -31,8 +31,10 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from ridge.engine.llm import LLM
 
-    if args.input_len < 1 or args.output_len < 2 or args.rounds < 1:
-        raise ValueError("need --input-len >= 1, --output-len >= 2, --rounds >= 1")
+    if args.input_len < 1 or args.output_len < 2 or args.rounds < 1 or args.warmup_rounds < 0:
+        raise ValueError("need --input-len >= 1, --output-len >= 2, --rounds >= 1, --warmup-rounds >= 0")
+    if any(b < 1 for b in args.batch or []):
+        raise ValueError("--batch must be >= 1")
     llm = LLM(args.model, **engine_options(args))
     results = [bench_latency(llm, batch, args.input_len, args.output_len, args.rounds, args.warmup_rounds)
                for batch in (args.batch or [1])]
@@ -56,7 +58,9 @@ def bench_latency(llm, batch: int, input_len: int, output_len: int, rounds: int,
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     prefill_rates, decode_ms, floors_ms, fractions, gbps, prefill_fracs, bandwidths = [], [], [], [], [], [], []
     for round_index in range(warmup_rounds + rounds):
-        prompts = random_prompts(batch, [input_len] * batch, engine.model_config.vocab_size, seed=round_index)
+        # Fresh prompts for every batch size and round: no prefix-cache hits across rounds.
+        seed = batch * 1000 + round_index
+        prompts = random_prompts(batch, [input_len] * batch, engine.model_config.vocab_size, seed=seed)
         bw_before = probe_bandwidth(probe).median if on_cpu else hardware.bandwidth_bytes_per_s
         telemetry.reset()
         llm.generate(prompts, params, use_tqdm=False)
@@ -69,7 +73,8 @@ def bench_latency(llm, batch: int, input_len: int, output_len: int, rounds: int,
         prefill = [r for r in records if r.phase != "decode"]
         decode = [r for r in records if r.phase == "decode" and len(r.decode_contexts) == batch]
         prefill_time = sum(r.wall_s for r in prefill)
-        prefill_rates.append(batch * input_len / prefill_time)
+        prefill_tokens = sum(n for r in prefill for n, _ in r.prefill_chunks)  # computed, not cached
+        prefill_rates.append(prefill_tokens / prefill_time)
         prefill_floor = sum(_floor(telemetry.price(r), peak, bandwidth) for r in prefill)
         prefill_fracs.append(prefill_floor / prefill_time)
         for r in decode:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
 from pathlib import Path
@@ -22,12 +23,27 @@ def register(subparsers) -> None:
     add_engine_args(p)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", default="16:256", help="prompt tokens: N or LO:HI (uniform)")
-    p.add_argument("--output-len", default="8:256", help="new tokens: N or LO:HI (uniform)")
+    p.add_argument("--output-len", default="8:256", help="new tokens: N or LO:HI")
+    p.add_argument("--output-dist", choices=OUTPUT_DISTRIBUTIONS, default="uniform",
+                   help="how output lengths spread over LO:HI: uniform, or log-uniform (many short, a long "
+                        "tail, like chat traffic)")
     p.add_argument("--dataset", type=Path, default=None,
                    help="JSONL with 'prompt' or 'prompt_token_ids', and 'output_len' (or 'max_tokens')")
     p.add_argument("--workload-seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.set_defaults(func=run)
+
+
+OUTPUT_DISTRIBUTIONS = ("uniform", "log-uniform")
+
+
+def draw_lengths(rng: random.Random, lo: int, hi: int, count: int, dist: str = "uniform") -> list[int]:
+    """``count`` integers in [lo, hi]: uniform, or log-uniform (uniform in log length)."""
+    if dist == "uniform":
+        return [rng.randint(lo, hi) for _ in range(count)]
+    if dist == "log-uniform":
+        return [min(hi, max(lo, round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))) for _ in range(count)]
+    raise ValueError(f"unknown length distribution {dist!r}; choose from {', '.join(OUTPUT_DISTRIBUTIONS)}")
 
 
 def make_workload(args: argparse.Namespace, vocab_size: int) -> tuple[list, list[int]]:
@@ -43,11 +59,13 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> tuple[list, list
                 outputs.append(int(row.get("output_len", row.get("max_tokens", 128))))
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise ValueError(f"{args.dataset}:{n + 1}: bad row ({exc})") from None
+        if not prompts:
+            raise ValueError(f"{args.dataset}: no requests in the file")
         return prompts[: args.num_prompts], outputs[: args.num_prompts]
     rng = random.Random(args.workload_seed)
     (in_lo, in_hi), (out_lo, out_hi) = parse_range(args.input_len), parse_range(args.output_len)
-    in_lens = [rng.randint(in_lo, in_hi) for _ in range(args.num_prompts)]
-    out_lens = [rng.randint(out_lo, out_hi) for _ in range(args.num_prompts)]
+    in_lens = draw_lengths(rng, in_lo, in_hi, args.num_prompts)
+    out_lens = draw_lengths(rng, out_lo, out_hi, args.num_prompts, getattr(args, "output_dist", "uniform"))
     return random_prompts(args.num_prompts, in_lens, vocab_size, args.workload_seed), out_lens
 
 
@@ -79,12 +97,17 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
+    parse_range(args.input_len), parse_range(args.output_len)  # bad flags fail before the model loads
     llm = LLM(args.model, **engine_options(args))
     prompts, output_lens = make_workload(args, llm.engine.model_config.vocab_size)
     result = bench_throughput(llm, prompts, output_lens)
     engine = llm.engine
     payload = {"model": args.model, "dtype": str(engine.dtype).replace("torch.", ""), "device": str(engine.device),
-               "scheduler": args.scheduler, "max_num_seqs": args.max_num_seqs, "machine": machine(), **result}
+               "scheduler": args.scheduler, "max_num_seqs": args.max_num_seqs, "machine": machine(),
+               "workload": {"num_prompts": len(prompts), "input_len": args.input_len, "output_len": args.output_len,
+                            "output_dist": args.output_dist, "dataset": str(args.dataset) if args.dataset else None,
+                            "seed": args.workload_seed},
+               **result}
     if args.json:
         print(dump_json(payload))
     else:

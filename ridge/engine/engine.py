@@ -266,11 +266,12 @@ class LLMEngine:
             return []
         out = self.runner.run(plan, self.scheduler.requests)
         outputs = self._postprocess(plan, out)
-        self.telemetry.record(
-            [(c.num_new_tokens, c.end) for c in plan.chunks if c.num_new_tokens > 1],
-            [c.end for c in plan.chunks if c.num_new_tokens == 1],
-            time.perf_counter() - start,
-        )
+        # A decode computes one generated token; anything else (a prompt chunk, even of one
+        # token, or a recompute after preemption) is prefill.
+        decodes = [c.end for c in plan.chunks if c.num_new_tokens == 1 and c.start >= c.request.num_prompt_tokens]
+        prefills = [(c.num_new_tokens, c.end) for c in plan.chunks
+                    if c.num_new_tokens > 1 or c.start < c.request.num_prompt_tokens]
+        self.telemetry.record(prefills, decodes, time.perf_counter() - start)
         return outputs
 
     def _postprocess(self, plan: SchedulerOutput, out) -> list[RequestOutput]:
