@@ -51,19 +51,20 @@ class LlamaAttention(nn.Module):
     def forward(self, x, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, step: StepInputs):
         ops = step.kernels
         tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = ops.matmul(x, self.qkv_proj)
         q_size, kv_size = self.qkv_proj.output_sizes[:2]
         v = qkv[:, q_size + kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q = self.q_norm(qkv[:, :q_size].view(tokens, self.num_heads, self.head_dim), ops)
-            k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(tokens, self.num_kv_heads, self.head_dim), ops)
+            q = ops.rms_norm(qkv[:, :q_size].view(tokens, self.num_heads, self.head_dim), self.q_norm.weight, self.q_norm.eps)
+            k = ops.rms_norm(qkv[:, q_size : q_size + kv_size].view(tokens, self.num_kv_heads, self.head_dim),
+                             self.k_norm.weight, self.k_norm.eps)
             q, k = ops.rope(q, step.rope), ops.rope(k, step.rope)
         else:
             # q and k heads side by side: one rotation for both
             qk = ops.rope(qkv[:, : q_size + kv_size].view(tokens, -1, self.head_dim), step.rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, ops.decode_attention)
-        return self.o_proj(out.flatten(1))
+        return ops.matmul(out.flatten(1), self.o_proj)
 
 
 class LlamaMLP(nn.Module):
@@ -74,7 +75,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        return ops.matmul(ops.silu_mul(ops.matmul(x, self.gate_up_proj)), self.down_proj)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -88,9 +89,10 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, h, kv_cache, meta, step: StepInputs) -> None:
         """h: the residual stream (T, hidden), updated in place."""
         ops = step.kernels
-        attn = self.self_attn(self.input_layernorm(h, ops), kv_cache, meta, step)
-        x = ops.add_rms_norm(attn, h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-        h.add_(self.mlp(x, ops))
+        norm, post_norm = self.input_layernorm, self.post_attention_layernorm
+        attn = self.self_attn.forward(ops.rms_norm(h, norm.weight, norm.eps), kv_cache, meta, step)
+        x = ops.add_rms_norm(attn, h, post_norm.weight, post_norm.eps)
+        h.add_(self.mlp.forward(x, ops))
 
 
 class LlamaModel(nn.Module):
@@ -125,13 +127,16 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)  # a fresh tensor: the residual stream, updated in place
         step = StepInputs(self.kernels, self.kernels.rope_state(self.model.rotary, positions, h.dtype))
+        # forward() and ops.matmul directly, not nn.Module.__call__: ~2 us each, ~10 per layer
+        # per step, and ridge registers no hooks.
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            layer(h, kv_cache, meta, step)
+            layer.forward(h, kv_cache, meta, step)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (R, hidden_size) rows that sample -> (R, vocab) logits."""
-        return self.lm_head(self.model.norm(hidden, self.kernels))
+        norm = self.model.norm
+        return self.kernels.matmul(self.kernels.rms_norm(hidden, norm.weight, norm.eps), self.lm_head)
 
     def set_kernels(self, kernels) -> None:
         """Run on ``kernels`` (``layers/kernels.py``): its matmul for every linear layer, its ops elsewhere."""
