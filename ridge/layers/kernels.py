@@ -124,7 +124,7 @@ class CpuKernels(TorchKernels):
     def decode_attention(self, q, k_cache, v_cache, meta):
         head_dim = q.shape[-1]
         args = (q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, head_dim**-0.5)
-        if q.dtype is torch.bfloat16 and head_dim % 16 == 0 and head_dim <= 256:
+        if q.dtype is torch.bfloat16 and head_dim % 16 == 0 and head_dim <= 256 and k_cache.numel() < 2**32:
             return self.ext.paged_decode_attention_bf16(*args)  # AVX-512, 16 lanes of a head at a time
         if q.dtype in (torch.bfloat16, torch.float32):
             return self.ext.paged_decode_attention(*args)

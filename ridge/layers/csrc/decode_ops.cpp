@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -76,7 +77,13 @@ void softmax_row(float* s, int64_t L, bool round_to_bf16) {
     total += s[t];
   }
   const float inv = 1.f / total;
-  for (int64_t u = 0; u < L; ++u) s[u] = round_to_bf16 ? round_bf16(s[u] * inv) : s[u] * inv;
+  const __m512 inv_v = _mm512_set1_ps(inv);
+  int64_t u = 0;
+  for (; u + 16 <= L; u += 16) {
+    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(s + u), inv_v);
+    _mm512_storeu_ps(s + u, round_to_bf16 ? round16(v) : v);
+  }
+  for (; u < L; ++u) s[u] = round_to_bf16 ? round_bf16(s[u] * inv) : s[u] * inv;
 }
 
 void check_bf16_cpu(const torch::Tensor& t, const char* name) {
@@ -105,6 +112,53 @@ void add_row(bf16* res, const bf16* x, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) store16(res + i, _mm512_add_ps(load16(res + i), load16(x + i)));
   for (; i < n; ++i) res[i] = bf16(static_cast<float>(res[i]) + static_cast<float>(x[i]));
+}
+
+
+// scores[g][t0 .. t0+n) for GN query heads of a group (see the kernel below for the layout)
+template <int GN>
+inline void qk_chunk(const int32_t* k32, __m512i vbase, const int32_t* qpairs, int64_t DP, float* scores, int64_t L,
+                     int64_t n, float scale) {
+  __m512 acc[GN];
+  for (int g = 0; g < GN; ++g) acc[g] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < DP; ++p) {
+    const __m512bh kv = (__m512bh)_mm512_i32gather_epi32(_mm512_add_epi32(vbase, _mm512_set1_epi32(p)), k32, 4);
+    for (int g = 0; g < GN; ++g) acc[g] = _mm512_dpbf16_ps(acc[g], kv, (__m512bh)_mm512_set1_epi32(qpairs[g * DP + p]));
+  }
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  for (int g = 0; g < GN; ++g)  // torch: bf16 matmul output, then * scale in fp32
+    _mm512_mask_storeu_ps(scores + g * L, valid, _mm512_mul_ps(round16(acc[g]), _mm512_set1_ps(scale)));
+}
+
+// out[g][d0 .. d0 + 16 DN) = sum_t p[g][t] v_t for GN heads, accumulators in registers
+template <int GN, int DN>
+inline void pv_block(const bf16* vp, const int64_t* table, int64_t BS, int64_t Hkv, int64_t h, int64_t D, int64_t d0,
+                     const float* probs, int64_t L, bf16* out) {
+  __m512 acc[GN][DN];
+  for (int g = 0; g < GN; ++g)
+    for (int j = 0; j < DN; ++j) acc[g][j] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; ++t) {
+    const bf16* vrow = vp + ((table[t / BS] * BS + t % BS) * Hkv + h) * D + d0;
+    __m512 vv[DN];
+    for (int j = 0; j < DN; ++j) vv[j] = load16(vrow + 16 * j);
+    for (int g = 0; g < GN; ++g) {
+      const __m512 pg = _mm512_set1_ps(probs[g * L + t]);
+      for (int j = 0; j < DN; ++j) acc[g][j] = _mm512_fmadd_ps(pg, vv[j], acc[g][j]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int j = 0; j < DN; ++j) store16(out + g * D + 16 * j, acc[g][j]);
+}
+
+template <int GN>
+inline void pv_any_dn(int64_t dn, const bf16* vp, const int64_t* table, int64_t BS, int64_t Hkv, int64_t h, int64_t D,
+                      int64_t d0, const float* probs, int64_t L, bf16* out) {
+  switch (dn) {
+    case 1: return pv_block<GN, 1>(vp, table, BS, Hkv, h, D, d0, probs, L, out);
+    case 2: return pv_block<GN, 2>(vp, table, BS, Hkv, h, D, d0, probs, L, out);
+    case 3: return pv_block<GN, 3>(vp, table, BS, Hkv, h, D, d0, probs, L, out);
+    default: return pv_block<GN, 4>(vp, table, BS, Hkv, h, D, d0, probs, L, out);
+  }
 }
 
 }  // namespace
@@ -232,45 +286,66 @@ torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t max_blocks = tables.size(1);
   bf16* op = out.data_ptr<bf16>();
-  const int64_t DV = D / 16;
   const float fscale = static_cast<float>(scale);
+  TORCH_CHECK(k_cache.numel() / 2 < (int64_t{1} << 31), "decode_attention: cache too large for 32-bit gathers");
 
+  // Scores, 16 tokens at a time: lane i of a gathered vector holds token i's (k[2p], k[2p+1])
+  // pair, so one vdpbf16ps with a broadcast (q[2p], q[2p+1]) adds two products to all 16
+  // scores -- no horizontal sums. Products of bf16 are exact in fp32, as in torch's matmul.
+  //
+  //   token t  ->  slot = table[t / BS] * BS + t % BS  ->  k_cache as int32 pairs at
+  //                (slot * Hkv + h) * D / 2 + p
+  const int64_t DP = D / 2;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), scores, acc(G * D);
+    std::vector<int32_t> qpairs(G * DP);
+    std::vector<float> scores;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / Hkv, h = job % Hkv;
       const int64_t L = lp[b];
       const int64_t* table = tp + b * max_blocks;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(qp[(b * Hq + h * G + g) * D + d]);
+      const int32_t* k32 = reinterpret_cast<const int32_t*>(kp);
+      std::memcpy(qpairs.data(), qp + (b * Hq + h * G) * D, G * D * sizeof(bf16));
       scores.assign(G * L, 0.f);
-      // scores[g][t] = bf16(q_g . k_t) * scale   (torch: bf16 matmul output, then * scale in fp32)
-      for (int64_t t = 0; t < L; ++t) {
-        const bf16* krow = kp + ((table[t / BS] * BS + t % BS) * Hkv + h) * D;
-        __m512 kv[16];
-        for (int64_t j = 0; j < DV; ++j) kv[j] = load16(krow + 16 * j);
-        for (int64_t g = 0; g < G; ++g) {
-          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(&qf[g * D]), kv[0]);
-          for (int64_t j = 1; j < DV; ++j) a = _mm512_fmadd_ps(_mm512_loadu_ps(&qf[g * D + 16 * j]), kv[j], a);
-          scores[g * L + t] = round_bf16(_mm512_reduce_add_ps(a)) * fscale;
+      for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        const int64_t n = std::min<int64_t>(16, L - t0);
+        alignas(64) int32_t base[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t t = t0 + std::min<int64_t>(i, n - 1);  // tail lanes repeat a valid token
+          base[i] = static_cast<int32_t>(((table[t / BS] * BS + t % BS) * Hkv + h) * DP);
+        }
+        const __m512i vbase = _mm512_load_si512(base);
+        for (int64_t g0 = 0; g0 < G; g0 += 8) {
+          const int32_t* qg = qpairs.data() + g0 * DP;
+          float* sg = &scores[g0 * L + t0];
+          switch (std::min<int64_t>(8, G - g0)) {
+            case 1: qk_chunk<1>(k32, vbase, qg, DP, sg, L, n, fscale); break;
+            case 2: qk_chunk<2>(k32, vbase, qg, DP, sg, L, n, fscale); break;
+            case 3: qk_chunk<3>(k32, vbase, qg, DP, sg, L, n, fscale); break;
+            case 4: qk_chunk<4>(k32, vbase, qg, DP, sg, L, n, fscale); break;
+            case 5: qk_chunk<5>(k32, vbase, qg, DP, sg, L, n, fscale); break;
+            case 6: qk_chunk<6>(k32, vbase, qg, DP, sg, L, n, fscale); break;
+            case 7: qk_chunk<7>(k32, vbase, qg, DP, sg, L, n, fscale); break;
+            default: qk_chunk<8>(k32, vbase, qg, DP, sg, L, n, fscale);
+          }
         }
       }
       // softmax per query head (fp32), probabilities rounded to bf16
       for (int64_t g = 0; g < G; ++g) softmax_row(&scores[g * L], L, true);
-      // out[g] = sum_t p[g][t] * v_t, fp32 accumulation, one bf16 rounding
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const bf16* vrow = vp + ((table[t / BS] * BS + t % BS) * Hkv + h) * D;
-        __m512 vv[16];
-        for (int64_t j = 0; j < DV; ++j) vv[j] = load16(vrow + 16 * j);
-        for (int64_t g = 0; g < G; ++g) {
-          const __m512 p = _mm512_set1_ps(scores[g * L + t]);
-          float* a = &acc[g * D];
-          for (int64_t j = 0; j < DV; ++j) _mm512_storeu_ps(a + 16 * j, _mm512_fmadd_ps(p, vv[j], _mm512_loadu_ps(a + 16 * j)));
+      // out[g] = sum_t p[g][t] * v_t, fp32 accumulation in registers (4 heads x up to 256 dims
+      // at a time), one bf16 rounding
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        bf16* out_g = op + (b * Hq + h * G + g0) * D;
+        const float* probs = &scores[g0 * L];
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+          const int64_t dn = std::min<int64_t>(4, (D - d0) / 16);
+          switch (std::min<int64_t>(4, G - g0)) {
+            case 1: pv_any_dn<1>(dn, vp, table, BS, Hkv, h, D, d0, probs, L, out_g + d0); break;
+            case 2: pv_any_dn<2>(dn, vp, table, BS, Hkv, h, D, d0, probs, L, out_g + d0); break;
+            case 3: pv_any_dn<3>(dn, vp, table, BS, Hkv, h, D, d0, probs, L, out_g + d0); break;
+            default: pv_any_dn<4>(dn, vp, table, BS, Hkv, h, D, d0, probs, L, out_g + d0);
+          }
         }
       }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) op[(b * Hq + h * G + g) * D + d] = bf16(acc[g * D + d]);
     }
   });
   return out;
