@@ -38,7 +38,7 @@ def main() -> int:
     parser.add_argument("--dists", default="uniform,log-uniform")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", type=Path, default=Path("benchmarks/continuous_vs_static.json"))
+    parser.add_argument("--json", type=Path, default=Path("benchmarks/continuous_vs_static_offline.json"))
     parser.add_argument("--png", type=Path, default=Path("benchmarks/continuous_vs_static_offline.png"))
     args = parser.parse_args()
 
