@@ -65,7 +65,7 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> tuple[list, list
     rng = random.Random(args.workload_seed)
     (in_lo, in_hi), (out_lo, out_hi) = parse_range(args.input_len), parse_range(args.output_len)
     in_lens = draw_lengths(rng, in_lo, in_hi, args.num_prompts)
-    out_lens = draw_lengths(rng, out_lo, out_hi, args.num_prompts, getattr(args, "output_dist", "uniform"))
+    out_lens = draw_lengths(rng, out_lo, out_hi, args.num_prompts, args.output_dist)
     return random_prompts(args.num_prompts, in_lens, vocab_size, args.workload_seed), out_lens
 
 

@@ -148,11 +148,10 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         refs: dict[int, int] = {}
-        for blocks in self._req_blocks.values():
-            for b in blocks:
-                refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for rid, blocks in self._req_blocks.items():
             assert self._req_table[rid] == [b.block_id for b in blocks], f"request {rid}: block table out of date"
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for block in self.pool.blocks:
             assert block.ref_cnt == refs.get(block.block_id, 0), (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {refs.get(block.block_id, 0)} requests"

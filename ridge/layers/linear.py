@@ -19,32 +19,25 @@ def dense_linear(x: torch.Tensor, layer: "Linear") -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose matmul is chosen by the engine's kernels (``matmul(x, layer)``).
+    """``nn.Linear`` whose matmul is the engine's kernels' (the model calls ``kernels.matmul(x, layer)``).
 
     Kernels may keep the weight in their own layout (``packed``, with ``unpack`` to get the
-    dense ``(out, in)`` matrix back) and free the dense copy: ``dense_weight()`` always works.
+    dense ``(out, in)`` matrix back) and free the dense copy: ``dense_weight()`` always works,
+    and so does calling the layer (through the dense weight; slow when packed, off the hot path).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self.matmul = dense_linear
         self.packed: torch.Tensor | None = None
         self.unpack = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self)
+        return F.linear(x, self.dense_weight(), self.bias)
 
     def dense_weight(self) -> torch.Tensor:
         if self.weight.numel() == 0 and self.packed is not None:
             return self.unpack(self.packed, self.out_features, self.in_features)
         return self.weight
-
-
-def set_matmul(model: nn.Module, matmul) -> None:
-    """Route every ``Linear`` of ``model`` through ``matmul(x, layer)``."""
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.matmul = matmul
 
 
 class PackedLinear(Linear):

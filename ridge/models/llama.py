@@ -15,7 +15,7 @@ from torch import nn
 from ridge.config import ModelConfig
 from ridge.layers.attention import AttentionMetadata, paged_attention
 from ridge.layers.kernels import TorchKernels
-from ridge.layers.linear import Linear, PackedLinear, set_matmul
+from ridge.layers.linear import Linear, PackedLinear
 from ridge.layers.norm import RMSNorm
 from ridge.layers.rotary import RotaryEmbedding
 
@@ -142,4 +142,3 @@ class LlamaForCausalLM(nn.Module):
         """Run on ``kernels`` (``layers/kernels.py``): its matmul for every linear layer, its ops elsewhere."""
         self.kernels = kernels
         kernels.prepare(self)
-        set_matmul(self, kernels.matmul)
