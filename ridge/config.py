@@ -104,7 +104,13 @@ class ModelConfig:
             raise ValueError(f"model config is missing {exc.args[0]!r}") from None
         head_dim = hf.get("head_dim") or hidden // heads
         max_pos = int(hf.get("max_position_embeddings", 2048))
-        limit = min(max_pos, max_model_len) if max_model_len else max_pos
+        if max_model_len is not None and max_model_len > max_pos:
+            # Positions past the trained range give wrong outputs: refuse, don't clamp silently.
+            raise ValueError(
+                f"max_model_len {max_model_len} is longer than the model's context "
+                f"(max_position_embeddings {max_pos}); pass max_model_len <= {max_pos}"
+            )
+        limit = max_model_len or max_pos
         _check_sliding_window(arch, hf, limit)
         rope_scaling = hf.get("rope_scaling") or None
         rope_theta = hf.get("rope_theta")

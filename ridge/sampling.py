@@ -20,6 +20,7 @@ generator over its own row only, so its tokens do not depend on what else is in 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import numbers
@@ -35,6 +36,8 @@ MAX_LOGPROBS = 20
 MIN_TEMPERATURE = 1e-2
 # torch.Generator.manual_seed accepts seeds in [-2**63, 2**64).
 _SEED_RANGE = (-(2**63), 2**64 - 1)
+# seed=-1 asks for a random seed (llama.cpp's convention, which its users expect).
+RANDOM_SEED = -1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -81,6 +84,8 @@ class SamplingParams:
     ``stop_token_ids`` a list of ints (``None`` -> ``[]``), ``top_k=0`` becomes ``-1``
     (disabled), ints given for float fields become floats, and ``0 < temperature < 0.01`` is
     raised to 0.01 with a warning (as vLLM does, to keep ``logits / T`` finite).
+    ``seed=-1`` means random, as in llama.cpp (it becomes ``None``); other seeds are kept
+    modulo 2**64, which is how ``torch.Generator.manual_seed`` reads them.
     """
 
     n: int = 1
@@ -122,7 +127,11 @@ class SamplingParams:
             setattr(self, name, _check_float(
                 name, getattr(self, name), ok=lambda v: -2 <= v <= 2, rule="in [-2, 2]"))
         self.seed = _check_int("seed", self.seed, lo=_SEED_RANGE[0], hi=_SEED_RANGE[1],
-                               allow_none=True, rule="in [-2**63, 2**64) or None")
+                               allow_none=True, rule="in [-2**63, 2**64), -1 (random) or None")
+        if self.seed == RANDOM_SEED:
+            self.seed = None
+        elif self.seed is not None:
+            self.seed %= 2**64  # manual_seed's own reading of a negative seed
         self.max_tokens = _check_int(
             "max_tokens", self.max_tokens, lo=1, allow_none=True, rule=">= 1 or None")
         self.min_tokens = _check_int("min_tokens", self.min_tokens, lo=0, rule=">= 0")
@@ -158,6 +167,13 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids must be a list of ints >= 0 or None, got {type(ids).__name__}")
         return [_check_int("stop_token_ids[]", t, lo=0, rule=">= 0") for t in ids]
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The params of sample ``index`` of ``n``: with a seed, each sample its own stream,
+        reproducibly (seed + index, wrapping at 2**64); without one, these params."""
+        if self.seed is None or index == 0:
+            return self
+        return dataclasses.replace(self, seed=(self.seed + index) % 2**64)
 
     @property
     def greedy(self) -> bool:

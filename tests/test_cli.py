@@ -33,3 +33,26 @@ def test_bad_model_path_is_one_line_and_exit_2(tmp_path):
 def test_invalid_sampling_value_exit_2():
     res = ridge("generate", "--model", "random:tiny", "--prompt", "hi", "--top-p", "1.5")
     assert res.returncode == 2 and "top_p" in res.stderr
+
+
+def test_undecodable_prompt_bytes_are_one_line_and_exit_2(stories_dir):
+    """printf 'Once \\xff upon': the shell hands over a byte that is not UTF-8 (it was a traceback)."""
+    res = subprocess.run([sys.executable, "-m", "ridge.cli", "generate", "--model", str(stories_dir),
+                          "--prompt", b"Once \xff upon", "--max-tokens", "4"], capture_output=True, timeout=300)
+    assert res.returncode == 2
+    lines = res.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and "0xff" in lines[0] and "not valid UTF-8" in lines[0], lines
+
+
+def test_max_model_len_beyond_the_model_is_refused(stories_dir):
+    res = ridge("generate", "--model", str(stories_dir), "--prompt", "hi", "--max-model-len", "100000")
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "max_position_embeddings 512" in lines[0], lines
+
+
+def test_logprob_tokens_keep_their_spaces(stories_dir):
+    res = ridge("generate", "--model", str(stories_dir), "--prompt", "Once upon a time", "--max-tokens", "4",
+                "--logprobs", "1")
+    assert res.returncode == 0, res.stderr
+    assert "' there'" in res.stdout, res.stdout

@@ -93,7 +93,8 @@ def test_normalization():
     assert p.stop == ["###"] and p.stop_token_ids == [7, 8]
     assert p.top_k == -1
     assert isinstance(p.temperature, float) and isinstance(p.top_p, float)
-    assert p.max_tokens is None and p.logprobs == 0 and p.seed == -3
+    assert p.max_tokens is None and p.logprobs == 0 and p.seed == 2**64 - 3  # manual_seed's reading
+    assert SamplingParams(seed=-1).seed is None  # -1 = random, as in llama.cpp
     assert SamplingParams(stop=["a", "bc"]).stop == ["a", "bc"]
     assert SamplingParams(temperature=0).greedy
     assert SamplingParams(frequency_penalty=0.1).has_penalties
@@ -438,3 +439,13 @@ def test_seeded_rows_also_follow_the_distribution():
     out = Sampler()(logits, [state(seed=s) for s in range(3000)])
     freq = torch.bincount(torch.tensor(out.token_ids), minlength=3).double() / 3000
     assert (freq - torch.softmax(torch.tensor([1.0, 0.0, -1.0]).double(), -1)).abs().max() < 0.04
+
+
+def test_each_sample_gets_its_own_seed_wrapping_at_2_to_the_64():
+    p = SamplingParams(n=3, seed=2**64 - 2)
+    assert [p.for_sample(i).seed for i in range(3)] == [2**64 - 2, 2**64 - 1, 0]
+    assert SamplingParams(n=3).for_sample(2).seed is None
+    # a negative seed is kept as manual_seed reads it: the same random stream
+    a = torch.Generator().manual_seed(SamplingParams(seed=-3).seed)
+    b = torch.Generator().manual_seed(-3)
+    assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))

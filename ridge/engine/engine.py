@@ -1,28 +1,28 @@
 """The engine: requests in, ``RequestOutput`` objects out, one step at a time.
 
-    step():  plan = scheduler.schedule()  ->  out = runner.run(plan)  ->  postprocess(plan, out)
+    step():  plan = scheduler.schedule()  ->  out = runner.run(plan)  ->  outputs of (plan, out)
 
-``add_request`` validates everything before a request is queued, so bad input raises
+The outputs are the ``OutputProcessor``'s work (text, stop strings, logprob texts).
+``add_request`` validates everything before it changes any state, so bad input raises
 ``ValueError`` for that request alone and never disturbs the others. The engine is not
 thread-safe: one thread (the ``LLM`` loop, or the server's engine loop) drives it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import os
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from ridge.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
-from ridge.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ridge.engine.output_processor import OutputProcessor, RequestState, SequenceState
+from ridge.engine.outputs import RequestOutput
 from ridge.engine.request import Request, RequestStatus
 from ridge.engine.runner import ModelRunner, allocate_kv_caches
-from ridge.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from ridge.engine.scheduler import Scheduler, SchedulerConfig
 from ridge.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer, load_tokenizer
 from ridge.kv.manager import KVCacheManager
 from ridge.layers.cpu_kernels import select_kernels
@@ -40,34 +40,10 @@ BYTES_TOKENIZER = "bytes"
 # max_num_seqs full-length sequences need.
 DEFAULT_KV_MEMORY_FRACTION = {"cpu": 0.25, "cuda": 0.80}
 
-
-@dataclass
-class _Sequence:
-    """One of a user request's n completions: the scheduler's request plus its text state."""
-
-    user_id: str
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[dict[int, Logprob]] | None
-    cumulative_logprob: float = 0.0
-    num_sent_tokens: int = 0
-    # Text only at the end: nobody reads it earlier (not streamed) and no stop string needs
-    # it. Saves a detokenizer call per sequence per step.
-    text_at_finish: bool = False
-
-
-@dataclass
-class _UserRequest:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    arrival_time: float
-    stream: bool = True  # an output every step (for streaming), or only the final one
-    sequences: list[_Sequence] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return all(s.request.is_finished for s in self.sequences)
+# Prompts longer than max_model_len x (the longest token's characters) x this are refused
+# before tokenizing. The margin covers normalizers that shorten text (NFKC ligatures, ...);
+# only a tokenizer that merges runs of unknown characters into one token could beat it.
+PROMPT_CHARS_MARGIN = 4
 
 
 class LLMEngine:
@@ -95,6 +71,10 @@ class LLMEngine:
         else:
             self.tokenizer = load_tokenizer(config.tokenizer or loaded.model_dir)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        # The longest prompt text worth tokenizing: no longer text fits in max_model_len tokens
+        # (the tokenizer's longest token, with a margin). Checked before tokenizing, so a huge
+        # prompt is refused at once instead of after seconds of tokenization.
+        self.max_prompt_chars = self.max_model_len * self.tokenizer.max_token_chars * PROMPT_CHARS_MARGIN
 
         cfg = self.model_config
         self.num_kv_blocks = self._num_kv_blocks()
@@ -114,8 +94,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.kv_caches, self.kv, Sampler(config.seed), self.device)
         self.telemetry = self._make_telemetry()
-        self._requests: dict[str, _UserRequest] = {}
-        self._sequence_of: dict[str, _Sequence] = {}  # scheduler request id -> sequence
+        self.output_processor = OutputProcessor(self.tokenizer, stop=self._stop_on_string)
         self._ids = itertools.count()
 
     # -- sizing -------------------------------------------------------------------------
@@ -167,25 +146,31 @@ class LLMEngine:
     ) -> str:
         """Validate and queue a request (n sequences); returns its id. Raises ValueError on bad input.
 
-        ``stream=False``: ``step`` returns this request's output only once it finishes
-        (``LLM.generate`` does this; a server streams).
+        Atomic: every check (ids, prompt, lengths, params) runs before any state changes, so
+        a refused request leaves the engine exactly as it was. ``stream=False``: ``step``
+        returns this request's output only once it finishes (``LLM.generate`` does this; a
+        server streams).
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self._requests:
+        if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        # n > 1: sequence ids "<id>#<index>", which another request's id may already hold.
+        seq_ids = [f"{request_id}#{i}" for i in range(params.n)] if params.n > 1 else [request_id]
+        taken = [sid for sid in seq_ids if self.output_processor.has_sequence(sid)]
+        if taken:
+            raise ValueError(f"request id {request_id!r} clashes with the running sequence {taken[0]!r}")
         prompt_text, prompt_ids = self._tokenize(prompt)
         max_tokens = self._resolve_max_tokens(prompt_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        user = _UserRequest(request_id, prompt_text, prompt_ids, arrival, stream)
-        for index in range(params.n):
-            seq_params = params
-            if params.n > 1 and params.seed is not None:  # each sample its own stream, reproducibly
-                seq_params = dataclasses.replace(params, seed=params.seed + index)
+
+        user = RequestState(request_id, prompt_text, prompt_ids, arrival, stream)
+        for index, seq_id in enumerate(seq_ids):
+            seq_params = params.for_sample(index)
             req = Request(
-                request_id=f"{request_id}#{index}" if params.n > 1 else request_id,
+                request_id=seq_id,
                 prompt_token_ids=list(prompt_ids),
                 sampling_params=seq_params,
                 max_tokens=max_tokens,
@@ -200,20 +185,32 @@ class LLMEngine:
                 stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
+            # Logprob tokens take their text from the detokenizer step by step.
+            text_at_finish = not stream and not params.stop and params.logprobs is None
             user.sequences.append(
-                _Sequence(request_id, req, detok, [] if params.logprobs is not None else None,
-                          text_at_finish=not stream and not params.stop)
+                SequenceState(request_id, req, detok, [] if params.logprobs is not None else None,
+                          text_at_finish=text_at_finish)
             )
-        self._requests[request_id] = user
+        # Nothing above changed the engine; from here on nothing can fail.
+        self.output_processor.add(user)
         for seq in user.sequences:
-            self._sequence_of[seq.request.request_id] = seq
             self.scheduler.add_request(seq.request)
         return request_id
+
+    def check_prompt_chars(self, num_chars: int) -> None:
+        """ValueError when a prompt of ``num_chars`` characters cannot fit the context."""
+        if num_chars > self.max_prompt_chars:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens, and the prompt has "
+                f"{num_chars} characters: more than {self.max_model_len} tokens of this tokenizer can hold "
+                f"(at most {self.tokenizer.max_token_chars} characters per token). Please shorten the prompt."
+            )
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
+            self.check_prompt_chars(len(prompt))
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
@@ -243,19 +240,18 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request (all its sequences); its blocks are free before the next step."""
-        user = self._requests.pop(request_id, None)
+        user = self.output_processor.remove(request_id)
         if user is None:
             return
         for seq in user.sequences:
             self.scheduler.abort(seq.request.request_id)
-            self._sequence_of.pop(seq.request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return bool(self.output_processor.requests)
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._requests)
+        return len(self.output_processor.requests)
 
     # -- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -265,7 +261,8 @@ class LLMEngine:
         if plan.is_empty:
             return []
         out = self.runner.run(plan, self.scheduler.requests)
-        outputs = self._postprocess(plan, out)
+        progressed = self.scheduler.update(plan, out.sampled)
+        outputs = self.output_processor.process(progressed, out.logprobs)
         # A decode computes one generated token; anything else (a prompt chunk, even of one
         # token, or a recompute after preemption) is prefill.
         decodes = [c.end for c in plan.chunks if c.num_new_tokens == 1 and c.start >= c.request.num_prompt_tokens]
@@ -274,96 +271,9 @@ class LLMEngine:
         self.telemetry.record(prefills, decodes, time.perf_counter() - start)
         return outputs
 
-    def _postprocess(self, plan: SchedulerOutput, out) -> list[RequestOutput]:
-        progressed = self.scheduler.update(plan, out.sampled)
-        touched: dict[str, _UserRequest] = {}
-        for req in progressed:
-            seq = self._sequence_of[req.request_id]
-            token = req.output_token_ids[-1]
-            if seq.logprobs is not None and req.request_id in out.logprobs:
-                seq.logprobs.append(self._logprob_entry(token, *out.logprobs[req.request_id]))
-                seq.cumulative_logprob += out.logprobs[req.request_id][0]
-            # Here a finished-stopped request stopped on eos or a stop token id: its text is not
-            # shown (stop strings are found just below, by the detokenizer).
-            stopped_on_token = req.status is RequestStatus.FINISHED_STOPPED
-            show_token = not stopped_on_token or req.sampling_params.include_stop_str_in_output
-            if seq.text_at_finish:
-                if req.is_finished:
-                    ids = req.output_token_ids if show_token else req.output_token_ids[:-1]
-                    seq.detokenizer.add_tokens(ids)
-            elif show_token:
-                stop = seq.detokenizer.add_tokens([token])
-                if stop is not None and not req.is_finished:
-                    req.stop_reason = stop
-                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-            # A user request finishes only in a step where one of its sequences finishes.
-            if seq.user_id not in touched and (req.is_finished or self._requests[seq.user_id].stream):
-                touched[seq.user_id] = self._requests[seq.user_id]
-        outputs = []
-        for user in touched.values():
-            finished = user.finished
-            if user.stream or finished:
-                outputs.append(self._make_output(user))
-            if finished:
-                del self._requests[user.request_id]
-                for seq in user.sequences:
-                    self._sequence_of.pop(seq.request.request_id, None)
-        return outputs
-
-    def _logprob_entry(self, token: int, lp: float, top: list[tuple[int, float]]) -> dict[int, Logprob]:
-        entry = {tid: Logprob(tlp, rank, self.tokenizer.decode([tid], skip_special_tokens=False))
-                 for rank, (tid, tlp) in enumerate(top, start=1)}
-        if token not in entry:
-            entry[token] = Logprob(lp, None, self.tokenizer.decode([token], skip_special_tokens=False))
-        return entry
-
-    def _make_output(self, user: _UserRequest) -> RequestOutput:
-        completions = []
-        for index, seq in enumerate(user.sequences):
-            req = seq.request
-            finished = req.is_finished
-            delta_ids = req.output_token_ids[seq.num_sent_tokens :]
-            seq.num_sent_tokens = req.num_output_tokens
-            completions.append(
-                CompletionOutput(
-                    index=index,
-                    text=seq.detokenizer.text,
-                    token_ids=list(req.output_token_ids),
-                    cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                    logprobs=seq.logprobs,
-                    finish_reason=req.status.value if finished else None,
-                    stop_reason=req.stop_reason,
-                    delta_text=seq.detokenizer.take_delta(finished=finished),
-                    delta_token_ids=delta_ids,
-                )
-            )
-        reqs = [s.request for s in user.sequences]
-
-        def earliest(name: str) -> float | None:
-            times = [getattr(r, name) for r in reqs if getattr(r, name) is not None]
-            return min(times) if times else None
-
-        def latest(name: str) -> float | None:
-            times = [getattr(r, name) for r in reqs if getattr(r, name) is not None]
-            return max(times) if times else None
-
-        metrics = RequestMetrics(
-            arrival_time=user.arrival_time,
-            first_scheduled_time=earliest("first_scheduled_time"),
-            first_token_time=earliest("first_token_time"),
-            last_token_time=latest("last_token_time"),
-            finish_time=latest("finish_time") if user.finished else None,
-        )
-        first = reqs[0]
-        return RequestOutput(
-            request_id=user.request_id,
-            prompt=user.prompt,
-            prompt_token_ids=user.prompt_token_ids,
-            outputs=completions,
-            finished=user.finished,
-            metrics=metrics,
-            num_cached_tokens=max(first.num_cached_tokens, 0),
-        )
+    def _stop_on_string(self, req: Request, stop: str) -> None:
+        req.stop_reason = stop
+        self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
 
 
 def _free_memory(device: torch.device) -> float:

@@ -56,8 +56,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Chat conversations rendered with the model's chat template (a plain one if it has none)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        tok = self.engine.tokenizer
-        prompts = [tok.encode(tok.apply_chat_template(conv), add_special_tokens=False) for conv in conversations]
+        prompts = [self.engine.tokenizer.encode_chat(conv) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _add_all(self, prompts: list, params: list[SamplingParams]) -> list[str]:

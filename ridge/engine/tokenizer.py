@@ -25,6 +25,7 @@ re-decoded, with the token just before the window as context.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import os
 import re
@@ -80,6 +81,9 @@ class TokenPiece:
     attach: Attach
     special: bool
     """True when ``decode(..., skip_special_tokens=True)`` drops this token."""
+    in_vocab: bool = True
+    """False for an id the tokenizer does not know (a model's padded vocabulary can
+    sample one): ``decode`` drops it before joining its neighbours, whatever the flags."""
 
 
 def _safe_boundary(prev: TokenPiece, cur: TokenPiece) -> bool:
@@ -118,6 +122,27 @@ def validate_messages(messages: Any) -> list[dict]:
     return out
 
 
+def check_text(text: object, what: str = "text") -> str:
+    """``text`` if it is a string of valid Unicode, else ValueError saying where it is not.
+
+    A JSON body can carry a lone surrogate (``"\\ud800"``), and a command line's undecodable
+    bytes arrive as surrogate escapes (``\\xff`` -> U+DCFF): neither can be encoded as UTF-8,
+    so no tokenizer can take them.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"{what} must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        char = ord(text[exc.start])
+        if 0xDC80 <= char <= 0xDCFF:  # surrogateescape: a byte that was not valid UTF-8
+            detail = f"the byte 0x{char - 0xDC00:02x}, which is not valid UTF-8"
+        else:
+            detail = f"a lone surrogate U+{char:04X}, which is not valid Unicode"
+        raise ValueError(f"{what} has {detail}, at character {exc.start}") from None
+    return text
+
+
 def render_plain_chat(messages: list[dict], add_generation_prompt: bool) -> str:
     """The fallback chat format for tokenizers without a template: one ``role: content``
     line per message, then ``assistant:`` when a reply is wanted."""
@@ -139,10 +164,14 @@ class BaseTokenizer(ABC):
     def __init__(self) -> None:
         self._pieces: dict[int, TokenPiece] = {}
 
-    @abstractmethod
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; with ``add_special_tokens`` the tokenizer's own
-        additions (usually a leading bos)."""
+        additions (usually a leading bos). Raises ValueError for text that is not valid
+        Unicode (see :func:`check_text`): every entry point (API, server, CLI) passes here."""
+        return self._encode(check_text(text), add_special_tokens)
+
+    @abstractmethod
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
 
     @abstractmethod
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -167,6 +196,12 @@ class BaseTokenizer(ABC):
     @abstractmethod
     def _make_piece(self, token_id: int) -> TokenPiece: ...
 
+    @property
+    @abstractmethod
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters of input text that one token encodes (the
+        longest token string): a text of C characters needs at least C / this tokens."""
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render a conversation to prompt text with the model's chat template, or with
         :func:`render_plain_chat` when it has none. The text may already contain bos, so
@@ -175,6 +210,13 @@ class BaseTokenizer(ABC):
         Raises ValueError for a malformed conversation or one the template rejects.
         """
         return self._render_chat(validate_messages(messages), add_generation_prompt)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation. A model's template writes its own special tokens
+        (bos among them), so its text is encoded without adding them again; the plain
+        fallback writes none, so its prompt gets bos as ``encode`` gives any other text."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=not self.has_chat_template)
 
     def piece(self, token_id: int) -> TokenPiece:
         """What the detokenizer needs to know about ``token_id`` (cached)."""
@@ -208,7 +250,7 @@ class Tokenizer(BaseTokenizer):
             eos.add(hf_tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -238,12 +280,21 @@ class Tokenizer(BaseTokenizer):
             raise ValueError(f"the chat template returned {type(text).__name__}, not text")
         return text
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        # Token strings are never shorter than the text they encode: byte-level BPE spells
+        # one character per byte, SentencePiece '<0x41>' is six for one byte, '▁the' is ' the'.
+        tokens = self.hf_tokenizer.convert_ids_to_tokens(list(range(self.vocab_size)))
+        return max([len(t) for t in tokens if t], default=1)
+
     def _make_piece(self, token_id: int) -> TokenPiece:
         text = self.decode([token_id], skip_special_tokens=False)
         # Probing decode itself, rather than reading special-token lists, matches exactly
         # what decode(..., skip_special_tokens=True) drops, whatever the backend.
         special = bool(text) and not self.decode([token_id], skip_special_tokens=True)
         token = self.hf_tokenizer.convert_ids_to_tokens(token_id)
+        if token is None:
+            return TokenPiece(text="", attach=Attach.FREE, special=False, in_vocab=False)
         if isinstance(token, str) and _BYTE_PIECE.fullmatch(token):
             attach = Attach.BYTE_RUN
         elif text.startswith(_REPLACEMENT):
@@ -273,7 +324,7 @@ class ByteTokenizer(BaseTokenizer):
         self.bos_token_id = self.BOS_ID
         self.eos_token_ids = frozenset({self.EOS_ID})
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         ids = [b + self.OFFSET for b in text.encode("utf-8")]
         return [self.BOS_ID, *ids] if add_special_tokens else ids
 
@@ -321,11 +372,15 @@ class ByteTokenizer(BaseTokenizer):
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return render_plain_chat(messages, add_generation_prompt)
 
+    @property
+    def max_token_chars(self) -> int:
+        return 1  # a character is at least one byte, and each byte is a token
+
     def _make_piece(self, token_id: int) -> TokenPiece:
         if 0 <= token_id < self.OFFSET:
             return TokenPiece(self.SPECIAL_TOKENS[token_id], Attach.FREE, special=True)
         if not self.OFFSET <= token_id < self.vocab_size:
-            return TokenPiece("", Attach.FREE, special=False)
+            return TokenPiece("", Attach.FREE, special=False, in_vocab=False)
         b = token_id - self.OFFSET
         # Only continuation bytes (10xxxxxx) can join the bytes before them; any other
         # byte starts a new character and settles whatever came before.
@@ -429,7 +484,7 @@ class IncrementalDetokenizer:
         self._ctx: list[int] = []
         self._ctx_text = ""
         for i in reversed(prompt_token_ids):
-            if not (self._skip and tokenizer.piece(i).special):
+            if self._kept(tokenizer.piece(i)):
                 self._ctx = [i]
                 self._ctx_text = self._decode([i])
                 break
@@ -439,6 +494,7 @@ class IncrementalDetokenizer:
         self._anchor = 0  # index in _ids where the window starts; a safe boundary
         self._window_text = ""
         self._streamed = 0  # characters of .text already returned by take_delta
+        self._token_cursor = 0  # characters of .text already returned by take_token_text
         self._stop_hit: str | None = None
         self._finished = False  # take_delta(finished=True) flushed everything
 
@@ -466,7 +522,7 @@ class IncrementalDetokenizer:
         old_len = len(self._ids)
         for i in map(int, token_ids):
             piece = self._tok.piece(i)
-            if self._skip and piece.special:
+            if not self._kept(piece):
                 continue
             self._ids.append(i)
             self._pieces.append(piece)
@@ -507,7 +563,28 @@ class IncrementalDetokenizer:
         self._streamed += n
         return pending[:n]
 
+    def take_token_text(self, final: bool = False) -> str:
+        """The text that the tokens added since the last call contribute to ``.text``: the
+        results of successive calls concatenate to ``.text`` (once one is taken with
+        ``final``, or after a stop, or up to the cut of a stop string). Text a later token
+        could still change (an open byte run, a trailing U+FFFD) is left for the token that
+        settles it. Logprob entries use this, one call per token; its cursor is its own, so
+        it does not disturb ``take_delta``.
+        """
+        pending = self._text_from(min(self._token_cursor, self._text_len()))
+        if not (final or self._stop_hit is not None or self._finished):
+            if self._pieces and self._pieces[-1].attach is Attach.BYTE_RUN:
+                pending = pending[: max(0, self._committed_len - self._token_cursor)]
+            pending = pending.rstrip(_REPLACEMENT)
+        self._token_cursor += len(pending)
+        return pending
+
     # -- internals -------------------------------------------------------------------
+
+    def _kept(self, piece: TokenPiece) -> bool:
+        """Whether decode keeps this token when joining: it drops unknown ids always, and
+        special tokens with skip_special_tokens, before its decoder joins the rest."""
+        return piece.in_vocab and not (self._skip and piece.special)
 
     def _text_len(self) -> int:
         return self._committed_len + len(self._window_text)

@@ -213,6 +213,7 @@ class Analysis:
     compute_bound_batch: int | None
     compute_bound_batch_linear: int | None
     sweep: tuple[SweepPoint, ...] = field(default=())
+    warnings: tuple[str, ...] = field(default=())  # setups the model or machine cannot run as asked
 
 
 class Analyzer:
@@ -351,7 +352,18 @@ def analyze(
         compute_bound_batch=compute_bound,
         compute_bound_batch_linear=compute_bound_linear,
         sweep=_sweep(az, workload, max_batch, compute_bound_linear),
+        warnings=_warnings(model, workload, max_batch),
     )
+
+
+def _warnings(model: ModelShape, workload: Workload, max_batch: int) -> tuple[str, ...]:
+    out = []
+    if model.max_context is not None and workload.final_context > model.max_context:
+        out.append(f"prompt + output ({workload.final_context} tokens) exceeds the model's context "
+                   f"({model.max_context} tokens): these figures describe a run the model cannot serve")
+    if max_batch < 1:
+        out.append("the model does not fit this hardware's memory at this context (see 'memory fit')")
+    return tuple(out)
 
 
 def _sweep(az: Analyzer, workload: Workload, max_batch: int, knee: int | None) -> tuple[SweepPoint, ...]:

@@ -77,6 +77,14 @@ def fmt_intensity(value: float) -> str:
     return f"{value:.3g}" if value < 1000 else f"{value:,.0f}"
 
 
+def fmt_params(value: float) -> str:
+    """A parameter count the way model cards write it: 260K, 1.10B, 7.2M."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if value >= scale:
+            return f"{value / scale:.3g}{suffix}" if value < 100 * scale else f"{value / scale:.0f}{suffix}"
+    return f"{value:.0f}"
+
+
 def fmt_count(value: float) -> str:
     return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.1f}"
 
@@ -112,6 +120,8 @@ def render_text(analysis: Analysis, console: Console, show_ops: bool = True) -> 
     console.print(f"[bold]model[/bold]     {a.model.name}: {_model_line(a)}")
     for note in a.model.notes:
         console.print(f"          note: {note}")
+    for warning in a.warnings:
+        console.print(f"[bold red]warning[/bold red]   {warning}")
     for i, line in enumerate(describe_hardware(a.hardware, a.roof, units)):
         console.print(("[bold]hardware[/bold]  " if i == 0 else "          ") + line)
     p = w.precision
@@ -135,9 +145,9 @@ def render_text(analysis: Analysis, console: Console, show_ops: bool = True) -> 
 
 def _model_line(a: Analysis) -> str:
     m = a.model
-    parts = [f"{a.params_total / 1e9:.2f}B params"]
+    parts = [f"{fmt_params(a.params_total)} params"]
     if m.is_moe:
-        parts.append(f"{a.params_active / 1e9:.2f}B active ({m.moe.experts_per_token} of {m.moe.num_experts} experts)")
+        parts.append(f"{fmt_params(a.params_active)} active ({m.moe.experts_per_token} of {m.moe.num_experts} experts)")
     attn = "MLA" if m.mla else ("MHA" if m.num_kv_heads == m.num_heads else f"GQA {m.num_heads}/{m.num_kv_heads}")
     parts.append(f"{m.num_layers} layers, d={m.hidden_size}, {attn}")
     return ", ".join(parts)
@@ -209,12 +219,21 @@ def _summary_table(a: Analysis) -> Table:
                                                  "KV reads grow with the batch")
          + "; " + _batch_or_never(a.compute_bound_batch_linear, "linear layers", "weight reads dominate")
          + f" (context {a.workload.mean_decode_context})"),
-        ("memory fit", f"largest batch {a.max_batch:,} (weights + KV at {a.workload.final_context} tokens "
-                       f"in {fmt_bytes(a.hardware.memory_bytes, units)})"),
+        ("memory fit", _memory_fit(a, units)),
     ]
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def _memory_fit(a: Analysis, units: str) -> str:
+    memory = fmt_bytes(a.hardware.memory_bytes, units)
+    if a.max_batch >= 1:
+        return f"largest batch {a.max_batch:,} (weights + KV at {a.workload.final_context} tokens in {memory})"
+    if a.weight_bytes_per_gpu >= a.hardware.memory_bytes:
+        return f"does not fit: the weights alone ({fmt_bytes(a.weight_bytes_per_gpu, units)}) exceed {memory}"
+    return (f"does not fit: weights ({fmt_bytes(a.weight_bytes_per_gpu, units)}) + one sequence's KV at "
+            f"{a.workload.final_context} tokens ({fmt_bytes(a.kv_bytes_per_sequence, units)}) exceed {memory}")
 
 
 def _batch_or_never(batch: int | None, what: str, why: str) -> str:
@@ -356,6 +375,7 @@ def analysis_to_json(a: Analysis) -> dict[str, Any]:
         "prefill": phase_to_json(a.prefill, a.roof),
         "decode": [phase_to_json(p, a.roof) for p in a.decode],
         "spec_verify": [phase_to_json(p, a.roof) for p in a.spec_verify],
+        "warnings": list(a.warnings),
         "summary": {
             "ttft_s": a.prefill.time_s,
             "decode_floor_s": a.decode_floor_s,

@@ -137,6 +137,7 @@ class ModelShape:
     o_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    max_context: int | None = None  # max_position_embeddings: the longest sequence it was trained for
     moe: MoEShape | None = None
     num_dense_layers: int | None = None
     mla: MLAShape | None = None
@@ -307,6 +308,7 @@ class ModelShape:
             o_bias=attention_bias and not qwen2_family and mla is None,
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=window,
+            max_context=int(config["max_position_embeddings"]) if config.get("max_position_embeddings") else None,
             moe=moe,
             num_dense_layers=dense_layers if moe is not None else None,
             mla=mla,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -80,6 +81,7 @@ def build_app(engine: LLMEngine, config: ServerConfig,
     app = FastAPI(title="ridge", version=__version__, lifespan=lifespan)
     app.state.ridge = state
     # The last added runs first: the key is checked before the body is read.
+    app.add_middleware(_JsonBody)
     app.add_middleware(_BodyLimit, limit=config.max_request_bytes, on_error=metrics.record_http_error)
     app.add_middleware(_ApiKey, api_key=config.api_key, on_error=metrics.record_http_error)
     _add_error_handlers(app, metrics)
@@ -150,17 +152,25 @@ def _reply(result) -> Response:
 # -- errors ------------------------------------------------------------------------------------
 
 
+class _ErrorJSON(JSONResponse):
+    """An error body in ASCII JSON: a message may quote what the client sent, lone
+    surrogates included, which UTF-8 cannot carry (the reply would become a 500)."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def _error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                     type: str | None = None, headers: dict | None = None) -> JSONResponse:
     err = APIError(status, message, param=param, code=code, type=type)
-    return JSONResponse(err.body(), status_code=status, headers=headers)
+    return _ErrorJSON(err.body(), status_code=status, headers=headers)
 
 
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         metrics.record_http_error(exc.status)
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return _ErrorJSON(exc.body(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -225,6 +235,25 @@ class _ApiKey:
         message = "Missing API key: send 'Authorization: Bearer <key>'." if not given else "Incorrect API key provided."
         response = _error_response(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
+
+
+class _JsonBody:
+    """The ``/v1`` bodies are JSON whatever the Content-Type says: ``curl -d`` sends
+    ``application/x-www-form-urlencoded``, and some clients send none (FastAPI would not
+    parse either as JSON and answer 422 "Input should be a valid dictionary")."""
+
+    JSON = b"application/json"
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].startswith("/v1"):
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            given = dict(scope["headers"]).get(b"content-type", b"")
+            if not given.split(b";")[0].strip().lower().endswith(b"json"):
+                scope = {**scope, "headers": [*headers, (b"content-type", self.JSON)]}
+        await self.app(scope, receive, send)
 
 
 class _BodyLimit:

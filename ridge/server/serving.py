@@ -3,12 +3,15 @@
 ``OpenAIServing`` implements ``/v1/completions`` and ``/v1/chat/completions`` for the app:
 
 1. check the request (unsupported fields, the model name, sampling values) -> ``APIError``;
-2. tokenize on a dedicated tokenizer thread (never on the event loop, and one encode at a
-   time: Hugging Face fast tokenizers are not meant to be driven from many threads at once);
-3. check lengths against the context limit: a prompt that leaves no room, or ``max_tokens``
+2. bound the prompt cheaply before tokenizing: more characters than ``max_model_len`` tokens
+   could hold is a 400 at once (``LLMEngine.max_prompt_chars``), so a megabyte prompt costs
+   nothing; text that is not valid Unicode (a lone surrogate) is a 400 too;
+3. tokenize on a small pool of tokenizer threads, each with its own copy of the tokenizer
+   (never on the event loop; a long prompt being tokenized does not hold up a short one);
+4. check lengths against the context limit: a prompt that leaves no room, or ``max_tokens``
    beyond the room left, is a 400 (``context_length_exceeded``), as in vLLM;
-4. queue the prompts as one group; the engine's own validation errors come back as 400s;
-5. answer: a full response, or server-sent events ending in ``data: [DONE]``: one event per
+5. queue the prompts as one group; the engine's own validation errors come back as 400s;
+6. answer: a full response, or server-sent events ending in ``data: [DONE]``: one event per
    choice per engine step that produced a token (as vLLM), so clients can time every token;
    its text may be empty while the detokenizer holds back an unfinished character or what
    could be the start of a stop string.
@@ -21,7 +24,9 @@ blocks before the next step.
 from __future__ import annotations
 
 import asyncio
+import copy
 import re
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -33,6 +38,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from ridge.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from ridge.engine.tokenizer import BaseTokenizer
 from ridge.sampling import SamplingParams
 from ridge.server.async_engine import AsyncEngine, EngineDeadError, OutputStream
 from ridge.server.protocol import (
@@ -59,6 +65,8 @@ from ridge.server.protocol import (
 )
 
 DONE = "data: [DONE]\n\n"
+# Prompts tokenized at once: a long one occupies a thread, the others go on.
+TOKENIZER_THREADS = 4
 # HTTP 499 (nginx's "client closed request"): the status logged when a client leaves early.
 CLIENT_CLOSED = 499
 
@@ -107,10 +115,11 @@ class OpenAIServing:
         self.config = config
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
-        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="ridge-tokenizer")
+        self._check_prompt_chars = engine.engine.check_prompt_chars  # reads only immutable sizes
+        self._tokenizers = _TokenizerPool(self.tokenizer, TOKENIZER_THREADS)
 
     def close(self) -> None:
-        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        self._tokenizers.close()
 
     @property
     def model_name(self) -> str:
@@ -147,8 +156,11 @@ class OpenAIServing:
                 f"Please reduce the prompt or {max_param}.",
                 param=max_param, code="context_length_exceeded")
 
-    async def _on_tokenizer_thread(self, fn: Callable, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+    def _bound_prompt(self, num_chars: int, param: str) -> None:
+        try:
+            self._check_prompt_chars(num_chars)
+        except ValueError as exc:
+            raise bad_request(str(exc), param=param, code="context_length_exceeded") from None
 
     async def _add(self, request_id: str, prompts: list[_Prompt], params: SamplingParams,
                    arrival: float, prompt_param: str) -> OutputStream:
@@ -196,7 +208,12 @@ class OpenAIServing:
             if isinstance(item, str):
                 if not item:
                     raise bad_request(f"{where} is empty", param="prompt")
-                out.append(_Prompt(item, await self._on_tokenizer_thread(self.tokenizer.encode, item)))
+                self._bound_prompt(len(item), "prompt")
+                try:
+                    ids = await self._tokenizers.run(lambda tok, text=item: tok.encode(text))
+                except ValueError as exc:
+                    raise bad_request(f"{where}: {exc}", param="prompt") from None
+                out.append(_Prompt(item, ids))
             else:
                 if not item:
                     raise bad_request(f"{where} has no token ids", param="prompt")
@@ -241,8 +258,10 @@ class OpenAIServing:
         max_tokens = body.max_output_tokens
         params = self._sampling_params(body, max_tokens, body.num_logprobs)
         messages = [m.for_template() for m in body.messages]
+        self._bound_prompt(sum(len(m["content"]) for m in messages), "messages")
         try:
-            token_ids = await self._on_tokenizer_thread(self._render_chat, messages, body.add_generation_prompt)
+            token_ids = await self._tokenizers.run(
+                lambda tok: tok.encode_chat(messages, add_generation_prompt=body.add_generation_prompt))
         except ValueError as exc:
             raise bad_request(str(exc), param="messages") from None
         self._check_length(len(token_ids), max_tokens, "messages",
@@ -262,11 +281,6 @@ class OpenAIServing:
         ]
         return ChatCompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
                                       usage=_usage([final]))
-
-    def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        # The template text may already hold bos: don't add special tokens again (as LLM.chat).
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def _chat_events(self, request_id: str, created: int, stream: OutputStream, params: SamplingParams,
                            top: int, include_usage: bool) -> AsyncIterator[str]:
@@ -300,6 +314,30 @@ class OpenAIServing:
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+
+class _TokenizerPool:
+    """Tokenization off the event loop, several at a time: a thread pool whose threads each
+    hold their own copy of the tokenizer (a Hugging Face tokenizer shared across threads can
+    fail with "Already borrowed" when one call changes its truncation settings)."""
+
+    def __init__(self, tokenizer: BaseTokenizer, threads: int) -> None:
+        self._local = threading.local()
+        self._tokenizer = tokenizer
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ridge-tokenizer")
+
+    def _call(self, fn: Callable[[BaseTokenizer], Any]) -> Any:
+        tok = getattr(self._local, "tokenizer", None)
+        if tok is None:
+            tok = self._local.tokenizer = copy.deepcopy(self._tokenizer)
+        return fn(tok)
+
+    async def run(self, fn: Callable[[BaseTokenizer], Any]) -> Any:
+        """``fn(tokenizer)`` on a tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._call, fn)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass

@@ -47,6 +47,74 @@ def test_bad_requests_raise_and_leave_the_others_alone(llm):
     engine.kv.check_integrity()
 
 
+def engine_state(engine) -> dict:
+    """Everything a refused add_request must leave as it was."""
+    engine.kv.check_integrity()
+    sched = engine.scheduler
+    return {
+        "requests": {rid: [s.request.request_id for s in st.sequences]
+                     for rid, st in engine.output_processor.requests.items()},
+        "scheduled": sorted(sched.requests), "waiting": [r.request_id for r in sched.waiting],
+        "running": [r.request_id for r in sched.running], "pool": engine.kv.pool.counts(),
+    }
+
+
+def test_every_refused_add_request_leaves_the_engine_whole(llm):
+    """Each refusal path of add_request, with requests in flight: nothing changes, and the
+    requests in flight finish as if alone (the bug: "a" with n=2, then "a#0", overwrote the
+    first request's sequence map and left the engine unfinished forever)."""
+    engine = llm.engine
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    engine.add_request("a", "Once upon a time", SamplingParams(n=2, temperature=0.0, max_tokens=8))
+    engine.add_request("b#1", "The dog", greedy)
+    engine.step()
+    before = engine_state(engine)
+    refusals = [
+        (("a", "hi", greedy), "already in use"),
+        (("a#0", "hi", greedy), "clashes"),
+        (("a#1", [5, 6], greedy), "clashes"),
+        (("b", "hi", SamplingParams(n=2)), "clashes"),
+        ((None, "hi", {"temperature": 0}), "SamplingParams"),
+        ((None, "", greedy), "empty"),
+        ((None, [], greedy), "empty"),
+        ((None, 3.5, greedy), "string or a list of token ids"),
+        ((None, [1, True], greedy), "string or a list of token ids"),
+        ((None, [1, 99999], greedy), "outside the vocabulary"),
+        ((None, [-1], greedy), "outside the vocabulary"),
+        ((None, "Once \ud800 upon", greedy), "lone surrogate U\\+D800"),
+        ((None, "Once \udcff upon", greedy), "byte 0xff"),
+        ((None, "x" * (engine.max_prompt_chars + 1), greedy), "characters"),
+        ((None, [5] * engine.max_model_len, greedy), "context limit"),
+    ]
+    for args, match in refusals:
+        with pytest.raises(ValueError, match=match):
+            engine.add_request(*args)
+        assert engine_state(engine) == before, args
+    final = drain(engine)
+    assert set(final) == {"a", "b#1"} and not engine.has_unfinished_requests()
+    assert engine.kv.pool.counts()["used"] == 0
+    alone = llm.generate(["Once upon a time"], greedy, use_tqdm=False)[0].outputs[0]
+    assert [c.token_ids for c in final["a"].outputs] == [alone.token_ids] * 2
+    assert [c.text for c in final["a"].outputs] == [alone.text] * 2
+
+
+def test_a_request_over_the_kv_pool_is_refused_atomically(stories_dir):
+    small = LLM(str(stories_dir), dtype="float32", num_kv_blocks=4, block_size=4)
+    before = engine_state(small.engine)
+    with pytest.raises(ValueError, match="KV blocks"):
+        small.engine.add_request("x", "Once upon a time", SamplingParams(max_tokens=50))
+    assert engine_state(small.engine) == before
+
+
+def test_untokenizable_text_is_a_value_error_everywhere(llm):
+    for bad in ("Once \ud800 upon", "\udcff"):
+        with pytest.raises(ValueError, match="not valid"):
+            llm.generate(bad, SamplingParams(max_tokens=2), use_tqdm=False)
+        with pytest.raises(ValueError, match="not valid"):
+            llm.chat([{"role": "user", "content": bad}], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0), dict(top_k=-2), dict(n=0)],

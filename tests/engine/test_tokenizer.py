@@ -13,145 +13,27 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from tests.engine.conftest import (
+    ALL,
+    CHATML,
+    GPT2,
+    GPT2_VECTORS,
+    MULTIBYTE,
+    PIECES,
+    PROPERTY,
+    STORIES,
+    id_lists,
+    interesting_ids,
+    need,
+    stream,
+    texts,
+)
 from ridge.engine.tokenizer import (
     Attach,
     ByteTokenizer,
     IncrementalDetokenizer,
     load_tokenizer,
 )
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-# ../shared beside the checkout (this file is tests/engine/, two levels below the root).
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
-STORIES = SHARED / "models" / "stories260K"
-GPT2 = SHARED / "models" / "gpt2-tokenizer"
-GPT2_VECTORS = GPT2 / "ggml-vocab-gpt-2.gguf"
-
-PROPERTY = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
-
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-# Text that exercises multi-byte UTF-8: accents (2 bytes), CJK (3), emoji (4), ZWJ, VS16.
-MULTIBYTE = "Führer ça 日本語 😀🎉 👍🏽 😶\u200d🌫️ 🦙 ½"
-# Pieces of generated text: ASCII, accents, CJK, emoji (one with a variation selector);
-# no U+FFFD of their own.
-PIECES = [*"ab cé\nü日本語😀🦙.,", "🌫️"]
-
-
-def texts(min_size: int = 0, max_size: int = 20):
-    return st.lists(st.sampled_from(PIECES), min_size=min_size, max_size=max_size).map("".join)
-
-
-def need(path: Path) -> Path:
-    if not path.exists():
-        pytest.skip(f"{path} is absent (the shared files live in ../shared beside the checkout)")
-    return path
-
-
-# -- fixtures ------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def stories():
-    return load_tokenizer(need(STORIES))
-
-
-@pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory) -> Path:
-    """vocab.json + merges.txt, plus the tokenizer_config.json AutoTokenizer needs."""
-    need(GPT2)
-    d = tmp_path_factory.mktemp("gpt2")
-    shutil.copy(GPT2 / "vocab.json", d)
-    shutil.copy(GPT2 / "merges.txt", d)
-    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
-    return d
-
-
-@pytest.fixture(scope="module")
-def gpt2(gpt2_dir):
-    return load_tokenizer(gpt2_dir)
-
-
-@pytest.fixture(scope="module")
-def chat_dir(tmp_path_factory) -> Path:
-    """A tiny byte-level BPE with ChatML special tokens and a chat template, trained and
-    saved here so the test needs no files."""
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    raw = RawTokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    raw.train_from_iterator(["hello world", "the cat sat on the mat", "user assistant system"], trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>")
-    hf.chat_template = CHATML
-    d = tmp_path_factory.mktemp("chat")
-    hf.save_pretrained(d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def chat(chat_dir):
-    return load_tokenizer(chat_dir)
-
-
-@pytest.fixture(scope="module")
-def byte():
-    return ByteTokenizer()
-
-
-@pytest.fixture
-def tokenizer(request):
-    """The tokenizer fixture named by an indirect `tokenizer` parameter."""
-    return request.getfixturevalue(request.param)
-
-
-ALL = ["stories", "gpt2", "byte", "chat"]
-
-
-def interesting_ids(tok) -> list[int]:
-    """Ids a random draw would rarely hit together: specials, single bytes, the pieces
-    of multi-byte text, and one id past the vocabulary (a model's padded vocab)."""
-    ids = set(tok.encode(MULTIBYTE, add_special_tokens=False)) | set(tok.eos_token_ids)
-    ids |= set(range(min(tok.vocab_size, 259)))  # all four keep specials and single bytes low
-    if tok.bos_token_id is not None:
-        ids.add(tok.bos_token_id)
-    ids.add(tok.vocab_size + 5)
-    return sorted(ids)
-
-
-def id_lists(tok, max_size: int = 12):
-    """Random ids mixed with the pieces of valid text, so that complete characters,
-    split ones, invalid bytes and special tokens meet in every order."""
-    one = st.one_of(st.integers(0, tok.vocab_size - 1), st.sampled_from(interesting_ids(tok))).map(lambda i: [i])
-    valid = texts(1, 3).map(lambda t: tok.encode(t, add_special_tokens=False))
-    return st.lists(st.one_of(one, valid), max_size=max_size).map(lambda parts: [i for p in parts for i in p])
-
-
-def stream(detok, ids, chunk_sizes, take_points, finish=True):
-    """Feed ``ids`` in chunks, taking deltas where ``take_points`` says; return the deltas
-    (the last one taken with finished=True when ``finish``) and the stop string hit."""
-    deltas, stop, pos, step = [], None, 0, 0
-    while pos < len(ids) and stop is None:
-        size = chunk_sizes[step % len(chunk_sizes)] if chunk_sizes else 1
-        stop = detok.add_tokens(ids[pos : pos + size])
-        pos += size
-        if take_points and take_points[step % len(take_points)]:
-            deltas.append(detok.take_delta())
-        step += 1
-    if finish:
-        deltas.append(detok.take_delta(finished=True))
-    return deltas, stop
-
 
 # -- Tokenizer: stories260K (SentencePiece BPE with byte fallback) --------------------
 
@@ -311,6 +193,20 @@ def test_chat_template_from_model(chat):
 
 
 @pytest.mark.parametrize("tokenizer", ["stories", "byte"], indirect=True)
+def test_chat_prompts_start_with_bos_like_any_prompt(tokenizer):
+    """The fallback template writes no bos, so encode_chat adds it (the bug: it was dropped
+    while generate added it); a model's template writes its own, so none is added."""
+    ids = tokenizer.encode_chat(CONVERSATION)
+    assert ids[0] == tokenizer.bos_token_id
+    assert ids == tokenizer.encode(tokenizer.apply_chat_template(CONVERSATION))
+
+
+def test_a_model_template_is_encoded_without_added_special_tokens(chat):
+    text = chat.apply_chat_template(CONVERSATION)
+    assert chat.encode_chat(CONVERSATION) == chat.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("tokenizer", ["stories", "byte"], indirect=True)
 def test_chat_fallback_template(tokenizer):
     assert not tokenizer.has_chat_template
     assert tokenizer.apply_chat_template(CONVERSATION) == "system: Be brief.\nuser: hello\nassistant:"
@@ -374,6 +270,23 @@ def test_deltas_add_up_to_decode_of_random_ids(tokenizer):
         assert not any(d.endswith("\ufffd") for d in deltas[:-1])
 
     prop()
+
+
+@pytest.mark.parametrize("tokenizer", ALL, indirect=True)
+@pytest.mark.parametrize("skip", [False, True])
+def test_unknown_ids_are_dropped_before_joining_as_decode_does(tokenizer, skip):
+    """An id past the vocabulary between two pieces of one byte run: decode drops it and
+    joins the run (the case hypothesis found: stories [131, 517, 3] gave '\\ufffd\\x00')."""
+    tok = tokenizer
+    known = [i for i in interesting_ids(tok) if i < tok.vocab_size]
+    first = next(i for i in known if tok.piece(i).text == "\ufffd")  # a lone high byte
+    second = next((i for i in known if tok.piece(i).attach is Attach.BYTE_RUN), first)
+    unknown = tok.vocab_size + 5
+    for ids in ([first, unknown, second], [unknown, first, unknown, second, unknown], [unknown]):
+        for chunks in ([1], [len(ids)]):
+            detok = IncrementalDetokenizer(tok, [first], skip_special_tokens=skip)
+            deltas, _ = stream(detok, ids, chunks, [True])
+            assert detok.text == tok.decode(ids, skip_special_tokens=skip) == "".join(deltas)
 
 
 @pytest.mark.parametrize("tokenizer", ["stories", "gpt2", "chat"], indirect=True)

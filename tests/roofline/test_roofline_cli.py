@@ -132,3 +132,18 @@ def test_bad_input_is_one_line_and_exit_code_2(argv, message, capsys):
     code, _, err = run(argv, capsys)
     assert code == 2
     assert message in err and err.count("\n") == 1
+
+
+def test_small_models_warnings_and_a_model_that_does_not_fit(stories_dir, capsys):
+    """stories260K read "0.00B params"; a prompt past the model's context passed silently; a
+    model larger than memory read "largest batch 0"."""
+    code, out, _ = run(["--model", str(stories_dir), "--hardware", "h100-sxm", "--prompt-len", "2048"], capsys)
+    assert code == 0
+    assert "260K params" in out and "0.00B" not in out
+    assert "warning" in out and "exceeds the model's context (512 tokens)" in out
+    code, out, _ = run(["--model", str(stories_dir), "--hardware", "h100-sxm", "--prompt-len", "64", "--json"],
+                       capsys)
+    assert json.loads(out)["warnings"] == []
+    code, out, _ = run(["--model", "llama-2-70b", "--hardware", "rtx-4090"], capsys)
+    assert code == 0
+    assert "largest batch 0" not in out and "does not fit: the weights alone" in out

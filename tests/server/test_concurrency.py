@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
 
 from ridge import LLM, SamplingParams
-from tests.server.conftest import STORIES_NAME, TEST_THREADS
+from ridge.server.serving import ServerConfig
+from tests.server.conftest import STORIES_NAME, TEST_THREADS, RunningServer, stories_engine
 
 PROMPTS = [
     "Once upon a time", "The cat", "Lily and Ben", "One day, a little dog", "The sun was", "Tom had a red ball",
@@ -71,6 +73,8 @@ BAD = [
     ("/v1/chat/completions", {"model": STORIES_NAME}, 422),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400),
+    ("/v1/completions", b'{"prompt": "Once \\ud800 upon"}', 400),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc80"}], "stream": true}', 400),
 ]
 
 
@@ -113,3 +117,35 @@ def test_burst_of_bad_requests_between_good_ones(server, reference):
     for i, text in zip(range(1, 20, 2), second):
         assert text == reference[i].text
     server.wait_idle()
+
+
+@pytest.fixture(scope="module")
+def short_context_server(stories_dir):
+    srv = RunningServer(stories_engine(stories_dir, max_model_len=64, max_num_seqs=4), ServerConfig((STORIES_NAME,)))
+    yield srv
+    srv.stop()
+
+
+def test_a_huge_prompt_is_refused_at_once_and_stalls_no_one(short_context_server):
+    """7 MiB of prompt to a 64-token context: refused before tokenizing (it took 9 s, and a
+    concurrent "hi" waited 7.7 s behind it on the one tokenizer thread)."""
+    srv = short_context_server
+    huge = {"prompt": "Once upon a time. " * (7 * 2**20 // 18), "max_tokens": 4}
+    small = {"prompt": "hi", "max_tokens": 4, "temperature": 0}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=srv.base_url, timeout=120) as client:
+            start = time.monotonic()
+            big = asyncio.ensure_future(client.post("/v1/completions", json=huge))
+            await asyncio.sleep(0.05)
+            small_start = time.monotonic()
+            res = await client.post("/v1/completions", json=small)
+            small_s = time.monotonic() - small_start
+            big_res = await big
+            return res, small_s, big_res, time.monotonic() - start
+
+    res, small_s, big_res, total_s = asyncio.run(main())
+    assert res.status_code == 200 and small_s < 1.0, small_s
+    assert big_res.status_code == 400 and big_res.json()["error"]["code"] == "context_length_exceeded"
+    assert total_s < 5.0, total_s
+    srv.wait_idle()

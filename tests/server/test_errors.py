@@ -118,6 +118,17 @@ CASES = [
     ("/v1/completions", comp(stream_options={"include_usage": True}), 400, "stream_options", None),
     ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", None),
     ("/v1/chat/completions", chat(response_format={"type": "json_object"}), 400, "response_format", None),
+    # text that is not valid Unicode (lone surrogates are legal JSON), and prompts longer
+    # than the context could hold, refused before tokenizing
+    ("/v1/completions", b'{"prompt": "Once \\ud800 upon", "max_tokens": 4}', 400, "prompt", None),
+    ("/v1/completions", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 4}', 400, "prompt", None),
+    ("/v1/completions", b'{"prompt": "\\ud800", "stream": true}', 400, "prompt", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a \\ud800"}]}', 400, "messages", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "stop": "\\ud800", "model": "\\ud83d"}',
+     404, "model", "model_not_found"),
+    ("/v1/completions", comp(prompt="x" * (BODY_LIMIT - 200)), 400, "prompt", "context_length_exceeded"),
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "x" * (BODY_LIMIT - 200)}]), 400,
+     "messages", "context_length_exceeded"),
     ("/v1/completions", comp(model="gpt-4o"), 404, "model", "model_not_found"),
     ("/v1/chat/completions", chat(model="llama"), 404, "model", "model_not_found"),
 ]
@@ -131,6 +142,26 @@ def test_bad_input(api, path, body, status, param, code):
     else:
         res = api.post(path, json=body)
     _assert_error(res, status, param, code)
+
+
+@pytest.mark.parametrize("seed", [2**64 - 1, -1, 0])
+def test_any_seed_in_range_is_served(api, seed):
+    """2**64 - 1 with n=2 was refused, quoting 2**64 (the second sample's seed) as the prompt's
+    fault; -1 is llama.cpp's "random"."""
+    res = api.post("/v1/completions", json=comp(seed=seed, n=2, temperature=1.0))
+    assert res.status_code == 200, res.text
+    assert len(res.json()["choices"]) == 2
+
+
+def test_a_body_without_content_type_is_read_as_json(guarded):
+    """curl -d sends no JSON content type; the body is JSON all the same (it was a 422)."""
+    with httpx.Client(base_url=guarded.base_url, timeout=60) as raw:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        for content_type in (None, "application/x-www-form-urlencoded", "text/plain"):
+            hdrs = {**headers, **({"content-type": content_type} if content_type else {})}
+            res = raw.post("/v1/completions", content=json.dumps(GOOD).encode(), headers=hdrs)
+            assert res.status_code == 200, (content_type, res.text)
+            assert res.json()["choices"][0]["text"]
 
 
 def test_streaming_bad_input_is_an_error_reply_not_a_stream(api):

@@ -132,6 +132,12 @@ def test_completion_logprobs(client):
         assert 3 <= len(top) <= 4
         assert token_lp == pytest.approx(max(top.values()))  # greedy takes the most likely
     assert lp.text_offset == sorted(lp.text_offset)
+    # The tokens join into the text, with SentencePiece's spaces (they came back as
+    # [',', 'there', 'was', ...]), and each offset is where its token starts.
+    text = res.choices[0].text
+    assert "".join(lp.tokens) == text and any(t.startswith(" ") for t in lp.tokens)
+    assert all(text[off:].startswith(tok) for tok, off in zip(lp.tokens, lp.text_offset))
+    assert all(tok in top for tok, top in zip(lp.tokens, lp.top_logprobs))
     streamed = [c.choices[0].logprobs for c in client.completions.create(
         model=STORIES_NAME, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3, stream=True,
         extra_body={"ignore_eos": True}) if c.choices]
@@ -158,7 +164,8 @@ def test_chat(client, tokenizer, server):
     assert res.object == "chat.completion" and res.id.startswith("chatcmpl-")
     assert choice.message.role == "assistant" and choice.message.content
     assert choice.finish_reason in ("stop", "length")
-    prompt_ids = tokenizer.encode(render_plain_chat(messages, True), add_special_tokens=False)
+    prompt_ids = tokenizer.encode(render_plain_chat(messages, True))  # with bos, as generate gives any prompt
+    assert prompt_ids[0] == tokenizer.bos_token_id
     assert res.usage.prompt_tokens == len(prompt_ids)
     assert res.usage.total_tokens == res.usage.prompt_tokens + res.usage.completion_tokens
 
@@ -200,6 +207,7 @@ def test_chat_logprobs_n_and_max_completion_tokens(client):
             assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
             assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
             assert entry.bytes == list(entry.token.encode())
+        assert "".join(e.token for e in content) == choice.message.content  # spaces kept (token '' before)
     chunks = list(client.chat.completions.create(
         model=STORIES_NAME, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=5, temperature=0,
         logprobs=True, stream=True, extra_body={"ignore_eos": True}))
