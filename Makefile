@@ -13,6 +13,7 @@ $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m ridge.layers.cpu_kernels
 	touch $@
 
 setup: $(VENV)/.ready

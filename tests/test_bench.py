@@ -55,7 +55,8 @@ def bench(capsys, *argv) -> dict:
 
 
 def model_args(stories_dir) -> list[str]:
-    return ["--model", str(stories_dir), "--dtype", "float32"]
+    # On the CPU whatever the machine has: these tests pin the CPU's (patched) roofline.
+    return ["--model", str(stories_dir), "--dtype", "float32", "--device", "cpu"]
 
 
 # ---- latency ----------------------------------------------------------------------------------
@@ -90,6 +91,30 @@ def test_bench_latency_json(stories_dir, no_probes, capsys):
         assert d["roofline_fraction"]["max"] >= d["floor_ms"]["min"] / step["max"]
         assert p["tokens_per_s"]["n"] == 1 and p["tokens_per_s"]["median"] > 0
         assert 0 < p["roofline_fraction"]["median"] <= 1.0
+
+
+def test_no_fraction_above_100_percent_when_steps_beat_the_roofline(stories_dir, monkeypatch, capsys):
+    """A roofline every step beats (a stale, busy probe; a peak below ridge's own kernels): the
+    bench re-probes once, then raises the roofline to the steps' rates and says so; it reported
+    prefill at 148% and 225% of its roofline."""
+    import ridge.engine.engine as engine_module
+
+    slow = Hardware("slow-local", {"fp32": 1e6, "bf16": 1e6}, 1e6, 16 * GIB, "made up: far too slow")
+    reprobes = []
+
+    def local_hardware(*args, reprobe=False, **kwargs):
+        reprobes.append(reprobe)
+        return slow
+
+    monkeypatch.setattr(engine_module, "local_hardware", local_hardware)
+    monkeypatch.setattr(probe, "probe_bandwidth", lambda settings, ext=None: Measurement(1e6, 1e6, 1e6, 1))
+    out = bench(capsys, "latency", *model_args(stories_dir), "--batch", "2", "--input-len", "8",
+                "--output-len", "4", "--rounds", "2", "--warmup-rounds", "0")
+    (r,) = out["results"]
+    assert r["decode"]["roofline_fraction"]["max"] <= 1.0 and r["prefill"]["roofline_fraction"]["max"] <= 1.0
+    assert reprobes.count(True) == 1  # once per bench
+    assert any(n.startswith("re-probed") for n in r["notices"]) and any(n.startswith("raised") for n in r["notices"])
+    assert r["peak_gflop_per_s"] > 1e6 / 1e9
 
 
 def test_bench_latency_defaults_to_batch_one_and_text_output(stories_dir, no_probes, capsys):

@@ -40,12 +40,14 @@ def allocate_kv_caches(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One preallocated (K, V) pool per layer, (num_blocks, block_size, Hkv, D) each.
 
-    Zero-filled: padded decode rows read unused slots, which must be finite (masked
-    scores multiply them by zero).
+    Not zero-filled: no read path lets a slot nobody wrote change a result (prefill reads
+    ``[:context_len]``, the C++ decode kernels stop at the context length, and the torch
+    decode path zeroes the masked slots it gathers), so the pool costs nothing until used:
+    the OS maps its pages as they are first written (zero-filling gigabytes took seconds).
     """
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
         for _ in range(num_layers)
     ]
 

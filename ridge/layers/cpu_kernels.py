@@ -4,15 +4,23 @@ Stock ``F.linear`` with one row reads bf16 weights at about half the memory band
 the AVX-512 machines ridge is developed on (see ``../shared/notes/cpu-matmul.md``); this
 kernel (``csrc/linear_bf16.cpp``, weights repacked at load into 16-row x 2-k blocks)
 streams them at ~95% and stays near the bandwidth floor up to batch 8; ``csrc/decode_ops.cpp``
-fuses the small ops around it (and gives float32 its paged decode attention). The extension is compiled with torch's cpp_extension the first time
-(about a minute) and cached on disk. Where it cannot be used (no AVX-512 BF16, no
-compiler, another dtype or device) ridge runs the torch ops.
+fuses the small ops around it (and gives float32 its paged decode attention).
+
+The extension is compiled with torch's cpp_extension and cached on disk
+(``$RIDGE_CACHE_DIR/extensions``). Setup compiles it (``make run`` / ``make test`` run
+``python -m ridge.layers.cpu_kernels``), so a first run only loads it; a build that does
+happen at first use says so on stderr, with its progress, instead of looking hung. Where
+the extension cannot be used (no AVX-512 BF16, no compiler, another dtype or device) ridge
+runs the torch ops.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -20,9 +28,13 @@ import torch
 
 from ridge.config import default_cache_dir
 
-
 CSRC_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("linear_bf16.cpp", "decode_ops.cpp", "bindings.cpp")
+EXTENSION_NAME = "ridge_cpu"
+# Progress lines while a build runs (it takes 1-2 minutes on 2 cores).
+PROGRESS_EVERY_S = 15.0
+
+
 def cpu_has_avx512_bf16() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
@@ -31,23 +43,59 @@ def cpu_has_avx512_bf16() -> bool:
         return False
 
 
-def build_extension():
-    """Compile (or load the cached build of) ridge's CPU extension; returns the module."""
+def extension_build_dir() -> Path:
+    return default_cache_dir() / "extensions" / f"torch-{torch.__version__}"
+
+
+def extension_is_built() -> bool:
+    """A build newer than every source exists (cpp_extension then only loads it)."""
+    built = extension_build_dir() / f"{EXTENSION_NAME}.so"
+    if not built.is_file():
+        return False
+    newest_source = max((CSRC_DIR / name).stat().st_mtime for name in SOURCES)
+    return built.stat().st_mtime >= newest_source
+
+
+def load_extension(progress=sys.stderr):
+    """Load ridge's CPU extension, compiling it first if needed; returns the module.
+
+    A compile prints what it is doing to ``progress`` (a start line, a line every
+    ``PROGRESS_EVERY_S`` seconds, and the time it took); a load prints nothing.
+    """
     from torch.utils.cpp_extension import load
 
     # The ninja that pip installs with ridge sits beside this interpreter, which may not be on PATH.
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    build_dir = default_cache_dir() / "extensions" / f"torch-{torch.__version__}"
+    build_dir = extension_build_dir()
     build_dir.mkdir(parents=True, exist_ok=True)
-    return load(
-        name="ridge_cpu",
-        sources=[str(CSRC_DIR / name) for name in SOURCES],
-        extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"],
-        build_directory=str(build_dir),
-        verbose=False,
-    )
+    building = not extension_is_built()
+    done = threading.Event()
+    if building and progress is not None:
+        start = time.monotonic()
+        print(f"ridge: compiling the CPU kernels into {build_dir} (once per machine and torch version; "
+              "1-2 minutes on 2 cores)...", file=progress, flush=True)
+
+        def heartbeat() -> None:
+            while not done.wait(PROGRESS_EVERY_S):
+                print(f"ridge: still compiling the CPU kernels ({time.monotonic() - start:.0f} s)",
+                      file=progress, flush=True)
+
+        threading.Thread(target=heartbeat, name="ridge-build-progress", daemon=True).start()
+    try:
+        module = load(
+            name=EXTENSION_NAME,
+            sources=[str(CSRC_DIR / name) for name in SOURCES],
+            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    finally:
+        done.set()
+    if building and progress is not None:
+        print(f"ridge: CPU kernels compiled in {time.monotonic() - start:.0f} s", file=progress, flush=True)
+    return module
 
 
 def select_kernels(kind: str, device: torch.device, dtype: torch.dtype):
@@ -63,9 +111,28 @@ def select_kernels(kind: str, device: torch.device, dtype: torch.dtype):
             raise ValueError("kernels='ridge' needs a CPU with AVX-512 BF16")
         return TorchKernels()
     try:
-        return CpuKernels(build_extension())
+        return CpuKernels(load_extension())
     except Exception as exc:  # no compiler, no ninja, ...: fall back, loudly
         if kind == "ridge":
             raise ValueError(f"cannot build ridge's CPU kernels: {exc}") from None
         warnings.warn(f"ridge: CPU kernels unavailable ({exc}); using torch ops", stacklevel=2)
         return TorchKernels()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ridge.layers.cpu_kernels``: compile the extension now (setup runs this)."""
+    argparse.ArgumentParser(description=main.__doc__).parse_args(argv)
+    if not cpu_has_avx512_bf16():
+        print("ridge: this CPU has no AVX-512 BF16; ridge will run torch's ops (nothing to compile)")
+        return 0
+    try:
+        load_extension(progress=sys.stdout)
+    except Exception as exc:  # setup goes on: ridge falls back to torch's ops
+        print(f"ridge: could not compile the CPU kernels ({exc}); ridge will run torch's ops")
+        return 0
+    print(f"ridge: CPU kernels ready in {extension_build_dir()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

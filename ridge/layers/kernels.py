@@ -61,6 +61,9 @@ class TorchKernels:
             meta.decode_mask = decode_valid_mask(meta.decode_context_lens, keys.shape[1])
         scores.masked_fill_(~meta.decode_mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        # Slots past a context were never written (the pool is not zero-filled): a weight of 0
+        # times a stale NaN would still be NaN, so the gathered copy is zeroed there.
+        values.masked_fill_(~meta.decode_mask.view(num_seqs, -1, 1, 1), 0)
         out = torch.matmul(probs, values.transpose(1, 2))  # (D, Hkv, G, Dh)
         return out.reshape(num_seqs, num_heads, head_dim)
 

@@ -1,22 +1,24 @@
 """Build a model from a spec: a Hugging Face directory, or ``random:<preset>``.
 
 A directory holds ``config.json`` and one or sharded ``*.safetensors`` files (with
-``model.safetensors.index.json``). Weights are streamed file by file straight into the
-parameters; packed projections receive each checkpoint shard in its row range.
+``model.safetensors.index.json``). Files are memory-mapped (``safetensors_mmap``): a weight
+in the model's dtype becomes its parameter with no copy; packed projections receive each
+checkpoint shard in its row range.
 """
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from ridge.config import ModelConfig
 from ridge.models.llama import LlamaForCausalLM
 from ridge.models.presets import get_preset
+from ridge.models.safetensors_mmap import SafetensorsFile
 
 RANDOM_PREFIX = "random:"
 
@@ -79,14 +81,32 @@ def _empty_model(config: ModelConfig, context_limit: int, dtype: torch.dtype, de
 
 
 def _init_random(model: LlamaForCausalLM, seed: int) -> None:
-    """Gaussian(0, 0.02) weights, norms at 1: reproducible for a seed on any device."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
+    """Gaussian(0, 0.02) weights, norms at 1, drawn in place in the model's dtype on its device.
+
+    Each parameter has its own generator (seeded from ``seed`` and the parameter's index), so
+    the weights are reproducible for a seed on a given device type whatever the order, and on
+    the CPU the parameters are filled by several threads at once (1.1B parameters: ~2.5 s on 2
+    cores; drawing float32 and copying took 13 s).
+    """
+    params = list(model.named_parameters())
+    device = params[0][1].device
+
+    def fill(index: int) -> None:
+        name, param = params[index]
+        with torch.no_grad():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             else:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+                gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
+                param.normal_(0.0, 0.02, generator=gen)
+
+    order = sorted(range(len(params)), key=lambda i: -params[i][1].numel())  # big ones first
+    if device.type == "cpu":
+        with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+            list(pool.map(fill, order))
+    else:
+        for index in order:
+            fill(index)
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -108,33 +128,35 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 
 def _load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
+    """Each file memory-mapped; a tensor in the parameter's dtype on the CPU becomes the
+    parameter itself (a view of the page cache: no copy), others are copied in (a packed
+    projection's shard into its rows, another dtype converted, another device uploaded)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     loaded: set[str] = set()
     for file in _weight_files(model_dir):
-        try:
-            handle = safe_open(str(file), framework="pt", device="cpu")
-        except Exception as exc:  # safetensors raises its own error types for corrupt files
-            raise ValueError(f"cannot read weights {file}: {exc}") from None
-        with handle:
-            for name in handle.keys():
-                if "rotary_emb" in name:
+        handle = SafetensorsFile(file)
+        for name in handle.keys():
+            if "rotary_emb" in name:
+                continue
+            target = _target_of(name, params, model.packed_modules)
+            if target is None:
+                if name == "lm_head.weight" and model.config.tie_word_embeddings:
                     continue
-                target = _target_of(name, params, model.packed_modules)
-                if target is None:
-                    if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                        continue
-                    raise ValueError(f"{file.name}: unexpected tensor {name!r} for {model.config.architecture}")
-                param_name, shard = target
-                tensor = handle.get_tensor(name)
-                param = params[param_name]
-                with torch.no_grad():
-                    if shard is None:
-                        _copy_checked(param, tensor, name)
-                    else:
-                        module = modules[param_name.rsplit(".", 1)[0]]
-                        _copy_checked(param[module.shard_rows(shard)], tensor, name)
-                loaded.add(param_name if shard is None else f"{param_name}#{shard}")
+                raise ValueError(f"{file.name}: unexpected tensor {name!r} for {model.config.architecture}")
+            param_name, shard = target
+            tensor = handle.get_tensor(name)
+            param = params[param_name]
+            with torch.no_grad():
+                if shard is not None:
+                    module = modules[param_name.rsplit(".", 1)[0]]
+                    _copy_checked(param[module.shard_rows(shard)], tensor, name)
+                elif tensor.dtype == param.dtype and param.device.type == "cpu":
+                    _check_shape(param, tensor, name)
+                    param.data = tensor  # the mapped file itself (a tied lm_head shares the Parameter)
+                else:
+                    _copy_checked(param, tensor, name)
+            loaded.add(param_name if shard is None else f"{param_name}#{shard}")
     _check_complete(model, loaded)
 
 
@@ -153,9 +175,13 @@ def _target_of(name: str, params: dict, packed: dict[str, tuple[str, int]]) -> t
     return None
 
 
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+def _check_shape(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, the config expects {tuple(dst.shape)}")
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    _check_shape(dst, src, name)
     dst.copy_(src)
 
 

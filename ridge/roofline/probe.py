@@ -1,18 +1,25 @@
 """``--hardware local``: this machine measured by short probes, cached on disk with the date.
 
-Two probes, a few seconds in all: memory read bandwidth (``sum()`` of a tensor far larger than
-the last-level cache, with every thread) and matmul FLOP/s per dtype (``torch.matmul`` of
-square matrices, growing the size while it stays within a time budget, keeping the fastest
-size). Each number is the median of several runs, kept with its range: memory bandwidth on
-shared machines is noisy (on the 2-core dev box it is bimodal, ~35 vs ~60 GB/s).
+Two probes, a few seconds in all, each keeping the *best* of several trials (a ceiling is the
+most the machine can do; a slower trial only measured a disturbance):
 
-The cache is ``$RIDGE_CACHE_DIR/hardware-local.json`` (else ``~/.cache/ridge/``); it is a
-hardware JSON file, so ``--hardware <that file>`` feeds the same analysis. It is re-probed when
-asked (``--reprobe``) or when the machine's fingerprint (CPU, threads, torch) changed.
+* memory read bandwidth: ``sum()`` of a tensor far larger than the last-level cache, with
+  every thread, and, where ridge's CPU kernels run, their weight-streaming GEMV over a
+  weight as large (the decode step's own access pattern, which can beat ``sum()``);
+* matmul FLOP/s per dtype: square ``torch.matmul`` products, growing the size while it
+  stays within a time budget, and ridge's own bf16 GEMM where it runs (ridge's kernels beat
+  torch's here, and a peak they beat would put prefill above 100% of its roofline).
+
+Each number keeps the spread of its trials. The cache is ``$RIDGE_CACHE_DIR/hardware-local.json``
+(else ``~/.cache/ridge/``); it is a hardware JSON file, so ``--hardware <that file>`` feeds the
+same analysis. It records when it was taken and how busy the other processes kept the CPUs
+meanwhile, and is probed again when asked (``--reprobe``), when the machine's fingerprint (CPU,
+threads, torch) changed, when it is older than ``MAX_AGE``, or when it was taken under load.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -29,6 +36,11 @@ from ridge.config import default_cache_dir
 from ridge.roofline.hardware import GIB, Hardware, Measurement
 
 CACHE_FILE_NAME = "hardware-local.json"
+# A cached probe older than this is taken again (a machine's memory level can change).
+MAX_AGE = dt.timedelta(days=1)
+# A probe during which other processes kept more than this share of the CPUs busy measured
+# the neighbours too: it is used once, then taken again at the next start.
+BUSY_LOAD = 0.25
 
 _TORCH_DTYPES = {
     "fp32": torch.float32,
@@ -48,6 +60,7 @@ class ProbeSettings:
     matmul_repeats: int = 5
     matmul_budget_s: float = 1.0  # per dtype
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8")
+    ridge_kernels: bool = True  # also time ridge's own CPU kernels (where they run)
 
     def __post_init__(self) -> None:
         if self.bandwidth_bytes < 4096 or self.bandwidth_repeats < 1 or self.matmul_repeats < 1:
@@ -74,21 +87,44 @@ def local_hardware(
     reprobe: bool = False,
     settings: ProbeSettings = ProbeSettings(),
 ) -> Hardware:
-    """This machine's roofline: from the cache when it matches, else probed and cached."""
+    """This machine's roofline: from the cache when it is current, else probed and cached."""
     path = (cache_dir or default_cache_dir()) / CACHE_FILE_NAME
     fingerprint = machine_fingerprint()
     if not reprobe and path.is_file():
         try:
             data = json.loads(path.read_text())
-            if data.get("fingerprint") == fingerprint:
+            if data.get("fingerprint") == fingerprint and not cache_is_stale(data):
                 return Hardware.from_json(data)
-        except (json.JSONDecodeError, ValueError):
+        except (json.JSONDecodeError, ValueError, TypeError):
             pass  # unreadable cache: measure again and overwrite it
-    hardware = probe_local(settings)
+    hardware, load = probe_local_with_load(settings)
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {**hardware.to_json(), "fingerprint": fingerprint, "probe_settings": asdict(settings)}
+    payload = {**hardware.to_json(), "fingerprint": fingerprint, "probe_settings": asdict(settings),
+               "other_load": load}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return hardware
+
+
+def cache_is_stale(data: dict, now: dt.datetime | None = None) -> bool:
+    """Older than ``MAX_AGE``, taken under load, or not saying when or under what load."""
+    measured = data.get("measured_at")
+    load = data.get("other_load")
+    if not measured or load is None:
+        return True
+    age = (now or dt.datetime.now(dt.timezone.utc)) - dt.datetime.fromisoformat(measured)
+    return age > MAX_AGE or age < dt.timedelta(0) or float(load) > BUSY_LOAD
+
+
+def probe_local_with_load(settings: ProbeSettings = ProbeSettings()) -> tuple[Hardware, float]:
+    """``probe_local``, and the share of the CPUs other processes kept busy around it (the
+    larger of a reading just before and one just after)."""
+    before = other_load()
+    hardware = probe_local(settings)
+    load = max(before, other_load())
+    note = f"; other processes used {load:.0%} of the CPUs during the probe"
+    if load > BUSY_LOAD:
+        note += " (a busy machine: probed again at the next start)"
+    return dataclasses.replace(hardware, source=hardware.source + note), load
 
 
 def probe_local(settings: ProbeSettings = ProbeSettings()) -> Hardware:
@@ -97,25 +133,27 @@ def probe_local(settings: ProbeSettings = ProbeSettings()) -> Hardware:
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        bandwidth = probe_bandwidth(settings)
+        ext = _ridge_extension() if settings.ridge_kernels else None
+        bandwidth = probe_bandwidth(settings, ext)
         flops = {}
         for dtype in settings.dtypes:
-            measured = probe_matmul(dtype, settings)
+            measured = probe_matmul(dtype, settings, ext)
             if measured is not None:
                 flops[dtype] = measured
     finally:
         torch.set_num_threads(previous)
     if not flops:
         raise RuntimeError("no matmul dtype could be probed on this machine")
+    kernels = " and ridge's bf16 GEMV / GEMM" if ext is not None else ""
     return Hardware(
         name="local",
-        peak_flops={dtype: m.median for dtype, m in flops.items()},
-        bandwidth_bytes_per_s=bandwidth.median,
+        peak_flops={dtype: m.high for dtype, m in flops.items()},
+        bandwidth_bytes_per_s=bandwidth.high,
         memory_bytes=_physical_memory_bytes(),
         source=(
             f"measured on this machine ({_cpu_model()}, {threads} threads, torch {torch.__version__}): "
-            f"sum() over {settings.bandwidth_bytes / 1024**2:.0f} MiB fp32; square torch.matmul; "
-            "medians of repeated runs"
+            f"sum() over {settings.bandwidth_bytes / 1024**2:.0f} MiB fp32, square torch.matmul{kernels}; "
+            "the best of repeated runs"
         ),
         measured_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         bandwidth_probe=bandwidth,
@@ -123,24 +161,42 @@ def probe_local(settings: ProbeSettings = ProbeSettings()) -> Hardware:
     )
 
 
-def probe_bandwidth(settings: ProbeSettings) -> Measurement:
-    """Read bandwidth in bytes/s: time ``sum()`` over a large fp32 tensor (read once per run)."""
+def probe_bandwidth(settings: ProbeSettings, ext=None) -> Measurement:
+    """Read bandwidth in bytes/s over repeated trials: ``sum()`` over a large fp32 tensor
+    (read once per run) and, with ridge's extension, its GEMV streaming a bf16 weight as large.
+    ``Measurement.high`` is the ceiling; the spread says how steady the machine was."""
     data = torch.ones(settings.bandwidth_bytes // 4, dtype=torch.float32)
     data.sum()  # warm-up: first touch, thread pool start
     rates = [data.numel() * 4 / _seconds(data.sum) for _ in range(settings.bandwidth_repeats)]
+    del data
+    if ext is not None:
+        gemv = _ridge_gemv_runner(ext, settings.bandwidth_bytes)
+        if gemv is not None:
+            run, nbytes = gemv
+            run()
+            rates += [nbytes / _seconds(run) for _ in range(settings.bandwidth_repeats)]
     return Measurement.of(rates)
 
 
-def probe_matmul(dtype: str, settings: ProbeSettings) -> Measurement | None:
-    """FLOP/s of an n x n matmul in ``dtype``: the best size that fits the time budget.
+def probe_matmul(dtype: str, settings: ProbeSettings, ext=None) -> Measurement | None:
+    """FLOP/s of n x n matmuls in ``dtype``: the size whose best run is fastest, within a time
+    budget, for torch and (bf16, with ridge's extension) ridge's GEMM; the better of the two.
 
     Returns None when the dtype has no usable matmul here.
     """
+    candidates = [_probe_sizes(lambda n: _matmul_runner(dtype, n), settings)]
+    if ext is not None and dtype == "bf16":
+        candidates.append(_probe_sizes(lambda n: _ridge_matmul_runner(ext, n), settings))
+    found = [m for m in candidates if m is not None]
+    return max(found, key=lambda m: m.high) if found else None
+
+
+def _probe_sizes(make_runner: Callable[[int], Callable[[], object]], settings: ProbeSettings) -> Measurement | None:
     best: Measurement | None = None
     spent = 0.0
     for n in settings.matmul_sizes:
         try:
-            run = _matmul_runner(dtype, n)
+            run = make_runner(n)
             first = _seconds(run)  # warm-up, also the price of one more run
         except (RuntimeError, NotImplementedError):
             return best
@@ -150,7 +206,7 @@ def probe_matmul(dtype: str, settings: ProbeSettings) -> Measurement | None:
         times = [_seconds(run) for _ in range(settings.matmul_repeats)]
         spent += sum(times)
         measured = Measurement.of([2 * n**3 / t for t in times])
-        if best is None or measured.median > best.median:
+        if best is None or measured.high > best.high:
             best = measured
         if spent > settings.matmul_budget_s:
             break
@@ -165,6 +221,58 @@ def _matmul_runner(dtype: str, n: int) -> Callable[[], object]:
     a = torch.randn(n, n).to(_TORCH_DTYPES[dtype])
     b = torch.randn(n, n).to(_TORCH_DTYPES[dtype])
     return lambda: torch.matmul(a, b)
+
+
+def _ridge_extension():
+    """ridge's CPU extension where it runs here (AVX-512 BF16), else None."""
+    from ridge.layers.cpu_kernels import cpu_has_avx512_bf16, load_extension
+
+    if not cpu_has_avx512_bf16():
+        return None
+    try:
+        return load_extension()
+    except Exception:  # no compiler: torch's numbers alone
+        return None
+
+
+def _ridge_matmul_runner(ext, n: int) -> Callable[[], object]:
+    """ridge's bf16 GEMM (the prefill path: weights packed as the model packs them)."""
+    x = torch.randn(n, n).to(torch.bfloat16)
+    packed = ext.pack_vnni(torch.randn(n, n).to(torch.bfloat16))
+    return lambda: ext.linear_bf16(x, packed, n, None)
+
+
+def _ridge_gemv_runner(ext, nbytes: int) -> tuple[Callable[[], object], int] | None:
+    """ridge's decode GEMV over a packed bf16 weight of about ``nbytes``: (run, bytes read)."""
+    k = 4096
+    n = max(16, (nbytes // (2 * k)) // 16 * 16)
+    try:
+        packed = ext.pack_vnni(torch.full((n, k), 0.01, dtype=torch.bfloat16))  # values don't change a read
+    except RuntimeError:
+        return None
+    x = torch.randn(1, k).to(torch.bfloat16)
+    return (lambda: ext.linear_bf16(x, packed, n, None)), n * k * 2
+
+
+def other_load(window_s: float = 0.25) -> float:
+    """The share of the CPUs other processes keep busy, sampled over ``window_s`` while this
+    process sleeps (so all the busy time ``/proc/stat`` counts is theirs). 0 where unknown."""
+    before = _machine_busy_s()
+    time.sleep(window_s)
+    after = _machine_busy_s()
+    if before is None or after is None:
+        return 0.0
+    return min(1.0, max(0.0, (after - before) / (window_s * (os.cpu_count() or 1))))
+
+
+def _machine_busy_s() -> float | None:
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    ticks = [int(f) for f in fields[:8]]  # user nice system idle iowait irq softirq steal
+    busy = sum(ticks) - ticks[3] - ticks[4]  # steal counts: a neighbour VM took the CPU
+    return busy / os.sysconf("SC_CLK_TCK")
 
 
 def _seconds(run: Callable[[], object]) -> float:

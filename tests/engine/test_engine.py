@@ -240,3 +240,22 @@ def test_chat_uses_the_template(llm):
     assert len(out.outputs[0].token_ids) == 5
     rendered = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "Tell me a story"}])
     assert "Tell me a story" in rendered
+
+
+@pytest.mark.parametrize("kernels", ["torch", "auto"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_slots_nobody_wrote_never_change_a_result(stories_dir, kernels, dtype):
+    """The KV pool is not zero-filled (that took seconds at start-up): a pool full of NaN must
+    give the same tokens as a zeroed one, through every read path (padded decode tables,
+    block tails past a context, prefill over a cached prefix)."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = ["Once upon a time", "The dog ran to the big red", "A"]
+    results = []
+    for fill in (0.0, float("nan")):
+        llm = LLM(str(stories_dir), dtype=dtype, kernels=kernels, num_kv_blocks=64, block_size=16, device="cpu",
+                  max_num_batched_tokens=8)  # chunked prefill: chunks read the cached prefix
+        for k, v in llm.engine.kv_caches:
+            k.fill_(fill)
+            v.fill_(fill)
+        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert results[0] == results[1]

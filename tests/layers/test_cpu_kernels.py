@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ridge import SamplingParams
-from ridge.layers.cpu_kernels import build_extension, cpu_has_avx512_bf16, select_kernels
+from ridge.layers.cpu_kernels import cpu_has_avx512_bf16, load_extension, select_kernels
 from ridge.layers.kernels import CpuKernels, TorchKernels
 
 pytestmark = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU has no AVX-512 BF16")
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU has 
 
 @pytest.fixture(scope="module")
 def kernel():
-    return build_extension()  # compiled once per machine, then cached on disk
+    return load_extension()  # compiled once per machine (setup does it), then cached on disk
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13, 64, 130])
@@ -48,8 +48,8 @@ def test_prepare_packs_linears_frees_dense_copies_but_keeps_a_tied_embedding(ker
     from ..models.hf_tiny import build
 
     build("llama-tied-llama3-rope", tmp_path)
-    fast = LLM(str(tmp_path), tokenizer="bytes", dtype="bfloat16", num_kv_blocks=8)
-    ref = LLM(str(tmp_path), tokenizer="bytes", dtype="bfloat16", num_kv_blocks=8, kernels="torch")
+    fast = LLM(str(tmp_path), tokenizer="bytes", dtype="bfloat16", num_kv_blocks=8, device="cpu")
+    ref = LLM(str(tmp_path), tokenizer="bytes", dtype="bfloat16", num_kv_blocks=8, kernels="torch", device="cpu")
     model, ref_model = fast.engine.model, ref.engine.model
     layer = model.model.layers[0].self_attn.qkv_proj
     assert layer.packed is not None and layer.weight.numel() == 0  # the dense copy is freed
@@ -161,3 +161,57 @@ def test_paged_decode_attention_reads_the_pool_like_the_gathered_path(pair, lens
     got = fast.decode_attention(q, k_cache, v_cache, meta)
     want = ref.decode_attention(q, k_cache, v_cache, meta)
     assert (got.float() - want.float()).abs().max().item() <= 0.02 * want.float().abs().max().item()
+
+
+def test_a_build_at_first_use_says_what_it_is_doing(monkeypatch):
+    """The first run compiled silently for ~2 minutes and looked hung."""
+    import io
+    import time as time_module
+
+    import torch.utils.cpp_extension
+
+    from ridge.layers import cpu_kernels
+
+    def slow_load(**kwargs):
+        time_module.sleep(0.2)
+        return "module"
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", slow_load)
+    monkeypatch.setattr(cpu_kernels, "PROGRESS_EVERY_S", 0.05)
+    monkeypatch.setattr(cpu_kernels, "extension_is_built", lambda: False)
+    out = io.StringIO()
+    assert cpu_kernels.load_extension(progress=out) == "module"
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("ridge: compiling the CPU kernels") and "still compiling" in lines[1]
+    assert lines[-1].startswith("ridge: CPU kernels compiled in")
+    monkeypatch.setattr(cpu_kernels, "extension_is_built", lambda: True)
+    quiet = io.StringIO()
+    cpu_kernels.load_extension(progress=quiet)
+    assert quiet.getvalue() == ""  # a cached build only loads
+
+
+@pytest.mark.parametrize("dim", [64, 24])  # the AVX-512 bf16 kernel (16k head sizes) and the portable one
+def test_decode_attention_never_reads_slots_past_a_context(pair, dim):
+    """The pool is not zero-filled: NaN in every slot no sequence wrote changes nothing."""
+    from ridge.layers.attention import AttentionMetadata, decode_valid_mask
+
+    lens, block_size, heads, kv_heads = [5, 40, 17], 4, 8, 2
+    k_cache, v_cache = _bf16(40, block_size, kv_heads, dim, seed=6), _bf16(40, block_size, kv_heads, dim, seed=7)
+    width = max(-(-n // block_size) for n in lens)
+    tables = torch.randperm(40, generator=torch.Generator().manual_seed(8))[: len(lens) * width].view(len(lens), width)
+    context = torch.tensor(lens)
+    q = _bf16(len(lens), heads, dim, seed=9)
+    written = torch.zeros(40 * block_size, dtype=torch.bool)
+    for row, n in zip(tables, lens):
+        slots = row.repeat_interleave(block_size) * block_size + torch.arange(block_size).repeat(width)
+        written[slots[:n]] = True
+    for kernels in pair:
+        meta = lambda: AttentionMetadata(slot_mapping=torch.zeros(len(lens), dtype=torch.long),  # noqa: E731
+                                         num_decode_tokens=len(lens), decode_block_tables=tables,
+                                         decode_context_lens=context,
+                                         decode_mask=decode_valid_mask(context, width * block_size))
+        clean = kernels.decode_attention(q, k_cache, v_cache, meta())
+        poisoned_k, poisoned_v = k_cache.clone(), v_cache.clone()
+        for cache in (poisoned_k, poisoned_v):
+            cache.view(-1, kv_heads, dim)[~written] = float("nan")
+        assert torch.equal(kernels.decode_attention(q, poisoned_k, poisoned_v, meta()), clean), kernels.name

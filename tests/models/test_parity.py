@@ -51,7 +51,7 @@ def _check_against_hf(hf, prompt: list[int], tokens: list[int], logits: list[tor
     with torch.no_grad():
         ref = hf(torch.tensor([prompt + tokens])).logits[0]
     ref = ref[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
-    got = torch.stack(logits)
+    got = torch.stack(logits).cpu()  # the engine runs on CUDA where there is one
     assert got.shape == ref.shape
     diff = (got - ref).abs().max().item()
     assert diff <= ATOL, f"largest logit difference {diff:.3g}"
@@ -95,18 +95,18 @@ def test_prefill_logits_every_position(hf_model, chunk):
     """Prefill logits at every position, the prompt fed in chunks through the paged cache."""
     name, directory, hf = hf_model
     llm = LLM(str(directory), tokenizer="bytes", dtype="float32", block_size=4, num_kv_blocks=64)
-    model, caches = llm.engine.model, llm.engine.kv_caches
+    model, caches, device = llm.engine.model, llm.engine.kv_caches, llm.engine.device
     prompt = _prompts(3)[2]  # 40 tokens
-    table = torch.arange(16)
+    table = torch.arange(16, device=device)
     got = []
     with torch.no_grad():
         for start in range(0, len(prompt), chunk):
             end = min(start + chunk, len(prompt))
-            positions = torch.arange(start, end)
+            positions = torch.arange(start, end, device=device)
             slots = table[positions // 4] * 4 + positions % 4
             meta = AttentionMetadata(slot_mapping=slots, prefills=[PrefillChunk(0, end - start, end, table)])
-            hidden = model(torch.tensor(prompt[start:end]), positions, caches, meta)
+            hidden = model(torch.tensor(prompt[start:end], device=device), positions, caches, meta)
             got.append(model.compute_logits(hidden))
         ref = hf(torch.tensor([prompt])).logits[0]
-    diff = (torch.cat(got) - ref).abs().max().item()
+    diff = (torch.cat(got).cpu() - ref).abs().max().item()
     assert diff <= ATOL, f"largest logit difference {diff:.3g}"

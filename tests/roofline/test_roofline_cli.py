@@ -89,7 +89,8 @@ def test_local_hardware_from_the_cache(tmp_path, monkeypatch, capsys):
     probe's date and spread."""
     monkeypatch.setenv("RIDGE_CACHE_DIR", str(tmp_path))
     local_hardware(cache_dir=tmp_path, settings=ProbeSettings(
-        bandwidth_bytes=1 << 20, bandwidth_repeats=3, matmul_sizes=(32,), matmul_repeats=2, dtypes=("fp32", "bf16")))
+        bandwidth_bytes=1 << 20, bandwidth_repeats=3, matmul_sizes=(32,), matmul_repeats=2, dtypes=("fp32", "bf16"),
+        ridge_kernels=False))
     code, out, _ = run(["--model", "tiny", "--hardware", "local", "--batch", "1,4", "--prompt-len", "64",
                         "--output-len", "8"], capsys)
     assert code == 0

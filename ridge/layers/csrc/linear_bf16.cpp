@@ -194,33 +194,53 @@ void gemm_large_m(const bf16* x, int64_t M, int64_t K, const bf16* wp, int64_t N
 // Packed weights live in 2 MiB pages where the kernel allows it: streaming gigabytes through
 // 4 KiB pages costs a TLB miss every 64 cache lines (torch's allocator does not ask for huge
 // pages, and transparent huge pages here are "madvise" only).
-static torch::Tensor huge_page_zeros(at::IntArrayRef shape, const at::TensorOptions& options) {
+static torch::Tensor huge_page_empty(at::IntArrayRef shape, const at::TensorOptions& options) {
   constexpr size_t kHuge = 2u << 20;
   int64_t numel = 1;
   for (auto d : shape) numel *= d;
   const size_t bytes = static_cast<size_t>(numel) * 2;
-  if (bytes < kHuge) return torch::zeros(shape, options);
+  if (bytes < kHuge) return torch::empty(shape, options);
   const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
   void* ptr = nullptr;
-  if (posix_memalign(&ptr, kHuge, rounded) != 0) return torch::zeros(shape, options);
+  if (posix_memalign(&ptr, kHuge, rounded) != 0) return torch::empty(shape, options);
   madvise(ptr, rounded, MADV_HUGEPAGE);  // before the first touch, so faults take huge pages
-  auto* bytes_ptr = static_cast<char*>(ptr);
-  at::parallel_for(0, static_cast<int64_t>(rounded / kHuge), 1, [&](int64_t b, int64_t e) {
-    std::memset(bytes_ptr + b * kHuge, 0, (e - b) * kHuge);
-  });
   return torch::from_blob(ptr, shape, [](void* p) { std::free(p); }, options);
 }
 
 torch::Tensor pack_vnni(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.device().is_cpu(), "pack_vnni: (N, K) bf16 CPU");
   const int64_t N = w.size(0), K = w.size(1), NB = (N + 15) / 16, KP = (K + 1) / 2;
-  auto out = huge_page_zeros({NB, KP, 16, 2}, w.options());
+  auto out = huge_page_empty({NB, KP, 16, 2}, w.options());
   auto wc = w.contiguous();
   const bf16* src = wc.data_ptr<bf16>();
   bf16* dst = out.data_ptr<bf16>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t k = 0; k < K; ++k) dst[(((n / 16) * KP + k / 2) * 16 + n % 16) * 2 + k % 2] = src[n * K + k];
+  // Block by block, written in order (each thread's pages are first touched by that thread):
+  // a k-pair of 16 rows is 16 int32 reads, one per row stream, and one 64-byte write.
+  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) {
+      bf16* block = dst + nb * KP * 32;
+      const int64_t rows = std::min<int64_t>(16, N - nb * 16);
+      if (rows == 16 && K % 2 == 0) {
+        // 16 x 16 int32 tiles: one cache line from each row, transposed through a buffer
+        // (reading 4 bytes per row per k-pair hit 16 rows 2*K bytes apart: one L1 set, thrashed).
+        const int32_t* s32 = reinterpret_cast<const int32_t*>(src + nb * 16 * K);
+        int32_t* d32 = reinterpret_cast<int32_t*>(block);
+        const int64_t row_pairs = K / 2;
+        int32_t tile[16][16];
+        int64_t kp = 0;
+        for (; kp + 16 <= KP; kp += 16) {
+          for (int64_t r = 0; r < 16; ++r) std::memcpy(tile[r], s32 + r * row_pairs + kp, sizeof(tile[r]));
+          for (int64_t j = 0; j < 16; ++j)
+            for (int64_t r = 0; r < 16; ++r) d32[(kp + j) * 16 + r] = tile[r][j];
+        }
+        for (; kp < KP; ++kp)
+          for (int64_t r = 0; r < 16; ++r) d32[kp * 16 + r] = s32[r * row_pairs + kp];
+      } else {  // a ragged edge: zero padding rows and the odd k
+        std::memset(block, 0, KP * 32 * sizeof(bf16));
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t k = 0; k < K; ++k) block[((k / 2) * 16 + r) * 2 + k % 2] = src[(nb * 16 + r) * K + k];
+      }
+    }
   });
   return out;
 }
