@@ -22,6 +22,8 @@ run: setup
 	$(VENV)/bin/ridge demo
 
 test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
 
 clean:

@@ -36,25 +36,47 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
-    llm = LLM(args.model, dtype=args.dtype, num_kv_blocks=max(batches) * (args.input_len + args.output_len) // 16 + 64,
-              max_num_seqs=max(batches), num_threads=args.threads)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        num_kv_blocks=max(batches) * (args.input_len + args.output_len) // 16 + 64,
+        max_num_seqs=max(batches),
+        num_threads=args.threads,
+    )
     rows = []
     for batch in batches:
         r = bench_latency(llm, batch, args.input_len, args.output_len, args.rounds, warmup_rounds=1)
         d = r["decode"]
         measured = batch * 1e3 / d["ms_per_step"]["median"]
         predicted = batch * 1e3 / d["floor_ms"]["median"]
-        rows.append({"batch": batch, "measured_tokens_per_s": measured, "predicted_tokens_per_s": predicted,
-                     "ratio": measured / predicted, "ms_per_step": d["ms_per_step"]["median"],
-                     "floor_ms": d["floor_ms"]["median"], "bandwidth_gb_per_s": r["bandwidth_gb_per_s"]["median"],
-                     "peak_gflop_per_s": r["peak_gflop_per_s"]})
-        print(f"batch {batch:>3}: measured {measured:8.1f} tok/s, roofline {predicted:8.1f} tok/s "
-              f"({100 * measured / predicted:5.1f}%), {d['ms_per_step']['median']:.1f} ms/step "
-              f"(floor {d['floor_ms']['median']:.1f} ms at {r['bandwidth_gb_per_s']['median']:.1f} GB/s)", flush=True)
+        rows.append(
+            {
+                "batch": batch,
+                "measured_tokens_per_s": measured,
+                "predicted_tokens_per_s": predicted,
+                "ratio": measured / predicted,
+                "ms_per_step": d["ms_per_step"]["median"],
+                "floor_ms": d["floor_ms"]["median"],
+                "bandwidth_gb_per_s": r["bandwidth_gb_per_s"]["median"],
+                "peak_gflop_per_s": r["peak_gflop_per_s"],
+            }
+        )
+        print(
+            f"batch {batch:>3}: measured {measured:8.1f} tok/s, roofline {predicted:8.1f} tok/s "
+            f"({100 * measured / predicted:5.1f}%), {d['ms_per_step']['median']:.1f} ms/step "
+            f"(floor {d['floor_ms']['median']:.1f} ms at {r['bandwidth_gb_per_s']['median']:.1f} GB/s)",
+            flush=True,
+        )
 
     peak = rows[0]["peak_gflop_per_s"] * 1e9
     knee = _knee(llm, peak, rows[0]["bandwidth_gb_per_s"] * 1e9, args.input_len + args.output_len // 2)
-    payload = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "analyzer_knee_batch": knee, "rows": rows}
+    payload = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "analyzer_knee_batch": knee,
+        "rows": rows,
+    }
     args.json.write_text(json.dumps(payload, indent=2) + "\n")
     _plot(rows, knee, args.png, args.model)
     print(f"analyzer: decode turns compute-bound at batch {knee}; wrote {args.json} and {args.png}")
@@ -80,8 +102,13 @@ def _plot(rows, knee: int, path: Path, model: str) -> None:
     b = [r["batch"] for r in rows]
     ax.plot(b, [r["predicted_tokens_per_s"] for r in rows], "o--", label="analyzer: roofline (this machine)")
     ax.plot(b, [r["measured_tokens_per_s"] for r in rows], "s-", label="ridge: measured")
-    ax.fill_between(b, [0.8 * r["predicted_tokens_per_s"] for r in rows], [r["predicted_tokens_per_s"] for r in rows],
-                    alpha=0.15, label="within 20% of the roofline")
+    ax.fill_between(
+        b,
+        [0.8 * r["predicted_tokens_per_s"] for r in rows],
+        [r["predicted_tokens_per_s"] for r in rows],
+        alpha=0.15,
+        label="within 20% of the roofline",
+    )
     if knee > 0:
         ax.axvline(knee, color="gray", lw=1)
         ax.text(knee, ax.get_ylim()[1] * 0.05, f" knee (batch {knee})", color="gray")

@@ -195,8 +195,14 @@ class TransformersRunner:
                 ids = torch.tensor([[pad] * (longest - len(p)) + p for p in batch])
                 mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch])
                 steps = max(output_lens[start : start + self.static_batch])
-                self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
-                                    do_sample=False, pad_token_id=pad)
+                self.model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=steps,
+                    min_new_tokens=steps,
+                    do_sample=False,
+                    pad_token_id=pad,
+                )
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -340,13 +346,19 @@ def weights_fingerprint(llm) -> str:
     return digest.hexdigest()[:16]
 
 
-def prepare_exports(llm, preset: str, dtype: str, seed: int, cache_root: Path, need_hf: bool,
-                    need_gguf: bool) -> tuple[Path | None, Path | None]:
+def prepare_exports(
+    llm, preset: str, dtype: str, seed: int, cache_root: Path, need_hf: bool, need_gguf: bool
+) -> tuple[Path | None, Path | None]:
     """The cached HF directory and GGUF of this model, (re)written when missing or stale."""
     base = cache_root / f"{preset}-{dtype}-seed{seed}"
     meta_file = base / "meta.json"
-    meta = {"preset": preset, "dtype": dtype, "seed": seed, "format": EXPORT_FORMAT,
-            "fingerprint": weights_fingerprint(llm)}
+    meta = {
+        "preset": preset,
+        "dtype": dtype,
+        "seed": seed,
+        "format": EXPORT_FORMAT,
+        "fingerprint": weights_fingerprint(llm),
+    }
     try:
         fresh = json.loads(meta_file.read_text()) == meta
     except (OSError, json.JSONDecodeError):
@@ -382,8 +394,12 @@ def scenario_floor(shape: ModelShape, batch: int, prompt_len: int, new_tokens: i
     prefill = step_cost(shape, [(prompt_len, prompt_len)] * batch, [], elem, elem, elem)
     decodes = [step_cost(shape, [], [prompt_len + i + 1] * batch, elem, elem, elem) for i in range(1, new_tokens)]
     decodes = decodes or [step_cost(shape, [], [prompt_len + 1] * batch, elem, elem, elem)]
-    return Floor(prefill.flops, prefill.bytes, statistics.mean(c.flops for c in decodes),
-                 statistics.mean(c.bytes for c in decodes))
+    return Floor(
+        prefill.flops,
+        prefill.bytes,
+        statistics.mean(c.flops for c in decodes),
+        statistics.mean(c.bytes for c in decodes),
+    )
 
 
 def agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
@@ -411,14 +427,20 @@ def run_rounds(args, runners: list, vocab: int) -> list[dict]:
         record: dict = {"round": r}
         for scenario in args.scenarios:
             bandwidth = probe_bandwidth(PROBE)
-            entry: dict = {"bandwidth_gb_per_s": bandwidth.median / 1e9,
-                           "bandwidth_range_gb_per_s": [bandwidth.low / 1e9, bandwidth.high / 1e9], "engines": {}}
+            entry: dict = {
+                "bandwidth_gb_per_s": bandwidth.median / 1e9,
+                "bandwidth_range_gb_per_s": [bandwidth.low / 1e9, bandwidth.high / 1e9],
+                "engines": {},
+            }
             if scenario == "mixed":
                 prompts, output_lens = mixed_workload(args, vocab, seed)
                 for runner in runners:
                     seconds = runner.run_offline(prompts, output_lens)
-                    entry["engines"][runner.name] = {"seconds": seconds, "output_tokens": sum(output_lens),
-                                                     "output_tokens_per_s": sum(output_lens) / seconds}
+                    entry["engines"][runner.name] = {
+                        "seconds": seconds,
+                        "output_tokens": sum(output_lens),
+                        "output_tokens_per_s": sum(output_lens) / seconds,
+                    }
                     log(f"round {r + 1} {scenario:<8} {runner.name:<13} {sum(output_lens) / seconds:8.1f} out tok/s")
             else:
                 batch = BATCH_OF[scenario]
@@ -429,15 +451,19 @@ def run_rounds(args, runners: list, vocab: int) -> list[dict]:
                     timed_by[runner.name] = timed
                     decode_ms = [s * 1e3 for s in timed.decode_s]
                     entry["engines"][runner.name] = {
-                        "prefill_s": timed.prefill_s, "decode_ms": decode_ms,
+                        "prefill_s": timed.prefill_s,
+                        "decode_ms": decode_ms,
                         "decode_ms_median": statistics.median(decode_ms) if decode_ms else float("nan"),
                     }
-                    log(f"round {r + 1} {scenario:<8} {runner.name:<13} prefill {timed.prefill_s * 1e3:8.1f} ms  "
-                        f"decode {entry['engines'][runner.name]['decode_ms_median']:8.2f} ms/step")
+                    log(
+                        f"round {r + 1} {scenario:<8} {runner.name:<13} prefill {timed.prefill_s * 1e3:8.1f} ms  "
+                        f"decode {entry['engines'][runner.name]['decode_ms_median']:8.2f} ms/step"
+                    )
                 if "ridge" in timed_by:
                     for name, timed in timed_by.items():
                         entry["engines"][name]["greedy_agreement_with_ridge"] = agreement(
-                            timed.tokens, timed_by["ridge"].tokens)
+                            timed.tokens, timed_by["ridge"].tokens
+                        )
             record[scenario] = entry
         rounds.append(record)
     return rounds
@@ -463,11 +489,14 @@ def summarize_rounds(args, rounds: list[dict], floors: dict[str, Floor], peak: f
             prefill_floor_s = [floor.prefill_s(bw, peak) for bw in bandwidths]
             out["floor"] = {
                 "decode_ms": summarize(floor_ms),
-                "decode_bound": "memory" if floor.decode_bytes / statistics.median(bandwidths) >= floor.decode_flops / peak
+                "decode_bound": "memory"
+                if floor.decode_bytes / statistics.median(bandwidths) >= floor.decode_flops / peak
                 else "compute",
-                "decode_bytes": floor.decode_bytes, "decode_flops": floor.decode_flops,
+                "decode_bytes": floor.decode_bytes,
+                "decode_flops": floor.decode_flops,
                 "prefill_ms": summarize([s * 1e3 for s in prefill_floor_s]),
-                "prefill_bytes": floor.prefill_bytes, "prefill_flops": floor.prefill_flops,
+                "prefill_bytes": floor.prefill_bytes,
+                "prefill_flops": floor.prefill_flops,
             }
             for name in engines:
                 runs = [e["engines"][name] for e in entries]
@@ -480,18 +509,22 @@ def summarize_rounds(args, rounds: list[dict], floors: dict[str, Floor], peak: f
                     "achieved_gb_per_s": summarize([floor.decode_bytes / m / 1e6 for m in medians]),
                     "prefill_ms": summarize([run["prefill_s"] * 1e3 for run in runs]),
                     "prefill_tokens_per_s": summarize([batch * args.prompt_len / run["prefill_s"] for run in runs]),
-                    "prefill_floor_fraction": summarize([f / run["prefill_s"] for f, run in zip(prefill_floor_s, runs)]),
+                    "prefill_floor_fraction": summarize(
+                        [f / run["prefill_s"] for f, run in zip(prefill_floor_s, runs)]
+                    ),
                 }
                 if "greedy_agreement_with_ridge" in runs[0]:
                     out["engines"][name]["greedy_agreement_with_ridge"] = statistics.mean(
-                        run["greedy_agreement_with_ridge"] for run in runs)
+                        run["greedy_agreement_with_ridge"] for run in runs
+                    )
             key, higher = "decode_ms_median", False
             per_round = {name: medians_of(entries, name, key) for name in engines}
         if "ridge" in engines:
             # speed of ridge over each peer, round by round (>1: ridge is faster)
             out["ridge_speedup"] = {
                 name: summarize([(r / p if higher else p / r) for r, p in zip(per_round["ridge"], per_round[name])])
-                for name in engines if name != "ridge"
+                for name in engines
+                if name != "ridge"
             }
         summary[scenario] = out
     return summary
@@ -517,22 +550,30 @@ def format_report(payload: dict) -> str:
         bw = out["bandwidth_gb_per_s"]
         lines.append("")
         if scenario == "mixed":
-            lines.append(f"mixed offline: {cfg['mixed_requests']} requests, prompt {cfg['mixed_prompt_len']}, "
-                         f"output {cfg['mixed_output_len']} tokens; bandwidth {bw['median']:.1f} GB/s "
-                         f"({bw['min']:.1f}-{bw['max']:.1f})")
+            lines.append(
+                f"mixed offline: {cfg['mixed_requests']} requests, prompt {cfg['mixed_prompt_len']}, "
+                f"output {cfg['mixed_output_len']} tokens; bandwidth {bw['median']:.1f} GB/s "
+                f"({bw['min']:.1f}-{bw['max']:.1f})"
+            )
             lines.append(f"  {'engine':<13} {'out tok/s':>10} {'(min-max)':>17}  how")
             for name, e in out["engines"].items():
                 t = e["output_tokens_per_s"]
-                lines.append(f"  {name:<13} {t['median']:10.1f} {t['min']:8.1f}-{t['max']:<8.1f}  {payload['how'][name]}")
+                lines.append(
+                    f"  {name:<13} {t['median']:10.1f} {t['min']:8.1f}-{t['max']:<8.1f}  {payload['how'][name]}"
+                )
         else:
             f = out["floor"]
             batch = BATCH_OF[scenario]
-            lines.append(f"batch {batch}: prompt {cfg['prompt_len']}, {cfg['new_tokens']} new tokens; bandwidth "
-                         f"{bw['median']:.1f} GB/s ({bw['min']:.1f}-{bw['max']:.1f}); decode floor "
-                         f"{f['decode_ms']['median']:.2f} ms/step ({f['decode_bound']}-bound: "
-                         f"{f['decode_bytes'] / 1e6:.1f} MB, {f['decode_flops'] / 1e9:.2f} GFLOP per step)")
-            lines.append(f"  {'engine':<13} {'prefill ms':>10} {'decode ms/step':>15} {'(p10-p90)':>17} "
-                         f"{'tok/s':>8} {'% floor':>8} {'GB/s':>6} {'prefill %':>9} {'= ridge':>8}")
+            lines.append(
+                f"batch {batch}: prompt {cfg['prompt_len']}, {cfg['new_tokens']} new tokens; bandwidth "
+                f"{bw['median']:.1f} GB/s ({bw['min']:.1f}-{bw['max']:.1f}); decode floor "
+                f"{f['decode_ms']['median']:.2f} ms/step ({f['decode_bound']}-bound: "
+                f"{f['decode_bytes'] / 1e6:.1f} MB, {f['decode_flops'] / 1e9:.2f} GFLOP per step)"
+            )
+            lines.append(
+                f"  {'engine':<13} {'prefill ms':>10} {'decode ms/step':>15} {'(p10-p90)':>17} "
+                f"{'tok/s':>8} {'% floor':>8} {'GB/s':>6} {'prefill %':>9} {'= ridge':>8}"
+            )
             for name, e in out["engines"].items():
                 d = e["decode_ms_per_step"]
                 agree = e.get("greedy_agreement_with_ridge")
@@ -541,14 +582,19 @@ def format_report(payload: dict) -> str:
                     f"{d['p10']:8.2f}-{d['p90']:<8.2f} {e['decode_tokens_per_s']:8.1f} "
                     f"{100 * e['decode_floor_fraction']['median']:7.1f}% {e['achieved_gb_per_s']['median']:6.1f} "
                     f"{100 * e['prefill_floor_fraction']['median']:8.1f}% "
-                    f"{'' if agree is None else f'{100 * agree:7.0f}%'}")
+                    f"{'' if agree is None else f'{100 * agree:7.0f}%'}"
+                )
         for name, s in out.get("ridge_speedup", {}).items():
-            lines.append(f"  ridge vs {name}: {s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f}) "
-                         f"{'output throughput' if scenario == 'mixed' else 'decode speed'}")
+            lines.append(
+                f"  ridge vs {name}: {s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f}) "
+                f"{'output throughput' if scenario == 'mixed' else 'decode speed'}"
+            )
     lines.append("")
-    lines.append("% floor: roofline floor / measured (decode: per step, with the bandwidth probed in the same round); "
-                 "GB/s: analyzer bytes per step / measured step; = ridge: greedy tokens equal to ridge's "
-                 "(prefix share; bf16 rounding differs between engines, so late divergence is expected)")
+    lines.append(
+        "% floor: roofline floor / measured (decode: per step, with the bandwidth probed in the same round); "
+        "GB/s: analyzer bytes per step / measured step; = ridge: greedy tokens equal to ridge's "
+        "(prefix share; bf16 rounding differs between engines, so late divergence is expected)"
+    )
     return "\n".join(lines)
 
 
@@ -578,18 +624,36 @@ def plot(payload: dict, path: Path) -> None:
             highs = [s["p90"] - h for h, s in zip(heights, stats)]
             floor = out["floor"]["decode_ms"]["median"]
             ax.axhline(floor, color="black", linestyle="--", linewidth=1)
-            ax.annotate(f"floor {floor:.1f} ms", (1.0, floor), xycoords=("axes fraction", "data"), ha="right",
-                        va="bottom", fontsize=8, xytext=(-2, 2), textcoords="offset points")
+            ax.annotate(
+                f"floor {floor:.1f} ms",
+                (1.0, floor),
+                xycoords=("axes fraction", "data"),
+                ha="right",
+                va="bottom",
+                fontsize=8,
+                xytext=(-2, 2),
+                textcoords="offset points",
+            )
             ax.set_title(f"decode, batch {BATCH_OF[scenario]}")
             ax.set_ylabel("ms per decode step (lower is better)")
         ax.set_ylim(0, 1.15 * max(h + e for h, e in zip(heights, highs)))
         bars = ax.bar(names, heights, yerr=[lows, highs], capsize=4, color=[colors.get(n, "gray") for n in names])
         for bar, h, high in zip(bars, heights, highs):
-            ax.annotate(f"{h:.1f}", (bar.get_x() + bar.get_width() / 2, h + high), ha="center", va="bottom", fontsize=8,
-                        xytext=(0, 2), textcoords="offset points")
+            ax.annotate(
+                f"{h:.1f}",
+                (bar.get_x() + bar.get_width() / 2, h + high),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+                xytext=(0, 2),
+                textcoords="offset points",
+            )
     cfg = payload["config"]
-    fig.suptitle(f"random:{cfg['preset']} {cfg['dtype']}, {cfg['threads']} threads, {payload['machine']['cpu']}, "
-                 f"{payload['machine']['date'][:10]}", fontsize=9)
+    fig.suptitle(
+        f"random:{cfg['preset']} {cfg['dtype']}, {cfg['threads']} threads, {payload['machine']['cpu']}, "
+        f"{payload['machine']['date'][:10]}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -651,15 +715,26 @@ def main(argv=None) -> int:
         use_llamacpp = False
 
     (_, mixed_prompt_hi), (_, mixed_output_hi) = parse_range(args.mixed_prompt_len), parse_range(args.mixed_output_len)
-    longest = max(args.prompt_len + args.new_tokens, mixed_prompt_hi + mixed_output_hi if "mixed" in args.scenarios else 0)
+    longest = max(
+        args.prompt_len + args.new_tokens, mixed_prompt_hi + mixed_output_hi if "mixed" in args.scenarios else 0
+    )
     max_seqs = max([BATCH_OF.get(s, args.mixed_requests) for s in args.scenarios])
     log(f"building random:{args.preset} ({args.dtype}, seed {args.seed}) in ridge")
-    llm = LLM(f"random:{args.preset}", dtype=args.dtype, seed=args.seed, num_threads=args.threads,
-              max_num_seqs=max_seqs, max_model_len=longest + 16)
+    llm = LLM(
+        f"random:{args.preset}",
+        dtype=args.dtype,
+        seed=args.seed,
+        num_threads=args.threads,
+        max_num_seqs=max_seqs,
+        max_model_len=longest + 16,
+    )
     hf_config, vocab = llm.engine.hf_config, llm.engine.model_config.vocab_size
-    cache_root = args.cache_dir or (Path(os.environ.get("RIDGE_CACHE_DIR", Path.home() / ".cache" / "ridge")) / "compare")
-    hf_dir, gguf_path = prepare_exports(llm, args.preset, args.dtype, args.seed, cache_root,
-                                        need_hf=not args.skip_transformers, need_gguf=use_llamacpp)
+    cache_root = args.cache_dir or (
+        Path(os.environ.get("RIDGE_CACHE_DIR", Path.home() / ".cache" / "ridge")) / "compare"
+    )
+    hf_dir, gguf_path = prepare_exports(
+        llm, args.preset, args.dtype, args.seed, cache_root, need_hf=not args.skip_transformers, need_gguf=use_llamacpp
+    )
 
     runners: list = []
     how: dict[str, str] = {}
@@ -681,8 +756,11 @@ def main(argv=None) -> int:
     peak = hardware.peak(roofline_dtype)
     shape = ModelShape.from_hf_config(hf_config)
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
-    floors = {s: scenario_floor(shape, BATCH_OF[s], args.prompt_len, args.new_tokens, elem)
-              for s in args.scenarios if s in BATCH_OF}
+    floors = {
+        s: scenario_floor(shape, BATCH_OF[s], args.prompt_len, args.new_tokens, elem)
+        for s in args.scenarios
+        if s in BATCH_OF
+    }
 
     try:
         if not args.no_warmup:
@@ -693,14 +771,24 @@ def main(argv=None) -> int:
         for runner in runners:
             runner.close()
     payload = {
-        "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                   "roofline_dtype": roofline_dtype},
-        "machine": {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                    "cpu": machine_fingerprint()["cpu"],
-                    "cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                    "transformers": _version("transformers"), "llama_cpp_python": _version("llama_cpp")},
-        "engines": engines, "how": how, "notes": notes,
-        "peak_gflop_per_s": peak / 1e9, "weight_bytes": weight_bytes(shape, elem),
+        "config": {
+            **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "roofline_dtype": roofline_dtype,
+        },
+        "machine": {
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "cpu": machine_fingerprint()["cpu"],
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "transformers": _version("transformers"),
+            "llama_cpp_python": _version("llama_cpp"),
+        },
+        "engines": engines,
+        "how": how,
+        "notes": notes,
+        "peak_gflop_per_s": peak / 1e9,
+        "weight_bytes": weight_bytes(shape, elem),
         "hardware": hardware.to_json(),
         "rounds": rounds,
         "summary": summarize_rounds(args, rounds, floors, peak, engines),

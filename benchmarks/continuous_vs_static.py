@@ -43,27 +43,52 @@ def main() -> int:
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
-    engines = {policy: LLM(args.model, dtype=args.dtype, scheduler=policy, max_num_seqs=args.max_num_seqs,
-                           max_model_len=1024, num_threads=args.threads)
-               for policy in ("continuous", "static")}
+    engines = {
+        policy: LLM(
+            args.model,
+            dtype=args.dtype,
+            scheduler=policy,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=1024,
+            num_threads=args.threads,
+        )
+        for policy in ("continuous", "static")
+    }
     rows = []
     for dist in args.dists.split(","):
-        workload = argparse.Namespace(dataset=None, num_prompts=args.num_prompts, input_len=args.input_len,
-                                      output_len=args.output_len, output_dist=dist, workload_seed=0)
+        workload = argparse.Namespace(
+            dataset=None,
+            num_prompts=args.num_prompts,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            output_dist=dist,
+            workload_seed=0,
+        )
         prompts, output_lens = make_workload(workload, engines["continuous"].engine.model_config.vocab_size)
         result = {}
         for policy, llm in engines.items():
             r = bench_throughput(llm, prompts, output_lens)
             r.pop("telemetry")
             result[policy] = r
-            print(f"{dist:>12} {policy:>10}: {r['output_tokens_per_s']:7.2f} out tok/s, "
-                  f"{r['elapsed_s']:6.1f} s for {r['output_tokens']} tokens", flush=True)
+            print(
+                f"{dist:>12} {policy:>10}: {r['output_tokens_per_s']:7.2f} out tok/s, "
+                f"{r['elapsed_s']:6.1f} s for {r['output_tokens']} tokens",
+                flush=True,
+            )
         ratio = result["continuous"]["output_tokens_per_s"] / result["static"]["output_tokens_per_s"]
         print(f"{dist:>12}: continuous / static = {ratio:.2f}x", flush=True)
         rows.append({"output_dist": dist, "output_lens": output_lens, "ratio": ratio, **result})
-    payload = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "machine": machine(),
-               "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-               "max_num_seqs": args.max_num_seqs, "rows": rows}
+    payload = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "machine": machine(),
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "max_num_seqs": args.max_num_seqs,
+        "rows": rows,
+    }
     args.json.write_text(json.dumps(payload, indent=2) + "\n")
     _plot(rows, args)
     print(f"wrote {args.json} and {args.png}")
@@ -88,8 +113,11 @@ def _plot(rows: list[dict], args) -> None:
     ax.set_xticks(range(len(rows)), [f"outputs {r['output_dist']} {args.output_len}" for r in rows])
     ax.set_ylabel("output tokens / s")
     ax.set_ylim(0, max(r["continuous"]["output_tokens_per_s"] for r in rows) * 1.4)
-    ax.set_title(f"Continuous vs static batching, offline: {Path(args.model).name}, {args.num_prompts} requests, "
-                 f"max_num_seqs {args.max_num_seqs}", fontsize=9)
+    ax.set_title(
+        f"Continuous vs static batching, offline: {Path(args.model).name}, {args.num_prompts} requests, "
+        f"max_num_seqs {args.max_num_seqs}",
+        fontsize=9,
+    )
     ax.legend(loc="upper center", ncol=2)
     fig.tight_layout()
     fig.savefig(args.png, dpi=120)

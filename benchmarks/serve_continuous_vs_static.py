@@ -53,9 +53,20 @@ from ridge.bench.serve import (  # noqa: E402
 
 SYNTHETIC = "synthetic-50m"
 # The synthetic model: Llama shapes with 50M parameters (vocab 512 covers the byte tokenizer).
-SYNTHETIC_CONFIG = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12,
-                        num_key_value_heads=4, head_dim=64, vocab_size=512, max_position_embeddings=512,
-                        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+SYNTHETIC_CONFIG = dict(
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    head_dim=64,
+    vocab_size=512,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 SCHEDULERS = ("continuous", "static")
 
 # (label, key in the summary, stat, higher is better)
@@ -77,7 +88,9 @@ ROWS = [
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=SYNTHETIC, help=f"{SYNTHETIC} (built here), a model directory, or random:<preset>")
+    p.add_argument(
+        "--model", default=SYNTHETIC, help=f"{SYNTHETIC} (built here), a model directory, or random:<preset>"
+    )
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=LengthSpec.parse, default=LengthSpec(16, 48))
     p.add_argument("--output-len", type=LengthSpec.parse, default=LengthSpec(8, 448))
@@ -85,11 +98,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson (default: all at once)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--num-threads", type=int, default=1,
-                   help="the server's torch threads (1 leaves the other core to the HTTP side and the client)")
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=1,
+        help="the server's torch threads (1 leaves the other core to the HTTP side and the client)",
+    )
     p.add_argument("--png", default=str(REPO / "benchmarks" / "continuous_vs_static.png"))
-    p.add_argument("--repeats", type=int, default=1,
-                   help="runs per scheduler, alternating; the table shows medians (a shared machine is noisy)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per scheduler, alternating; the table shows medians (a shared machine is noisy)",
+    )
     p.add_argument("--json-out", default=None, help="also write every run's summary here")
     return p.parse_args()
 
@@ -111,16 +132,31 @@ def run(args: argparse.Namespace, model: str, extra_flags: list[str]) -> dict[st
     results: dict[str, list[dict]] = {s: [] for s in SCHEDULERS}
     for repeat in range(args.repeats):
         for scheduler in SCHEDULERS:
-            flags = ["--scheduler", scheduler, "--max-num-seqs", str(args.max_num_seqs), "--dtype", args.dtype,
-                     "--num-threads", str(args.num_threads), *extra_flags]
-            print(f"[{scheduler} {repeat + 1}/{args.repeats}] ridge serve {' '.join(flags)}", file=sys.stderr,
-                  flush=True)
+            flags = [
+                "--scheduler",
+                scheduler,
+                "--max-num-seqs",
+                str(args.max_num_seqs),
+                "--dtype",
+                args.dtype,
+                "--num-threads",
+                str(args.num_threads),
+                *extra_flags,
+            ]
+            print(
+                f"[{scheduler} {repeat + 1}/{args.repeats}] ridge serve {' '.join(flags)}", file=sys.stderr, flush=True
+            )
             with ridge_server(model, flags) as url:
-                config = BenchConfig(base_url=url, num_prompts=len(workload), request_rate=args.request_rate,
-                                     seed=args.seed)
+                config = BenchConfig(
+                    base_url=url, num_prompts=len(workload), request_rate=args.request_rate, seed=args.seed
+                )
                 s = asyncio.run(run_benchmark(config, workload, tokenizer))
-            print(f"    {s['completed']} ok, {s['failed']} failed in {s['duration_s']:.1f} s, "
-                  f"{s['output_throughput']:.0f} output tok/s", file=sys.stderr, flush=True)
+            print(
+                f"    {s['completed']} ok, {s['failed']} failed in {s['duration_s']:.1f} s, "
+                f"{s['output_throughput']:.0f} output tok/s",
+                file=sys.stderr,
+                flush=True,
+            )
             if s["failed"]:
                 raise SystemExit(f"{scheduler}: {s['failed']} requests failed: {s['errors']}")
             results[scheduler].append(s)
@@ -152,8 +188,12 @@ def print_table(results: dict[str, dict], args: argparse.Namespace) -> str:
 
     c, s = results["continuous"], results["static"]
     table = Table(title="continuous vs static batching (same workload)")
-    for col, justify in (("metric", "left"), ("continuous", "right"), ("static", "right"),
-                         ("continuous / static", "right")):
+    for col, justify in (
+        ("metric", "left"),
+        ("continuous", "right"),
+        ("static", "right"),
+        ("continuous / static", "right"),
+    ):
         table.add_column(col, justify=justify)
     md = ["| metric | continuous | static | continuous / static |", "|---|---:|---:|---:|"]
     for label, key, stat, higher_better in ROWS:
@@ -198,8 +238,7 @@ def plot(results: dict[str, dict], args: argparse.Namespace, path: str, subtitle
     ax = axes[2]
     for n in names:
         rows = results[n]["requests"]  # in send order: the engine admits them first come, first served
-        ax.plot(range(len(rows)), [r["ttft_ms"] / 1000 for r in rows], marker=".", ms=4, lw=1, color=colors[n],
-                label=n)
+        ax.plot(range(len(rows)), [r["ttft_ms"] / 1000 for r in rows], marker=".", ms=4, lw=1, color=colors[n], label=n)
     ax.set_xlabel("request (send order)")
     ax.set_ylabel("time to first token (s)")
     ax.set_title("admission: a static batch waits for its slowest member")
@@ -226,10 +265,12 @@ def main() -> int:
     model = Path(args.model).name if os.path.isdir(args.model) else args.model
     rate = "all at once" if math.isinf(args.request_rate) else f"Poisson {args.request_rate:g} req/s"
     medians = f"medians of {args.repeats} runs each, " if args.repeats > 1 else ""
-    subtitle = (f"{model}, {args.num_prompts} requests ({rate}), {medians}prompt {args.input_len} tokens, "
-                f"output {args.output_len} tokens, max_num_seqs {args.max_num_seqs}, {args.dtype}, "
-                f"{args.num_threads} torch thread(s), "
-                f"{os.cpu_count()}-core {platform.machine()} CPU, {datetime.date.today().isoformat()}")
+    subtitle = (
+        f"{model}, {args.num_prompts} requests ({rate}), {medians}prompt {args.input_len} tokens, "
+        f"output {args.output_len} tokens, max_num_seqs {args.max_num_seqs}, {args.dtype}, "
+        f"{args.num_threads} torch thread(s), "
+        f"{os.cpu_count()}-core {platform.machine()} CPU, {datetime.date.today().isoformat()}"
+    )
     print(subtitle)
     md = print_table(results, args)
     print("\nmarkdown:\n" + md)

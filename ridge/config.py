@@ -68,7 +68,15 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size"):
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"model config: {name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
@@ -86,14 +94,12 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any], max_model_len: int | None = None) -> "ModelConfig":
+    def from_hf_config(cls, hf: dict[str, Any], max_model_len: int | None = None) -> ModelConfig:
         """Parse a Hugging Face config dict; clear errors for what ridge does not run."""
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch!r}; ridge supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+            raise ValueError(f"unsupported architecture {arch!r}; ridge supports {', '.join(SUPPORTED_ARCHITECTURES)}")
         try:
             hidden = int(hf["hidden_size"])
             heads = int(hf["num_attention_heads"])
@@ -208,7 +214,7 @@ class EngineConfig:
             raise ValueError(f"scheduler must be one of {', '.join(SCHEDULER_POLICIES)}, got {self.scheduler!r}")
 
     @classmethod
-    def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
         """Build from keywords, with a clear error for an unknown one."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
@@ -252,5 +258,3 @@ def resolve_dtype(requested: str, model_default: str, device: torch.device) -> t
     except (RuntimeError, TypeError):
         return torch.float32
     return dtype
-
-

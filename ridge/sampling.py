@@ -44,8 +44,9 @@ RANDOM_SEED = -1
 # Validation helpers (pure functions; each returns the normalized value or raises ValueError).
 
 
-def _check_int(name: str, value: object, *, lo: int | None = None, hi: int | None = None,
-               allow_none: bool = False, rule: str) -> int | None:
+def _check_int(
+    name: str, value: object, *, lo: int | None = None, hi: int | None = None, allow_none: bool = False, rule: str
+) -> int | None:
     if value is None and allow_none:
         return None
     # bool is an int subclass, but True as a count is always a caller bug.
@@ -108,42 +109,47 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, lo=1, rule=">= 1")
-        self.temperature = _check_float(
-            "temperature", self.temperature, ok=lambda v: v >= 0, rule=">= 0")
+        self.temperature = _check_float("temperature", self.temperature, ok=lambda v: v >= 0, rule=">= 0")
         if 0 < self.temperature < MIN_TEMPERATURE:
             warnings.warn(
                 f"temperature {self.temperature} is below {MIN_TEMPERATURE}, which risks inf/nan "
-                f"in logits / temperature; using {MIN_TEMPERATURE}", stacklevel=3)
+                f"in logits / temperature; using {MIN_TEMPERATURE}",
+                stacklevel=3,
+            )
             self.temperature = MIN_TEMPERATURE
         self.top_p = _check_float("top_p", self.top_p, ok=lambda v: 0 < v <= 1, rule="in (0, 1]")
-        self.top_k = _check_int(
-            "top_k", self.top_k, lo=-1, rule=">= 1, or -1 / 0 to disable")
+        self.top_k = _check_int("top_k", self.top_k, lo=-1, rule=">= 1, or -1 / 0 to disable")
         if self.top_k == 0:
             self.top_k = -1
         self.min_p = _check_float("min_p", self.min_p, ok=lambda v: 0 <= v <= 1, rule="in [0, 1]")
         self.repetition_penalty = _check_float(
-            "repetition_penalty", self.repetition_penalty, ok=lambda v: v > 0, rule="> 0")
+            "repetition_penalty", self.repetition_penalty, ok=lambda v: v > 0, rule="> 0"
+        )
         for name in ("presence_penalty", "frequency_penalty"):
-            setattr(self, name, _check_float(
-                name, getattr(self, name), ok=lambda v: -2 <= v <= 2, rule="in [-2, 2]"))
-        self.seed = _check_int("seed", self.seed, lo=_SEED_RANGE[0], hi=_SEED_RANGE[1],
-                               allow_none=True, rule="in [-2**63, 2**64), -1 (random) or None")
+            setattr(self, name, _check_float(name, getattr(self, name), ok=lambda v: -2 <= v <= 2, rule="in [-2, 2]"))
+        self.seed = _check_int(
+            "seed",
+            self.seed,
+            lo=_SEED_RANGE[0],
+            hi=_SEED_RANGE[1],
+            allow_none=True,
+            rule="in [-2**63, 2**64), -1 (random) or None",
+        )
         if self.seed == RANDOM_SEED:
             self.seed = None
         elif self.seed is not None:
             self.seed %= 2**64  # manual_seed's own reading of a negative seed
-        self.max_tokens = _check_int(
-            "max_tokens", self.max_tokens, lo=1, allow_none=True, rule=">= 1 or None")
+        self.max_tokens = _check_int("max_tokens", self.max_tokens, lo=1, allow_none=True, rule=">= 1 or None")
         self.min_tokens = _check_int("min_tokens", self.min_tokens, lo=0, rule=">= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         self.stop = self._normalize_stop(self.stop)
         self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check_bool(name, getattr(self, name))
-        self.logprobs = _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS,
-                                   allow_none=True, rule=f"in [0, {MAX_LOGPROBS}] or None")
+        self.logprobs = _check_int(
+            "logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS, allow_none=True, rule=f"in [0, {MAX_LOGPROBS}] or None"
+        )
 
     @staticmethod
     def _normalize_stop(stop: object) -> list[str]:
@@ -152,8 +158,7 @@ class SamplingParams:
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, (list, tuple)):
-            raise ValueError(
-                f"stop must be a str, a list of non-empty str, or None, got {type(stop).__name__}")
+            raise ValueError(f"stop must be a str, a list of non-empty str, or None, got {type(stop).__name__}")
         for s in stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must hold only non-empty strings, got {s!r}")
@@ -164,11 +169,10 @@ class SamplingParams:
         if ids is None:
             return []
         if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset)):
-            raise ValueError(
-                f"stop_token_ids must be a list of ints >= 0 or None, got {type(ids).__name__}")
+            raise ValueError(f"stop_token_ids must be a list of ints >= 0 or None, got {type(ids).__name__}")
         return [_check_int("stop_token_ids[]", t, lo=0, rule=">= 0") for t in ids]
 
-    def for_sample(self, index: int) -> "SamplingParams":
+    def for_sample(self, index: int) -> SamplingParams:
         """The params of sample ``index`` of ``n``: with a seed, each sample its own stream,
         reproducibly (seed + index, wrapping at 2**64); without one, these params."""
         if self.seed is None or index == 0:
@@ -183,8 +187,7 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         """True when any of the repetition / presence / frequency penalties is active."""
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,12 +218,12 @@ class SamplingState:
     generator: torch.Generator | None = None
     # ((device, vocab size), distinct prompt ids): built on first use by the repetition penalty.
     _prompt_cache: tuple[tuple[torch.device, int], torch.Tensor] | None = field(
-        default=None, init=False, repr=False, compare=False)
+        default=None, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, SamplingParams):
-            raise ValueError(
-                f"params must be a SamplingParams, got {type(self.params).__name__}")
+            raise ValueError(f"params must be a SamplingParams, got {type(self.params).__name__}")
         self.eos_token_ids = frozenset(self.eos_token_ids)
 
     @property
@@ -239,8 +242,7 @@ class SamplingState:
                 raise ValueError("generator_for needs params.seed or an explicit generator")
             self.generator = torch.Generator(device=device).manual_seed(self.params.seed)
         elif self.generator.device != device:
-            raise ValueError(
-                f"request generator lives on {self.generator.device}, logits on {device}")
+            raise ValueError(f"request generator lives on {self.generator.device}, logits on {device}")
         return self.generator
 
     def prompt_ids_tensor(self, device: torch.device, vocab_size: int) -> torch.Tensor:
@@ -287,8 +289,7 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Mask (to -inf, in place) tokens outside each row's top-k, then outside its top-p nucleus.
 
     ``logits``: (R, V) fp32. ``top_k``: (R,) int64, a row's k (``>= V`` = disabled), or None.
@@ -348,35 +349,40 @@ def apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.
     sub = [states[i] for i in rows]
     # Per-row parameters in one host->device copy; column 3 is the row's batch index.
     table = torch.tensor(
-        [(s.params.repetition_penalty, s.params.presence_penalty, s.params.frequency_penalty, i)
-         for i, s in zip(rows, sub)], dtype=torch.float64).to(device)
+        [
+            (s.params.repetition_penalty, s.params.presence_penalty, s.params.frequency_penalty, i)
+            for i, s in zip(rows, sub)
+        ],
+        dtype=torch.float64,
+    ).to(device)
     rep, presence, frequency = (table[:, j].to(torch.float32) for j in range(3))
     batch_row = table[:, 3].long()
 
     # Every output occurrence as (index into sub, token id).
-    out_ids = torch.tensor(list(itertools.chain.from_iterable(s.output_token_ids for s in sub)),
-                           dtype=torch.long).to(device)
-    out_sub = torch.repeat_interleave(
-        torch.arange(len(sub)), torch.tensor([len(s.output_token_ids) for s in sub])).to(device)
+    out_ids = torch.tensor(list(itertools.chain.from_iterable(s.output_token_ids for s in sub)), dtype=torch.long).to(
+        device
+    )
+    out_sub = torch.repeat_interleave(torch.arange(len(sub)), torch.tensor([len(s.output_token_ids) for s in sub])).to(
+        device
+    )
     valid = (out_ids >= 0) & (out_ids < vocab)
     out_ids, out_sub = out_ids[valid], out_sub[valid]
 
     if any(s.params.repetition_penalty != 1.0 for s in sub):
         prompt = [s.prompt_ids_tensor(device, vocab) for s in sub]
-        p_sub = torch.repeat_interleave(
-            torch.arange(len(sub)), torch.tensor([len(t) for t in prompt])).to(device)
+        p_sub = torch.repeat_interleave(torch.arange(len(sub)), torch.tensor([len(t) for t in prompt])).to(device)
         sub_idx = torch.cat([p_sub, out_sub])
         r, t = batch_row[sub_idx], torch.cat([*prompt, out_ids])
         v, factor = logits[r, t], rep[sub_idx]
         logits[r, t] = torch.where(v > 0, v / factor, v * factor)
 
-    if out_ids.numel() and any(
-            s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0 for s in sub):
+    if out_ids.numel() and any(s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0 for s in sub):
         # Occurrences of each (row, token): equal-range width in the sorted keys (exact, no sync).
         keys = out_sub * vocab + out_ids
         sorted_keys = keys.sort().values
-        counts = (torch.searchsorted(sorted_keys, keys, right=True)
-                  - torch.searchsorted(sorted_keys, keys)).to(torch.float32)
+        counts = (torch.searchsorted(sorted_keys, keys, right=True) - torch.searchsorted(sorted_keys, keys)).to(
+            torch.float32
+        )
         r = batch_row[out_sub]
         v = logits[r, out_ids] - frequency[out_sub] * counts
         logits[r, out_ids] = v - presence[out_sub]
@@ -420,8 +426,7 @@ class Sampler:
     """
 
     def __init__(self, seed: int = 0):
-        self._seed = _check_int("seed", seed, lo=_SEED_RANGE[0], hi=_SEED_RANGE[1],
-                                rule="in [-2**63, 2**64)")
+        self._seed = _check_int("seed", seed, lo=_SEED_RANGE[0], hi=_SEED_RANGE[1], rule="in [-2**63, 2**64)")
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -438,18 +443,20 @@ class Sampler:
         Reads (never writes) ``states[i].output_token_ids``; the caller appends the result.
         """
         batch = len(states)
-        if (logits.dim() != 2 or logits.shape[0] != batch or logits.shape[1] == 0
-                or not logits.is_floating_point()):
+        if logits.dim() != 2 or logits.shape[0] != batch or logits.shape[1] == 0 or not logits.is_floating_point():
             raise ValueError(
                 f"logits must be a float (B, V) tensor with B = len(states) = {batch}, V >= 1; "
-                f"got {tuple(logits.shape)} {logits.dtype}")
+                f"got {tuple(logits.shape)} {logits.dtype}"
+            )
         if batch == 0:
             return SamplerOutput([], [], [])
         none_list: list = [None] * batch
 
         # Fast path: plain greedy everywhere is a single argmax, no copies, no per-row tensors.
-        if all(s.params.greedy and s.params.logprobs is None
-               and not s.params.has_penalties and not s.min_tokens_active() for s in states):
+        if all(
+            s.params.greedy and s.params.logprobs is None and not s.params.has_penalties and not s.min_tokens_active()
+            for s in states
+        ):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), none_list, list(none_list))
 
         device = logits.device
@@ -463,8 +470,9 @@ class Sampler:
         # Raw-distribution logprobs, taken before any in-place edit of x.
         raw_logprobs = None
         if lp_rows:
-            raw_logprobs = torch.log_softmax(x if len(lp_rows) == batch else
-                                             x[torch.tensor(lp_rows, device=device)], dim=-1)
+            raw_logprobs = torch.log_softmax(
+                x if len(lp_rows) == batch else x[torch.tensor(lp_rows, device=device)], dim=-1
+            )
 
         apply_penalties(x, states)
         apply_min_tokens(x, states)
@@ -492,15 +500,15 @@ class Sampler:
         params = [s.params for s in states]
         # All per-row parameters in one host->device copy (k <= 2**24 is exact in fp32).
         table = torch.tensor(
-            [(p.temperature, p.min_p, p.top_p, p.top_k if 0 < p.top_k < vocab else vocab)
-             for p in params], dtype=torch.float32).to(device)
+            [(p.temperature, p.min_p, p.top_p, p.top_k if 0 < p.top_k < vocab else vocab) for p in params],
+            dtype=torch.float32,
+        ).to(device)
         x.div_(table[:, 0].unsqueeze(1))
         if any(p.min_p > 0.0 for p in params):
             apply_min_p(x, table[:, 1])
         use_k = any(0 < p.top_k < vocab for p in params)
         use_p = any(p.top_p < 1.0 for p in params)
-        apply_top_k_top_p(x, table[:, 3].long() if use_k else None,
-                          table[:, 2] if use_p else None)
+        apply_top_k_top_p(x, table[:, 3].long() if use_k else None, table[:, 2] if use_p else None)
         probs = x.softmax(dim=-1)
         q = self._exponentials(probs, states)
         return probs.div_(q).argmax(dim=-1)
@@ -528,8 +536,9 @@ class Sampler:
         return q.clamp_min_(torch.finfo(q.dtype).tiny)
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, token_ids: list[int], lp_rows: list[int],
-                  states: list[SamplingState]) -> SamplerOutput:
+    def _logprobs(
+        raw: torch.Tensor, token_ids: list[int], lp_rows: list[int], states: list[SamplingState]
+    ) -> SamplerOutput:
         """Gather the sampled token's and the top-k logprobs for the rows that asked."""
         batch = len(states)
         sampled_ids = torch.tensor([token_ids[i] for i in lp_rows], device=raw.device)
@@ -546,5 +555,5 @@ class Sampler:
         top: list[list[tuple[int, float]] | None] = [None] * batch
         for j, i in enumerate(lp_rows):
             logprobs[i] = sampled[j]
-            top[i] = list(zip(top_ids[j][:ks[j]], top_vals[j][:ks[j]]))
+            top[i] = list(zip(top_ids[j][: ks[j]], top_vals[j][: ks[j]]))
         return SamplerOutput(token_ids, logprobs, top)

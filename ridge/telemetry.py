@@ -15,8 +15,8 @@ the report's notices, and no fraction above 100% is ever reported.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ridge.roofline.hardware import Hardware
 from ridge.roofline.ops import StepCost, step_cost
@@ -68,10 +68,16 @@ class PhaseStats:
 
     def to_json(self) -> dict:
         return {
-            "steps": self.steps, "tokens": self.tokens, "wall_s": self.wall_s, "flops": self.flops,
-            "bytes": self.bytes, "floor_s": self.floor_s, "floored_wall_s": self.floored_wall_s,
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "wall_s": self.wall_s,
+            "flops": self.flops,
+            "bytes": self.bytes,
+            "floor_s": self.floor_s,
+            "floored_wall_s": self.floored_wall_s,
             "achieved_gb_per_s": self.achieved_bytes_per_s / 1e9,
-            "achieved_gflop_per_s": self.achieved_flops_per_s / 1e9, "roofline_fraction": self.roofline_fraction,
+            "achieved_gflop_per_s": self.achieved_flops_per_s / 1e9,
+            "roofline_fraction": self.roofline_fraction,
         }
 
 
@@ -85,9 +91,13 @@ class Ceiling:
     What happened is appended to ``notices``.
     """
 
-    def __init__(self, peak_flops: float, bandwidth: float,
-                 reprobe: Callable[[], tuple[float, float]] | None = None,
-                 notices: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        peak_flops: float,
+        bandwidth: float,
+        reprobe: Callable[[], tuple[float, float]] | None = None,
+        notices: list[str] | None = None,
+    ) -> None:
         self.peak_flops = peak_flops
         self.bandwidth = bandwidth
         self._reprobe = reprobe
@@ -104,8 +114,10 @@ class Ceiling:
         if self._reprobe is not None:
             reprobe, self._reprobe = self._reprobe, None
             peak, bandwidth = reprobe()
-            self.notices.append(f"re-probed the roofline: {what} ({self._describe()} -> "
-                                f"{peak / 1e9:,.0f} GFLOP/s, {bandwidth / 1e9:.1f} GB/s)")
+            self.notices.append(
+                f"re-probed the roofline: {what} ({self._describe()} -> "
+                f"{peak / 1e9:,.0f} GFLOP/s, {bandwidth / 1e9:.1f} GB/s)"
+            )
             self.peak_flops, self.bandwidth = max(self.peak_flops, peak), max(self.bandwidth, bandwidth)
             floor = max(self._terms(cost))
             if wall_s >= floor:
@@ -153,8 +165,9 @@ class Telemetry:
 
     def price(self, rec: StepRecord) -> StepCost:
         if rec.cost is None:
-            rec.cost = step_cost(self.model, rec.prefill_chunks, rec.decode_contexts,
-                                 self.weight_bytes, self.kv_bytes, self.act_bytes)
+            rec.cost = step_cost(
+                self.model, rec.prefill_chunks, rec.decode_contexts, self.weight_bytes, self.kv_bytes, self.act_bytes
+            )
         return rec.cost
 
     @property
@@ -213,9 +226,13 @@ class Telemetry:
         phases = {name: stats.to_json() for name, stats in self.phases().items() if stats.steps}
         hw = self.hardware
         return {
-            "hardware": {"name": hw.name, "bandwidth_gb_per_s": ceiling.bandwidth / 1e9,
-                         "peak_gflop_per_s": ceiling.peak_flops / 1e9, "dtype": self.compute_dtype,
-                         "measured_at": hw.measured_at},
+            "hardware": {
+                "name": hw.name,
+                "bandwidth_gb_per_s": ceiling.bandwidth / 1e9,
+                "peak_gflop_per_s": ceiling.peak_flops / 1e9,
+                "dtype": self.compute_dtype,
+                "measured_at": hw.measured_at,
+            },
             "phases": phases,
             "notices": list(self.notices),
         }
@@ -224,8 +241,10 @@ class Telemetry:
         """A few lines for humans: achieved GB/s and GFLOP/s and the roofline fraction per phase."""
         rep = self.report()
         hw = rep["hardware"]
-        lines = [f"roofline ({hw['name']}: {hw['bandwidth_gb_per_s']:.1f} GB/s, "
-                 f"{hw['peak_gflop_per_s']:.0f} GFLOP/s {hw['dtype']})"]
+        lines = [
+            f"roofline ({hw['name']}: {hw['bandwidth_gb_per_s']:.1f} GB/s, "
+            f"{hw['peak_gflop_per_s']:.0f} GFLOP/s {hw['dtype']})"
+        ]
         for name, s in rep["phases"].items():
             lines.append(
                 f"  {name:<8} {s['steps']:>5} steps  {s['achieved_gb_per_s']:7.1f} GB/s  "
@@ -260,7 +279,7 @@ def cuda_hardware(device, reprobe: bool = False) -> Hardware:
     peaks = {}
     for name, dtype, n in (("bf16", torch.bfloat16, 8192), ("fp32", torch.float32, 4096)):
         a = torch.randn(n, n, dtype=dtype, device=device)
-        peaks[name] = 2 * n**3 / best_s(lambda: a @ a)
+        peaks[name] = 2 * n**3 / best_s(lambda a=a: a @ a)
     props = torch.cuda.get_device_properties(device)
     return Hardware(
         name=f"cuda:{props.name}",
@@ -268,6 +287,6 @@ def cuda_hardware(device, reprobe: bool = False) -> Hardware:
         bandwidth_bytes_per_s=bandwidth,
         memory_bytes=float(props.total_memory),
         source="measured now: sum() over 2 GiB fp32; 8192^3 bf16 and 4096^3 fp32 matmuls (fp16 as bf16); "
-               "the best of 5 runs",
-        measured_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "the best of 5 runs",
+        measured_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     )

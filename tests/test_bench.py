@@ -63,8 +63,23 @@ def model_args(stories_dir) -> list[str]:
 
 
 def test_bench_latency_json(stories_dir, no_probes, capsys):
-    out = bench(capsys, "latency", *model_args(stories_dir), "--batch", "1", "--batch", "2", "--input-len", "4",
-                "--output-len", "4", "--rounds", "1", "--warmup-rounds", "0")
+    out = bench(
+        capsys,
+        "latency",
+        *model_args(stories_dir),
+        "--batch",
+        "1",
+        "--batch",
+        "2",
+        "--input-len",
+        "4",
+        "--output-len",
+        "4",
+        "--rounds",
+        "1",
+        "--warmup-rounds",
+        "0",
+    )
     assert (out["model"], out["dtype"], out["device"]) == (str(stories_dir), "float32", "cpu")
     assert (out["input_len"], out["output_len"]) == (4, 4)
     assert {"date", "cpus", "torch", "torch_threads"} <= set(out["machine"])
@@ -79,8 +94,10 @@ def test_bench_latency_json(stories_dir, no_probes, capsys):
         step = d["ms_per_step"]
         assert step["n"] == 3 and 0 < step["min"] <= step["median"] <= step["max"]
         assert d["tokens_per_s"] == pytest.approx(b * 1000 / step["median"])
-        floors = [1e3 * max(c.flops / 100e9, c.bytes / FAKE_BW)
-                  for c in (step_cost(shape, [], [ctx] * b, 4, 4, 4) for ctx in (5, 6, 7))]
+        floors = [
+            1e3 * max(c.flops / 100e9, c.bytes / FAKE_BW)
+            for c in (step_cost(shape, [], [ctx] * b, 4, 4, 4) for ctx in (5, 6, 7))
+        ]
         assert [d["floor_ms"][k] for k in ("min", "median", "max")] == pytest.approx(floors)
         for key in ("roofline_fraction", "achieved_gb_per_s"):
             s = d[key]
@@ -108,8 +125,21 @@ def test_no_fraction_above_100_percent_when_steps_beat_the_roofline(stories_dir,
 
     monkeypatch.setattr(engine_module, "local_hardware", local_hardware)
     monkeypatch.setattr(probe, "probe_bandwidth", lambda settings, ext=None: Measurement(1e6, 1e6, 1e6, 1))
-    out = bench(capsys, "latency", *model_args(stories_dir), "--batch", "2", "--input-len", "8",
-                "--output-len", "4", "--rounds", "2", "--warmup-rounds", "0")
+    out = bench(
+        capsys,
+        "latency",
+        *model_args(stories_dir),
+        "--batch",
+        "2",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--rounds",
+        "2",
+        "--warmup-rounds",
+        "0",
+    )
     (r,) = out["results"]
     assert r["decode"]["roofline_fraction"]["max"] <= 1.0 and r["prefill"]["roofline_fraction"]["max"] <= 1.0
     assert reprobes.count(True) == 1  # once per bench
@@ -118,8 +148,21 @@ def test_no_fraction_above_100_percent_when_steps_beat_the_roofline(stories_dir,
 
 
 def test_bench_latency_defaults_to_batch_one_and_text_output(stories_dir, no_probes, capsys):
-    rc = main(["bench", "latency", *model_args(stories_dir), "--input-len", "3", "--output-len", "2",
-               "--rounds", "1", "--warmup-rounds", "1"])
+    rc = main(
+        [
+            "bench",
+            "latency",
+            *model_args(stories_dir),
+            "--input-len",
+            "3",
+            "--output-len",
+            "2",
+            "--rounds",
+            "1",
+            "--warmup-rounds",
+            "1",
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0 and len(no_probes) == 2 * 2  # the warm-up round probes too
     assert text.startswith("ridge bench latency:") and "batch 1:" in text and "batch 2" not in text
@@ -163,10 +206,27 @@ def expected_workload(num_prompts, input_len, output_len, seed=0, dist="uniform"
 
 
 def test_bench_throughput_json(stories_dir, no_probes, capsys):
-    out = bench(capsys, "throughput", *model_args(stories_dir), "--num-prompts", "6", "--input-len", "3:9",
-                "--output-len", "2:7", "--workload-seed", "3")
-    assert out["workload"] == {"num_prompts": 6, "input_len": "3:9", "output_len": "2:7", "output_dist": "uniform",
-                               "dataset": None, "seed": 3}
+    out = bench(
+        capsys,
+        "throughput",
+        *model_args(stories_dir),
+        "--num-prompts",
+        "6",
+        "--input-len",
+        "3:9",
+        "--output-len",
+        "2:7",
+        "--workload-seed",
+        "3",
+    )
+    assert out["workload"] == {
+        "num_prompts": 6,
+        "input_len": "3:9",
+        "output_len": "2:7",
+        "output_dist": "uniform",
+        "dataset": None,
+        "seed": 3,
+    }
     assert (out["scheduler"], out["max_num_seqs"], out["dtype"], out["device"]) == ("continuous", 256, "float32", "cpu")
     in_lens, out_lens = expected_workload(6, "3:9", "2:7", seed=3)
     assert all(3 <= n <= 9 for n in in_lens) and all(2 <= n <= 7 for n in out_lens)
@@ -175,8 +235,21 @@ def test_bench_throughput_json(stories_dir, no_probes, capsys):
 
 
 def test_bench_throughput_fixed_lengths_static_scheduler(stories_dir, no_probes, capsys):
-    out = bench(capsys, "throughput", *model_args(stories_dir), "--num-prompts", "5", "--input-len", "6",
-                "--output-len", "3", "--scheduler", "static", "--max-num-seqs", "2")
+    out = bench(
+        capsys,
+        "throughput",
+        *model_args(stories_dir),
+        "--num-prompts",
+        "5",
+        "--input-len",
+        "6",
+        "--output-len",
+        "3",
+        "--scheduler",
+        "static",
+        "--max-num-seqs",
+        "2",
+    )
     assert out["scheduler"] == "static" and out["max_num_seqs"] == 2
     check_throughput(out, [6] * 5, [3] * 5)
     # static batching, 2 at a time: no step ever mixes a prefill into running decodes
@@ -185,8 +258,19 @@ def test_bench_throughput_fixed_lengths_static_scheduler(stories_dir, no_probes,
 
 
 def test_bench_throughput_log_uniform_outputs(stories_dir, no_probes, capsys):
-    out = bench(capsys, "throughput", *model_args(stories_dir), "--num-prompts", "8", "--input-len", "4",
-                "--output-len", "2:24", "--output-dist", "log-uniform")
+    out = bench(
+        capsys,
+        "throughput",
+        *model_args(stories_dir),
+        "--num-prompts",
+        "8",
+        "--input-len",
+        "4",
+        "--output-len",
+        "2:24",
+        "--output-dist",
+        "log-uniform",
+    )
     assert out["workload"]["output_dist"] == "log-uniform"
     in_lens, out_lens = expected_workload(8, "4", "2:24", dist="log-uniform")
     assert out_lens != expected_workload(8, "4", "2:24")[1]  # the flag reaches the draw
@@ -194,8 +278,12 @@ def test_bench_throughput_log_uniform_outputs(stories_dir, no_probes, capsys):
 
 
 def test_bench_throughput_from_a_dataset(stories_dir, no_probes, capsys, tmp_path):
-    rows = [{"prompt_token_ids": [5, 6, 7], "output_len": 4}, {"prompt_token_ids": [9] * 8, "output_len": 2},
-            {"prompt_token_ids": [11, 12], "max_tokens": 5}, {"prompt_token_ids": [3, 4], "output_len": 9}]
+    rows = [
+        {"prompt_token_ids": [5, 6, 7], "output_len": 4},
+        {"prompt_token_ids": [9] * 8, "output_len": 2},
+        {"prompt_token_ids": [11, 12], "max_tokens": 5},
+        {"prompt_token_ids": [3, 4], "output_len": 9},
+    ]
     path = tmp_path / "requests.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     out = bench(capsys, "throughput", *model_args(stories_dir), "--dataset", str(path), "--num-prompts", "3")
@@ -214,8 +302,9 @@ def test_draw_lengths():
     assert statistics.median(log_uniform) < statistics.median(uniform)
     assert 48 < statistics.median(log_uniform) < 85 and 220 < statistics.median(uniform) < 300
     assert max(log_uniform) > 400  # the tail is there
-    assert draw_lengths(random.Random(1), 8, 512, 50, "log-uniform") == draw_lengths(random.Random(1), 8, 512, 50,
-                                                                                     "log-uniform")
+    assert draw_lengths(random.Random(1), 8, 512, 50, "log-uniform") == draw_lengths(
+        random.Random(1), 8, 512, 50, "log-uniform"
+    )
     assert draw_lengths(rng, 7, 7, 5, "log-uniform") == [7] * 5 == draw_lengths(rng, 7, 7, 5)
     with pytest.raises(ValueError, match="unknown length distribution"):
         draw_lengths(rng, 8, 512, 10, "zipf")
@@ -228,21 +317,37 @@ def test_draw_lengths():
 def test_one_token_prompts_are_prefill_and_fresh_prompts_every_round(stories_dir, no_probes, capsys):
     """A one-token prompt's step is prefill, not decode; no round reuses another's prompt via the
     prefix cache, so prefill counts the tokens it computed."""
-    out = bench(capsys, "latency", *model_args(stories_dir), "--batch", "2", "--input-len", "1",
-                "--output-len", "3", "--rounds", "2", "--warmup-rounds", "1")
+    out = bench(
+        capsys,
+        "latency",
+        *model_args(stories_dir),
+        "--batch",
+        "2",
+        "--input-len",
+        "1",
+        "--output-len",
+        "3",
+        "--rounds",
+        "2",
+        "--warmup-rounds",
+        "1",
+    )
     (r,) = out["results"]
     assert r["decode"]["ms_per_step"]["n"] == 2 * 2  # contexts 2 and 3, in each timed round
     assert r["prefill"]["tokens_per_s"]["median"] > 0
 
 
-@pytest.mark.parametrize("argv", [
-    ["latency", "--output-len", "0"],
-    ["latency", "--rounds", "0"],
-    ["latency", "--batch", "0"],
-    ["throughput", "--output-len", "0"],
-    ["throughput", "--input-len", "9:3"],
-    ["throughput", "--num-prompts", "0"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["latency", "--output-len", "0"],
+        ["latency", "--rounds", "0"],
+        ["latency", "--batch", "0"],
+        ["throughput", "--output-len", "0"],
+        ["throughput", "--input-len", "9:3"],
+        ["throughput", "--num-prompts", "0"],
+    ],
+)
 def test_bad_flags_exit_2_with_one_line(stories_dir, no_probes, capsys, argv):
     rc = main(["bench", argv[0], *model_args(stories_dir), *argv[1:], "--json"])
     captured = capsys.readouterr()

@@ -37,8 +37,22 @@ def test_invalid_sampling_value_exit_2():
 
 def test_undecodable_prompt_bytes_are_one_line_and_exit_2(stories_dir):
     """printf 'Once \\xff upon': the shell hands over a byte that is not UTF-8 (it was a traceback)."""
-    res = subprocess.run([sys.executable, "-m", "ridge.cli", "generate", "--model", str(stories_dir),
-                          "--prompt", b"Once \xff upon", "--max-tokens", "4"], capture_output=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ridge.cli",
+            "generate",
+            "--model",
+            str(stories_dir),
+            "--prompt",
+            b"Once \xff upon",
+            "--max-tokens",
+            "4",
+        ],
+        capture_output=True,
+        timeout=300,
+    )
     assert res.returncode == 2
     lines = res.stderr.decode().strip().splitlines()
     assert len(lines) == 1 and "0xff" in lines[0] and "not valid UTF-8" in lines[0], lines
@@ -52,7 +66,8 @@ def test_max_model_len_beyond_the_model_is_refused(stories_dir):
 
 
 def test_logprob_tokens_keep_their_spaces(stories_dir):
-    res = ridge("generate", "--model", str(stories_dir), "--prompt", "Once upon a time", "--max-tokens", "4",
-                "--logprobs", "1")
+    res = ridge(
+        "generate", "--model", str(stories_dir), "--prompt", "Once upon a time", "--max-tokens", "4", "--logprobs", "1"
+    )
     assert res.returncode == 0, res.stderr
     assert "' there'" in res.stdout, res.stdout

@@ -43,23 +43,60 @@ def logits_for_probs(probs: list[float]) -> torch.Tensor:
 
 
 BAD_VALUES = [
-    ("n", 0), ("n", -1), ("n", 1.5), ("n", True), ("n", "2"),
-    ("temperature", -0.1), ("temperature", "0.7"), ("temperature", float("nan")),
-    ("temperature", float("inf")), ("temperature", True), ("temperature", None),
-    ("top_p", 0.0), ("top_p", 1.01), ("top_p", -0.5), ("top_p", "1"),
-    ("top_k", -2), ("top_k", 2.0), ("top_k", False),
-    ("min_p", -0.01), ("min_p", 1.5), ("min_p", None),
-    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", "1"),
-    ("presence_penalty", 2.5), ("presence_penalty", -2.01),
-    ("frequency_penalty", 2.01), ("frequency_penalty", -3), ("frequency_penalty", "0"),
-    ("seed", 1.0), ("seed", True), ("seed", "42"), ("seed", 2**64),
-    ("max_tokens", 0), ("max_tokens", -5), ("max_tokens", 3.0),
-    ("min_tokens", -1), ("min_tokens", None),
-    ("stop", ""), ("stop", ["ok", ""]), ("stop", 5), ("stop", ["a", 1]),
-    ("stop_token_ids", [1, -1]), ("stop_token_ids", [1.0]), ("stop_token_ids", "12"),
-    ("stop_token_ids", 3), ("stop_token_ids", [True]),
-    ("ignore_eos", 1), ("skip_special_tokens", "yes"), ("include_stop_str_in_output", None),
-    ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", 2.0), ("logprobs", True),
+    ("n", 0),
+    ("n", -1),
+    ("n", 1.5),
+    ("n", True),
+    ("n", "2"),
+    ("temperature", -0.1),
+    ("temperature", "0.7"),
+    ("temperature", float("nan")),
+    ("temperature", float("inf")),
+    ("temperature", True),
+    ("temperature", None),
+    ("top_p", 0.0),
+    ("top_p", 1.01),
+    ("top_p", -0.5),
+    ("top_p", "1"),
+    ("top_k", -2),
+    ("top_k", 2.0),
+    ("top_k", False),
+    ("min_p", -0.01),
+    ("min_p", 1.5),
+    ("min_p", None),
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.0),
+    ("repetition_penalty", "1"),
+    ("presence_penalty", 2.5),
+    ("presence_penalty", -2.01),
+    ("frequency_penalty", 2.01),
+    ("frequency_penalty", -3),
+    ("frequency_penalty", "0"),
+    ("seed", 1.0),
+    ("seed", True),
+    ("seed", "42"),
+    ("seed", 2**64),
+    ("max_tokens", 0),
+    ("max_tokens", -5),
+    ("max_tokens", 3.0),
+    ("min_tokens", -1),
+    ("min_tokens", None),
+    ("stop", ""),
+    ("stop", ["ok", ""]),
+    ("stop", 5),
+    ("stop", ["a", 1]),
+    ("stop_token_ids", [1, -1]),
+    ("stop_token_ids", [1.0]),
+    ("stop_token_ids", "12"),
+    ("stop_token_ids", 3),
+    ("stop_token_ids", [True]),
+    ("ignore_eos", 1),
+    ("skip_special_tokens", "yes"),
+    ("include_stop_str_in_output", None),
+    ("logprobs", -1),
+    ("logprobs", MAX_LOGPROBS + 1),
+    ("logprobs", 2.0),
+    ("logprobs", True),
 ]
 
 
@@ -82,14 +119,14 @@ def test_defaults_match_vllm():
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
     assert (p.seed, p.max_tokens, p.min_tokens, p.logprobs) == (None, 16, 0, None)
     assert p.stop == [] and p.stop_token_ids == []
-    assert (p.ignore_eos, p.skip_special_tokens, p.include_stop_str_in_output) == (
-        False, True, False)
+    assert (p.ignore_eos, p.skip_special_tokens, p.include_stop_str_in_output) == (False, True, False)
     assert not p.greedy and not p.has_penalties
 
 
 def test_normalization():
-    p = SamplingParams(stop="###", stop_token_ids=(7, 8), top_k=0, temperature=1, top_p=1,
-                       max_tokens=None, logprobs=0, seed=-3)
+    p = SamplingParams(
+        stop="###", stop_token_ids=(7, 8), top_k=0, temperature=1, top_p=1, max_tokens=None, logprobs=0, seed=-3
+    )
     assert p.stop == ["###"] and p.stop_token_ids == [7, 8]
     assert p.top_k == -1
     assert isinstance(p.temperature, float) and isinstance(p.top_p, float)
@@ -148,8 +185,7 @@ def test_sampler_leaves_inputs_and_global_rng_alone():
     torch.manual_seed(2)
     logits = torch.randn(3, 30)
     before, rng = logits.clone(), torch.get_rng_state()
-    states = [state(repetition_penalty=1.5, output=[1, 2], logprobs=2), state(top_p=0.5),
-              state(seed=3, min_p=0.1)]
+    states = [state(repetition_penalty=1.5, output=[1, 2], logprobs=2), state(top_p=0.5), state(seed=3, min_p=0.1)]
     Sampler()(logits, states)
     assert torch.equal(logits, before)
     assert torch.equal(torch.get_rng_state(), rng)
@@ -172,18 +208,21 @@ def test_empty_batch_and_shape_errors():
 PROBS = [0.5, 0.3, 0.1, 0.06, 0.04]
 
 
-@pytest.mark.parametrize(("params", "allowed"), [
-    ({"top_k": 3}, {0, 1, 2}),
-    ({"top_k": 1}, {0}),
-    ({"top_p": 0.75}, {0, 1}),
-    ({"top_p": 0.85}, {0, 1, 2}),
-    ({"top_p": 0.01}, {0}),
-    ({"min_p": 0.15}, {0, 1, 2}),   # threshold 0.075
-    ({"min_p": 0.7}, {0}),          # threshold 0.35
-    ({"top_k": 4, "top_p": 0.95}, {0, 1, 2, 3}),
-    ({"min_p": 0.1, "top_p": 0.99}, {0, 1, 2, 3}),
-    ({}, {0, 1, 2, 3, 4}),
-])
+@pytest.mark.parametrize(
+    ("params", "allowed"),
+    [
+        ({"top_k": 3}, {0, 1, 2}),
+        ({"top_k": 1}, {0}),
+        ({"top_p": 0.75}, {0, 1}),
+        ({"top_p": 0.85}, {0, 1, 2}),
+        ({"top_p": 0.01}, {0}),
+        ({"min_p": 0.15}, {0, 1, 2}),  # threshold 0.075
+        ({"min_p": 0.7}, {0}),  # threshold 0.35
+        ({"top_k": 4, "top_p": 0.95}, {0, 1, 2, 3}),
+        ({"min_p": 0.1, "top_p": 0.99}, {0, 1, 2, 3}),
+        ({}, {0, 1, 2, 3, 4}),
+    ],
+)
 def test_masks_allow_exactly_the_expected_tokens(params, allowed):
     drawn = set(draw_many(logits_for_probs(PROBS), 3000, **params).tolist())
     assert drawn == allowed
@@ -204,9 +243,12 @@ logit_rows = st.lists(st.floats(-30, 30, allow_nan=False, width=32), min_size=1,
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(rows=st.lists(logit_rows, min_size=1, max_size=4).map(
-           lambda rs: [r + [0.0] * (max(map(len, rs)) - len(r)) for r in rs]),
-       data=st.data())
+@given(
+    rows=st.lists(logit_rows, min_size=1, max_size=4).map(
+        lambda rs: [r + [0.0] * (max(map(len, rs)) - len(r)) for r in rs]
+    ),
+    data=st.data(),
+)
 def test_truncation_masks_are_never_empty_and_keep_a_top_prefix(rows, data):
     logits = torch.tensor(rows, dtype=torch.float32)
     n, vocab = logits.shape
@@ -225,7 +267,7 @@ def test_truncation_masks_are_never_empty_and_keep_a_top_prefix(rows, data):
             assert logits[r][kept].min() >= logits[r][~kept].max()
         # Without ties, top-k alone keeps exactly min(k, V) tokens.
         if len(set(rows[r])) == vocab:
-            only_k = apply_top_k_top_p(logits[r:r + 1].clone(), torch.tensor([top_k[r]]), None)
+            only_k = apply_top_k_top_p(logits[r : r + 1].clone(), torch.tensor([top_k[r]]), None)
             assert int(torch.isfinite(only_k).sum()) == min(top_k[r], vocab)
 
 
@@ -255,8 +297,7 @@ def test_tiny_top_p_still_keeps_the_most_likely_token():
 def test_top_k_only_path_handles_disabled_rows_and_k_above_vocab():
     logits = torch.tensor([[1.0, 4.0, 2.0, 3.0]] * 3)
     masked = apply_top_k_top_p(logits.clone(), torch.tensor([2, 4, 9]), None)
-    assert torch.isfinite(masked).tolist() == [
-        [False, True, False, True], [True] * 4, [True] * 4]
+    assert torch.isfinite(masked).tolist() == [[False, True, False, True], [True] * 4, [True] * 4]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -359,8 +400,15 @@ def test_seeded_request_is_reproducible_whatever_the_batch():
     batches = [
         ([TARGET, ({}, 1), ({"seed": 7}, 2)], 0),
         ([({"top_p": 0.5}, 3), ({"temperature": 0.0}, 4), TARGET], 11),
-        ([({"seed": 1234}, 5), ({"min_p": 0.2, "repetition_penalty": 1.3}, 6), TARGET,
-          ({"logprobs": 3, "frequency_penalty": 1.0}, 7)], 5),
+        (
+            [
+                ({"seed": 1234}, 5),
+                ({"min_p": 0.2, "repetition_penalty": 1.3}, 6),
+                TARGET,
+                ({"logprobs": 3, "frequency_penalty": 1.0}, 7),
+            ],
+            5,
+        ),
     ]
     for rows, sampler_seed in batches:
         position = rows.index(TARGET)

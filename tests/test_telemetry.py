@@ -41,8 +41,14 @@ def make_telemetry(hardware=HW, bytes_per_elem=2, dtype="bf16", model=TINY_SHAPE
             calls.append(1)
         return hardware
 
-    return Telemetry(model=model, weight_bytes=bytes_per_elem, kv_bytes=bytes_per_elem, act_bytes=bytes_per_elem,
-                     compute_dtype=dtype, hardware_fn=hardware_fn)
+    return Telemetry(
+        model=model,
+        weight_bytes=bytes_per_elem,
+        kv_bytes=bytes_per_elem,
+        act_bytes=bytes_per_elem,
+        compute_dtype=dtype,
+        hardware_fn=hardware_fn,
+    )
 
 
 def analyzer(bits: int, prompt_len: int = 16, model=TINY_SHAPE) -> Analyzer:
@@ -132,13 +138,23 @@ def test_step_phase_and_tokens():
 
 def test_report_aggregates_each_phase_against_the_roofline():
     t = make_telemetry()
-    steps = [(PREFILL, (), 0.004), ((), DECODE, 0.002), ((), DECODE[:2], 0.001), ((), (18, 18, 41, 130), 0.0025),
-             (MIXED_PREFILL, MIXED_DECODE, 0.003)]
+    steps = [
+        (PREFILL, (), 0.004),
+        ((), DECODE, 0.002),
+        ((), DECODE[:2], 0.001),
+        ((), (18, 18, 41, 130), 0.0025),
+        (MIXED_PREFILL, MIXED_DECODE, 0.003),
+    ]
     for prefill, decode, wall in steps:
         t.record(prefill, decode, wall)
     rep = t.report()
-    assert rep["hardware"] == {"name": "test-roof", "bandwidth_gb_per_s": 100.0, "peak_gflop_per_s": 1000.0,
-                               "dtype": "bf16", "measured_at": None}
+    assert rep["hardware"] == {
+        "name": "test-roof",
+        "bandwidth_gb_per_s": 100.0,
+        "peak_gflop_per_s": 1000.0,
+        "dtype": "bf16",
+        "measured_at": None,
+    }
     assert set(rep["phases"]) == set(PHASES)
     for phase in PHASES:
         mine = [s for s in steps if StepRecord(s[0], s[1], s[2]).phase == phase]
@@ -227,8 +243,9 @@ def test_a_step_faster_than_its_floor_reprobes_once_then_raises_the_roofline():
         probes.append(reprobe)
         return faster if reprobe else HW
 
-    t = Telemetry(model=TINY_SHAPE, weight_bytes=2, kv_bytes=2, act_bytes=2, compute_dtype="bf16",
-                  hardware_fn=hardware_fn)
+    t = Telemetry(
+        model=TINY_SHAPE, weight_bytes=2, kv_bytes=2, act_bytes=2, compute_dtype="bf16", hardware_fn=hardware_fn
+    )
     cost = step_cost(TINY_SHAPE, [], DECODE, 2, 2, 2)
     memory_floor = cost.bytes / HW.bandwidth_bytes_per_s
     assert cost.flops / HW.peak("bf16") < memory_floor  # memory-bound: the bandwidth is what gets raised
@@ -254,7 +271,9 @@ def test_the_ceiling_raises_each_term_a_step_beats():
     wall = min(compute_s, memory_s) / 2
     ceiling = Ceiling(1e12, 100e9)
     assert ceiling.floor_s(cost, wall) == pytest.approx(wall)
-    assert ceiling.peak_flops == pytest.approx(cost.flops / wall) and ceiling.bandwidth == pytest.approx(cost.bytes / wall)
+    assert ceiling.peak_flops == pytest.approx(cost.flops / wall) and ceiling.bandwidth == pytest.approx(
+        cost.bytes / wall
+    )
     assert ceiling.floor_s(cost) == pytest.approx(wall) and len(ceiling.notices) == 1
 
 
@@ -294,8 +313,12 @@ def test_an_engine_records_the_analyzers_generation(stories_dir):
     records = list(t.recent)
     assert [r.phase for r in records] == ["prefill"] + ["decode"] * 5
     assert records[0].prefill_chunks == ((5, 5),)
-    az = Analyzer(t.model, Roof("fp32", HW.peak("fp32"), HW.bandwidth_bytes_per_s),
-                  Workload(prompt_len=5, output_len=6, precision=Precision(32, 32, 32)), Conventions())
+    az = Analyzer(
+        t.model,
+        Roof("fp32", HW.peak("fp32"), HW.bandwidth_bytes_per_s),
+        Workload(prompt_len=5, output_len=6, precision=Precision(32, 32, 32)),
+        Conventions(),
+    )
     contexts = az.workload.generation_contexts()
     assert [r.decode_contexts for r in records[1:]] == [(c,) for c in contexts]
     assert t.price(records[0]).bytes == az.prefill(1).cost.bytes
@@ -307,8 +330,15 @@ def test_an_engine_records_the_analyzers_generation(stories_dir):
 
 # ---- the probe's output -----------------------------------------------------------------------
 
-TINY_PROBE = ProbeSettings(bandwidth_bytes=1 << 20, bandwidth_repeats=4, matmul_sizes=(16, 32), matmul_repeats=2,
-                           matmul_budget_s=0.05, dtypes=("fp32",), ridge_kernels=False)
+TINY_PROBE = ProbeSettings(
+    bandwidth_bytes=1 << 20,
+    bandwidth_repeats=4,
+    matmul_sizes=(16, 32),
+    matmul_repeats=2,
+    matmul_budget_s=0.05,
+    dtypes=("fp32",),
+    ridge_kernels=False,
+)
 
 
 def test_measurement_is_the_median_and_range_of_its_samples():
@@ -330,8 +360,14 @@ def test_probe_bandwidth_returns_a_median_with_its_spread():
 
 
 def test_probe_settings_reject_what_cannot_be_probed():
-    for bad in (dict(bandwidth_bytes=1024), dict(bandwidth_repeats=0), dict(matmul_repeats=0),
-                dict(matmul_sizes=()), dict(matmul_sizes=(64, 32)), dict(dtypes=("fp8",))):
+    for bad in (
+        dict(bandwidth_bytes=1024),
+        dict(bandwidth_repeats=0),
+        dict(matmul_repeats=0),
+        dict(matmul_sizes=()),
+        dict(matmul_sizes=(64, 32)),
+        dict(dtypes=("fp8",)),
+    ):
         with pytest.raises(ValueError, match="ProbeSettings"):
             ProbeSettings(**bad)
 
@@ -342,8 +378,19 @@ def test_local_hardware_file_format(tmp_path):
     beside it (a ceiling: slower trials measured a disturbance)."""
     hw = local_hardware(cache_dir=tmp_path, settings=TINY_PROBE)
     data = json.loads((tmp_path / probe.CACHE_FILE_NAME).read_text())
-    assert set(data) == {"name", "peak_flops", "bandwidth_bytes_per_s", "memory_bytes", "source", "measured_at",
-                         "bandwidth_probe", "flops_probes", "fingerprint", "probe_settings", "other_load"}
+    assert set(data) == {
+        "name",
+        "peak_flops",
+        "bandwidth_bytes_per_s",
+        "memory_bytes",
+        "source",
+        "measured_at",
+        "bandwidth_probe",
+        "flops_probes",
+        "fingerprint",
+        "probe_settings",
+        "other_load",
+    }
     assert 0 <= data["other_load"] <= 1 and "of the CPUs during the probe" in data["source"]
     assert data["name"] == "local" and set(data["peak_flops"]) == {"fp32"} == set(data["flops_probes"])
     assert data["bandwidth_bytes_per_s"] == data["bandwidth_probe"]["high"] == hw.bandwidth_bytes_per_s
@@ -368,17 +415,23 @@ def test_an_unusable_cache_is_probed_again_and_overwritten(tmp_path, monkeypatch
     assert Hardware.from_json(json.loads(path.read_text())) == fresh
 
 
-@pytest.mark.parametrize("change", [
-    {"measured_at": (dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=2)).isoformat(timespec="seconds")},
-    {"other_load": 0.6},  # taken while other processes kept the CPUs busy
-    {"other_load": None},  # a cache that does not say under what load it was taken
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"measured_at": (dt.datetime.now(dt.UTC) - dt.timedelta(days=2)).isoformat(timespec="seconds")},
+        {"other_load": 0.6},  # taken while other processes kept the CPUs busy
+        {"other_load": None},  # a cache that does not say under what load it was taken
+    ],
+)
 def test_a_stale_or_busy_cache_is_probed_again(tmp_path, monkeypatch, change):
     """The cache said nothing of when or under what load it was taken and was reused forever
     (one probe at 20.7 GB/s under load, against 62 quiet, priced every later step)."""
-    now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    payload = {**dataclasses.replace(HW, name="local", measured_at=now).to_json(),
-               "fingerprint": probe.machine_fingerprint(), "other_load": 0.01}
+    now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    payload = {
+        **dataclasses.replace(HW, name="local", measured_at=now).to_json(),
+        "fingerprint": probe.machine_fingerprint(),
+        "other_load": 0.01,
+    }
     (tmp_path / probe.CACHE_FILE_NAME).write_text(json.dumps(payload))
     fresh = dataclasses.replace(HW, name="local", bandwidth_bytes_per_s=62e9)
     monkeypatch.setattr(probe, "probe_local_with_load", lambda settings: (fresh, 0.0))
@@ -401,8 +454,11 @@ def test_the_probed_peak_is_the_best_of_torch_and_ridges_kernels(monkeypatch):
 
 
 def test_a_cache_with_a_broken_measurement_is_probed_again(tmp_path, monkeypatch):
-    payload = {**dataclasses.replace(HW, name="local").to_json(), "fingerprint": probe.machine_fingerprint(),
-               "bandwidth_probe": {"median": 5.0, "low": 6.0, "high": 7.0, "samples": 3}}
+    payload = {
+        **dataclasses.replace(HW, name="local").to_json(),
+        "fingerprint": probe.machine_fingerprint(),
+        "bandwidth_probe": {"median": 5.0, "low": 6.0, "high": 7.0, "samples": 3},
+    }
     (tmp_path / probe.CACHE_FILE_NAME).write_text(json.dumps(payload))
     fresh = dataclasses.replace(HW, name="local")
     monkeypatch.setattr(probe, "probe_local_with_load", lambda settings: (fresh, 0.0))

@@ -14,8 +14,14 @@ import torch
 def summarize(values: list[float]) -> dict:
     """Median and spread (p10, p90, min, max) of a sample."""
     if not values:
-        return {"median": float("nan"), "p10": float("nan"), "p90": float("nan"), "min": float("nan"),
-                "max": float("nan"), "n": 0}
+        return {
+            "median": float("nan"),
+            "p10": float("nan"),
+            "p90": float("nan"),
+            "min": float("nan"),
+            "max": float("nan"),
+            "n": 0,
+        }
     ordered = sorted(values)
 
     def pct(q: float) -> float:
@@ -26,8 +32,14 @@ def summarize(values: list[float]) -> dict:
         hi = min(lo + 1, len(ordered) - 1)
         return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
-    return {"median": statistics.median(ordered), "p10": pct(0.1), "p90": pct(0.9), "min": ordered[0],
-            "max": ordered[-1], "n": len(ordered)}
+    return {
+        "median": statistics.median(ordered),
+        "p10": pct(0.1),
+        "p90": pct(0.9),
+        "min": ordered[0],
+        "max": ordered[-1],
+        "n": len(ordered),
+    }
 
 
 def random_prompts(count: int, lengths: list[int], vocab_size: int, seed: int) -> list[list[int]]:
@@ -47,7 +59,7 @@ def parse_range(text: str) -> tuple[int, int]:
 
 def machine() -> dict:
     return {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),

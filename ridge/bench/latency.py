@@ -38,11 +38,20 @@ def run(args: argparse.Namespace) -> int:
     if any(b < 1 for b in args.batch or []):
         raise ValueError("--batch must be >= 1")
     llm = LLM(args.model, **engine_options(args))
-    results = [bench_latency(llm, batch, args.input_len, args.output_len, args.rounds, args.warmup_rounds)
-               for batch in (args.batch or [1])]
+    results = [
+        bench_latency(llm, batch, args.input_len, args.output_len, args.rounds, args.warmup_rounds)
+        for batch in (args.batch or [1])
+    ]
     engine = llm.engine
-    payload = {"model": args.model, "dtype": str(engine.dtype).replace("torch.", ""), "device": str(engine.device),
-               "machine": machine(), "input_len": args.input_len, "output_len": args.output_len, "results": results}
+    payload = {
+        "model": args.model,
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "device": str(engine.device),
+        "machine": machine(),
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "results": results,
+    }
     print(dump_json(payload) if args.json else format_latency(payload))
     return 0
 
@@ -59,6 +68,7 @@ def bench_latency(llm, batch: int, input_len: int, output_len: int, rounds: int,
 
     def probe_round_bandwidth() -> float:
         return probe_bandwidth(probe).high if on_cpu else telemetry.hardware.bandwidth_bytes_per_s
+
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     notices: list[str] = []
     reprobed = []
@@ -69,6 +79,7 @@ def bench_latency(llm, batch: int, input_len: int, output_len: int, rounds: int,
             reprobed.append(telemetry.reprobe())
             ceiling.peak_flops = max(ceiling.peak_flops, reprobed[0][0])
         return ceiling.peak_flops, probe_round_bandwidth()
+
     prefill_rates, decode_ms, floors_ms, fractions, gbps, prefill_fracs, bandwidths = [], [], [], [], [], [], []
     for round_index in range(warmup_rounds + rounds):
         # Fresh prompts for every batch size and round: no prefix-cache hits across rounds.
@@ -120,9 +131,11 @@ def bench_latency(llm, batch: int, input_len: int, output_len: int, rounds: int,
 
 def format_latency(payload: dict) -> str:
     m = payload["machine"]
-    lines = [f"ridge bench latency: {payload['model']} {payload['dtype']} on {payload['device']} "
-             f"({m['cpus']} cpus, {m['torch_threads']} threads, torch {m['torch']}, {m['date']})",
-             f"prompt {payload['input_len']} tokens, {payload['output_len']} new tokens per request"]
+    lines = [
+        f"ridge bench latency: {payload['model']} {payload['dtype']} on {payload['device']} "
+        f"({m['cpus']} cpus, {m['torch_threads']} threads, torch {m['torch']}, {m['date']})",
+        f"prompt {payload['input_len']} tokens, {payload['output_len']} new tokens per request",
+    ]
     for r in payload["results"]:
         d, p = r["decode"], r["prefill"]
         lines += [

@@ -49,8 +49,10 @@ from ridge.engine.args import add_engine_args
 
 PERCENTILES = (50, 90, 99)
 # Words for text prompts when no tokenizer is known (roughly one token each in most vocabularies).
-_WORDS = ("the cat sat on a mat and then it ran to see the big red ball in the park with a little girl "
-          "who was happy to play all day long under the warm sun").split()
+_WORDS = (
+    "the cat sat on a mat and then it ran to see the big red ball in the park with a little girl "
+    "who was happy to play all day long under the warm sun"
+).split()
 
 
 # -- workload ----------------------------------------------------------------------------------
@@ -64,7 +66,7 @@ class LengthSpec:
     hi: int
 
     @classmethod
-    def parse(cls, text: str) -> "LengthSpec":
+    def parse(cls, text: str) -> LengthSpec:
         try:
             lo, _, hi = str(text).partition(":")
             spec = cls(int(lo), int(hi) if hi else int(lo))
@@ -100,8 +102,14 @@ def ordinary_token_ids(tokenizer) -> list[int]:
     return ids
 
 
-def build_workload(num_prompts: int, input_len: LengthSpec, output_len: LengthSpec, seed: int,
-                   tokenizer=None, dataset: str | None = None) -> list[BenchRequest]:
+def build_workload(
+    num_prompts: int,
+    input_len: LengthSpec,
+    output_len: LengthSpec,
+    seed: int,
+    tokenizer=None,
+    dataset: str | None = None,
+) -> list[BenchRequest]:
     """The requests, in send order; the same arguments always give the same workload."""
     if dataset:
         return load_dataset(dataset, num_prompts)
@@ -127,7 +135,7 @@ def load_dataset(path: str, limit: int | None = None) -> list[BenchRequest]:
                 row = json.loads(line)
                 prompt, max_tokens = row["prompt"], int(row.get("max_tokens", row.get("output_len", 0)))
             except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{lineno}: expected {{\"prompt\": ..., \"max_tokens\": N}}: {exc}") from None
+                raise ValueError(f'{path}:{lineno}: expected {{"prompt": ..., "max_tokens": N}}: {exc}') from None
             if max_tokens < 1 or not isinstance(prompt, (str, list)) or not prompt:
                 raise ValueError(f"{path}:{lineno}: needs a non-empty prompt and max_tokens >= 1")
             out.append(BenchRequest(prompt, max_tokens, len(prompt) if isinstance(prompt, list) else None))
@@ -170,8 +178,9 @@ class RequestResult:
         return (self.e2el - self.ttft) / (self.output_len - 1) if self.output_len > 1 else None
 
 
-async def send_request(client: httpx.AsyncClient, endpoint: str, model: str, req: BenchRequest,
-                       ignore_eos: bool, tokenizer, t0: float) -> RequestResult:
+async def send_request(
+    client: httpx.AsyncClient, endpoint: str, model: str, req: BenchRequest, ignore_eos: bool, tokenizer, t0: float
+) -> RequestResult:
     """One streaming request; never raises for a server or network failure (``ok`` False)."""
     res = RequestResult(prompt_len=req.prompt_len or 0)
     if endpoint == "chat":
@@ -179,8 +188,9 @@ async def send_request(client: httpx.AsyncClient, endpoint: str, model: str, req
         path, payload = "/v1/chat/completions", {"messages": [{"role": "user", "content": content}]}
     else:
         path, payload = "/v1/completions", {"prompt": req.prompt}
-    payload.update(model=model, max_tokens=req.max_tokens, temperature=0.0, stream=True,
-                   stream_options={"include_usage": True})
+    payload.update(
+        model=model, max_tokens=req.max_tokens, temperature=0.0, stream=True, stream_options={"include_usage": True}
+    )
     if ignore_eos:
         payload["ignore_eos"] = True
     sent = time.perf_counter()
@@ -258,8 +268,9 @@ async def run_benchmark(config: BenchConfig, workload: Sequence[BenchRequest], t
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(config.timeout_s, connect=30.0)
-    async with httpx.AsyncClient(base_url=config.base_url.rstrip("/"), timeout=timeout, limits=limits,
-                                 headers=headers) as client:
+    async with httpx.AsyncClient(
+        base_url=config.base_url.rstrip("/"), timeout=timeout, limits=limits, headers=headers
+    ) as client:
         model = config.model or await _first_model(client)
         offsets = arrival_offsets(len(workload), config.request_rate, config.seed)
         gate = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
@@ -285,7 +296,9 @@ async def _first_model(client: httpx.AsyncClient) -> str:
         resp.raise_for_status()
         return resp.json()["data"][0]["id"]
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-        raise ValueError(f"cannot list the models at {client.base_url}/v1/models ({exc}); pass --served-model-name") from None
+        raise ValueError(
+            f"cannot list the models at {client.base_url}/v1/models ({exc}); pass --served-model-name"
+        ) from None
 
 
 def _stats(values: Sequence[float], scale: float = 1000.0) -> dict[str, float | None]:
@@ -294,8 +307,13 @@ def _stats(values: Sequence[float], scale: float = 1000.0) -> dict[str, float | 
         return {"mean": None, "median": None, "p90": None, "p99": None, "std": None}
     xs = sorted(v * scale for v in values)
     mean = sum(xs) / len(xs)
-    return {"mean": mean, "median": _percentile(xs, 50), "p90": _percentile(xs, 90),
-            "p99": _percentile(xs, 99), "std": math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))}
+    return {
+        "mean": mean,
+        "median": _percentile(xs, 50),
+        "p90": _percentile(xs, 90),
+        "p99": _percentile(xs, 99),
+        "std": math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs)),
+    }
 
 
 def _percentile(sorted_xs: Sequence[float], q: float) -> float:
@@ -314,9 +332,12 @@ def summarize(results: Sequence[RequestResult], duration: float, config: BenchCo
     slo = config.slo_ttft_ms is not None or config.slo_tpot_ms is not None
     good = None
     if slo:
-        good = sum(1 for r in ok
-                   if (config.slo_ttft_ms is None or r.ttft * 1000 <= config.slo_ttft_ms)
-                   and (config.slo_tpot_ms is None or r.tpot is None or r.tpot * 1000 <= config.slo_tpot_ms))
+        good = sum(
+            1
+            for r in ok
+            if (config.slo_ttft_ms is None or r.ttft * 1000 <= config.slo_ttft_ms)
+            and (config.slo_tpot_ms is None or r.tpot is None or r.tpot * 1000 <= config.slo_tpot_ms)
+        )
     cfg = asdict(config)
     cfg.pop("api_key")
     cfg["request_rate"] = "inf" if math.isinf(config.request_rate) else config.request_rate
@@ -337,9 +358,18 @@ def summarize(results: Sequence[RequestResult], duration: float, config: BenchCo
         "tpot_ms": _stats(tpots),
         "itl_ms": _stats([x for r in ok for x in r.itl]),
         "e2el_ms": _stats([r.e2el for r in ok]),
-        "requests": [{"start_s": r.start, "prompt_len": r.prompt_len, "output_len": r.output_len,
-                      "ttft_ms": r.ttft * 1000, "e2el_ms": r.e2el * 1000,
-                      "tpot_ms": None if r.tpot is None else r.tpot * 1000, "ok": r.ok} for r in results],
+        "requests": [
+            {
+                "start_s": r.start,
+                "prompt_len": r.prompt_len,
+                "output_len": r.output_len,
+                "ttft_ms": r.ttft * 1000,
+                "e2el_ms": r.e2el * 1000,
+                "tpot_ms": None if r.tpot is None else r.tpot * 1000,
+                "ok": r.ok,
+            }
+            for r in results
+        ],
     }
 
 
@@ -350,8 +380,11 @@ def print_summary(summary: dict, file=None) -> None:
 
     console = Console(file=file or sys.stdout)
     cfg = summary["config"]
-    table = Table(title=f"ridge bench serve: {summary.get('model')} at {cfg['base_url']} ({cfg['endpoint']})",
-                  show_header=True, header_style="bold")
+    table = Table(
+        title=f"ridge bench serve: {summary.get('model')} at {cfg['base_url']} ({cfg['endpoint']})",
+        show_header=True,
+        header_style="bold",
+    )
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("requests ok / failed", f"{summary['completed']} / {summary['failed']}")
@@ -368,8 +401,10 @@ def print_summary(summary: dict, file=None) -> None:
         if s["median"] is None:
             table.add_row(f"{label} (ms)", "-")
         else:
-            table.add_row(f"{label} (ms) mean / median / p90 / p99",
-                          f"{s['mean']:.1f} / {s['median']:.1f} / {s['p90']:.1f} / {s['p99']:.1f}")
+            table.add_row(
+                f"{label} (ms) mean / median / p90 / p99",
+                f"{s['mean']:.1f} / {s['median']:.1f} / {s['p90']:.1f} / {s['p99']:.1f}",
+            )
     console.print(table)
     for err in summary["errors"]:
         console.print(f"[red]error:[/red] {err}")
@@ -385,8 +420,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 @contextlib.contextmanager
-def ridge_server(model: str, server_args: Sequence[str] = (), timeout_s: float = 300.0,
-                 host: str = "127.0.0.1") -> Iterator[str]:
+def ridge_server(
+    model: str, server_args: Sequence[str] = (), timeout_s: float = 300.0, host: str = "127.0.0.1"
+) -> Iterator[str]:
     """``ridge serve --model MODEL`` in a subprocess on a free port; yields its base URL.
 
     Raises ValueError (with the end of the server's log) if it exits or is not healthy within
@@ -394,8 +430,22 @@ def ridge_server(model: str, server_args: Sequence[str] = (), timeout_s: float =
     """
     port = free_port(host)
     log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a chatty server never blocks
-    cmd = [sys.executable, "-m", "ridge.cli", "serve", "--model", model, "--host", host, "--port", str(port),
-           "--log-level", "warning", "--disable-access-log", *server_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ridge.cli",
+        "serve",
+        "--model",
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--disable-access-log",
+        *server_args,
+    ]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://{host}:{port}"
     try:
@@ -462,12 +512,16 @@ def load_bench_tokenizer(name: str | None):
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("serve", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, goodput)",
-                              description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser(
+        "serve",
+        help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, goodput)",
+        description=__doc__.split("\n\n")[0],
+    )
     target = p.add_argument_group("target")
     target.add_argument("--base-url", default=None, help="a running server, e.g. http://127.0.0.1:8000")
-    target.add_argument("--served-model-name", default=None, help="the model name to request (default: the first "
-                        "of /v1/models)")
+    target.add_argument(
+        "--served-model-name", default=None, help="the model name to request (default: the first of /v1/models)"
+    )
     target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="sent as a Bearer token")
     target.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     w = p.add_argument_group("workload")
@@ -478,8 +532,12 @@ def register(subparsers) -> None:
     w.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson (default: all at once)")
     w.add_argument("--max-concurrency", type=int, default=None)
     w.add_argument("--bench-seed", type=int, default=0, help="seed of the workload and the arrivals")
-    w.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="do not send ignore_eos (outputs may end early)")
+    w.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="do not send ignore_eos (outputs may end early)",
+    )
     w.add_argument("--slo-ttft-ms", type=float, default=None)
     w.add_argument("--slo-tpot-ms", type=float, default=None)
     w.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
@@ -502,13 +560,23 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
     tokenizer = load_bench_tokenizer(args.tokenizer or (args.model or None))
-    workload = build_workload(args.num_prompts, args.input_len, args.output_len, args.bench_seed, tokenizer,
-                              args.dataset)
+    workload = build_workload(
+        args.num_prompts, args.input_len, args.output_len, args.bench_seed, tokenizer, args.dataset
+    )
     config = BenchConfig(
-        base_url=args.base_url or "", model=args.served_model_name, endpoint=args.endpoint,
-        num_prompts=len(workload), request_rate=args.request_rate, max_concurrency=args.max_concurrency,
-        ignore_eos=args.ignore_eos, seed=args.bench_seed, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-        api_key=args.api_key, timeout_s=args.request_timeout)
+        base_url=args.base_url or "",
+        model=args.served_model_name,
+        endpoint=args.endpoint,
+        num_prompts=len(workload),
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        ignore_eos=args.ignore_eos,
+        seed=args.bench_seed,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        api_key=args.api_key,
+        timeout_s=args.request_timeout,
+    )
     if args.model:
         with ridge_server(args.model, server_flags(args, args.engine_flag_defaults), args.server_timeout) as url:
             config.base_url = url

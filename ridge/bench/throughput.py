@@ -24,11 +24,19 @@ def register(subparsers) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", default="16:256", help="prompt tokens: N or LO:HI (uniform)")
     p.add_argument("--output-len", default="8:256", help="new tokens: N or LO:HI")
-    p.add_argument("--output-dist", choices=OUTPUT_DISTRIBUTIONS, default="uniform",
-                   help="how output lengths spread over LO:HI: uniform, or log-uniform (many short, a long "
-                        "tail, like chat traffic)")
-    p.add_argument("--dataset", type=Path, default=None,
-                   help="JSONL with 'prompt' or 'prompt_token_ids', and 'output_len' (or 'max_tokens')")
+    p.add_argument(
+        "--output-dist",
+        choices=OUTPUT_DISTRIBUTIONS,
+        default="uniform",
+        help="how output lengths spread over LO:HI: uniform, or log-uniform (many short, a long "
+        "tail, like chat traffic)",
+    )
+    p.add_argument(
+        "--dataset",
+        type=Path,
+        default=None,
+        help="JSONL with 'prompt' or 'prompt_token_ids', and 'output_len' (or 'max_tokens')",
+    )
     p.add_argument("--workload-seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.set_defaults(func=run)
@@ -102,19 +110,34 @@ def run(args: argparse.Namespace) -> int:
     prompts, output_lens = make_workload(args, llm.engine.model_config.vocab_size)
     result = bench_throughput(llm, prompts, output_lens)
     engine = llm.engine
-    payload = {"model": args.model, "dtype": str(engine.dtype).replace("torch.", ""), "device": str(engine.device),
-               "scheduler": args.scheduler, "max_num_seqs": args.max_num_seqs, "machine": machine(),
-               "workload": {"num_prompts": len(prompts), "input_len": args.input_len, "output_len": args.output_len,
-                            "output_dist": args.output_dist, "dataset": str(args.dataset) if args.dataset else None,
-                            "seed": args.workload_seed},
-               **result}
+    payload = {
+        "model": args.model,
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "device": str(engine.device),
+        "scheduler": args.scheduler,
+        "max_num_seqs": args.max_num_seqs,
+        "machine": machine(),
+        "workload": {
+            "num_prompts": len(prompts),
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "output_dist": args.output_dist,
+            "dataset": str(args.dataset) if args.dataset else None,
+            "seed": args.workload_seed,
+        },
+        **result,
+    }
     if args.json:
         print(dump_json(payload))
     else:
-        print(f"ridge bench throughput: {args.model} {payload['dtype']} on {payload['device']}, "
-              f"{args.scheduler} batching, max_num_seqs {args.max_num_seqs}")
-        print(f"  {result['requests']} requests in {result['elapsed_s']:.2f} s: "
-              f"{result['requests_per_s']:.2f} req/s, {result['input_tokens_per_s']:.1f} tok/s in, "
-              f"{result['output_tokens_per_s']:.1f} tok/s out")
+        print(
+            f"ridge bench throughput: {args.model} {payload['dtype']} on {payload['device']}, "
+            f"{args.scheduler} batching, max_num_seqs {args.max_num_seqs}"
+        )
+        print(
+            f"  {result['requests']} requests in {result['elapsed_s']:.2f} s: "
+            f"{result['requests_per_s']:.2f} req/s, {result['input_tokens_per_s']:.1f} tok/s in, "
+            f"{result['output_tokens_per_s']:.1f} tok/s out"
+        )
         print(engine.telemetry.format())
     return 0

@@ -13,15 +13,23 @@ _ENGINE_DEFAULTS = EngineConfig()
 
 def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None = None) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=default_model, required=default_model is None,
-                   help="Hugging Face model directory, or random:<preset> (random weights)")
+    g.add_argument(
+        "--model",
+        default=default_model,
+        required=default_model is None,
+        help="Hugging Face model directory, or random:<preset> (random weights)",
+    )
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     g.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
     g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda[:N]")
     g.add_argument("--seed", type=int, default=_ENGINE_DEFAULTS.seed)
     g.add_argument("--block-size", type=int, default=_ENGINE_DEFAULTS.block_size, help="tokens per KV block")
-    g.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV pool (default: from free memory)")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-cache-memory)")
+    g.add_argument(
+        "--kv-cache-memory", type=float, default=None, help="GiB for the KV pool (default: from free memory)"
+    )
+    g.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-cache-memory)"
+    )
     g.add_argument("--max-num-seqs", type=int, default=_ENGINE_DEFAULTS.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=_ENGINE_DEFAULTS.max_num_batched_tokens)
     g.add_argument("--max-model-len", type=int, default=None)
@@ -29,8 +37,12 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None =
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
-    g.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
-                   help="matmuls: auto (ridge's AVX-512 BF16 kernel for bf16 decode on CPU), torch, ridge")
+    g.add_argument(
+        "--kernels",
+        choices=KERNEL_CHOICES,
+        default="auto",
+        help="matmuls: auto (ridge's AVX-512 BF16 kernel for bf16 decode on CPU), torch, ridge",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -18,8 +18,9 @@ def register(subparsers) -> None:
     add_sampling_args(gen)
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     gen.add_argument("--chat", action="store_true", help="treat each prompt as a user message (chat template)")
-    gen.add_argument("--stats", action="store_true",
-                     help="print the steps' achieved GB/s, GFLOP/s and roofline fraction per phase")
+    gen.add_argument(
+        "--stats", action="store_true", help="print the steps' achieved GB/s, GFLOP/s and roofline fraction per phase"
+    )
     gen.set_defaults(func=run_generate)
 
     demo = subparsers.add_parser("demo", help="serve a mix of short and long requests and summarize")
@@ -54,8 +55,14 @@ def run_demo(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, **engine_options(args))
     engine = llm.engine
-    topics = ["Once upon a time", "The roofline model says", "Continuous batching means",
-              "A paged KV cache", "In a small village", "The memory wall"]
+    topics = [
+        "Once upon a time",
+        "The roofline model says",
+        "Continuous batching means",
+        "A paged KV cache",
+        "In a small village",
+        "The memory wall",
+    ]
     requests = []
     for i in range(args.num_requests):
         long_one = i % 4 == 3
@@ -63,8 +70,10 @@ def run_demo(args: argparse.Namespace) -> int:
         max_tokens = 96 if long_one else 16 + 8 * (i % 3)
         requests.append((prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)))
 
-    print(f"ridge demo: {len(requests)} requests on {args.model} ({engine.dtype}, {engine.device}), "
-          f"{engine.num_kv_blocks} KV blocks of {engine.config.block_size} tokens, {engine.config.scheduler} batching")
+    print(
+        f"ridge demo: {len(requests)} requests on {args.model} ({engine.dtype}, {engine.device}), "
+        f"{engine.num_kv_blocks} KV blocks of {engine.config.block_size} tokens, {engine.config.scheduler} batching"
+    )
     if args.model.startswith("random:"):
         print("(random weights: the texts are noise; pass --model DIR for a real model)")
     start = time.monotonic()
@@ -101,8 +110,10 @@ def _print_summary(outputs, elapsed: float, steps: int) -> None:
     print(f"  generated tokens     {gen_tokens}")
     print(f"  time to first token  median {_pct(ttft, 50):.1f} ms, p90 {_pct(ttft, 90):.1f} ms")
     print(f"  time per out token   median {_pct(tpot, 50):.2f} ms, p90 {_pct(tpot, 90):.2f} ms")
-    print(f"  throughput           {gen_tokens / elapsed:.1f} generated tok/s, "
-          f"{(prompt_tokens + gen_tokens) / elapsed:.1f} total tok/s")
+    print(
+        f"  throughput           {gen_tokens / elapsed:.1f} generated tok/s, "
+        f"{(prompt_tokens + gen_tokens) / elapsed:.1f} total tok/s"
+    )
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -32,7 +32,6 @@ from ridge.roofline.shapes import ModelShape
 from ridge.sampling import Sampler, SamplingParams, SamplingState
 from ridge.telemetry import TORCH_TO_ROOFLINE_DTYPE, Telemetry, cuda_hardware
 
-
 # tokenizer="bytes": UTF-8 bytes as tokens, no files (random models, token-id-only use).
 BYTES_TOKENIZER = "bytes"
 
@@ -55,7 +54,9 @@ class LLMEngine:
         hf_config, model_dir = read_hf_config(config.model)
         model_config = ModelConfig.from_hf_config(hf_config, config.max_model_len)
         self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
-        loaded = load_model(hf_config, model_config, model_dir, self.dtype, self.device, config.max_model_len, config.seed)
+        loaded = load_model(
+            hf_config, model_config, model_dir, self.dtype, self.device, config.max_model_len, config.seed
+        )
         self.model = loaded.model
         self.model.set_kernels(select_kernels(config.kernels, self.device, self.dtype))
         self.model_config = loaded.config
@@ -79,7 +80,13 @@ class LLMEngine:
         cfg = self.model_config
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_caches = allocate_kv_caches(
-            cfg.num_layers, self.num_kv_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
+            cfg.num_layers,
+            self.num_kv_blocks,
+            config.block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            self.dtype,
+            self.device,
         )
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -177,7 +184,9 @@ class LLMEngine:
                 arrival_time=arrival,
                 eos_token_ids=self.eos_token_ids,
             )
-            req.sampling_state = SamplingState(seq_params, req.prompt_token_ids, req.output_token_ids, self.eos_token_ids)
+            req.sampling_state = SamplingState(
+                seq_params, req.prompt_token_ids, req.output_token_ids, self.eos_token_ids
+            )
             detok = IncrementalDetokenizer(
                 self.tokenizer,
                 req.prompt_token_ids,
@@ -188,8 +197,9 @@ class LLMEngine:
             # Logprob tokens take their text from the detokenizer step by step.
             text_at_finish = not stream and not params.stop and params.logprobs is None
             user.sequences.append(
-                SequenceState(request_id, req, detok, [] if params.logprobs is not None else None,
-                          text_at_finish=text_at_finish)
+                SequenceState(
+                    request_id, req, detok, [] if params.logprobs is not None else None, text_at_finish=text_at_finish
+                )
             )
         # Nothing above changed the engine; from here on nothing can fail.
         self.output_processor.add(user)
@@ -218,7 +228,9 @@ class LLMEngine:
                 raise ValueError("prompt token ids are empty")
             bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
             if bad:
-                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
+                raise ValueError(
+                    f"prompt token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})"
+                )
             return None, ids
         raise ValueError("a prompt must be a string or a list of token ids")
 
@@ -266,8 +278,11 @@ class LLMEngine:
         # A decode computes one generated token; anything else (a prompt chunk, even of one
         # token, or a recompute after preemption) is prefill.
         decodes = [c.end for c in plan.chunks if c.num_new_tokens == 1 and c.start >= c.request.num_prompt_tokens]
-        prefills = [(c.num_new_tokens, c.end) for c in plan.chunks
-                    if c.num_new_tokens > 1 or c.start < c.request.num_prompt_tokens]
+        prefills = [
+            (c.num_new_tokens, c.end)
+            for c in plan.chunks
+            if c.num_new_tokens > 1 or c.start < c.request.num_prompt_tokens
+        ]
         self.telemetry.record(prefills, decodes, time.perf_counter() - start)
         return outputs
 

@@ -127,11 +127,14 @@ class OutputProcessor:
                 self.remove(state.request_id)
         return outputs
 
-    def _logprob_entry(self, req: Request, token: int, token_text: str, lp: float,
-                       top: list[tuple[int, float]]) -> dict[int, Logprob]:
+    def _logprob_entry(
+        self, req: Request, token: int, token_text: str, lp: float, top: list[tuple[int, float]]
+    ) -> dict[int, Logprob]:
         before = req.all_token_ids[-2]  # the token before the sampled one (prompt or output)
-        entry = {tid: Logprob(tlp, rank, token_text if tid == token else self._text_after(before, tid))
-                 for rank, (tid, tlp) in enumerate(top, start=1)}
+        entry = {
+            tid: Logprob(tlp, rank, token_text if tid == token else self._text_after(before, tid))
+            for rank, (tid, tlp) in enumerate(top, start=1)
+        }
         if token not in entry:
             entry[token] = Logprob(lp, None, token_text)
         return entry
@@ -141,7 +144,7 @@ class OutputProcessor:
         context = self.tokenizer.decode([before], skip_special_tokens=False)
         both = self.tokenizer.decode([before, token], skip_special_tokens=False)
         if both.startswith(context):
-            return both[len(context):]
+            return both[len(context) :]
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def _make_output(self, state: RequestState) -> RequestOutput:

@@ -35,8 +35,13 @@ class RunnerOutput:
 
 
 def allocate_kv_caches(
-    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-    dtype: torch.dtype, device: torch.device,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One preallocated (K, V) pool per layer, (num_blocks, block_size, Hkv, D) each.
 
@@ -93,7 +98,9 @@ class ModelRunner:
                 tokens.extend(req.all_token_ids[start:end])
                 positions.extend(range(start, end))
                 slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, end))
-                prefills.append(PrefillChunk(row, len(tokens), end, torch.tensor(table, dtype=torch.long, device=self.device)))
+                prefills.append(
+                    PrefillChunk(row, len(tokens), end, torch.tensor(table, dtype=torch.long, device=self.device))
+                )
             if chunk.samples:
                 sample_rows.append(len(tokens) - 1)
                 sample_ids.append(req.request_id)

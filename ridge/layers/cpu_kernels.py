@@ -74,13 +74,20 @@ def load_extension(progress=sys.stderr):
     done = threading.Event()
     if building and progress is not None:
         start = time.monotonic()
-        print(f"ridge: compiling the CPU kernels into {build_dir} (once per machine and torch version; "
-              "1-2 minutes on 2 cores)...", file=progress, flush=True)
+        print(
+            f"ridge: compiling the CPU kernels into {build_dir} (once per machine and torch version; "
+            "1-2 minutes on 2 cores)...",
+            file=progress,
+            flush=True,
+        )
 
         def heartbeat() -> None:
             while not done.wait(PROGRESS_EVERY_S):
-                print(f"ridge: still compiling the CPU kernels ({time.monotonic() - start:.0f} s)",
-                      file=progress, flush=True)
+                print(
+                    f"ridge: still compiling the CPU kernels ({time.monotonic() - start:.0f} s)",
+                    file=progress,
+                    flush=True,
+                )
 
         threading.Thread(target=heartbeat, name="ridge-build-progress", daemon=True).start()
     try:

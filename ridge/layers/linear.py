@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def dense_linear(x: torch.Tensor, layer: "Linear") -> torch.Tensor:
+def dense_linear(x: torch.Tensor, layer: Linear) -> torch.Tensor:
     return F.linear(x, layer.weight, layer.bias)
 
 

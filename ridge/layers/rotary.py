@@ -64,4 +64,3 @@ class RotaryEmbedding(nn.Module):
         Gathered once per step and shared by every layer.
         """
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-

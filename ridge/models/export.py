@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Iterator, Mapping
 
 import torch
 
@@ -198,7 +198,7 @@ def _gguf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> Iterator[
         if name in _GGUF_GLOBAL_NAMES:
             yield _GGUF_GLOBAL_NAMES[name], tensor
             continue
-        layer, rest = name[len("model.layers."):].split(".", 1)
+        layer, rest = name[len("model.layers.") :].split(".", 1)
         if rest == "self_attn.q_proj.weight":
             tensor = permute_for_llama_cpp(tensor, cfg.num_heads)
         elif rest == "self_attn.k_proj.weight":
@@ -209,7 +209,7 @@ def _gguf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> Iterator[
 def _tensor_order(name: str) -> tuple:
     # embeddings first, then layers in numeric order, then the final norm and head (as llama.cpp's converter)
     if name.startswith("model.layers."):
-        layer, rest = name[len("model.layers."):].split(".", 1)
+        layer, rest = name[len("model.layers.") :].split(".", 1)
         return (1, int(layer), list(_GGUF_LAYER_NAMES).index(rest))
     return (0 if name == "model.embed_tokens.weight" else 2, 0, name)
 
@@ -276,6 +276,8 @@ def _add_placeholder_vocab(writer, gguf, cfg: ModelConfig) -> None:
     writer.add_token_scores([0.0] * len(tokens))
     writer.add_token_types([int(k) for k in kinds])
     writer.add_unk_token_id(0)
-    writer.add_bos_token_id(cfg.bos_token_id if cfg.bos_token_id is not None and cfg.bos_token_id < cfg.vocab_size else 1)
+    writer.add_bos_token_id(
+        cfg.bos_token_id if cfg.bos_token_id is not None and cfg.bos_token_id < cfg.vocab_size else 1
+    )
     eos = cfg.eos_token_ids[0] if cfg.eos_token_ids and cfg.eos_token_ids[0] < cfg.vocab_size else 2
     writer.add_eos_token_id(eos)

@@ -55,9 +55,14 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.qkv_proj.output_sizes[:2]
         v = qkv[:, q_size + kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q = ops.rms_norm(qkv[:, :q_size].view(tokens, self.num_heads, self.head_dim), self.q_norm.weight, self.q_norm.eps)
-            k = ops.rms_norm(qkv[:, q_size : q_size + kv_size].view(tokens, self.num_kv_heads, self.head_dim),
-                             self.k_norm.weight, self.k_norm.eps)
+            q = ops.rms_norm(
+                qkv[:, :q_size].view(tokens, self.num_heads, self.head_dim), self.q_norm.weight, self.q_norm.eps
+            )
+            k = ops.rms_norm(
+                qkv[:, q_size : q_size + kv_size].view(tokens, self.num_kv_heads, self.head_dim),
+                self.k_norm.weight,
+                self.k_norm.eps,
+            )
             q, k = ops.rope(q, step.rope), ops.rope(k, step.rope)
         else:
             # q and k heads side by side: one rotation for both

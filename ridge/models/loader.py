@@ -35,7 +35,7 @@ class LoadedModel:
 def read_hf_config(spec: str) -> tuple[dict, Path | None]:
     """The config dict of a spec, and its directory (None for ``random:<preset>``)."""
     if spec.startswith(RANDOM_PREFIX):
-        return get_preset(spec[len(RANDOM_PREFIX):]), None
+        return get_preset(spec[len(RANDOM_PREFIX) :]), None
     model_dir = Path(spec).expanduser()
     if not model_dir.is_dir():
         raise ValueError(f"model directory {spec!r} does not exist (or pass random:<preset>)")

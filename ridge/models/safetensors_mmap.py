@@ -23,9 +23,18 @@ import torch
 
 # Safetensors dtype names -> torch dtypes (those a checkpoint ridge loads can hold).
 DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
 
@@ -83,6 +92,7 @@ class SafetensorsFile:
         dtype, shape, begin, end = self._entries[name]
         if begin == end:
             return torch.empty(shape, dtype=dtype)
-        flat = torch.frombuffer(self._map, dtype=dtype, count=(end - begin) // dtype.itemsize,
-                                offset=self._data_start + begin)
+        flat = torch.frombuffer(
+            self._map, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=self._data_start + begin
+        )
         return flat.view(shape)

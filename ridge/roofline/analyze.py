@@ -93,11 +93,16 @@ class Conventions:
         c, p = self.cost, workload.precision
         return [
             f"attention FLOPs: {c.attention} ("
-            + ("each query against the keys before it" if c.attention == "causal"
-               else "the whole query x context rectangle")
+            + (
+                "each query against the keys before it"
+                if c.attention == "causal"
+                else "the whole query x context rectangle"
+            )
             + ")",
-            "input embedding: " + ("only the gathered rows are read" if c.embedding == "gathered"
-                                   else "the whole table is read every step"),
+            "input embedding: "
+            + (
+                "only the gathered rows are read" if c.embedding == "gathered" else "the whole table is read every step"
+            ),
             f"bytes: minimum traffic, every operand once; weights {p.weight_bits}-bit (incl. embedding "
             f"and lm_head, no quantization-scale overhead), norms/biases 16-bit; activations "
             f"{p.activation_bits}-bit; KV cache {p.kv_bits}-bit",
@@ -108,7 +113,8 @@ class Conventions:
             "MoE: uniform routing, expected distinct experts per layer; MLA: absorbed or decompressed "
             "per sequence, whichever has fewer FLOPs",
             f"tensor parallel {c.tensor_parallel}: per-GPU costs, all-reduce not modelled"
-            if c.tensor_parallel > 1 else "single GPU (tensor parallel 1)",
+            if c.tensor_parallel > 1
+            else "single GPU (tensor parallel 1)",
             "memory fit: weights + KV of full-length sequences; activations and runtime overhead ignored",
             f"units: {'decimal GB (1e9 bytes)' if self.units == 'GB' else 'binary GiB (2^30 bytes)'}",
         ]
@@ -228,14 +234,24 @@ class Analyzer:
     def step(self, sequences: dict[tuple[int, int], int], logit_rows: int | None = None) -> StepCost:
         """{(num_query_tokens, context_len): count} priced by ``ops.step_cost_from_counts``."""
         return ops.step_cost_from_counts(
-            self.model, sequences, *self._bytes,
-            conventions=self.conventions.cost, logit_rows=logit_rows,
+            self.model,
+            sequences,
+            *self._bytes,
+            conventions=self.conventions.cost,
+            logit_rows=logit_rows,
         )
 
     def phase(self, kind: str, batch: int, context_len: int, cost: StepCost, tokens: float) -> Phase:
         time_s = cost.time_s(self.roof.peak_flops, self.roof.bandwidth)
-        return Phase(kind, batch, context_len, cost, time_s, tokens / time_s,
-                     cost.bound(self.roof.peak_flops, self.roof.bandwidth))
+        return Phase(
+            kind,
+            batch,
+            context_len,
+            cost,
+            time_s,
+            tokens / time_s,
+            cost.bound(self.roof.peak_flops, self.roof.bandwidth),
+        )
 
     def prefill(self, batch: int) -> Phase:
         P = self.workload.prompt_len
@@ -247,8 +263,7 @@ class Analyzer:
     def spec_verify(self, batch: int, context_len: int) -> Phase:
         k = self.workload.spec_k
         cost = self.step({(k + 1, context_len + k): batch}, logit_rows=batch * (k + 1))
-        return self.phase("spec_verify", batch, context_len, cost,
-                          batch * self.workload.expected_tokens_per_verify())
+        return self.phase("spec_verify", batch, context_len, cost, batch * self.workload.expected_tokens_per_verify())
 
     def mean_tpot(self, batch: int) -> float:
         contexts = self.workload.generation_contexts()
@@ -359,8 +374,10 @@ def analyze(
 def _warnings(model: ModelShape, workload: Workload, max_batch: int) -> tuple[str, ...]:
     out = []
     if model.max_context is not None and workload.final_context > model.max_context:
-        out.append(f"prompt + output ({workload.final_context} tokens) exceeds the model's context "
-                   f"({model.max_context} tokens): these figures describe a run the model cannot serve")
+        out.append(
+            f"prompt + output ({workload.final_context} tokens) exceeds the model's context "
+            f"({model.max_context} tokens): these figures describe a run the model cannot serve"
+        )
     if max_batch < 1:
         out.append("the model does not fit this hardware's memory at this context (see 'memory fit')")
     return tuple(out)

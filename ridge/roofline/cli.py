@@ -49,44 +49,76 @@ def register(subparsers) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_argument_group("what to analyze")
-    what.add_argument("--model", default="llama-3.1-8b",
-                      help="preset name, config.json path or model directory (default: %(default)s)")
-    what.add_argument("--matmul", nargs=3, type=int, metavar=("M", "K", "N"),
-                      help="analyze one (M, K) x (K, N) matmul instead of a model")
-    what.add_argument("--dtype", choices=list(DTYPE_BYTES), default="bf16",
-                      help="element type for --matmul (default: %(default)s)")
+    what.add_argument(
+        "--model",
+        default="llama-3.1-8b",
+        help="preset name, config.json path or model directory (default: %(default)s)",
+    )
+    what.add_argument(
+        "--matmul",
+        nargs=3,
+        type=int,
+        metavar=("M", "K", "N"),
+        help="analyze one (M, K) x (K, N) matmul instead of a model",
+    )
+    what.add_argument(
+        "--dtype", choices=list(DTYPE_BYTES), default="bf16", help="element type for --matmul (default: %(default)s)"
+    )
 
     hw = parser.add_argument_group("hardware")
-    hw.add_argument("--hardware", default=None,
-                    help=f"{', '.join(HARDWARE_PRESETS)}, local (measured here), custom, or a hardware "
-                    f"JSON file (default: {DEFAULT_HARDWARE})")
+    hw.add_argument(
+        "--hardware",
+        default=None,
+        help=f"{', '.join(HARDWARE_PRESETS)}, local (measured here), custom, or a hardware "
+        f"JSON file (default: {DEFAULT_HARDWARE})",
+    )
     hw.add_argument("--peak-tflops", type=float, help="override the peak of the compute dtype")
     hw.add_argument("--bandwidth-gbs", type=float, help="override memory bandwidth (decimal GB/s)")
     hw.add_argument("--memory-gib", type=float, help="override memory capacity (GiB)")
-    hw.add_argument("--compute-dtype", choices=list(DTYPE_BYTES),
-                    help="dtype whose peak applies (default: from weight/activation bits)")
+    hw.add_argument(
+        "--compute-dtype",
+        choices=list(DTYPE_BYTES),
+        help="dtype whose peak applies (default: from weight/activation bits)",
+    )
     hw.add_argument("--reprobe", action="store_true", help="with --hardware local: measure again")
 
     load = parser.add_argument_group("workload")
     load.add_argument("--prompt-len", type=int, default=2048, help="default: %(default)s")
     load.add_argument("--output-len", type=int, default=256, help="default: %(default)s")
-    load.add_argument("--batch", type=_int_list, default=(1, 8, 64, 256),
-                      help="comma-separated batch sizes (default: 1,8,64,256)")
-    load.add_argument("--context-len", type=_int_list, default=(),
-                      help="decode context lengths to tabulate (default: prompt + output/2)")
+    load.add_argument(
+        "--batch", type=_int_list, default=(1, 8, 64, 256), help="comma-separated batch sizes (default: 1,8,64,256)"
+    )
+    load.add_argument(
+        "--context-len",
+        type=_int_list,
+        default=(),
+        help="decode context lengths to tabulate (default: prompt + output/2)",
+    )
     load.add_argument("--weight-bits", type=int, choices=(32, 16, 8, 4), default=16)
     load.add_argument("--act-bits", type=int, choices=(32, 16, 8, 4), default=16)
     load.add_argument("--kv-bits", type=int, choices=(32, 16, 8, 4), default=16)
     load.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (costs are per GPU)")
     load.add_argument("--spec-k", type=int, default=0, help="speculative decoding: draft tokens per step")
-    load.add_argument("--spec-acceptance", type=float, default=0.7,
-                      help="speculative decoding: per-token acceptance rate (default: %(default)s)")
+    load.add_argument(
+        "--spec-acceptance",
+        type=float,
+        default=0.7,
+        help="speculative decoding: per-token acceptance rate (default: %(default)s)",
+    )
 
     conv = parser.add_argument_group("conventions (stated in every output)")
-    conv.add_argument("--attention", choices=ATTENTION_CONVENTIONS, default="causal",
-                      help="attention FLOPs: causal (default) or the full rectangle")
-    conv.add_argument("--embedding", choices=EMBEDDING_CONVENTIONS, default="gathered",
-                      help="input-embedding reads: gathered rows (default) or the full table")
+    conv.add_argument(
+        "--attention",
+        choices=ATTENTION_CONVENTIONS,
+        default="causal",
+        help="attention FLOPs: causal (default) or the full rectangle",
+    )
+    conv.add_argument(
+        "--embedding",
+        choices=EMBEDDING_CONVENTIONS,
+        default="gathered",
+        help="input-embedding reads: gathered rows (default) or the full table",
+    )
     conv.add_argument("--units", choices=UNITS, default="GB", help="print bytes in decimal GB or GiB")
     conv.add_argument("--unfused", action="store_true", help="separate q/k/v and gate/up projections")
 
@@ -162,19 +194,33 @@ def _hardware(args: argparse.Namespace, precision: Precision) -> Hardware:
     spec = _hardware_spec(args)
     if spec == "custom":
         dtype = args.compute_dtype or infer_compute_dtype(precision)
-        return resolve_hardware("custom", dtype=dtype, peak_tflops=args.peak_tflops,
-                                bandwidth_gbs=args.bandwidth_gbs, memory_gib=args.memory_gib)
+        return resolve_hardware(
+            "custom",
+            dtype=dtype,
+            peak_tflops=args.peak_tflops,
+            bandwidth_gbs=args.bandwidth_gbs,
+            memory_gib=args.memory_gib,
+        )
     base = resolve_hardware(spec, reprobe=args.reprobe)
     dtype = args.compute_dtype or infer_compute_dtype(precision, base)
-    return base.with_overrides(dtype=dtype, peak_tflops=args.peak_tflops,
-                               bandwidth_gbs=args.bandwidth_gbs, memory_gib=args.memory_gib)
+    return base.with_overrides(
+        dtype=dtype, peak_tflops=args.peak_tflops, bandwidth_gbs=args.bandwidth_gbs, memory_gib=args.memory_gib
+    )
 
 
 def matmul_result(m: int, k: int, n: int, dtype: str, hardware: Hardware | None = None) -> dict:
     """The ``--matmul`` document: FLOPs, minimum bytes, intensity; placed under ``hardware``."""
     op = matmul_cost(m, k, n, dtype)
-    result = {"m": m, "k": k, "n": n, "dtype": dtype, "dtype_bytes": dtype_bytes(dtype),
-              "flops": op.flops, "bytes": op.bytes, "intensity": op.intensity}
+    result = {
+        "m": m,
+        "k": k,
+        "n": n,
+        "dtype": dtype,
+        "dtype_bytes": dtype_bytes(dtype),
+        "flops": op.flops,
+        "bytes": op.bytes,
+        "intensity": op.intensity,
+    }
     if hardware is None:
         return result
     if dtype not in hardware.peak_flops:
@@ -182,8 +228,13 @@ def matmul_result(m: int, k: int, n: int, dtype: str, hardware: Hardware | None 
         return result
     peak, bandwidth = hardware.peak(dtype), hardware.bandwidth_bytes_per_s
     result.update(
-        hardware={"name": hardware.name, "peak_flops": peak, "bandwidth_bytes_per_s": bandwidth,
-                  "ridge_point": peak / bandwidth, "source": hardware.source},
+        hardware={
+            "name": hardware.name,
+            "peak_flops": peak,
+            "bandwidth_bytes_per_s": bandwidth,
+            "ridge_point": peak / bandwidth,
+            "source": hardware.source,
+        },
         bound=op.bound(peak, bandwidth),
         time_s=op.time_s(peak, bandwidth),
         compute_bound_m=matmul_compute_bound_rows(k, n, dtype, peak / bandwidth),
@@ -194,9 +245,14 @@ def matmul_result(m: int, k: int, n: int, dtype: str, hardware: Hardware | None 
 def _run_matmul(args: argparse.Namespace, console) -> int:
     if args.plot:
         raise ValueError("--plot is for model analyses, not --matmul")
-    hardware = resolve_hardware(_hardware_spec(args), dtype=args.dtype, peak_tflops=args.peak_tflops,
-                                bandwidth_gbs=args.bandwidth_gbs, memory_gib=args.memory_gib,
-                                reprobe=args.reprobe)
+    hardware = resolve_hardware(
+        _hardware_spec(args),
+        dtype=args.dtype,
+        peak_tflops=args.peak_tflops,
+        bandwidth_gbs=args.bandwidth_gbs,
+        memory_gib=args.memory_gib,
+        reprobe=args.reprobe,
+    )
     result = matmul_result(*args.matmul, args.dtype, hardware)
     if args.json:
         print(json.dumps(result, indent=2))

@@ -10,10 +10,11 @@ the local probe's cache) into one, with ``--peak-tflops`` / ``--bandwidth-gbs`` 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from ridge.roofline.ops import DTYPE_BYTES
 
@@ -158,9 +159,7 @@ class Hardware:
                 bandwidth_probe=(
                     Measurement.from_json(data["bandwidth_probe"]) if data.get("bandwidth_probe") else None
                 ),
-                flops_probes={
-                    k: Measurement.from_json(v) for k, v in (data.get("flops_probes") or {}).items()
-                },
+                flops_probes={k: Measurement.from_json(v) for k, v in (data.get("flops_probes") or {}).items()},
             )
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"hardware JSON is missing or mistyping a field: {exc}") from None
@@ -172,75 +171,77 @@ def _tflops(**peaks: float) -> dict[str, float]:
 
 # Datasheet figures, dense (vendors quote 2x "with sparsity"); capacities in GiB (HBM and GDDR
 # parts are binary-sized; driver reservations not subtracted).
-HARDWARE_PRESETS: Mapping[str, Hardware] = MappingProxyType({
-    hw.name: hw
-    for hw in (
-        Hardware(
-            name="a100-40gb",
-            peak_flops=_tflops(fp32=19.5, tf32=156, bf16=312, fp16=312, int8=624, int4=1248),
-            bandwidth_bytes_per_s=1555 * GIGA,
-            memory_bytes=40 * GIB,
-            source="NVIDIA A100 datasheet, SXM4 40GB: 1,555 GB/s HBM2; tensor peaks dense",
-        ),
-        Hardware(
-            name="a100-80gb",
-            peak_flops=_tflops(fp32=19.5, tf32=156, bf16=312, fp16=312, int8=624, int4=1248),
-            bandwidth_bytes_per_s=2039 * GIGA,
-            memory_bytes=80 * GIB,
-            source="NVIDIA A100 datasheet, SXM4 80GB: 2,039 GB/s HBM2e; tensor peaks dense",
-        ),
-        Hardware(
-            name="h100-sxm",
-            peak_flops=_tflops(fp32=67, tf32=494.7, bf16=989.4, fp16=989.4, fp8=1978.9, int8=1978.9),
-            bandwidth_bytes_per_s=3350 * GIGA,
-            memory_bytes=80 * GIB,
-            source="NVIDIA H100 datasheet, SXM5: 3.35 TB/s HBM3; 989.4 TFLOP/s bf16 dense (1,979 sparse)",
-        ),
-        Hardware(
-            name="h100-pcie",
-            peak_flops=_tflops(fp32=51, tf32=378, bf16=756, fp16=756, fp8=1513, int8=1513),
-            bandwidth_bytes_per_s=2000 * GIGA,
-            memory_bytes=80 * GIB,
-            source="NVIDIA H100 datasheet, PCIe: 2.0 TB/s HBM2e; 756 TFLOP/s bf16 dense (1,513 sparse)",
-        ),
-        Hardware(
-            name="h200",
-            peak_flops=_tflops(fp32=67, tf32=494.7, bf16=989.4, fp16=989.4, fp8=1978.9, int8=1978.9),
-            bandwidth_bytes_per_s=4800 * GIGA,
-            memory_bytes=141 * GIB,
-            source="NVIDIA H200 datasheet, SXM: 4.8 TB/s HBM3e, 141 GB; same tensor cores as H100 SXM",
-        ),
-        Hardware(
-            name="b200",
-            peak_flops=_tflops(fp32=75, tf32=1125, bf16=2250, fp16=2250, fp8=4500, int8=4500, fp4=9000),
-            bandwidth_bytes_per_s=8000 * GIGA,
-            memory_bytes=180 * GIB,
-            source="NVIDIA HGX B200 datasheet, per GPU: 8 TB/s HBM3e, 180 GB; 2.25 PFLOP/s bf16 dense",
-        ),
-        Hardware(
-            name="l40s",
-            peak_flops=_tflops(fp32=91.6, tf32=183, bf16=362.05, fp16=362.05, fp8=733, int8=733, int4=733),
-            bandwidth_bytes_per_s=864 * GIGA,
-            memory_bytes=48 * GIB,
-            source="NVIDIA L40S datasheet: 864 GB/s GDDR6; 362 TFLOP/s bf16 dense (733 sparse)",
-        ),
-        Hardware(
-            name="rtx-4090",
-            peak_flops=_tflops(fp32=82.6, bf16=165.2, fp16=165.2, fp8=330.3, int8=660.6, int4=1321.2),
-            bandwidth_bytes_per_s=1008 * GIGA,
-            memory_bytes=24 * GIB,
-            source="NVIDIA Ada whitepaper, GeForce RTX 4090: 1,008 GB/s GDDR6X; fp16/bf16 with fp32 "
-            "accumulate 165.2 TFLOP/s dense",
-        ),
-        Hardware(
-            name="mi300x",
-            peak_flops=_tflops(fp32=163.4, tf32=653.7, bf16=1307.4, fp16=1307.4, fp8=2614.9, int8=2614.9),
-            bandwidth_bytes_per_s=5300 * GIGA,
-            memory_bytes=192 * GIB,
-            source="AMD Instinct MI300X datasheet: 5.3 TB/s HBM3, 192 GB; 1,307 TFLOP/s bf16 dense",
-        ),
-    )
-})
+HARDWARE_PRESETS: Mapping[str, Hardware] = MappingProxyType(
+    {
+        hw.name: hw
+        for hw in (
+            Hardware(
+                name="a100-40gb",
+                peak_flops=_tflops(fp32=19.5, tf32=156, bf16=312, fp16=312, int8=624, int4=1248),
+                bandwidth_bytes_per_s=1555 * GIGA,
+                memory_bytes=40 * GIB,
+                source="NVIDIA A100 datasheet, SXM4 40GB: 1,555 GB/s HBM2; tensor peaks dense",
+            ),
+            Hardware(
+                name="a100-80gb",
+                peak_flops=_tflops(fp32=19.5, tf32=156, bf16=312, fp16=312, int8=624, int4=1248),
+                bandwidth_bytes_per_s=2039 * GIGA,
+                memory_bytes=80 * GIB,
+                source="NVIDIA A100 datasheet, SXM4 80GB: 2,039 GB/s HBM2e; tensor peaks dense",
+            ),
+            Hardware(
+                name="h100-sxm",
+                peak_flops=_tflops(fp32=67, tf32=494.7, bf16=989.4, fp16=989.4, fp8=1978.9, int8=1978.9),
+                bandwidth_bytes_per_s=3350 * GIGA,
+                memory_bytes=80 * GIB,
+                source="NVIDIA H100 datasheet, SXM5: 3.35 TB/s HBM3; 989.4 TFLOP/s bf16 dense (1,979 sparse)",
+            ),
+            Hardware(
+                name="h100-pcie",
+                peak_flops=_tflops(fp32=51, tf32=378, bf16=756, fp16=756, fp8=1513, int8=1513),
+                bandwidth_bytes_per_s=2000 * GIGA,
+                memory_bytes=80 * GIB,
+                source="NVIDIA H100 datasheet, PCIe: 2.0 TB/s HBM2e; 756 TFLOP/s bf16 dense (1,513 sparse)",
+            ),
+            Hardware(
+                name="h200",
+                peak_flops=_tflops(fp32=67, tf32=494.7, bf16=989.4, fp16=989.4, fp8=1978.9, int8=1978.9),
+                bandwidth_bytes_per_s=4800 * GIGA,
+                memory_bytes=141 * GIB,
+                source="NVIDIA H200 datasheet, SXM: 4.8 TB/s HBM3e, 141 GB; same tensor cores as H100 SXM",
+            ),
+            Hardware(
+                name="b200",
+                peak_flops=_tflops(fp32=75, tf32=1125, bf16=2250, fp16=2250, fp8=4500, int8=4500, fp4=9000),
+                bandwidth_bytes_per_s=8000 * GIGA,
+                memory_bytes=180 * GIB,
+                source="NVIDIA HGX B200 datasheet, per GPU: 8 TB/s HBM3e, 180 GB; 2.25 PFLOP/s bf16 dense",
+            ),
+            Hardware(
+                name="l40s",
+                peak_flops=_tflops(fp32=91.6, tf32=183, bf16=362.05, fp16=362.05, fp8=733, int8=733, int4=733),
+                bandwidth_bytes_per_s=864 * GIGA,
+                memory_bytes=48 * GIB,
+                source="NVIDIA L40S datasheet: 864 GB/s GDDR6; 362 TFLOP/s bf16 dense (733 sparse)",
+            ),
+            Hardware(
+                name="rtx-4090",
+                peak_flops=_tflops(fp32=82.6, bf16=165.2, fp16=165.2, fp8=330.3, int8=660.6, int4=1321.2),
+                bandwidth_bytes_per_s=1008 * GIGA,
+                memory_bytes=24 * GIB,
+                source="NVIDIA Ada whitepaper, GeForce RTX 4090: 1,008 GB/s GDDR6X; fp16/bf16 with fp32 "
+                "accumulate 165.2 TFLOP/s dense",
+            ),
+            Hardware(
+                name="mi300x",
+                peak_flops=_tflops(fp32=163.4, tf32=653.7, bf16=1307.4, fp16=1307.4, fp8=2614.9, int8=2614.9),
+                bandwidth_bytes_per_s=5300 * GIGA,
+                memory_bytes=192 * GIB,
+                source="AMD Instinct MI300X datasheet: 5.3 TB/s HBM3, 192 GB; 1,307 TFLOP/s bf16 dense",
+            ),
+        )
+    }
+)
 
 DEFAULT_HARDWARE = "h100-sxm"
 

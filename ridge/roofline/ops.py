@@ -20,23 +20,25 @@ Conventions (also stated by every report):
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping, Sequence
 
 from ridge.roofline.shapes import ModelShape, ceil_div
 
 # Bytes per element of the dtypes a single matmul (``--matmul``) or a peak can be quoted in.
-DTYPE_BYTES: Mapping[str, float] = MappingProxyType({
-    "fp32": 4.0,
-    "tf32": 4.0,
-    "bf16": 2.0,
-    "fp16": 2.0,
-    "fp8": 1.0,
-    "int8": 1.0,
-    "fp4": 0.5,
-    "int4": 0.5,
-})
+DTYPE_BYTES: Mapping[str, float] = MappingProxyType(
+    {
+        "fp32": 4.0,
+        "tf32": 4.0,
+        "bf16": 2.0,
+        "fp16": 2.0,
+        "fp8": 1.0,
+        "int8": 1.0,
+        "fp4": 0.5,
+        "int4": 0.5,
+    }
+)
 
 ATTENTION_CONVENTIONS = ("causal", "full")
 EMBEDDING_CONVENTIONS = ("gathered", "full")
@@ -216,20 +218,15 @@ class ShardWidths:
     def of(cls, model: ModelShape, tensor_parallel: int) -> ShardWidths:
         tp = tensor_parallel
         if model.num_heads % tp:
-            raise ValueError(
-                f"tensor_parallel {tp} does not divide {model.name}'s {model.num_heads} heads"
-            )
+            raise ValueError(f"tensor_parallel {tp} does not divide {model.name}'s {model.num_heads} heads")
         if model.num_kv_heads >= tp:
             if model.num_kv_heads % tp:
-                raise ValueError(
-                    f"tensor_parallel {tp} does not divide {model.name}'s {model.num_kv_heads} KV heads"
-                )
+                raise ValueError(f"tensor_parallel {tp} does not divide {model.name}'s {model.num_kv_heads} KV heads")
             kv_heads = model.num_kv_heads // tp
         else:
             if tp % model.num_kv_heads:
                 raise ValueError(
-                    f"tensor_parallel {tp} is not a multiple of {model.name}'s "
-                    f"{model.num_kv_heads} KV heads"
+                    f"tensor_parallel {tp} is not a multiple of {model.name}'s {model.num_kv_heads} KV heads"
                 )
             kv_heads = 1  # fewer KV heads than GPUs: each GPU keeps a replica of one
         moe = model.moe
@@ -301,9 +298,7 @@ def parameter_inventory(model: ModelShape, tensor_parallel: int = 1) -> tuple[Pa
         groups += [
             ParamGroup("kv_a_proj", d * mla.cache_dim, L),
             ParamGroup("kv_a_norm", mla.kv_lora_rank, L, matrix=False),
-            ParamGroup(
-                "kv_b_proj", mla.kv_lora_rank * w.heads * (mla.qk_nope_head_dim + mla.v_head_dim), L
-            ),
+            ParamGroup("kv_b_proj", mla.kv_lora_rank * w.heads * (mla.qk_nope_head_dim + mla.v_head_dim), L),
             ParamGroup("o_proj", w.heads * mla.v_head_dim * d, L),
         ]
     if model.dense_layers:
@@ -337,8 +332,7 @@ def weight_bytes(model: ModelShape, weight_bytes_per_param: float, tensor_parall
     """Bytes of all weights (per GPU under tensor parallelism)."""
     vector = vector_bytes_per_param(weight_bytes_per_param)
     return sum(
-        g.total * (weight_bytes_per_param if g.matrix else vector)
-        for g in parameter_inventory(model, tensor_parallel)
+        g.total * (weight_bytes_per_param if g.matrix else vector) for g in parameter_inventory(model, tensor_parallel)
     )
 
 
@@ -403,7 +397,7 @@ class _SequenceGroup:
             keys += n * keys_read(q, c, window)
         uniform = None
         if len(shapes) == 1:
-            (q, c), = shapes
+            ((q, c),) = shapes
             uniform = (q, keys_read(q, c, window))
         return cls(queries, sequences, pairs, keys, uniform)
 
@@ -439,8 +433,13 @@ def step_cost(
     for context_len, count in Counter(decode_context_lens).items():
         sequences[(1, context_len)] += count
     return step_cost_from_counts(
-        model, sequences, weight_bytes_per_param, kv_bytes_per_elem, act_bytes,
-        conventions=conventions, logit_rows=logit_rows,
+        model,
+        sequences,
+        weight_bytes_per_param,
+        kv_bytes_per_elem,
+        act_bytes,
+        conventions=conventions,
+        logit_rows=logit_rows,
     )
 
 
@@ -485,9 +484,7 @@ def step_cost_from_counts(
 class _StepBuilder:
     """Emits the ops of one step; one method per block of the layer."""
 
-    def __init__(
-        self, model: ModelShape, conventions: CostConventions, wb: float, kvb: float, ab: float
-    ) -> None:
+    def __init__(self, model: ModelShape, conventions: CostConventions, wb: float, kvb: float, ab: float) -> None:
         self.model = model
         self.conv = conventions
         self.w = ShardWidths.of(model, conventions.tensor_parallel)
@@ -593,8 +590,13 @@ class _StepBuilder:
         if self.conv.fused_projections:
             ops.append(
                 self.linear(
-                    "qkv_proj", T, d, q_cols + 2 * kv_cols, L,
-                    bias=model.qkv_bias, kv_out_cols=k_to_cache + kv_cols,
+                    "qkv_proj",
+                    T,
+                    d,
+                    q_cols + 2 * kv_cols,
+                    L,
+                    bias=model.qkv_bias,
+                    kv_out_cols=k_to_cache + kv_cols,
                 )
             )
         else:
@@ -626,7 +628,11 @@ class _StepBuilder:
             OpCost(
                 name="attn_scores",
                 kind="attention",
-                m=m, k=hd, n=n, count=instances, layers=L,
+                m=m,
+                k=hd,
+                n=n,
+                count=instances,
+                layers=L,
                 flops=2 * w.heads * hd * g.pairs * L,
                 weight_bytes=0,
                 activation_bytes=T * q_cols * self.ab * L,
@@ -635,7 +641,11 @@ class _StepBuilder:
             OpCost(
                 name="attn_weighted_sum",
                 kind="attention",
-                m=m, k=n, n=hd, count=instances, layers=L,
+                m=m,
+                k=n,
+                n=hd,
+                count=instances,
+                layers=L,
                 flops=2 * w.heads * hd * g.pairs * L,
                 weight_bytes=0,
                 activation_bytes=T * q_cols * self.ab * L,
@@ -674,20 +684,28 @@ class _StepBuilder:
             g = _SequenceGroup.of(decompressed, self.causal, None)
             m, n_keys = g.shape()
             ops += [
-                self.linear(
-                    "kv_b_proj", g.keys, r, H * (nope + v), L, kv_in=True
-                ),
+                self.linear("kv_b_proj", g.keys, r, H * (nope + v), L, kv_in=True),
                 OpCost(
-                    name="attn_scores", kind="attention",
-                    m=m, k=mla.qk_head_dim, n=n_keys, count=g.sequences * H, layers=L,
+                    name="attn_scores",
+                    kind="attention",
+                    m=m,
+                    k=mla.qk_head_dim,
+                    n=n_keys,
+                    count=g.sequences * H,
+                    layers=L,
                     flops=2 * H * mla.qk_head_dim * g.pairs * L,
                     weight_bytes=0,
                     activation_bytes=(g.queries * H * mla.qk_head_dim + g.keys * H * nope) * self.ab * L,
                     kv_read_bytes=g.keys * rope * self.kvb * L,
                 ),
                 OpCost(
-                    name="attn_weighted_sum", kind="attention",
-                    m=m, k=n_keys, n=v, count=g.sequences * H, layers=L,
+                    name="attn_weighted_sum",
+                    kind="attention",
+                    m=m,
+                    k=n_keys,
+                    n=v,
+                    count=g.sequences * H,
+                    layers=L,
                     flops=2 * H * v * g.pairs * L,
                     weight_bytes=0,
                     activation_bytes=(g.keys * H * v + g.queries * H * v) * self.ab * L,
@@ -700,8 +718,13 @@ class _StepBuilder:
             ops += [
                 self.linear("q_absorb", Tq * H, nope, r, L, count=H),
                 OpCost(
-                    name="attn_scores_latent", kind="attention",
-                    m=m, k=mla.cache_dim, n=n_keys, count=g.sequences * H, layers=L,
+                    name="attn_scores_latent",
+                    kind="attention",
+                    m=m,
+                    k=mla.cache_dim,
+                    n=n_keys,
+                    count=g.sequences * H,
+                    layers=L,
                     flops=2 * H * mla.cache_dim * g.pairs * L,
                     weight_bytes=0,
                     activation_bytes=Tq * H * mla.cache_dim * self.ab * L,
@@ -709,8 +732,13 @@ class _StepBuilder:
                 ),
                 # The same latent rows serve as values; a fused kernel streams them once.
                 OpCost(
-                    name="attn_weighted_sum_latent", kind="attention",
-                    m=m, k=n_keys, n=r, count=g.sequences * H, layers=L,
+                    name="attn_weighted_sum_latent",
+                    kind="attention",
+                    m=m,
+                    k=n_keys,
+                    n=r,
+                    count=g.sequences * H,
+                    layers=L,
                     flops=2 * H * r * g.pairs * L,
                     weight_bytes=0,
                     activation_bytes=Tq * H * r * self.ab * L,
@@ -737,8 +765,9 @@ class _StepBuilder:
             kv_write_bytes=T * mla.cache_dim * self.kvb * L,
         )
 
-    def gated_mlp(self, prefix: str, rows: float, width: int, layers: int, *, count: float = 1,
-                  m: int | None = None) -> list[OpCost]:
+    def gated_mlp(
+        self, prefix: str, rows: float, width: int, layers: int, *, count: float = 1, m: int | None = None
+    ) -> list[OpCost]:
         d = self.model.hidden_size
         if self.conv.fused_projections:
             up = [self.linear(f"{prefix}gate_up_proj", rows, d, 2 * width, layers, count=count, m=m)]
@@ -756,8 +785,12 @@ class _StepBuilder:
         touched = moe.expected_experts_touched(T)
         ops = [self.linear("router", T, d, moe.num_experts, Lm, bias=moe.router_bias)]
         ops += self.gated_mlp(
-            "experts_", routed, self.w.expert_intermediate, Lm,
-            count=touched, m=max(1, round(routed / touched)),
+            "experts_",
+            routed,
+            self.w.expert_intermediate,
+            Lm,
+            count=touched,
+            m=max(1, round(routed / touched)),
         )
         if moe.shared_intermediate_size:
             ops += self.gated_mlp("shared_expert_", T, self.w.shared_intermediate, Lm)

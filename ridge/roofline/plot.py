@@ -39,11 +39,13 @@ def plot_analysis(analysis: Analysis, path: str | Path) -> Path:
         )
         conv = a.conventions.cost
         fig.text(
-            0.01, 0.01,
+            0.01,
+            0.01,
             f"conventions: attention FLOPs {conv.attention}; embedding {conv.embedding} rows; minimum bytes "
             "(each operand once); time = max(FLOPs/peak, bytes/bandwidth) per op; TPOT = mean over the "
             "generation; memory fit = weights + full-length KV",
-            fontsize=7.5, color="0.35",
+            fontsize=7.5,
+            color="0.35",
         )
         fig.tight_layout(rect=(0, 0.03, 1, 0.95))
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -62,8 +64,15 @@ def _roofline_panel(ax, a: Analysis) -> None:
     x = np.logspace(np.log10(lo), np.log10(hi), 400)
     ax.plot(x, np.minimum(roof.peak_flops, x * roof.bandwidth), color="black", lw=2, label="roofline")
     ax.axvline(roof.ridge_point, color="0.5", ls=":", lw=1)
-    ax.text(roof.ridge_point * 1.08, roof.peak_flops * 0.03, f"ridge {roof.ridge_point:.0f} FLOP/B",
-            rotation=90, color="0.35", fontsize=8, va="bottom")
+    ax.text(
+        roof.ridge_point * 1.08,
+        roof.peak_flops * 0.03,
+        f"ridge {roof.ridge_point:.0f} FLOP/B",
+        rotation=90,
+        color="0.35",
+        fontsize=8,
+        va="bottom",
+    )
 
     colors = plt.cm.viridis(np.linspace(0.15, 0.85, max(1, len(a.decode))))
     styles = [("prefill", a.prefill, "tab:red")] + [
@@ -76,8 +85,17 @@ def _roofline_panel(ax, a: Analysis) -> None:
         ax.scatter(xs, ys, s=22, color=color, alpha=0.75, edgecolors="none")
         px = phase.intensity
         py = phase.cost.flops / phase.time_s
-        ax.scatter([px], [py], s=170, marker="*", color=color, edgecolors="black", linewidths=0.6,
-                   zorder=5, label=f"{label}: {phase.time_s * 1e3:.3g} ms")
+        ax.scatter(
+            [px],
+            [py],
+            s=170,
+            marker="*",
+            color=color,
+            edgecolors="black",
+            linewidths=0.6,
+            zorder=5,
+            label=f"{label}: {phase.time_s * 1e3:.3g} ms",
+        )
     # Name the heaviest operators of prefill and of the largest decode batch; operators that land
     # on the same spot (attention scores and weighted sum, same-shape projections) share a label.
     labels: dict[tuple[int, int], list[str]] = {}
@@ -93,8 +111,9 @@ def _roofline_panel(ax, a: Analysis) -> None:
                 labels[key].append(op.name)
             spots[key] = xy
     for key, names in labels.items():
-        ax.annotate("\n".join(names), spots[key], fontsize=7, xytext=(5, -6), textcoords="offset points",
-                    color="0.25", va="top")
+        ax.annotate(
+            "\n".join(names), spots[key], fontsize=7, xytext=(5, -6), textcoords="offset points", color="0.25", va="top"
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
@@ -114,14 +133,22 @@ def _throughput_panel(ax, a: Analysis) -> None:
     fit = np.array([p.fits for p in points])
     ax.scatter(xs[fit], ys[fit], color="tab:blue", s=28, zorder=2, label="fits in memory")
     if (~fit).any():
-        ax.scatter(xs[~fit], ys[~fit], facecolors="white", edgecolors="tab:blue", s=28, zorder=2,
-                   label=f"exceeds memory (max batch {a.max_batch:,})")
+        ax.scatter(
+            xs[~fit],
+            ys[~fit],
+            facecolors="white",
+            edgecolors="tab:blue",
+            s=28,
+            zorder=2,
+            label=f"exceeds memory (max batch {a.max_batch:,})",
+        )
     requested = set(a.workload.batches)
     knee = a.compute_bound_batch_linear
     for p in points:
         if p.batch in requested or p.batch == 1:
-            ax.annotate(f"B={p.batch}", (p.tpot_s * 1e3, p.tokens_per_s), fontsize=8,
-                        xytext=(5, -3), textcoords="offset points")
+            ax.annotate(
+                f"B={p.batch}", (p.tpot_s * 1e3, p.tokens_per_s), fontsize=8, xytext=(5, -3), textcoords="offset points"
+            )
     floor_ms = a.decode_floor_s * 1e3
     ax.axvline(floor_ms, color="0.5", ls=":", lw=1)
     ax.text(floor_ms * 1.03, ys.min(), "decode floor", rotation=90, fontsize=8, color="0.35", va="bottom")

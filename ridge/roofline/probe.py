@@ -25,14 +25,13 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from ridge.config import default_cache_dir
-
 from ridge.roofline.hardware import GIB, Hardware, Measurement
 
 CACHE_FILE_NAME = "hardware-local.json"
@@ -99,8 +98,7 @@ def local_hardware(
             pass  # unreadable cache: measure again and overwrite it
     hardware, load = probe_local_with_load(settings)
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {**hardware.to_json(), "fingerprint": fingerprint, "probe_settings": asdict(settings),
-               "other_load": load}
+    payload = {**hardware.to_json(), "fingerprint": fingerprint, "probe_settings": asdict(settings), "other_load": load}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return hardware
 
@@ -111,7 +109,7 @@ def cache_is_stale(data: dict, now: dt.datetime | None = None) -> bool:
     load = data.get("other_load")
     if not measured or load is None:
         return True
-    age = (now or dt.datetime.now(dt.timezone.utc)) - dt.datetime.fromisoformat(measured)
+    age = (now or dt.datetime.now(dt.UTC)) - dt.datetime.fromisoformat(measured)
     return age > MAX_AGE or age < dt.timedelta(0) or float(load) > BUSY_LOAD
 
 
@@ -155,7 +153,7 @@ def probe_local(settings: ProbeSettings = ProbeSettings()) -> Hardware:
             f"sum() over {settings.bandwidth_bytes / 1024**2:.0f} MiB fp32, square torch.matmul{kernels}; "
             "the best of repeated runs"
         ),
-        measured_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        measured_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         bandwidth_probe=bandwidth,
         flops_probes=flops,
     )

@@ -23,6 +23,7 @@ from ridge.roofline.analyze import MAX_SEARCH_BATCH, Analysis, Phase, Roof
 from ridge.roofline.hardware import Hardware
 from ridge.roofline.ops import OpCost
 
+
 def _ridge_version() -> str:
     try:
         return importlib.metadata.version("ridge")
@@ -155,25 +156,55 @@ def _model_line(a: Analysis) -> str:
 
 def _ops_table(phase: Phase, roof: Roof, units: str, title: str) -> Table:
     table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False)
-    for header in ("op", "layers", "M x K x N", "count", "FLOPs", "weights", "activations",
-                   "KV read", "KV write", "FLOP/B", "bound", "time", "%"):
+    for header in (
+        "op",
+        "layers",
+        "M x K x N",
+        "count",
+        "FLOPs",
+        "weights",
+        "activations",
+        "KV read",
+        "KV write",
+        "FLOP/B",
+        "bound",
+        "time",
+        "%",
+    ):
         table.add_column(header, justify="left" if header in ("op", "M x K x N", "bound") else "right")
     for op in phase.cost.ops:
         t = op.time_s(roof.peak_flops, roof.bandwidth)
         table.add_row(
-            op.name, str(op.layers), f"{op.m} x {op.k} x {op.n}", fmt_count(op.count),
-            fmt_si(op.flops), fmt_bytes(op.weight_bytes, units), fmt_bytes(op.activation_bytes, units),
-            fmt_bytes(op.kv_read_bytes, units), fmt_bytes(op.kv_write_bytes, units),
-            fmt_intensity(op.intensity), op.bound(roof.peak_flops, roof.bandwidth),
-            fmt_time(t), f"{100 * t / phase.time_s:.1f}",
+            op.name,
+            str(op.layers),
+            f"{op.m} x {op.k} x {op.n}",
+            fmt_count(op.count),
+            fmt_si(op.flops),
+            fmt_bytes(op.weight_bytes, units),
+            fmt_bytes(op.activation_bytes, units),
+            fmt_bytes(op.kv_read_bytes, units),
+            fmt_bytes(op.kv_write_bytes, units),
+            fmt_intensity(op.intensity),
+            op.bound(roof.peak_flops, roof.bandwidth),
+            fmt_time(t),
+            f"{100 * t / phase.time_s:.1f}",
         )
     c = phase.cost
     table.add_section()
     table.add_row(
-        "[bold]total[/bold]", "", "", "", fmt_si(c.flops), fmt_bytes(c.weight_bytes, units),
-        fmt_bytes(c.activation_bytes, units), fmt_bytes(c.kv_read_bytes, units),
-        fmt_bytes(c.kv_write_bytes, units), fmt_intensity(c.intensity), phase.bound,
-        f"[bold]{fmt_time(phase.time_s)}[/bold]", "100",
+        "[bold]total[/bold]",
+        "",
+        "",
+        "",
+        fmt_si(c.flops),
+        fmt_bytes(c.weight_bytes, units),
+        fmt_bytes(c.activation_bytes, units),
+        fmt_bytes(c.kv_read_bytes, units),
+        fmt_bytes(c.kv_write_bytes, units),
+        fmt_intensity(c.intensity),
+        phase.bound,
+        f"[bold]{fmt_time(phase.time_s)}[/bold]",
+        "100",
     )
     return table
 
@@ -189,8 +220,15 @@ def _batch_table(a: Analysis) -> Table:
     for h in headers:
         table.add_column(h, justify="right")
     for s in a.batches:
-        row = [str(s.batch), fmt_time(s.ttft_s), fmt_time(s.tpot_s), f"{s.tokens_per_s:,.0f}",
-               fmt_time(s.e2e_s), fmt_bytes(s.kv_bytes, units), "yes" if s.fits else "[red]no[/red]"]
+        row = [
+            str(s.batch),
+            fmt_time(s.ttft_s),
+            fmt_time(s.tpot_s),
+            f"{s.tokens_per_s:,.0f}",
+            fmt_time(s.e2e_s),
+            fmt_bytes(s.kv_bytes, units),
+            "yes" if s.fits else "[red]no[/red]",
+        ]
         if a.model.is_moe:
             row.append(f"{s.experts_touched_per_layer:.1f} / {a.model.moe.num_experts}")
         if a.spec_verify:
@@ -207,18 +245,37 @@ def _summary_table(a: Analysis) -> Table:
     table.add_column("value")
     rows = [
         ("parameters", f"{a.params_total:,}" + (f" total, {a.params_active:,.0f} active" if a.model.is_moe else "")),
-        ("weight bytes", fmt_bytes(a.weight_bytes, units) + (f" ({fmt_bytes(a.weight_bytes_per_gpu, units)} per GPU)" if tp > 1 else "")),
-        ("KV cache per token", f"{a.kv_bytes_per_token:,.0f} B" + (f" ({a.kv_bytes_per_token_per_gpu:,.0f} B per GPU)" if tp > 1 else "")),
-        ("KV cache per sequence", f"{fmt_bytes(a.kv_bytes_per_sequence, units)} at {a.workload.final_context} tokens"
-         + (" (per GPU)" if tp > 1 else "")),
-        ("time to first token", f"{fmt_time(a.prefill.time_s)} (1 prompt, {a.prefill.bound}-bound, "
-                                f"{a.prefill.tokens_per_s:,.0f} prompt tokens/s)"),
-        ("decode floor", f"{fmt_time(a.decode_floor_s)} per token = weight bytes read per step / bandwidth "
-                         f"-> ceiling {1 / a.decode_floor_s:,.1f} tokens/s per sequence"),
-        ("compute-bound decode", _batch_or_never(a.compute_bound_batch, "whole step",
-                                                 "KV reads grow with the batch")
-         + "; " + _batch_or_never(a.compute_bound_batch_linear, "linear layers", "weight reads dominate")
-         + f" (context {a.workload.mean_decode_context})"),
+        (
+            "weight bytes",
+            fmt_bytes(a.weight_bytes, units)
+            + (f" ({fmt_bytes(a.weight_bytes_per_gpu, units)} per GPU)" if tp > 1 else ""),
+        ),
+        (
+            "KV cache per token",
+            f"{a.kv_bytes_per_token:,.0f} B" + (f" ({a.kv_bytes_per_token_per_gpu:,.0f} B per GPU)" if tp > 1 else ""),
+        ),
+        (
+            "KV cache per sequence",
+            f"{fmt_bytes(a.kv_bytes_per_sequence, units)} at {a.workload.final_context} tokens"
+            + (" (per GPU)" if tp > 1 else ""),
+        ),
+        (
+            "time to first token",
+            f"{fmt_time(a.prefill.time_s)} (1 prompt, {a.prefill.bound}-bound, "
+            f"{a.prefill.tokens_per_s:,.0f} prompt tokens/s)",
+        ),
+        (
+            "decode floor",
+            f"{fmt_time(a.decode_floor_s)} per token = weight bytes read per step / bandwidth "
+            f"-> ceiling {1 / a.decode_floor_s:,.1f} tokens/s per sequence",
+        ),
+        (
+            "compute-bound decode",
+            _batch_or_never(a.compute_bound_batch, "whole step", "KV reads grow with the batch")
+            + "; "
+            + _batch_or_never(a.compute_bound_batch_linear, "linear layers", "weight reads dominate")
+            + f" (context {a.workload.mean_decode_context})",
+        ),
         ("memory fit", _memory_fit(a, units)),
     ]
     for name, value in rows:
@@ -232,8 +289,10 @@ def _memory_fit(a: Analysis, units: str) -> str:
         return f"largest batch {a.max_batch:,} (weights + KV at {a.workload.final_context} tokens in {memory})"
     if a.weight_bytes_per_gpu >= a.hardware.memory_bytes:
         return f"does not fit: the weights alone ({fmt_bytes(a.weight_bytes_per_gpu, units)}) exceed {memory}"
-    return (f"does not fit: weights ({fmt_bytes(a.weight_bytes_per_gpu, units)}) + one sequence's KV at "
-            f"{a.workload.final_context} tokens ({fmt_bytes(a.kv_bytes_per_sequence, units)}) exceed {memory}")
+    return (
+        f"does not fit: weights ({fmt_bytes(a.weight_bytes_per_gpu, units)}) + one sequence's KV at "
+        f"{a.workload.final_context} tokens ({fmt_bytes(a.kv_bytes_per_sequence, units)}) exceed {memory}"
+    )
 
 
 def _batch_or_never(batch: int | None, what: str, why: str) -> str:
@@ -243,10 +302,13 @@ def _batch_or_never(batch: int | None, what: str, why: str) -> str:
 
 
 def render_matmul_text(result: dict[str, Any], console: Console, units: str) -> None:
-    console.print(f"[bold]matmul[/bold] ({result['m']}, {result['k']}) x ({result['k']}, {result['n']}) "
-                  f"in {result['dtype']}")
-    console.print("conventions: FLOPs = 2*M*K*N; minimum bytes = every input and output element once "
-                  f"at {result['dtype_bytes']:g} bytes; intensity = FLOPs / bytes")
+    console.print(
+        f"[bold]matmul[/bold] ({result['m']}, {result['k']}) x ({result['k']}, {result['n']}) in {result['dtype']}"
+    )
+    console.print(
+        "conventions: FLOPs = 2*M*K*N; minimum bytes = every input and output element once "
+        f"at {result['dtype_bytes']:g} bytes; intensity = FLOPs / bytes"
+    )
     table = Table(box=box.SIMPLE_HEAD, show_header=False, pad_edge=False)
     table.add_column("quantity")
     table.add_column("value")
@@ -255,8 +317,11 @@ def render_matmul_text(result: dict[str, Any], console: Console, units: str) -> 
     table.add_row("intensity", f"{result['intensity']:.2f} FLOP/byte")
     hw = result.get("hardware")
     if hw:
-        table.add_row("hardware", f"{hw['name']}: {fmt_si(hw['peak_flops'], 'FLOP/s')} {result['dtype']}, "
-                                  f"{fmt_rate_bytes(hw['bandwidth_bytes_per_s'], units)}, ridge {hw['ridge_point']:.1f}")
+        table.add_row(
+            "hardware",
+            f"{hw['name']}: {fmt_si(hw['peak_flops'], 'FLOP/s')} {result['dtype']}, "
+            f"{fmt_rate_bytes(hw['bandwidth_bytes_per_s'], units)}, ridge {hw['ridge_point']:.1f}",
+        )
         table.add_row("bound", f"{result['bound']} ({fmt_time(result['time_s'])})")
         m = result["compute_bound_m"]
         table.add_row("compute-bound from", f"M = {m:,}" if m else "never at this K, N")
@@ -350,13 +415,18 @@ def analysis_to_json(a: Analysis) -> dict[str, Any]:
             "num_heads": m.num_heads,
             "num_kv_heads": m.num_kv_heads,
             "head_dim": m.head_dim,
-            "moe": None if not m.is_moe else {
+            "moe": None
+            if not m.is_moe
+            else {
                 "num_experts": m.moe.num_experts,
                 "experts_per_token": m.moe.experts_per_token,
                 "moe_layers": m.moe_layers,
             },
-            "mla": None if m.mla is None else {
-                "kv_lora_rank": m.mla.kv_lora_rank, "qk_rope_head_dim": m.mla.qk_rope_head_dim,
+            "mla": None
+            if m.mla is None
+            else {
+                "kv_lora_rank": m.mla.kv_lora_rank,
+                "qk_rope_head_dim": m.mla.qk_rope_head_dim,
             },
             "notes": list(m.notes),
         },

@@ -62,8 +62,7 @@ class MoEShape:
         )
         if self.experts_per_token > self.num_experts:
             raise ValueError(
-                f"MoEShape: experts_per_token ({self.experts_per_token}) exceeds "
-                f"num_experts ({self.num_experts})"
+                f"MoEShape: experts_per_token ({self.experts_per_token}) exceeds num_experts ({self.num_experts})"
             )
         if self.shared_intermediate_size < 0:
             raise ValueError("MoEShape: shared_intermediate_size must be >= 0")
@@ -161,8 +160,7 @@ class ModelShape:
         dense = self.dense_layers
         if not 0 <= dense <= self.num_layers:
             raise ValueError(
-                f"ModelShape {self.name!r}: num_dense_layers must be in [0, {self.num_layers}], "
-                f"got {dense}"
+                f"ModelShape {self.name!r}: num_dense_layers must be in [0, {self.num_layers}], got {dense}"
             )
         if dense > 0 and self.intermediate_size <= 0:
             raise ValueError(f"ModelShape {self.name!r}: dense layers need intermediate_size > 0")
@@ -324,13 +322,9 @@ def _name_from_config(config: dict[str, Any]) -> str:
     return str(archs[0]) if archs else str(config.get("model_type") or "model")
 
 
-def _read_moe(
-    config: dict[str, Any], model_type: str, layers: int, label: str
-) -> tuple[MoEShape | None, int]:
+def _read_moe(config: dict[str, Any], model_type: str, layers: int, label: str) -> tuple[MoEShape | None, int]:
     """The MoE block and the number of dense-MLP layers, from any of HF's spellings."""
-    experts = (
-        config.get("n_routed_experts") or config.get("num_local_experts") or config.get("num_experts")
-    )
+    experts = config.get("n_routed_experts") or config.get("num_local_experts") or config.get("num_experts")
     if not experts or int(experts) <= 1:
         return None, layers
     top_k = config.get("num_experts_per_tok")
@@ -377,9 +371,7 @@ def load_model_shape(spec: str) -> ModelShape:
         name = path.parent.name if path.name == "config.json" else path.stem
         return ModelShape.from_hf_config(config, name=name)
     known = ", ".join(sorted(PRESETS))
-    raise ValueError(
-        f"--model {spec!r} is neither a preset ({known}) nor a config.json / model directory"
-    )
+    raise ValueError(f"--model {spec!r} is neither a preset ({known}) nor a config.json / model directory")
 
 
 def ceil_div(numerator: int, denominator: int) -> int:

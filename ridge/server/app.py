@@ -61,8 +61,9 @@ class ServerState:
     serving: OpenAIServing
 
 
-def build_app(engine: LLMEngine, config: ServerConfig,
-              state_sources: tuple[StateSource, ...] = STATE_SOURCES) -> FastAPI:
+def build_app(
+    engine: LLMEngine, config: ServerConfig, state_sources: tuple[StateSource, ...] = STATE_SOURCES
+) -> FastAPI:
     """An OpenAI-compatible app serving ``engine``. ``state_sources``: see ``ridge.server.metrics``."""
     metrics = ServerMetrics(config.served_model_names[0], state_sources)
     async_engine = AsyncEngine(engine, observer=metrics)
@@ -144,8 +145,9 @@ def _reply(result) -> Response:
         return result
     if hasattr(result, "__aiter__"):
         # no-cache / no buffering: proxies must pass tokens through as they come
-        return StreamingResponse(result, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            result, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
     return JSONResponse(result.model_dump())
 
 
@@ -160,8 +162,14 @@ class _ErrorJSON(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
-def _error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                    type: str | None = None, headers: dict | None = None) -> JSONResponse:
+def _error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    type: str | None = None,
+    headers: dict | None = None,
+) -> JSONResponse:
     err = APIError(status, message, param=param, code=code, type=type)
     return _ErrorJSON(err.body(), status_code=status, headers=headers)
 
@@ -178,12 +186,19 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         if any(e.get("type") == "json_invalid" for e in errors):
             metrics.record_http_error(400)
             detail = next(e for e in errors if e.get("type") == "json_invalid")
-            return _error_response(400, f"Malformed JSON in the request body: {detail.get('ctx', {}).get('error', detail.get('msg'))}",
-                                   code="invalid_json")
+            return _error_response(
+                400,
+                f"Malformed JSON in the request body: {detail.get('ctx', {}).get('error', detail.get('msg'))}",
+                code="invalid_json",
+            )
         metrics.record_http_error(422)
         first = errors[0] if errors else {}
-        return _error_response(422, "; ".join(_describe(e) for e in errors[:5]) or "invalid request",
-                               param=_loc(first) or None, code=first.get("type"))
+        return _error_response(
+            422,
+            "; ".join(_describe(e) for e in errors[:5]) or "invalid request",
+            param=_loc(first) or None,
+            code=first.get("type"),
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -297,6 +312,7 @@ class _BodyLimit:
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.on_error(413)
-        response = _error_response(413, f"The request body is larger than {self.limit} bytes.",
-                                   code="request_too_large")
+        response = _error_response(
+            413, f"The request body is larger than {self.limit} bytes.", code="request_too_large"
+        )
         await response(scope, receive, send)

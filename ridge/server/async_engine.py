@@ -68,7 +68,7 @@ _ACCEPTED = object()  # the engine loop's "all requests of the group are queued"
 class OutputStream:
     """The outputs of one group of engine requests, as ``(index, RequestOutput)``."""
 
-    def __init__(self, owner: "AsyncEngine", request_ids: list[str], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, owner: AsyncEngine, request_ids: list[str], loop: asyncio.AbstractEventLoop) -> None:
         self._owner = owner
         self.request_ids = request_ids
         self.loop = loop
@@ -151,8 +151,9 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        return (self._thread is not None and self._thread.is_alive() and self._dead is None
-                and not self._stopping.is_set())
+        return (
+            self._thread is not None and self._thread.is_alive() and self._dead is None and not self._stopping.is_set()
+        )
 
     @property
     def error(self) -> BaseException | None:

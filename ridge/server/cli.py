@@ -20,20 +20,31 @@ DEFAULT_PORT = 8000
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                              description="An OpenAI-compatible server: /v1/completions, /v1/chat/completions, "
-                                          "/v1/models, /health, /metrics (Prometheus).")
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="An OpenAI-compatible server: /v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics (Prometheus).",
+    )
     add_engine_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
     g.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free port)")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $RIDGE_API_KEY, else none)")
-    g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) clients use (default: the --model value)")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $RIDGE_API_KEY, else none)",
+    )
+    g.add_argument(
+        "--served-model-name", nargs="+", default=None, help="model name(s) clients use (default: the --model value)"
+    )
     g.add_argument("--max-request-bytes", type=int, default=8 * 2**20, help="larger request bodies get a 413")
-    g.add_argument("--graceful-shutdown-timeout", type=int, default=10,
-                   help="seconds in-flight responses get to finish on shutdown")
+    g.add_argument(
+        "--graceful-shutdown-timeout",
+        type=int,
+        default=10,
+        help="seconds in-flight responses get to finish on shutdown",
+    )
     g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     g.add_argument("--disable-access-log", action="store_true")
     p.set_defaults(func=run_serve)
@@ -74,17 +85,26 @@ def run_serve(args: argparse.Namespace) -> int:
     sock = bind_socket(args.host, args.port)
     try:
         engine = LLMEngine(engine_config)
-        engine.telemetry.hardware  # the roofline for /metrics: probed (or read from cache) now, not at a scrape
+        _ = engine.telemetry.ceiling  # the roofline for /metrics: probed (or read from cache) now, not at a scrape
         app = build_app(engine, config)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
-        print(f"ridge serve: {config.served_model_names[0]} on http://{shown}:{port} "
-              f"({engine.dtype}, {engine.device}, {engine.num_kv_blocks} KV blocks, {engine_config.scheduler} batching, "
-              f"max_model_len {engine.max_model_len}){' (API key required)' if api_key else ''}",
-              file=sys.stderr, flush=True)
-        server = uvicorn.Server(uvicorn.Config(
-            app, log_level=args.log_level, access_log=not args.disable_access_log,
-            timeout_graceful_shutdown=args.graceful_shutdown_timeout, timeout_keep_alive=30))
+        print(
+            f"ridge serve: {config.served_model_names[0]} on http://{shown}:{port} "
+            f"({engine.dtype}, {engine.device}, {engine.num_kv_blocks} KV blocks, {engine_config.scheduler} batching, "
+            f"max_model_len {engine.max_model_len}){' (API key required)' if api_key else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                log_level=args.log_level,
+                access_log=not args.disable_access_log,
+                timeout_graceful_shutdown=args.graceful_shutdown_timeout,
+                timeout_keep_alive=30,
+            )
+        )
         server.run(sockets=[sock])
     finally:
         sock.close()

@@ -31,12 +31,71 @@ from ridge.engine.engine import LLMEngine
 from ridge.engine.outputs import RequestOutput
 from ridge.server.async_engine import EngineObserver
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
-               0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
-REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 240.0,
-                   480.0, 960.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+)
+REQUEST_BUCKETS = (
+    0.01,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -64,22 +123,51 @@ def engine_state_samples(engine: LLMEngine) -> list[Sample]:
         Sample("ridge_num_requests_running", "Sequences in the running batch.", len(sched.running)),
         Sample("ridge_num_requests_waiting", "Sequences waiting to be admitted.", len(sched.waiting)),
         Sample("ridge_kv_cache_usage_ratio", "Fraction of KV blocks held by requests (0..1).", kv.usage),
-        Sample("ridge_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up.",
-               kv.prefix_hit_rate),
-        Sample("ridge_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.prefix_queries,
-               kind="counter"),
+        Sample(
+            "ridge_prefix_cache_hit_rate",
+            "Prompt tokens served from the prefix cache / prompt tokens looked up.",
+            kv.prefix_hit_rate,
+        ),
+        Sample(
+            "ridge_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            kv.prefix_queries,
+            kind="counter",
+        ),
         Sample("ridge_prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_hits, kind="counter"),
-        Sample("ridge_num_preemptions", "Sequences preempted (to be recomputed) for lack of KV blocks.",
-               sched.num_preemptions, kind="counter"),
+        Sample(
+            "ridge_num_preemptions",
+            "Sequences preempted (to be recomputed) for lack of KV blocks.",
+            sched.num_preemptions,
+            kind="counter",
+        ),
     ]
     for state in ("free", "used", "cached"):
-        samples.append(Sample("ridge_kv_cache_blocks", "KV blocks by state (cached: free but holding a prefix).",
-                              counts[state], labels={"state": state}))
+        samples.append(
+            Sample(
+                "ridge_kv_cache_blocks",
+                "KV blocks by state (cached: free but holding a prefix).",
+                counts[state],
+                labels={"state": state},
+            )
+        )
     cfg = engine.config
-    samples.append(Sample("ridge_engine_info", "Engine configuration (value 1).", 1.0, labels={
-        "scheduler": cfg.scheduler, "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
-        "block_size": str(cfg.block_size), "num_kv_blocks": str(engine.num_kv_blocks),
-        "max_num_seqs": str(cfg.max_num_seqs), "max_model_len": str(engine.max_model_len)}))
+    samples.append(
+        Sample(
+            "ridge_engine_info",
+            "Engine configuration (value 1).",
+            1.0,
+            labels={
+                "scheduler": cfg.scheduler,
+                "dtype": str(engine.dtype).removeprefix("torch."),
+                "device": str(engine.device),
+                "block_size": str(cfg.block_size),
+                "num_kv_blocks": str(engine.num_kv_blocks),
+                "max_num_seqs": str(cfg.max_num_seqs),
+                "max_model_len": str(engine.max_model_len),
+            },
+        )
+    )
     return samples
 
 
@@ -94,18 +182,29 @@ def telemetry_samples(engine: LLMEngine) -> list[Sample]:
     for phase, stats in telemetry.phases().items():
         labels = {"phase": phase}
         samples += [
-            Sample("ridge_step_achieved_bandwidth_bytes_per_second",
-                   "Bytes the analyzer says the phase's steps move, per second of their wall time.",
-                   stats.achieved_bytes_per_s, labels),
-            Sample("ridge_step_achieved_flops_per_second",
-                   "FLOPs the analyzer says the phase's steps do, per second of their wall time.",
-                   stats.achieved_flops_per_s, labels),
+            Sample(
+                "ridge_step_achieved_bandwidth_bytes_per_second",
+                "Bytes the analyzer says the phase's steps move, per second of their wall time.",
+                stats.achieved_bytes_per_s,
+                labels,
+            ),
+            Sample(
+                "ridge_step_achieved_flops_per_second",
+                "FLOPs the analyzer says the phase's steps do, per second of their wall time.",
+                stats.achieved_flops_per_s,
+                labels,
+            ),
             Sample("ridge_steps", "Engine steps by phase.", stats.steps, labels, kind="counter"),
         ]
         if telemetry.hardware_resolved:
-            samples.append(Sample("ridge_step_roofline_fraction",
-                                  "Roofline time / wall time of the phase's steps (1 = at the hardware limit).",
-                                  stats.roofline_fraction, labels))
+            samples.append(
+                Sample(
+                    "ridge_step_roofline_fraction",
+                    "Roofline time / wall time of the phase's steps (1 = at the hardware limit).",
+                    stats.roofline_fraction,
+                    labels,
+                )
+            )
     return samples
 
 
@@ -157,27 +256,63 @@ class ServerMetrics(EngineObserver):
         labels = ["model_name"]
         r = self.registry
         self.request_success = Counter(
-            "ridge_request_success", "Finished completions (sequences) by finish reason.",
-            labels + ["finished_reason"], registry=r)
+            "ridge_request_success",
+            "Finished completions (sequences) by finish reason.",
+            labels + ["finished_reason"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("ridge_prompt_tokens", "Prompt tokens prefilled.", labels, registry=r)
         self.generation_tokens = Counter("ridge_generation_tokens", "Tokens generated.", labels, registry=r)
-        self.ttft = Histogram("ridge_time_to_first_token_seconds", "Arrival to first generated token.",
-                              labels, buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("ridge_inter_token_latency_seconds", "Time between successive tokens of a request.",
-                             labels, buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("ridge_e2e_request_latency_seconds", "Arrival to finish of a request.",
-                             labels, buckets=REQUEST_BUCKETS, registry=r)
-        self.queue_time = Histogram("ridge_request_queue_time_seconds", "Arrival to first scheduled.",
-                                    labels, buckets=REQUEST_BUCKETS, registry=r)
-        self.step_time = Histogram("ridge_engine_step_seconds", "Wall time of one engine step (count: steps).",
-                                   labels, buckets=STEP_BUCKETS, registry=r)
-        self.http_errors = Counter("ridge_http_errors", "Error replies by HTTP status.", labels + ["status"],
-                                   registry=r)
+        self.ttft = Histogram(
+            "ridge_time_to_first_token_seconds",
+            "Arrival to first generated token.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "ridge_inter_token_latency_seconds",
+            "Time between successive tokens of a request.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "ridge_e2e_request_latency_seconds",
+            "Arrival to finish of a request.",
+            labels,
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "ridge_request_queue_time_seconds",
+            "Arrival to first scheduled.",
+            labels,
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.step_time = Histogram(
+            "ridge_engine_step_seconds",
+            "Wall time of one engine step (count: steps).",
+            labels,
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.http_errors = Counter(
+            "ridge_http_errors", "Error replies by HTTP status.", labels + ["status"], registry=r
+        )
         # Every series present from the start (at 0), so rates and deltas work from the first scrape.
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
-        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time,
-                       self.step_time):
+        for metric in (
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue_time,
+            self.step_time,
+        ):
             metric.labels(model_name)
         self._live: dict[str, _Live] = {}  # engine thread only
 

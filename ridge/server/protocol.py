@@ -58,8 +58,9 @@ ERROR_TYPES = {
 class APIError(Exception):
     """An error a handler raises on purpose; the app answers ``status`` with its error object."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None, type: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -68,8 +69,9 @@ class APIError(Exception):
         self.type = type or ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
-                                             code=self.code)).model_dump()
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        ).model_dump()
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -139,8 +141,16 @@ class SamplingRequest(_Strict):
         """
         given = {
             name: getattr(self, name)
-            for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                         "repetition_penalty", "seed")
+            for name in (
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "presence_penalty",
+                "frequency_penalty",
+                "repetition_penalty",
+                "seed",
+            )
             if getattr(self, name) is not None
         }
         return SamplingParams(
@@ -251,9 +261,12 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
 
 
 class CompletionLogprobs(BaseModel):

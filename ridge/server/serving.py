@@ -57,10 +57,10 @@ from ridge.server.protocol import (
     DeltaMessage,
     ErrorInfo,
     ErrorResponse,
+    SamplingRequest,
     TokenLogprob,
     TopLogprob,
     UsageInfo,
-    SamplingRequest,
     bad_request,
 )
 
@@ -128,9 +128,13 @@ class OpenAIServing:
     # -- checks shared by both endpoints --------------------------------------------------
     def _check_request(self, body: SamplingRequest) -> None:
         if body.model is not None and body.model not in self.config.served_model_names:
-            raise APIError(404, f"The model {body.model!r} does not exist; this server serves "
-                           f"{', '.join(map(repr, self.config.served_model_names))}.",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model {body.model!r} does not exist; this server serves "
+                f"{', '.join(map(repr, self.config.served_model_names))}.",
+                param="model",
+                code="model_not_found",
+            )
         problem = body.unsupported()
         if problem is not None:
             raise bad_request(problem[1], param=problem[0])
@@ -141,20 +145,25 @@ class OpenAIServing:
         except ValueError as exc:
             raise bad_request(str(exc), param=_param_of(str(exc), body, {"logprobs": _logprobs_field(body)})) from None
 
-    def _check_length(self, prompt_len: int, max_tokens: int | None, prompt_param: str,
-                      max_param: str = "max_tokens") -> None:
+    def _check_length(
+        self, prompt_len: int, max_tokens: int | None, prompt_param: str, max_param: str = "max_tokens"
+    ) -> None:
         limit = self.max_model_len
         if prompt_len >= limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens, but the prompt has {prompt_len} tokens "
                 "(and at least one token must be generated). Please shorten the prompt.",
-                param=prompt_param, code="context_length_exceeded")
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
         if max_tokens is not None and prompt_len + max_tokens > limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
                 f"Please reduce the prompt or {max_param}.",
-                param=max_param, code="context_length_exceeded")
+                param=max_param,
+                code="context_length_exceeded",
+            )
 
     def _bound_prompt(self, num_chars: int, param: str) -> None:
         try:
@@ -162,8 +171,9 @@ class OpenAIServing:
         except ValueError as exc:
             raise bad_request(str(exc), param=param, code="context_length_exceeded") from None
 
-    async def _add(self, request_id: str, prompts: list[_Prompt], params: SamplingParams,
-                   arrival: float, prompt_param: str) -> OutputStream:
+    async def _add(
+        self, request_id: str, prompts: list[_Prompt], params: SamplingParams, arrival: float, prompt_param: str
+    ) -> OutputStream:
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         try:
             return await self.engine.add_group(ids, [p.token_ids for p in prompts], params, arrival)
@@ -182,8 +192,9 @@ class OpenAIServing:
             self._check_length(len(p.token_ids), body.max_tokens, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await self._add(request_id, prompts, params, arrival, "prompt")
-        ctx = _CompletionContext(request_id, int(time.time()), self.model_name, prompts, params, body.echo,
-                                 self.tokenizer)
+        ctx = _CompletionContext(
+            request_id, int(time.time()), self.model_name, prompts, params, body.echo, self.tokenizer
+        )
         if body.stream:
             return self._completion_events(ctx, stream, body.include_usage)
         finals = await _collect(stream, raw, len(prompts))
@@ -192,8 +203,9 @@ class OpenAIServing:
             echo = ctx.prompt_text(i) if body.echo else ""
             for c in out.outputs:
                 choices.append(ctx.choice(i, c, echo + c.text, 0, len(c.token_ids)))
-        return CompletionResponse(id=request_id, created=ctx.created, model=ctx.model, choices=choices,
-                                  usage=_usage(finals))
+        return CompletionResponse(
+            id=request_id, created=ctx.created, model=ctx.model, choices=choices, usage=_usage(finals)
+        )
 
     async def _completion_prompts(self, prompt: Any) -> list[_Prompt]:
         if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
@@ -220,8 +232,9 @@ class OpenAIServing:
                 out.append(_Prompt(None, list(item)))
         return out
 
-    async def _completion_events(self, ctx: "_CompletionContext", stream: OutputStream,
-                                 include_usage: bool) -> AsyncIterator[str]:
+    async def _completion_events(
+        self, ctx: _CompletionContext, stream: OutputStream, include_usage: bool
+    ) -> AsyncIterator[str]:
         finals: list[RequestOutput | None] = [None] * len(ctx.prompts)
         echoed: set[int] = set()
         try:
@@ -237,13 +250,17 @@ class OpenAIServing:
                     if not text and c.finish_reason is None and start == end:
                         continue  # no new token (a prefill chunk): nothing to say
                     choice = ctx.choice(i, c, text, start, end)
-                    yield sse(CompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model,
-                                                 choices=[choice]))
+                    yield sse(
+                        CompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[choice])
+                    )
                 if out.finished:
                     finals[i] = out
             if include_usage:
-                yield sse(CompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[],
-                                             usage=_usage(finals)))
+                yield sse(
+                    CompletionResponse(
+                        id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[], usage=_usage(finals)
+                    )
+                )
         except (EngineDeadError, RuntimeError) as exc:
             yield sse(ErrorResponse(error=ErrorInfo(message=str(exc), type="server_error")))
         finally:
@@ -251,8 +268,9 @@ class OpenAIServing:
         yield DONE
 
     # -- /v1/chat/completions -------------------------------------------------------------
-    async def create_chat_completion(self, body: ChatCompletionRequest,
-                                     raw: Request) -> ChatCompletionResponse | AsyncIterator[str]:
+    async def create_chat_completion(
+        self, body: ChatCompletionRequest, raw: Request
+    ) -> ChatCompletionResponse | AsyncIterator[str]:
         arrival = time.monotonic()
         self._check_request(body)
         max_tokens = body.max_output_tokens
@@ -261,11 +279,16 @@ class OpenAIServing:
         self._bound_prompt(sum(len(m["content"]) for m in messages), "messages")
         try:
             token_ids = await self._tokenizers.run(
-                lambda tok: tok.encode_chat(messages, add_generation_prompt=body.add_generation_prompt))
+                lambda tok: tok.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
+            )
         except ValueError as exc:
             raise bad_request(str(exc), param="messages") from None
-        self._check_length(len(token_ids), max_tokens, "messages",
-                           "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
+        self._check_length(
+            len(token_ids),
+            max_tokens,
+            "messages",
+            "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
+        )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self._add(request_id, [_Prompt(None, token_ids)], params, arrival, "messages")
         created = int(time.time())
@@ -274,19 +297,26 @@ class OpenAIServing:
             return self._chat_events(request_id, created, stream, params, top, body.include_usage)
         (final,) = await _collect(stream, raw, 1)
         choices = [
-            ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                       logprobs=_chat_logprobs(c, 0, len(c.token_ids), top) if params.logprobs is not None else None,
-                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            ChatChoice(
+                index=c.index,
+                message=AssistantMessage(content=c.text),
+                logprobs=_chat_logprobs(c, 0, len(c.token_ids), top) if params.logprobs is not None else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
             for c in final.outputs
         ]
-        return ChatCompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
-                                      usage=_usage([final]))
+        return ChatCompletionResponse(
+            id=request_id, created=created, model=self.model_name, choices=choices, usage=_usage([final])
+        )
 
-    async def _chat_events(self, request_id: str, created: int, stream: OutputStream, params: SamplingParams,
-                           top: int, include_usage: bool) -> AsyncIterator[str]:
+    async def _chat_events(
+        self, request_id: str, created: int, stream: OutputStream, params: SamplingParams, top: int, include_usage: bool
+    ) -> AsyncIterator[str]:
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
-            return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices,
-                                           usage=usage))
+            return sse(
+                ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices, usage=usage)
+            )
 
         final: RequestOutput | None = None
         try:
@@ -299,9 +329,17 @@ class OpenAIServing:
                     if not c.delta_text and c.finish_reason is None and start == end:
                         continue
                     logprobs = _chat_logprobs(c, start, end, top) if params.logprobs is not None else None
-                    yield chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.delta_text or None),
-                                                  logprobs=logprobs, finish_reason=c.finish_reason,
-                                                  stop_reason=c.stop_reason)])
+                    yield chunk(
+                        [
+                            ChatStreamChoice(
+                                index=c.index,
+                                delta=DeltaMessage(content=c.delta_text or None),
+                                logprobs=logprobs,
+                                finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason,
+                            )
+                        ]
+                    )
                 if out.finished:
                     final = out
             if include_usage:
@@ -359,8 +397,13 @@ class _CompletionContext:
         logprobs = None
         if self.params.logprobs is not None:
             logprobs = _completion_logprobs(c, start, end)
-        return CompletionChoice(index=i * self.params.n + c.index, text=text, logprobs=logprobs,
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        return CompletionChoice(
+            index=i * self.params.n + c.index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
 
 
 def _entries(c: CompletionOutput, start: int, end: int) -> list[tuple[int, dict[int, Logprob]]]:
@@ -388,10 +431,21 @@ def _chat_logprobs(c: CompletionOutput, start: int, end: int, top: int) -> ChatL
     for token_id, entry in _entries(c, start, end):
         token = _token_text(entry, token_id)
         ranked = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)[:top]
-        content.append(TokenLogprob(
-            token=token, logprob=entry[token_id].logprob, bytes=list(token.encode("utf-8")),
-            top_logprobs=[TopLogprob(token=lp.decoded_token or "", logprob=lp.logprob,
-                                     bytes=list((lp.decoded_token or "").encode("utf-8"))) for lp in ranked]))
+        content.append(
+            TokenLogprob(
+                token=token,
+                logprob=entry[token_id].logprob,
+                bytes=list(token.encode("utf-8")),
+                top_logprobs=[
+                    TopLogprob(
+                        token=lp.decoded_token or "",
+                        logprob=lp.logprob,
+                        bytes=list((lp.decoded_token or "").encode("utf-8")),
+                    )
+                    for lp in ranked
+                ],
+            )
+        )
     return ChatLogprobs(content=content)
 
 
@@ -402,8 +456,9 @@ def _token_text(entry: dict[int, Logprob], token_id: int) -> str:
 def _usage(finals: Sequence[RequestOutput | None]) -> UsageInfo:
     """Prompt tokens once per prompt (whatever n), completion tokens over every choice."""
     done = [f for f in finals if f is not None]
-    return UsageInfo.of(sum(len(f.prompt_token_ids) for f in done),
-                        sum(len(c.token_ids) for f in done for c in f.outputs))
+    return UsageInfo.of(
+        sum(len(f.prompt_token_ids) for f in done), sum(len(c.token_ids) for f in done for c in f.outputs)
+    )
 
 
 def _logprobs_field(body: SamplingRequest) -> str:

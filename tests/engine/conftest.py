@@ -145,5 +145,3 @@ def stream(detok, ids, chunk_sizes, take_points, finish=True):
     if finish:
         deltas.append(detok.take_delta(finished=True))
     return deltas, stop
-
-

@@ -19,14 +19,18 @@ def model_dir(tmp_path_factory):
 
 def test_batched_with_preemption_equals_alone(model_dir):
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 300, (int(n),), generator=gen).tolist()
-               for n in torch.randint(1, 41, (32,), generator=gen)]
-    params = [SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=True)
-              for m in torch.randint(4, 25, (32,), generator=gen)]
+    prompts = [
+        torch.randint(3, 300, (int(n),), generator=gen).tolist() for n in torch.randint(1, 41, (32,), generator=gen)
+    ]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=True)
+        for m in torch.randint(4, 25, (32,), generator=gen)
+    ]
 
     # 40 blocks of 4 tokens cannot hold 32 requests of up to 64 tokens: preemption is forced.
-    crowded = LLM(str(model_dir), tokenizer="bytes", dtype="float32", block_size=4, num_kv_blocks=40,
-                  max_num_batched_tokens=48)
+    crowded = LLM(
+        str(model_dir), tokenizer="bytes", dtype="float32", block_size=4, num_kv_blocks=40, max_num_batched_tokens=48
+    )
     together = crowded.generate(prompts, params, use_tqdm=False)
     assert crowded.engine.scheduler.num_preemptions > 0
     crowded.engine.kv.check_integrity()

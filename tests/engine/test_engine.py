@@ -52,10 +52,13 @@ def engine_state(engine) -> dict:
     engine.kv.check_integrity()
     sched = engine.scheduler
     return {
-        "requests": {rid: [s.request.request_id for s in st.sequences]
-                     for rid, st in engine.output_processor.requests.items()},
-        "scheduled": sorted(sched.requests), "waiting": [r.request_id for r in sched.waiting],
-        "running": [r.request_id for r in sched.running], "pool": engine.kv.pool.counts(),
+        "requests": {
+            rid: [s.request.request_id for s in st.sequences] for rid, st in engine.output_processor.requests.items()
+        },
+        "scheduled": sorted(sched.requests),
+        "waiting": [r.request_id for r in sched.waiting],
+        "running": [r.request_id for r in sched.running],
+        "pool": engine.kv.pool.counts(),
     }
 
 
@@ -158,8 +161,9 @@ def test_text_decoded_at_finish_equals_the_streamed_text(llm, include_stop):
     engine = llm.engine
     first = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
     stop_id = first.outputs[0].token_ids[5]  # ends the request on a token: hidden unless include_stop
-    params = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop_id],
-                            include_stop_str_in_output=include_stop)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=40, stop_token_ids=[stop_id], include_stop_str_in_output=include_stop
+    )
     long_params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     results = []
     for params_ in (params, long_params):
@@ -179,12 +183,16 @@ def test_text_decoded_at_finish_equals_the_streamed_text(llm, include_stop):
 def test_stop_string_is_not_returned(llm):
     base = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=30), use_tqdm=False)[0]
     assert "Lily" in base.outputs[0].text
-    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=30, stop=["Lily"]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        ["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=30, stop=["Lily"]), use_tqdm=False
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == "Lily"
     assert out.text == base.outputs[0].text.split("Lily")[0]
-    kept = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=30, stop=["Lily"],
-                        include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    kept = llm.generate(
+        ["Once upon a time"],
+        SamplingParams(temperature=0.0, max_tokens=30, stop=["Lily"], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert kept.text == out.text + "Lily"
 
 
@@ -194,15 +202,17 @@ def test_eos_and_stop_token_ids_end_the_request(llm):
     if comp.finish_reason == "stop":  # the story ended with eos
         assert comp.token_ids[-1] in llm.engine.eos_token_ids
     first = comp.token_ids[3]
-    out2 = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=50, stop_token_ids=[first]),
-                        use_tqdm=False)[0].outputs[0]
+    out2 = llm.generate(
+        ["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=50, stop_token_ids=[first]), use_tqdm=False
+    )[0].outputs[0]
     assert out2.token_ids[-1] == first and out2.stop_reason == first and out2.finish_reason == "stop"
     assert len(out2.token_ids) == comp.token_ids.index(first) + 1
 
 
 def test_n_completions_and_logprobs(llm):
-    out = llm.generate(["Once upon a time"], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, logprobs=2),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        ["Once upon a time"], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, logprobs=2), use_tqdm=False
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     for comp in out.outputs:
@@ -210,15 +220,21 @@ def test_n_completions_and_logprobs(llm):
         for token, entry in zip(comp.token_ids, comp.logprobs):
             assert token in entry and len(entry) >= 2
             assert all(lp.logprob <= 0 for lp in entry.values())
-        assert comp.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs)))
+        assert comp.cumulative_logprob == pytest.approx(
+            sum(e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs))
+        )
 
 
 def test_seeded_sampling_is_independent_of_the_batch(llm):
     sp = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=20)
     alone = llm.generate(["The little dog"], sp, use_tqdm=False)[0].outputs[0].token_ids
     crowd = ["Once upon a time", "The little dog", "A bird", "Tom and Sue"]
-    params = [SamplingParams(temperature=1.0, max_tokens=15), sp,
-              SamplingParams(temperature=0.7, seed=5, max_tokens=25), SamplingParams(temperature=0.0, max_tokens=9)]
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=15),
+        sp,
+        SamplingParams(temperature=0.7, seed=5, max_tokens=25),
+        SamplingParams(temperature=0.0, max_tokens=9),
+    ]
     together = llm.generate(crowd, params, use_tqdm=False)
     assert together[1].outputs[0].token_ids == alone
 
@@ -235,8 +251,9 @@ def test_abort_frees_the_blocks(llm):
 
 
 def test_chat_uses_the_template(llm):
-    out = llm.chat([{"role": "user", "content": "Tell me a story"}], SamplingParams(temperature=0.0, max_tokens=5),
-                   use_tqdm=False)[0]
+    out = llm.chat(
+        [{"role": "user", "content": "Tell me a story"}], SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False
+    )[0]
     assert len(out.outputs[0].token_ids) == 5
     rendered = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "Tell me a story"}])
     assert "Tell me a story" in rendered
@@ -252,8 +269,15 @@ def test_slots_nobody_wrote_never_change_a_result(stories_dir, kernels, dtype):
     prompts = ["Once upon a time", "The dog ran to the big red", "A"]
     results = []
     for fill in (0.0, float("nan")):
-        llm = LLM(str(stories_dir), dtype=dtype, kernels=kernels, num_kv_blocks=64, block_size=16, device="cpu",
-                  max_num_batched_tokens=8)  # chunked prefill: chunks read the cached prefix
+        llm = LLM(
+            str(stories_dir),
+            dtype=dtype,
+            kernels=kernels,
+            num_kv_blocks=64,
+            block_size=16,
+            device="cpu",
+            max_num_batched_tokens=8,
+        )  # chunked prefill: chunks read the cached prefix
         for k, v in llm.engine.kv_caches:
             k.fill_(fill)
             v.fill_(fill)

@@ -18,17 +18,29 @@ def generate(tok, prompt_ids: list[int], output_ids: list[int], **params):
     """Feed ``output_ids`` one step at a time, as ``Scheduler.update`` does; returns the
     final output and the request (for its finish status)."""
     sp = SamplingParams(max_tokens=max(len(output_ids), 1), logprobs=2, **params)
-    req = Request("r", list(prompt_ids), sp, max_tokens=sp.max_tokens, arrival_time=0.0,
-                  eos_token_ids=frozenset(tok.eos_token_ids))
+    req = Request(
+        "r",
+        list(prompt_ids),
+        sp,
+        max_tokens=sp.max_tokens,
+        arrival_time=0.0,
+        eos_token_ids=frozenset(tok.eos_token_ids),
+    )
 
     def stop(request, _stop_string):
         request.status = RequestStatus.FINISHED_STOPPED
 
     proc = OutputProcessor(tok, stop=stop)
-    detok = IncrementalDetokenizer(tok, req.prompt_token_ids, skip_special_tokens=sp.skip_special_tokens,
-                                   stop=sp.stop, include_stop_str_in_output=sp.include_stop_str_in_output)
-    proc.add(RequestState("r", None, list(prompt_ids), 0.0, stream=True,
-                          sequences=[SequenceState("r", req, detok, [])]))
+    detok = IncrementalDetokenizer(
+        tok,
+        req.prompt_token_ids,
+        skip_special_tokens=sp.skip_special_tokens,
+        stop=sp.stop,
+        include_stop_str_in_output=sp.include_stop_str_in_output,
+    )
+    proc.add(
+        RequestState("r", None, list(prompt_ids), 0.0, stream=True, sequences=[SequenceState("r", req, detok, [])])
+    )
     final = None
     for token in output_ids:
         req.append_output_token(token)
@@ -45,7 +57,7 @@ def continuation(tok, prompt: str, more: str) -> tuple[list[int], list[int]]:
     """(prompt ids, the ids that continue them into ``prompt + more``)."""
     prompt_ids, full = tok.encode(prompt), tok.encode(prompt + more)
     assert full[: len(prompt_ids)] == prompt_ids
-    return prompt_ids, full[len(prompt_ids):]
+    return prompt_ids, full[len(prompt_ids) :]
 
 
 def sampled_texts(comp) -> list[str]:

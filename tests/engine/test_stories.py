@@ -18,7 +18,7 @@ def test_greedy_story_matches_transformers(stories_dir):
     ids = tok("Once upon a time", return_tensors="pt").input_ids
     assert out.prompt_token_ids == ids[0].tolist()
     with torch.no_grad():
-        ref = hf.generate(ids, max_new_tokens=40, do_sample=False)[0, ids.shape[1]:].tolist()
+        ref = hf.generate(ids, max_new_tokens=40, do_sample=False)[0, ids.shape[1] :].tolist()
     ref = ref[: len(out.outputs[0].token_ids)]  # transformers may run past eos; ridge stops there
     assert out.outputs[0].token_ids == ref
     assert ("Once upon a time" + out.outputs[0].text).startswith(EXPECTED_START)

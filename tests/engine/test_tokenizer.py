@@ -5,21 +5,24 @@ nothing partial is streamed, stop strings split across tokens)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from ridge.engine.tokenizer import (
+    Attach,
+    ByteTokenizer,
+    IncrementalDetokenizer,
+    load_tokenizer,
+)
 from tests.engine.conftest import (
     ALL,
     CHATML,
-    GPT2,
     GPT2_VECTORS,
     MULTIBYTE,
-    PIECES,
     PROPERTY,
     STORIES,
     id_lists,
@@ -27,12 +30,6 @@ from tests.engine.conftest import (
     need,
     stream,
     texts,
-)
-from ridge.engine.tokenizer import (
-    Attach,
-    ByteTokenizer,
-    IncrementalDetokenizer,
-    load_tokenizer,
 )
 
 # -- Tokenizer: stories260K (SentencePiece BPE with byte fallback) --------------------
@@ -61,7 +58,7 @@ def test_tokenizer_model_alone_matches_tokenizer_json(stories, tmp_path):
     shutil.copy(STORIES / "tokenizer.model", tmp_path)
     shutil.copy(STORIES / "tokenizer_config.json", tmp_path)
     sp = load_tokenizer(tmp_path)
-    for text in ["Once upon a time", "  two  spaces", MULTIBYTE, "Lily said: \"hi!\"\n"]:
+    for text in ["Once upon a time", "  two  spaces", MULTIBYTE, 'Lily said: "hi!"\n']:
         assert sp.encode(text) == stories.encode(text), text
         assert sp.decode(sp.encode(text)) == stories.decode(stories.encode(text))
     assert (sp.vocab_size, sp.bos_token_id, sp.eos_token_ids) == (512, 1, frozenset({2}))

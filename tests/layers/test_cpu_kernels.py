@@ -75,6 +75,7 @@ def test_select_kernels_choices():
 
 # -- the fused decode ops against the torch reference path, in bf16 --------------------------
 
+
 @pytest.fixture(scope="module")
 def pair(kernel):
     return TorchKernels(), CpuKernels(kernel)
@@ -133,14 +134,20 @@ def test_portable_decode_attention_any_head_size(pair, lens, dtype, dim):
     width = max(-(-n // block_size) for n in lens)
     tables = torch.randperm(40, generator=gen)[: len(lens) * width].view(len(lens), width)
     context = torch.tensor(lens)
-    meta = AttentionMetadata(slot_mapping=torch.zeros(len(lens), dtype=torch.long), num_decode_tokens=len(lens),
-                             decode_block_tables=tables, decode_context_lens=context,
-                             decode_mask=decode_valid_mask(context, width * block_size))
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(len(lens), dtype=torch.long),
+        num_decode_tokens=len(lens),
+        decode_block_tables=tables,
+        decode_context_lens=context,
+        decode_mask=decode_valid_mask(context, width * block_size),
+    )
     q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
     got = fast.decode_attention(q, k_cache, v_cache, meta)
     want = ref.decode_attention(q, k_cache, v_cache, meta)
     tol = 1e-5 if dtype is torch.float32 else 0.02
-    assert got.dtype == dtype and (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
+    assert (
+        got.dtype == dtype and (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
+    )
 
 
 @pytest.mark.parametrize("lens", [[1], [5, 40, 17], [64, 3]])
@@ -154,9 +161,13 @@ def test_paged_decode_attention_reads_the_pool_like_the_gathered_path(pair, lens
     perm = torch.randperm(40, generator=torch.Generator().manual_seed(8))  # scattered blocks
     tables = perm[: len(lens) * width].view(len(lens), width)
     context = torch.tensor(lens)
-    meta = AttentionMetadata(slot_mapping=torch.zeros(len(lens), dtype=torch.long), num_decode_tokens=len(lens),
-                             decode_block_tables=tables, decode_context_lens=context,
-                             decode_mask=decode_valid_mask(context, width * block_size))
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(len(lens), dtype=torch.long),
+        num_decode_tokens=len(lens),
+        decode_block_tables=tables,
+        decode_context_lens=context,
+        decode_mask=decode_valid_mask(context, width * block_size),
+    )
     q = _bf16(len(lens), heads, dim, seed=9)
     got = fast.decode_attention(q, k_cache, v_cache, meta)
     want = ref.decode_attention(q, k_cache, v_cache, meta)
@@ -205,11 +216,17 @@ def test_decode_attention_never_reads_slots_past_a_context(pair, dim):
     for row, n in zip(tables, lens):
         slots = row.repeat_interleave(block_size) * block_size + torch.arange(block_size).repeat(width)
         written[slots[:n]] = True
+
+    def meta() -> AttentionMetadata:  # fresh per call: a kernel may cache state in it
+        return AttentionMetadata(
+            slot_mapping=torch.zeros(len(lens), dtype=torch.long),
+            num_decode_tokens=len(lens),
+            decode_block_tables=tables,
+            decode_context_lens=context,
+            decode_mask=decode_valid_mask(context, width * block_size),
+        )
+
     for kernels in pair:
-        meta = lambda: AttentionMetadata(slot_mapping=torch.zeros(len(lens), dtype=torch.long),  # noqa: E731
-                                         num_decode_tokens=len(lens), decode_block_tables=tables,
-                                         decode_context_lens=context,
-                                         decode_mask=decode_valid_mask(context, width * block_size))
         clean = kernels.decode_attention(q, k_cache, v_cache, meta())
         poisoned_k, poisoned_v = k_cache.clone(), v_cache.clone()
         for cache in (poisoned_k, poisoned_v):

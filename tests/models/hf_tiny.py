@@ -27,13 +27,22 @@ VARIANTS = {
         dict(
             tie_word_embeddings=True,
             num_key_value_heads=4,
-            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
         ),
     ),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None, head_dim=16)),
     "qwen2-bias": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
-    "qwen3-qknorm": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=16, tie_word_embeddings=False)),
+    "qwen3-qknorm": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        dict(head_dim=16, tie_word_embeddings=False),
+    ),
 }
 
 

@@ -90,6 +90,7 @@ def test_gguf_reads_back(tmp_path):
 
     def stored(name):  # raw bf16 bits as written
         return torch.from_numpy(tensors[name].data.copy()).view(torch.bfloat16).reshape(-1)
+
     k = state["model.layers.1.self_attn.k_proj.weight"]
     assert torch.equal(stored("blk.1.attn_k.weight"), permute_for_llama_cpp(k, cfg.num_kv_heads).reshape(-1))
     assert torch.equal(stored("blk.1.attn_v.weight"), state["model.layers.1.self_attn.v_proj.weight"].reshape(-1))

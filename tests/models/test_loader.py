@@ -59,13 +59,20 @@ def test_dtype_defaults_to_the_checkpoint(llama_dir, tmp_path):
 
 
 def test_unsupported_architecture_names_the_supported_ones():
-    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+    with pytest.raises(
+        ValueError, match="unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM.*Qwen3ForCausalLM"
+    ):
         ModelConfig.from_hf_config({"architectures": ["GPT2LMHeadModel"], "hidden_size": 8})
 
 
 def test_sliding_window_narrower_than_context_is_refused_wider_is_full_attention():
-    mistral = {**get_preset("tiny"), "architectures": ["MistralForCausalLM"], "model_type": "mistral",
-               "max_position_embeddings": 4096, "sliding_window": 1024}
+    mistral = {
+        **get_preset("tiny"),
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "max_position_embeddings": 4096,
+        "sliding_window": 1024,
+    }
     with pytest.raises(ValueError, match="sliding-window attention .* not supported"):
         ModelConfig.from_hf_config(mistral)
     assert ModelConfig.from_hf_config(mistral, max_model_len=1024).max_position_embeddings == 4096
@@ -74,8 +81,12 @@ def test_sliding_window_narrower_than_context_is_refused_wider_is_full_attention
 
 
 def test_qwen2_sliding_window_only_counts_when_enabled():
-    qwen = {**get_preset("tiny"), "architectures": ["Qwen2ForCausalLM"], "sliding_window": 16,
-            "use_sliding_window": False}
+    qwen = {
+        **get_preset("tiny"),
+        "architectures": ["Qwen2ForCausalLM"],
+        "sliding_window": 16,
+        "use_sliding_window": False,
+    }
     assert ModelConfig.from_hf_config(qwen).qkv_bias
 
 

@@ -64,8 +64,15 @@ def test_engine_matches_transformers(hf_model, block_size, chunked):
     name, directory, hf = hf_model
     # A small token budget forces chunked prefill and mixes chunks with decodes in one step.
     budget = 8 if chunked else 512
-    llm = LLM(str(directory), tokenizer="bytes", dtype="float32", block_size=block_size,
-              max_num_batched_tokens=budget, enable_chunked_prefill=chunked, num_kv_blocks=4096 // block_size)
+    llm = LLM(
+        str(directory),
+        tokenizer="bytes",
+        dtype="float32",
+        block_size=block_size,
+        max_num_batched_tokens=budget,
+        enable_chunked_prefill=chunked,
+        num_kv_blocks=4096 // block_size,
+    )
     seen = _record_logits(llm)
     prompts = _prompts(6 if chunked else 8)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_DECODE_STEPS, ignore_eos=True)
@@ -82,12 +89,18 @@ def test_alone_equals_hf_generate(hf_model):
     name, directory, hf = hf_model
     llm = LLM(str(directory), tokenizer="bytes", dtype="float32", num_kv_blocks=64)
     prompt = _prompts(2)[1]
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=NUM_DECODE_STEPS, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=NUM_DECODE_STEPS, ignore_eos=True), use_tqdm=False
+    )[0]
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=NUM_DECODE_STEPS, min_new_tokens=NUM_DECODE_STEPS,
-                          do_sample=False, pad_token_id=0)
-    assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NUM_DECODE_STEPS,
+            min_new_tokens=NUM_DECODE_STEPS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("chunk", [7, 16])

@@ -43,16 +43,21 @@ def test_writing_a_view_never_reaches_the_file(checkpoint):
     assert checkpoint.read_bytes() == before
 
 
-@pytest.mark.parametrize("make", [
-    lambda: b"",
-    lambda: b"\x00garbage" * 10,
-    lambda: struct.pack("<Q", 4) + b"[1]\n",
-    lambda: struct.pack("<Q", 2) + b"{}",  # no tensors: fine (checked below)
-    lambda: (lambda h: struct.pack("<Q", len(h)) + h + b"\x00" * 8)(
-        json.dumps({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()),
-    lambda: (lambda h: struct.pack("<Q", len(h)) + h)(json.dumps({"x": {"dtype": "Q9", "shape": [1],
-                                                                         "data_offsets": [0, 1]}}).encode()),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: b"",
+        lambda: b"\x00garbage" * 10,
+        lambda: struct.pack("<Q", 4) + b"[1]\n",
+        lambda: struct.pack("<Q", 2) + b"{}",  # no tensors: fine (checked below)
+        lambda: (lambda h: struct.pack("<Q", len(h)) + h + b"\x00" * 8)(
+            json.dumps({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+        ),
+        lambda: (lambda h: struct.pack("<Q", len(h)) + h)(
+            json.dumps({"x": {"dtype": "Q9", "shape": [1], "data_offsets": [0, 1]}}).encode()
+        ),
+    ],
+)
 def test_corrupt_files_are_value_errors_naming_the_file(tmp_path, make):
     path = tmp_path / "bad.safetensors"
     data = make()

@@ -29,14 +29,35 @@ def test_register_adds_analyze_with_a_func():
 
 
 def test_issue_example_prints_the_tables(capsys):
-    code, out, _ = run(["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--prompt-len", "2048",
-                        "--output-len", "256", "--batch", "1,8,64,256"], capsys)
+    code, out, _ = run(
+        [
+            "--model",
+            "llama-3.1-8b",
+            "--hardware",
+            "h100-sxm",
+            "--prompt-len",
+            "2048",
+            "--output-len",
+            "256",
+            "--batch",
+            "1,8,64,256",
+        ],
+        capsys,
+    )
     assert code == 0
     assert "Prefill: 1 x 2048 tokens" in out
     for batch in (1, 8, 64, 256):
         assert f"Decode step: batch {batch}, context 2176" in out
-    for op in ("qkv_proj", "attn_scores", "attn_weighted_sum", "o_proj", "gate_up_proj", "down_proj",
-               "input_norm", "lm_head"):
+    for op in (
+        "qkv_proj",
+        "attn_scores",
+        "attn_weighted_sum",
+        "o_proj",
+        "gate_up_proj",
+        "down_proj",
+        "input_norm",
+        "lm_head",
+    ):
         assert op in out
     assert "conventions" in out and "attention FLOPs: causal" in out and "decimal GB" in out
     assert "ridge point 295.3" in out
@@ -44,8 +65,9 @@ def test_issue_example_prints_the_tables(capsys):
 
 
 def test_json_contract(capsys):
-    code, out, _ = run(["--model", "mixtral-8x7b", "--hardware", "h100-sxm", "--batch", "1,16", "--json",
-                        "--spec-k", "3"], capsys)
+    code, out, _ = run(
+        ["--model", "mixtral-8x7b", "--hardware", "h100-sxm", "--batch", "1,16", "--json", "--spec-k", "3"], capsys
+    )
     assert code == 0
     doc = json.loads(out)
     assert {"params_total", "params_active", "weight_bytes", "kv_bytes_per_token"} <= set(doc["model"])
@@ -67,8 +89,10 @@ def test_json_contract(capsys):
 
 def test_plot_writes_a_png(tmp_path, capsys):
     target = tmp_path / "roofline.png"
-    code, out, _ = run(["--model", "qwen3-30b-a3b", "--hardware", "a100-80gb", "--batch", "1,32",
-                        "--plot", str(target), "--no-ops"], capsys)
+    code, out, _ = run(
+        ["--model", "qwen3-30b-a3b", "--hardware", "a100-80gb", "--batch", "1,32", "--plot", str(target), "--no-ops"],
+        capsys,
+    )
     assert code == 0 and "plot written" in out
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -88,11 +112,20 @@ def test_local_hardware_from_the_cache(tmp_path, monkeypatch, capsys):
     """--hardware local reads $RIDGE_CACHE_DIR (seeded here by a tiny probe) and prints the
     probe's date and spread."""
     monkeypatch.setenv("RIDGE_CACHE_DIR", str(tmp_path))
-    local_hardware(cache_dir=tmp_path, settings=ProbeSettings(
-        bandwidth_bytes=1 << 20, bandwidth_repeats=3, matmul_sizes=(32,), matmul_repeats=2, dtypes=("fp32", "bf16"),
-        ridge_kernels=False))
-    code, out, _ = run(["--model", "tiny", "--hardware", "local", "--batch", "1,4", "--prompt-len", "64",
-                        "--output-len", "8"], capsys)
+    local_hardware(
+        cache_dir=tmp_path,
+        settings=ProbeSettings(
+            bandwidth_bytes=1 << 20,
+            bandwidth_repeats=3,
+            matmul_sizes=(32,),
+            matmul_repeats=2,
+            dtypes=("fp32", "bf16"),
+            ridge_kernels=False,
+        ),
+    )
+    code, out, _ = run(
+        ["--model", "tiny", "--hardware", "local", "--batch", "1,4", "--prompt-len", "64", "--output-len", "8"], capsys
+    )
     assert code == 0
     assert "local:" in out and "probe spread: bandwidth" in out and "measured 20" in out
     code, out, _ = run(["--model", "tiny", "--hardware", "local", "--json", "--prompt-len", "64"], capsys)
@@ -101,20 +134,62 @@ def test_local_hardware_from_the_cache(tmp_path, monkeypatch, capsys):
 
 def test_model_from_a_directory_and_workload_options(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(PRESETS["llama-3.2-1b"]))
-    code, out, _ = run(["--model", str(tmp_path), "--hardware", "rtx-4090", "--weight-bits", "4",
-                        "--kv-bits", "8", "--tp", "2", "--attention", "full", "--embedding", "full",
-                        "--units", "GiB", "--unfused", "--context-len", "1000,4000", "--json"], capsys)
+    code, out, _ = run(
+        [
+            "--model",
+            str(tmp_path),
+            "--hardware",
+            "rtx-4090",
+            "--weight-bits",
+            "4",
+            "--kv-bits",
+            "8",
+            "--tp",
+            "2",
+            "--attention",
+            "full",
+            "--embedding",
+            "full",
+            "--units",
+            "GiB",
+            "--unfused",
+            "--context-len",
+            "1000,4000",
+            "--json",
+        ],
+        capsys,
+    )
     doc = json.loads(out)
     assert code == 0
-    assert doc["conventions"] == {**doc["conventions"], "attention": "full", "embedding": "full",
-                                  "tensor_parallel": 2, "fused_projections": False, "units": "GiB"}
+    assert doc["conventions"] == {
+        **doc["conventions"],
+        "attention": "full",
+        "embedding": "full",
+        "tensor_parallel": 2,
+        "fused_projections": False,
+        "units": "GiB",
+    }
     assert [d["context_len"] for d in doc["decode"]] == [1000, 4000] * 4
     assert doc["model"]["kv_bytes_per_token"] == 16 * 2 * 8 * 64 * 1  # 8-bit KV
 
 
 def test_custom_hardware_flags(capsys):
-    code, out, _ = run(["--model", "llama-2-7b", "--peak-tflops", "100", "--bandwidth-gbs", "1000",
-                        "--memory-gib", "16", "--json", "--batch", "1"], capsys)
+    code, out, _ = run(
+        [
+            "--model",
+            "llama-2-7b",
+            "--peak-tflops",
+            "100",
+            "--bandwidth-gbs",
+            "1000",
+            "--memory-gib",
+            "16",
+            "--json",
+            "--batch",
+            "1",
+        ],
+        capsys,
+    )
     doc = json.loads(out)
     assert code == 0 and doc["hardware"]["name"] == "custom"
     assert doc["hardware"]["ridge_point"] == pytest.approx(100)
@@ -122,13 +197,16 @@ def test_custom_hardware_flags(capsys):
     assert doc["max_batch"] == int((16 * 2**30 - doc["model"]["weight_bytes"]) // (2304 * 524_288)) == 3
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "nope"], "neither a preset"),
-    (["--hardware", "tpu-v9"], "not one of"),
-    (["--tp", "3"], "does not divide"),
-    (["--spec-acceptance", "1.5"], "spec-acceptance"),
-    (["--plot", "out.svg"], ".png"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "nope"], "neither a preset"),
+        (["--hardware", "tpu-v9"], "not one of"),
+        (["--tp", "3"], "does not divide"),
+        (["--spec-acceptance", "1.5"], "spec-acceptance"),
+        (["--plot", "out.svg"], ".png"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_code_2(argv, message, capsys):
     code, _, err = run(argv, capsys)
     assert code == 2
@@ -142,8 +220,7 @@ def test_small_models_warnings_and_a_model_that_does_not_fit(stories_dir, capsys
     assert code == 0
     assert "260K params" in out and "0.00B" not in out
     assert "warning" in out and "exceeds the model's context (512 tokens)" in out
-    code, out, _ = run(["--model", str(stories_dir), "--hardware", "h100-sxm", "--prompt-len", "64", "--json"],
-                       capsys)
+    code, out, _ = run(["--model", str(stories_dir), "--hardware", "h100-sxm", "--prompt-len", "64", "--json"], capsys)
     assert json.loads(out)["warnings"] == []
     code, out, _ = run(["--model", "llama-2-70b", "--hardware", "rtx-4090"], capsys)
     assert code == 0

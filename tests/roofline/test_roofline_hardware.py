@@ -14,8 +14,13 @@ from ridge.roofline.probe import ProbeSettings, local_hardware
 
 ISSUE_HARDWARE = ("a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200", "l40s", "rtx-4090", "mi300x")
 TINY = ProbeSettings(
-    bandwidth_bytes=1 << 20, bandwidth_repeats=3, matmul_sizes=(16, 32), matmul_repeats=2,
-    matmul_budget_s=0.2, dtypes=("fp32", "bf16"), ridge_kernels=False,
+    bandwidth_bytes=1 << 20,
+    bandwidth_repeats=3,
+    matmul_sizes=(16, 32),
+    matmul_repeats=2,
+    matmul_budget_s=0.2,
+    dtypes=("fp32", "bf16"),
+    ridge_kernels=False,
 )
 
 
@@ -62,8 +67,9 @@ def test_hardware_json_round_trip(tmp_path):
     hw = HARDWARE_PRESETS["mi300x"]
     assert Hardware.from_json(json.loads(json.dumps(hw.to_json()))) == hw
     path = tmp_path / "hw.json"
-    path.write_text(json.dumps({"name": "mine", "peak_flops": {"bf16": 1e14}, "bandwidth_bytes_per_s": 1e12,
-                                "memory_bytes": 1e10}))
+    path.write_text(
+        json.dumps({"name": "mine", "peak_flops": {"bf16": 1e14}, "bandwidth_bytes_per_s": 1e12, "memory_bytes": 1e10})
+    )
     assert resolve_hardware(str(path)).ridge_point("bf16") == pytest.approx(100)
 
 
@@ -75,7 +81,7 @@ def test_local_probe_reports_bandwidth_and_flops_with_spread(tmp_path):
     assert hw.bandwidth_bytes_per_s == hw.bandwidth_probe.high  # a ceiling: the best trial
     for dtype, m in hw.flops_probes.items():
         assert hw.peak(dtype) == m.high
-    assert dt.datetime.fromisoformat(hw.measured_at).date() == dt.datetime.now(dt.timezone.utc).date()
+    assert dt.datetime.fromisoformat(hw.measured_at).date() == dt.datetime.now(dt.UTC).date()
     assert hw.memory_bytes > 0 and "measured on this machine" in hw.source
 
 

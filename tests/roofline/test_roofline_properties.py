@@ -11,9 +11,18 @@ from ridge.roofline.hardware import HARDWARE_PRESETS
 from ridge.roofline.ops import CostConventions, step_cost
 from ridge.roofline.shapes import ModelShape
 
-MODELS = {name: ModelShape.from_preset(name) for name in (
-    "tiny", "llama-3.1-8b", "mistral-7b", "mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "qwen2.5-7b",
-)}
+MODELS = {
+    name: ModelShape.from_preset(name)
+    for name in (
+        "tiny",
+        "llama-3.1-8b",
+        "mistral-7b",
+        "mixtral-8x7b",
+        "qwen3-30b-a3b",
+        "deepseek-v3",
+        "qwen2.5-7b",
+    )
+}
 models = st.sampled_from(sorted(MODELS)).map(MODELS.get)
 batches = st.integers(1, 512)
 contexts = st.integers(1, 32_768)
@@ -22,7 +31,10 @@ attention = st.sampled_from(["causal", "full"])
 FAST = settings(max_examples=60, deadline=None)
 
 
-def decode(model, batch, context, wb=2.0, kvb=2.0, ab=2.0, conventions=CostConventions()):
+DEFAULT_CONVENTIONS = CostConventions()
+
+
+def decode(model, batch, context, wb=2.0, kvb=2.0, ab=2.0, conventions=DEFAULT_CONVENTIONS):
     return step_cost(model, [], [context] * batch, wb, kvb, ab, conventions=conventions)
 
 
@@ -79,8 +91,11 @@ def test_time_is_never_below_either_bound(model, batch, context, hw_name, dtype)
 
 
 @FAST
-@given(models, st.lists(st.tuples(st.integers(1, 512), st.integers(0, 2048)), min_size=1, max_size=4),
-       st.lists(contexts, max_size=8))
+@given(
+    models,
+    st.lists(st.tuples(st.integers(1, 512), st.integers(0, 2048)), min_size=1, max_size=4),
+    st.lists(contexts, max_size=8),
+)
 def test_mixed_steps_share_weights_and_add_flops(model, chunks, decodes):
     """Splitting a step into per-sequence steps never reads fewer weights, and FLOPs add up
     (every operator is linear in tokens or in (query, key) pairs)."""

@@ -10,8 +10,18 @@ from ridge.roofline.ops import kv_bytes_per_token, params_active, params_total, 
 from ridge.roofline.shapes import ModelShape, load_model_shape
 
 ISSUE_PRESETS = (
-    "llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3.1-8b", "llama-3.1-70b", "llama-3.2-1b",
-    "tinyllama-1.1b", "mistral-7b", "mixtral-8x7b", "qwen2.5-7b", "qwen3-30b-a3b", "deepseek-v3",
+    "llama-2-7b",
+    "llama-2-13b",
+    "llama-2-70b",
+    "llama-3.1-8b",
+    "llama-3.1-70b",
+    "llama-3.2-1b",
+    "tinyllama-1.1b",
+    "mistral-7b",
+    "mixtral-8x7b",
+    "qwen2.5-7b",
+    "qwen3-30b-a3b",
+    "deepseek-v3",
 )
 
 # Parameter counts of the Hugging Face models built from these configs (transformers, meta

@@ -20,7 +20,10 @@ from ridge.roofline.shapes import ModelShape
 LLAMA = ModelShape.from_preset("llama-3.1-8b")
 
 
-def cost(model=LLAMA, prefill=(), decode=(), conventions=CostConventions(), **kwargs):
+DEFAULT_CONVENTIONS = CostConventions()
+
+
+def cost(model=LLAMA, prefill=(), decode=(), conventions=DEFAULT_CONVENTIONS, **kwargs):
     return step_cost(model, list(prefill), list(decode), 2, 2, 2, conventions=conventions, **kwargs)
 
 

@@ -34,8 +34,9 @@ class RunningServer:
         self.port = self._sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
         self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
-                                        name="uvicorn-test", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, name="uvicorn-test", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + 30
         while not self._server.started:
@@ -53,8 +54,13 @@ class RunningServer:
     def pool_state(self) -> dict:
         def read(engine):
             engine.kv.check_integrity()
-            return {**engine.kv.pool.counts(), "unfinished": engine.num_unfinished_requests,
-                    "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting)}
+            return {
+                **engine.kv.pool.counts(),
+                "unfinished": engine.num_unfinished_requests,
+                "running": len(engine.scheduler.running),
+                "waiting": len(engine.scheduler.waiting),
+            }
+
         return self.on_engine(read)
 
     def wait_idle(self, timeout: float = 15.0) -> dict:
@@ -96,8 +102,9 @@ def stories_engine(stories_dir, **options) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def server(stories_dir):
-    srv = RunningServer(stories_engine(stories_dir),
-                        ServerConfig((STORIES_NAME, "stories260K"), model_root=str(stories_dir)))
+    srv = RunningServer(
+        stories_engine(stories_dir), ServerConfig((STORIES_NAME, "stories260K"), model_root=str(stories_dir))
+    )
     yield srv
     srv.stop()
 

@@ -63,9 +63,11 @@ def test_workload_is_seeded_and_exact(tokenizer, tmp_path):
 def test_summary_statistics():
     assert _percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert _percentile([10.0], 99) == 10.0
-    results = [RequestResult(ok=True, prompt_len=10, output_len=11, ttft=0.1, e2el=1.1, itl=[0.1] * 10),
-               RequestResult(ok=True, prompt_len=10, output_len=11, ttft=0.5, e2el=2.5, itl=[0.2] * 10),
-               RequestResult(ok=False, error="HTTP 400: no")]
+    results = [
+        RequestResult(ok=True, prompt_len=10, output_len=11, ttft=0.1, e2el=1.1, itl=[0.1] * 10),
+        RequestResult(ok=True, prompt_len=10, output_len=11, ttft=0.5, e2el=2.5, itl=[0.2] * 10),
+        RequestResult(ok=False, error="HTTP 400: no"),
+    ]
     s = summarize(results, 2.0, BenchConfig(base_url="http://x", slo_ttft_ms=200, slo_tpot_ms=150))
     assert s["completed"] == 2 and s["failed"] == 1 and s["errors"] == ["HTTP 400: no"]
     assert s["total_output_tokens"] == 22 and s["output_throughput"] == 11.0
@@ -83,9 +85,26 @@ def _bench(capsys, *args) -> dict:
 
 
 def test_bench_against_the_running_server(server, capsys):
-    s = _bench(capsys, "--base-url", server.base_url, "--num-prompts", "12", "--input-len", "8:24",
-               "--output-len", "16:48", "--tokenizer", server.config.model_root, "--slo-ttft-ms", "60000",
-               "--slo-tpot-ms", "60000", "--request-rate", "50", "--per-request")
+    s = _bench(
+        capsys,
+        "--base-url",
+        server.base_url,
+        "--num-prompts",
+        "12",
+        "--input-len",
+        "8:24",
+        "--output-len",
+        "16:48",
+        "--tokenizer",
+        server.config.model_root,
+        "--slo-ttft-ms",
+        "60000",
+        "--slo-tpot-ms",
+        "60000",
+        "--request-rate",
+        "50",
+        "--per-request",
+    )
     assert s["completed"] == 12 and s["failed"] == 0 and s["model"] == "stories"
     rows = s["requests"]
     assert s["total_output_tokens"] == sum(r["output_len"] for r in rows)
@@ -104,15 +123,25 @@ def test_bench_against_the_running_server(server, capsys):
 
 
 def test_bench_chat_endpoint_with_text_prompts(server, capsys):
-    s = _bench(capsys, "--base-url", server.base_url, "--endpoint", "chat", "--num-prompts", "4",
-               "--input-len", "6", "--output-len", "10")
+    s = _bench(
+        capsys,
+        "--base-url",
+        server.base_url,
+        "--endpoint",
+        "chat",
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "6",
+        "--output-len",
+        "10",
+    )
     assert s["completed"] == 4 and s["total_output_tokens"] == 40 and s["total_input_tokens"] > 4 * 6
     assert s["goodput"] is None and "requests" not in s
 
 
 def test_bench_reports_failures(server, capsys):
-    rc = main(["bench", "serve", "--base-url", server.base_url, "--num-prompts", "2", "--output-len", "600",
-               "--json"])
+    rc = main(["bench", "serve", "--base-url", server.base_url, "--num-prompts", "2", "--output-len", "600", "--json"])
     s = json.loads(capsys.readouterr().out)
     assert rc == 1 and s["completed"] == 0 and s["failed"] == 2
     assert "context_length_exceeded" in s["errors"][0] or "context length" in s["errors"][0]
@@ -126,6 +155,21 @@ def test_bench_needs_one_target(capsys):
 @pytest.mark.slow
 def test_bench_starts_its_own_server(capsys):
     """--model: ridge serve in a subprocess with the engine flags given, stopped afterwards."""
-    s = _bench(capsys, "--model", "random:tiny", "--max-num-seqs", "4", "--scheduler", "static", "--num-threads", "1",
-               "--num-prompts", "6", "--input-len", "4", "--output-len", "5")
+    s = _bench(
+        capsys,
+        "--model",
+        "random:tiny",
+        "--max-num-seqs",
+        "4",
+        "--scheduler",
+        "static",
+        "--num-threads",
+        "1",
+        "--num-prompts",
+        "6",
+        "--input-len",
+        "4",
+        "--output-len",
+        "5",
+    )
     assert s["completed"] == 6 and s["total_output_tokens"] == 30

@@ -14,9 +14,25 @@ from ridge.server.serving import ServerConfig
 from tests.server.conftest import STORIES_NAME, TEST_THREADS, RunningServer, stories_engine
 
 PROMPTS = [
-    "Once upon a time", "The cat", "Lily and Ben", "One day, a little dog", "The sun was", "Tom had a red ball",
-    "In the park", "The bird sang", "Mom said", "There was a big tree", "A small boy", "The girl wanted",
-    "Sue liked to", "The fish", "It was a rainy day", "Max the dog", "The car went", "Anna saw a", "Tim and his dad",
+    "Once upon a time",
+    "The cat",
+    "Lily and Ben",
+    "One day, a little dog",
+    "The sun was",
+    "Tom had a red ball",
+    "In the park",
+    "The bird sang",
+    "Mom said",
+    "There was a big tree",
+    "A small boy",
+    "The girl wanted",
+    "Sue liked to",
+    "The fish",
+    "It was a rainy day",
+    "Max the dog",
+    "The car went",
+    "Anna saw a",
+    "Tim and his dad",
     "The old man",
 ]
 
@@ -31,8 +47,9 @@ def reference(server):
 
 async def _stream(client, prompt: str, max_tokens: int) -> tuple[str, str | None, int]:
     text, finish, chunks = "", None, 0
-    stream = await client.completions.create(model=STORIES_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                             stream=True)
+    stream = await client.completions.create(
+        model=STORIES_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+    )
     async for chunk in stream:
         for choice in chunk.choices:
             text += choice.text
@@ -80,8 +97,7 @@ BAD = [
 
 def test_burst_of_bad_requests_between_good_ones(server, reference):
     async def good(client, i):
-        body = {"model": STORIES_NAME, "prompt": PROMPTS[i], "max_tokens": 24 + 4 * i, "temperature": 0,
-                "stream": True}
+        body = {"model": STORIES_NAME, "prompt": PROMPTS[i], "max_tokens": 24 + 4 * i, "temperature": 0, "stream": True}
         text = ""
         async with client.stream("POST", "/v1/completions", json=body) as res:
             assert res.status_code == 200

@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import STORIES_NAME
 
+
 def _aborts(http) -> float:
     for family in text_string_to_metric_families(http.get("/metrics").text):
         for s in family.samples:
@@ -19,8 +20,13 @@ def _aborts(http) -> float:
 
 
 def _long(**fields) -> dict:
-    body = {"model": STORIES_NAME, "prompt": "Once upon a time", "max_tokens": 480, "temperature": 0,
-            "ignore_eos": True}
+    body = {
+        "model": STORIES_NAME,
+        "prompt": "Once upon a time",
+        "max_tokens": 480,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     return {**body, **fields}
 
 
@@ -81,6 +87,7 @@ def test_many_disconnects_leave_the_pool_whole(server, http):
     state = server.wait_idle(timeout=10)
     assert state["used"] == 0 and state["running"] == 0 and state["waiting"] == 0
     # and the server still answers
-    res = http.post("/v1/completions", json={"model": STORIES_NAME, "prompt": "Once upon a time", "max_tokens": 5,
-                                             "temperature": 0})
+    res = http.post(
+        "/v1/completions", json={"model": STORIES_NAME, "prompt": "Once upon a time", "max_tokens": 5, "temperature": 0}
+    )
     assert res.status_code == 200 and res.json()["choices"][0]["text"]

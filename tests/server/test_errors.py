@@ -7,8 +7,8 @@ import json
 import httpx
 import pytest
 
-from tests.server.conftest import STORIES_NAME, RunningServer, stories_engine
 from ridge.server.serving import ServerConfig
+from tests.server.conftest import STORIES_NAME, RunningServer, stories_engine
 
 API_KEY = "sk-test-123"
 BODY_LIMIT = 16 * 1024
@@ -19,8 +19,10 @@ CHAT = {"model": STORIES_NAME, "messages": [{"role": "user", "content": "hi"}], 
 @pytest.fixture(scope="module")
 def guarded(stories_dir):
     """A server with an API key and a small body limit."""
-    srv = RunningServer(stories_engine(stories_dir, max_num_seqs=8),
-                        ServerConfig((STORIES_NAME,), api_key=API_KEY, max_request_bytes=BODY_LIMIT))
+    srv = RunningServer(
+        stories_engine(stories_dir, max_num_seqs=8),
+        ServerConfig((STORIES_NAME,), api_key=API_KEY, max_request_bytes=BODY_LIMIT),
+    )
     yield srv
     srv.stop()
 
@@ -73,8 +75,13 @@ CASES = [
     ("/v1/chat/completions", {"model": STORIES_NAME}, 422, "messages", "missing"),
     ("/v1/chat/completions", chat(messages="hi"), 422, "messages", "*"),
     ("/v1/chat/completions", chat(messages=[{"content": "hi"}]), 422, "*", "missing"),
-    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": [{"type": "image_url", "url": "x"}]}]),
-     422, "*", "*"),
+    (
+        "/v1/chat/completions",
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "url": "x"}]}]),
+        422,
+        "*",
+        "*",
+    ),
     # empty or too-long prompts, max_tokens beyond the context
     ("/v1/completions", comp(prompt=""), 400, "prompt", None),
     ("/v1/completions", comp(prompt=[]), 400, "prompt", None),
@@ -124,18 +131,27 @@ CASES = [
     ("/v1/completions", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 4}', 400, "prompt", None),
     ("/v1/completions", b'{"prompt": "\\ud800", "stream": true}', 400, "prompt", None),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a \\ud800"}]}', 400, "messages", None),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "stop": "\\ud800", "model": "\\ud83d"}',
-     404, "model", "model_not_found"),
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "hi"}], "stop": "\\ud800", "model": "\\ud83d"}',
+        404,
+        "model",
+        "model_not_found",
+    ),
     ("/v1/completions", comp(prompt="x" * (BODY_LIMIT - 200)), 400, "prompt", "context_length_exceeded"),
-    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "x" * (BODY_LIMIT - 200)}]), 400,
-     "messages", "context_length_exceeded"),
+    (
+        "/v1/chat/completions",
+        chat(messages=[{"role": "user", "content": "x" * (BODY_LIMIT - 200)}]),
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
     ("/v1/completions", comp(model="gpt-4o"), 404, "model", "model_not_found"),
     ("/v1/chat/completions", chat(model="llama"), 404, "model", "model_not_found"),
 ]
 
 
-@pytest.mark.parametrize("path,body,status,param,code", CASES,
-                         ids=[f"{i}-{c[2]}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize("path,body,status,param,code", CASES, ids=[f"{i}-{c[2]}" for i, c in enumerate(CASES)])
 def test_bad_input(api, path, body, status, param, code):
     if isinstance(body, bytes):
         res = api.post(path, content=body, headers={"content-type": "application/json"})
@@ -196,7 +212,7 @@ def test_body_too_large(api):
     def chunked():  # no Content-Length: counted as it arrives
         payload = json.dumps(big).encode()
         for i in range(0, len(payload), 4096):
-            yield payload[i:i + 4096]
+            yield payload[i : i + 4096]
 
     res = api.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
     _assert_error(res, 413, code="request_too_large")
@@ -213,8 +229,11 @@ def test_still_serving_after_the_errors(guarded, api):
     assert res.status_code == 200
     assert res.json()["choices"][0]["text"].startswith(", there was")
     guarded.wait_idle()
-    errors = [line for line in api.get("/metrics").text.splitlines()
-              if line.startswith("ridge_http_errors_total") and 'status="500"' in line]
+    errors = [
+        line
+        for line in api.get("/metrics").text.splitlines()
+        if line.startswith("ridge_http_errors_total") and 'status="500"' in line
+    ]
     assert errors == []
 
 

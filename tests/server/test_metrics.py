@@ -38,21 +38,38 @@ def test_metrics_match_what_was_served(server, http, client):
     reasons = []
     # 3 completions to their length, one stopped by a stop string, one chat with n=2, one stream
     for prompt in ("Once upon a time", "The cat", "Lily and Ben"):
-        r = client.completions.create(model=STORIES_NAME, prompt=prompt, max_tokens=12, temperature=0,
-                                      extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model=STORIES_NAME, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        )
         usages.append(r.usage)
         reasons += [c.finish_reason for c in r.choices]
-    r = client.completions.create(model=STORIES_NAME, prompt="Once upon a time", max_tokens=40, temperature=0,
-                                  stop=["Lily"])
+    r = client.completions.create(
+        model=STORIES_NAME, prompt="Once upon a time", max_tokens=40, temperature=0, stop=["Lily"]
+    )
     usages.append(r.usage)
     reasons += [c.finish_reason for c in r.choices]
-    r = client.chat.completions.create(model=STORIES_NAME, messages=[{"role": "user", "content": "Hi"}], n=2,
-                                       max_tokens=7, temperature=0.7, seed=1, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model=STORIES_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        n=2,
+        max_tokens=7,
+        temperature=0.7,
+        seed=1,
+        extra_body={"ignore_eos": True},
+    )
     usages.append(r.usage)
     reasons += [c.finish_reason for c in r.choices]
-    chunks = list(client.completions.create(model=STORIES_NAME, prompt="The dog", max_tokens=9, temperature=0,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model=STORIES_NAME,
+            prompt="The dog",
+            max_tokens=9,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     usages.append(chunks[-1].usage)
     reasons.append([c.choices[0].finish_reason for c in chunks if c.choices][-1])
     assert reasons == ["length"] * 3 + ["stop"] + ["length"] * 3
@@ -66,8 +83,11 @@ def test_metrics_match_what_was_served(server, http, client):
     assert delta(after, before, "ridge_request_success_total", finished_reason="length") == 6
     assert delta(after, before, "ridge_request_success_total", finished_reason="stop") == 1
     assert delta(after, before, "ridge_request_success_total", finished_reason="abort") == 0
-    for hist in ("ridge_time_to_first_token_seconds", "ridge_e2e_request_latency_seconds",
-                 "ridge_request_queue_time_seconds"):
+    for hist in (
+        "ridge_time_to_first_token_seconds",
+        "ridge_e2e_request_latency_seconds",
+        "ridge_request_queue_time_seconds",
+    ):
         assert delta(after, before, f"{hist}_count") == requests
         assert delta(after, before, f"{hist}_sum") > 0
         assert value(after, f"{hist}_bucket", le="+Inf") == value(after, f"{hist}_count")
@@ -100,17 +120,27 @@ def test_running_gauges_while_busy(server, http):
     import httpx
 
     server.wait_idle()
-    body = {"model": STORIES_NAME, "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": STORIES_NAME,
+        "prompt": "Once upon a time",
+        "max_tokens": 300,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     seen = {}
 
     def stream():
-        with httpx.Client(base_url=server.base_url, timeout=60) as c, c.stream("POST", "/v1/completions", json=body) as r:
+        with (
+            httpx.Client(base_url=server.base_url, timeout=60) as c,
+            c.stream("POST", "/v1/completions", json=body) as r,
+        ):
             for line in r.iter_lines():
                 if line and not seen:
                     s = scrape(http)
-                    seen.update(running=value(s, "ridge_num_requests_running"),
-                                usage=value(s, "ridge_kv_cache_usage_ratio"))
+                    seen.update(
+                        running=value(s, "ridge_num_requests_running"), usage=value(s, "ridge_kv_cache_usage_ratio")
+                    )
                     break
 
     t = threading.Thread(target=stream)
@@ -124,8 +154,11 @@ def test_state_sources_are_pluggable():
     """The roofline telemetry hook: an extra source's samples appear at the next publish."""
 
     def telemetry(engine):
-        return [Sample("ridge_achieved_bandwidth_bytes_per_second", "Achieved bandwidth.", 1.5e9,
-                       labels={"phase": "decode"})]
+        return [
+            Sample(
+                "ridge_achieved_bandwidth_bytes_per_second", "Achieved bandwidth.", 1.5e9, labels={"phase": "decode"}
+            )
+        ]
 
     metrics = ServerMetrics("m", state_sources=(telemetry,))
     metrics.publish_state(metrics.read_state(engine=None))
@@ -140,8 +173,9 @@ def test_roofline_telemetry_per_phase(server, http, client):
     """The steps' achieved rates come from the analyzer; the fraction appears once the roofline is known."""
     from ridge.roofline.hardware import resolve_hardware
 
-    client.completions.create(model=STORIES_NAME, prompt="Once upon a time", max_tokens=8, temperature=0,
-                              extra_body={"ignore_eos": True})
+    client.completions.create(
+        model=STORIES_NAME, prompt="Once upon a time", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     samples = scrape(http)
     assert value(samples, "ridge_steps_total", phase="decode") >= 7
     assert value(samples, "ridge_step_achieved_bandwidth_bytes_per_second", phase="decode") > 0
@@ -149,7 +183,8 @@ def test_roofline_telemetry_per_phase(server, http, client):
     telemetry = server.engine.telemetry
     if not telemetry.hardware_resolved:  # as `ridge serve` does at start-up; a preset keeps the test fast
         telemetry._hardware = resolve_hardware("h100-sxm")
-    client.completions.create(model=STORIES_NAME, prompt="The cat", max_tokens=8, temperature=0,
-                              extra_body={"ignore_eos": True})
+    client.completions.create(
+        model=STORIES_NAME, prompt="The cat", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     fraction = value(scrape(http), "ridge_step_roofline_fraction", phase="decode")
     assert 0 < fraction < 1

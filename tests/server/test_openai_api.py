@@ -35,8 +35,10 @@ def test_completion_greedy_and_usage(client, tokenizer):
 
 
 def test_any_served_name_and_no_model(http):
-    for body in ({"model": "stories260K", "prompt": PROMPT, "max_tokens": 3, "temperature": 0},
-                 {"prompt": PROMPT, "max_tokens": 3, "temperature": 0}):
+    for body in (
+        {"model": "stories260K", "prompt": PROMPT, "max_tokens": 3, "temperature": 0},
+        {"prompt": PROMPT, "max_tokens": 3, "temperature": 0},
+    ):
         res = http.post("/v1/completions", json=body)
         assert res.status_code == 200, res.text
         assert res.json()["model"] == STORIES_NAME
@@ -44,8 +46,16 @@ def test_any_served_name_and_no_model(http):
 
 def test_completion_stream_matches_non_stream(client):
     full = client.completions.create(model=STORIES_NAME, prompt=PROMPT, max_tokens=40, temperature=0)
-    chunks = list(client.completions.create(model=STORIES_NAME, prompt=PROMPT, max_tokens=40, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=STORIES_NAME,
+            prompt=PROMPT,
+            max_tokens=40,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full.choices[0].text
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
@@ -67,14 +77,21 @@ def test_stream_ends_with_done(http):
 
 
 def test_n_and_several_prompts(client):
-    res = client.completions.create(model=STORIES_NAME, prompt=PROMPT, n=3, max_tokens=10, temperature=1.0, seed=7,
-                                    extra_body={"ignore_eos": True})
+    res = client.completions.create(
+        model=STORIES_NAME, prompt=PROMPT, n=3, max_tokens=10, temperature=1.0, seed=7, extra_body={"ignore_eos": True}
+    )
     assert sorted(c.index for c in res.choices) == [0, 1, 2]
     assert res.usage.completion_tokens == 30  # ignore_eos: every choice runs to max_tokens
     assert len({c.text for c in res.choices}) > 1  # each sample its own stream
 
-    res = client.completions.create(model=STORIES_NAME, prompt=[PROMPT, "The cat"], n=2, max_tokens=6,
-                                    temperature=0, extra_body={"ignore_eos": True})
+    res = client.completions.create(
+        model=STORIES_NAME,
+        prompt=[PROMPT, "The cat"],
+        n=2,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     by_index = {c.index: c.text for c in res.choices}
     assert sorted(by_index) == [0, 1, 2, 3]
     assert by_index[0] == by_index[1] and by_index[2] == by_index[3]  # greedy: both samples agree
@@ -83,8 +100,11 @@ def test_n_and_several_prompts(client):
 
 
 def test_n_streaming(client):
-    chunks = list(client.completions.create(model=STORIES_NAME, prompt=[PROMPT, "The cat"], n=2, max_tokens=8,
-                                            temperature=0, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=STORIES_NAME, prompt=[PROMPT, "The cat"], n=2, max_tokens=8, temperature=0, stream=True
+        )
+    )
     texts: dict[int, str] = {}
     finished = set()
     for c in chunks:
@@ -103,28 +123,48 @@ def test_stop_strings(client):
     assert choice.text == ", there was a little girl named "
     assert choice.finish_reason == "stop"
     assert choice.model_extra["stop_reason"] == "Lily"
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=STORIES_NAME, prompt=PROMPT, max_tokens=40, temperature=0, stop="Lily", stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=STORIES_NAME, prompt=PROMPT, max_tokens=40, temperature=0, stop="Lily", stream=True
+        )
+        if c.choices
+    )
     assert streamed == choice.text
 
 
 def test_seeded_sampling_is_reproducible(client):
     def sample(seed):
-        return client.completions.create(model=STORIES_NAME, prompt=PROMPT, max_tokens=30, temperature=1.0,
-                                         top_p=0.95, seed=seed).choices[0].text
+        return (
+            client.completions.create(
+                model=STORIES_NAME, prompt=PROMPT, max_tokens=30, temperature=1.0, top_p=0.95, seed=seed
+            )
+            .choices[0]
+            .text
+        )
 
     first = sample(1234)
     assert sample(1234) == first
     assert any(sample(s) != first for s in (1, 2, 3))
-    chat = [client.chat.completions.create(model=STORIES_NAME, messages=[{"role": "user", "content": "Tell a story"}],
-                                           max_tokens=20, temperature=0.9, seed=42).choices[0].message.content
-            for _ in range(2)]
+    chat = [
+        client.chat.completions.create(
+            model=STORIES_NAME,
+            messages=[{"role": "user", "content": "Tell a story"}],
+            max_tokens=20,
+            temperature=0.9,
+            seed=42,
+        )
+        .choices[0]
+        .message.content
+        for _ in range(2)
+    ]
     assert chat[0] == chat[1]
 
 
 def test_completion_logprobs(client):
-    res = client.completions.create(model=STORIES_NAME, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3,
-                                    extra_body={"ignore_eos": True})
+    res = client.completions.create(
+        model=STORIES_NAME, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+    )
     lp = res.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
     for token_lp, top in zip(lp.token_logprobs, lp.top_logprobs):
@@ -138,9 +178,19 @@ def test_completion_logprobs(client):
     assert "".join(lp.tokens) == text and any(t.startswith(" ") for t in lp.tokens)
     assert all(text[off:].startswith(tok) for tok, off in zip(lp.tokens, lp.text_offset))
     assert all(tok in top for tok, top in zip(lp.tokens, lp.top_logprobs))
-    streamed = [c.choices[0].logprobs for c in client.completions.create(
-        model=STORIES_NAME, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3, stream=True,
-        extra_body={"ignore_eos": True}) if c.choices]
+    streamed = [
+        c.choices[0].logprobs
+        for c in client.completions.create(
+            model=STORIES_NAME,
+            prompt=PROMPT,
+            max_tokens=8,
+            temperature=0,
+            logprobs=3,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        if c.choices
+    ]
     assert sum((s.token_logprobs for s in streamed), []) == pytest.approx(lp.token_logprobs)
 
 
@@ -152,8 +202,13 @@ def test_echo_and_token_id_prompt(client, tokenizer):
     assert by_ids.usage.prompt_tokens == len(ids)
     echoed = client.completions.create(model=STORIES_NAME, prompt=PROMPT, max_tokens=10, temperature=0, echo=True)
     assert echoed.choices[0].text == PROMPT + by_text.choices[0].text
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=STORIES_NAME, prompt=PROMPT, max_tokens=10, temperature=0, echo=True, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=STORIES_NAME, prompt=PROMPT, max_tokens=10, temperature=0, echo=True, stream=True
+        )
+        if c.choices
+    )
     assert streamed == echoed.choices[0].text
 
 
@@ -179,25 +234,45 @@ def test_chat(client, tokenizer, server):
 
 
 def test_chat_stream_and_content_parts(client):
-    messages = [{"role": "user", "content": [{"type": "text", "text": "Once upon "}, {"type": "text", "text": "a time"}]}]
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Once upon "}, {"type": "text", "text": "a time"}]}
+    ]
     full = client.chat.completions.create(model=STORIES_NAME, messages=messages, max_tokens=30, temperature=0)
-    chunks = list(client.chat.completions.create(model=STORIES_NAME, messages=messages, max_tokens=30, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=STORIES_NAME,
+            messages=messages,
+            max_tokens=30,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[0].object == "chat.completion.chunk"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
     assert chunks[-1].usage.model_dump() == full.usage.model_dump()
-    plain = client.chat.completions.create(model=STORIES_NAME, messages=[{"role": "user", "content": "Once upon a time"}],
-                                           max_tokens=30, temperature=0)
+    plain = client.chat.completions.create(
+        model=STORIES_NAME, messages=[{"role": "user", "content": "Once upon a time"}], max_tokens=30, temperature=0
+    )
     assert plain.choices[0].message.content == full.choices[0].message.content
 
 
 def test_chat_logprobs_n_and_max_completion_tokens(client):
     res = client.chat.completions.create(
-        model=STORIES_NAME, messages=[{"role": "user", "content": "Hi"}], n=2, temperature=0.8, seed=3,
-        max_tokens=50, max_completion_tokens=6, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+        model=STORIES_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        n=2,
+        temperature=0.8,
+        seed=3,
+        max_tokens=50,
+        max_completion_tokens=6,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     assert sorted(c.index for c in res.choices) == [0, 1]
     assert res.usage.completion_tokens == 12  # max_completion_tokens wins over max_tokens
     for choice in res.choices:
@@ -208,15 +283,24 @@ def test_chat_logprobs_n_and_max_completion_tokens(client):
             assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
             assert entry.bytes == list(entry.token.encode())
         assert "".join(e.token for e in content) == choice.message.content  # spaces kept (token '' before)
-    chunks = list(client.chat.completions.create(
-        model=STORIES_NAME, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=5, temperature=0,
-        logprobs=True, stream=True, extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=STORIES_NAME,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_completion_tokens=5,
+            temperature=0,
+            logprobs=True,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert len(streamed) == 5
 
 
 def test_max_tokens_default_runs_to_stop_or_context(client):
-    res = client.chat.completions.create(model=STORIES_NAME, messages=[{"role": "user", "content": "Once upon a time"}],
-                                         temperature=0)
+    res = client.chat.completions.create(
+        model=STORIES_NAME, messages=[{"role": "user", "content": "Once upon a time"}], temperature=0
+    )
     assert res.choices[0].finish_reason in ("stop", "length")
     assert res.usage.total_tokens <= 512

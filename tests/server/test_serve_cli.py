@@ -16,8 +16,24 @@ from ridge.cli import build_parser
 
 
 def test_serve_flags():
-    args = build_parser().parse_args(["serve", "--model", "m", "--max-num-seqs", "8", "--scheduler", "static",
-                                      "--api-key", "k", "--served-model-name", "a", "b", "--max-model-len", "256"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            "m",
+            "--max-num-seqs",
+            "8",
+            "--scheduler",
+            "static",
+            "--api-key",
+            "k",
+            "--served-model-name",
+            "a",
+            "b",
+            "--max-model-len",
+            "256",
+        ]
+    )
     assert (args.host, args.port, args.api_key, args.served_model_name) == ("127.0.0.1", 8000, "k", ["a", "b"])
     assert (args.max_num_seqs, args.scheduler, args.max_model_len) == (8, "static", 256)
 
@@ -27,8 +43,12 @@ def test_taken_port_is_one_line_and_exit_2():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        res = subprocess.run([sys.executable, "-m", "ridge.cli", "serve", "--model", "random:tiny", "--port", str(port)],
-                             capture_output=True, text=True, timeout=120)
+        res = subprocess.run(
+            [sys.executable, "-m", "ridge.cli", "serve", "--model", "random:tiny", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot listen" in lines[0]
@@ -38,9 +58,28 @@ def test_taken_port_is_one_line_and_exit_2():
 def test_serve_answers_then_ctrl_c_stops_it_cleanly(stories_dir):
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ridge.cli", "serve", "--model", str(stories_dir), "--port", str(port),
-         "--served-model-name", "stories", "--max-model-len", "256", "--max-num-seqs", "4", "--num-threads", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "ridge.cli",
+            "serve",
+            "--model",
+            str(stories_dir),
+            "--port",
+            str(port),
+            "--served-model-name",
+            "stories",
+            "--max-model-len",
+            "256",
+            "--max-num-seqs",
+            "4",
+            "--num-threads",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -53,15 +92,28 @@ def test_serve_answers_then_ctrl_c_stops_it_cleanly(stories_dir):
                 pass
             assert time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.2)
-        res = httpx.post(f"{base}/v1/completions", json={"model": "stories", "prompt": "Once upon a time",
-                                                         "max_tokens": 12, "temperature": 0}, timeout=60)
+        res = httpx.post(
+            f"{base}/v1/completions",
+            json={"model": "stories", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0},
+            timeout=60,
+        )
         assert res.status_code == 200
         assert res.json()["choices"][0]["text"].startswith(", there was a little girl")
         assert httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["max_model_len"] == 256
         # a stream in flight when Ctrl-C comes: it finishes (graceful), then the server exits
-        with httpx.stream("POST", f"{base}/v1/completions", timeout=60,
-                          json={"model": "stories", "prompt": "Once upon a time", "max_tokens": 60,
-                                "temperature": 0, "stream": True, "ignore_eos": True}) as stream:
+        with httpx.stream(
+            "POST",
+            f"{base}/v1/completions",
+            timeout=60,
+            json={
+                "model": "stories",
+                "prompt": "Once upon a time",
+                "max_tokens": 60,
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+            },
+        ) as stream:
             lines = stream.iter_lines()
             next(lines)
             proc.send_signal(signal.SIGINT)
