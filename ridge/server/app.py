@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -41,7 +41,10 @@ from ridge.server.metrics import STATE_SOURCES, ServerMetrics, StateSource
 from ridge.server.protocol import (
     APIError,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
 )
@@ -93,16 +96,41 @@ def build_app(
 # -- routes ------------------------------------------------------------------------------------
 
 
+def _errors(*statuses: int) -> dict:
+    """OpenAPI ``responses`` for these error statuses: all are OpenAI's error object (the fuzz
+    test checks every reply against this schema, and that none is a 5xx)."""
+    return {status: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[status]} for status in statuses}
+
+
+ERROR_DESCRIPTIONS = {
+    400: "malformed JSON or a bad value",
+    401: "a missing or wrong API key",
+    404: "an unknown model or route",
+    413: "a body over the size limit",
+    422: "a field of the wrong type, a missing or an unknown field",
+    503: "the engine is not running",
+}
+V1_ERRORS = (401, 422)
+GENERATION_ERRORS = _errors(400, 404, 413, 503, *V1_ERRORS)
+
+
+def _generation_reply(model: type) -> dict:
+    """A JSON body, or server-sent events when the request streams."""
+    return {200: {"model": model, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+            **GENERATION_ERRORS}
+
+
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     serving, async_engine, metrics, config = state.serving, state.engine, state.metrics, state.config
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"content": {"application/json": {"example": {"status": "ok"}}}},
+                                   **_errors(503)})
     async def health() -> Response:
         if not async_engine.is_alive:
             raise APIError(503, f"the engine is not running ({async_engine.error or 'stopped'})")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
         try:  # engine state is read at scrape time, on the engine thread, between steps
             samples = await asyncio.wait_for(async_engine.call(metrics.read_state), STATE_READ_TIMEOUT_S)
@@ -114,21 +142,21 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     def model_card(name: str) -> ModelCard:
         return ModelCard(id=name, root=config.model_root, max_model_len=serving.max_model_len)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(*V1_ERRORS))
     async def list_models() -> ModelList:
         return ModelList(data=[model_card(n) for n in config.served_model_names])
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=_errors(404, *V1_ERRORS))
     async def get_model(model_id: str) -> ModelCard:
         if model_id not in config.served_model_names:
             raise APIError(404, f"The model {model_id!r} does not exist.", param="model", code="model_not_found")
         return model_card(model_id)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_generation_reply(CompletionResponse))
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return _reply(await _or_gone(serving.create_completion(body, raw)))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_generation_reply(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return _reply(await _or_gone(serving.create_chat_completion(body, raw)))
 

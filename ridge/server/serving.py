@@ -237,6 +237,7 @@ class OpenAIServing:
     ) -> AsyncIterator[str]:
         finals: list[RequestOutput | None] = [None] * len(ctx.prompts)
         echoed: set[int] = set()
+        ended: set[int] = set()  # choices whose finish was sent
         try:
             async for i, out in stream:
                 for c in out.outputs:
@@ -247,8 +248,8 @@ class OpenAIServing:
                         text = ctx.prompt_text(i) + text
                     end = len(c.token_ids)
                     start = end - len(c.delta_token_ids)
-                    if not text and c.finish_reason is None and start == end:
-                        continue  # no new token (a prefill chunk): nothing to say
+                    if not _is_news(text, start, end, c.finish_reason, index, ended):
+                        continue  # a prefill chunk, or a choice that already ended
                     choice = ctx.choice(i, c, text, start, end)
                     yield sse(
                         CompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[choice])
@@ -319,6 +320,7 @@ class OpenAIServing:
             )
 
         final: RequestOutput | None = None
+        ended: set[int] = set()  # choices whose finish was sent
         try:
             for index in range(params.n):  # the role first, before any token (as OpenAI and vLLM)
                 yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
@@ -326,7 +328,7 @@ class OpenAIServing:
                 for c in out.outputs:
                     end = len(c.token_ids)
                     start = end - len(c.delta_token_ids)
-                    if not c.delta_text and c.finish_reason is None and start == end:
+                    if not _is_news(c.delta_text, start, end, c.finish_reason, c.index, ended):
                         continue
                     logprobs = _chat_logprobs(c, start, end, top) if params.logprobs is not None else None
                     yield chunk(
@@ -404,6 +406,15 @@ class _CompletionContext:
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
         )
+
+
+def _is_news(text: str, start: int, end: int, finish_reason: str | None, index: int, ended: set[int]) -> bool:
+    """Whether a choice's update says anything: new text or tokens, or its finish (once: with
+    n > 1 a choice that ended still comes back in every output until all of them end)."""
+    if finish_reason is not None and index not in ended:
+        ended.add(index)
+        return True
+    return bool(text) or start != end
 
 
 def _entries(c: CompletionOutput, start: int, end: int) -> list[tuple[int, dict[int, Logprob]]]:

@@ -304,3 +304,29 @@ def test_max_tokens_default_runs_to_stop_or_context(client):
     )
     assert res.choices[0].finish_reason in ("stop", "length")
     assert res.usage.total_tokens <= 512
+
+
+def test_each_choice_ends_once_in_a_stream(http):
+    """With n > 1 a choice that had ended was sent again, empty, with its finish reason, in
+    every event until the others ended. The stop string ends the choices at different steps."""
+    common = {
+        "model": STORIES_NAME,
+        "stream": True,
+        "n": 3,
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 7,
+        "stop": [" "],
+    }
+    for path, body in (
+        ("/v1/completions", {**common, "prompt": "Once upon a time"}),
+        ("/v1/chat/completions", {**common, "messages": [{"role": "user", "content": "Hi"}]}),
+    ):
+        ends: dict[int, int] = {}
+        with http.stream("POST", path, json=body) as res:
+            for line in res.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        if choice.get("finish_reason"):
+                            ends[choice["index"]] = ends.get(choice["index"], 0) + 1
+        assert ends == {0: 1, 1: 1, 2: 1}, (path, ends)
