@@ -72,9 +72,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3, help="warm runs after the first")
     p.add_argument("--device", default=None, help="passed to ridge generate (default: auto)")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument(
+        "--setup-done",
+        action="store_true",
+        help="first run with the kernels setup compiled (the default cache): only the checkpoint is cold",
+    )
     args = p.parse_args(argv)
     extra = ["--device", args.device] if args.device else []
     with tempfile.TemporaryDirectory(prefix="ridge-cold-") as fresh_cache:
+        if args.setup_done:
+            from ridge.config import default_cache_dir
+
+            fresh_cache = str(default_cache_dir())
         dropped = 0
         if not args.model.startswith("random:"):
             dropped = drop_from_page_cache(Path(args.model))

@@ -1,46 +1,48 @@
 #!/usr/bin/env bash
-# The CUDA checks and figures, in one call on a lent GPU machine (see README "CUDA").
+# The CUDA checks and figures, run on a lent GPU machine (README "CUDA"), in one or two calls:
 #
-#   bash benchmarks/cuda_run.sh [tests] [bench] [coldstart]     (default: all three)
+#   bash benchmarks/cuda_run.sh tests soak          # the suite on CUDA, then the soak
+#   bash benchmarks/cuda_run.sh coldstart bench     # cold starts, then bench latency
 #
-# Expects, carried beside the working tree: .whl/ (the server's wheels that the GPU image
-# lacks) and .gpu/shared/ (a copy of ../shared/models). Writes logs and JSON under $OUT.
+# Expects, carried beside the working tree: .whl/ (wheels the GPU image lacks: the server's
+# and the test tools') and .gpu/shared/ (a copy of ../shared/models and tools). Writes logs
+# and JSON under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/ridge-cuda-out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 RIDGE_SHARED_DIR=$PWD/.gpu/shared RIDGE_CACHE_DIR=/tmp/ridge-cache
+export PYTHONUNBUFFERED=1 CI=1 RIDGE_SHARED_DIR=$PWD/.gpu/shared RIDGE_CACHE_DIR=/tmp/ridge-cache
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:$PWD || exit 1
 fi
-steps=${*:-tests bench coldstart}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
+  | tee -a "$OUT/gpu.txt"
 
-for step in $steps; do
+for step in "$@"; do
   case $step in
-  tests)
-    # The whole suite with the engine on CUDA (device auto); CPU-kernel tests run on the host CPU.
-    timeout 420 python3 -m pytest -q -x --timeout 300 -p no:cacheprovider -o addopts="-ra" tests \
-      2>&1 | tee "$OUT/pytest.log" | tail -n 40
+  tests)  # the whole suite; the engine runs on CUDA (device auto), CPU-kernel tests on the host CPU
+    timeout 420 python3 -m pytest -q --timeout 300 -p no:cacheprovider -o addopts="-ra" tests \
+      > "$OUT/pytest.log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -n 20
     ;;
-  bench)
-    for model in ${BENCH_MODELS:-random:tinyllama-1.1b}; do
-      name=${model#random:}
-      python3 -m ridge.cli bench latency --model "$model" --dtype bfloat16 --batch 1 --batch 8 --batch 32 \
-        --batch 128 --input-len 128 --output-len 64 --rounds 3 --json > "$OUT/latency-$name.json" \
-        2> "$OUT/latency-$name.err" || tail -n 20 "$OUT/latency-$name.err"
-      python3 - "$OUT/latency-$name.json" <<'EOF'
-import json, sys
-data = json.load(open(sys.argv[1]))
-print(json.dumps(data)[:3000])
-EOF
-    done
+  soak)
+    python3 benchmarks/soak.py --model .gpu/shared/models/stories260K --out "$OUT/soak.json" 2>&1 | tail -n 12
     ;;
   coldstart)
-    for i in 1 2; do
-      /usr/bin/time -f "wall %e s" python3 -m ridge.cli generate --model random:tinyllama-1.1b --dtype bfloat16 \
-        --max-tokens 1 --prompt "Once upon a time" 2>&1 | tail -n 3
+    python3 .gpu/shared/tools/inflate_stories.py /tmp/stories-1.1b > /dev/null
+    for model in random:tinyllama-1.1b /tmp/stories-1.1b random:llama-3.1-8b; do
+      name=$(basename "${model#random:}")
+      python3 benchmarks/cold_start.py --model "$model" --runs 2 --json "$OUT/cold-$name.json" > /dev/null \
+        2> "$OUT/cold-$name.err" && cat "$OUT/cold-$name.json" | tr -d '\n' && echo || tail -n 5 "$OUT/cold-$name.err"
+    done
+    ;;
+  bench)
+    for model in random:tinyllama-1.1b random:llama-3.1-8b; do
+      name=${model#random:}
+      python3 -m ridge.cli bench latency --model "$model" --dtype bfloat16 --batch 1 --batch 8 --batch 32 \
+        --batch 128 --input-len 128 --output-len 64 --rounds 3 > "$OUT/latency-$name.txt" 2> "$OUT/latency-$name.err" \
+        && cat "$OUT/latency-$name.txt" || tail -n 20 "$OUT/latency-$name.err"
     done
     ;;
   esac
