@@ -116,15 +116,18 @@ GENERATION_ERRORS = _errors(400, 404, 413, 503, *V1_ERRORS)
 
 def _generation_reply(model: type) -> dict:
     """A JSON body, or server-sent events when the request streams."""
-    return {200: {"model": model, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
-            **GENERATION_ERRORS}
+    return {
+        200: {"model": model, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+        **GENERATION_ERRORS,
+    }
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     serving, async_engine, metrics, config = state.serving, state.engine, state.metrics, state.config
 
-    @app.get("/health", responses={200: {"content": {"application/json": {"example": {"status": "ok"}}}},
-                                   **_errors(503)})
+    @app.get(
+        "/health", responses={200: {"content": {"application/json": {"example": {"status": "ok"}}}}, **_errors(503)}
+    )
     async def health() -> Response:
         if not async_engine.is_alive:
             raise APIError(503, f"the engine is not running ({async_engine.error or 'stopped'})")
