@@ -74,7 +74,8 @@ def bench_latency(llm, batch: int, input_len: int, output_len: int, rounds: int,
     reprobed = []
 
     def reprobe_once() -> tuple[float, float]:
-        """A step beat its floor: measure again, once per bench (re-probes cost seconds)."""
+        """A step beat its floor: measure the machine again, once per batch size (a probe
+        costs seconds); later calls only re-read this round's bandwidth."""
         if not reprobed:
             reprobed.append(telemetry.reprobe())
             ceiling.peak_flops = max(ceiling.peak_flops, reprobed[0][0])
@@ -92,7 +93,7 @@ def bench_latency(llm, batch: int, input_len: int, output_len: int, rounds: int,
         if round_index < warmup_rounds:
             continue
         # This round's roofline: its own bandwidth, the engine's peak; re-probed and raised
-        # (once per bench, noted) if a step beats it.
+        # (noted) if a step beats it.
         bandwidth = max(bw_before, bw_after)
         round_ceiling = Ceiling(ceiling.peak_flops, bandwidth, reprobe=reprobe_once, notices=notices)
         bandwidths.append(bandwidth)

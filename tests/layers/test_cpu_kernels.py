@@ -150,27 +150,35 @@ def test_portable_decode_attention_any_head_size(pair, lens, dtype, dim):
     )
 
 
-@pytest.mark.parametrize("lens", [[1], [5, 40, 17], [64, 3]])
-def test_paged_decode_attention_reads_the_pool_like_the_gathered_path(pair, lens):
+def _paged_case(lens: list[int], dim: int, block_size: int = 4, heads: int = 8, kv_heads: int = 2):
+    """bf16 pools of 40 blocks, sequences of ``lens`` tokens over scattered blocks, queries, and
+    a function building fresh decode metadata (a kernel may cache state in it)."""
     from ridge.layers.attention import AttentionMetadata, decode_valid_mask
 
-    ref, fast = pair
-    block_size, heads, kv_heads, dim = 4, 8, 2, 64
     k_cache, v_cache = _bf16(40, block_size, kv_heads, dim, seed=6), _bf16(40, block_size, kv_heads, dim, seed=7)
     width = max(-(-n // block_size) for n in lens)
     perm = torch.randperm(40, generator=torch.Generator().manual_seed(8))  # scattered blocks
     tables = perm[: len(lens) * width].view(len(lens), width)
     context = torch.tensor(lens)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(len(lens), dtype=torch.long),
-        num_decode_tokens=len(lens),
-        decode_block_tables=tables,
-        decode_context_lens=context,
-        decode_mask=decode_valid_mask(context, width * block_size),
-    )
-    q = _bf16(len(lens), heads, dim, seed=9)
-    got = fast.decode_attention(q, k_cache, v_cache, meta)
-    want = ref.decode_attention(q, k_cache, v_cache, meta)
+
+    def meta() -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=torch.zeros(len(lens), dtype=torch.long),
+            num_decode_tokens=len(lens),
+            decode_block_tables=tables,
+            decode_context_lens=context,
+            decode_mask=decode_valid_mask(context, width * block_size),
+        )
+
+    return k_cache, v_cache, tables, _bf16(len(lens), heads, dim, seed=9), meta
+
+
+@pytest.mark.parametrize("lens", [[1], [5, 40, 17], [64, 3]])
+def test_paged_decode_attention_reads_the_pool_like_the_gathered_path(pair, lens):
+    ref, fast = pair
+    k_cache, v_cache, _, q, meta = _paged_case(lens, dim=64)
+    got = fast.decode_attention(q, k_cache, v_cache, meta())
+    want = ref.decode_attention(q, k_cache, v_cache, meta())
     assert (got.float() - want.float()).abs().max().item() <= 0.02 * want.float().abs().max().item()
 
 
@@ -204,28 +212,13 @@ def test_a_build_at_first_use_says_what_it_is_doing(monkeypatch):
 @pytest.mark.parametrize("dim", [64, 24])  # the AVX-512 bf16 kernel (16k head sizes) and the portable one
 def test_decode_attention_never_reads_slots_past_a_context(pair, dim):
     """The pool is not zero-filled: NaN in every slot no sequence wrote changes nothing."""
-    from ridge.layers.attention import AttentionMetadata, decode_valid_mask
-
-    lens, block_size, heads, kv_heads = [5, 40, 17], 4, 8, 2
-    k_cache, v_cache = _bf16(40, block_size, kv_heads, dim, seed=6), _bf16(40, block_size, kv_heads, dim, seed=7)
-    width = max(-(-n // block_size) for n in lens)
-    tables = torch.randperm(40, generator=torch.Generator().manual_seed(8))[: len(lens) * width].view(len(lens), width)
-    context = torch.tensor(lens)
-    q = _bf16(len(lens), heads, dim, seed=9)
+    lens, block_size, kv_heads = [5, 40, 17], 4, 2
+    k_cache, v_cache, tables, q, meta = _paged_case(lens, dim, block_size=block_size, kv_heads=kv_heads)
+    width = tables.shape[1]
     written = torch.zeros(40 * block_size, dtype=torch.bool)
     for row, n in zip(tables, lens):
         slots = row.repeat_interleave(block_size) * block_size + torch.arange(block_size).repeat(width)
         written[slots[:n]] = True
-
-    def meta() -> AttentionMetadata:  # fresh per call: a kernel may cache state in it
-        return AttentionMetadata(
-            slot_mapping=torch.zeros(len(lens), dtype=torch.long),
-            num_decode_tokens=len(lens),
-            decode_block_tables=tables,
-            decode_context_lens=context,
-            decode_mask=decode_valid_mask(context, width * block_size),
-        )
-
     for kernels in pair:
         clean = kernels.decode_attention(q, k_cache, v_cache, meta())
         poisoned_k, poisoned_v = k_cache.clone(), v_cache.clone()
