@@ -7,6 +7,7 @@ file only wires them and turns bad input into one line on stderr with exit code 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _log_to_stderr()
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, NotImplementedError) as exc:
@@ -38,6 +40,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _log_to_stderr() -> None:
+    """ridge's start-up log (what was loaded, quantized, allocated) as ``ridge: ...`` lines."""
+    log = logging.getLogger("ridge")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("ridge: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
 
 
 if __name__ == "__main__":

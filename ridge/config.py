@@ -191,6 +191,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     num_threads: int | None = None
     kernels: str = "auto"
+    quantization: str | None = None  # int8 | int4 | int4_asym (or q8_0 | q4_0 | q4_1): weights quantized at load
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -212,6 +213,14 @@ class EngineConfig:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         if self.scheduler not in SCHEDULER_POLICIES:
             raise ValueError(f"scheduler must be one of {', '.join(SCHEDULER_POLICIES)}, got {self.scheduler!r}")
+        if self.quantization in ("", "none"):
+            self.quantization = None
+        if self.quantization is not None:
+            from ridge.quantization.formats import get_format
+
+            if not isinstance(self.quantization, str):
+                raise ValueError(f"quantization must be a format name, got {self.quantization!r}")
+            self.quantization = get_format(self.quantization).name
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:

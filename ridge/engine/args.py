@@ -38,6 +38,13 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None =
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     g.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="quantize the linear layers' weights at load: int8 (llama.cpp's Q8_0), int4 (Q4_0), "
+        "int4_asym (Q4_1); blocks of 32 along K",
+    )
+    g.add_argument(
         "--kernels",
         choices=KERNEL_CHOICES,
         default="auto",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import os
 import time
 
@@ -27,6 +28,7 @@ from ridge.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer, load_t
 from ridge.kv.manager import KVCacheManager
 from ridge.layers.cpu_kernels import select_kernels
 from ridge.models.loader import load_model, read_hf_config
+from ridge.quantization.config import QuantizationConfig
 from ridge.roofline.probe import local_hardware
 from ridge.roofline.shapes import ModelShape
 from ridge.sampling import Sampler, SamplingParams, SamplingState
@@ -44,6 +46,8 @@ DEFAULT_KV_MEMORY_FRACTION = {"cpu": 0.25, "cuda": 0.80}
 # only a tokenizer that merges runs of unknown characters into one token could beat it.
 PROMPT_CHARS_MARGIN = 4
 
+logger = logging.getLogger(__name__)
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -54,11 +58,14 @@ class LLMEngine:
         hf_config, model_dir = read_hf_config(config.model)
         model_config = ModelConfig.from_hf_config(hf_config, config.max_model_len)
         self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
+        quant = QuantizationConfig.from_name(config.quantization)
         loaded = load_model(
-            hf_config, model_config, model_dir, self.dtype, self.device, config.max_model_len, config.seed
+            hf_config, model_config, model_dir, self.dtype, self.device, config.max_model_len, config.seed, quant
         )
         self.model = loaded.model
         self.model.set_kernels(select_kernels(config.kernels, self.device, self.dtype))
+        for line in quant.summary():
+            logger.info("weights: %s", line)
         self.model_config = loaded.config
         self.hf_config = loaded.hf_config
         self.max_model_len = loaded.max_model_len

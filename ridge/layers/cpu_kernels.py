@@ -29,18 +29,20 @@ import torch
 from ridge.config import default_cache_dir
 
 CSRC_DIR = Path(__file__).with_name("csrc")
-SOURCES = ("linear_bf16.cpp", "decode_ops.cpp", "bindings.cpp")
+SOURCES = ("linear_bf16.cpp", "linear_quant.cpp", "decode_ops.cpp", "bindings.cpp")
 EXTENSION_NAME = "ridge_cpu"
 # Progress lines while a build runs (it takes 1-2 minutes on 2 cores).
 PROGRESS_EVERY_S = 15.0
 
 
 def cpu_has_avx512_bf16() -> bool:
+    """AVX-512 BF16 and VNNI (every CPU with the first has the second): what the kernels use."""
     try:
         with open("/proc/cpuinfo") as f:
-            return "avx512_bf16" in f.read()
+            flags = f.read()
     except OSError:
         return False
+    return "avx512_bf16" in flags and "avx512_vnni" in flags
 
 
 def extension_build_dir() -> Path:
@@ -94,7 +96,17 @@ def load_extension(progress=sys.stderr):
         module = load(
             name=EXTENSION_NAME,
             sources=[str(CSRC_DIR / name) for name in SOURCES],
-            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"],
+            extra_cflags=[
+                "-O3",
+                "-mavx512f",
+                "-mavx512bw",
+                "-mavx512vl",
+                "-mavx512bf16",
+                "-mavx512vnni",
+                "-mf16c",
+                "-mfma",
+                "-fopenmp",
+            ],
             build_directory=str(build_dir),
             verbose=False,
         )

@@ -13,18 +13,28 @@ import torch
 import torch.nn.functional as F
 
 from ridge.layers.attention import AttentionMetadata, decode_valid_mask, gather_context
-from ridge.layers.linear import Linear, dense_linear
+from ridge.layers.linear import Linear
 from ridge.layers.rotary import RotaryEmbedding, rotate_half
+from ridge.quantization.formats import Q4_0, Q4_1, Q8_0, BlockFormat
+
+# The extension's format codes (csrc/linear_quant.cpp)
+QUANT_KERNEL_CODES = {Q8_0.name: 0, Q4_0.name: 1, Q4_1.name: 2}
 
 
 class TorchKernels:
     name = "torch"
 
     def matmul(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
-        return dense_linear(x, layer)
+        """x @ W^T (+ b) in whatever form the layer's method holds W: here its torch reference."""
+        return layer.method.apply(layer, x)
 
-    def prepare(self, model: torch.nn.Module) -> None:
-        """Called once with the loaded model (weights may be repacked here)."""
+    # Repacking, asked for by each layer's method once its weights are loaded. These kernels
+    # keep every format as loaded (None: not repacked).
+    def pack_dense(self, weight: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def pack_blocks(self, fmt: BlockFormat, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
+        return None
 
     def rope_state(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype):
         """Per-step RoPE inputs, shared by every layer: the gathered (cos, sin) rows."""
@@ -69,8 +79,8 @@ class TorchKernels:
 
 
 class CpuKernels(TorchKernels):
-    """ridge's extension on AVX-512 BF16 CPUs: bf16 throughout, float32 decode attention;
-    anything else falls back to torch."""
+    """ridge's extension on AVX-512 BF16 + VNNI CPUs: bf16 throughout, quantized weights in
+    any dtype (integer dot products), float32 decode attention; anything else falls back to torch."""
 
     name = "ridge-cpu"
 
@@ -78,26 +88,34 @@ class CpuKernels(TorchKernels):
         self.ext = ext
 
     def matmul(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
-        if layer.packed is None or x.dtype is not torch.bfloat16:
-            return dense_linear(x, layer)
-        return self.ext.linear_bf16(x, layer.packed, layer.out_features, layer.bias)
+        packed, fmt = layer.packed, layer.method.format
+        if packed is None or packed.device != x.device:
+            return layer.method.apply(layer, x)
+        if fmt is None:
+            if x.dtype is not torch.bfloat16:
+                return layer.method.apply(layer, x)
+            return self.ext.linear_bf16(x, packed, layer.out_features, layer.bias)
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            return layer.method.apply(layer, x)
+        return self.ext.linear_quant(x, packed, QUANT_KERNEL_CODES[fmt.name], layer.out_features, layer.bias)
 
-    def prepare(self, model: torch.nn.Module) -> None:
-        """Repack every bf16 CPU linear weight into the kernel's blocks and free the dense copy,
-        unless another module shares it (a tied lm_head keeps the embedding's)."""
-        linears = [m for m in model.modules() if isinstance(m, Linear)]
-        owners: dict[int, int] = {}
-        for module in model.modules():
-            for param in module.parameters(recurse=False):
-                owners[param.data_ptr()] = owners.get(param.data_ptr(), 0) + 1
-        for layer in linears:
-            weight = layer.weight
-            if weight.dtype is not torch.bfloat16 or weight.device.type != "cpu" or weight.numel() == 0:
-                continue
-            layer.packed = self.ext.pack_vnni(weight.detach())
-            layer.unpack = self.ext.unpack_vnni
-            if owners[weight.data_ptr()] == 1:
-                layer.weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+    def pack_dense(self, weight):
+        """bf16 CPU weights into linear_bf16's blocks of 16 rows x 2 k."""
+        if weight.dtype is not torch.bfloat16 or weight.device.type != "cpu" or weight.numel() == 0:
+            return None
+        return self.ext.pack_vnni(weight)
+
+    def unpack_dense(self, packed, n, k):
+        return self.ext.unpack_vnni(packed, n, k)
+
+    def pack_blocks(self, fmt, blocks, n, k):
+        """GGUF blocks into linear_quant's blocks of 16 rows (any model dtype: x is quantized)."""
+        if fmt.name not in QUANT_KERNEL_CODES or blocks.device.type != "cpu":
+            return None
+        return self.ext.pack_quant(blocks, QUANT_KERNEL_CODES[fmt.name], n, k)
+
+    def unpack_blocks(self, fmt, packed, n, k):
+        return self.ext.unpack_quant(packed, QUANT_KERNEL_CODES[fmt.name], n, k)
 
     def rope_state(self, rotary, positions, dtype):
         return positions, rotary.cos, rotary.sin

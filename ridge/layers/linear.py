@@ -1,50 +1,63 @@
 """Linear layers, including the packed ones that fuse several checkpoint matrices.
 
-A packed layer stacks its shards along the output dimension; the loader copies each
-checkpoint tensor into its row range (see ``models/llama.py``'s packing map):
+A layer's weight format is its method's business (``quantization/methods.py``): the method
+creates the tensors, loads checkpoint tensors into them, lets the kernels repack them, and
+is the torch reference for the matmul. The model calls ``kernels.matmul(x, layer)``, which
+dispatches on the method's format.
 
-    qkv_proj.weight  rows: [ q_proj (Hq*D) | k_proj (Hkv*D) | v_proj (Hkv*D) ]
-    gate_up_proj     rows: [ gate_proj (I) | up_proj (I) ]
+A packed layer stacks its shards along the output dimension; the loader hands each
+checkpoint tensor to the method with its row range (see ``models/llama.py``'s packing map):
+
+    qkv_proj  rows: [ q_proj (Hq*D) | k_proj (Hkv*D) | v_proj (Hkv*D) ]
+    gate_up   rows: [ gate_proj (I) | up_proj (I) ]
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-
-def dense_linear(x: torch.Tensor, layer: Linear) -> torch.Tensor:
-    return F.linear(x, layer.weight, layer.bias)
+from ridge.quantization.methods import LinearMethod, UnquantizedLinearMethod
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` whose matmul is the engine's kernels' (the model calls ``kernels.matmul(x, layer)``).
+class Linear(nn.Module):
+    """y = x W^T (+ b), W held however ``method`` holds it.
 
-    Kernels may keep the weight in their own layout (``packed``, with ``unpack`` to get the
-    dense ``(out, in)`` matrix back) and free the dense copy: ``dense_weight()`` always works,
-    and so does calling the layer (through the dense weight; slow when packed, off the hot path).
+    ``packed`` is the kernels' layout once repacked (``unpacker`` rebuilds the plain form);
+    ``dense_weight()`` always gives the (out, in) matrix, and calling the layer computes
+    through the method's torch reference (slow when packed, off the hot path).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
-        super().__init__(in_features, out_features, bias=bias)
+    def __init__(self, in_features: int, out_features: int, bias: bool, method: LinearMethod | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.method = method or UnquantizedLinearMethod()
         self.packed: torch.Tensor | None = None
-        self.unpack = None
+        self.unpacker = None  # the kernels that packed it
+        self.weight_is_shared = False  # a tied lm_head: the embedding's Parameter, never freed
+        self.method.create_weights(self)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dense_weight(), self.bias)
+        return self.method.apply(self, x)
 
     def dense_weight(self) -> torch.Tensor:
-        if self.weight.numel() == 0 and self.packed is not None:
-            return self.unpack(self.packed, self.out_features, self.in_features)
-        return self.weight
+        return self.method.dense_weight(self)
+
+    def weight_nbytes(self) -> int:
+        return self.method.weight_nbytes(self)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, {self.method.name}"
 
 
 class PackedLinear(Linear):
-    """``nn.Linear`` whose rows are the concatenation of ``output_sizes`` shards."""
+    """A linear layer whose rows are the concatenation of ``output_sizes`` shards."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
-        super().__init__(in_features, sum(output_sizes), bias=bias)
+    def __init__(
+        self, in_features: int, output_sizes: list[int], bias: bool, method: LinearMethod | None = None
+    ) -> None:
+        super().__init__(in_features, sum(output_sizes), bias, method)
         self.output_sizes = list(output_sizes)
 
     def shard_rows(self, index: int) -> slice:

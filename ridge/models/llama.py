@@ -18,6 +18,7 @@ from ridge.layers.kernels import TorchKernels
 from ridge.layers.linear import Linear, PackedLinear
 from ridge.layers.norm import RMSNorm
 from ridge.layers.rotary import RotaryEmbedding
+from ridge.quantization.config import QuantizationConfig
 
 # checkpoint module name -> (packed module name, shard index)
 PACKED_MODULES: dict[str, tuple[str, int]] = {
@@ -38,11 +39,18 @@ class StepInputs:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, quant: QuantizationConfig, prefix: str) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = PackedLinear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], bias=cfg.qkv_bias)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = PackedLinear(
+            cfg.hidden_size,
+            [cfg.q_size, cfg.kv_size, cfg.kv_size],
+            bias=cfg.qkv_bias,
+            method=quant.method_for(f"{prefix}.qkv_proj", cfg.hidden_size),
+        )
+        self.o_proj = Linear(
+            cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, method=quant.method_for(f"{prefix}.o_proj", cfg.q_size)
+        )
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -73,23 +81,30 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, quant: QuantizationConfig, prefix: str) -> None:
         super().__init__()
         inter = cfg.intermediate_size
-        self.gate_up_proj = PackedLinear(cfg.hidden_size, [inter, inter], bias=cfg.mlp_bias)
-        self.down_proj = Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = PackedLinear(
+            cfg.hidden_size,
+            [inter, inter],
+            bias=cfg.mlp_bias,
+            method=quant.method_for(f"{prefix}.gate_up_proj", cfg.hidden_size),
+        )
+        self.down_proj = Linear(
+            inter, cfg.hidden_size, bias=cfg.mlp_bias, method=quant.method_for(f"{prefix}.down_proj", inter)
+        )
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         return ops.matmul(ops.silu_mul(ops.matmul(x, self.gate_up_proj)), self.down_proj)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, quant: QuantizationConfig, prefix: str) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, quant, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, quant, f"{prefix}.mlp")
 
     def forward(self, h, kv_cache, meta, step: StepInputs) -> None:
         """h: the residual stream (T, hidden), updated in place."""
@@ -101,11 +116,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, quant: QuantizationConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, quant, f"model.layers.{i}") for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -114,14 +129,24 @@ class LlamaForCausalLM(nn.Module):
 
     packed_modules = PACKED_MODULES
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, quant: QuantizationConfig | None = None) -> None:
         super().__init__()
+        quant = quant or QuantizationConfig()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_positions)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.quant_config = quant
+        self.model = LlamaModel(cfg, max_positions, quant)
+        tied = cfg.tie_word_embeddings
+        self.lm_head = Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False, method=quant.method_for("lm_head", cfg.hidden_size, tied)
+        )
+        if tied:
+            self.tie_lm_head()
         self.kernels = TorchKernels()
+
+    def tie_lm_head(self) -> None:
+        """lm_head computes with the embedding's Parameter itself (never freed by repacking)."""
+        self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head.weight_is_shared = True
 
     def forward(
         self,
@@ -144,6 +169,9 @@ class LlamaForCausalLM(nn.Module):
         return self.kernels.matmul(self.kernels.rms_norm(hidden, norm.weight, norm.eps), self.lm_head)
 
     def set_kernels(self, kernels) -> None:
-        """Run on ``kernels`` (``layers/kernels.py``): its matmul for every linear layer, its ops elsewhere."""
+        """Run on ``kernels`` (``layers/kernels.py``): its matmul for every linear layer, its ops
+        elsewhere. Each layer's method repacks its loaded weight for them."""
         self.kernels = kernels
-        kernels.prepare(self)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.method.process_weights_after_loading(module, kernels)

@@ -16,9 +16,11 @@ from pathlib import Path
 import torch
 
 from ridge.config import ModelConfig
+from ridge.layers.linear import Linear
 from ridge.models.llama import LlamaForCausalLM
 from ridge.models.presets import get_preset
 from ridge.models.safetensors_mmap import SafetensorsFile
+from ridge.quantization.config import QuantizationConfig
 
 RANDOM_PREFIX = "random:"
 
@@ -56,10 +58,12 @@ def load_model(
     device: torch.device,
     max_model_len: int | None = None,
     seed: int = 0,
+    quantization: QuantizationConfig | None = None,
 ) -> LoadedModel:
-    """Weights from ``model_dir``'s safetensors, or random ones (seeded) when it is None."""
+    """Weights from ``model_dir``'s safetensors, or random ones (seeded) when it is None;
+    linear layers in the format ``quantization`` gives each (quantized as they load)."""
     context_limit = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
-    model = _empty_model(config, context_limit, dtype, device)
+    model = _empty_model(config, context_limit, dtype, device, quantization or QuantizationConfig())
     if model_dir is None:
         _init_random(model, seed)
     else:
@@ -68,15 +72,18 @@ def load_model(
     return LoadedModel(model, config, hf_config, model_dir, context_limit)
 
 
-def _empty_model(config: ModelConfig, context_limit: int, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    # Build on the meta device (no init cost), then allocate uninitialized storage once.
+def _empty_model(
+    config: ModelConfig, context_limit: int, dtype: torch.dtype, device: torch.device, quant: QuantizationConfig
+) -> LlamaForCausalLM:
+    # Build on the meta device (no init cost), then allocate uninitialized storage once
+    # (.to(dtype) converts floating tensors only: quantized blocks stay uint8).
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, context_limit)
+        model = LlamaForCausalLM(config, context_limit, quant)
     model = model.to(dtype).to_empty(device=device)
     model.model.rotary.__init__(config.head_dim, context_limit, config.rope_theta, config.rope_scaling)
     model.model.rotary.to(device)
     if config.tie_word_embeddings:  # to_empty makes new tensors, which unties them
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model.tie_lm_head()
     return model
 
 
@@ -90,17 +97,29 @@ def _init_random(model: LlamaForCausalLM, seed: int) -> None:
     """
     params = list(model.named_parameters())
     device = params[0][1].device
+    dtype = model.model.embed_tokens.weight.dtype
+    # A quantized layer has no Parameter: it draws its dense weight (as a Parameter would be
+    # drawn, same generator) and loads it, quantizing.
+    quantized = [(f"{n}.weight", m) for n, m in model.named_modules() if isinstance(m, Linear) and m.method.format]
+    draws: list[tuple[str, torch.Tensor | Linear]] = params + quantized
 
     def fill(index: int) -> None:
-        name, param = params[index]
+        name, target = draws[index]
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
         with torch.no_grad():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
+            if isinstance(target, Linear):
+                dense = torch.empty(target.out_features, target.in_features, dtype=dtype, device=device)
+                target.method.load_weight(target, dense.normal_(0.0, 0.02, generator=gen), None)
+            elif name.endswith("norm.weight"):
+                target.fill_(1.0)
             else:
-                gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
-                param.normal_(0.0, 0.02, generator=gen)
+                target.normal_(0.0, 0.02, generator=gen)
 
-    order = sorted(range(len(params)), key=lambda i: -params[i][1].numel())  # big ones first
+    def size(i: int) -> int:
+        target = draws[i][1]
+        return target.in_features * target.out_features if isinstance(target, Linear) else target.numel()
+
+    order = sorted(range(len(draws)), key=lambda i: -size(i))  # big ones first
     if device.type == "cpu":
         with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
             list(pool.map(fill, order))
@@ -131,7 +150,7 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
     """Each file memory-mapped; a tensor in the parameter's dtype on the CPU becomes the
     parameter itself (a view of the page cache: no copy), others are copied in (a packed
     projection's shard into its rows, another dtype converted, another device uploaded)."""
-    params = dict(model.named_parameters(remove_duplicate=False))
+    names = _loadable_names(model)
     modules = dict(model.named_modules())
     loaded: set[str] = set()
     for file in _weight_files(model_dir):
@@ -139,28 +158,50 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
         for name in handle.keys():
             if "rotary_emb" in name:
                 continue
-            target = _target_of(name, params, model.packed_modules)
+            target = _target_of(name, names, model.packed_modules)
             if target is None:
                 if name == "lm_head.weight" and model.config.tie_word_embeddings:
                     continue
                 raise ValueError(f"{file.name}: unexpected tensor {name!r} for {model.config.architecture}")
-            param_name, shard = target
-            tensor = handle.get_tensor(name)
-            param = params[param_name]
-            with torch.no_grad():
-                if shard is not None:
-                    module = modules[param_name.rsplit(".", 1)[0]]
-                    _copy_checked(param[module.shard_rows(shard)], tensor, name)
-                elif tensor.dtype == param.dtype and param.device.type == "cpu":
-                    _check_shape(param, tensor, name)
-                    param.data = tensor  # the mapped file itself (a tied lm_head shares the Parameter)
-                else:
-                    _copy_checked(param, tensor, name)
-            loaded.add(param_name if shard is None else f"{param_name}#{shard}")
+            load_tensor(model, modules, target, handle.get_tensor(name), name)
+            loaded.add(target[0] if target[1] is None else f"{target[0]}#{target[1]}")
     _check_complete(model, loaded)
 
 
-def _target_of(name: str, params: dict, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None] | None:
+def _loadable_names(model: LlamaForCausalLM) -> set[str]:
+    """Every name a checkpoint tensor can land on: the parameters, and each linear layer's
+    weight whatever form its method keeps it in."""
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return names | {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Linear)}
+
+
+def load_tensor(model, modules: dict, target: tuple[str, int | None], tensor: torch.Tensor, name: str) -> None:
+    """One checkpoint tensor into ridge's parameter ``target`` (name, packed shard or None): a
+    linear layer's weight through its method, anything else into the parameter (the mapped
+    file itself where dtype and device allow)."""
+    param_name, shard = target
+    module_name, leaf = param_name.rsplit(".", 1)
+    module = modules[module_name]
+    try:
+        with torch.no_grad():
+            if isinstance(module, Linear) and leaf == "weight":
+                module.method.load_weight(module, tensor, None if shard is None else module.shard_rows(shard))
+                return
+            param = getattr(module, leaf)
+            if shard is not None:
+                _copy_checked(param[module.shard_rows(shard)], tensor, name)
+            elif tensor.dtype == param.dtype and param.device.type == "cpu":
+                _check_shape(param, tensor, name)
+                param.data = tensor  # the mapped file itself
+            else:
+                _copy_checked(param, tensor, name)
+    except ValueError as exc:
+        if str(exc).startswith("weight "):
+            raise ValueError(f"weight {name!r}{str(exc)[len('weight') :]}") from None
+        raise
+
+
+def _target_of(name: str, params: set[str], packed: dict[str, tuple[str, int]]) -> tuple[str, int | None] | None:
     """Checkpoint tensor name -> (ridge parameter name, packed shard index or None)."""
     candidates = [name] if name.startswith(("model.", "lm_head.")) else [name, f"model.{name}"]
     for cand in candidates:
@@ -188,7 +229,7 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 def _check_complete(model: LlamaForCausalLM, loaded: set[str]) -> None:
     missing = []
     modules = dict(model.named_modules())
-    for name, _ in model.named_parameters():
+    for name in sorted(_loadable_names(model)):
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         module = modules[name.rsplit(".", 1)[0]]

@@ -4,6 +4,10 @@
 torch::Tensor pack_vnni(torch::Tensor w);
 torch::Tensor unpack_vnni(torch::Tensor packed, int64_t N, int64_t K);
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias);
+torch::Tensor pack_quant(torch::Tensor blocks, int64_t fmt, int64_t N, int64_t K);
+torch::Tensor unpack_quant(torch::Tensor packed, int64_t fmt, int64_t N, int64_t K);
+torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_t N,
+                           c10::optional<torch::Tensor> bias);
 torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
 void rope_bf16_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
@@ -17,6 +21,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_vnni", &pack_vnni, "(N, K) bf16 -> (N/16, K/2, 16, 2) blocks for linear_bf16");
   m.def("unpack_vnni", &unpack_vnni, "the inverse of pack_vnni");
   m.def("linear_bf16", &linear_bf16, "y = x @ W.T (+ bias) with W packed by pack_vnni; bfloat16, AVX-512 BF16");
+  m.def("pack_quant", &pack_quant, "(N, K/32 * type_size) GGUF blocks -> blocks of 16 rows for linear_quant");
+  m.def("unpack_quant", &unpack_quant, "the inverse of pack_quant");
+  m.def("linear_quant", &linear_quant,
+        "y = x @ W.T (+ bias) with W in Q8_0 / Q4_0 / Q4_1 (fmt 0 / 1 / 2) packed by pack_quant; AVX-512 VNNI");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm, rounded like Hugging Face's bf16 path");
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual += x (in place), then RMSNorm(residual)");
   m.def("rope_bf16_", &rope_bf16_, "rotate-half RoPE in place on (T, H, D) rows");

@@ -194,11 +194,11 @@ void gemm_large_m(const bf16* x, int64_t M, int64_t K, const bf16* wp, int64_t N
 // Packed weights live in 2 MiB pages where the kernel allows it: streaming gigabytes through
 // 4 KiB pages costs a TLB miss every 64 cache lines (torch's allocator does not ask for huge
 // pages, and transparent huge pages here are "madvise" only).
-static torch::Tensor huge_page_empty(at::IntArrayRef shape, const at::TensorOptions& options) {
+torch::Tensor huge_page_empty(at::IntArrayRef shape, const at::TensorOptions& options) {
   constexpr size_t kHuge = 2u << 20;
   int64_t numel = 1;
   for (auto d : shape) numel *= d;
-  const size_t bytes = static_cast<size_t>(numel) * 2;
+  const size_t bytes = static_cast<size_t>(numel) * options.dtype().itemsize();
   if (bytes < kHuge) return torch::empty(shape, options);
   const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
   void* ptr = nullptr;

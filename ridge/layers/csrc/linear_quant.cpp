@@ -1,0 +1,324 @@
+// y = x @ w^T (+ bias) for weights in llama.cpp's block formats (Q8_0, Q4_0, Q4_1), with
+// integer dot products (AVX-512 VNNI, vpdpbusd): x is quantized per row to int8 in blocks
+// of 32 (as llama.cpp quantizes activations to Q8_0), so one instruction does 64
+// multiply-adds (twice vdpbf16ps) and W is read in its own 4.5-8.5 bits per weight.
+//
+// Packing (once, at load) regroups a GGUF tensor's blocks into blocks of 16 output rows so
+// that one 64-byte load holds 4 consecutive k of 16 rows, what vpdpbusd takes:
+//
+//   for each block of 16 rows nb:  [ G weight chunks ][ G x 16 fp16 d ]( [ G x 16 fp16 m ] Q4_1 )
+//   weight chunk of group g (32 k):
+//     int8   [ 8 quads j ][ 16 rows r ][ 4 k t ]  u8 = q + 128       at k = 32g + 4j + t
+//     int4   [ 4 quads j ][ 16 rows r ][ 4 k t ]  low nibble  k = 32g + 4j + t
+//                                                 high nibble k = 32g + 16 + 4j + t
+//
+// (a GGUF Q4 block's byte i already holds elements i and i + 16: the nibble bytes move as
+// they are). A block of 16 rows is contiguous, its weight chunks 64-byte aligned, and it
+// holds exactly the GGUF bytes of its 16 rows: the kernel reads what the file holds, no more.
+//
+// vpdpbusd multiplies unsigned by signed bytes: W is the unsigned side (codes 0..15, or the
+// int8 code + 128) and x the signed one; the offset comes back out with the x block's sum:
+//   sum_k (q_k - off) x_k = sum_k q_k x_k - off * sum_k x_k         (off = 128, 8 or 0)
+//   Q4_1: sum_k (q_k d + m) x_k = d sum_k q_k x_k + m sum_k x_k
+//   (with x = dx * xq per block of 32: every sum above is an integer times dx)
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+torch::Tensor huge_page_empty(at::IntArrayRef shape, const at::TensorOptions& options);
+
+namespace {
+
+enum Format : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+
+constexpr int64_t QK = 32;     // weights per block
+constexpr int64_t ROWS = 16;   // output rows per packed block
+constexpr int64_t SLAB = 128;
+// Software prefetch (8 groups ahead) only for tiles of 8+ rows, whose arithmetic would
+// otherwise hold the loads back; fewer rows stream better with the hardware prefetcher alone.
+constexpr int64_t PF_DIST = 8, PF_MIN_MR = 8;  // rows of x per pass over W for prefill (x slab stays in L2)
+
+struct Layout {
+  int64_t type_size, wbytes, chunk, off;  // chunk: bytes per group of 32 k in a block of 16 rows
+  bool nibbles, has_min;
+};
+
+Layout layout_of(int64_t fmt) {
+  switch (fmt) {
+    case Q8_0: return {34, 512, 512 + 32, 128, false, false};
+    case Q4_0: return {18, 256, 256 + 32, 8, true, false};
+    case Q4_1: return {20, 256, 256 + 64, 0, true, true};
+  }
+  TORCH_CHECK(false, "unknown block format ", fmt);
+}
+
+// x of one tile, quantized and laid out as the kernel reads it (group-major, then row):
+//   q[(g * 8 + j) * MR + i]  4 int8 of row i at k = 32g + 4j .. +3, as one int32
+//   d[g * MR + i]            row i's scale of group g
+//   s[g * MR + i]            d * sum_k q (the block's x as quantized), for Q4_1
+struct XTile {
+  int64_t row0, rows, mr;
+  int32_t* q;
+  float* d;
+  float* s;
+  int32_t* qs;  // -off * sum of codes (symmetric formats)
+};
+
+template <typename T>
+inline __m512 load16(const T* p);
+template <>
+inline __m512 load16<float>(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+template <>
+inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// One row of x -> int8 codes per group of 32 (scale amax / 127, round to nearest).
+template <typename T>
+void quantize_row(const T* x, int64_t G, int64_t off, const XTile& t, int64_t i) {
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 a = load16(x + g * QK), b = load16(x + g * QK + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float d = amax / 127.f, id = amax > 0 ? 127.f / amax : 0.f;
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
+    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
+    alignas(32) int8_t codes[32];
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16), _mm512_cvtsepi32_epi8(qb));
+    for (int64_t j = 0; j < 8; ++j) std::memcpy(&t.q[(g * 8 + j) * t.mr + i], codes + 4 * j, 4);
+    t.d[g * t.mr + i] = d;
+    const int32_t code_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    t.qs[g * t.mr + i] = static_cast<int32_t>(-off * code_sum);
+    // Q4_1's minimum multiplies the sum of the *quantized* x (as llama.cpp's Q8_1 does): the
+    // error is then sum_k w_k e_k, not sum_k q_k d e_k, whose terms all share one sign
+    t.s[g * t.mr + i] = d * static_cast<float>(code_sum);
+  }
+}
+
+template <int FMT>
+inline void load_weights(const uint8_t* chunk, __m512i w[8]) {
+  if constexpr (FMT == Q8_0) {
+    for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(chunk + 64 * j);
+  } else {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(chunk + 64 * j);
+      w[j] = _mm512_and_si512(v, low);
+      w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+  }
+}
+
+// One block of 16 outputs for the MR rows of a tile: fp32 results into out[MR][16].
+template <int FMT, int MR>
+inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* out) {
+  constexpr int64_t WB = FMT == Q8_0 ? 512 : 256;
+  __m512 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  const uint8_t* scales = block + G * WB;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* chunk = block + g * WB;
+    if constexpr (MR >= PF_MIN_MR) {
+      _mm_prefetch(reinterpret_cast<const char*>(chunk + PF_DIST * WB), _MM_HINT_T0);
+      if constexpr (WB > 256) _mm_prefetch(reinterpret_cast<const char*>(chunk + PF_DIST * WB + 256), _MM_HINT_T0);
+    }
+    __m512i w[8];
+    load_weights<FMT>(chunk, w);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * 32)));
+    __m512 mw;
+    if constexpr (FMT == Q4_1)
+      mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (G + g) * 32)));
+    const int32_t* xq = t.q + g * 8 * MR;
+    for (int i = 0; i < MR; ++i) {
+      // two partial sums: halves the chain of dependent vpdpbusd (latency 5)
+      // the offset's correction (-off * sum of x codes) starts the sum: no extra op
+      __m512i s = FMT == Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(t.qs[g * MR + i]);
+      if constexpr (MR <= 2) {  // few rows: two chains, or vpdpbusd's latency (5) is the limit
+        __m512i s1 = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j += 2) {
+          s = _mm512_dpbusd_epi32(s, w[j], _mm512_set1_epi32(xq[j * MR + i]));
+          s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(xq[(j + 1) * MR + i]));
+        }
+        s = _mm512_add_epi32(s, s1);
+      } else {
+        for (int j = 0; j < 8; ++j) s = _mm512_dpbusd_epi32(s, w[j], _mm512_set1_epi32(xq[j * MR + i]));
+      }
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(t.d[g * MR + i]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[i]);
+      if constexpr (FMT == Q4_1) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(t.s[g * MR + i]), acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) _mm512_storeu_ps(out + i * 16, acc[i]);
+}
+
+template <int FMT, int MR, typename T>
+inline void run_tile(const XTile& t, const uint8_t* block, int64_t G, int64_t nb, int64_t N, const float* bias,
+                     T* y) {
+  alignas(64) float buf[MR * 16];
+  tile_block<FMT, MR>(block, G, t, buf);
+  const int64_t n0 = nb * ROWS, n_end = std::min<int64_t>(N, n0 + ROWS);
+  for (int64_t i = 0; i < t.rows; ++i) {
+    T* yrow = y + (t.row0 + i) * N;
+    for (int64_t n = n0; n < n_end; ++n) yrow[n] = T(buf[i * 16 + n - n0] + (bias ? bias[n] : 0.f));
+  }
+}
+
+template <int FMT, typename T>
+void dispatch_tile(const XTile& t, const uint8_t* block, int64_t G, int64_t nb, int64_t N, const float* bias, T* y) {
+  switch (t.mr) {
+    case 1: return run_tile<FMT, 1>(t, block, G, nb, N, bias, y);
+    case 2: return run_tile<FMT, 2>(t, block, G, nb, N, bias, y);
+    case 4: return run_tile<FMT, 4>(t, block, G, nb, N, bias, y);
+    case 8: return run_tile<FMT, 8>(t, block, G, nb, N, bias, y);
+    case 12: return run_tile<FMT, 12>(t, block, G, nb, N, bias, y);
+    default: return run_tile<FMT, 16>(t, block, G, nb, N, bias, y);
+  }
+}
+
+// Rows [0, M) of x (at most SLAB): quantize into tiles of up to 16 rows, then every block of
+// W passes every tile while it is in cache; threads take contiguous runs of blocks.
+template <int FMT, typename T>
+void gemm_slab(const T* x, int64_t M, int64_t K, const uint8_t* wp, int64_t N, const float* bias, T* y) {
+  const Layout L = layout_of(FMT);
+  const int64_t G = K / QK, NB = (N + ROWS - 1) / ROWS, block_bytes = G * L.chunk;
+  std::vector<XTile> tiles;
+  int64_t cells = 0;
+  for (int64_t r0 = 0; r0 < M; r0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, M - r0);
+    const int64_t mr = rows <= 2 ? rows : rows <= 4 ? 4 : rows <= 8 ? 8 : rows <= 12 ? 12 : 16;
+    tiles.push_back({r0, rows, mr, nullptr, nullptr, nullptr, nullptr});
+    cells += mr;
+  }
+  std::vector<int32_t> qbuf(cells * G * 8, 0), qsbuf(cells * G, 0);
+  std::vector<float> dbuf(cells * G, 0.f), sbuf(cells * G, 0.f);
+  int64_t at = 0;
+  for (XTile& t : tiles) {
+    t.q = qbuf.data() + at * G * 8;
+    t.d = dbuf.data() + at * G;
+    t.s = sbuf.data() + at * G;
+    t.qs = qsbuf.data() + at * G;
+    at += t.mr;
+  }
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const XTile& t = tiles[r / 16];
+      quantize_row<T>(x + r * K, G, L.off, t, r - t.row0);
+    }
+  });
+  at::parallel_for(0, NB, 1, [&](int64_t b_begin, int64_t b_end) {
+    for (int64_t nb = b_begin; nb < b_end; ++nb)
+      for (const XTile& t : tiles) dispatch_tile<FMT, T>(t, wp + nb * block_bytes, G, nb, N, bias, y);
+  });
+}
+
+template <typename T>
+void gemm(int64_t fmt, const T* x, int64_t M, int64_t K, const uint8_t* wp, int64_t N, const float* bias, T* y) {
+  for (int64_t r0 = 0; r0 < M; r0 += SLAB) {
+    const int64_t rows = std::min<int64_t>(SLAB, M - r0);
+    switch (fmt) {
+      case Q8_0: gemm_slab<Q8_0, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
+      case Q4_0: gemm_slab<Q4_0, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
+      default: gemm_slab<Q4_1, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N);
+    }
+  }
+}
+
+}  // namespace
+
+torch::Tensor pack_quant(torch::Tensor blocks, int64_t fmt, int64_t N, int64_t K) {
+  const Layout L = layout_of(fmt);
+  TORCH_CHECK(K % QK == 0, "pack_quant: K must be a multiple of 32");
+  const int64_t G = K / QK, NB = (N + ROWS - 1) / ROWS;
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.device().is_cpu() && blocks.dim() == 2 &&
+                  blocks.size(0) == N && blocks.size(1) == G * L.type_size,
+              "pack_quant: blocks must be (N, K/32 * type_size) uint8 on the CPU");
+  auto src_t = blocks.contiguous();
+  const uint8_t* src = src_t.data_ptr<uint8_t>();
+  auto out = huge_page_empty({NB, G, L.chunk}, blocks.options());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t row_bytes = G * L.type_size, head = L.has_min ? 4 : 2;
+  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) {
+      uint8_t* block = dst + nb * G * L.chunk;
+      std::memset(block, 0, G * L.chunk);  // rows past N: zero scales, so they add nothing
+      for (int64_t r = 0; r < ROWS && nb * ROWS + r < N; ++r) {
+        const uint8_t* row = src + (nb * ROWS + r) * row_bytes;
+        for (int64_t g = 0; g < G; ++g) {
+          const uint8_t* b = row + g * L.type_size;
+          uint8_t* chunk = block + g * L.wbytes;
+          const int64_t quads = L.nibbles ? 4 : 8;
+          for (int64_t j = 0; j < quads; ++j)
+            for (int64_t t = 0; t < 4; ++t) {
+              const uint8_t v = b[head + 4 * j + t];
+              chunk[(j * ROWS + r) * 4 + t] = L.nibbles ? v : static_cast<uint8_t>(v ^ 0x80);
+            }
+          std::memcpy(block + G * L.wbytes + g * 32 + 2 * r, b, 2);
+          if (L.has_min) std::memcpy(block + G * L.wbytes + (G + g) * 32 + 2 * r, b + 2, 2);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+torch::Tensor unpack_quant(torch::Tensor packed, int64_t fmt, int64_t N, int64_t K) {
+  const Layout L = layout_of(fmt);
+  const int64_t G = K / QK, row_bytes = G * L.type_size, head = L.has_min ? 4 : 2;
+  auto out = torch::empty({N, row_bytes}, packed.options());
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t nb = n / ROWS, r = n % ROWS;
+    const uint8_t* block = src + nb * G * L.chunk;
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* chunk = block + g * L.wbytes;
+      uint8_t* b = dst + n * row_bytes + g * L.type_size;
+      const int64_t quads = L.nibbles ? 4 : 8;
+      for (int64_t j = 0; j < quads; ++j)
+        for (int64_t t = 0; t < 4; ++t) {
+          const uint8_t v = chunk[(j * ROWS + r) * 4 + t];
+          b[head + 4 * j + t] = L.nibbles ? v : static_cast<uint8_t>(v ^ 0x80);
+        }
+      std::memcpy(b, block + G * L.wbytes + g * 32 + 2 * r, 2);
+      if (L.has_min) std::memcpy(b + 2, block + G * L.wbytes + (G + g) * 32 + 2 * r, 2);
+    }
+  }
+  return out;
+}
+
+torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_t N,
+                           c10::optional<torch::Tensor> bias) {
+  const Layout L = layout_of(fmt);
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear_quant: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "linear_quant: bf16 or f32 x");
+  TORCH_CHECK(K % QK == 0 && packed.dim() == 3 && packed.size(0) == (N + ROWS - 1) / ROWS &&
+                  packed.size(1) == K / QK && packed.size(2) == L.chunk,
+              "linear_quant: packed weight does not match (N, K)");
+  auto x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = N;
+  auto y = torch::empty({M, N}, x.options());
+  torch::Tensor bias_f;
+  const float* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bias_f = bias->to(at::kFloat).contiguous();
+    bias_ptr = bias_f.data_ptr<float>();
+  }
+  if (M > 0) {
+    const uint8_t* wp = packed.data_ptr<uint8_t>();
+    if (x.scalar_type() == at::kFloat)
+      gemm<float>(fmt, x2.data_ptr<float>(), M, K, wp, N, bias_ptr, y.data_ptr<float>());
+    else
+      gemm<at::BFloat16>(fmt, x2.data_ptr<at::BFloat16>(), M, K, wp, N, bias_ptr, y.data_ptr<at::BFloat16>());
+  }
+  return y.view(out_shape);
+}

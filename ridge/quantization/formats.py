@@ -1,0 +1,136 @@
+"""llama.cpp's block formats, in torch: the bytes a quantized layer holds are GGUF's bytes.
+
+Every format quantizes along K in blocks of 32 weights with fp16 block constants, stored
+row by row exactly as a GGUF tensor stores them (``blocks``: uint8, (N, K/32 * type_size)):
+
+    Q8_0  [ d:f16 | q:int8 x 32 ]                         34 bytes   w = q * d
+    Q4_0  [ d:f16 | nibbles x 16 ]                        18 bytes   w = (q - 8) * d
+    Q4_1  [ d:f16 | m:f16 | nibbles x 16 ]                20 bytes   w = q * d + m
+
+    nibbles: byte j holds element j (low 4 bits) and element j + 16 (high 4 bits)
+
+Quantization reproduces ``gguf.quants.quantize`` bit for bit (the same float32 arithmetic
+in the same order, llama.cpp's rounding), so a file quantized by llama.cpp and the same
+weights quantized by ridge at load hold identical bytes. Any device; no numpy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 32  # weights per block, every format
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """One block format: its name in ridge and in GGUF, and its bytes per block of 32."""
+
+    name: str  # ridge's name (the --quantization value that produces it)
+    ggml_name: str  # GGUF's tensor type name
+    ggml_type: int  # GGUF's tensor type id
+    type_size: int  # bytes per block
+    offset: int  # q - offset is the signed code (8 for Q4_0, 0 otherwise)
+    has_min: bool  # Q4_1: a per-block minimum besides the scale
+    nibbles: bool  # 4-bit codes, two per byte
+
+    @property
+    def bits_per_weight(self) -> float:
+        return self.type_size * 8 / BLOCK
+
+    def row_bytes(self, k: int) -> int:
+        return k // BLOCK * self.type_size
+
+    def quantize(self, w: torch.Tensor) -> torch.Tensor:
+        """(N, K) float weights, K a multiple of 32 -> (N, K/32 * type_size) uint8 blocks."""
+        return _QUANTIZE[self.name](_blocks_of(w))
+
+    def dequantize(self, blocks: torch.Tensor, k: int) -> torch.Tensor:
+        """(N, K/32 * type_size) uint8 -> (N, K) float32 weights."""
+        n = blocks.shape[0]
+        b = blocks.reshape(n, k // BLOCK, self.type_size)
+        d = _f16(b[..., 0:2])
+        if self.nibbles:
+            start = 4 if self.has_min else 2
+            packed = b[..., start:]
+            q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()  # elements 0-15, then 16-31
+        else:
+            q = b[..., 2:].contiguous().view(torch.int8).float()
+        w = (q - self.offset) * d.unsqueeze(-1)
+        if self.has_min:
+            w = w + _f16(b[..., 2:4]).unsqueeze(-1)
+        return w.reshape(n, k)
+
+
+Q8_0 = BlockFormat("int8", "Q8_0", 8, 34, offset=0, has_min=False, nibbles=False)
+Q4_0 = BlockFormat("int4", "Q4_0", 2, 18, offset=8, has_min=False, nibbles=True)
+Q4_1 = BlockFormat("int4_asym", "Q4_1", 3, 20, offset=0, has_min=True, nibbles=True)
+FORMATS: dict[str, BlockFormat] = {f.name: f for f in (Q8_0, Q4_0, Q4_1)}
+FORMATS_BY_GGML_TYPE: dict[int, BlockFormat] = {f.ggml_type: f for f in FORMATS.values()}
+# --quantization accepts ridge's names and llama.cpp's
+FORMAT_ALIASES = {"q8_0": "int8", "q4_0": "int4", "q4_1": "int4_asym"}
+
+
+def get_format(name: str) -> BlockFormat:
+    key = FORMAT_ALIASES.get(name.lower(), name.lower())
+    if key not in FORMATS:
+        choices = ", ".join([*FORMATS, *FORMAT_ALIASES])
+        raise ValueError(f"unknown quantization {name!r}; choose one of {choices}")
+    return FORMATS[key]
+
+
+def _blocks_of(w: torch.Tensor) -> torch.Tensor:
+    if w.dim() != 2 or w.shape[1] % BLOCK:
+        raise ValueError(f"block quantization needs (N, K) with K a multiple of {BLOCK}, got {tuple(w.shape)}")
+    return w.float().reshape(w.shape[0], -1, BLOCK)
+
+
+def _f16(two_bytes: torch.Tensor) -> torch.Tensor:
+    return two_bytes.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _f16_bytes(x: torch.Tensor) -> torch.Tensor:
+    """(..., 1) float32 -> (..., 2) uint8: the fp16 value's little-endian bytes."""
+    return x.to(torch.float16).view(torch.uint8)
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    return torch.where(d == 0, torch.zeros_like(d), 1 / torch.where(d == 0, torch.ones_like(d), d))
+
+
+def _round_half_away(x: torch.Tensor) -> torch.Tensor:
+    # llama.cpp's roundf, as gguf-py spells it (exact: a - floor(a) and its double are exact)
+    a = x.abs()
+    floored = a.floor()
+    return x.sign() * (floored + (2 * (a - floored)).floor())
+
+
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """(..., 32) codes 0-15 -> (..., 16) bytes: element j low, element j + 16 high."""
+    return q[..., :16] | (q[..., 16:] << 4)
+
+
+def _quantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    q = _round_half_away(blocks * _inverse(d)).to(torch.int8).view(torch.uint8)
+    return torch.cat([_f16_bytes(d), q], dim=-1).reshape(blocks.shape[0], -1)
+
+
+def _quantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    # d = the signed value of largest magnitude / -8 (not amax / 7): the first such value
+    imax = blocks.abs().argmax(dim=-1, keepdim=True)
+    d = torch.gather(blocks, -1, imax) / -8
+    q = torch.trunc(blocks * _inverse(d) + 8.5).clamp(0, 15).to(torch.uint8)
+    return torch.cat([_f16_bytes(d), _pack_nibbles(q)], dim=-1).reshape(blocks.shape[0], -1)
+
+
+def _quantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    hi = blocks.amax(dim=-1, keepdim=True)
+    lo = blocks.amin(dim=-1, keepdim=True)
+    d = (hi - lo) / 15
+    q = torch.trunc((blocks - lo) * _inverse(d) + 0.5).clamp(0, 15).to(torch.uint8)
+    return torch.cat([_f16_bytes(d), _f16_bytes(lo), _pack_nibbles(q)], dim=-1).reshape(blocks.shape[0], -1)
+
+
+_QUANTIZE = {"int8": _quantize_q8_0, "int4": _quantize_q4_0, "int4_asym": _quantize_q4_1}

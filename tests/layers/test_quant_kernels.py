@@ -1,0 +1,69 @@
+"""ridge's quantized linear kernel (integer dot products on AVX-512 VNNI) against a float32
+matmul of the dequantized weights. x is quantized to int8 per block of 32 inside the
+kernel (as llama.cpp does), so the tolerance is that of an 8-bit activation, not bf16's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ridge.layers.cpu_kernels import cpu_has_avx512_bf16, load_extension
+from ridge.layers.kernels import QUANT_KERNEL_CODES
+from ridge.quantization.formats import FORMATS
+
+pytestmark = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU has no AVX-512 BF16 + VNNI")
+
+
+@pytest.fixture(scope="module")
+def ext():
+    return load_extension()
+
+
+def _packed(ext, name: str, n: int, k: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    blocks = FORMATS[name].quantize(w)
+    packed = ext.pack_quant(blocks, QUANT_KERNEL_CODES[name], n, k)
+    return blocks, packed
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("m", [1, 3, 8, 17, 64, 200])
+@pytest.mark.parametrize("n,k", [(37, 64), (16, 32), (100, 256)])
+def test_matches_dequantized_fp32_reference(ext, name, m, n, k):
+    blocks, packed = _packed(ext, name, n, k, seed=m + n + k)
+    w = FORMATS[name].dequantize(blocks, k)
+    gen = torch.Generator().manual_seed(m)
+    bias = torch.randn(n, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        for b in (bias, None):
+            got = ext.linear_quant(x, packed, QUANT_KERNEL_CODES[name], n, b)
+            want = x.float() @ w.T + (b if b is not None else 0)
+            assert got.dtype == dtype and got.shape == (m, n)
+            # per element: int8 activations (|error| <= scale / 2 per x) summed over k, plus
+            # the output's rounding to bf16
+            x_err = (x.float().reshape(m, -1, 32).abs().amax(-1) / 127 / 2).repeat_interleave(32, -1)
+            bound = x_err @ w.abs().T * 1.01 + want.abs() * (2**-8 if dtype is torch.bfloat16 else 1e-6) + 1e-5
+            assert ((got.float() - want).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_pack_round_trips_to_the_same_blocks(ext, name):
+    blocks, packed = _packed(ext, name, 37, 96, seed=1)
+    assert torch.equal(ext.unpack_quant(packed, QUANT_KERNEL_CODES[name], 37, 96), blocks)
+    # the packed layer holds exactly the GGUF bytes of its rows, padded to 16-row blocks
+    assert packed.numel() == 48 * blocks.shape[1]
+
+
+def test_exact_on_exactly_representable_inputs(ext):
+    # x already on an int8 grid per block and W's codes small: the integer path is exact
+    n, k = 16, 64
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(-8, 8, (n, k), generator=gen).float()
+    blocks = FORMATS["int8"].quantize(codes)
+    packed = ext.pack_quant(blocks, QUANT_KERNEL_CODES["int8"], n, k)
+    x = torch.randint(-127, 128, (3, k), generator=gen).float()
+    x[:, ::32] = 127  # each block's scale is exactly 1
+    want = x @ FORMATS["int8"].dequantize(blocks, k).T
+    assert torch.allclose(ext.linear_quant(x, packed, QUANT_KERNEL_CODES["int8"], n, None), want, rtol=1e-5)

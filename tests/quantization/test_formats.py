@@ -1,0 +1,74 @@
+"""ridge's block formats against llama.cpp's own Python reference (``gguf.quants``): the same
+bytes (they are the on-disk GGUF block bytes), the same dequantized values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ridge.quantization.formats import FORMATS, get_format
+
+gguf = pytest.importorskip("gguf")
+quants = pytest.importorskip("gguf.quants")
+
+
+def _weights(rows: int, k: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, k, generator=gen) * 0.05
+    w[0, :32] = 0  # an all-zero block: scale 0
+    if rows > 2:
+        w[1, 3] = 5.0  # an outlier
+        w[2, 5], w[2, 6] = -5.0, 5.0  # equal magnitudes, opposite signs: Q4_0 takes the first
+    return w
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("shape", [(1, 32), (7, 64), (33, 256)])
+def test_quantize_is_bit_exact_with_gguf(name, shape):
+    fmt = FORMATS[name]
+    w = _weights(*shape, seed=shape[0])
+    ref = quants.quantize(w.numpy(), gguf.GGMLQuantizationType(fmt.ggml_type))
+    got = fmt.quantize(w)
+    assert got.dtype == torch.uint8 and tuple(got.shape) == ref.shape == (shape[0], fmt.row_bytes(shape[1]))
+    assert np.array_equal(got.numpy(), ref)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_dequantize_is_bit_exact_with_gguf(name):
+    fmt = FORMATS[name]
+    blocks = fmt.quantize(_weights(9, 128, seed=3))
+    ref = quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(fmt.ggml_type))
+    assert np.array_equal(fmt.dequantize(blocks, 128).numpy(), ref)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(sorted(FORMATS)),
+    values=st.lists(st.floats(min_value=-1e4, max_value=1e4, allow_nan=False, width=32), min_size=64, max_size=64),
+)
+def test_any_values_quantize_as_gguf_does(name, values):
+    fmt = FORMATS[name]
+    w = torch.tensor(values, dtype=torch.float32).reshape(2, 32)
+    ref = quants.quantize(w.numpy(), gguf.GGMLQuantizationType(fmt.ggml_type))
+    assert np.array_equal(fmt.quantize(w).numpy(), ref)
+
+
+def test_sizes_are_llama_cpps():
+    assert {n: (f.type_size, f.bits_per_weight) for n, f in FORMATS.items()} == {
+        "int8": (34, 8.5),
+        "int4": (18, 4.5),
+        "int4_asym": (20, 5.0),
+    }
+    for fmt in FORMATS.values():
+        assert quants.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(fmt.ggml_type)] == (32, fmt.type_size)
+
+
+def test_names_and_errors():
+    assert get_format("Q8_0").name == "int8" and get_format("q4_1").name == "int4_asym"
+    with pytest.raises(ValueError, match="unknown quantization 'int3'; choose one of int8, int4"):
+        get_format("int3")
+    with pytest.raises(ValueError, match="K a multiple of 32"):
+        FORMATS["int8"].quantize(torch.zeros(4, 48))
