@@ -17,7 +17,7 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None =
         "--model",
         default=default_model,
         required=default_model is None,
-        help="Hugging Face model directory, or random:<preset> (random weights)",
+        help="Hugging Face model directory, a llama.cpp .gguf file, or random:<preset> (random weights)",
     )
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     g.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")

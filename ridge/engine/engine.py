@@ -136,13 +136,16 @@ class LLMEngine:
 
     def _make_telemetry(self) -> Telemetry:
         elem = self.dtype.itemsize
+        # Weights priced by what the loaded layers hold (a quantized layer's blocks and scales,
+        # a repacked layer's padding), not by the dtype: bytes per matrix parameter.
+        weight_bytes = self.model.linear_weight_bytes() / max(1, self.model.linear_weight_params())
         if self.device.type == "cuda":
             hardware_fn = functools.partial(cuda_hardware, self.device)
         else:
             hardware_fn = local_hardware
         return Telemetry(
             model=ModelShape.from_hf_config(self.hf_config),
-            weight_bytes=elem,
+            weight_bytes=weight_bytes,
             kv_bytes=elem,
             act_bytes=elem,
             compute_dtype=TORCH_TO_ROOFLINE_DTYPE[str(self.dtype)],

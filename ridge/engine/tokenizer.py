@@ -417,6 +417,8 @@ def load_tokenizer(model_dir: str | os.PathLike) -> Tokenizer:
     from transformers import AutoTokenizer  # heavy import, only when a model has files
 
     path = Path(model_dir)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return load_gguf_tokenizer(path)
     if not path.is_dir():
         raise ValueError(f"tokenizer directory {str(path)!r} does not exist")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
@@ -434,6 +436,46 @@ def load_tokenizer(model_dir: str | os.PathLike) -> Tokenizer:
         eos += _read_token_ids(path / name, "eos_token_id")
         bos += _read_token_ids(path / name, "bos_token_id")
     return Tokenizer(hf, extra_eos_token_ids=eos, default_bos_token_id=bos[0] if bos else None)
+
+
+def load_gguf_tokenizer(path: Path) -> Tokenizer:
+    """The tokenizer (and chat template) a GGUF file carries in its metadata, built by
+    transformers (``gguf_file=``). Files whose special-token ids point past the vocabulary
+    (llama.cpp writes -1 for "none") are read with those ids dropped."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except IndexError:
+        hf = None
+    except Exception as e:
+        raise ValueError(f"cannot build the tokenizer of {path.name}: {type(e).__name__}: {e}") from e
+    if hf is None:
+        from transformers.integrations.gguf import convert_gguf_tokenizer
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
+        from transformers.integrations.gguf.reader import read_gguf_metadata
+
+        meta, _ = read_gguf_metadata(str(path), ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
+        tokens = meta.get("tokenizer.ggml.tokens") or []
+        for key in [k for k in meta if k.startswith("tokenizer.ggml.") and k.endswith("_token_id")]:
+            if not 0 <= int(meta[key]) < len(tokens):
+                del meta[key]
+        grouped = {
+            group: {name: meta[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in meta}
+            for group, renames in GGUF_TOKENIZER_MAPPING.items()
+        }
+        backend, _ = convert_gguf_tokenizer(meta["general.architecture"], grouped["tokenizer"])
+        config = grouped["tokenizer_config"]
+        if grouped["tokenizer"].get("tokenizer_type") == "llama":
+            config.setdefault("add_bos_token", True)
+        specials = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id"}
+        for name, key in specials.items():
+            if f"tokenizer.ggml.{key}" in meta:
+                config[name] = tokens[int(meta[f"tokenizer.ggml.{key}"])]
+        hf = PreTrainedTokenizerFast(tokenizer_object=backend, **config)
+    if not len(hf):
+        raise ValueError(f"the tokenizer in {path.name} is empty")
+    return Tokenizer(hf)
 
 
 class IncrementalDetokenizer:

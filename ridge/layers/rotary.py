@@ -2,7 +2,7 @@
 
 cos/sin are precomputed once for every position up to the context limit; a step only
 gathers the rows of its token positions, so mixed prefill/decode batches cost one index.
-Scaling types: default, linear and llama3 (Llama 3.1 / 3.2).
+Scaling types: default, linear and llama3 (Llama 3.1 / 3.2), and a GGUF file's frequency factors.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         return inv_freq / float(scaling["factor"])
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if kind == "freq_factors":  # a GGUF file's rope_freqs tensor: one divisor per frequency
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     raise ValueError(f"unsupported rope_scaling type {kind!r}; ridge supports default, linear and llama3")
 
 

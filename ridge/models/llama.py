@@ -168,6 +168,13 @@ class LlamaForCausalLM(nn.Module):
         norm = self.model.norm
         return self.kernels.matmul(self.kernels.rms_norm(hidden, norm.weight, norm.eps), self.lm_head)
 
+    def linear_weight_bytes(self) -> int:
+        """Bytes the linear layers' weights occupy as held now (one read per step)."""
+        return sum(m.weight_nbytes() for m in self.modules() if isinstance(m, Linear))
+
+    def linear_weight_params(self) -> int:
+        return sum(m.in_features * m.out_features for m in self.modules() if isinstance(m, Linear))
+
     def set_kernels(self, kernels) -> None:
         """Run on ``kernels`` (``layers/kernels.py``): its matmul for every linear layer, its ops
         elsewhere. Each layer's method repacks its loaded weight for them."""

@@ -1,14 +1,16 @@
-"""Build a model from a spec: a Hugging Face directory, or ``random:<preset>``.
+"""Build a model from a spec: a Hugging Face directory, a GGUF file, or ``random:<preset>``.
 
 A directory holds ``config.json`` and one or sharded ``*.safetensors`` files (with
 ``model.safetensors.index.json``). Files are memory-mapped (``safetensors_mmap``): a weight
 in the model's dtype becomes its parameter with no copy; packed projections receive each
-checkpoint shard in its row range.
+checkpoint shard in its row range. A ``.gguf`` file (``gguf_file``) carries its config and
+tokenizer in its metadata; its quantized tensors load into layers of their own format.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +19,8 @@ import torch
 
 from ridge.config import ModelConfig
 from ridge.layers.linear import Linear
+from ridge.models.gguf_file import GGUFModel, conversions, is_gguf, target_format
+from ridge.models.gguf_file import layer_formats as gguf_layer_formats
 from ridge.models.llama import LlamaForCausalLM
 from ridge.models.presets import get_preset
 from ridge.models.safetensors_mmap import SafetensorsFile
@@ -24,20 +28,26 @@ from ridge.quantization.config import QuantizationConfig
 
 RANDOM_PREFIX = "random:"
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class LoadedModel:
     model: LlamaForCausalLM
     config: ModelConfig
     hf_config: dict
-    model_dir: Path | None  # None for random models
+    model_dir: Path | None  # None for random models; a GGUF model's file
     max_model_len: int
 
 
-def read_hf_config(spec: str) -> tuple[dict, Path | None]:
-    """The config dict of a spec, and its directory (None for ``random:<preset>``)."""
+def read_hf_config(spec: str) -> tuple[dict, Path | GGUFModel | None]:
+    """The config dict of a spec, and its source: a directory, an opened GGUF file, or None
+    for ``random:<preset>``."""
     if spec.startswith(RANDOM_PREFIX):
         return get_preset(spec[len(RANDOM_PREFIX) :]), None
+    if is_gguf(spec):
+        model = GGUFModel(spec)
+        return model.hf_config, model
     model_dir = Path(spec).expanduser()
     if not model_dir.is_dir():
         raise ValueError(f"model directory {spec!r} does not exist (or pass random:<preset>)")
@@ -53,7 +63,7 @@ def read_hf_config(spec: str) -> tuple[dict, Path | None]:
 def load_model(
     hf_config: dict,
     config: ModelConfig,
-    model_dir: Path | None,
+    model_dir: Path | GGUFModel | None,
     dtype: torch.dtype,
     device: torch.device,
     max_model_len: int | None = None,
@@ -63,13 +73,19 @@ def load_model(
     """Weights from ``model_dir``'s safetensors, or random ones (seeded) when it is None;
     linear layers in the format ``quantization`` gives each (quantized as they load)."""
     context_limit = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
-    model = _empty_model(config, context_limit, dtype, device, quantization or QuantizationConfig())
+    quantization = quantization or QuantizationConfig()
+    if isinstance(model_dir, GGUFModel):
+        quantization.file_formats = gguf_layer_formats(model_dir, LlamaForCausalLM.packed_modules)
+    model = _empty_model(config, context_limit, dtype, device, quantization)
     if model_dir is None:
         _init_random(model, seed)
+    elif isinstance(model_dir, GGUFModel):
+        _load_gguf(model, model_dir)
     else:
         _load_safetensors(model, model_dir)
     model.eval()
-    return LoadedModel(model, config, hf_config, model_dir, context_limit)
+    source = model_dir.path if isinstance(model_dir, GGUFModel) else model_dir
+    return LoadedModel(model, config, hf_config, source, context_limit)
 
 
 def _empty_model(
@@ -166,6 +182,34 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
             load_tensor(model, modules, target, handle.get_tensor(name), name)
             loaded.add(target[0] if target[1] is None else f"{target[0]}#{target[1]}")
     _check_complete(model, loaded)
+
+
+def _load_gguf(model: LlamaForCausalLM, gguf: GGUFModel) -> None:
+    """Each tensor of the file into its parameter: blocks of a layer's own format as they are
+    (Q4_K regrouped into Q4_1), anything else dequantized and handed to the layer's method."""
+    names = _loadable_names(model)
+    modules = dict(model.named_modules())
+    loaded: set[str] = set()
+    for name, tensor in gguf.tensors.items():
+        target = _target_of(name, names, model.packed_modules)
+        if target is None:
+            if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue
+            raise ValueError(f"{gguf.path.name}: unexpected tensor {name!r} for {model.config.architecture}")
+        param_name, shard = target
+        module = modules[param_name.rsplit(".", 1)[0]]
+        fmt = getattr(module, "method", None) and module.method.format
+        if fmt is not None and param_name.endswith(".weight") and tensor.loads_as_blocks:
+            if target_format(tensor.type_name) is fmt:
+                rows = None if shard is None else module.shard_rows(shard)
+                module.method.load_blocks(module, tensor.blocks(), rows)
+                loaded.add(param_name if shard is None else f"{param_name}#{shard}")
+                continue
+        load_tensor(model, modules, target, tensor.dense(), name)
+        loaded.add(param_name if shard is None else f"{param_name}#{shard}")
+    _check_complete(model, loaded)
+    for line in conversions(gguf, model.quant_config.file_formats, model.packed_modules):
+        logger.info("%s: %s", gguf.path.name, line)
 
 
 def _loadable_names(model: LlamaForCausalLM) -> set[str]:

@@ -19,6 +19,8 @@ UNQUANTIZED = UnquantizedLinearMethod()
 @dataclass
 class QuantizationConfig:
     format: BlockFormat | None = None  # None: every layer unquantized
+    # layer name -> the format its checkpoint tensors already have (a GGUF file's): kept as is
+    file_formats: dict[str, BlockFormat | None] = field(default_factory=dict)
     # layer name (numbers folded: "layers.*.mlp.down_proj") -> what it got, and why if not quantized
     decisions: dict[str, str] = field(default_factory=dict)
 
@@ -28,6 +30,10 @@ class QuantizationConfig:
 
     def method_for(self, name: str, in_features: int, tied: bool = False) -> LinearMethod:
         key = ".".join("*" if part.isdigit() else part for part in name.split("."))
+        stored = self.file_formats.get(name)
+        if stored is not None and not tied:
+            self.decisions[key] = f"{stored.name} ({stored.ggml_name}, {stored.bits_per_weight:g} bits, from the file)"
+            return BlockQuantLinearMethod(stored)
         if self.format is None:
             return UNQUANTIZED
         if tied:

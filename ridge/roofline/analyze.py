@@ -104,7 +104,12 @@ class Conventions:
                 "only the gathered rows are read" if c.embedding == "gathered" else "the whole table is read every step"
             ),
             f"bytes: minimum traffic, every operand once; weights {p.weight_bits}-bit (incl. embedding "
-            f"and lm_head, no quantization-scale overhead), norms/biases 16-bit; activations "
+            + (
+                f"and lm_head, stored in {p.weight_storage_bits:g} bits per weight with scales), "
+                if p.weight_storage_bits
+                else "and lm_head, no quantization-scale overhead), "
+            )
+            + "norms/biases 16-bit; activations "
             f"{p.activation_bits}-bit; KV cache {p.kv_bits}-bit",
             "FLOPs: 2 per multiply-add; RMSNorm 4/element; softmax, RoPE, SiLU-gating, residual adds "
             "fused and not counted",

@@ -95,6 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode context lengths to tabulate (default: prompt + output/2)",
     )
     load.add_argument("--weight-bits", type=int, choices=(32, 16, 8, 4), default=16)
+    load.add_argument(
+        "--weight-format",
+        default=None,
+        help="weights in a storage format, scale bytes counted: bf16, fp32, int8 (=q8_0, 8.5 bits), "
+        "int4 (=q4_0, 4.5), int4_asym (=q4_1, 5), q4_k (4.5), q5_k (5.5), q6_k (6.56); overrides --weight-bits",
+    )
     load.add_argument("--act-bits", type=int, choices=(32, 16, 8, 4), default=16)
     load.add_argument("--kv-bits", type=int, choices=(32, 16, 8, 4), default=16)
     load.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (costs are per GPU)")
@@ -150,7 +156,11 @@ def run(args: argparse.Namespace) -> int:
         output_len=args.output_len,
         batches=tuple(args.batch),
         decode_context_lens=tuple(args.context_len),
-        precision=Precision(args.weight_bits, args.act_bits, args.kv_bits),
+        precision=(
+            Precision.for_weight_format(args.weight_format, args.act_bits, args.kv_bits)
+            if args.weight_format
+            else Precision(args.weight_bits, args.act_bits, args.kv_bits)
+        ),
         spec_k=args.spec_k,
         spec_acceptance=args.spec_acceptance,
     )

@@ -47,13 +47,44 @@ OP_KINDS = ("linear", "attention", "norm", "embedding")
 NORM_FLOPS_PER_ELEMENT = 4  # square, sum, scale by rsqrt, scale by weight
 
 
+# Storage formats of weights: (bits the arithmetic sees, bits stored per weight incl. scales
+# and minimums). llama.cpp's blocks: Q8_0 34 bytes / 32, Q4_0 18 / 32, Q4_1 20 / 32, K-quants per 256.
+WEIGHT_FORMATS = {
+    "fp32": (32, 32.0),
+    "bf16": (16, 16.0),
+    "fp16": (16, 16.0),
+    "int8": (8, 8.5),
+    "q8_0": (8, 8.5),
+    "int4": (4, 4.5),
+    "q4_0": (4, 4.5),
+    "int4_asym": (4, 5.0),
+    "q4_1": (4, 5.0),
+    "q4_k": (4, 4.5),
+    "q5_k": (8, 5.5),
+    "q6_k": (8, 6.5625),
+}
+
+
 @dataclass(frozen=True)
 class Precision:
-    """Storage precision of weights, activations and the KV cache, in bits."""
+    """Storage precision of weights, activations and the KV cache, in bits.
+
+    ``weight_storage_bits``: bits a weight really takes in memory (a block format's scales
+    and minimums included: Q8_0 is 8.5); defaults to ``weight_bits``.
+    """
 
     weight_bits: int = 16
     activation_bits: int = 16
     kv_bits: int = 16
+    weight_storage_bits: float | None = None
+
+    @classmethod
+    def for_weight_format(cls, name: str, activation_bits: int = 16, kv_bits: int = 16) -> Precision:
+        key = name.lower()
+        if key not in WEIGHT_FORMATS:
+            raise ValueError(f"unknown weight format {name!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+        bits, stored = WEIGHT_FORMATS[key]
+        return cls(bits, activation_bits, kv_bits, stored)
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -66,7 +97,7 @@ class Precision:
 
     @property
     def weight_bytes(self) -> float:
-        return self.weight_bits / 8
+        return (self.weight_storage_bits or self.weight_bits) / 8
 
     @property
     def activation_bytes(self) -> float:

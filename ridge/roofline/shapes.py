@@ -357,10 +357,14 @@ def _read_moe(config: dict[str, Any], model_type: str, layers: int, label: str) 
 
 
 def load_model_shape(spec: str) -> ModelShape:
-    """A preset name, a path to a ``config.json``, or a model directory holding one."""
+    """A preset name, a path to a ``config.json``, a model directory holding one, or a GGUF file."""
     if spec in PRESETS:
         return ModelShape.from_preset(spec)
     path = Path(spec).expanduser()
+    if path.suffix.lower() == ".gguf":
+        from ridge.models.gguf_file import GGUFModel
+
+        return ModelShape.from_hf_config(GGUFModel(path).hf_config, name=path.stem)
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():

@@ -1,0 +1,325 @@
+"""llama.cpp's GGUF files as ridge models: config, tensors and tokenizer from one file.
+
+Parsed with the ``gguf`` package (llama.cpp's own Python reader; tensors memory-mapped).
+The metadata becomes a Hugging Face-style config dict, so the rest of ridge (``ModelConfig``,
+the analyzer) reads a GGUF model exactly as it reads a directory. Tensor names map onto
+Hugging Face's, and llama-architecture files get their q/k rows un-permuted (llama.cpp's
+converter interleaves each head's two RoPE halves; ridge, like transformers, rotates halves):
+
+    llama.cpp rows of one head:  [ x0 y0 x1 y1 ... ]   ->   HF rows:  [ x0 x1 ... | y0 y1 ... ]
+
+Tensor types and what each becomes (``plan_weights``):
+
+    F32, F16, BF16            dense (the model's dtype, or --quantization's format)
+    Q8_0, Q4_0, Q4_1          as they are: ridge's int8 / int4 / int4_asym hold GGUF's bytes
+    Q4_K                      int4_asym: each sub-block of 32 is an affine map (exact up to
+                              the fp16 rounding of its folded scale and minimum)
+    Q5_K, Q6_K                int8 (dequantized, requantized per 32: a small added error)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ridge.quantization.formats import FORMATS, Q4_1, Q8_0, BlockFormat
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+DENSE_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+NATIVE_TYPES = {f.ggml_name: f for f in FORMATS.values()}
+CONVERTED_TYPES = {"Q4_K": Q4_1, "Q5_K": Q8_0, "Q6_K": Q8_0}
+SUPPORTED_TYPES = (*DENSE_TYPES, *NATIVE_TYPES, *CONVERTED_TYPES)
+# the formats a layer can take, widest first (a packed layer whose shards differ takes the widest)
+WIDTH_ORDER = ("int8", "int4_asym", "int4")
+
+# GGUF tensor name (after "blk.N.") -> Hugging Face module path
+LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def is_gguf(spec: str) -> bool:
+    return spec.lower().endswith(".gguf")
+
+
+@dataclass
+class GGUFTensor:
+    hf_name: str  # e.g. model.layers.0.self_attn.q_proj.weight
+    type_name: str  # GGUF's: F32, Q4_0, Q6_K, ...
+    shape: tuple[int, ...]  # torch order: (N, K)
+    data: np.ndarray  # memory-mapped: dense values, or (N, row bytes) uint8 blocks
+
+    def dense(self) -> torch.Tensor:
+        """Float values (dequantized with llama.cpp's reference code where quantized)."""
+        if self.type_name in DENSE_TYPES:
+            array = self.data.view(np.uint16) if self.type_name == "BF16" else self.data
+            tensor = torch.from_numpy(np.array(array))  # a copy: the mapped file is read-only
+            if self.type_name == "BF16":
+                tensor = tensor.view(torch.bfloat16)
+            return tensor.reshape(self.shape)
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        values = dequantize(self.data, GGMLQuantizationType[self.type_name])
+        return torch.from_numpy(np.ascontiguousarray(values)).reshape(self.shape)
+
+    def blocks(self) -> torch.Tensor:
+        """(N, K/32 * type_size) uint8 of a native block type (Q4_K: converted to Q4_1)."""
+        data = q4_k_to_q4_1(self.data) if self.type_name == "Q4_K" else self.data
+        return torch.from_numpy(np.array(data)).reshape(self.shape[0], -1)
+
+    @property
+    def loads_as_blocks(self) -> bool:
+        """Its bytes go into a layer of its target format without dequantizing."""
+        return self.type_name in NATIVE_TYPES or self.type_name == "Q4_K"
+
+
+class GGUFModel:
+    """An opened file: its config dict (Hugging Face keys) and its tensors by HF name."""
+
+    def __init__(self, path: str | Path) -> None:
+        from gguf import GGUFReader
+
+        self.path = Path(path).expanduser()
+        if not self.path.is_file():
+            raise ValueError(f"GGUF file {str(path)!r} does not exist")
+        try:
+            self.reader = GGUFReader(self.path)
+        except Exception as exc:  # bad magic, truncated, corrupt tables: the reader raises many kinds
+            raise ValueError(f"{self.path.name} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+        self.arch = self._str("general.architecture")
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(
+                f"{self.path.name}: architecture {self.arch!r} is not supported; ridge runs GGUF files of "
+                f"{', '.join(ARCHITECTURES)}"
+            )
+        self.tensors = self._read_tensors()
+        self.hf_config = self._hf_config()
+
+    # -- metadata -----------------------------------------------------------------------
+    def _field(self, key: str, default=None):
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        return field.contents()
+
+    def _str(self, key: str) -> str:
+        value = self._field(key)
+        if not isinstance(value, str):
+            raise ValueError(f"{self.path.name}: metadata {key!r} is missing")
+        return value
+
+    def _hf_config(self) -> dict:
+        a = self.arch
+        hidden = self._required(f"{a}.embedding_length")
+        heads = self._required(f"{a}.attention.head_count")
+        tokens = self._field("tokenizer.ggml.tokens") or []
+        embed = self.tensors.get("model.embed_tokens.weight")
+        if embed is None:
+            raise ValueError(f"{self.path.name}: tensor 'token_embd.weight' is missing")
+        config = {
+            "architectures": [ARCHITECTURES[a]],
+            "model_type": a,
+            "hidden_size": hidden,
+            "intermediate_size": self._required(f"{a}.feed_forward_length"),
+            "num_hidden_layers": self._required(f"{a}.block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self._field(f"{a}.attention.head_count_kv", heads)),
+            "head_dim": int(self._field(f"{a}.attention.key_length", hidden // heads)),
+            "vocab_size": int(self._field(f"{a}.vocab_size", embed.shape[0] or len(tokens))),
+            "max_position_embeddings": int(self._field(f"{a}.context_length", 2048)),
+            "rms_norm_eps": float(self._field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self._field(f"{a}.rope.freq_base", 10000.0)),
+            "tie_word_embeddings": "lm_head.weight" not in self.tensors,
+            "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self.tensors and a == "llama",
+            # the dtype ridge computes in: float32 files stay float32, anything else runs bf16
+            "torch_dtype": "float32" if embed.type_name == "F32" else "bfloat16",
+        }
+        for key, name in (
+            ("bos_token_id", "tokenizer.ggml.bos_token_id"),
+            ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+        ):
+            value = self._field(name)
+            if value is not None and 0 <= int(value) < config["vocab_size"]:
+                config[key] = int(value)
+        scaling = self._field(f"{a}.rope.scaling.type")
+        if scaling == "linear":
+            config["rope_scaling"] = {"rope_type": "linear", "factor": float(self._field(f"{a}.rope.scaling.factor"))}
+        elif scaling not in (None, "none"):
+            raise ValueError(f"{self.path.name}: RoPE scaling {scaling!r} is not supported (linear is)")
+        freqs = self.tensors.pop("rope_freqs.weight", None)
+        if freqs is not None:  # Llama 3.1+: llama.cpp stores the per-frequency divisors
+            config["rope_scaling"] = {"rope_type": "freq_factors", "factors": freqs.dense().float().tolist()}
+        return config
+
+    def _required(self, key: str) -> int:
+        value = self._field(key)
+        if value is None:
+            raise ValueError(f"{self.path.name}: metadata {key!r} is missing")
+        return int(value)
+
+    # -- tensors ------------------------------------------------------------------------
+    def _read_tensors(self) -> dict[str, GGUFTensor]:
+        tensors: dict[str, GGUFTensor] = {}
+        heads = self._field(f"{self.arch}.attention.head_count")
+        kv_heads = self._field(f"{self.arch}.attention.head_count_kv", heads)
+        for t in self.reader.tensors:
+            type_name = t.tensor_type.name
+            hf_name = _hf_name(t.name)
+            if hf_name is None:
+                raise ValueError(f"{self.path.name}: unexpected tensor {t.name!r} for architecture {self.arch!r}")
+            if type_name not in SUPPORTED_TYPES:
+                raise ValueError(
+                    f"{self.path.name}: tensor {t.name!r} has type {type_name}, which ridge does not run; "
+                    f"supported: {', '.join(SUPPORTED_TYPES)}"
+                )
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            data = t.data
+            expected_bytes = _nbytes(type_name, shape)
+            if data.nbytes != expected_bytes:
+                raise ValueError(f"{self.path.name}: tensor {t.name!r} is truncated or corrupt")
+            if type_name not in DENSE_TYPES:
+                data = data.reshape(shape[0], -1)
+            if self.arch == "llama" and hf_name.endswith(
+                ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
+            ):
+                n_heads = heads if ".q_proj." in hf_name else kv_heads
+                data = _unpermute_rows(data, int(n_heads))
+            tensors[hf_name] = GGUFTensor(hf_name, type_name, shape, data)
+        return tensors
+
+    def tensor_formats(self) -> dict[str, str]:
+        return {name: t.type_name for name, t in self.tensors.items()}
+
+
+def _hf_name(name: str) -> str | None:
+    stem, _, leaf = name.rpartition(".")
+    if leaf not in ("weight", "bias"):
+        return None
+    if stem == "rope_freqs":
+        return name
+    if stem in GLOBAL_TENSORS:
+        return f"{GLOBAL_TENSORS[stem]}.{leaf}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{leaf}"
+    return None
+
+
+def _nbytes(type_name: str, shape: tuple[int, ...]) -> int:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    count = int(np.prod(shape))
+    return count // block * size
+
+
+def _unpermute_rows(data: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k permutation; works on rows of values and rows of blocks alike."""
+    rows = data.shape[0]
+    rest = data.shape[1:]
+    return data.reshape(n_heads, rows // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+
+
+def q4_k_to_q4_1(data: np.ndarray) -> np.ndarray:
+    """Q4_K super-blocks (N, K/256 * 144 bytes) -> Q4_1 blocks (N, K/32 * 20 bytes).
+
+    A Q4_K super-block holds 8 sub-blocks of 32 with 6-bit scales and minimums under two
+    fp16 super-scales: w = d * sc_j * q - dmin * m_j, an affine map per 32 weights, i.e.
+    a Q4_1 block with d' = fp16(d * sc_j), m' = fp16(-dmin * m_j). Nibbles regroup:
+
+        Q4_K 64 weights = 32 bytes: low nibbles -> sub-block 2i, high -> sub-block 2i + 1
+        Q4_1 32 weights = 16 bytes: byte j = element j (low) | element j + 16 (high)
+    """
+    from gguf.quants import Q4_K
+
+    n = data.shape[0]
+    blocks = data.reshape(-1, 144)
+    d = blocks[:, 0:2].view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
+    scale = (d * sc.astype(np.float32)).astype(np.float16)  # (B, 8)
+    minimum = (-(dmin * m.astype(np.float32))).astype(np.float16)
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    codes = (qs & 0x0F).reshape(-1, 8, 32)  # (B, sub-block, element)
+    nibbles = codes[..., :16] | (codes[..., 16:] << 4)
+    out = np.concatenate(
+        [scale.reshape(-1, 8, 1).view(np.uint8), minimum.reshape(-1, 8, 1).view(np.uint8), nibbles], axis=-1
+    )
+    return out.reshape(n, -1)
+
+
+def target_format(type_name: str) -> BlockFormat | None:
+    """The ridge format a tensor of this GGUF type becomes (None: dense)."""
+    if type_name in DENSE_TYPES:
+        return None
+    return NATIVE_TYPES.get(type_name) or CONVERTED_TYPES[type_name]
+
+
+def widest(formats: list[BlockFormat | None]) -> BlockFormat | None:
+    """The format a packed layer takes when its shards' formats differ (dense if any is)."""
+    if any(f is None for f in formats):
+        return None
+    return min(formats, key=lambda f: WIDTH_ORDER.index(f.name))
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+def _layer_of(name: str, packed_modules: dict[str, tuple[str, int]]) -> str | None:
+    """HF tensor name -> the ridge linear layer it loads into (None: not a linear weight)."""
+    if not name.endswith(".weight"):
+        return None
+    module = name[: -len(".weight")]
+    parent, _, child = module.rpartition(".")
+    if child not in PROJECTIONS:
+        return None
+    return f"{parent}.{packed_modules[child][0]}" if child in packed_modules else module
+
+
+def layer_formats(model: GGUFModel, packed_modules: dict[str, tuple[str, int]]) -> dict[str, BlockFormat | None]:
+    """ridge linear layer name -> the format its GGUF tensors ask for (a packed layer: the
+    widest of its shards'); dense tensors give None (the --quantization policy decides)."""
+    wanted: dict[str, list[BlockFormat | None]] = {}
+    for name, tensor in model.tensors.items():
+        layer = _layer_of(name, packed_modules)
+        if layer is not None:
+            wanted.setdefault(layer, []).append(target_format(tensor.type_name))
+    return {layer: widest(formats) for layer, formats in wanted.items()}
+
+
+def conversions(model: GGUFModel, formats: dict[str, BlockFormat | None], packed_modules) -> list[str]:
+    """What was converted into what, for the start-up log ('Q6_K -> int8 (Q8_0; requantized): 23 tensors')."""
+    counts: dict[str, int] = {}
+    for name, tensor in model.tensors.items():
+        source = tensor.type_name
+        layer = _layer_of(name, packed_modules)
+        if layer is None:
+            what = f"{source} -> dense ({name.split('.')[-2]}, dequantized)" if source not in DENSE_TYPES else None
+        elif formats.get(layer) is None:
+            what = f"{source} -> dense (dequantized)" if source not in DENSE_TYPES else None
+        else:
+            fmt = formats[layer]
+            if source in NATIVE_TYPES and NATIVE_TYPES[source] is fmt:
+                what = None
+            elif source == "Q4_K" and fmt is Q4_1:
+                what = f"Q4_K -> {fmt.name} ({fmt.ggml_name}; exact up to the fp16 rounding of scales)"
+            else:
+                what = f"{source} -> {fmt.name} ({fmt.ggml_name}; requantized)"
+        if what:
+            counts[what] = counts.get(what, 0) + 1
+    return [f"{what}: {count} tensors" for what, count in sorted(counts.items())]

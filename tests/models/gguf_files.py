@@ -1,0 +1,61 @@
+"""GGUF files made in tests with the ``gguf`` package: stories260K's F32 file rewritten with
+its linear weights in another type (llama.cpp's own quantizer code), or with raw blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf.quants import quantize
+
+LINEAR_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output")
+
+
+def is_linear(name: str) -> bool:
+    return name.rsplit(".", 2)[-2] in LINEAR_TENSORS or name == "output.weight"
+
+
+def rewrite(
+    src: Path,
+    dst: Path,
+    tensor_fn: Callable[[str, np.ndarray], tuple[np.ndarray, GGMLQuantizationType] | None],
+    arch: str | None = None,
+    skip_keys: tuple[str, ...] = (),
+) -> Path:
+    """Copy ``src`` into ``dst``: metadata as is, each tensor through ``tensor_fn(name, values)``,
+    which returns (bytes or values, type) or None to keep the tensor as it is."""
+    reader = GGUFReader(src)
+    arch = arch or reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(dst, arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in skip_keys:
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    for t in reader.tensors:
+        values = np.array(t.data)
+        out = tensor_fn(t.name, values)
+        if out is None:
+            writer.add_tensor(t.name, values)
+        else:
+            data, qtype = out
+            writer.add_tensor(t.name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def quantized(src: Path, dst: Path, qtype: GGMLQuantizationType) -> Path:
+    """Every linear weight whose K allows it in ``qtype`` (stories' ffn_down, K = 172, stays F32)."""
+
+    def fn(name, values):
+        if is_linear(name) and values.shape[-1] % 32 == 0:
+            return quantize(values, qtype), qtype
+        return None
+
+    return rewrite(src, dst, fn)

@@ -1,0 +1,223 @@
+"""GGUF files load as they are: the F32 stories260K file computes what the HF directory
+computes; Q8_0/Q4_0/Q4_1 files (written here with llama.cpp's quantizer code) compute what
+transformers computes on the same dequantized weights; K-quants convert as llama.cpp
+dequantizes them; bad files fail with one clear error."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from ridge import LLM, SamplingParams
+from ridge.models.gguf_file import GGUFModel, q4_k_to_q4_1
+from ridge.quantization.formats import FORMATS
+
+from .test_parity import _record_logits
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as T  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+from .gguf_files import quantized, rewrite  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def stories_gguf(stories_dir):
+    path = stories_dir.parent / "stories260K-gguf" / "stories260K.gguf"
+    if not path.is_file():
+        pytest.skip(f"{path} is absent")
+    return path
+
+
+def _logits(llm: LLM, prompts, steps=6):
+    seen = _record_logits(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, torch.stack(seen[o.request_id])) for o in outs]
+
+
+def _story_prompts(llm: LLM):
+    return [llm.engine.tokenizer.encode(t) for t in ("Once upon a time", "The cat sat", "Lily and Ben went")]
+
+
+def test_f32_gguf_equals_the_hf_directory(stories_gguf, stories_dir):
+    a = LLM(str(stories_gguf), num_kv_blocks=64, device="cpu")
+    b = LLM(str(stories_dir), num_kv_blocks=64, device="cpu")
+    assert a.engine.dtype == torch.float32
+    prompts = _story_prompts(b)
+    for text in ("Once upon a time", "Hello   world\n\nÜber 日本 ", " leading space"):
+        assert a.engine.tokenizer.encode(text) == b.engine.tokenizer.encode(text)
+    for (ta, la), (tb, lb) in zip(_logits(a, prompts), _logits(b, prompts)):
+        assert ta == tb and (la - lb).abs().max().item() <= 1e-4
+    p = SamplingParams(temperature=0, max_tokens=40)
+    text = a.generate(["Once upon a time"], p, use_tqdm=False)[0].outputs[0].text
+    assert text == b.generate(["Once upon a time"], p, use_tqdm=False)[0].outputs[0].text
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1], ids=lambda t: t.name)
+def test_quantized_gguf_matches_transformers_on_its_dequantized_weights(stories_gguf, stories_dir, tmp_path, qtype):
+    path = quantized(stories_gguf, tmp_path / f"stories-{qtype.name}.gguf", qtype)
+    llm = LLM(str(path), num_kv_blocks=64, kernels="torch", device="cpu")
+    layer = llm.engine.model.model.layers[0].self_attn.qkv_proj
+    assert layer.method.format.ggml_type == qtype  # loaded as they are, not requantized
+    assert llm.engine.model.model.layers[0].mlp.down_proj.method.format is None  # K = 172 stayed F32
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(stories_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf.lm_head.weight = torch.nn.Parameter(hf.model.embed_tokens.weight.clone())  # the file's own output.weight
+        for module in hf.modules():
+            if isinstance(module, torch.nn.Linear) and module.weight.shape[1] % 32 == 0:
+                w = module.weight.detach().numpy()
+                module.weight.copy_(torch.from_numpy(dequantize(quantize(w, qtype), qtype)))
+    prompts = _story_prompts(llm)
+    for prompt, (tokens, logits) in zip(prompts, _logits(llm, prompts)):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt + tokens])).logits[0][len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
+        assert (logits - ref).abs().max().item() <= 1e-4
+        assert tokens == ref.argmax(-1).tolist()
+
+
+def test_quantized_gguf_runs_on_the_cpu_kernels(stories_gguf, tmp_path):
+    path = quantized(stories_gguf, tmp_path / "stories-q8.gguf", T.Q8_0)
+    llm = LLM(str(path), num_kv_blocks=64, device="cpu")
+    text = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
+    assert text[0].outputs[0].text.startswith(", there was a little girl named Lily.")
+
+
+# -- K-quants: random blocks (finite fp16 scales) against gguf's dequantize ----------------
+
+
+def _random_blocks(qtype, rows: int, k: int, seed: int) -> np.ndarray:
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=(rows, k // block, size), dtype=np.uint8)
+    scales = rng.uniform(-0.02, 0.02, size=(rows, k // block, 2)).astype(np.float16).view(np.uint8)
+    if qtype == T.Q6_K:  # d is the last 2 bytes
+        data[..., -2:] = scales[..., 0:2]
+    else:  # d, dmin first
+        data[..., 0:4] = scales.reshape(rows, k // block, 4)
+    return data.reshape(rows, -1)
+
+
+def test_q4_k_converts_to_q4_1_exactly_up_to_fp16_scales():
+    blocks = _random_blocks(T.Q4_K, 6, 512, seed=0)
+    ref = dequantize(blocks, T.Q4_K)
+    converted = torch.from_numpy(q4_k_to_q4_1(blocks))
+    got = FORMATS["int4_asym"].dequantize(converted, 512).numpy()
+    # d * sc and dmin * m rounded to fp16 once: relative error <= 2^-11 of each term
+    bound = 2**-10 * (np.abs(ref) + 0.02 * 63 * 2)
+    assert (np.abs(got - ref) <= bound).all()
+
+
+@pytest.mark.parametrize("qtype", [T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_k_quants_without_a_native_target_become_int8(tmp_path, stories_gguf, qtype):
+    blocks = _random_blocks(qtype, 2, 256, seed=1)
+    ref = dequantize(blocks, qtype)
+    back = FORMATS["int8"].dequantize(FORMATS["int8"].quantize(torch.from_numpy(ref)), 256).numpy()
+    amax = np.abs(ref.reshape(2, -1, 32)).max(-1).repeat(32, -1)
+    # the rounding to int8 (half a step) and the fp16 rounding of the scale
+    assert (np.abs(back - ref) <= amax / 254 + amax / 1024 + 1e-7).all()
+
+
+def test_a_q4_k_m_style_file_loads_converted_and_logs_what_became_what(tmp_path, caplog):
+    """A tiny Llama with K = 256 (what K-quants need) and Llama 3 RoPE (a rope_freqs tensor),
+    exported by ridge's GGUF writer; then q/k in Q4_K and v in Q6_K (a Q4_K_M file's mix)."""
+    from ridge.models.export import write_gguf
+
+    config = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    dense = write_gguf(tmp_path / "hf", hf.config.to_dict(), tmp_path / "dense.gguf")
+
+    # the dense export computes what transformers computes (q/k un-permuted, rope_freqs applied)
+    llm = LLM(str(dense), tokenizer="bytes", dtype="float32", num_kv_blocks=16, device="cpu")
+    prompt = list(range(3, 40))
+    ((tokens, logits),) = _logits(llm, [prompt])
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + tokens])).logits[0][len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
+    assert (logits - ref).abs().max().item() <= 1e-3  # the export rounds matrices to bf16
+
+    def fn(name, values):
+        if name.endswith(("attn_q.weight", "attn_k.weight", "attn_output.weight")):
+            return _random_blocks(T.Q4_K, values.shape[0], values.shape[1], seed=len(name)), T.Q4_K
+        if name.endswith("attn_v.weight"):
+            return _random_blocks(T.Q6_K, values.shape[0], values.shape[1], seed=3), T.Q6_K
+        return None
+
+    mixed = rewrite(dense, tmp_path / "mixed.gguf", fn)
+    with caplog.at_level(logging.INFO, logger="ridge"):
+        llm = LLM(str(mixed), tokenizer="bytes", num_kv_blocks=16, device="cpu")
+    layer0 = llm.engine.model.model.layers[0]
+    assert layer0.self_attn.qkv_proj.method.format.name == "int8"  # Q6_K's target is the widest shard's
+    assert layer0.self_attn.o_proj.method.format.name == "int4_asym"
+    assert layer0.mlp.gate_up_proj.method.format is None  # bf16 in the file, no --quantization
+    model = GGUFModel(mixed)
+    o_ref = dequantize(model.tensors["model.layers.0.self_attn.o_proj.weight"].data, T.Q4_K)
+    o_got = layer0.self_attn.o_proj.dense_weight().float().numpy()
+    assert np.abs(o_got - o_ref).max() <= 2**-10 * (np.abs(o_ref).max() + 0.02 * 63 * 2)
+    v_ref = dequantize(model.tensors["model.layers.0.self_attn.v_proj.weight"].data, T.Q6_K)
+    v_got = layer0.self_attn.qkv_proj.dense_weight()[256 + 128 :].float().numpy()
+    amax = np.abs(v_ref.reshape(v_ref.shape[0], -1, 32)).max(-1).repeat(32, -1)
+    assert (np.abs(v_got - v_ref) <= amax / 254 + amax / 1024 + 1e-6).all()
+    log = caplog.text
+    assert "Q4_K -> int4_asym (Q4_1; exact up to the fp16 rounding of scales): 1 tensors" in log
+    assert "Q4_K -> int8 (Q8_0; requantized): 2 tensors" in log
+    assert "Q6_K -> int8 (Q8_0; requantized): 1 tensors" in log
+    llm.generate([prompt], SamplingParams(max_tokens=4), use_tqdm=False)  # runs
+
+
+# -- bad files ----------------------------------------------------------------------------
+
+
+def test_truncated_or_corrupt_files_are_one_clear_error(stories_gguf, tmp_path):
+    data = stories_gguf.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
+    (tmp_path / "magic.gguf").write_bytes(b"XXXX" + data[4:])
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    for name in ("cut.gguf", "magic.gguf", "empty.gguf"):
+        with pytest.raises(ValueError, match=name):
+            LLM(str(tmp_path / name))
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "missing.gguf"))
+
+
+def test_unsupported_types_and_architectures_name_what_is_supported(stories_gguf, tmp_path):
+    path = rewrite(
+        stories_gguf,
+        tmp_path / "q5_0.gguf",
+        lambda n, v: (quantize(v, T.Q5_0), T.Q5_0) if n.endswith("attn_q.weight") else None,
+    )
+    with pytest.raises(ValueError, match="type Q5_0, which ridge does not run; supported: F32, F16, BF16, Q8_0"):
+        LLM(str(path))
+    path = rewrite(stories_gguf, tmp_path / "gpt2.gguf", lambda n, v: None, arch="gpt2")
+    with pytest.raises(ValueError, match="architecture 'gpt2' is not supported; ridge runs GGUF files of llama"):
+        LLM(str(path))
+
+
+def test_cli_reports_a_bad_gguf_in_one_line(tmp_path, capsys):
+    from ridge.cli import main
+
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF\x03\x00")
+    assert main(["generate", "--model", str(tmp_path / "bad.gguf"), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad.gguf is not a readable GGUF file" in err[0]
