@@ -30,6 +30,7 @@ from ridge.config import default_cache_dir
 
 CSRC_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("linear_bf16.cpp", "linear_quant.cpp", "decode_ops.cpp", "bindings.cpp")
+HEADERS = ("linear_call.h",)
 EXTENSION_NAME = "ridge_cpu"
 # Progress lines while a build runs (it takes 1-2 minutes on 2 cores).
 PROGRESS_EVERY_S = 15.0
@@ -54,7 +55,7 @@ def extension_is_built() -> bool:
     built = extension_build_dir() / f"{EXTENSION_NAME}.so"
     if not built.is_file():
         return False
-    newest_source = max((CSRC_DIR / name).stat().st_mtime for name in SOURCES)
+    newest_source = max((CSRC_DIR / name).stat().st_mtime for name in SOURCES + HEADERS)
     return built.stat().st_mtime >= newest_source
 
 

@@ -80,6 +80,8 @@ class UnquantizedLinearMethod(LinearMethod):
                 weight.copy_(tensor)
 
     def process_weights_after_loading(self, layer, kernels):
+        if layer.packed is not None:  # already repacked
+            return
         weight = layer.weight
         packed = kernels.pack_dense(weight.detach())
         if packed is None:
@@ -128,6 +130,8 @@ class BlockQuantLinearMethod(LinearMethod):
         target.copy_(blocks)
 
     def process_weights_after_loading(self, layer, kernels):
+        if layer.packed is not None:  # already repacked
+            return
         packed = kernels.pack_blocks(self.format, layer.blocks, layer.out_features, layer.in_features)
         if packed is None:
             return

@@ -16,6 +16,7 @@ from ridge import LLM, SamplingParams
 from ridge.models.gguf_file import GGUFModel, q4_k_to_q4_1
 from ridge.quantization.formats import FORMATS
 
+from .hf_tiny import COMMON
 from .test_parity import _record_logits
 
 gguf = pytest.importorskip("gguf")
@@ -129,20 +130,19 @@ def test_a_q4_k_m_style_file_loads_converted_and_logs_what_became_what(tmp_path,
     from ridge.models.export import write_gguf
 
     config = transformers.LlamaConfig(
-        vocab_size=300,
-        hidden_size=256,
-        intermediate_size=256,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
+        **{
+            **COMMON,
+            "hidden_size": 256,
+            "intermediate_size": 256,
+            "num_hidden_layers": 1,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        }
     )
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(config).eval()

@@ -18,6 +18,7 @@ from ridge import LLM, SamplingParams
 from ridge.layers.cpu_kernels import cpu_has_avx512_bf16
 from ridge.quantization.formats import FORMATS
 
+from ..models.hf_tiny import COMMON
 from ..models.test_parity import _prompts, _record_logits
 
 gguf = pytest.importorskip("gguf")
@@ -27,18 +28,8 @@ STEPS = 8
 
 
 def _build(directory, tied: bool) -> None:
-    config = transformers.LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=96,  # every K a multiple of 32: every layer quantizes
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=tied,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    # every K a multiple of 32: every layer quantizes
+    config = transformers.LlamaConfig(**{**COMMON, "intermediate_size": 96, "tie_word_embeddings": tied})
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():

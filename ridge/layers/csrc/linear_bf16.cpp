@@ -14,6 +14,8 @@
 // Accumulation is fp32; the result is rounded once to bf16 (as F.linear does).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "linear_call.h"
 #include <immintrin.h>
 #include <sys/mman.h>
 
@@ -258,26 +260,18 @@ torch::Tensor unpack_vnni(torch::Tensor packed, int64_t N, int64_t K) {
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "linear_bf16: bfloat16 only");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear_bf16: CPU tensors only");
-  const int64_t K = x.size(-1);
+  LinearCall call(x, N, bias);
+  const int64_t M = call.M, K = call.K;
   TORCH_CHECK(packed.dim() == 4 && packed.size(0) == (N + 15) / 16 && packed.size(1) == (K + 1) / 2,
               "linear_bf16: packed weight does not match (N, K)");
-  auto x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0);
-  auto out_shape = x.sizes().vec();
-  out_shape.back() = N;
-  auto y = torch::empty({M, N}, x.options());
-  torch::Tensor bias_f;
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    bias_f = bias->to(at::kFloat).contiguous();
-    bias_ptr = bias_f.data_ptr<float>();
-  }
+  bf16* y = call.y.data_ptr<bf16>();
   if (M <= SMALL_M) {
-    if (M > 0) gemm(x2.data_ptr<bf16>(), M, K, packed.data_ptr<bf16>(), N, bias_ptr, y.data_ptr<bf16>());
-    return y.view(out_shape);
+    if (M > 0) gemm(call.x2.data_ptr<bf16>(), M, K, packed.data_ptr<bf16>(), N, call.bias, y);
+    return call.result();
   }
+  auto x2 = call.x2;
   const int64_t padded = (M + 7) / 8 * 8;  // whole tiles of 8 rows (zeros; their outputs are dropped)
   if (padded != M) x2 = torch::cat({x2, torch::zeros({padded - M, K}, x2.options())});
-  gemm_large_m<8, 3>(x2.data_ptr<bf16>(), M, K, packed.data_ptr<bf16>(), N, bias_ptr, y.data_ptr<bf16>());
-  return y.view(out_shape);
+  gemm_large_m<8, 3>(x2.data_ptr<bf16>(), M, K, packed.data_ptr<bf16>(), N, call.bias, y);
+  return call.result();
 }

@@ -29,7 +29,7 @@
 #include <cstring>
 #include <vector>
 
-torch::Tensor huge_page_empty(at::IntArrayRef shape, const at::TensorOptions& options);
+#include "linear_call.h"
 
 namespace {
 
@@ -302,23 +302,15 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t fmt, i
   TORCH_CHECK(K % QK == 0 && packed.dim() == 3 && packed.size(0) == (N + ROWS - 1) / ROWS &&
                   packed.size(1) == K / QK && packed.size(2) == L.chunk,
               "linear_quant: packed weight does not match (N, K)");
-  auto x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0);
-  auto out_shape = x.sizes().vec();
-  out_shape.back() = N;
-  auto y = torch::empty({M, N}, x.options());
-  torch::Tensor bias_f;
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    bias_f = bias->to(at::kFloat).contiguous();
-    bias_ptr = bias_f.data_ptr<float>();
-  }
+  LinearCall call(x, N, bias);
+  const int64_t M = call.M;
   if (M > 0) {
     const uint8_t* wp = packed.data_ptr<uint8_t>();
     if (x.scalar_type() == at::kFloat)
-      gemm<float>(fmt, x2.data_ptr<float>(), M, K, wp, N, bias_ptr, y.data_ptr<float>());
+      gemm<float>(fmt, call.x2.data_ptr<float>(), M, K, wp, N, call.bias, call.y.data_ptr<float>());
     else
-      gemm<at::BFloat16>(fmt, x2.data_ptr<at::BFloat16>(), M, K, wp, N, bias_ptr, y.data_ptr<at::BFloat16>());
+      gemm<at::BFloat16>(fmt, call.x2.data_ptr<at::BFloat16>(), M, K, wp, N, call.bias,
+                         call.y.data_ptr<at::BFloat16>());
   }
-  return y.view(out_shape);
+  return call.result();
 }
