@@ -225,3 +225,16 @@ def test_decode_attention_never_reads_slots_past_a_context(pair, dim):
         for cache in (poisoned_k, poisoned_v):
             cache.view(-1, kv_heads, dim)[~written] = float("nan")
         assert torch.equal(kernels.decode_attention(q, poisoned_k, poisoned_v, meta()), clean), kernels.name
+
+
+@pytest.mark.parametrize("k", [64, 2048, 31])
+def test_a_rows_output_does_not_depend_on_its_batch(kernel, k):
+    # batch invariance: the same row alone, among 20 (streaming tiles) or among 100 (prefill
+    # tiles) gives bit-identical outputs, so served together equals alone
+    gen = torch.Generator().manual_seed(k)
+    w = torch.randn(40, k, generator=gen).bfloat16()
+    packed = kernel.pack_vnni(w)
+    x = torch.randn(100, k, generator=gen).bfloat16()
+    alone = torch.cat([kernel.linear_bf16(x[i : i + 1], packed, 40, None) for i in range(100)])
+    for m in (2, 3, 7, 20, 64, 100):
+        assert torch.equal(kernel.linear_bf16(x[:m], packed, 40, None), alone[:m])

@@ -67,3 +67,13 @@ def test_exact_on_exactly_representable_inputs(ext):
     x[:, ::32] = 127  # each block's scale is exactly 1
     want = x @ FORMATS["int8"].dequantize(blocks, k).T
     assert torch.allclose(ext.linear_quant(x, packed, QUANT_KERNEL_CODES["int8"], n, None), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_a_rows_output_does_not_depend_on_its_batch(ext, name):
+    blocks, packed = _packed(ext, name, 40, 64, seed=5)
+    code = QUANT_KERNEL_CODES[name]
+    x = torch.randn(300, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    alone = torch.cat([ext.linear_quant(x[i : i + 1], packed, code, 40, None) for i in range(300)])
+    for m in (2, 3, 17, 64, 200, 300):  # streaming tiles, and slabs of 128 rows
+        assert torch.equal(ext.linear_quant(x[:m], packed, code, 40, None), alone[:m])

@@ -165,3 +165,32 @@ def test_a_huge_prompt_is_refused_at_once_and_stalls_no_one(short_context_server
     assert big_res.status_code == 400 and big_res.json()["error"]["code"] == "context_length_exceeded"
     assert total_s < 5.0, total_s
     srv.wait_idle()
+
+
+def test_twenty_concurrent_streams_on_a_quantized_model_match_each_request_alone(stories_dir):
+    import openai
+
+    # bfloat16: every matmul then runs on ridge's kernels, which give a row the same result in
+    # any batch (float32 F.linear, for the layers that stay unquantized at K = 172, does not)
+    options = {"quantization": "int8", "dtype": "bfloat16"}
+    srv = RunningServer(
+        stories_engine(stories_dir, **options), ServerConfig((STORIES_NAME, "stories260K"), model_root=str(stories_dir))
+    )
+    try:
+        alone = LLM(str(stories_dir), max_num_seqs=1, num_threads=TEST_THREADS, **options)
+        params = [SamplingParams(temperature=0, max_tokens=24 + 4 * i) for i in range(len(PROMPTS))]
+        reference = [o.outputs[0] for o in alone.generate(PROMPTS, params, use_tqdm=False)]
+
+        async def main():
+            client = openai.AsyncOpenAI(base_url=srv.url("/v1"), api_key="unused", max_retries=0, timeout=120)
+            try:
+                return await asyncio.gather(*(_stream(client, p, 24 + 4 * i) for i, p in enumerate(PROMPTS)))
+            finally:
+                await client.close()
+
+        results = asyncio.run(main())
+        for (text, finish, _), ref in zip(results, reference):
+            assert (text, finish) == (ref.text, ref.finish_reason)
+        srv.wait_idle()
+    finally:
+        srv.stop()

@@ -33,31 +33,22 @@ constexpr int64_t SMALL_M = 64;  // decode-sized batches stream; larger ones (pr
 // broadcasts of a k-pair come from one cache line and x streams through L1 in order.
 //
 //   x [MR][K]  ->  xt [K/2][MR]
-template <int MR, int U>
+//
+// One accumulator per row, summed in k order: every tile size (and the prefill tiles below)
+// adds the same products in the same order, so a row's output does not depend on the batch
+// it is in (batch invariance; splitting the sum over several accumulators for 1-2 rows was
+// measured no faster here).
+template <int MR>
 inline void tile_block(const int32_t* xt, int64_t KP, const bf16* wp, float* out) {
-  __m512 acc[MR][U];
-  for (int i = 0; i < MR; ++i)
-    for (int u = 0; u < U; ++u) acc[i][u] = _mm512_setzero_ps();
-  int64_t kp = 0;
-  for (; kp + U <= KP; kp += U) {
-    __m512bh wv[U];
-    for (int u = 0; u < U; ++u) wv[u] = (__m512bh)_mm512_loadu_si512((const void*)(wp + (kp + u) * 32));
-    if constexpr (MR >= 8)  // FMA-heavy tiles: loads must be in flight early (see plan_tiles)
-      for (int u = 0; u < U; ++u) _mm_prefetch((const char*)(wp + (kp + u + PREFETCH_PAIRS) * 32), _MM_HINT_T0);
-    for (int u = 0; u < U; ++u)
-      for (int i = 0; i < MR; ++i)
-        acc[i][u] = _mm512_dpbf16_ps(acc[i][u], (__m512bh)_mm512_set1_epi32(xt[(kp + u) * MR + i]), wv[u]);
-  }
-  for (; kp < KP; ++kp) {
+  __m512 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < KP; ++kp) {
     const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void*)(wp + kp * 32));
-    for (int i = 0; i < MR; ++i)
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], (__m512bh)_mm512_set1_epi32(xt[kp * MR + i]), wv);
+    if constexpr (MR >= 8)  // FMA-heavy tiles: loads must be in flight early (see plan_tiles)
+      _mm_prefetch((const char*)(wp + (kp + PREFETCH_PAIRS) * 32), _MM_HINT_T0);
+    for (int i = 0; i < MR; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(xt[kp * MR + i]), wv);
   }
-  for (int i = 0; i < MR; ++i) {
-    __m512 sum = acc[i][0];
-    for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[i][u]);
-    _mm512_storeu_ps(out + i * 16, sum);
-  }
+  for (int i = 0; i < MR; ++i) _mm512_storeu_ps(out + i * 16, acc[i]);
 }
 
 // A tile: rows [row0, row0 + rows) of x, padded to MR (4, 8, 12 or 16) zero rows.
@@ -66,7 +57,7 @@ struct Tile {
 };
 
 // Tiles of 16 rows and one smaller last tile: the fewest zero rows, measured fastest at every M
-// from 1 to 64 here. 16 x 1, MR x 2 or (1-2 rows) MR x 4 accumulators per block of 16 outputs.
+// from 1 to 64 here.
 // Software prefetch only for tiles of 8+ rows, whose FMAs would otherwise hold the loads back
 // (without it 16 rows ran 30-40% slower); for 1-4 rows the hardware prefetcher does better
 // alone (measured 5-13% faster at 1-2 rows, more in the high bandwidth level).
@@ -86,7 +77,7 @@ template <int MR>
 inline void run_tile(const Tile& t, const int32_t* xt, int64_t KP, const bf16* block, int64_t b, int64_t N,
                      const float* bias, bf16* y) {
   alignas(64) float buf[MR * 16];
-  tile_block<MR, MR == 16 ? 1 : (MR <= 2 ? 4 : 2)>(xt + t.offset, KP, block, buf);
+  tile_block<MR>(xt + t.offset, KP, block, buf);
   const int64_t n0 = b * 16, n_end = std::min<int64_t>(N, n0 + 16);
   for (int64_t i = 0; i < t.rows; ++i) {
     bf16* yrow = y + (t.row0 + i) * N;
