@@ -192,6 +192,7 @@ class EngineConfig:
     num_threads: int | None = None
     kernels: str = "auto"
     quantization: str | None = None  # int8 | int4 | int4_asym (or q8_0 | q4_0 | q4_1): weights quantized at load
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8 (e4m3), scales per token and KV head
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -213,6 +214,9 @@ class EngineConfig:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         if self.scheduler not in SCHEDULER_POLICIES:
             raise ValueError(f"scheduler must be one of {', '.join(SCHEDULER_POLICIES)}, got {self.scheduler!r}")
+        from ridge.kv.cache import check_kv_cache_dtype
+
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.quantization in ("", "none"):
             self.quantization = None
         if self.quantization is not None:

@@ -45,6 +45,11 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None =
         "int4_asym (Q4_1); blocks of 32 along K",
     )
     g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="KV cache storage: auto (the model's dtype), int8, fp8 (e4m3); scales per token and KV head",
+    )
+    g.add_argument(
         "--kernels",
         choices=KERNEL_CHOICES,
         default="auto",

@@ -22,9 +22,10 @@ from ridge.config import EngineConfig, ModelConfig, resolve_device, resolve_dtyp
 from ridge.engine.output_processor import OutputProcessor, RequestState, SequenceState
 from ridge.engine.outputs import RequestOutput
 from ridge.engine.request import Request, RequestStatus
-from ridge.engine.runner import ModelRunner, allocate_kv_caches
+from ridge.engine.runner import ModelRunner
 from ridge.engine.scheduler import Scheduler, SchedulerConfig
 from ridge.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer, load_tokenizer
+from ridge.kv import cache as kv_cache
 from ridge.kv.manager import KVCacheManager
 from ridge.layers.cpu_kernels import select_kernels
 from ridge.models.loader import load_model, read_hf_config
@@ -86,7 +87,7 @@ class LLMEngine:
 
         cfg = self.model_config
         self.num_kv_blocks = self._num_kv_blocks()
-        self.kv_caches = allocate_kv_caches(
+        self.kv_caches = kv_cache.allocate(
             cfg.num_layers,
             self.num_kv_blocks,
             config.block_size,
@@ -94,6 +95,15 @@ class LLMEngine:
             cfg.head_dim,
             self.dtype,
             self.device,
+            config.kv_cache_dtype,
+        )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.3g GiB, %s)",
+            self.num_kv_blocks,
+            config.block_size,
+            self.num_kv_blocks * config.block_size,
+            self.num_kv_blocks * self.kv_bytes_per_block / 2**30,
+            str(self.dtype).removeprefix("torch.") if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
         )
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -114,9 +124,10 @@ class LLMEngine:
     # -- sizing -------------------------------------------------------------------------
     @property
     def kv_bytes_per_block(self) -> int:
+        """K and V of every layer for one block of tokens (an int8/fp8 cache: codes and scales)."""
         cfg = self.model_config
-        elem = self.dtype.itemsize
-        return 2 * cfg.num_layers * self.config.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        per_head = kv_cache.bytes_per_token_head(self.config.kv_cache_dtype, cfg.head_dim, self.dtype)
+        return 2 * cfg.num_layers * self.config.block_size * cfg.num_kv_heads * per_head
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks:
@@ -136,6 +147,7 @@ class LLMEngine:
 
     def _make_telemetry(self) -> Telemetry:
         elem = self.dtype.itemsize
+        cfg = self.model_config
         # Weights priced by what the loaded layers hold (a quantized layer's blocks and scales,
         # a repacked layer's padding), not by the dtype: bytes per matrix parameter.
         weight_bytes = self.model.linear_weight_bytes() / max(1, self.model.linear_weight_params())
@@ -146,7 +158,8 @@ class LLMEngine:
         return Telemetry(
             model=ModelShape.from_hf_config(self.hf_config),
             weight_bytes=weight_bytes,
-            kv_bytes=elem,
+            # per cached element: codes plus each token-head's scale
+            kv_bytes=kv_cache.bytes_per_token_head(self.config.kv_cache_dtype, cfg.head_dim, self.dtype) / cfg.head_dim,
             act_bytes=elem,
             compute_dtype=TORCH_TO_ROOFLINE_DTYPE[str(self.dtype)],
             hardware_fn=hardware_fn,

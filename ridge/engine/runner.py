@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ridge.engine.scheduler import SchedulerOutput
+from ridge.kv.cache import PagedKV
 from ridge.kv.manager import KVCacheManager
 from ridge.layers.attention import AttentionMetadata, PrefillChunk
 from ridge.models.llama import LlamaForCausalLM
@@ -34,34 +35,11 @@ class RunnerOutput:
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]]  # where asked: (sampled lp, top-k)
 
 
-def allocate_kv_caches(
-    num_layers: int,
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One preallocated (K, V) pool per layer, (num_blocks, block_size, Hkv, D) each.
-
-    Not zero-filled: no read path lets a slot nobody wrote change a result (prefill reads
-    ``[:context_len]``, the C++ decode kernels stop at the context length, and the torch
-    decode path zeroes the masked slots it gathers), so the pool costs nothing until used:
-    the OS maps its pages as they are first written (zero-filling gigabytes took seconds).
-    """
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [
-        (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-        for _ in range(num_layers)
-    ]
-
-
 class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[PagedKV],
         kv: KVCacheManager,
         sampler: Sampler,
         device: torch.device,

@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ridge.kv import cache as kv_cache
+from ridge.kv.cache import PagedKV
+
 
 @dataclass
 class PrefillChunk:
@@ -52,44 +55,57 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
-def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
-) -> None:
-    """k/v: (T, Hkv, D) into the pool (num_blocks, block_size, Hkv, D) at flat slots."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+def write_kv(cache: PagedKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """k/v: (T, Hkv, D) into the pool (num_blocks, block_size, Hkv, D) at flat slots
+    (quantized first, with their scales, for an int8/fp8 cache)."""
+    num_kv_heads, head_dim = cache.k.shape[-2:]
+    for pool, scales, x in ((cache.k, cache.k_scale, k), (cache.v, cache.v_scale, v)):
+        if scales is not None:
+            x, scale = kv_cache.quantize(x, cache.kind)
+            scales.view(-1, num_kv_heads).index_copy_(0, slots, scale)
+        pool.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, x)
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """The sequence's cached K (or V) in order: (..., num_blocks * block_size, Hkv, D)."""
-    blocks = cache[block_table]  # (..., nb, bs, Hkv, D)
-    return blocks.flatten(-4, -3)
+def gather_context(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """The sequence's cached K (or V, or their scales) in order: (..., num_blocks * block_size, Hkv[, D])."""
+    blocks = pool[block_table]  # (..., nb, bs, Hkv, D)
+    return blocks.flatten(block_table.dim() - 1, block_table.dim())
+
+
+def gather_values(cache: PagedKV, block_table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the blocks in ``block_table``, in order and in ``dtype`` (dequantized)."""
+    keys, values = gather_context(cache.k, block_table), gather_context(cache.v, block_table)
+    if not cache.quantized:
+        return keys, values
+    k_scale, v_scale = gather_context(cache.k_scale, block_table), gather_context(cache.v_scale, block_table)
+    return (
+        kv_cache.dequantize(keys, k_scale, cache.kind, dtype),
+        kv_cache.dequantize(values, v_scale, cache.kind, dtype),
+    )
 
 
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: PagedKV,
     meta: AttentionMetadata,
     decode_attention,
 ) -> torch.Tensor:
     """q: (T, Hq, D), k/v: (T, Hkv, D) of this step's tokens -> output (T, Hq, D).
 
-    ``decode_attention(q, k_cache, v_cache, meta)`` is the kernels' decode path.
+    ``decode_attention(q, cache, meta)`` is the kernels' decode path.
     """
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    write_kv(cache, k, v, meta.slot_mapping)
     num_decodes = meta.num_decode_tokens
     if num_decodes == q.shape[0]:  # a pure decode step: no copy into a shared output
-        return decode_attention(q, k_cache, v_cache, meta)
+        return decode_attention(q, cache, meta)
     out = torch.empty_like(q)
     if num_decodes:
-        out[:num_decodes] = decode_attention(q[:num_decodes], k_cache, v_cache, meta)
+        out[:num_decodes] = decode_attention(q[:num_decodes], cache, meta)
     for chunk in meta.prefills:
         s, e = chunk.start, chunk.end
-        out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, chunk)
+        out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], cache, chunk)
     return out
 
 
@@ -98,16 +114,18 @@ def decode_valid_mask(context_lens: torch.Tensor, max_len: int) -> torch.Tensor:
     return (torch.arange(max_len, device=context_lens.device)[None, :] < context_lens[:, None])[:, None, None, :]
 
 
-def _prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
+def _prefill_attention(q, k, v, cache: PagedKV, chunk: PrefillChunk) -> torch.Tensor:
     n, ctx = chunk.num_tokens, chunk.context_len
-    if ctx == n:
+    if ctx == n and not cache.quantized:
         # Nothing cached before this chunk: attend within the chunk, plain causal.
         keys, values, mask, causal = k, v, None, True
     else:
-        block_size = k_cache.shape[1]
+        # The cached prefix (and, in a quantized cache, the chunk too: every path then sees
+        # the same stored values, so a prompt in one chunk or several computes the same).
+        block_size = cache.k.shape[1]
         table = chunk.block_table[: (ctx + block_size - 1) // block_size]
-        keys = gather_context(k_cache, table)[:ctx]
-        values = gather_context(v_cache, table)[:ctx]
+        keys, values = gather_values(cache, table, q.dtype)
+        keys, values = keys[:ctx], values[:ctx]
         # Query i sits at absolute position ctx - n + i and sees keys 0 ..= that position.
         q_pos = torch.arange(ctx - n, ctx, device=q.device)
         mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]

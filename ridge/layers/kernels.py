@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ridge.layers.attention import AttentionMetadata, decode_valid_mask, gather_context
+from ridge.kv.cache import PagedKV
+from ridge.layers.attention import AttentionMetadata, decode_valid_mask, gather_values
 from ridge.layers.linear import Linear
 from ridge.layers.rotary import RotaryEmbedding, rotate_half
 from ridge.quantization.formats import Q4_0, Q4_1, Q8_0, BlockFormat
@@ -57,11 +58,10 @@ class TorchKernels:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def decode_attention(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def decode_attention(self, q, cache: PagedKV, meta: AttentionMetadata) -> torch.Tensor:
         """q: (D, Hq, Dh), one query per sequence over its paged context -> (D, Hq, Dh)."""
         num_seqs, num_heads, head_dim = q.shape
-        keys = gather_context(k_cache, meta.decode_block_tables)  # (D, L, Hkv, Dh)
-        values = gather_context(v_cache, meta.decode_block_tables)
+        keys, values = gather_values(cache, meta.decode_block_tables, q.dtype)  # (D, L, Hkv, Dh), dequantized
         num_kv_heads = keys.shape[2]
         # GQA without copying K/V: the G query heads of a group share one K/V head.
         #   q (D, Hkv, G, Dh) @ K^T (D, Hkv, Dh, L) -> scores (D, Hkv, G, L)
@@ -142,11 +142,19 @@ class CpuKernels(TorchKernels):
             return super().silu_mul(gate_up)
         return self.ext.silu_mul_bf16(gate_up)
 
-    def decode_attention(self, q, k_cache, v_cache, meta):
+    def decode_attention(self, q, cache, meta):
         head_dim = q.shape[-1]
-        args = (q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, head_dim**-0.5)
+        k_cache, v_cache = cache.k, cache.v
+        if q.dtype not in (torch.bfloat16, torch.float32):
+            return super().decode_attention(q, cache, meta)
+        tables, lens, scale = meta.decode_block_tables, meta.decode_context_lens, head_dim**-0.5
+        if cache.quantized:  # codes and scales read from the pool, dequantized in registers
+            if head_dim % 16:
+                return super().decode_attention(q, cache, meta)
+            return self.ext.paged_decode_attention_quant(
+                q, k_cache, v_cache, cache.k_scale, cache.v_scale, tables, lens, scale, cache.kind == "fp8"
+            )
+        args = (q, k_cache, v_cache, tables, lens, scale)
         if q.dtype is torch.bfloat16 and head_dim % 16 == 0 and head_dim <= 256 and k_cache.numel() < 2**32:
             return self.ext.paged_decode_attention_bf16(*args)  # AVX-512, 16 lanes of a head at a time
-        if q.dtype in (torch.bfloat16, torch.float32):
-            return self.ext.paged_decode_attention(*args)
-        return super().decode_attention(q, k_cache, v_cache, meta)
+        return self.ext.paged_decode_attention(*args)

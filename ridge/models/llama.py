@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ridge.config import ModelConfig
+from ridge.kv.cache import PagedKV
 from ridge.layers.attention import AttentionMetadata, paged_attention
 from ridge.layers.kernels import TorchKernels
 from ridge.layers.linear import Linear, PackedLinear
@@ -56,7 +57,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, step: StepInputs):
+    def forward(self, x, kv_cache: PagedKV, meta: AttentionMetadata, step: StepInputs):
         ops = step.kernels
         tokens = x.shape[0]
         qkv = ops.matmul(x, self.qkv_proj)
@@ -76,7 +77,7 @@ class LlamaAttention(nn.Module):
             # q and k heads side by side: one rotation for both
             qk = ops.rope(qkv[:, : q_size + kv_size].view(tokens, -1, self.head_dim), step.rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, ops.decode_attention)
+        out = paged_attention(q, k, v, kv_cache, meta, ops.decode_attention)
         return ops.matmul(out.flatten(1), self.o_proj)
 
 
@@ -152,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[PagedKV],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)  # a fresh tensor: the residual stream, updated in place

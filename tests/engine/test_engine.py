@@ -278,8 +278,8 @@ def test_slots_nobody_wrote_never_change_a_result(stories_dir, kernels, dtype):
             device="cpu",
             max_num_batched_tokens=8,
         )  # chunked prefill: chunks read the cached prefix
-        for k, v in llm.engine.kv_caches:
-            k.fill_(fill)
-            v.fill_(fill)
+        for cache in llm.engine.kv_caches:
+            cache.k.fill_(fill)
+            cache.v.fill_(fill)
         results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert results[0] == results[1]

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ridge import SamplingParams
+from ridge.kv.cache import PagedKV
 from ridge.layers.cpu_kernels import cpu_has_avx512_bf16, load_extension, select_kernels
 from ridge.layers.kernels import CpuKernels, TorchKernels
 
@@ -142,8 +143,8 @@ def test_portable_decode_attention_any_head_size(pair, lens, dtype, dim):
         decode_mask=decode_valid_mask(context, width * block_size),
     )
     q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
-    got = fast.decode_attention(q, k_cache, v_cache, meta)
-    want = ref.decode_attention(q, k_cache, v_cache, meta)
+    got = fast.decode_attention(q, PagedKV(k_cache, v_cache), meta)
+    want = ref.decode_attention(q, PagedKV(k_cache, v_cache), meta)
     tol = 1e-5 if dtype is torch.float32 else 0.02
     assert (
         got.dtype == dtype and (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
@@ -177,8 +178,8 @@ def _paged_case(lens: list[int], dim: int, block_size: int = 4, heads: int = 8, 
 def test_paged_decode_attention_reads_the_pool_like_the_gathered_path(pair, lens):
     ref, fast = pair
     k_cache, v_cache, _, q, meta = _paged_case(lens, dim=64)
-    got = fast.decode_attention(q, k_cache, v_cache, meta())
-    want = ref.decode_attention(q, k_cache, v_cache, meta())
+    got = fast.decode_attention(q, PagedKV(k_cache, v_cache), meta())
+    want = ref.decode_attention(q, PagedKV(k_cache, v_cache), meta())
     assert (got.float() - want.float()).abs().max().item() <= 0.02 * want.float().abs().max().item()
 
 
@@ -220,11 +221,11 @@ def test_decode_attention_never_reads_slots_past_a_context(pair, dim):
         slots = row.repeat_interleave(block_size) * block_size + torch.arange(block_size).repeat(width)
         written[slots[:n]] = True
     for kernels in pair:
-        clean = kernels.decode_attention(q, k_cache, v_cache, meta())
+        clean = kernels.decode_attention(q, PagedKV(k_cache, v_cache), meta())
         poisoned_k, poisoned_v = k_cache.clone(), v_cache.clone()
         for cache in (poisoned_k, poisoned_v):
             cache.view(-1, kv_heads, dim)[~written] = float("nan")
-        assert torch.equal(kernels.decode_attention(q, poisoned_k, poisoned_v, meta()), clean), kernels.name
+        assert torch.equal(kernels.decode_attention(q, PagedKV(poisoned_k, poisoned_v), meta()), clean), kernels.name
 
 
 @pytest.mark.parametrize("k", [64, 2048, 31])

@@ -14,6 +14,9 @@ void rope_bf16_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, tor
 torch::Tensor silu_mul_bf16(torch::Tensor gate_up);
 torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                           torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+torch::Tensor paged_decode_attention_quant(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                           torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_tables,
+                                           torch::Tensor context_lens, double scale, bool fp8);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale);
 
@@ -31,6 +34,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up for (T, 2I) -> (T, I)");
   m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16,
         "one query per sequence over its paged K/V, no gather");
+  m.def("paged_decode_attention_quant", &paged_decode_attention_quant,
+        "one query per sequence over an int8 / fp8 paged K/V with per-token-head fp16 scales");
   m.def("paged_decode_attention", &paged_decode_attention,
         "the same for any head size, float32 or bfloat16 (portable loops)");
 }

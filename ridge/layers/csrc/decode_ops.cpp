@@ -23,6 +23,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "paged_rows.h"
+
 namespace {
 
 using bf16 = at::BFloat16;
@@ -62,8 +64,11 @@ inline __m512 exp512(__m512 x) {
 // softmax of one row of scores in place (fp32; exp 16 lanes at a time), probabilities
 // rounded to bf16 when the torch path computes them in bf16
 void softmax_row(float* s, int64_t L, bool round_to_bf16) {
-  float mx = -INFINITY;
-  for (int64_t t = 0; t < L; ++t) mx = std::max(mx, s[t]);
+  __m512 mx16 = _mm512_set1_ps(-INFINITY);
+  int64_t m = 0;
+  for (; m + 16 <= L; m += 16) mx16 = _mm512_max_ps(mx16, _mm512_loadu_ps(s + m));
+  float mx = _mm512_reduce_max_ps(mx16);
+  for (; m < L; ++m) mx = std::max(mx, s[m]);
   __m512 sum = _mm512_setzero_ps();
   int64_t t = 0;
   for (; t + 16 <= L; t += 16) {
@@ -132,13 +137,15 @@ inline void qk_chunk(const int32_t* k32, __m512i vbase, const int32_t* qpairs, i
 
 // out[g][d0 .. d0 + 16 DN) = sum_t p[g][t] v_t for GN heads, accumulators in registers
 template <int GN, int DN>
-inline void pv_block(const bf16* vp, const int64_t* table, int64_t BS, int64_t Hkv, int64_t h, int64_t D, int64_t d0,
-                     const float* probs, int64_t L, bf16* out) {
+inline void pv_block(const bf16* vp, const int64_t* rows, int64_t D, int64_t d0, const float* probs, int64_t L,
+                     bf16* out) {
   __m512 acc[GN][DN];
   for (int g = 0; g < GN; ++g)
     for (int j = 0; j < DN; ++j) acc[g][j] = _mm512_setzero_ps();
   for (int64_t t = 0; t < L; ++t) {
-    const bf16* vrow = vp + ((table[t / BS] * BS + t % BS) * Hkv + h) * D + d0;
+    const bf16* vrow = vp + rows[t] * D + d0;
+    // blocks are scattered over the pool: fetch a block ahead, the hardware prefetcher cannot
+    if (t + 16 < L) _mm_prefetch((const char*)(vp + rows[t + 16] * D + d0), _MM_HINT_T0);
     __m512 vv[DN];
     for (int j = 0; j < DN; ++j) vv[j] = load16(vrow + 16 * j);
     for (int g = 0; g < GN; ++g) {
@@ -151,13 +158,13 @@ inline void pv_block(const bf16* vp, const int64_t* table, int64_t BS, int64_t H
 }
 
 template <int GN>
-inline void pv_any_dn(int64_t dn, const bf16* vp, const int64_t* table, int64_t BS, int64_t Hkv, int64_t h, int64_t D,
-                      int64_t d0, const float* probs, int64_t L, bf16* out) {
+inline void pv_any_dn(int64_t dn, const bf16* vp, const int64_t* rows, int64_t D, int64_t d0, const float* probs,
+                      int64_t L, bf16* out) {
   switch (dn) {
-    case 1: return pv_block<GN, 1>(vp, table, BS, Hkv, h, D, d0, probs, L, out);
-    case 2: return pv_block<GN, 2>(vp, table, BS, Hkv, h, D, d0, probs, L, out);
-    case 3: return pv_block<GN, 3>(vp, table, BS, Hkv, h, D, d0, probs, L, out);
-    default: return pv_block<GN, 4>(vp, table, BS, Hkv, h, D, d0, probs, L, out);
+    case 1: return pv_block<GN, 1>(vp, rows, D, d0, probs, L, out);
+    case 2: return pv_block<GN, 2>(vp, rows, D, d0, probs, L, out);
+    case 3: return pv_block<GN, 3>(vp, rows, D, d0, probs, L, out);
+    default: return pv_block<GN, 4>(vp, rows, D, d0, probs, L, out);
   }
 }
 
@@ -299,10 +306,11 @@ torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> qpairs(G * DP);
     std::vector<float> scores;
+    std::vector<int64_t> rows;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / Hkv, h = job % Hkv;
       const int64_t L = lp[b];
-      const int64_t* table = tp + b * max_blocks;
+      paged_rows(tp + b * max_blocks, L, BS, Hkv, h, rows);
       const int32_t* k32 = reinterpret_cast<const int32_t*>(kp);
       std::memcpy(qpairs.data(), qp + (b * Hq + h * G) * D, G * D * sizeof(bf16));
       scores.assign(G * L, 0.f);
@@ -311,9 +319,11 @@ torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache
         alignas(64) int32_t base[16];
         for (int64_t i = 0; i < 16; ++i) {
           const int64_t t = t0 + std::min<int64_t>(i, n - 1);  // tail lanes repeat a valid token
-          base[i] = static_cast<int32_t>(((table[t / BS] * BS + t % BS) * Hkv + h) * DP);
+          base[i] = static_cast<int32_t>(rows[t] * DP);
         }
         const __m512i vbase = _mm512_load_si512(base);
+        for (int64_t i = t0 + 16; i < std::min<int64_t>(L, t0 + 32); ++i)  // the next chunk's rows
+          for (int64_t c = 0; c < 2 * D; c += 64) _mm_prefetch((const char*)(kp) + rows[i] * 2 * D + c, _MM_HINT_T0);
         for (int64_t g0 = 0; g0 < G; g0 += 8) {
           const int32_t* qg = qpairs.data() + g0 * DP;
           float* sg = &scores[g0 * L + t0];
@@ -339,10 +349,10 @@ torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache
         for (int64_t d0 = 0; d0 < D; d0 += 64) {
           const int64_t dn = std::min<int64_t>(4, (D - d0) / 16);
           switch (std::min<int64_t>(4, G - g0)) {
-            case 1: pv_any_dn<1>(dn, vp, table, BS, Hkv, h, D, d0, probs, L, out_g + d0); break;
-            case 2: pv_any_dn<2>(dn, vp, table, BS, Hkv, h, D, d0, probs, L, out_g + d0); break;
-            case 3: pv_any_dn<3>(dn, vp, table, BS, Hkv, h, D, d0, probs, L, out_g + d0); break;
-            default: pv_any_dn<4>(dn, vp, table, BS, Hkv, h, D, d0, probs, L, out_g + d0);
+            case 1: pv_any_dn<1>(dn, vp, rows.data(), D, d0, probs, L, out_g + d0); break;
+            case 2: pv_any_dn<2>(dn, vp, rows.data(), D, d0, probs, L, out_g + d0); break;
+            case 3: pv_any_dn<3>(dn, vp, rows.data(), D, d0, probs, L, out_g + d0); break;
+            default: pv_any_dn<4>(dn, vp, rows.data(), D, d0, probs, L, out_g + d0);
           }
         }
       }
@@ -410,3 +420,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      Hkv, D, BS, tables.size(1), static_cast<float>(scale));
   return out;
 }
+
+// softmax_row for the other decode kernels (decode_attention_quant.cpp)
+namespace ridge {
+void softmax_row(float* scores, int64_t L, bool round_to_bf16) { ::softmax_row(scores, L, round_to_bf16); }
+}  // namespace ridge

@@ -1,0 +1,105 @@
+"""The KV pool's tensors: one ``PagedKV`` per layer, in the model's dtype or quantized.
+
+    k, v        (num_blocks, block_size, Hkv, D)   model dtype, or 1-byte codes
+    k_scale     (num_blocks, block_size, Hkv)       fp16, one per token and KV head
+    v_scale     (quantized caches only; None otherwise)
+
+``--kv-cache-dtype`` (vLLM's flag): ``auto`` keeps the model's dtype; ``int8`` stores
+round(x / s) with s = amax / 127 per token and head; ``fp8`` stores x / s as float8 e4m3
+(s = amax / 448). The scale is rounded to fp16 before the codes are computed, so
+``codes * scale`` is exactly what every read path sees. Writes quantize; the decode kernels
+read codes and scales straight from the pool; the prefill path dequantizes what it gathers.
+A block's bytes hold its tokens' scales too, so the block arithmetic, the prefix cache and
+``--kv-cache-memory`` see one unit.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+QUANT_MAX = {"int8": 127.0, "fp8": 448.0}  # largest code: int8, float8 e4m3
+SCALE_DTYPE = torch.float16
+
+
+class PagedKV(NamedTuple):
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+    kind: str = "auto"  # "auto" (model dtype), "int8" or "fp8"
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+
+def check_kv_cache_dtype(name: str) -> str:
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    return name
+
+
+def bytes_per_token_head(kind: str, head_dim: int, dtype: torch.dtype) -> int:
+    """K or V bytes one token holds for one KV head (codes and scale)."""
+    if kind == "auto":
+        return head_dim * dtype.itemsize
+    return head_dim + SCALE_DTYPE.itemsize
+
+
+def allocate(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kind: str = "auto",
+) -> list[PagedKV]:
+    """One preallocated pool per layer.
+
+    Not zero-filled: no read path lets a slot nobody wrote change a result (prefill reads
+    ``[:context_len]``, the C++ decode kernels stop at the context length, and the torch
+    decode path zeroes the masked slots it gathers), so the pool costs nothing until used:
+    the OS maps its pages as they are first written (zero-filling gigabytes took seconds).
+    """
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if kind == "auto":
+        return [
+            PagedKV(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)
+        ]
+    code_dtype = torch.int8 if kind == "int8" else torch.uint8  # fp8 codes kept as their bytes
+    return [
+        PagedKV(
+            torch.empty(shape, dtype=code_dtype, device=device),
+            torch.empty(shape, dtype=code_dtype, device=device),
+            torch.empty(shape[:-1], dtype=SCALE_DTYPE, device=device),
+            torch.empty(shape[:-1], dtype=SCALE_DTYPE, device=device),
+            kind,
+        )
+        for _ in range(num_layers)
+    ]
+
+
+def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (T, H, D) -> codes (T, H, D) and fp16 scales (T, H), per token and head."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1) / QUANT_MAX[kind]).to(SCALE_DTYPE)
+    s = scale.float().unsqueeze(-1)
+    inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
+    scaled = xf * inv
+    if kind == "int8":
+        codes = scaled.round().clamp_(-127, 127).to(torch.int8)
+    else:
+        codes = scaled.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+    return codes, scale
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
+    """codes (..., H, D), scales (..., H) -> values (..., H, D) in ``dtype``."""
+    values = codes.float() if kind == "int8" else codes.view(torch.float8_e4m3fn).float()
+    return (values * scale.float().unsqueeze(-1)).to(dtype)

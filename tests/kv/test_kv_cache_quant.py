@@ -1,0 +1,138 @@
+"""An int8 / fp8 KV cache: codes and per-(token, head) scales; attention read from it against
+a reference on the dequantized K/V; the engine with it (story, prefix caching, preemption,
+pool size)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ridge import LLM, SamplingParams
+from ridge.kv import cache as kv_cache
+from ridge.kv.cache import PagedKV
+from ridge.layers.attention import AttentionMetadata, decode_valid_mask
+from ridge.layers.cpu_kernels import cpu_has_avx512_bf16, select_kernels
+from ridge.layers.kernels import TorchKernels
+
+KINDS = ("int8", "fp8")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantize_round_trip_is_within_half_a_step(kind):
+    x = torch.randn(50, 4, 64, generator=torch.Generator().manual_seed(0)) * 3
+    x[0, 0] = 0  # an all-zero row: scale 0, codes 0
+    codes, scale = kv_cache.quantize(x, kind)
+    assert codes.dtype == (torch.int8 if kind == "int8" else torch.uint8) and scale.dtype == torch.float16
+    back = kv_cache.dequantize(codes, scale, kind, torch.float32)
+    assert torch.equal(back[0, 0], torch.zeros(64))
+    amax = x.abs().amax(-1, keepdim=True)
+    if kind == "int8":  # half a step of amax / 127, plus the scale's fp16 rounding
+        bound = amax / 254 + amax * 2**-11
+    else:  # e4m3: 3 mantissa bits, half an ulp relative (plus the smallest subnormal)
+        bound = x.abs() * 2**-4 + amax / 448 * 2**-9 + amax * 2**-11
+    assert ((back - x).abs() <= bound * 1.001).all()
+
+
+def _cache_case(kind, dim, lens, kv_heads=2, block_size=4, num_blocks=80, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_blocks * block_size, kv_heads, dim, generator=gen)
+    v = torch.randn(num_blocks * block_size, kv_heads, dim, generator=gen)
+    (kc, ks), (vc, vs) = kv_cache.quantize(k, kind), kv_cache.quantize(v, kind)
+    shape = (num_blocks, block_size, kv_heads, dim)
+    cache = PagedKV(kc.view(shape), vc.view(shape), ks.view(shape[:-1]), vs.view(shape[:-1]), kind)
+    width = max(-(-n // block_size) for n in lens)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * width].view(len(lens), width)
+    context = torch.tensor(lens)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(len(lens), dtype=torch.long),
+        num_decode_tokens=len(lens),
+        decode_block_tables=tables,
+        decode_context_lens=context,
+        decode_mask=decode_valid_mask(context, width * block_size),
+    )
+    return cache, meta, gen
+
+
+def _dense_reference(q, cache, meta):
+    """The gathered torch path over a dense cache holding the dequantized values."""
+    k = kv_cache.dequantize(cache.k, cache.k_scale, cache.kind, torch.float32)
+    v = kv_cache.dequantize(cache.v, cache.v_scale, cache.kind, torch.float32)
+    return TorchKernels().decode_attention(q.float(), PagedKV(k, v), meta)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_torch_decode_path_reads_the_dequantized_cache(kind):
+    cache, meta, gen = _cache_case(kind, 16, [5, 40, 17])
+    q = torch.randn(3, 6, 16, generator=gen)
+    got = TorchKernels().decode_attention(q, cache, meta)
+    assert torch.allclose(got, _dense_reference(q, cache, meta), atol=1e-6)
+
+
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU has no AVX-512 BF16 + VNNI")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dim,heads", [(64, 8), (16, 2), (128, 6), (32, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[1], [5, 40, 17], [130, 3]])
+def test_cpu_kernel_reads_codes_and_scales_from_the_pool(kind, dim, heads, dtype, lens):
+    cache, meta, gen = _cache_case(kind, dim, lens)
+    q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+    got = select_kernels("ridge", torch.device("cpu"), dtype).decode_attention(q, cache, meta)
+    want = _dense_reference(q, cache, meta)
+    assert got.dtype == dtype
+    # int8 K: the query is quantized to int8 too (scores within ~1%); bf16 output rounding
+    tol = 0.02 if kind == "int8" or dtype is torch.bfloat16 else 1e-5
+    assert (got.float() - want).abs().max().item() <= tol * want.abs().max().item()
+
+
+def test_unknown_kv_cache_dtype_is_a_clear_error():
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8, got 'int4'"):
+        LLM("random:tiny", kv_cache_dtype="int4")
+
+
+def test_the_pool_holds_about_twice_the_tokens_in_the_same_memory():
+    sizes = {
+        kind: LLM("random:tiny", dtype="bfloat16", kv_cache_dtype=kind, kv_cache_memory=0.01)
+        for kind in ("auto", "int8", "fp8")
+    }
+    blocks = {kind: llm.engine.num_kv_blocks for kind, llm in sizes.items()}
+    # head_dim 16: 32 bytes in bf16 against 16 codes + a 2-byte scale
+    assert blocks["int8"] == blocks["fp8"] and 32 / 18 - 0.01 <= blocks["int8"] / blocks["auto"] <= 32 / 18 + 0.01
+    # head_dim 64 (TinyLlama): 128 bytes per token and head in bf16, 66 quantized: 1.94x
+    assert kv_cache.bytes_per_token_head("auto", 64, torch.bfloat16) / kv_cache.bytes_per_token_head(
+        "int8", 64, torch.bfloat16
+    ) == pytest.approx(128 / 66)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stories_still_tells_the_story_with_a_quantized_cache(stories_dir, kind):
+    llm = LLM(str(stories_dir), kv_cache_dtype=kind, num_kv_blocks=64)
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
+    assert out[0].outputs[0].text.startswith(", there was a little girl named Lily. She loved to play outside")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefix_caching_and_chunking_see_the_same_stored_values(stories_dir, kind):
+    prompts = ["Once upon a time, there was a little girl named Lily. " + s for s in ("She", "One day", "Her mom")]
+    params = SamplingParams(temperature=0, max_tokens=20)
+    cached = LLM(str(stories_dir), kv_cache_dtype=kind, num_kv_blocks=64, block_size=4)
+    first = cached.generate(prompts, params, use_tqdm=False)
+    again = cached.generate(prompts, params, use_tqdm=False)  # now served from the prefix cache
+    assert cached.engine.kv.prefix_hits > 0
+    plain = LLM(str(stories_dir), kv_cache_dtype=kind, num_kv_blocks=64, block_size=4, enable_prefix_caching=False)
+    chunked = LLM(str(stories_dir), kv_cache_dtype=kind, num_kv_blocks=64, block_size=4, max_num_batched_tokens=8)
+    texts = [o.outputs[0].text for o in first]
+    assert texts == [o.outputs[0].text for o in again]
+    assert texts == [o.outputs[0].text for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert texts == [o.outputs[0].text for o in chunked.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_preemption_with_a_quantized_cache_finishes_everything_and_frees_the_pool(stories_dir, kind):
+    prompts = ["Once upon a time", "The cat", "Lily and Ben", "One day, a little dog", "The sun was", "Tom had"]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = LLM(str(stories_dir), kv_cache_dtype=kind, num_kv_blocks=12, block_size=4)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
+    llm.engine.kv.check_integrity()
+    assert llm.engine.kv.pool.counts()["used"] == 0
