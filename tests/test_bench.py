@@ -360,3 +360,26 @@ def test_unknown_output_distribution_is_an_argparse_error(stories_dir, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench", "throughput", *model_args(stories_dir), "--output-dist", "zipf"])
     assert exc.value.code == 2 and "--output-dist" in capsys.readouterr().err
+
+
+def _quality(capsys, *flags):
+    assert main(["bench", "quality", "--tokens", "120", "--num-kv-blocks", "64", "--json", *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_bench_quality_of_a_model_against_itself_is_zero_divergence(stories_dir, capsys):
+    result = _quality(capsys, "--model", str(stories_dir))
+    assert result["tokens"] == 125  # <s> and the prompt's 4 tokens, then 120 sampled
+    assert abs(result["mean_kld"]) < 1e-6 and result["top_token_agreement"] == 1.0
+    assert result["ppl_candidate"] == pytest.approx(result["ppl_reference"])
+
+
+@pytest.mark.parametrize(
+    "flags", [["--quantization", "int8"], ["--quantization", "int4"], ["--kv-cache-dtype", "int8"]]
+)
+def test_bench_quality_measures_what_quantization_costs(stories_dir, capsys, flags):
+    result = _quality(capsys, "--model", str(stories_dir), *flags)
+    assert 0 < result["mean_kld"] < 0.5 and 0.5 < result["top_token_agreement"] < 1.0 + 1e-9
+    assert result["ppl_reference"] > 1 and result["ppl_candidate"] > 1
+    int8 = flags == ["--quantization", "int8"]
+    assert not int8 or result["mean_kld"] < 0.05
