@@ -104,6 +104,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # None = none; k = sampled token's logprob + top-k
+    # None = none; k = each prompt token's logprob (raw distribution) + the top-k at its
+    # position; the first prompt token has none. Such a request is not served from the
+    # prefix cache (every prompt position must be computed).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -147,9 +151,16 @@ class SamplingParams:
         self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check_bool(name, getattr(self, name))
-        self.logprobs = _check_int(
-            "logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS, allow_none=True, rule=f"in [0, {MAX_LOGPROBS}] or None"
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = _check_int(
+                name,
+                getattr(self, name),
+                lo=0,
+                hi=MAX_LOGPROBS,
+                allow_none=True,
+                rule=f"in [0, {MAX_LOGPROBS}] or None",
+            )
+            setattr(self, name, value)
 
     @staticmethod
     def _normalize_stop(stop: object) -> list[str]:

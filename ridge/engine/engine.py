@@ -196,7 +196,14 @@ class LLMEngine:
         max_tokens = self._resolve_max_tokens(prompt_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
 
-        user = RequestState(request_id, prompt_text, prompt_ids, arrival, stream)
+        user = RequestState(
+            request_id,
+            prompt_text,
+            prompt_ids,
+            arrival,
+            stream,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
         for index, seq_id in enumerate(seq_ids):
             seq_params = params.for_sample(index)
             req = Request(
@@ -297,7 +304,7 @@ class LLMEngine:
             return []
         out = self.runner.run(plan, self.scheduler.requests)
         progressed = self.scheduler.update(plan, out.sampled)
-        outputs = self.output_processor.process(progressed, out.logprobs)
+        outputs = self.output_processor.process(progressed, out.logprobs, out.prompt_logprobs)
         # A decode computes one generated token; anything else (a prompt chunk, even of one
         # token, or a recompute after preemption) is prefill.
         decodes = [c.end for c in plan.chunks if c.num_new_tokens == 1 and c.start >= c.request.num_prompt_tokens]

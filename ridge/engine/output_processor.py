@@ -53,6 +53,10 @@ class RequestState:
     arrival_time: float
     stream: bool = True  # an output every step (for streaming), or only the final one
     sequences: list[SequenceState] = field(default_factory=list)
+    # when asked: one entry per prompt token (None for the first), filled as chunks compute
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # the prompt tokens' texts, token by token (they join into the decoded prompt)
+    prompt_detokenizer: IncrementalDetokenizer | None = None
 
     @property
     def finished(self) -> bool:
@@ -90,9 +94,16 @@ class OutputProcessor:
         return state
 
     # -- one step -------------------------------------------------------------------------
-    def process(self, progressed: list[Request], logprobs: dict[str, TokenLogprobs]) -> list[RequestOutput]:
+    def process(
+        self,
+        progressed: list[Request],
+        logprobs: dict[str, TokenLogprobs],
+        prompt_logprobs: dict[str, tuple[int, list]] | None = None,
+    ) -> list[RequestOutput]:
         """Outputs for the user requests that progressed (streamed ones every step, the
         others when they finish); finished user requests are forgotten."""
+        for rid, (first, entries) in (prompt_logprobs or {}).items():
+            self._add_prompt_logprobs(rid, first, entries)
         touched: dict[str, RequestState] = {}
         for req in progressed:
             seq = self._sequence_of[req.request_id]
@@ -126,6 +137,33 @@ class OutputProcessor:
             if finished:
                 self.remove(state.request_id)
         return outputs
+
+    def _add_prompt_logprobs(self, rid: str, first: int, entries: list) -> None:
+        """Prompt positions not seen yet (a recompute after preemption repeats some); from the
+        first of a request's n sequences only (they share the prompt)."""
+        seq = self._sequence_of.get(rid)
+        if seq is None:
+            return
+        state = self.requests[seq.user_id]
+        if state.prompt_logprobs is None or seq is not state.sequences[0]:
+            return
+        collected = state.prompt_logprobs
+        prompt = state.prompt_token_ids
+        if state.prompt_detokenizer is None:
+            state.prompt_detokenizer = IncrementalDetokenizer(self.tokenizer, [])
+            state.prompt_detokenizer.add_tokens(prompt[:1])
+            state.prompt_detokenizer.take_token_text(final=len(prompt) == 1)
+        for pos, e in enumerate(entries, start=first):
+            if pos != len(collected):
+                continue
+            before = prompt[pos - 1]
+            state.prompt_detokenizer.add_tokens([e.token])
+            text = state.prompt_detokenizer.take_token_text(final=pos == len(prompt) - 1)
+            entry = {e.token: Logprob(e.logprob, e.rank, text)}
+            for rank, (tid, lp) in enumerate(e.top, start=1):
+                if tid not in entry:
+                    entry[tid] = Logprob(lp, rank, self._text_after(before, tid))
+            collected.append(entry)
 
     def _logprob_entry(
         self, req: Request, token: int, token_text: str, lp: float, top: list[tuple[int, float]]
@@ -192,4 +230,5 @@ class OutputProcessor:
             finished=state.finished,
             metrics=metrics,
             num_cached_tokens=max(reqs[0].num_cached_tokens, 0),
+            prompt_logprobs=state.prompt_logprobs,
         )

@@ -56,3 +56,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # SamplingParams.prompt_logprobs: per prompt token (None for the first) its logprob and the top-k
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

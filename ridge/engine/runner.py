@@ -25,14 +25,27 @@ class ForwardBatch:
     input_ids: torch.Tensor  # (T,)
     positions: torch.Tensor  # (T,)
     meta: AttentionMetadata
-    sample_rows: torch.Tensor  # (R,) flat rows whose logits are needed
-    sample_request_ids: list[str] = field(default_factory=list)
+    sample_rows: torch.Tensor  # (R + P,) flat rows whose logits are needed: R that sample, then P prompt rows
+    sample_request_ids: list[str] = field(default_factory=list)  # the R that sample
+    # prompt logprobs: (request id, first prompt position predicted, rows) per chunk that asked;
+    # the logits of position p give the logprob of prompt token p + 1
+    prompt_spans: list[tuple[str, int, int]] = field(default_factory=list)
+
+
+@dataclass
+class PromptLogprob:
+    token: int
+    logprob: float
+    rank: int  # 1 = the most likely token at its position
+    top: list[tuple[int, float]]  # the top-k (token, logprob), best first
 
 
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int]  # request id -> new token
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]]  # where asked: (sampled lp, top-k)
+    # where asked: request id -> (prompt position of the first entry, one entry per position)
+    prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -61,6 +74,8 @@ class ModelRunner:
         prefills: list[PrefillChunk] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
+        prompt_rows: list[int] = []
+        prompt_spans: list[tuple[str, int, int]] = []
         for chunk in plan.chunks:
             req = chunk.request
             table = self.kv.block_table(req)
@@ -82,6 +97,11 @@ class ModelRunner:
             if chunk.samples:
                 sample_rows.append(len(tokens) - 1)
                 sample_ids.append(req.request_id)
+            last_scored = min(end, req.num_prompt_tokens - 1)  # position P - 1 predicts an output token
+            if req.sampling_params.prompt_logprobs is not None and start < last_scored:
+                first_row = len(tokens) - (end - start)
+                prompt_spans.append((req.request_id, start + 1, last_scored - start))
+                prompt_rows.extend(range(first_row, first_row + last_scored - start))
 
         def as_tensor(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -94,7 +114,14 @@ class ModelRunner:
                 padded[i, : len(table)] = table
             meta.decode_block_tables = torch.from_numpy(padded).to(self.device)
             meta.decode_context_lens = as_tensor(decode_lens)
-        return ForwardBatch(as_tensor(tokens), as_tensor(positions), meta, as_tensor(sample_rows), sample_ids)
+        return ForwardBatch(
+            as_tensor(tokens),
+            as_tensor(positions),
+            meta,
+            as_tensor(sample_rows + prompt_rows),
+            sample_ids,
+            prompt_spans,
+        )
 
     @torch.inference_mode()
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
@@ -103,16 +130,42 @@ class ModelRunner:
 
     def run(self, plan: SchedulerOutput, requests_by_id: dict) -> RunnerOutput:
         batch = self.prepare(plan)
-        if not batch.sample_request_ids:  # only partial prefill chunks: nothing to sample
-            self.forward_logits(batch)
-            return RunnerOutput({}, {})
         logits = self.forward_logits(batch)
+        num_sampled = len(batch.sample_request_ids)
+        prompt_logprobs = self._prompt_logprobs(batch, logits[num_sampled:], requests_by_id)
+        if not num_sampled:  # only partial prefill chunks: nothing to sample
+            return RunnerOutput({}, {}, prompt_logprobs)
         states = [requests_by_id[rid].sampling_state for rid in batch.sample_request_ids]
-        out = self.sampler(logits, states)
+        out = self.sampler(logits[:num_sampled], states)
         sampled = dict(zip(batch.sample_request_ids, out.token_ids))
         logprobs = {
             rid: (lp, top or [])
             for rid, lp, top in zip(batch.sample_request_ids, out.logprobs, out.top_logprobs)
             if lp is not None
         }
-        return RunnerOutput(sampled, logprobs)
+        return RunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    @staticmethod
+    def _prompt_logprobs(batch: ForwardBatch, logits: torch.Tensor, requests_by_id: dict) -> dict:
+        """Each asked-for prompt token's logprob under the raw distribution, its rank, the top-k."""
+        if not batch.prompt_spans:
+            return {}
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        out, row = {}, 0
+        for rid, first, count in batch.prompt_spans:
+            req = requests_by_id[rid]
+            k = req.sampling_params.prompt_logprobs
+            rows = logprobs[row : row + count]
+            targets = torch.tensor(req.prompt_token_ids[first : first + count], device=rows.device)
+            chosen = rows.gather(1, targets[:, None])[:, 0]
+            ranks = (rows > chosen[:, None]).sum(-1) + 1
+            top_lp, top_ids = rows.topk(k, dim=-1) if k else (rows[:, :0], rows[:, :0].long())
+            entries = [
+                PromptLogprob(t, lp, rank, list(zip(ids, lps)))
+                for t, lp, rank, ids, lps in zip(
+                    targets.tolist(), chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist()
+                )
+            ]
+            out[rid] = (first, entries)
+            row += count
+        return out

@@ -145,7 +145,10 @@ class Scheduler:
         may_admit = not preempted and (self.config.policy == "continuous" or not self.running)
         while may_admit and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            if req.sampling_params.prompt_logprobs is None:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            else:  # every prompt position's logits are wanted: compute them all
+                hits, num_hit_tokens = [], 0
             num_new = self._chunk_size(req.num_tokens - num_hit_tokens, budget)
             if num_new == 0 or not self.kv.allocate_slots(req, num_new, hits):
                 break

@@ -182,9 +182,13 @@ class CompletionRequest(SamplingRequest):
             return "suffix", "suffix is not supported"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of", "best_of is not supported (use n)"
-        if self.echo and self.logprobs is not None:
-            return "echo", "echo with logprobs needs prompt logprobs, which ridge does not compute"
         return super().unsupported()
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: score the prompt, generate nothing (what
+        lm-evaluation-harness sends for log-likelihoods)."""
+        return self.echo and self.max_tokens == 0
 
 
 class TextContentPart(_Strict):

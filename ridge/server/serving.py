@@ -186,14 +186,18 @@ class OpenAIServing:
     async def create_completion(self, body: CompletionRequest, raw: Request) -> CompletionResponse | AsyncIterator[str]:
         arrival = time.monotonic()
         self._check_request(body)
-        params = self._sampling_params(body, body.max_tokens, body.logprobs)
+        # echo with max_tokens 0 runs one token (the prompt's logits need a step) and drops it
+        max_tokens = 1 if body.echo_only else body.max_tokens
+        params = self._sampling_params(body, max_tokens, body.logprobs)
+        if body.echo and body.logprobs is not None:
+            params.prompt_logprobs = body.logprobs
         prompts = await self._completion_prompts(body.prompt)
         for p in prompts:
-            self._check_length(len(p.token_ids), body.max_tokens, "prompt")
+            self._check_length(len(p.token_ids), max_tokens, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await self._add(request_id, prompts, params, arrival, "prompt")
         ctx = _CompletionContext(
-            request_id, int(time.time()), self.model_name, prompts, params, body.echo, self.tokenizer
+            request_id, int(time.time()), self.model_name, prompts, params, body.echo, self.tokenizer, body.echo_only
         )
         if body.stream:
             return self._completion_events(ctx, stream, body.include_usage)
@@ -202,9 +206,10 @@ class OpenAIServing:
         for i, out in enumerate(finals):
             echo = ctx.prompt_text(i) if body.echo else ""
             for c in out.outputs:
-                choices.append(ctx.choice(i, c, echo + c.text, 0, len(c.token_ids)))
+                text = echo if ctx.echo_only else echo + c.text
+                choices.append(ctx.choice(i, c, text, 0, len(c.token_ids), out if body.echo else None))
         return CompletionResponse(
-            id=request_id, created=ctx.created, model=ctx.model, choices=choices, usage=_usage(finals)
+            id=request_id, created=ctx.created, model=ctx.model, choices=choices, usage=ctx.usage(finals)
         )
 
     async def _completion_prompts(self, prompt: Any) -> list[_Prompt]:
@@ -242,15 +247,16 @@ class OpenAIServing:
             async for i, out in stream:
                 for c in out.outputs:
                     index = i * ctx.params.n + c.index
-                    text = c.delta_text
-                    if ctx.echo and index not in echoed:
+                    text = "" if ctx.echo_only else c.delta_text
+                    echo_now = ctx.echo and index not in echoed
+                    if echo_now:
                         echoed.add(index)
                         text = ctx.prompt_text(i) + text
                     end = len(c.token_ids)
                     start = end - len(c.delta_token_ids)
                     if not _is_news(text, start, end, c.finish_reason, index, ended):
                         continue  # a prefill chunk, or a choice that already ended
-                    choice = ctx.choice(i, c, text, start, end)
+                    choice = ctx.choice(i, c, text, start, end, out if echo_now else None)
                     yield sse(
                         CompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[choice])
                     )
@@ -259,7 +265,7 @@ class OpenAIServing:
             if include_usage:
                 yield sse(
                     CompletionResponse(
-                        id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[], usage=_usage(finals)
+                        id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[], usage=ctx.usage(finals)
                     )
                 )
         except (EngineDeadError, RuntimeError) as exc:
@@ -389,16 +395,28 @@ class _CompletionContext:
     params: SamplingParams
     echo: bool
     tokenizer: Any
+    echo_only: bool = False  # echo with max_tokens 0: the generated token is dropped
 
     def prompt_text(self, i: int) -> str:
         p = self.prompts[i]
         return p.text if p.text is not None else self.tokenizer.decode(p.token_ids)
 
-    def choice(self, i: int, c: CompletionOutput, text: str, start: int, end: int) -> CompletionChoice:
-        """The choice for ``text`` and tokens ``[start, end)`` of completion ``c`` of prompt ``i``."""
+    def usage(self, finals: Sequence[RequestOutput | None]) -> UsageInfo:
+        usage = _usage(finals)
+        return UsageInfo.of(usage.prompt_tokens, 0) if self.echo_only else usage
+
+    def choice(
+        self, i: int, c: CompletionOutput, text: str, start: int, end: int, echoed: RequestOutput | None = None
+    ) -> CompletionChoice:
+        """The choice for ``text`` and tokens ``[start, end)`` of completion ``c`` of prompt ``i``;
+        ``echoed``: the text begins with that request's prompt (its logprobs come first)."""
+        if self.echo_only:
+            start = end = 0
         logprobs = None
         if self.params.logprobs is not None:
             logprobs = _completion_logprobs(c, start, end)
+            if echoed is not None:
+                logprobs = _prompt_logprobs(echoed, self.tokenizer, logprobs)
         return CompletionChoice(
             index=i * self.params.n + c.index,
             text=text,
@@ -435,6 +453,31 @@ def _completion_logprobs(c: CompletionOutput, start: int, end: int) -> Completio
         out.text_offset.append(offset)
         offset += len(token)
     return out
+
+
+def _prompt_logprobs(out: RequestOutput, tokenizer, then: CompletionLogprobs) -> CompletionLogprobs:
+    """The echoed prompt's tokens first (the first has no logprob), then ``then``'s, whose
+    offsets move past the prompt's text."""
+    result = CompletionLogprobs()
+    offset = 0
+    entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+    for token_id, entry in zip(out.prompt_token_ids, entries):
+        if entry is None:
+            token = tokenizer.decode([token_id])  # the first token: no context, no logprob
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+        else:
+            token = _token_text(entry, token_id)
+            result.token_logprobs.append(entry[token_id].logprob)
+            result.top_logprobs.append({lp.decoded_token or "": lp.logprob for lp in entry.values()})
+        result.tokens.append(token)
+        result.text_offset.append(offset)
+        offset += len(token)
+    result.tokens += then.tokens
+    result.token_logprobs += then.token_logprobs
+    result.top_logprobs += then.top_logprobs
+    result.text_offset += [offset + o for o in then.text_offset]
+    return result
 
 
 def _chat_logprobs(c: CompletionOutput, start: int, end: int, top: int) -> ChatLogprobs:

@@ -121,7 +121,6 @@ CASES = [
     # unsupported features and the unknown model
     ("/v1/completions", comp(suffix="end"), 400, "suffix", None),
     ("/v1/completions", comp(logit_bias={"5": 10}), 400, "logit_bias", None),
-    ("/v1/completions", comp(echo=True, logprobs=2), 400, "echo", None),
     ("/v1/completions", comp(stream_options={"include_usage": True}), 400, "stream_options", None),
     ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", None),
     ("/v1/chat/completions", chat(response_format={"type": "json_object"}), 400, "response_format", None),

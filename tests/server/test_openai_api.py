@@ -212,6 +212,33 @@ def test_echo_and_token_id_prompt(client, tokenizer):
     assert streamed == echoed.choices[0].text
 
 
+def test_echo_with_logprobs_and_no_tokens_scores_the_prompt(client, tokenizer, stories_dir):
+    """What lm-evaluation-harness's local-completions backend sends for log-likelihoods."""
+    from ridge import LLM, SamplingParams
+
+    scored = client.completions.create(
+        model=STORIES_NAME, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2, temperature=0
+    )
+    choice = scored.choices[0]
+    ids = tokenizer.encode(PROMPT)
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert scored.usage.prompt_tokens == len(ids) and scored.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens) == PROMPT and lp.text_offset == [len("".join(lp.tokens[:k])) for k in range(len(ids))]
+    reference = LLM(str(stories_dir), num_kv_blocks=32).generate(
+        [PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False
+    )[0]
+    for k in range(1, len(ids)):
+        assert lp.token_logprobs[k] == pytest.approx(reference.prompt_logprobs[k][ids[k]].logprob, abs=1e-5)
+        assert 2 <= len(lp.top_logprobs[k]) <= 3
+    # with generated tokens: the prompt's entries, then the completion's, offsets running on
+    both = client.completions.create(model=STORIES_NAME, prompt=PROMPT, max_tokens=4, echo=True, logprobs=1)
+    c = both.choices[0]
+    assert len(c.logprobs.tokens) == len(ids) + 4 and c.text.startswith(PROMPT)
+    assert c.logprobs.text_offset[len(ids)] == len(PROMPT)
+
+
 def test_chat(client, tokenizer, server):
     messages = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "Once upon a time"}]
     res = client.chat.completions.create(model=STORIES_NAME, messages=messages, max_tokens=24, temperature=0)
