@@ -112,8 +112,14 @@ class RidgeRunner:
 
     name = "ridge"
 
-    def __init__(self, llm) -> None:
-        self.llm = llm
+    def __init__(self, llm, name: str = "ridge") -> None:
+        self.llm, self.name = llm, name
+
+    @property
+    def weight_bytes_per_param(self) -> float:
+        """What the loaded layers hold per matrix parameter (blocks and scales included)."""
+        model = self.llm.engine.model
+        return model.linear_weight_bytes() / model.linear_weight_params()
 
     def run_batch(self, prompts: list[list[int]], new_tokens: int) -> Timed:
         from ridge.sampling import SamplingParams
@@ -221,9 +227,12 @@ class LlamaCppRunner:
 
     name = "llama.cpp"
 
-    def __init__(self, gguf_path: Path, threads: int, context_per_seq: int, n_batch: int = 512) -> None:
+    def __init__(
+        self, gguf_path: Path, threads: int, context_per_seq: int, n_batch: int = 512, name: str = "llama.cpp"
+    ) -> None:
         import llama_cpp as lc
 
+        self.name = name
         self.lc = lc
         self.threads, self.n_batch = threads, n_batch
         self.context_per_seq = -(-context_per_seq // 256) * 256
@@ -384,16 +393,48 @@ def prepare_exports(
     return (hf_dir if need_hf else None), (gguf if need_gguf else None)
 
 
+# llama.cpp's file types for --formats (llama_model_quantize's ftype names)
+LLAMA_FTYPES = {
+    "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
+    "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+    "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+}
+# ridge's --quantization of the same block format, run beside the file (Q4_K_M has none)
+RIDGE_QUANTIZATION = {"q8_0": "int8", "q4_0": "int4"}
+
+
+def quantize_gguf(source: Path, fmt: str, threads: int) -> Path:
+    """``source`` (the bf16 export) quantized by llama.cpp's own quantizer, cached beside it."""
+    import llama_cpp as lc
+
+    target = source.with_name(f"model-{fmt}.gguf")
+    if target.is_file() and target.stat().st_mtime >= source.stat().st_mtime:
+        return target
+    log(f"quantizing {source.name} to {fmt} with llama_model_quantize -> {target}")
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = getattr(lc, LLAMA_FTYPES[fmt])
+    params.nthread = threads
+    tmp = target.with_suffix(".tmp")
+    if lc.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama_model_quantize failed for {fmt}")
+    tmp.rename(target)
+    return target
+
+
 # ---- the benchmark --------------------------------------------------------------------------
 def log(message: str) -> None:
     print(f"[compare {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def scenario_floor(shape: ModelShape, batch: int, prompt_len: int, new_tokens: int, elem: float) -> Floor:
-    """Prefill of ``batch`` prompts and the mean decode step, priced by the analyzer."""
-    prefill = step_cost(shape, [(prompt_len, prompt_len)] * batch, [], elem, elem, elem)
-    decodes = [step_cost(shape, [], [prompt_len + i + 1] * batch, elem, elem, elem) for i in range(1, new_tokens)]
-    decodes = decodes or [step_cost(shape, [], [prompt_len + 1] * batch, elem, elem, elem)]
+def scenario_floor(
+    shape: ModelShape, batch: int, prompt_len: int, new_tokens: int, elem: float, weight: float | None = None
+) -> Floor:
+    """Prefill of ``batch`` prompts and the mean decode step, priced by the analyzer
+    (``weight``: bytes per weight, when the format is not ``elem``)."""
+    w = elem if weight is None else weight
+    prefill = step_cost(shape, [(prompt_len, prompt_len)] * batch, [], w, elem, elem)
+    decodes = [step_cost(shape, [], [prompt_len + i + 1] * batch, w, elem, elem) for i in range(1, new_tokens)]
+    decodes = decodes or [step_cost(shape, [], [prompt_len + 1] * batch, w, elem, elem)]
     return Floor(
         prefill.flops,
         prefill.bytes,
@@ -459,17 +500,35 @@ def run_rounds(args, runners: list, vocab: int) -> list[dict]:
                         f"round {r + 1} {scenario:<8} {runner.name:<13} prefill {timed.prefill_s * 1e3:8.1f} ms  "
                         f"decode {entry['engines'][runner.name]['decode_ms_median']:8.2f} ms/step"
                     )
-                if "ridge" in timed_by:
-                    for name, timed in timed_by.items():
+                for name, timed in timed_by.items():
+                    ref = agreement_reference(name)
+                    if ref in timed_by:
                         entry["engines"][name]["greedy_agreement_with_ridge"] = agreement(
-                            timed.tokens, timed_by["ridge"].tokens
+                            timed.tokens, timed_by[ref].tokens
                         )
             record[scenario] = entry
         rounds.append(record)
     return rounds
 
 
-def summarize_rounds(args, rounds: list[dict], floors: dict[str, Floor], peak: float, engines: list[str]) -> dict:
+def agreement_reference(name: str) -> str:
+    """The ridge engine an engine's greedy tokens are compared with: the one on the same weights."""
+    fmt = name.split(" ", 1)[1] if " " in name else ""
+    return f"ridge {fmt}" if fmt and not fmt.startswith("--") else "ridge"
+
+
+def peer_pairs(engines: list[str]) -> dict[str, tuple[str, str]]:
+    """ridge against each peer on the same weights: bf16 vs everyone, each file vs llama.cpp on it."""
+    pairs = {name: ("ridge", name) for name in engines if " " not in name and name != "ridge"}
+    for name in engines:
+        if name.startswith("llama.cpp ") and f"ridge {name.split(' ', 1)[1]}" in engines:
+            pairs[name] = (f"ridge {name.split(' ', 1)[1]}", name)
+    return pairs
+
+
+def summarize_rounds(
+    args, rounds: list[dict], floors: dict[str, dict[str, Floor]], peak: float, engines: list[str]
+) -> dict:
     """Medians and spreads per scenario and engine, floors and fractions per round, ratios to ridge."""
     summary: dict = {}
     for scenario in args.scenarios:
@@ -483,7 +542,7 @@ def summarize_rounds(args, rounds: list[dict], floors: dict[str, Floor], peak: f
             key, higher = "output_tokens_per_s", True
             per_round = {name: [e["engines"][name][key] for e in entries] for name in engines}
         else:
-            floor = floors[scenario]
+            floor = floors[scenario]["ridge"]
             batch = BATCH_OF[scenario]
             floor_ms = [floor.decode_s(bw, peak) * 1e3 for bw in bandwidths]
             prefill_floor_s = [floor.prefill_s(bw, peak) for bw in bandwidths]
@@ -502,11 +561,14 @@ def summarize_rounds(args, rounds: list[dict], floors: dict[str, Floor], peak: f
                 runs = [e["engines"][name] for e in entries]
                 all_steps = [ms for run in runs for ms in run["decode_ms"]]
                 medians = [run["decode_ms_median"] for run in runs]
+                own = floors[scenario].get(name, floor)  # this engine's weights' floor
+                floor_ms = [own.decode_s(bw, peak) * 1e3 for bw in bandwidths]
+                prefill_floor_s = [own.prefill_s(bw, peak) for bw in bandwidths]
                 out["engines"][name] = {
                     "decode_ms_per_step": summarize(all_steps),
                     "decode_tokens_per_s": batch * 1e3 / statistics.median(all_steps) if all_steps else float("nan"),
                     "decode_floor_fraction": summarize([f / m for f, m in zip(floor_ms, medians)]),
-                    "achieved_gb_per_s": summarize([floor.decode_bytes / m / 1e6 for m in medians]),
+                    "achieved_gb_per_s": summarize([own.decode_bytes / m / 1e6 for m in medians]),
                     "prefill_ms": summarize([run["prefill_s"] * 1e3 for run in runs]),
                     "prefill_tokens_per_s": summarize([batch * args.prompt_len / run["prefill_s"] for run in runs]),
                     "prefill_floor_fraction": summarize(
@@ -520,11 +582,10 @@ def summarize_rounds(args, rounds: list[dict], floors: dict[str, Floor], peak: f
             key, higher = "decode_ms_median", False
             per_round = {name: medians_of(entries, name, key) for name in engines}
         if "ridge" in engines:
-            # speed of ridge over each peer, round by round (>1: ridge is faster)
+            # speed of ridge over each peer on the same weights, round by round (>1: ridge is faster)
             out["ridge_speedup"] = {
-                name: summarize([(r / p if higher else p / r) for r, p in zip(per_round["ridge"], per_round[name])])
-                for name in engines
-                if name != "ridge"
+                name: summarize([(r / p if higher else p / r) for r, p in zip(per_round[mine], per_round[name])])
+                for name, (mine, _) in peer_pairs(engines).items()
             }
         summary[scenario] = out
     return summary
@@ -571,28 +632,30 @@ def format_report(payload: dict) -> str:
                 f"{f['decode_bytes'] / 1e6:.1f} MB, {f['decode_flops'] / 1e9:.2f} GFLOP per step)"
             )
             lines.append(
-                f"  {'engine':<13} {'prefill ms':>10} {'decode ms/step':>15} {'(p10-p90)':>17} "
+                f"  {'engine':<26} {'prefill ms':>10} {'decode ms/step':>15} {'(p10-p90)':>17} "
                 f"{'tok/s':>8} {'% floor':>8} {'GB/s':>6} {'prefill %':>9} {'= ridge':>8}"
             )
             for name, e in out["engines"].items():
                 d = e["decode_ms_per_step"]
                 agree = e.get("greedy_agreement_with_ridge")
                 lines.append(
-                    f"  {name:<13} {e['prefill_ms']['median']:10.1f} {d['median']:15.2f} "
+                    f"  {name:<26} {e['prefill_ms']['median']:10.1f} {d['median']:15.2f} "
                     f"{d['p10']:8.2f}-{d['p90']:<8.2f} {e['decode_tokens_per_s']:8.1f} "
                     f"{100 * e['decode_floor_fraction']['median']:7.1f}% {e['achieved_gb_per_s']['median']:6.1f} "
                     f"{100 * e['prefill_floor_fraction']['median']:8.1f}% "
                     f"{'' if agree is None else f'{100 * agree:7.0f}%'}"
                 )
+        pairs = peer_pairs(list(out["engines"]))
         for name, s in out.get("ridge_speedup", {}).items():
             lines.append(
-                f"  ridge vs {name}: {s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f}) "
+                f"  {pairs[name][0]} vs {name}: {s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f}) "
                 f"{'output throughput' if scenario == 'mixed' else 'decode speed'}"
             )
     lines.append("")
     lines.append(
         "% floor: roofline floor / measured (decode: per step, with the bandwidth probed in the same round); "
-        "GB/s: analyzer bytes per step / measured step; = ridge: greedy tokens equal to ridge's "
+        "GB/s: analyzer bytes per step / measured step (each engine's own weight bytes); = ridge: greedy "
+        "tokens equal to ridge's on the same weights "
         "(prefix share; bf16 rounding differs between engines, so late divergence is expected)"
     )
     return "\n".join(lines)
@@ -675,6 +738,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mixed-output-len", default="8:128", help="N or LO:HI (uniform)")
     p.add_argument("--hf-batch", type=int, default=8, help="transformers' static batch size in the mixed workload")
     p.add_argument("--llamacpp-n-batch", type=int, default=512)
+    p.add_argument(
+        "--formats",
+        default="bf16",
+        help="comma-separated weight formats: bf16 and llama.cpp files quantized by its own llama_model_quantize "
+        f"({', '.join(LLAMA_FTYPES)}): each run by llama.cpp and by ridge from the same file, and ridge's "
+        "--quantization of the same block format beside them",
+    )
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--skip-llamacpp", action="store_true")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each engine")
@@ -749,6 +819,24 @@ def main(argv=None) -> int:
         runners.append(LlamaCppRunner(gguf_path, args.threads, longest + 16, args.llamacpp_n_batch))
         how["llama.cpp"] = f"llama_batch, {args.mixed_requests} slots, continuous batching"
         notes.append("llama.cpp: batch 32 and the mixed workload use llama_batch with one sequence id per request")
+    engine_options = dict(num_threads=args.threads, max_num_seqs=max_seqs, max_model_len=longest + 16)
+    for fmt in [f for f in args.formats.split(",") if f and f != "bf16"]:
+        if fmt not in LLAMA_FTYPES:
+            raise SystemExit(f"unknown format {fmt!r}; choose from bf16, {', '.join(LLAMA_FTYPES)}")
+        if not use_llamacpp:
+            raise SystemExit("quantized formats need llama-cpp-python (its quantizer makes the files)")
+        path = quantize_gguf(gguf_path, fmt, args.threads)
+        log(f"loading {path.name} in ridge and in llama.cpp")
+        runners.append(RidgeRunner(LLM(str(path), tokenizer="bytes", **engine_options), f"ridge {fmt}"))
+        runners.append(LlamaCppRunner(path, args.threads, longest + 16, args.llamacpp_n_batch, f"llama.cpp {fmt}"))
+        if fmt in RIDGE_QUANTIZATION:
+            q = RIDGE_QUANTIZATION[fmt]
+            quantized = LLM(f"random:{args.preset}", dtype=args.dtype, seed=args.seed, quantization=q, **engine_options)
+            runners.append(RidgeRunner(quantized, f"ridge --quantization {q}"))
+        notes.append(
+            f"{fmt}: the bf16 export quantized by llama.cpp's llama_model_quantize; ridge loads the same file "
+            "(its own log says what it converted)"
+        )
     engines = [r.name for r in runners]
 
     hardware = local_hardware()
@@ -756,8 +844,17 @@ def main(argv=None) -> int:
     peak = hardware.peak(roofline_dtype)
     shape = ModelShape.from_hf_config(hf_config)
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    # Each engine's floor prices the weights it reads: ridge's loaded layers (blocks and scales);
+    # llama.cpp reads the same file as the ridge engine on it.
+    weight_of = {r.name: r.weight_bytes_per_param for r in runners if isinstance(r, RidgeRunner)}
+    for name in engines:
+        if name.startswith("llama.cpp ") and f"ridge {name.split(' ', 1)[1]}" in weight_of:
+            weight_of[name] = weight_of[f"ridge {name.split(' ', 1)[1]}"]
     floors = {
-        s: scenario_floor(shape, BATCH_OF[s], args.prompt_len, args.new_tokens, elem)
+        s: {
+            name: scenario_floor(shape, BATCH_OF[s], args.prompt_len, args.new_tokens, elem, weight_of.get(name))
+            for name in engines
+        }
         for s in args.scenarios
         if s in BATCH_OF
     }

@@ -14,7 +14,7 @@ Tensor types and what each becomes (``plan_weights``):
     Q8_0, Q4_0, Q4_1          as they are: ridge's int8 / int4 / int4_asym hold GGUF's bytes
     Q4_K                      int4_asym: each sub-block of 32 is an affine map (exact up to
                               the fp16 rounding of its folded scale and minimum)
-    Q5_K, Q6_K                int8 (dequantized, requantized per 32: a small added error)
+    Q5_K, Q6_K, Q5_0, Q5_1    int8 (dequantized, requantized per 32: a small added error)
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from ridge.quantization.formats import FORMATS, Q4_1, Q8_0, BlockFormat
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 DENSE_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 NATIVE_TYPES = {f.ggml_name: f for f in FORMATS.values()}
-CONVERTED_TYPES = {"Q4_K": Q4_1, "Q5_K": Q8_0, "Q6_K": Q8_0}
+# K-quants, and the 5-bit types llama.cpp falls back to where K is not a multiple of 256
+CONVERTED_TYPES = {"Q4_K": Q4_1, "Q5_K": Q8_0, "Q6_K": Q8_0, "Q5_0": Q8_0, "Q5_1": Q8_0}
 SUPPORTED_TYPES = (*DENSE_TYPES, *NATIVE_TYPES, *CONVERTED_TYPES)
 # the formats a layer can take, widest first (a packed layer whose shards differ takes the widest)
 WIDTH_ORDER = ("int8", "int4_asym", "int4")

@@ -189,6 +189,18 @@ def test_a_q4_k_m_style_file_loads_converted_and_logs_what_became_what(tmp_path,
 # -- bad files ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_1], ids=lambda t: t.name)
+def test_five_bit_fallback_types_load_as_int8(stories_gguf, tmp_path, qtype):
+    """llama.cpp's Q4_K_M falls back to Q5_0 / Q5_1 where K is not a multiple of 256 (stories: 64)."""
+    path = quantized(stories_gguf, tmp_path / f"{qtype.name}.gguf", qtype)
+    llm = LLM(str(path), num_kv_blocks=32, kernels="torch", device="cpu")
+    layer = llm.engine.model.model.layers[0].self_attn.o_proj
+    assert layer.method.format.name == "int8"
+    ref = dequantize(GGUFModel(path).tensors["model.layers.0.self_attn.o_proj.weight"].data, qtype)
+    amax = np.abs(ref.reshape(ref.shape[0], -1, 32)).max(-1).repeat(32, -1)
+    assert (np.abs(layer.dense_weight().numpy() - ref) <= amax / 254 + amax / 1024 + 1e-7).all()
+
+
 def test_truncated_or_corrupt_files_are_one_clear_error(stories_gguf, tmp_path):
     data = stories_gguf.read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
@@ -202,12 +214,13 @@ def test_truncated_or_corrupt_files_are_one_clear_error(stories_gguf, tmp_path):
 
 
 def test_unsupported_types_and_architectures_name_what_is_supported(stories_gguf, tmp_path):
-    path = rewrite(
-        stories_gguf,
-        tmp_path / "q5_0.gguf",
-        lambda n, v: (quantize(v, T.Q5_0), T.Q5_0) if n.endswith("attn_q.weight") else None,
-    )
-    with pytest.raises(ValueError, match="type Q5_0, which ridge does not run; supported: F32, F16, BF16, Q8_0"):
+    def q2_k(name, values):  # stories' K = 64 holds no 256-weight K-quant block: only the type is read
+        if name.endswith("attn_q.weight"):
+            return np.zeros((values.shape[0], 84), dtype=np.uint8), T.Q2_K
+        return None
+
+    path = rewrite(stories_gguf, tmp_path / "q2_k.gguf", q2_k)
+    with pytest.raises(ValueError, match="type Q2_K, which ridge does not run; supported: F32, F16, BF16, Q8_0"):
         LLM(str(path))
     path = rewrite(stories_gguf, tmp_path / "gpt2.gguf", lambda n, v: None, arch="gpt2")
     with pytest.raises(ValueError, match="architecture 'gpt2' is not supported; ridge runs GGUF files of llama"):
