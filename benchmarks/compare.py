@@ -514,7 +514,10 @@ def run_rounds(args, runners: list, vocab: int) -> list[dict]:
 def agreement_reference(name: str) -> str:
     """The ridge engine an engine's greedy tokens are compared with: the one on the same weights."""
     fmt = name.split(" ", 1)[1] if " " in name else ""
-    return f"ridge {fmt}" if fmt and not fmt.startswith("--") else "ridge"
+    if fmt.startswith("--quantization "):  # ridge's own quantization: the file of that block format
+        by_format = {q: f for f, q in RIDGE_QUANTIZATION.items()}
+        return f"ridge {by_format[fmt.split()[1]]}"
+    return f"ridge {fmt}" if fmt else "ridge"
 
 
 def peer_pairs(engines: list[str]) -> dict[str, tuple[str, str]]:
