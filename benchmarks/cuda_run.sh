@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/cuda_run.sh tests soak          # the suite on CUDA, then the soak
 #   bash benchmarks/cuda_run.sh coldstart bench     # cold starts, then bench latency
+#   bash benchmarks/cuda_run.sh quant               # weight and KV formats: latency and quality
 #
 # Expects, carried beside the working tree: .whl/ (wheels the GPU image lacks: the server's
 # and the test tools') and .gpu/shared/ (a copy of ../shared/models and tools). Writes logs
@@ -43,6 +44,19 @@ for step in "$@"; do
       python3 -m ridge.cli bench latency --model "$model" --dtype bfloat16 --batch 1 --batch 8 --batch 32 \
         --batch 128 --input-len 128 --output-len 64 --rounds 3 > "$OUT/latency-$name.txt" 2> "$OUT/latency-$name.err" \
         && cat "$OUT/latency-$name.txt" || tail -n 20 "$OUT/latency-$name.err"
+    done
+    ;;
+  quant)  # the formats through the torch fallback (CUDA has no ridge kernel): latency, then quality
+    for fmt in "" "--quantization int8" "--quantization int4" "--kv-cache-dtype int8" "--kv-cache-dtype fp8"; do
+      name=$(echo "bf16 $fmt" | tr -d '-' | tr ' ' '_')
+      python3 -m ridge.cli bench latency --model random:tinyllama-1.1b --dtype bfloat16 $fmt --batch 1 --batch 32 \
+        --input-len 128 --output-len 32 --rounds 2 > "$OUT/quant-$name.txt" 2> "$OUT/quant-$name.err" \
+        && { echo "== $fmt"; cat "$OUT/quant-$name.txt"; } || tail -n 20 "$OUT/quant-$name.err"
+    done
+    python3 .gpu/shared/tools/inflate_stories.py /tmp/stories-1.1b > /dev/null
+    for fmt in "--quantization int8" "--quantization int4" "--kv-cache-dtype int8" "--kv-cache-dtype fp8"; do
+      echo "== quality $fmt"
+      python3 -m ridge.cli bench quality --model /tmp/stories-1.1b --dtype bfloat16 $fmt --tokens 480 2>&1 | tail -n 8
     done
     ;;
   esac

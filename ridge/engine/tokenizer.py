@@ -231,7 +231,9 @@ class Tokenizer(BaseTokenizer):
 
     ``eos_token_ids`` is the tokenizer's eos plus ``extra_eos_token_ids`` (what
     :func:`load_tokenizer` reads from ``generation_config.json`` and ``config.json``).
-    ``bos_token_id`` is the tokenizer's, else ``default_bos_token_id``.
+    ``bos_token_id`` is the tokenizer's, else ``default_bos_token_id``. ``add_bos`` None
+    leaves the special tokens to the HF tokenizer; True or False decides bos alone (a GGUF
+    file's ``tokenizer.ggml.add_bos_token``, which transformers versions honour differently).
     """
 
     def __init__(
@@ -239,9 +241,11 @@ class Tokenizer(BaseTokenizer):
         hf_tokenizer: Any,
         extra_eos_token_ids: Iterable[int] = (),
         default_bos_token_id: int | None = None,
+        add_bos: bool | None = None,
     ) -> None:
         super().__init__()
         self.hf_tokenizer = hf_tokenizer
+        self.add_bos = add_bos
         self.vocab_size = len(hf_tokenizer)
         bos = hf_tokenizer.bos_token_id
         self.bos_token_id = bos if bos is not None else default_bos_token_id
@@ -251,7 +255,12 @@ class Tokenizer(BaseTokenizer):
         self.eos_token_ids = frozenset(eos)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        if self.add_bos is None:
+            return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        ids = list(self.hf_tokenizer.encode(text, add_special_tokens=False))
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+        return ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf_tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -441,8 +450,21 @@ def load_tokenizer(model_dir: str | os.PathLike) -> Tokenizer:
 def load_gguf_tokenizer(path: Path) -> Tokenizer:
     """The tokenizer (and chat template) a GGUF file carries in its metadata, built by
     transformers (``gguf_file=``). Files whose special-token ids point past the vocabulary
-    (llama.cpp writes -1 for "none") are read with those ids dropped."""
+    (llama.cpp writes -1 for "none") are read with those ids dropped. Whether a prompt gets
+    bos is the file's ``tokenizer.ggml.add_bos_token``, else llama.cpp's default (yes for
+    SentencePiece vocabularies, no for GPT-2 BPE ones), whatever transformers would do."""
+    from gguf import GGUFReader
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        fields = GGUFReader(path).fields
+    except Exception as e:
+        raise ValueError(f"{path.name} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+    add_bos_field, model_field = fields.get("tokenizer.ggml.add_bos_token"), fields.get("tokenizer.ggml.model")
+    if add_bos_field is not None:
+        add_bos = bool(add_bos_field.contents())
+    else:
+        add_bos = model_field is not None and model_field.contents() == "llama"
 
     try:
         hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
@@ -475,7 +497,7 @@ def load_gguf_tokenizer(path: Path) -> Tokenizer:
         hf = PreTrainedTokenizerFast(tokenizer_object=backend, **config)
     if not len(hf):
         raise ValueError(f"the tokenizer in {path.name} is empty")
-    return Tokenizer(hf)
+    return Tokenizer(hf, add_bos=add_bos)
 
 
 class IncrementalDetokenizer:

@@ -23,9 +23,11 @@ def rewrite(
     tensor_fn: Callable[[str, np.ndarray], tuple[np.ndarray, GGMLQuantizationType] | None],
     arch: str | None = None,
     skip_keys: tuple[str, ...] = (),
+    bools: dict[str, bool] | None = None,
 ) -> Path:
-    """Copy ``src`` into ``dst``: metadata as is, each tensor through ``tensor_fn(name, values)``,
-    which returns (bytes or values, type) or None to keep the tensor as it is."""
+    """Copy ``src`` into ``dst``: metadata as is (less ``skip_keys``, plus ``bools``), each tensor
+    through ``tensor_fn(name, values)``, which returns (bytes or values, type) or None to keep
+    the tensor as it is."""
     reader = GGUFReader(src)
     arch = arch or reader.fields["general.architecture"].contents()
     writer = GGUFWriter(dst, arch)
@@ -35,6 +37,8 @@ def rewrite(
         vtype = field.types[0]
         sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    for key, value in (bools or {}).items():
+        writer.add_bool(key, value)
     for t in reader.tensors:
         values = np.array(t.data)
         out = tensor_fn(t.name, values)

@@ -86,7 +86,7 @@ def test_gguf_reads_back(tmp_path):
     assert tensors["blk.0.attn_q.weight"].tensor_type == gguf.GGMLQuantizationType.BF16
     assert tensors["blk.0.attn_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
 
-    state = hf_state_dict(llm)
+    state = {name: t.cpu() for name, t in hf_state_dict(llm).items()}  # the engine may run on CUDA
 
     def stored(name):  # raw bf16 bits as written
         return torch.from_numpy(tensors[name].data.copy()).view(torch.bfloat16).reshape(-1)

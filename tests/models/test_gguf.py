@@ -59,6 +59,24 @@ def test_f32_gguf_equals_the_hf_directory(stories_gguf, stories_dir):
     assert text == b.generate(["Once upon a time"], p, use_tqdm=False)[0].outputs[0].text
 
 
+@pytest.mark.parametrize("add_bos", [None, True, False])
+def test_gguf_tokenizer_adds_bos_as_the_file_says(stories_gguf, tmp_path, add_bos):
+    """llama.cpp's rule, whatever the installed transformers does: the file's add_bos_token,
+    else bos for a SentencePiece ("llama") vocabulary."""
+    from ridge.engine.tokenizer import load_gguf_tokenizer
+
+    path = stories_gguf
+    if add_bos is not None:
+        path = rewrite(
+            stories_gguf, tmp_path / "bos.gguf", lambda n, v: None, bools={"tokenizer.ggml.add_bos_token": add_bos}
+        )
+    tok = load_gguf_tokenizer(path)
+    bare = tok.encode("Once upon a time", add_special_tokens=False)
+    assert bare[0] != tok.bos_token_id
+    expected = [tok.bos_token_id, *bare] if add_bos is not False else bare
+    assert tok.encode("Once upon a time") == expected
+
+
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1], ids=lambda t: t.name)
 def test_quantized_gguf_matches_transformers_on_its_dequantized_weights(stories_gguf, stories_dir, tmp_path, qtype):
     path = quantized(stories_gguf, tmp_path / f"stories-{qtype.name}.gguf", qtype)
