@@ -193,6 +193,8 @@ class EngineConfig:
     kernels: str = "auto"
     quantization: str | None = None  # int8 | int4 | int4_asym (or q8_0 | q4_0 | q4_1): weights quantized at load
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8 (e4m3), scales per token and KV head
+    # vLLM's --speculative-config: a JSON string or dict (ridge.spec_decode.config.SpeculativeConfig)
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -217,6 +219,9 @@ class EngineConfig:
         from ridge.kv.cache import check_kv_cache_dtype
 
         check_kv_cache_dtype(self.kv_cache_dtype)
+        from ridge.spec_decode.config import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.quantization in ("", "none"):
             self.quantization = None
         if self.quantization is not None:

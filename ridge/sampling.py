@@ -506,6 +506,26 @@ class Sampler:
 
     def _sample(self, x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """Sample from the non-greedy rows ``x`` (R, V) fp32, modified in place."""
+        return self.draw(self.probabilities(x, states), states)
+
+    def draw(self, probs: torch.Tensor, states: list[SamplingState] | None) -> torch.Tensor:
+        """One token per row of ``probs`` (R, V, unnormalized is fine), from each row's
+        generator, or the sampler's own for ``states`` None (modifies probs)."""
+        if states is None:
+            q = torch.empty_like(probs).exponential_(generator=self._generator(probs.device))
+            q.clamp_min_(torch.finfo(q.dtype).tiny)
+        else:
+            q = self._exponentials(probs, states)
+        return probs.div_(q).argmax(dim=-1)
+
+    def uniforms(self, count: int, state: SamplingState, device: torch.device) -> list[float]:
+        """``count`` U[0, 1) draws from the request's generator (the sampler's when unseeded)."""
+        gen = state.generator_for(device) if state.seeded else self._generator(device)
+        return torch.rand(count, generator=gen, device=device).tolist()
+
+    def probabilities(self, x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """The distribution each non-greedy row samples from: temperature, min-p, top-k and
+        top-p applied to the (penalized) logits ``x`` (R, V) fp32, in place, then softmax."""
         rows, vocab = x.shape
         device = x.device
         params = [s.params for s in states]
@@ -520,9 +540,7 @@ class Sampler:
         use_k = any(0 < p.top_k < vocab for p in params)
         use_p = any(p.top_p < 1.0 for p in params)
         apply_top_k_top_p(x, table[:, 3].long() if use_k else None, table[:, 2] if use_p else None)
-        probs = x.softmax(dim=-1)
-        q = self._exponentials(probs, states)
-        return probs.div_(q).argmax(dim=-1)
+        return x.softmax(dim=-1)
 
     def _exponentials(self, probs: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """i.i.d. Exp(1) noise shaped like ``probs``; seeded rows draw from their own generator.

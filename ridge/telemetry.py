@@ -31,17 +31,22 @@ class StepRecord:
     prefill_chunks: tuple[tuple[int, int], ...]  # (query tokens, context after the chunk)
     decode_contexts: tuple[int, ...]  # context (incl. the new token) of each decode
     wall_s: float
+    # speculative verify runs: (1 + k query tokens, context after them); each row is sampled
+    verify_chunks: tuple[tuple[int, int], ...] = ()
     cost: StepCost | None = None  # priced on first read
 
     @property
     def phase(self) -> str:
-        if self.prefill_chunks and self.decode_contexts:
+        """A verify run generates tokens: it is a decode, of several rows."""
+        generating = self.decode_contexts or self.verify_chunks
+        if self.prefill_chunks and generating:
             return "mixed"
         return "prefill" if self.prefill_chunks else "decode"
 
     @property
     def tokens(self) -> int:
-        return sum(q for q, _ in self.prefill_chunks) + len(self.decode_contexts)
+        """Query tokens run through the model."""
+        return sum(q for q, _ in self.prefill_chunks + self.verify_chunks) + len(self.decode_contexts)
 
 
 @dataclass
@@ -157,16 +162,23 @@ class Telemetry:
     _hardware: Hardware | None = None
     _ceiling: Ceiling | None = None
 
-    def record(self, prefill_chunks, decode_contexts, wall_s: float) -> None:
+    def record(self, prefill_chunks, decode_contexts, wall_s: float, verify_chunks=()) -> None:
         """Hot path: keep the shape and the time; pricing happens on read."""
-        rec = StepRecord(tuple(prefill_chunks), tuple(decode_contexts), wall_s)
+        rec = StepRecord(tuple(prefill_chunks), tuple(decode_contexts), wall_s, tuple(verify_chunks))
         self.recent.append(rec)
         self._pending.append(rec)
 
     def price(self, rec: StepRecord) -> StepCost:
         if rec.cost is None:
+            rows = len(rec.prefill_chunks) + len(rec.decode_contexts) + sum(q for q, _ in rec.verify_chunks)
             rec.cost = step_cost(
-                self.model, rec.prefill_chunks, rec.decode_contexts, self.weight_bytes, self.kv_bytes, self.act_bytes
+                self.model,
+                rec.prefill_chunks + rec.verify_chunks,
+                rec.decode_contexts,
+                self.weight_bytes,
+                self.kv_bytes,
+                self.act_bytes,
+                logit_rows=rows,
             )
         return rec.cost
 

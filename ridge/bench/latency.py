@@ -15,6 +15,7 @@ import argparse
 
 from ridge.bench.common import dump_json, machine, random_prompts, summarize
 from ridge.engine.args import add_engine_args, engine_options
+from ridge.spec_decode.stats import SpecDecodeStats
 from ridge.telemetry import Ceiling
 
 
@@ -82,7 +83,11 @@ def bench_latency(llm, batch: int, input_len: int, output_len: int, rounds: int,
         return ceiling.peak_flops, probe_round_bandwidth()
 
     prefill_rates, decode_ms, floors_ms, fractions, gbps, prefill_fracs, bandwidths = [], [], [], [], [], [], []
+    decode_tokens, decode_time = 0, 0.0
+    speculator = engine.speculator
     for round_index in range(warmup_rounds + rounds):
+        if speculator is not None and round_index == warmup_rounds:
+            speculator.stats = SpecDecodeStats()  # count the timed rounds only
         # Fresh prompts for every batch size and round: no prefix-cache hits across rounds.
         seed = batch * 1000 + round_index
         prompts = random_prompts(batch, [input_len] * batch, engine.model_config.vocab_size, seed=seed)
@@ -99,7 +104,10 @@ def bench_latency(llm, batch: int, input_len: int, output_len: int, rounds: int,
         bandwidths.append(bandwidth)
         records = list(telemetry.recent)
         prefill = [r for r in records if r.phase != "decode"]
-        decode = [r for r in records if r.phase == "decode" and len(r.decode_contexts) == batch]
+        # a decode step of the whole batch: plain rows, or verify runs of speculating sequences
+        decode = [r for r in records if r.phase == "decode" and len(r.decode_contexts) + len(r.verify_chunks) == batch]
+        decode_tokens += batch * (output_len - 1)  # every token after the first comes from a decode step
+        decode_time += sum(r.wall_s for r in records if r.phase == "decode")
         prefill_time = sum(r.wall_s for r in prefill)
         prefill_tokens = sum(n for r in prefill for n, _ in r.prefill_chunks)  # computed, not cached
         prefill_rates.append(prefill_tokens / prefill_time)
@@ -114,6 +122,8 @@ def bench_latency(llm, batch: int, input_len: int, output_len: int, rounds: int,
             gbps.append(cost.bytes / r.wall_s / 1e9)
         ceiling.peak_flops = max(ceiling.peak_flops, round_ceiling.peak_flops)  # a raise holds for later rounds
     step = summarize(decode_ms)
+    # With speculation a step emits several tokens per sequence: tokens over decode time.
+    tokens_per_s = decode_tokens / decode_time if speculator is not None else batch * 1e3 / step["median"]
     return {
         "batch": batch,
         "bandwidth_gb_per_s": summarize([b / 1e9 for b in bandwidths]),
@@ -122,11 +132,12 @@ def bench_latency(llm, batch: int, input_len: int, output_len: int, rounds: int,
         "prefill": {"tokens_per_s": summarize(prefill_rates), "roofline_fraction": summarize(prefill_fracs)},
         "decode": {
             "ms_per_step": step,
-            "tokens_per_s": batch * 1e3 / step["median"],
+            "tokens_per_s": tokens_per_s,
             "floor_ms": summarize(floors_ms),
             "roofline_fraction": summarize(fractions),
             "achieved_gb_per_s": summarize(gbps),
         },
+        "speculation": speculator.report() if speculator is not None else None,
     }
 
 
@@ -151,4 +162,10 @@ def format_latency(payload: dict) -> str:
             f"of roofline, {d['achieved_gb_per_s']['median']:.1f} GB/s achieved",
             *(f"  note: {notice}" for notice in r["notices"]),
         ]
+        spec = r.get("speculation")
+        if spec:
+            lines.append(
+                f"  speculation ({spec['method']}): {spec['mean_accepted_length']:.2f} tokens per verify run, "
+                f"acceptance {100 * spec['acceptance_rate']:.1f}%, k last {spec['last_k']}"
+            )
     return "\n".join(lines)

@@ -97,6 +97,7 @@ def bench_throughput(llm, prompts: list, output_lens: list[int]) -> dict:
         "output_tokens_per_s": output_tokens / elapsed,
         "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
         "telemetry": llm.engine.telemetry.report(),
+        "speculation": llm.engine.speculator.report() if llm.engine.speculator else None,
     }
 
 
@@ -140,4 +141,6 @@ def run(args: argparse.Namespace) -> int:
             f"{result['output_tokens_per_s']:.1f} tok/s out"
         )
         print(engine.telemetry.format())
+        if engine.speculator is not None:
+            print(engine.speculator.format())
     return 0

@@ -50,6 +50,13 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None =
         help="KV cache storage: auto (the model's dtype), int8, fp8 (e4m3); scales per token and KV head",
     )
     g.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"method": "draft_model", "model": PATH, '
+        '"num_speculative_tokens": 4}; "adaptive": false always proposes k',
+    )
+    g.add_argument(
         "--kernels",
         choices=KERNEL_CHOICES,
         default="auto",

@@ -47,6 +47,8 @@ def run_generate(args: argparse.Namespace) -> int:
                     print(f"  [{tops}]")
     if args.stats:
         print(llm.engine.telemetry.format())
+        if llm.engine.speculator is not None:
+            print(llm.engine.speculator.format())
     return 0
 
 
@@ -92,6 +94,8 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"[{rid:>2}] {_clip(prompt, 40)!r} -> {_clip(text, 60)!r}")
     _print_summary([done[i] for i in ids], elapsed, steps)
     print(engine.telemetry.format())
+    if engine.speculator is not None:
+        print(engine.speculator.format())
     return 0
 
 

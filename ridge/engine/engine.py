@@ -23,16 +23,22 @@ from ridge.engine.output_processor import OutputProcessor, RequestState, Sequenc
 from ridge.engine.outputs import RequestOutput
 from ridge.engine.request import Request, RequestStatus
 from ridge.engine.runner import ModelRunner
-from ridge.engine.scheduler import Scheduler, SchedulerConfig
+from ridge.engine.scheduler import ChunkKind, Scheduler, SchedulerConfig
 from ridge.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer, load_tokenizer
 from ridge.kv import cache as kv_cache
 from ridge.kv.manager import KVCacheManager
 from ridge.layers.cpu_kernels import select_kernels
 from ridge.models.loader import load_model, read_hf_config
 from ridge.quantization.config import QuantizationConfig
+from ridge.roofline.ops import step_cost_from_counts
 from ridge.roofline.probe import local_hardware
 from ridge.roofline.shapes import ModelShape
 from ridge.sampling import Sampler, SamplingParams, SamplingState
+from ridge.spec_decode.config import SpeculativeConfig
+from ridge.spec_decode.draft import DraftProposer
+from ridge.spec_decode.ngram import NgramProposer
+from ridge.spec_decode.policy import SpeculationPolicy
+from ridge.spec_decode.speculator import Speculator
 from ridge.telemetry import TORCH_TO_ROOFLINE_DTYPE, Telemetry, cuda_hardware
 
 # tokenizer="bytes": UTF-8 bytes as tokens, no files (random models, token-id-only use).
@@ -118,6 +124,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.kv_caches, self.kv, Sampler(config.seed), self.device)
         self.telemetry = self._make_telemetry()
+        self.speculator = self._make_speculator(config.speculative_config)
         self.output_processor = OutputProcessor(self.tokenizer, stop=self._stop_on_string)
         self._ids = itertools.count()
 
@@ -164,6 +171,53 @@ class LLMEngine:
             compute_dtype=TORCH_TO_ROOFLINE_DTYPE[str(self.dtype)],
             hardware_fn=hardware_fn,
         )
+
+    def _make_speculator(self, spec: SpeculativeConfig | None) -> Speculator | None:
+        if spec is None:
+            return None
+        telemetry = self.telemetry
+
+        def step_time(batch: int, rows: int, context: int) -> float:
+            """The roofline floor of ``batch`` sequences running ``rows`` query rows each."""
+            cost = step_cost_from_counts(
+                telemetry.model,
+                {(rows, max(rows, context)): batch},
+                telemetry.weight_bytes,
+                telemetry.kv_bytes,
+                telemetry.act_bytes,
+                logit_rows=batch * rows,
+            )
+            hw = telemetry.hardware
+            return max(cost.flops / hw.peak(telemetry.compute_dtype), cost.bytes / hw.bandwidth_bytes_per_s)
+
+        if spec.method == "ngram":
+            proposer, proposer_cost = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max), 0.0
+        else:
+            cfg = self.model_config
+            proposer = DraftProposer.load(
+                spec.model,
+                spec.draft_options,
+                target_vocab_size=cfg.vocab_size,
+                max_model_len=self.max_model_len,
+                # the target's pool, plus room for each sequence's drafts
+                num_tokens=self.num_kv_blocks * self.config.block_size
+                + self.config.max_num_seqs * (spec.num_speculative_tokens + 1),
+                dtype=self.dtype,
+                device=self.device,
+                block_size=self.config.block_size,
+                seed=self.config.seed,
+                kernels=self.config.kernels,
+            )
+            # a draft pass against a target step: both read their weights once (memory-bound)
+            proposer_cost = proposer.weight_bytes / max(1, self.model.linear_weight_bytes())
+        policy = SpeculationPolicy(spec.num_speculative_tokens, step_time, proposer_cost=proposer_cost)
+        logger.info(
+            "speculative decoding: %s, up to %d tokens per step%s",
+            spec.method,
+            spec.num_speculative_tokens,
+            " (adaptive)" if spec.adaptive else "",
+        )
+        return Speculator(spec, proposer, self.max_model_len, policy)
 
     # -- requests -----------------------------------------------------------------------
     def add_request(
@@ -305,15 +359,18 @@ class LLMEngine:
         out = self.runner.run(plan, self.scheduler.requests)
         progressed = self.scheduler.update(plan, out.sampled)
         outputs = self.output_processor.process(progressed, out.logprobs, out.prompt_logprobs)
-        # A decode computes one generated token; anything else (a prompt chunk, even of one
-        # token, or a recompute after preemption) is prefill.
-        decodes = [c.end for c in plan.chunks if c.num_new_tokens == 1 and c.start >= c.request.num_prompt_tokens]
-        prefills = [
-            (c.num_new_tokens, c.end)
-            for c in plan.chunks
-            if c.num_new_tokens > 1 or c.start < c.request.num_prompt_tokens
-        ]
-        self.telemetry.record(prefills, decodes, time.perf_counter() - start)
+        if self.speculator is not None:
+            self.speculator.record(out.verified)
+            self.speculator.propose(self.scheduler.running, self.scheduler.requests)
+        shapes: dict[ChunkKind, list] = {kind: [] for kind in ChunkKind}
+        for c in plan.chunks:
+            shapes[c.kind].append(c.end if c.kind is ChunkKind.DECODE else (c.num_new_tokens, c.end))
+        self.telemetry.record(
+            shapes[ChunkKind.PREFILL],
+            shapes[ChunkKind.DECODE],
+            time.perf_counter() - start,
+            shapes[ChunkKind.VERIFY],
+        )
         return outputs
 
     def _stop_on_string(self, req: Request, stop: str) -> None:

@@ -96,35 +96,31 @@ class OutputProcessor:
     # -- one step -------------------------------------------------------------------------
     def process(
         self,
-        progressed: list[Request],
-        logprobs: dict[str, TokenLogprobs],
+        progressed: list[tuple[Request, int]],
+        logprobs: dict[str, list[TokenLogprobs]],
         prompt_logprobs: dict[str, tuple[int, list]] | None = None,
     ) -> list[RequestOutput]:
         """Outputs for the user requests that progressed (streamed ones every step, the
-        others when they finish); finished user requests are forgotten."""
+        others when they finish); finished user requests are forgotten.
+
+        ``progressed``: each request with the number of tokens it received this step (more
+        than one after a verified speculation); ``logprobs``: one entry per received token,
+        where asked. A stop string found inside a run ends the output at the token that
+        completed it: the tokens after it are dropped.
+        """
         for rid, (first, entries) in (prompt_logprobs or {}).items():
             self._add_prompt_logprobs(rid, first, entries)
         touched: dict[str, RequestState] = {}
-        for req in progressed:
+        for req, count in progressed:
             seq = self._sequence_of[req.request_id]
-            token = req.output_token_ids[-1]
-            # Here a finished-stopped request stopped on eos or a stop token id: its text is not
-            # shown (stop strings are found just below, by the detokenizer).
-            stopped_on_token = req.status is RequestStatus.FINISHED_STOPPED
-            show_token = not stopped_on_token or req.sampling_params.include_stop_str_in_output
             if seq.text_at_finish:
                 if req.is_finished:
-                    seq.detokenizer.add_tokens(req.output_token_ids if show_token else req.output_token_ids[:-1])
-            elif show_token:
-                stop = seq.detokenizer.add_tokens([token])
-                if stop is not None and not req.is_finished:
-                    self._stop(req, stop)
-            if seq.logprobs is not None and req.request_id in logprobs:
-                token_text = seq.detokenizer.take_token_text(final=req.is_finished)
-                if not show_token:  # the unseen stop token: its own rendered text
-                    token_text += self.tokenizer.piece(token).text
-                seq.logprobs.append(self._logprob_entry(req, token, token_text, *logprobs[req.request_id]))
-                seq.cumulative_logprob += logprobs[req.request_id][0]
+                    # A request stopped on eos or a stop token id: that token's text is not shown.
+                    stopped_on_token = req.status is RequestStatus.FINISHED_STOPPED
+                    hide = stopped_on_token and not req.sampling_params.include_stop_str_in_output
+                    seq.detokenizer.add_tokens(req.output_token_ids[:-1] if hide else req.output_token_ids)
+            else:
+                self._add_run(seq, req, count, logprobs.get(req.request_id))
             # A user request finishes only in a step where one of its sequences finishes.
             state = self.requests[seq.user_id]
             if seq.user_id not in touched and (req.is_finished or state.stream):
@@ -137,6 +133,31 @@ class OutputProcessor:
             if finished:
                 self.remove(state.request_id)
         return outputs
+
+    def _add_run(self, seq: SequenceState, req: Request, count: int, logprobs: list[TokenLogprobs] | None) -> None:
+        """Feed a sequence's ``count`` new tokens to its detokenizer, in order."""
+        first = req.num_output_tokens - count
+        for j in range(count):
+            index = first + j
+            token = req.output_token_ids[index]
+            last = j == count - 1
+            # Only a run's last token can have finished it on eos or a stop token id (the
+            # scheduler drops what follows a stop); such a token's text is not shown.
+            stopped_on_token = last and req.status is RequestStatus.FINISHED_STOPPED
+            show_token = not stopped_on_token or req.sampling_params.include_stop_str_in_output
+            stop = seq.detokenizer.add_tokens([token]) if show_token else None
+            if stop is not None and not req.is_finished:
+                self._stop(req, stop)
+                req.truncate_output(index + 1)
+            if seq.logprobs is not None and logprobs is not None:
+                token_text = seq.detokenizer.take_token_text(final=req.is_finished)
+                if not show_token:  # the unseen stop token: its own rendered text
+                    token_text += self.tokenizer.piece(token).text
+                before = req.all_token_ids[req.num_prompt_tokens + index - 1]  # the token before (prompt or output)
+                seq.logprobs.append(self._logprob_entry(before, token, token_text, *logprobs[j]))
+                seq.cumulative_logprob += logprobs[j][0]
+            if req.is_finished:
+                break
 
     def _add_prompt_logprobs(self, rid: str, first: int, entries: list) -> None:
         """Prompt positions not seen yet (a recompute after preemption repeats some); from the
@@ -166,9 +187,8 @@ class OutputProcessor:
             collected.append(entry)
 
     def _logprob_entry(
-        self, req: Request, token: int, token_text: str, lp: float, top: list[tuple[int, float]]
+        self, before: int, token: int, token_text: str, lp: float, top: list[tuple[int, float]]
     ) -> dict[int, Logprob]:
-        before = req.all_token_ids[-2]  # the token before the sampled one (prompt or output)
         entry = {
             tid: Logprob(tlp, rank, token_text if tid == token else self._text_after(before, tid))
             for rank, (tid, tlp) in enumerate(top, start=1)

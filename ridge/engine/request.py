@@ -5,13 +5,15 @@
 
 Chunked prefill, prefix-cache hits and recompute after preemption are all the same thing:
 advancing ``num_computed_tokens`` towards ``num_tokens``. A step that brings it there
-samples one more token.
+samples one more token. Speculated tokens live apart (``spec_token_ids``) until a step
+verifies them: only accepted ones join ``all_token_ids``.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from ridge.sampling import SamplingParams, SamplingState
 
@@ -45,6 +47,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
     block_hashes: list[bytes] = field(default_factory=list)  # filled by the KV manager
+    spec_token_ids: list[int] = field(default_factory=list)  # proposed for the next step, unverified
+    spec_token_probs: Any = None  # (k, V) tensor: the draft's distribution of each (None: n-gram, greedy)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
@@ -76,6 +80,14 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop the output tokens after the first ``num_output_tokens`` (a stop string found
+        inside a run of accepted tokens ends the output there)."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop > 0:
+            del self.output_token_ids[num_output_tokens:]
+            del self.all_token_ids[len(self.all_token_ids) - drop :]
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """After a new token: the finished status it causes, if any (stop strings are the detokenizer's)."""

@@ -1,8 +1,11 @@
 """The model runner: a scheduler plan in, one forward pass, sampled tokens out.
 
-It flattens the step's chunks into one batch (decodes first), builds the attention
+It flattens the step's chunks into one batch (decode rows first: one-token chunks and
+VERIFY runs), builds the attention
 metadata from the block tables, runs the model, computes logits only at the rows that
-sample, and samples them.
+sample, samples them, and verifies proposed tokens. Rows of the logits:
+
+    [ R rows that sample one token | V rows of verify runs (1 + k each) | P prompt-logprob rows ]
 """
 
 from __future__ import annotations
@@ -12,12 +15,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ridge.engine.scheduler import SchedulerOutput
+from ridge.engine.scheduler import ChunkKind, SchedulerOutput
 from ridge.kv.cache import PagedKV
 from ridge.kv.manager import KVCacheManager
 from ridge.layers.attention import AttentionMetadata, PrefillChunk
 from ridge.models.llama import LlamaForCausalLM
 from ridge.sampling import Sampler
+from ridge.spec_decode.rejection import verify
 
 
 @dataclass
@@ -25,8 +29,10 @@ class ForwardBatch:
     input_ids: torch.Tensor  # (T,)
     positions: torch.Tensor  # (T,)
     meta: AttentionMetadata
-    sample_rows: torch.Tensor  # (R + P,) flat rows whose logits are needed: R that sample, then P prompt rows
+    sample_rows: torch.Tensor  # (R + V + P,) flat rows whose logits are needed (module docstring)
     sample_request_ids: list[str] = field(default_factory=list)  # the R that sample
+    # verify runs: (request id, proposed tokens, their draft distributions or None); 1 + k rows each
+    verify_runs: list[tuple[str, list[int], torch.Tensor | None]] = field(default_factory=list)
     # prompt logprobs: (request id, first prompt position predicted, rows) per chunk that asked;
     # the logits of position p give the logprob of prompt token p + 1
     prompt_spans: list[tuple[str, int, int]] = field(default_factory=list)
@@ -42,10 +48,11 @@ class PromptLogprob:
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, int]  # request id -> new token
-    logprobs: dict[str, tuple[float, list[tuple[int, float]]]]  # where asked: (sampled lp, top-k)
+    sampled: dict[str, list[int]]  # request id -> new tokens (one, or a verify run's 1 .. k + 1)
+    logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]]  # where asked: (lp, top-k) per new token
     # where asked: request id -> (prompt position of the first entry, one entry per position)
     prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
+    verified: dict[str, tuple[int, int]] = field(default_factory=dict)  # request id -> (proposed, accepted)
 
 
 class ModelRunner:
@@ -74,27 +81,44 @@ class ModelRunner:
         prefills: list[PrefillChunk] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
+        verify_rows: list[int] = []
+        verify_runs: list[tuple[str, list[int], torch.Tensor | None]] = []
         prompt_rows: list[int] = []
         prompt_spans: list[tuple[str, int, int]] = []
         for chunk in plan.chunks:
             req = chunk.request
             table = self.kv.block_table(req)
             start, end = chunk.start, chunk.end
-            if end - start == 1:  # a decode (or a one-token chunk): the common case, kept lean
-                tokens.append(req.all_token_ids[start])
+            kind = chunk.kind
+            if chunk.num_new_tokens == 1:  # a decode (or one prompt token): the common case, kept lean
+                tokens.append(chunk.token_ids()[0])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
                 decode_tables.append(table)
                 decode_lens.append(end)
-            else:
+            elif kind is ChunkKind.VERIFY:
+                # 1 + k decode rows of one sequence: row j sees the context up to its own
+                # position (the step writes every row's K/V before attention), so the decode
+                # kernel is causal across the run and each row computes what a plain decode
+                # at that position computes.
+                tokens.extend(chunk.token_ids())
+                for pos in range(start, end):
+                    positions.append(pos)
+                    slots.append(table[pos // bs] * bs + pos % bs)
+                    decode_tables.append(table)
+                    decode_lens.append(pos + 1)
+            else:  # PREFILL: a run of query rows, causal over the paged context
                 row = len(tokens)
-                tokens.extend(req.all_token_ids[start:end])
+                tokens.extend(chunk.token_ids())
                 positions.extend(range(start, end))
                 slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, end))
                 prefills.append(
                     PrefillChunk(row, len(tokens), end, torch.tensor(table, dtype=torch.long, device=self.device))
                 )
-            if chunk.samples:
+            if kind is ChunkKind.VERIFY:
+                verify_rows.extend(range(len(tokens) - (end - start), len(tokens)))
+                verify_runs.append((req.request_id, chunk.draft_token_ids, chunk.draft_probs))
+            elif chunk.samples:
                 sample_rows.append(len(tokens) - 1)
                 sample_ids.append(req.request_id)
             last_scored = min(end, req.num_prompt_tokens - 1)  # position P - 1 predicts an output token
@@ -118,8 +142,9 @@ class ModelRunner:
             as_tensor(tokens),
             as_tensor(positions),
             meta,
-            as_tensor(sample_rows + prompt_rows),
+            as_tensor(sample_rows + verify_rows + prompt_rows),
             sample_ids,
+            verify_runs,
             prompt_spans,
         )
 
@@ -132,18 +157,28 @@ class ModelRunner:
         batch = self.prepare(plan)
         logits = self.forward_logits(batch)
         num_sampled = len(batch.sample_request_ids)
-        prompt_logprobs = self._prompt_logprobs(batch, logits[num_sampled:], requests_by_id)
-        if not num_sampled:  # only partial prefill chunks: nothing to sample
-            return RunnerOutput({}, {}, prompt_logprobs)
-        states = [requests_by_id[rid].sampling_state for rid in batch.sample_request_ids]
-        out = self.sampler(logits[:num_sampled], states)
-        sampled = dict(zip(batch.sample_request_ids, out.token_ids))
-        logprobs = {
-            rid: (lp, top or [])
-            for rid, lp, top in zip(batch.sample_request_ids, out.logprobs, out.top_logprobs)
-            if lp is not None
-        }
-        return RunnerOutput(sampled, logprobs, prompt_logprobs)
+        num_verify = sum(1 + len(drafts) for _, drafts, _ in batch.verify_runs)
+        prompt_logprobs = self._prompt_logprobs(batch, logits[num_sampled + num_verify :], requests_by_id)
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list] = {}
+        if num_sampled:
+            states = [requests_by_id[rid].sampling_state for rid in batch.sample_request_ids]
+            out = self.sampler(logits[:num_sampled], states)
+            for rid, token, lp, top in zip(batch.sample_request_ids, out.token_ids, out.logprobs, out.top_logprobs):
+                sampled[rid] = [token]
+                if lp is not None:
+                    logprobs[rid] = [(lp, top or [])]
+        verified = {}
+        row = num_sampled
+        for rid, drafts, draft_probs in batch.verify_runs:
+            state = requests_by_id[rid].sampling_state
+            result = verify(self.sampler, logits[row : row + 1 + len(drafts)], state, drafts, draft_probs)
+            row += 1 + len(drafts)
+            sampled[rid] = result.token_ids
+            verified[rid] = (len(drafts), result.num_accepted)
+            if result.logprobs is not None:
+                logprobs[rid] = [(lp, top or []) for lp, top in result.logprobs]
+        return RunnerOutput(sampled, logprobs, prompt_logprobs, verified)
 
     @staticmethod
     def _prompt_logprobs(batch: ForwardBatch, logits: torch.Tensor, requests_by_id: dict) -> dict:

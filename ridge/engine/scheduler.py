@@ -2,7 +2,7 @@
 
 Each step builds a token budget (``max_num_batched_tokens``) like this:
 
-    1. running decodes (one token each), oldest first;
+    1. running decodes (one token each, or 1 + k to verify k proposed tokens), oldest first;
     2. running requests still in prefill, a chunk each (as much as the budget allows);
     3. waiting requests, FIFO, a chunk each, up to ``max_num_seqs`` running sequences,
        starting after their prefix-cache hits.
@@ -19,35 +19,84 @@ the baseline that continuous batching is measured against.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from ridge.engine.request import Request, RequestStatus
 from ridge.kv.manager import KVCacheManager
 
 
+class ChunkKind(enum.Enum):
+    """What a chunk computes; the one place that says it (runner, engine and telemetry read it).
+
+    DECODE   a generated token, the request's newest: one query row, sampled
+    VERIFY   the newest token plus k proposed ones: 1 + k query rows, all sampled
+    PREFILL  prompt (or recomputed) tokens, sampled only when the chunk reaches the end
+
+    Which attention path a chunk takes follows from its query rows (``decode_rows``): one-row
+    chunks (DECODE, and a one-token PREFILL chunk, which costs the same) and VERIFY runs are
+    decode rows (each row its own context length, so a run is causal); longer PREFILL chunks
+    take the prefill path.
+    """
+
+    DECODE = "decode"
+    VERIFY = "verify"
+    PREFILL = "prefill"
+
+
 @dataclass
 class ScheduledChunk:
-    """``num_new_tokens`` tokens of ``request`` starting at ``start`` (its computed tokens)."""
+    """``num_new_tokens`` tokens of ``request`` starting at ``start`` (its computed tokens).
+
+    A VERIFY chunk's tokens are the request's last token and then ``draft_token_ids``.
+    """
 
     request: Request
     start: int
     num_new_tokens: int
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: Any = None  # (k, V) tensor: the draft model's distributions (None: n-gram or greedy)
 
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
 
     @property
+    def kind(self) -> ChunkKind:
+        if self.draft_token_ids:
+            return ChunkKind.VERIFY
+        if self.num_new_tokens == 1 and self.start >= self.request.num_prompt_tokens:
+            return ChunkKind.DECODE
+        return ChunkKind.PREFILL
+
+    @property
+    def decode_rows(self) -> bool:
+        """Its query rows run on the decode attention path (see ``ChunkKind``)."""
+        return self.num_new_tokens == 1 or bool(self.draft_token_ids)
+
+    @property
     def samples(self) -> bool:
         """The chunk reaches the request's last token, so its logits give the next token."""
-        return self.end == self.request.num_tokens
+        return self.start + self.num_new_tokens - len(self.draft_token_ids) == self.request.num_tokens
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Rows whose logits are sampled: 0 (a prompt chunk short of the end), 1, or 1 + k."""
+        return 1 + len(self.draft_token_ids) if self.samples else 0
+
+    def token_ids(self) -> list[int]:
+        """The tokens this chunk runs through the model."""
+        if self.draft_token_ids:
+            return [self.request.all_token_ids[self.start], *self.draft_token_ids]
+        return self.request.all_token_ids[self.start : self.end]
 
 
 @dataclass
 class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)  # single-token chunks first
+    chunks: list[ScheduledChunk] = field(default_factory=list)  # decode-row chunks first
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -128,6 +177,10 @@ class Scheduler:
             num_new = self._chunk_size(req.num_tokens - req.num_computed_tokens, budget)
             if num_new == 0:
                 continue
+            drafts = req.spec_token_ids[: budget - 1] if num_new == 1 else []
+            draft_probs = req.spec_token_probs[: len(drafts)] if drafts and req.spec_token_probs is not None else None
+            req.spec_token_ids, req.spec_token_probs = [], None  # consumed: verified this step, or dropped
+            num_new += len(drafts)
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -137,7 +190,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled[req.request_id] = ScheduledChunk(req, req.num_computed_tokens, num_new)
+                scheduled[req.request_id] = ScheduledChunk(req, req.num_computed_tokens, num_new, drafts, draft_probs)
                 budget -= num_new
 
         # Static batching admits only into an empty engine; nobody is admitted in a step
@@ -164,7 +217,7 @@ class Scheduler:
             scheduled[req.request_id] = ScheduledChunk(req, num_hit_tokens, num_new)
             budget -= num_new
 
-        chunks = sorted(scheduled.values(), key=lambda c: c.num_new_tokens != 1)
+        chunks = sorted(scheduled.values(), key=lambda c: not c.decode_rows)
         return SchedulerOutput(chunks=chunks, preempted=preempted)
 
     def _chunk_size(self, remaining: int, budget: int) -> int:
@@ -178,14 +231,18 @@ class Scheduler:
         self.running.remove(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
+        req.spec_token_ids, req.spec_token_probs = [], None
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, int]]:
         """Advance computed tokens, append sampled tokens, finish what stopped.
 
-        Returns the requests that received a token this step (finished ones included).
+        ``sampled``: request id -> the tokens its chunk produced (one, or for a VERIFY chunk
+        the accepted drafts and the target's own token). Tokens after a stop (a stop token,
+        eos, ``max_tokens``, the context limit) are dropped. Returns each request that
+        received tokens this step (finished ones included) with how many it received.
         """
         now = time.monotonic()
         progressed = []
@@ -193,15 +250,25 @@ class Scheduler:
             req = chunk.request
             if req.is_finished:  # aborted while the step ran
                 continue
-            req.num_computed_tokens = chunk.end
             if not chunk.samples:
+                req.num_computed_tokens = chunk.end
                 continue
-            req.append_output_token(sampled[req.request_id])
+            tokens = sampled[req.request_id]
+            # A verify run computed the newest token and the drafts it accepted; the last
+            # token it emits (the target's own) is computed next step, like any sampled token.
+            req.num_computed_tokens = chunk.end - len(chunk.draft_token_ids) + len(tokens) - 1
+            received = 0
+            for token in tokens:
+                req.append_output_token(token)
+                received += 1
+                status = req.check_stop(self.max_model_len)
+                if status is not None:
+                    self.finish(req, status)
+                    break
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            status = req.check_stop(self.max_model_len)
-            if status is not None:
-                self.finish(req, status)
-            progressed.append(req)
+            if chunk.draft_token_ids and not req.is_finished:
+                self.kv.trim(req, req.num_tokens)  # blocks taken for rejected drafts go back
+            progressed.append((req, received))
         return progressed

@@ -5,6 +5,7 @@ Contract (what a request must offer): ``request_id``, ``all_token_ids`` (prompt 
 
     get_computed_blocks(req) -> (blocks, num_tokens)   prefix-cache hits for a new request
     allocate_slots(req, n, hits) -> bool               room for n more tokens, or False
+    trim(req, num_tokens)                              return blocks past num_tokens' need
     free(req)                                          drop the request's references
     block_table(req) -> list[int]                      logical block i -> physical block id
 
@@ -116,6 +117,20 @@ class KVCacheManager:
             if blocks[i].block_hash is None:
                 self.pool.cache(blocks[i], hashes[i])
         self._num_hashed[req.request_id] = max(first, last)
+
+    def trim(self, req, num_tokens: int) -> None:
+        """Return the blocks past those ``num_tokens`` tokens need (taken for proposed tokens
+        that were rejected). They were never hashed: only accepted tokens fill hashed blocks."""
+        rid = req.request_id
+        blocks = self._req_blocks.get(rid)
+        keep = -(-num_tokens // self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return
+        extra = blocks[keep:]
+        del blocks[keep:]
+        del self._req_table[rid][keep:]
+        self._num_hashed[rid] = min(self._num_hashed[rid], keep)
+        self.pool.release(list(reversed(extra)))
 
     def _forget(self, request_id: str) -> list[Block]:
         self._req_table.pop(request_id, None)

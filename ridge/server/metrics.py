@@ -208,7 +208,36 @@ def telemetry_samples(engine: LLMEngine) -> list[Sample]:
     return samples
 
 
-STATE_SOURCES: tuple[StateSource, ...] = (engine_state_samples, telemetry_samples)
+def spec_decode_samples(engine: LLMEngine) -> list[Sample]:
+    """Speculative decoding: drafts proposed and accepted (vLLM's names), by position too."""
+    speculator = engine.speculator
+    if speculator is None:
+        return []
+    stats = speculator.stats
+    samples = [
+        Sample("ridge_spec_decode_num_drafts", "Verify runs (sequences x steps that verified drafts).",
+               stats.num_verify_runs, kind="counter"),
+        Sample("ridge_spec_decode_num_draft_tokens", "Tokens proposed for verification.", stats.num_draft_tokens,
+               kind="counter"),
+        Sample("ridge_spec_decode_num_accepted_tokens", "Proposed tokens the target accepted.",
+               stats.num_accepted_tokens, kind="counter"),
+        Sample("ridge_spec_decode_num_speculative_tokens", "Tokens proposed per sequence in the last step (k).",
+               speculator.last_k),
+    ]
+    for position, accepted in enumerate(stats.accepted_by_position):
+        samples.append(
+            Sample(
+                "ridge_spec_decode_num_accepted_tokens_per_pos",
+                "Proposed tokens accepted, by their position in the run.",
+                accepted,
+                labels={"position": str(position)},
+                kind="counter",
+            )
+        )
+    return samples
+
+
+STATE_SOURCES: tuple[StateSource, ...] = (engine_state_samples, telemetry_samples, spec_decode_samples)
 
 
 class _StateCollector(Collector):

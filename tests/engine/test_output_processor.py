@@ -46,7 +46,7 @@ def generate(tok, prompt_ids: list[int], output_ids: list[int], **params):
         req.append_output_token(token)
         req.status = req.check_stop(max_model_len=10**9) or req.status
         alternative = (token + 1) % tok.vocab_size
-        for out in proc.process([req], {"r": (-0.5, [(alternative, -0.1), (token, -0.5)])}):
+        for out in proc.process([(req, 1)], {"r": [(-0.5, [(alternative, -0.1), (token, -0.5)])]}):
             final = out
         if req.is_finished:
             break

@@ -33,9 +33,9 @@ def make_scheduler(num_blocks=64, block_size=4, budget=16, max_seqs=8, policy="c
     return Scheduler(SchedulerConfig(max_seqs, budget, policy), kv, max_model_len=10_000)
 
 
-def fake_run(plan: SchedulerOutput) -> dict[str, int]:
+def fake_run(plan: SchedulerOutput) -> dict[str, list[int]]:
     """Every sampling chunk gets token 7."""
-    return {c.request.request_id: 7 for c in plan.chunks if c.samples}
+    return {c.request.request_id: [7] for c in plan.chunks if c.samples}
 
 
 def step(sched: Scheduler) -> SchedulerOutput:

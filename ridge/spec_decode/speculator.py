@@ -1,0 +1,82 @@
+"""Between steps: decide how many tokens to speculate and ask the proposer for them.
+
+The engine calls ``propose`` after a step's outputs are built; each running request whose
+next step is a decode gets ``spec_token_ids`` (and, from a draft model, their distributions
+``spec_token_probs``), which the scheduler turns into a VERIFY chunk of 1 + k rows; ``record``
+takes each verify run's outcome.
+
+A proposer offers ``propose(requests, k) -> {request id: (tokens, probs or None)}`` and
+``forget_except(live requests by id)``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ridge.spec_decode.config import SpeculativeConfig
+from ridge.spec_decode.policy import SpeculationPolicy
+from ridge.spec_decode.stats import SpecDecodeStats
+
+
+class Speculator:
+    def __init__(
+        self, config: SpeculativeConfig, proposer, max_model_len: int, policy: SpeculationPolicy | None
+    ) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self.cost_model = policy  # the roofline's view of a verify step (benchmarks' predictions)
+        self.policy = policy if config.adaptive else None
+        self.stats = SpecDecodeStats()
+        self.last_k = config.num_speculative_tokens
+        self.propose_s = 0.0  # time spent proposing (the draft model's passes)
+
+    def propose(self, running: list, requests: dict) -> None:
+        """Set ``spec_token_ids`` on each running request whose next step is a decode."""
+        start = time.perf_counter()
+        self.proposer.forget_except(requests)
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1 and not r.is_finished]
+        k = self.config.num_speculative_tokens
+        if self.policy is not None and decoding:
+            k = self.policy.choose_k(len(decoding), max(r.num_tokens for r in decoding))
+        self.last_k = k
+        if k == 0 or not decoding:
+            return
+        # No draft past max_tokens or the context limit: a run emits at most k + 1 tokens.
+        limits = {
+            r.request_id: min(k, r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens)
+            for r in decoding
+        }
+        wanted = [r for r in decoding if limits[r.request_id] > 0]
+        if not wanted:
+            return
+        for rid, (tokens, probs) in self.proposer.propose(wanted, min(k, max(limits.values()))).items():
+            req, limit = requests[rid], limits[rid]
+            req.spec_token_ids = tokens[:limit]
+            req.spec_token_probs = probs[:limit] if probs is not None else None
+        self.propose_s += time.perf_counter() - start
+
+    def report(self) -> dict:
+        """What speculation gained so far (the bench JSON's ``speculation``)."""
+        out = {"method": self.config.method, "max_k": self.config.num_speculative_tokens, **self.stats.as_dict()}
+        out["last_k"] = self.last_k
+        out["propose_s"] = round(self.propose_s, 4)
+        if self.policy is not None:
+            out["acceptance_estimate"] = round(self.policy.acceptance, 4)
+        return out
+
+    def format(self) -> str:
+        s = self.stats
+        by_pos = " ".join(f"{a:.2f}" for a in s.acceptance_by_position())
+        return (
+            f"speculation ({self.config.method}, k <= {self.config.num_speculative_tokens}"
+            f"{', adaptive' if self.policy is not None else ''}): {s.num_draft_tokens} proposed, "
+            f"{s.num_accepted_tokens} accepted ({100 * s.acceptance_rate:.1f}%), "
+            f"{s.mean_accepted_length:.2f} tokens per verify run; acceptance by position: {by_pos or '-'}"
+        )
+
+    def record(self, verified: dict[str, tuple[int, int]]) -> None:
+        for num_drafts, num_accepted in verified.values():
+            self.stats.record(num_drafts, num_accepted)
+            if self.policy is not None:
+                self.policy.observe(num_drafts, num_accepted)

@@ -1,0 +1,51 @@
+"""The adaptive policy: speculate while the step stays memory-bound, not past the ridge."""
+
+from __future__ import annotations
+
+import pytest
+
+from ridge.spec_decode.policy import SpeculationPolicy, expected_speedup, expected_tokens
+
+
+def roofline(ridge_rows: int):
+    """A fake machine: a step costs max(reading the weights, rows of arithmetic), with the
+    two equal at ``ridge_rows`` rows in all."""
+
+    def step_time(batch, rows, context):
+        return max(1.0, batch * rows / ridge_rows)
+
+    return step_time
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_speedup(0.5, 2, 1.0) == pytest.approx(1.75)
+
+
+def test_speculates_fully_under_the_ridge_and_not_past_it():
+    policy = SpeculationPolicy(4, roofline(ridge_rows=12), prior_acceptance=0.7)
+    assert policy.choose_k(1, 100) == 4  # 5 rows: still memory-bound, every draft is free
+    assert policy.choose_k(2, 100) == 4  # 10 rows
+    assert 0 < policy.choose_k(4, 100) < 4  # past the ridge at 4 x 5 rows: fewer
+    assert policy.choose_k(32, 100) == 0  # 32 rows already: compute-bound, no draft pays
+
+
+def test_follows_the_measured_acceptance():
+    policy = SpeculationPolicy(4, roofline(ridge_rows=12), prior_acceptance=0.7, smoothing=0.5)
+    assert policy.choose_k(8, 100) > 0  # 8 x 2 rows cost 1.33x a plain step; 0.7 acceptance pays for it
+    for _ in range(20):
+        policy.observe(4, 0)  # every first draft rejected
+    assert policy.acceptance < 0.01
+    assert policy.choose_k(8, 100) == 0
+    assert policy.choose_k(1, 100) == 0  # free drafts that are never accepted gain nothing either
+    for _ in range(10):  # not speculating: the estimate drifts back, and speculation is tried again
+        policy.choose_k(1, 100)
+    assert policy.choose_k(1, 100) > 0
+
+
+def test_draft_cost_limits_k():
+    policy = SpeculationPolicy(8, roofline(ridge_rows=64), proposer_cost=0.3, prior_acceptance=0.6)
+    k = policy.choose_k(1, 100)
+    assert 0 < k < 8
