@@ -101,7 +101,8 @@ def main() -> None:
     torch.set_num_threads(torch.get_num_threads())
     target = str(inflated(args.inflated))
     noisy = str(inflated(args.noisy, noise=0.05))
-    common = dict(dtype="bfloat16", device="cpu", num_kv_blocks=4096, max_num_seqs=64)
+    # max_model_len: the draft (stories260K) covers 512 positions
+    common = dict(dtype="bfloat16", device="cpu", num_kv_blocks=4096, max_num_seqs=64, max_model_len=512)
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     draft = {"method": "draft_model", "model": str(STORIES), "num_speculative_tokens": 4}
     fixed = {"adaptive": False}

@@ -31,7 +31,7 @@ from ridge.layers.cpu_kernels import select_kernels
 from ridge.models.loader import load_model, read_hf_config
 from ridge.quantization.config import QuantizationConfig
 from ridge.roofline.ops import step_cost_from_counts
-from ridge.roofline.probe import local_hardware
+from ridge.roofline.probe import local_hardware, probe_linear_flops
 from ridge.roofline.shapes import ModelShape
 from ridge.sampling import Sampler, SamplingParams, SamplingState
 from ridge.spec_decode.config import SpeculativeConfig
@@ -176,9 +176,17 @@ class LLMEngine:
         if spec is None:
             return None
         telemetry = self.telemetry
+        peak: list[float] = []
 
         def step_time(batch: int, rows: int, context: int) -> float:
-            """The roofline floor of ``batch`` sequences running ``rows`` query rows each."""
+            """The roofline floor of ``batch`` sequences running ``rows`` query rows each: the
+            analyzer's bytes over the measured bandwidth, its FLOPs over what this engine's own
+            matmul kernel reaches (measured once; the machine's best GEMM can be far faster)."""
+            if not peak:
+                layer = max(self.model.linear_layers(), key=lambda m: m.in_features * m.out_features)
+                kernel = probe_linear_flops(self.model.kernels.matmul, layer, self.dtype, self.device)
+                peak.append(min(kernel, telemetry.hardware.peak(telemetry.compute_dtype)))
+                logger.info("speculation cost model: matmul kernel %.0f GFLOP/s", peak[0] / 1e9)
             cost = step_cost_from_counts(
                 telemetry.model,
                 {(rows, max(rows, context)): batch},
@@ -187,8 +195,7 @@ class LLMEngine:
                 telemetry.act_bytes,
                 logit_rows=batch * rows,
             )
-            hw = telemetry.hardware
-            return max(cost.flops / hw.peak(telemetry.compute_dtype), cost.bytes / hw.bandwidth_bytes_per_s)
+            return max(cost.flops / peak[0], cost.bytes / telemetry.hardware.bandwidth_bytes_per_s)
 
         if spec.method == "ngram":
             proposer, proposer_cost = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max), 0.0

@@ -169,6 +169,9 @@ class LlamaForCausalLM(nn.Module):
         norm = self.model.norm
         return self.kernels.matmul(self.kernels.rms_norm(hidden, norm.weight, norm.eps), self.lm_head)
 
+    def linear_layers(self) -> list[Linear]:
+        return [m for m in self.modules() if isinstance(m, Linear)]
+
     def linear_weight_bytes(self) -> int:
         """Bytes the linear layers' weights occupy as held now (one read per step)."""
         return sum(m.weight_nbytes() for m in self.modules() if isinstance(m, Linear))

@@ -24,6 +24,7 @@ import datetime as dt
 import json
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -294,3 +295,25 @@ def _physical_memory_bytes() -> float:
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return 16.0 * GIB  # unknown: a stated guess beats a crash; --memory-gib overrides it
+
+
+def probe_linear_flops(
+    matmul, layer, dtype: torch.dtype, device: torch.device, rows: int = 32, repeats: int = 5
+) -> float:
+    """FLOP/s that ``matmul(x, layer)`` (an engine's own kernel on one of its layers) reaches
+    on ``rows`` rows: the compute roof its decode and verify steps really meet, which can be
+    far below the machine's best GEMM (here: ridge's AVX-512 kernel against torch's AMX one).
+    The median of ``repeats`` timed calls after one warm-up."""
+    x = torch.randn(rows, layer.in_features, dtype=dtype, device=device)
+    flops = 2.0 * rows * layer.in_features * layer.out_features
+    times = []
+    for i in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        matmul(x, layer)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    return flops / statistics.median(times)

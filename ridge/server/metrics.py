@@ -215,14 +215,29 @@ def spec_decode_samples(engine: LLMEngine) -> list[Sample]:
         return []
     stats = speculator.stats
     samples = [
-        Sample("ridge_spec_decode_num_drafts", "Verify runs (sequences x steps that verified drafts).",
-               stats.num_verify_runs, kind="counter"),
-        Sample("ridge_spec_decode_num_draft_tokens", "Tokens proposed for verification.", stats.num_draft_tokens,
-               kind="counter"),
-        Sample("ridge_spec_decode_num_accepted_tokens", "Proposed tokens the target accepted.",
-               stats.num_accepted_tokens, kind="counter"),
-        Sample("ridge_spec_decode_num_speculative_tokens", "Tokens proposed per sequence in the last step (k).",
-               speculator.last_k),
+        Sample(
+            "ridge_spec_decode_num_drafts",
+            "Verify runs (sequences x steps that verified drafts).",
+            stats.num_verify_runs,
+            kind="counter",
+        ),
+        Sample(
+            "ridge_spec_decode_num_draft_tokens",
+            "Tokens proposed for verification.",
+            stats.num_draft_tokens,
+            kind="counter",
+        ),
+        Sample(
+            "ridge_spec_decode_num_accepted_tokens",
+            "Proposed tokens the target accepted.",
+            stats.num_accepted_tokens,
+            kind="counter",
+        ),
+        Sample(
+            "ridge_spec_decode_num_speculative_tokens",
+            "Tokens proposed per sequence in the last step (k).",
+            speculator.last_k,
+        ),
     ]
     for position, accepted in enumerate(stats.accepted_by_position):
         samples.append(
