@@ -104,6 +104,8 @@ def load_extension(progress=sys.stderr):
                 "-mavx512vl",
                 "-mavx512bf16",
                 "-mavx512vnni",
+                "-mamx-tile",  # AMX runs only where the CPU has it (linear_bf16.cpp asks at run time)
+                "-mamx-bf16",
                 "-mf16c",
                 "-mfma",
                 "-fopenmp",
