@@ -4,6 +4,7 @@
 #   bash benchmarks/cuda_run.sh tests soak          # the suite on CUDA, then the soak
 #   bash benchmarks/cuda_run.sh coldstart bench     # cold starts, then bench latency
 #   bash benchmarks/cuda_run.sh quant               # weight and KV formats: latency and quality
+#   bash benchmarks/cuda_run.sh tests spec          # the suite, then speculative decoding
 #
 # Expects, carried beside the working tree: .whl/ (wheels the GPU image lacks: the server's
 # and the test tools') and .gpu/shared/ (a copy of ../shared/models and tools). Writes logs
@@ -45,6 +46,12 @@ for step in "$@"; do
         --batch 128 --input-len 128 --output-len 64 --rounds 3 > "$OUT/latency-$name.txt" 2> "$OUT/latency-$name.err" \
         && cat "$OUT/latency-$name.txt" || tail -n 20 "$OUT/latency-$name.err"
     done
+    ;;
+  spec)  # speculative decoding on the inflated stories model, with and without, interleaved
+    python3 .gpu/shared/tools/inflate_stories.py /tmp/stories-1.1b > /dev/null
+    python3 .gpu/shared/tools/inflate_stories.py /tmp/stories-1.1b-noise0.05 --noise 0.05 > /dev/null
+    timeout 500 python3 benchmarks/spec_decode.py --device cuda --rounds 2 \
+      --out "$OUT/spec_decode_cuda.json" 2>&1 | grep -v "^ridge:" | grep "^round\|ratio_median"
     ;;
   quant)  # the formats through the torch fallback (CUDA has no ridge kernel): latency, then quality
     for fmt in "" "--quantization int8" "--quantization int4" "--kv-cache-dtype int8" "--kv-cache-dtype fp8"; do

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -38,7 +39,7 @@ import torch
 from ridge import LLM, SamplingParams
 
 HERE = Path(__file__).parent
-SHARED = HERE.parent.parent / "shared"
+SHARED = Path(os.environ.get("RIDGE_SHARED_DIR", HERE.parent.parent / "shared"))  # models and tools
 STORIES = SHARED / "models" / "stories260K"
 OUT = HERE / "spec_decode.json"
 
@@ -97,12 +98,14 @@ def main() -> None:
     ap.add_argument("--noisy", type=Path, default=Path("/tmp/stories-1.1b-noise0.05"))
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--only", default=None, help="comma-separated scenario names")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     target = str(inflated(args.inflated))
     noisy = str(inflated(args.noisy, noise=0.05))
     # max_model_len: the draft (stories260K) covers 512 positions
-    common = dict(dtype="bfloat16", device="cpu", num_kv_blocks=4096, max_num_seqs=64, max_model_len=512)
+    common = dict(dtype="bfloat16", device=args.device, num_kv_blocks=4096, max_num_seqs=64, max_model_len=512)
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     draft = {"method": "draft_model", "model": str(STORIES), "num_speculative_tokens": 4}
     fixed = {"adaptive": False}
@@ -185,8 +188,8 @@ def main() -> None:
             )
     # engine overhead on stories260K itself: a step there is nearly all engine
     overhead = []
-    small_plain = LLM(str(STORIES), dtype="float32", device="cpu")
-    small_spec = LLM(str(STORIES), dtype="float32", device="cpu", speculative_config={**ngram, **fixed})
+    small_plain = LLM(str(STORIES), dtype="float32", device=args.device)
+    small_spec = LLM(str(STORIES), dtype="float32", device=args.device, speculative_config={**ngram, **fixed})
     told_small = small_plain.generate(
         ["Once upon a time"], SamplingParams(temperature=0, max_tokens=160), use_tqdm=False
     )
@@ -222,17 +225,21 @@ def main() -> None:
     summary["overhead"] = {"ratio_median": statistics.median(o["ratio"] for o in overhead), "runs": overhead}
     payload = {
         "date": time.strftime("%Y-%m-%d"),
-        "machine": {"processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
+        "machine": {
+            "processor": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        },
         "target": "inflated stories260K (TinyLlama-1.1B shape, bf16)",
         "summary": summary,
         "rounds": results,
     }
-    OUT.write_text(json.dumps(payload, indent=1) + "\n")
+    args.out.write_text(json.dumps(payload, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
-    plot(summary)
+    plot(summary, args.out.with_suffix(".png"))
 
 
-def plot(summary: dict) -> None:
+def plot(summary: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -251,7 +258,7 @@ def plot(summary: dict) -> None:
     ax.set_title("Speculative decoding on the inflated stories model (2 CPU threads)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(OUT.with_suffix(".png"), dpi=110)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
