@@ -50,7 +50,7 @@ for step in "$@"; do
   spec)  # speculative decoding on the inflated stories model, with and without, interleaved
     python3 .gpu/shared/tools/inflate_stories.py /tmp/stories-1.1b > /dev/null
     python3 .gpu/shared/tools/inflate_stories.py /tmp/stories-1.1b-noise0.05 --noise 0.05 > /dev/null
-    timeout 500 python3 benchmarks/spec_decode.py --device cuda --rounds 2 \
+    timeout 500 python3 benchmarks/spec_decode.py --device cuda --rounds 3 \
       --out "$OUT/spec_decode_cuda.json" 2>&1 | grep -v "^ridge:" | grep "^round\|ratio_median"
     ;;
   quant)  # the formats through the torch fallback (CUDA has no ridge kernel): latency, then quality

@@ -184,7 +184,9 @@ class LLMEngine:
             matmul kernel reaches (measured once; the machine's best GEMM can be far faster)."""
             if not peak:
                 layer = max(self.model.linear_layers(), key=lambda m: m.in_features * m.out_features)
-                kernel = probe_linear_flops(self.model.kernels.matmul, layer, self.dtype, self.device)
+                # enough rows to be compute-bound: a GPU's small matmuls measure launch latency
+                rows = 2048 if self.device.type == "cuda" else 32
+                kernel = probe_linear_flops(self.model.kernels.matmul, layer, self.dtype, self.device, rows=rows)
                 peak.append(min(kernel, telemetry.hardware.peak(telemetry.compute_dtype)))
                 logger.info("speculation cost model: matmul kernel %.0f GFLOP/s", peak[0] / 1e9)
             cost = step_cost_from_counts(
