@@ -369,7 +369,7 @@ class LLMEngine:
         progressed = self.scheduler.update(plan, out.sampled)
         outputs = self.output_processor.process(progressed, out.logprobs, out.prompt_logprobs)
         if self.speculator is not None:
-            self.speculator.record(out.verified)
+            self.speculator.record(out.verified, time.perf_counter() - start)
             self.speculator.propose(self.scheduler.running, self.scheduler.requests)
         shapes: dict[ChunkKind, list] = {kind: [] for kind in ChunkKind}
         for c in plan.chunks:

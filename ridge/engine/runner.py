@@ -21,7 +21,7 @@ from ridge.kv.manager import KVCacheManager
 from ridge.layers.attention import AttentionMetadata, PrefillChunk
 from ridge.models.llama import LlamaForCausalLM
 from ridge.sampling import Sampler
-from ridge.spec_decode.rejection import verify
+from ridge.spec_decode.rejection import plain_greedy, verify, verify_greedy_batch
 
 
 @dataclass
@@ -169,11 +169,23 @@ class ModelRunner:
                 if lp is not None:
                     logprobs[rid] = [(lp, top or [])]
         verified = {}
-        row = num_sampled
+        results, row = {}, num_sampled
+        greedy_rows, greedy_runs = [], []
         for rid, drafts, draft_probs in batch.verify_runs:
             state = requests_by_id[rid].sampling_state
-            result = verify(self.sampler, logits[row : row + 1 + len(drafts)], state, drafts, draft_probs)
+            rows = range(row, row + 1 + len(drafts))
             row += 1 + len(drafts)
+            if plain_greedy(state):  # verified together below
+                greedy_rows.extend(rows)
+                greedy_runs.append((rid, drafts))
+            else:
+                results[rid] = verify(self.sampler, logits[rows.start : rows.stop], state, drafts, draft_probs)
+        if greedy_runs:
+            index = torch.tensor(greedy_rows, device=logits.device)
+            batch_results = verify_greedy_batch(logits[index], [d for _, d in greedy_runs])
+            results.update(zip([rid for rid, _ in greedy_runs], batch_results))
+        for rid, drafts, _ in batch.verify_runs:
+            result = results[rid]
             sampled[rid] = result.token_ids
             verified[rid] = (len(drafts), result.num_accepted)
             if result.logprobs is not None:

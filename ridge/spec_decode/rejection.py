@@ -82,6 +82,27 @@ def verify(
     return VerifyResult(tokens, accepted, logprobs)
 
 
+def plain_greedy(state: SamplingState) -> bool:
+    """Greedy with nothing that changes the logits per position or asks for logprobs: its
+    runs can be verified together, from one argmax over all their rows."""
+    p = state.params
+    return p.greedy and not p.has_penalties and not state.min_tokens_active() and p.logprobs is None
+
+
+def verify_greedy_batch(logits: torch.Tensor, runs: list[list[int]]) -> list[VerifyResult]:
+    """Several plain-greedy runs at once: ``logits`` holds their 1 + k rows back to back; one
+    argmax and one device-to-host copy for all (on a GPU, one sync instead of one per run)."""
+    target = logits.argmax(dim=-1).tolist()
+    out, row = [], 0
+    for drafts in runs:
+        k, accepted = len(drafts), 0
+        while accepted < k and drafts[accepted] == target[row + accepted]:
+            accepted += 1
+        out.append(VerifyResult(drafts[:accepted] + [target[row + accepted]], accepted, None))
+        row += k + 1
+    return out
+
+
 def _rejection_sample(
     sampler: Sampler, probs: torch.Tensor, state: SamplingState, drafts: list[int], draft_probs: torch.Tensor | None
 ) -> tuple[int, list[int]]:

@@ -30,6 +30,9 @@ class Speculator:
         self.stats = SpecDecodeStats()
         self.last_k = config.num_speculative_tokens
         self.propose_s = 0.0  # time spent proposing (the draft model's passes)
+        self.cost_model_proposer_cost = policy.proposer_cost if policy is not None else 0.0
+        self._draft_cost: float | None = None  # measured: seconds per drafted token / a step's
+        self._step_s: float | None = None  # moving average of a step's wall time
 
     def propose(self, running: list, requests: dict) -> None:
         """Set ``spec_token_ids`` on each running request whose next step is a decode."""
@@ -50,11 +53,23 @@ class Speculator:
         wanted = [r for r in decoding if limits[r.request_id] > 0]
         if not wanted:
             return
-        for rid, (tokens, probs) in self.proposer.propose(wanted, min(k, max(limits.values()))).items():
+        k_run = min(k, max(limits.values()))
+        proposed = self.proposer.propose(wanted, k_run)
+        for rid, (tokens, probs) in proposed.items():
             req, limit = requests[rid], limits[rid]
             req.spec_token_ids = tokens[:limit]
             req.spec_token_probs = probs[:limit] if probs is not None else None
-        self.propose_s += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.propose_s += elapsed
+        if self.policy is not None and self._step_s and self.config.method == "draft_model":
+            # The draft's measured cost per proposed token, relative to a target step: where
+            # steps are bound by launches and Python (a GPU here), not by the roofline, this is
+            # what a draft pass really costs.
+            measured = elapsed / k_run / self._step_s
+            self._draft_cost = (
+                measured if self._draft_cost is None else self._draft_cost + 0.1 * (measured - self._draft_cost)
+            )
+            self.policy.proposer_cost = max(self.cost_model_proposer_cost, self._draft_cost)
 
     def report(self) -> dict:
         """What speculation gained so far (the bench JSON's ``speculation``)."""
@@ -75,7 +90,10 @@ class Speculator:
             f"{s.mean_accepted_length:.2f} tokens per verify run; acceptance by position: {by_pos or '-'}"
         )
 
-    def record(self, verified: dict[str, tuple[int, int]]) -> None:
+    def record(self, verified: dict[str, tuple[int, int]], step_s: float | None = None) -> None:
+        """A step's verify outcomes (and its wall time, for the draft's relative cost)."""
+        if step_s is not None:
+            self._step_s = step_s if self._step_s is None else self._step_s + 0.1 * (step_s - self._step_s)
         for num_drafts, num_accepted in verified.values():
             self.stats.record(num_drafts, num_accepted)
             if self.policy is not None:

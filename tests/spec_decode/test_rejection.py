@@ -96,3 +96,17 @@ def test_top_p_applies_at_every_slot():
 def test_a_run_needs_one_row_per_draft_plus_one():
     with pytest.raises(ValueError, match="needs 3 rows"):
         verify(Sampler(0), torch.zeros(2, 4), state(), [1, 2])
+
+
+def test_greedy_runs_verified_together_equal_one_by_one():
+    gen = torch.Generator().manual_seed(0)
+    from ridge.spec_decode.rejection import verify_greedy_batch
+
+    runs = [[3, 1], [], [2, 2, 0], [1]]
+    logits = torch.randn(sum(len(r) + 1 for r in runs), 4, generator=gen)
+    together = verify_greedy_batch(logits, runs)
+    row = 0
+    for drafts, result in zip(runs, together):
+        alone = verify(Sampler(0), logits[row : row + len(drafts) + 1], state(temperature=0.0), drafts)
+        assert (result.token_ids, result.num_accepted) == (alone.token_ids, alone.num_accepted)
+        row += len(drafts) + 1
