@@ -18,6 +18,7 @@ blocks.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -119,6 +120,7 @@ class DraftProposer:
         self.sampler = self.runner.sampler
         self._shadows: dict[str, _Shadow] = {}
         self.weight_bytes = model.linear_weight_bytes()
+        self.pass_s: float | None = None  # a one-token pass over the batch (the last propose's mean)
 
     # -- shadows --------------------------------------------------------------------------
     def _shadow(self, target: Request) -> _Shadow | None:
@@ -178,9 +180,11 @@ class DraftProposer:
             targets[req.request_id] = target
         drafts: dict[str, list[int]] = {rid: [] for rid in targets}
         probs: dict[str, list[torch.Tensor]] = {rid: [] for rid in targets}
+        feed_s = []
         for j in range(k):
             if not chunks:
                 break
+            pass_start = time.perf_counter()
             plan = SchedulerOutput(chunks=sorted(chunks, key=lambda c: not c.decode_rows))
             logits = self.runner.forward_logits(self.runner.prepare(plan))
             order = [c.request.request_id for c in plan.chunks]
@@ -196,6 +200,10 @@ class DraftProposer:
                 if j < k - 1:  # feed the draft back for the next one
                     shadow.fed.append(tokens[i])
                     chunks.append(_FeedChunk(req, req.num_computed_tokens, 1, fed_token=tokens[i]))
+            if j:  # passes after the first: one token per sequence, the draft's steady cost
+                feed_s.append(time.perf_counter() - pass_start)
+        if feed_s:
+            self.pass_s = sum(feed_s) / len(feed_s)
         out = {}
         for rid, tokens in drafts.items():
             p = torch.stack(probs[rid]) if probs[rid] else None

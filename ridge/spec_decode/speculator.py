@@ -61,11 +61,12 @@ class Speculator:
             req.spec_token_probs = probs[:limit] if probs is not None else None
         elapsed = time.perf_counter() - start
         self.propose_s += elapsed
-        if self.policy is not None and self._step_s and self.config.method == "draft_model":
-            # The draft's measured cost per proposed token, relative to a target step: where
-            # steps are bound by launches and Python (a GPU here), not by the roofline, this is
-            # what a draft pass really costs.
-            measured = elapsed / k_run / self._step_s
+        pass_s = getattr(self.proposer, "pass_s", None)
+        if self.policy is not None and self._step_s and pass_s is not None:
+            # The draft's measured cost per proposed token (a one-token pass, not the catch-up
+            # pass that prefills new prompts), relative to a target step: where steps are bound
+            # by launches and Python (a GPU here), not by the roofline, this is what it costs.
+            measured = pass_s / self._step_s
             self._draft_cost = (
                 measured if self._draft_cost is None else self._draft_cost + 0.1 * (measured - self._draft_cost)
             )

@@ -49,3 +49,44 @@ def test_draft_cost_limits_k():
     policy = SpeculationPolicy(8, roofline(ridge_rows=64), proposer_cost=0.3, prior_acceptance=0.6)
     k = policy.choose_k(1, 100)
     assert 0 < k < 8
+
+
+def test_a_draft_pass_is_priced_at_its_measured_cost():
+    """Where steps are bound by launches, not bytes (a GPU), a draft pass costs about a target
+    step whatever the roofline says: the measured cost replaces the roofline's when larger."""
+    from types import SimpleNamespace
+
+    from ridge.spec_decode.config import SpeculativeConfig
+    from ridge.spec_decode.speculator import Speculator
+
+    class SlowDraft:
+        pass_s = 0.8  # a one-token draft pass: 0.8 of a target step
+
+        def forget_except(self, live):
+            pass
+
+        def propose(self, requests, k):
+            return {r.request_id: ([5] * k, None) for r in requests}
+
+    config = SpeculativeConfig("draft_model", 4, model="random:tiny")
+    policy = SpeculationPolicy(4, roofline(ridge_rows=64), proposer_cost=0.001, prior_acceptance=0.6)
+    speculator = Speculator(config, SlowDraft(), 10_000, policy)
+    req = SimpleNamespace(
+        request_id="r",
+        num_tokens=10,
+        num_computed_tokens=9,
+        is_finished=False,
+        max_tokens=100,
+        num_output_tokens=1,
+        spec_token_ids=[],
+        spec_token_probs=None,
+    )
+    speculator.propose([req], {"r": req})
+    assert req.spec_token_ids == [5] * 4  # the roofline alone says drafting is nearly free
+    for _ in range(40):
+        speculator.record({}, step_s=1.0)
+        speculator.propose([req], {"r": req})
+    assert policy.proposer_cost > 0.5
+    req.spec_token_ids = []
+    speculator.propose([req], {"r": req})
+    assert speculator.last_k <= 1  # 0.6 acceptance cannot pay for 0.8 of a step per draft
