@@ -14,6 +14,7 @@ the report's notices, and no fraction above 100% is ever reported.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,9 @@ class StepRecord:
     wall_s: float
     # speculative verify runs: (1 + k query tokens, context after them); each row is sampled
     verify_chunks: tuple[tuple[int, int], ...] = ()
+    # the draft model's passes that proposed for the next step: per pass, (query tokens,
+    # context after them) per sequence
+    draft_passes: tuple[tuple[tuple[int, int], ...], ...] = ()
     cost: StepCost | None = None  # priced on first read
 
     @property
@@ -140,6 +144,16 @@ class Ceiling:
         return f"{self.peak_flops / 1e9:,.0f} GFLOP/s, {self.bandwidth / 1e9:.1f} GB/s"
 
 
+@dataclass(frozen=True)
+class ModelPricing:
+    """What the cost model needs of a second model (a speculative draft) besides its shape."""
+
+    model: ModelShape
+    weight_bytes: float  # per parameter
+    kv_bytes: float  # per cached element
+    act_bytes: float
+
+
 @dataclass
 class Telemetry:
     """Step records of one engine, and their place on a roofline.
@@ -161,10 +175,13 @@ class Telemetry:
     _totals: dict = field(default_factory=lambda: {p: PhaseStats() for p in PHASES})
     _hardware: Hardware | None = None
     _ceiling: Ceiling | None = None
+    draft: ModelPricing | None = None  # a speculative draft model whose passes count in its steps
 
-    def record(self, prefill_chunks, decode_contexts, wall_s: float, verify_chunks=()) -> None:
+    def record(self, prefill_chunks, decode_contexts, wall_s: float, verify_chunks=(), draft_passes=()) -> None:
         """Hot path: keep the shape and the time; pricing happens on read."""
-        rec = StepRecord(tuple(prefill_chunks), tuple(decode_contexts), wall_s, tuple(verify_chunks))
+        rec = StepRecord(
+            tuple(prefill_chunks), tuple(decode_contexts), wall_s, tuple(verify_chunks), tuple(draft_passes)
+        )
         self.recent.append(rec)
         self._pending.append(rec)
 
@@ -180,6 +197,13 @@ class Telemetry:
                 self.act_bytes,
                 logit_rows=rows,
             )
+            if rec.draft_passes and self.draft is not None:  # the draft's reads and FLOPs too
+                d = self.draft
+                ops = list(rec.cost.ops)
+                for chunks in rec.draft_passes:
+                    cost = step_cost(d.model, chunks, (), d.weight_bytes, d.kv_bytes, d.act_bytes)
+                    ops += [dataclasses.replace(op, name=f"draft {op.name}") for op in cost.ops]
+                rec.cost = StepCost(tuple(ops), rec.cost.tokens, rec.cost.sequences)
         return rec.cost
 
     @property

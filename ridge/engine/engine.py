@@ -219,6 +219,7 @@ class LLMEngine:
             )
             # a draft pass against a target step: both read their weights once (memory-bound)
             proposer_cost = proposer.weight_bytes / max(1, self.model.linear_weight_bytes())
+            telemetry.draft = proposer.pricing  # the draft's passes count in the steps' cost
         policy = SpeculationPolicy(spec.num_speculative_tokens, step_time, proposer_cost=proposer_cost)
         logger.info(
             "speculative decoding: %s, up to %d tokens per step%s",
@@ -374,11 +375,13 @@ class LLMEngine:
         shapes: dict[ChunkKind, list] = {kind: [] for kind in ChunkKind}
         for c in plan.chunks:
             shapes[c.kind].append(c.end if c.kind is ChunkKind.DECODE else (c.num_new_tokens, c.end))
+        take_passes = getattr(self.speculator and self.speculator.proposer, "take_passes", None)
         self.telemetry.record(
             shapes[ChunkKind.PREFILL],
             shapes[ChunkKind.DECODE],
             time.perf_counter() - start,
             shapes[ChunkKind.VERIFY],
+            take_passes() if take_passes else (),
         )
         return outputs
 

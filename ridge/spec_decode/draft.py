@@ -111,7 +111,17 @@ class DraftProposer:
             config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, device, kind
         )
         proposer = cls(loaded.model, caches, KVCacheManager(num_blocks, block_size), device, seed)
-        proposer.weight_bytes = loaded.model.linear_weight_bytes()
+        from ridge.roofline.shapes import ModelShape
+        from ridge.telemetry import ModelPricing
+
+        params = max(1, loaded.model.linear_weight_params())
+        per_head = kv_cache.bytes_per_token_head(kind, config.head_dim, dtype)
+        proposer.pricing = ModelPricing(
+            ModelShape.from_hf_config(hf_config),
+            proposer.weight_bytes / params,
+            per_head / config.head_dim,
+            dtype.itemsize,
+        )
         return proposer
 
     def __init__(self, model, kv_caches, kv: KVCacheManager, device: torch.device, seed: int = 0) -> None:
@@ -121,6 +131,8 @@ class DraftProposer:
         self._shadows: dict[str, _Shadow] = {}
         self.weight_bytes = model.linear_weight_bytes()
         self.pass_s: float | None = None  # a one-token pass over the batch (the last propose's mean)
+        self.pricing = None  # ModelPricing for the telemetry (set by load)
+        self.passes: list[tuple[tuple[int, int], ...]] = []  # shapes of the passes since last taken
 
     # -- shadows --------------------------------------------------------------------------
     def _shadow(self, target: Request) -> _Shadow | None:
@@ -158,6 +170,11 @@ class DraftProposer:
                 if target is None:
                     del self._shadows[rid]
 
+    def take_passes(self) -> list[tuple[tuple[int, int], ...]]:
+        """The passes run since the last call, for the telemetry: (query tokens, context) each."""
+        passes, self.passes = self.passes, []
+        return passes
+
     # -- proposing ------------------------------------------------------------------------
     def propose(self, requests: list[Request], k: int) -> dict[str, tuple[list[int], torch.Tensor | None]]:
         """Request id -> (up to k drafted tokens, their draft distributions (k, V) or None
@@ -186,6 +203,7 @@ class DraftProposer:
                 break
             pass_start = time.perf_counter()
             plan = SchedulerOutput(chunks=sorted(chunks, key=lambda c: not c.decode_rows))
+            self.passes.append(tuple((c.num_new_tokens, c.end) for c in plan.chunks))
             logits = self.runner.forward_logits(self.runner.prepare(plan))
             order = [c.request.request_id for c in plan.chunks]
             tokens, dists = self._sample(logits, [targets[rid] for rid in order])

@@ -226,3 +226,31 @@ def test_abort_while_speculating(looping):
     assert other not in engine.scheduler.requests
     engine.kv.check_integrity()
     assert engine.kv.pool.counts()["used"] == 0
+
+
+def test_telemetry_prices_verify_rows_and_draft_passes(tiny_dirs, other_draft):
+    llm = LLM(
+        str(tiny_dirs["llama-gqa"]),
+        tokenizer="bytes",
+        dtype="float32",
+        device="cpu",
+        speculative_config={
+            "method": "draft_model",
+            "model": str(other_draft),
+            "num_speculative_tokens": 3,
+            "adaptive": False,
+        },
+    )
+    telemetry = llm.engine.telemetry
+    telemetry.reset()
+    llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    verify_steps = [r for r in telemetry.recent if r.verify_chunks]
+    assert verify_steps and all(r.phase == "decode" for r in verify_steps)
+    rec = verify_steps[0]
+    assert rec.tokens == sum(q for q, _ in rec.verify_chunks) == 4  # the newest token and 3 drafts
+    assert len(rec.draft_passes) == 3  # the passes that proposed for the next step
+    cost = telemetry.price(rec)
+    names = [op.name for op in cost.ops]
+    assert any(n.startswith("draft ") for n in names) and any(not n.startswith("draft ") for n in names)
+    lm_head = next(op for op in cost.ops if op.name == "lm_head")
+    assert lm_head.m == 4  # logits at every verified row
