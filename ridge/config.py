@@ -15,12 +15,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+from ridge.models.registry import SUPPORTED_ARCHITECTURES  # the one table of architectures
 
 DTYPES = {
     "float32": torch.float32,

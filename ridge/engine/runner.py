@@ -19,7 +19,6 @@ from ridge.engine.scheduler import ChunkKind, SchedulerOutput
 from ridge.kv.cache import PagedKV
 from ridge.kv.manager import KVCacheManager
 from ridge.layers.attention import AttentionMetadata, PrefillChunk
-from ridge.models.llama import LlamaForCausalLM
 from ridge.sampling import Sampler
 from ridge.spec_decode.rejection import plain_greedy, verify, verify_greedy_batch
 
@@ -58,7 +57,7 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: torch.nn.Module,  # the registry's interface (ridge/models/registry.py)
         kv_caches: list[PagedKV],
         kv: KVCacheManager,
         sampler: Sampler,

@@ -135,6 +135,7 @@ class LlamaForCausalLM(nn.Module):
         quant = quant or QuantizationConfig()
         self.config = cfg
         self.quant_config = quant
+        self.max_positions = max_positions
         self.model = LlamaModel(cfg, max_positions, quant)
         tied = cfg.tie_word_embeddings
         self.lm_head = Linear(
@@ -143,6 +144,15 @@ class LlamaForCausalLM(nn.Module):
         if tied:
             self.tie_lm_head()
         self.kernels = TorchKernels()
+
+    def materialize(self, device: torch.device) -> None:
+        """After ``to_empty``: the RoPE tables again, and the tie (``to_empty`` makes new
+        tensors, which unties them)."""
+        cfg = self.config
+        self.model.rotary.__init__(cfg.head_dim, self.max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.model.rotary.to(device)
+        if cfg.tie_word_embeddings:
+            self.tie_lm_head()
 
     def tie_lm_head(self) -> None:
         """lm_head computes with the embedding's Parameter itself (never freed by repacking)."""

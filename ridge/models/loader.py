@@ -21,8 +21,8 @@ from ridge.config import ModelConfig
 from ridge.layers.linear import Linear
 from ridge.models.gguf_file import GGUFModel, conversions, is_gguf, target_format
 from ridge.models.gguf_file import layer_formats as gguf_layer_formats
-from ridge.models.llama import LlamaForCausalLM
 from ridge.models.presets import get_preset
+from ridge.models.registry import model_class
 from ridge.models.safetensors_mmap import SafetensorsFile
 from ridge.quantization.config import QuantizationConfig
 
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: torch.nn.Module  # the registry's class for the architecture
     config: ModelConfig
     hf_config: dict
     model_dir: Path | None  # None for random models; a GGUF model's file
@@ -75,7 +75,7 @@ def load_model(
     context_limit = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
     quantization = quantization or QuantizationConfig()
     if isinstance(model_dir, GGUFModel):
-        quantization.file_formats = gguf_layer_formats(model_dir, LlamaForCausalLM.packed_modules)
+        quantization.file_formats = gguf_layer_formats(model_dir, model_class(config.architecture).packed_modules)
     model = _empty_model(config, context_limit, dtype, device, quantization)
     if model_dir is None:
         _init_random(model, seed)
@@ -90,20 +90,17 @@ def load_model(
 
 def _empty_model(
     config: ModelConfig, context_limit: int, dtype: torch.dtype, device: torch.device, quant: QuantizationConfig
-) -> LlamaForCausalLM:
+) -> torch.nn.Module:
     # Build on the meta device (no init cost), then allocate uninitialized storage once
     # (.to(dtype) converts floating tensors only: quantized blocks stay uint8).
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, context_limit, quant)
+        model = model_class(config.architecture)(config, context_limit, quant)
     model = model.to(dtype).to_empty(device=device)
-    model.model.rotary.__init__(config.head_dim, context_limit, config.rope_theta, config.rope_scaling)
-    model.model.rotary.to(device)
-    if config.tie_word_embeddings:  # to_empty makes new tensors, which unties them
-        model.tie_lm_head()
+    model.materialize(device)
     return model
 
 
-def _init_random(model: LlamaForCausalLM, seed: int) -> None:
+def _init_random(model: torch.nn.Module, seed: int) -> None:
     """Gaussian(0, 0.02) weights, norms at 1, drawn in place in the model's dtype on its device.
 
     Each parameter has its own generator (seeded from ``seed`` and the parameter's index), so
@@ -162,7 +159,7 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
+def _load_safetensors(model: torch.nn.Module, model_dir: Path) -> None:
     """Each file memory-mapped; a tensor in the parameter's dtype on the CPU becomes the
     parameter itself (a view of the page cache: no copy), others are copied in (a packed
     projection's shard into its rows, another dtype converted, another device uploaded)."""
@@ -184,7 +181,7 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
     _check_complete(model, loaded)
 
 
-def _load_gguf(model: LlamaForCausalLM, gguf: GGUFModel) -> None:
+def _load_gguf(model: torch.nn.Module, gguf: GGUFModel) -> None:
     """Each tensor of the file into its parameter: blocks of a layer's own format as they are
     (Q4_K regrouped into Q4_1), anything else dequantized and handed to the layer's method."""
     names = _loadable_names(model)
@@ -212,7 +209,7 @@ def _load_gguf(model: LlamaForCausalLM, gguf: GGUFModel) -> None:
         logger.info("%s: %s", gguf.path.name, line)
 
 
-def _loadable_names(model: LlamaForCausalLM) -> set[str]:
+def _loadable_names(model: torch.nn.Module) -> set[str]:
     """Every name a checkpoint tensor can land on: the parameters, and each linear layer's
     weight whatever form its method keeps it in."""
     names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
@@ -270,7 +267,7 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     dst.copy_(src)
 
 
-def _check_complete(model: LlamaForCausalLM, loaded: set[str]) -> None:
+def _check_complete(model: torch.nn.Module, loaded: set[str]) -> None:
     missing = []
     modules = dict(model.named_modules())
     for name in sorted(_loadable_names(model)):
