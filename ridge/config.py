@@ -37,9 +37,70 @@ def canonical_dtype(name: str) -> str:
     return name
 
 
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts feed-forward: ``top_k`` of ``num_experts`` per token.
+
+    norm_topk_prob: renormalize the top-k router probabilities to sum to 1 (Mixtral always).
+    shared_intermediate_size: a shared expert run for every token, scaled by a sigmoid gate
+        (Qwen2-MoE); 0 for none.
+    sparse_layers: the layers whose feed-forward is the MoE (the others are dense MLPs).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    shared_intermediate_size: int
+    sparse_layers: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"model config: need 1 <= num_experts_per_tok ({self.top_k}) <= experts ({self.num_experts})"
+            )
+        if self.intermediate_size < 1:
+            raise ValueError(f"model config: expert intermediate size must be >= 1, got {self.intermediate_size}")
+
+
+def _read_moe(arch: str, hf: dict[str, Any], layers: int) -> MoEConfig | None:
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    try:
+        if arch == "MixtralForCausalLM":
+            return MoEConfig(
+                int(hf["num_local_experts"]),
+                int(hf["num_experts_per_tok"]),
+                int(hf["intermediate_size"]),
+                True,
+                0,
+                tuple(range(layers)),
+            )
+        # Qwen's published configs say num_experts; transformers 5 writes num_local_experts
+        experts = int(hf["num_experts"] if hf.get("num_experts") is not None else hf["num_local_experts"])
+        step = int(hf.get("decoder_sparse_step") or 1)
+        dense = {int(i) for i in hf.get("mlp_only_layers") or []}
+        sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+        shared = int(hf.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+        return MoEConfig(
+            experts,
+            int(hf["num_experts_per_tok"]),
+            int(hf["moe_intermediate_size"]),
+            bool(hf.get("norm_topk_prob", False)),
+            shared,
+            sparse,
+        )
+    except KeyError as exc:
+        raise ValueError(f"model config is missing {exc.args[0]!r} (needed by {arch})") from None
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Llama-family model, read from a Hugging Face config dict."""
+    """The shape of a Llama-family model (dense or mixture-of-experts), read from a Hugging
+    Face config dict."""
 
     architecture: str
     hidden_size: int
@@ -61,6 +122,8 @@ class ModelConfig:
     dtype: str  # the checkpoint's dtype (the default for --dtype)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None  # the feed-forward of sparse layers (Mixtral, Qwen2-MoE, Qwen3-MoE)
+    ffn_name: str = "mlp"  # the checkpoint's name of a layer's feed-forward (Mixtral: block_sparse_moe)
 
     def __post_init__(self) -> None:
         for name in (
@@ -138,22 +201,23 @@ class ModelConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
-            o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
+            qkv_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or attention_bias,
+            o_bias=arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             dtype=canonical_dtype(str(dtype)) if str(dtype) in DTYPES or str(dtype) in DTYPE_ALIASES else "float32",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            moe=_read_moe(arch, hf, layers),
+            ffn_name="block_sparse_moe" if arch == "MixtralForCausalLM" else "mlp",
         )
 
 
 def _check_sliding_window(arch: str, hf: dict, context_limit: int) -> None:
     """A window at least as wide as the context limit is full attention; a narrower one ridge does not run."""
     window = hf.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and not hf.get("use_sliding_window", False):
-        window = None
-    if arch == "Qwen3ForCausalLM" and not hf.get("use_sliding_window", False):
+    qwen = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+    if arch in qwen and not hf.get("use_sliding_window", False):
         window = None
     if window is not None and int(window) < context_limit:
         raise ValueError(

@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, TinyLlama, Mistral, Qwen2, Qwen3) as one module.
+"""The Llama family (Llama 2/3, TinyLlama, Mistral, Qwen2, Qwen3; and with a mixture-of-experts
+feed-forward, ``models/moe.py``: Mixtral, Qwen2-MoE, Qwen3-MoE) as one module.
 
 The differences are flags on ``ModelConfig``: q/k/v bias (Qwen2), q/k RMSNorm (Qwen3),
 tied embeddings, GQA, RoPE scaling. Parameter names follow Hugging Face checkpoints except
@@ -19,6 +20,7 @@ from ridge.layers.kernels import TorchKernels
 from ridge.layers.linear import Linear, PackedLinear
 from ridge.layers.norm import RMSNorm
 from ridge.layers.rotary import RotaryEmbedding
+from ridge.models.moe import SparseMoE
 from ridge.quantization.config import QuantizationConfig
 
 # checkpoint module name -> (packed module name, shard index)
@@ -29,6 +31,8 @@ PACKED_MODULES: dict[str, tuple[str, int]] = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# Mixtral's experts name their gate and up projections w1 and w3 (and the down one w2)
+MIXTRAL_PACKED_MODULES = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1)}
 
 
 @dataclass
@@ -105,7 +109,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, quant, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, quant, f"{prefix}.mlp")
+        # the feed-forward under the checkpoint's name: a dense MLP, or the MoE of a sparse layer
+        self.ffn_name = cfg.ffn_name
+        layer = int(prefix.rsplit(".", 1)[1])
+        if cfg.moe is not None and layer in cfg.moe.sparse_layers:
+            ffn = SparseMoE(cfg, quant, f"{prefix}.{cfg.ffn_name}")
+        else:
+            ffn = LlamaMLP(cfg, quant, f"{prefix}.{cfg.ffn_name}")
+        setattr(self, cfg.ffn_name, ffn)
 
     def forward(self, h, kv_cache, meta, step: StepInputs) -> None:
         """h: the residual stream (T, hidden), updated in place."""
@@ -113,7 +124,7 @@ class LlamaDecoderLayer(nn.Module):
         norm, post_norm = self.input_layernorm, self.post_attention_layernorm
         attn = self.self_attn.forward(ops.rms_norm(h, norm.weight, norm.eps), kv_cache, meta, step)
         x = ops.add_rms_norm(attn, h, post_norm.weight, post_norm.eps)
-        h.add_(self.mlp.forward(x, ops))
+        h.add_(getattr(self, self.ffn_name).forward(x, ops))
 
 
 class LlamaModel(nn.Module):
@@ -136,6 +147,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.quant_config = quant
         self.max_positions = max_positions
+        if cfg.architecture == "MixtralForCausalLM":
+            self.packed_modules = {**PACKED_MODULES, **MIXTRAL_PACKED_MODULES}
         self.model = LlamaModel(cfg, max_positions, quant)
         tied = cfg.tie_word_embeddings
         self.lm_head = Linear(

@@ -19,6 +19,10 @@ _REGISTRY: dict[str, str] = {
     "MistralForCausalLM": "ridge.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "ridge.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "ridge.models.llama:LlamaForCausalLM",
+    # mixture-of-experts feed-forwards (ridge/models/moe.py) in the same decoder
+    "MixtralForCausalLM": "ridge.models.llama:LlamaForCausalLM",
+    "Qwen2MoeForCausalLM": "ridge.models.llama:LlamaForCausalLM",
+    "Qwen3MoeForCausalLM": "ridge.models.llama:LlamaForCausalLM",
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_REGISTRY)

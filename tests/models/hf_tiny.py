@@ -43,6 +43,37 @@ VARIANTS = {
         transformers.Qwen3ForCausalLM,
         dict(head_dim=16, tie_word_embeddings=False),
     ),
+    # mixture-of-experts: softmax routers, top-k renormalized or not, a shared expert, dense layers mixed in
+    "mixtral-moe": (
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, tie_word_embeddings=False),
+    ),
+    "qwen2-moe-shared": (
+        transformers.Qwen2MoeConfig,
+        transformers.Qwen2MoeForCausalLM,
+        dict(
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen3-moe-dense-mixed": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(
+            num_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+            head_dim=16,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 

@@ -18,5 +18,5 @@ def test_every_architecture_resolves_to_a_class_with_the_interface():
 
 
 def test_an_unknown_architecture_names_the_supported_ones():
-    with pytest.raises(ValueError, match="unsupported architecture 'MixtralForCausalLM'.*LlamaForCausalLM"):
-        registry.model_class("MixtralForCausalLM")
+    with pytest.raises(ValueError, match="unsupported architecture 'DeepseekV3ForCausalLM'.*LlamaForCausalLM"):
+        registry.model_class("DeepseekV3ForCausalLM")
