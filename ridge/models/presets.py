@@ -5,8 +5,9 @@ everything that reads configs: the engine's ``random:<preset>`` models (built in
 with random weights), ``ridge analyze`` (roofline of any config) and the benchmarks.
 A real model directory's ``config.json`` goes through the same parsers.
 
-Only Llama-family presets (Llama, Mistral, Qwen2, Qwen3) can be built by the engine;
-the others (MoE, MLA) are here for the analyzer.
+The engine builds the Llama-family presets (Llama, Mistral, Qwen2, Qwen3) and the MoE ones
+(Mixtral, Qwen2-MoE, Qwen3-MoE: ``tiny-*-moe`` for tests, ``qwen3-moe-4b`` for benchmarks);
+the MLA ones (DeepSeek) are here for the analyzer.
 """
 
 from __future__ import annotations
@@ -388,6 +389,58 @@ PRESETS: dict[str, dict] = {
         "vocab_size": 129280,
     },
 }
+
+
+def _tiny_moe(architecture: str, model_type: str, **moe) -> dict:
+    """A tiny random MoE of one family for tests and demos (byte-tokenizer vocabulary)."""
+    return {
+        **PRESETS["tiny"],
+        "architectures": [architecture],
+        "model_type": model_type,
+        "num_experts_per_tok": 2,
+        **moe,
+    }
+
+
+PRESETS.update(
+    {
+        "tiny-mixtral": _tiny_moe("MixtralForCausalLM", "mixtral", num_local_experts=4, intermediate_size=64),
+        "tiny-qwen2-moe": _tiny_moe(
+            "Qwen2MoeForCausalLM",
+            "qwen2_moe",
+            num_experts=8,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            norm_topk_prob=False,
+            qkv_bias=True,
+        ),
+        "tiny-qwen3-moe": _tiny_moe(
+            "Qwen3MoeForCausalLM",
+            "qwen3_moe",
+            num_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+        ),
+        # Qwen3-MoE's shape at a size 2 CPU cores decode in tens of milliseconds: ~4.0B
+        # parameters, ~0.75B active per token (attention, 4 of 32 experts, lm_head)
+        "qwen3-moe-4b": {
+            **copy.deepcopy(PRESETS["qwen3-30b-a3b"]),
+            "num_hidden_layers": 24,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "num_experts": 32,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 768,
+            "vocab_size": 32000,
+            "max_position_embeddings": 8192,
+            "max_window_layers": 24,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+    }
+)
 
 
 def get_preset(name: str) -> dict:

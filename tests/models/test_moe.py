@@ -94,3 +94,16 @@ def test_quantized_experts_match_their_dequantized_reference(fmt):
         out = moe(x, kernels).float()
     # int8 activations (per 32) and bf16 rounding on the kernel side
     assert ((out - reference).norm() / reference.norm()).item() < 0.02
+
+
+@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"])
+def test_random_moe_presets_run_and_the_analyzer_reads_them(preset):
+    from ridge import LLM, SamplingParams
+    from ridge.models.presets import get_preset
+    from ridge.roofline.shapes import ModelShape
+
+    llm = LLM(f"random:{preset}", device="cpu", num_kv_blocks=64)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6
+    shape = ModelShape.from_hf_config(get_preset(preset))
+    assert shape.moe is not None and shape.moe.num_experts == llm.engine.model_config.moe.num_experts
