@@ -37,6 +37,7 @@ class StepRecord:
     # the draft model's passes that proposed for the next step: per pass, (query tokens,
     # context after them) per sequence
     draft_passes: tuple[tuple[tuple[int, int], ...], ...] = ()
+    experts_touched: float | None = None  # an MoE model: distinct experts read per MoE layer (mean)
     cost: StepCost | None = None  # priced on first read
 
     @property
@@ -177,10 +178,17 @@ class Telemetry:
     _ceiling: Ceiling | None = None
     draft: ModelPricing | None = None  # a speculative draft model whose passes count in its steps
 
-    def record(self, prefill_chunks, decode_contexts, wall_s: float, verify_chunks=(), draft_passes=()) -> None:
+    def record(
+        self, prefill_chunks, decode_contexts, wall_s: float, verify_chunks=(), draft_passes=(), experts_touched=None
+    ) -> None:
         """Hot path: keep the shape and the time; pricing happens on read."""
         rec = StepRecord(
-            tuple(prefill_chunks), tuple(decode_contexts), wall_s, tuple(verify_chunks), tuple(draft_passes)
+            tuple(prefill_chunks),
+            tuple(decode_contexts),
+            wall_s,
+            tuple(verify_chunks),
+            tuple(draft_passes),
+            experts_touched,
         )
         self.recent.append(rec)
         self._pending.append(rec)
@@ -196,6 +204,7 @@ class Telemetry:
                 self.kv_bytes,
                 self.act_bytes,
                 logit_rows=rows,
+                experts_touched=rec.experts_touched,
             )
             if rec.draft_passes and self.draft is not None:  # the draft's reads and FLOPs too
                 d = self.draft

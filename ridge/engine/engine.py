@@ -382,6 +382,7 @@ class LLMEngine:
             time.perf_counter() - start,
             shapes[ChunkKind.VERIFY],
             take_passes() if take_passes else (),
+            self.model.experts_touched(),
         )
         return outputs
 

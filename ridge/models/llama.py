@@ -147,6 +147,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.quant_config = quant
         self.max_positions = max_positions
+        self._moe_layers: list | None = None  # found on first use (experts_touched)
         if cfg.architecture == "MixtralForCausalLM":
             self.packed_modules = {**PACKED_MODULES, **MIXTRAL_PACKED_MODULES}
         self.model = LlamaModel(cfg, max_positions, quant)
@@ -191,6 +192,13 @@ class LlamaForCausalLM(nn.Module):
         """hidden: (R, hidden_size) rows that sample -> (R, vocab) logits."""
         norm = self.model.norm
         return self.kernels.matmul(self.kernels.rms_norm(hidden, norm.weight, norm.eps), self.lm_head)
+
+    def experts_touched(self) -> float | None:
+        """Distinct experts the last forward read per MoE layer (mean); None for a dense model."""
+        if self._moe_layers is None:
+            self._moe_layers = [m for m in self.modules() if isinstance(m, SparseMoE)]
+        moes = self._moe_layers
+        return sum(m.experts_touched for m in moes) / len(moes) if moes else None
 
     def linear_layers(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]

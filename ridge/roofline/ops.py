@@ -450,6 +450,7 @@ def step_cost(
     *,
     conventions: CostConventions = CostConventions(),
     logit_rows: int | None = None,
+    experts_touched: float | None = None,
 ) -> StepCost:
     """FLOPs and bytes of one forward step, per GPU, operator by operator.
 
@@ -457,7 +458,9 @@ def step_cost(
     decode_context_lens: context length (including the new token) of each decoding sequence.
     The step's tokens are flattened for the linear layers (each weight read once per step);
     attention is priced per sequence. ``logit_rows`` defaults to one row per sequence (the
-    position that is sampled); pass more for speculative verification.
+    position that is sampled); pass more for speculative verification. ``experts_touched``:
+    the distinct experts an MoE layer read in this step (mean over layers, as the engine
+    measured it); default, the analyzer's expectation under uniform routing.
     Raises ValueError for an empty step or an inconsistent chunk.
     """
     sequences: Counter = Counter(tuple(chunk) for chunk in prefill_chunks)
@@ -471,6 +474,7 @@ def step_cost(
         act_bytes,
         conventions=conventions,
         logit_rows=logit_rows,
+        experts_touched=experts_touched,
     )
 
 
@@ -483,6 +487,7 @@ def step_cost_from_counts(
     *,
     conventions: CostConventions = CostConventions(),
     logit_rows: int | None = None,
+    experts_touched: float | None = None,
 ) -> StepCost:
     """``step_cost`` with the step given as {(num_query_tokens, context_len): how many sequences}
     (a decode is num_query_tokens 1): O(distinct shapes), for sweeps over huge batches."""
@@ -504,6 +509,7 @@ def step_cost_from_counts(
         if value <= 0:
             raise ValueError(f"{label} must be positive, got {value}")
     builder = _StepBuilder(model, conventions, weight_bytes_per_param, kv_bytes_per_elem, act_bytes)
+    builder.experts_touched = experts_touched
     tokens = sum(q * n for (q, _), n in shapes.items())
     count = sum(shapes.values())
     rows = count if logit_rows is None else logit_rows
@@ -522,6 +528,7 @@ class _StepBuilder:
         self.wb, self.kvb, self.ab = wb, kvb, ab
         self.vb = vector_bytes_per_param(wb)
         self.causal = conventions.attention == "causal"
+        self.experts_touched: float | None = None  # measured per MoE layer (else expected)
 
     # -- primitives --
     def linear(
@@ -813,7 +820,8 @@ class _StepBuilder:
         model, moe, Lm = self.model, self.model.moe, self.model.moe_layers
         d = model.hidden_size
         routed = T * moe.experts_per_token
-        touched = moe.expected_experts_touched(T)
+        touched = moe.expected_experts_touched(T) if self.experts_touched is None else self.experts_touched
+        touched = min(max(touched, 1.0), float(moe.num_experts))
         ops = [self.linear("router", T, d, moe.num_experts, Lm, bias=moe.router_bias)]
         ops += self.gated_mlp(
             "experts_",

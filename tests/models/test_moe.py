@@ -107,3 +107,20 @@ def test_random_moe_presets_run_and_the_analyzer_reads_them(preset):
     assert len(out[0].outputs[0].token_ids) == 6
     shape = ModelShape.from_hf_config(get_preset(preset))
     assert shape.moe is not None and shape.moe.num_experts == llm.engine.model_config.moe.num_experts
+
+
+def test_telemetry_prices_the_experts_a_step_touched():
+    from ridge import LLM, SamplingParams
+
+    llm = LLM("random:tiny-qwen3-moe", device="cpu", num_kv_blocks=64)  # 16 experts, top 4
+    telemetry = llm.engine.telemetry
+    telemetry.reset()
+    llm.generate(
+        [[5, 6, 7, 8, 9, 10, 11, 12]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
+    prefill, *decodes = list(telemetry.recent)
+    assert all(r.experts_touched == 4 for r in decodes)  # one token: exactly its 4 experts
+    assert 4 <= prefill.experts_touched <= 16
+    cost = telemetry.price(decodes[0])
+    experts = [op for op in cost.ops if op.name.startswith("experts_")]
+    assert experts and all(op.count == 4 for op in experts)
