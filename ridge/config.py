@@ -66,9 +66,31 @@ class MoEConfig:
             raise ValueError(f"model config: expert intermediate size must be >= 1, got {self.intermediate_size}")
 
 
+# Routing features of other MoE families (DeepSeek's grouped top-k, sigmoid scores, scaled
+# weights, ...): a config of a supported architecture that sets one is refused, not misread.
+# key -> the value that means "not used"
+UNSUPPORTED_MOE_KEYS: dict[str, Any] = {
+    "n_group": None,
+    "topk_group": None,
+    "topk_method": None,
+    "scoring_func": "softmax",
+    "routed_scaling_factor": 1.0,
+    "n_shared_experts": None,
+    "first_k_dense_replace": None,
+    "e_score_correction_bias": None,
+}
+
+
 def _read_moe(arch: str, hf: dict[str, Any], layers: int) -> MoEConfig | None:
     if arch not in MOE_ARCHITECTURES:
         return None
+    unsupported = sorted(k for k, unused in UNSUPPORTED_MOE_KEYS.items() if hf.get(k, unused) not in (unused, None))
+    if unsupported:
+        raise ValueError(
+            f"{arch} config sets MoE field(s) ridge does not support: "
+            + ", ".join(f"{k}={hf[k]!r}" for k in unsupported)
+            + " (ridge runs softmax top-k routing, renormalized or not, with an optional shared expert)"
+        )
     try:
         if arch == "MixtralForCausalLM":
             return MoEConfig(

@@ -124,3 +124,15 @@ def test_telemetry_prices_the_experts_a_step_touched():
     cost = telemetry.price(decodes[0])
     experts = [op for op in cost.ops if op.name.startswith("experts_")]
     assert experts and all(op.count == 4 for op in experts)
+
+
+def test_a_moe_config_with_unsupported_routing_names_the_fields():
+    from ridge.models.presets import get_preset
+
+    hf = get_preset("tiny-qwen3-moe")
+    hf.update(n_group=4, topk_group=2, scoring_func="sigmoid")
+    with pytest.raises(ValueError, match="does not support: n_group=4, scoring_func='sigmoid', topk_group=2"):
+        ModelConfig.from_hf_config(hf)
+    hf = get_preset("tiny-qwen3-moe")
+    hf.update(scoring_func="softmax", routed_scaling_factor=1.0)  # the defaults: accepted
+    assert ModelConfig.from_hf_config(hf).moe.num_experts == 16
