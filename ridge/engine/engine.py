@@ -375,13 +375,12 @@ class LLMEngine:
         shapes: dict[ChunkKind, list] = {kind: [] for kind in ChunkKind}
         for c in plan.chunks:
             shapes[c.kind].append(c.end if c.kind is ChunkKind.DECODE else (c.num_new_tokens, c.end))
-        take_passes = getattr(self.speculator and self.speculator.proposer, "take_passes", None)
         self.telemetry.record(
             shapes[ChunkKind.PREFILL],
             shapes[ChunkKind.DECODE],
             time.perf_counter() - start,
             shapes[ChunkKind.VERIFY],
-            take_passes() if take_passes else (),
+            self.speculator.proposer.take_passes() if self.speculator is not None else (),
             self.model.experts_touched(),
         )
         return outputs

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
-from typing import Any
 
 METHODS = ("ngram", "draft_model")
 
@@ -77,6 +76,3 @@ class SpeculativeConfig:
             if required not in value:
                 raise ValueError(f"speculative config needs {required!r}")
         return cls(**value)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -44,11 +44,17 @@ class NgramIndex:
 
 
 class NgramProposer:
-    """One ``NgramIndex`` per running sequence, dropped when the sequence finishes."""
+    """One ``NgramIndex`` per running sequence, dropped when the sequence finishes. Runs no
+    model: no pass time (``pass_s``) and no passes for the telemetry (``take_passes``)."""
+
+    pass_s = None
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.lo, self.hi = prompt_lookup_min, prompt_lookup_max
         self._indexes: dict[str, NgramIndex] = {}
+
+    def take_passes(self) -> list:
+        return []
 
     def propose(self, requests, k: int) -> dict[str, tuple[list[int], None]]:
         """Request id -> (up to k proposed tokens, None: no distribution); absent: nothing found."""

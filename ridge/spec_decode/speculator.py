@@ -5,8 +5,9 @@ next step is a decode gets ``spec_token_ids`` (and, from a draft model, their di
 ``spec_token_probs``), which the scheduler turns into a VERIFY chunk of 1 + k rows; ``record``
 takes each verify run's outcome.
 
-A proposer offers ``propose(requests, k) -> {request id: (tokens, probs or None)}`` and
-``forget_except(live requests by id)``.
+A proposer offers ``propose(requests, k) -> {request id: (tokens, probs or None)}``,
+``forget_except(live requests by id)``, ``pass_s`` (seconds of its last one-token pass, or
+None) and ``take_passes()`` (the model passes it ran since, for the telemetry).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class Speculator:
             req.spec_token_probs = probs[:limit] if probs is not None else None
         elapsed = time.perf_counter() - start
         self.propose_s += elapsed
-        pass_s = getattr(self.proposer, "pass_s", None)
+        pass_s = self.proposer.pass_s
         if self.policy is not None and self._step_s and pass_s is not None:
             # The draft's measured cost per proposed token (a one-token pass, not the catch-up
             # pass that prefills new prompts), relative to a target step: where steps are bound
