@@ -38,6 +38,9 @@ def canonical_dtype(name: str) -> str:
 
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# how a router picks its top_k experts (vLLM / DeepSeek names)
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
 @dataclass(frozen=True)
@@ -45,9 +48,16 @@ class MoEConfig:
     """A mixture-of-experts feed-forward: ``top_k`` of ``num_experts`` per token.
 
     norm_topk_prob: renormalize the top-k router probabilities to sum to 1 (Mixtral always).
-    shared_intermediate_size: a shared expert run for every token, scaled by a sigmoid gate
-        (Qwen2-MoE); 0 for none.
+    shared_intermediate_size: always-on shared expert(s) run for every token; 0 for none.
+        Qwen2-MoE scales its one shared expert by a sigmoid gate (``shared_expert_gate``);
+        DeepSeek adds its ``n_shared_experts`` (one MLP of their summed width) ungated.
     sparse_layers: the layers whose feed-forward is the MoE (the others are dense MLPs).
+    scoring: ``softmax`` (Mixtral, Qwen, DeepSeek-V2) or ``sigmoid`` (DeepSeek-V3) router scores.
+    topk_method: ``greedy`` top-k; ``group_limited_greedy`` (V2: experts in ``n_group``
+        groups, only the ``topk_group`` groups with the best single score compete);
+        ``noaux_tc`` (V3: scores plus ``e_score_correction_bias`` choose, groups ranked by
+        their two best, weights are the uncorrected scores).
+    routed_scaling_factor: multiplies the routed experts' weights (DeepSeek).
     """
 
     num_experts: int
@@ -56,6 +66,13 @@ class MoEConfig:
     norm_topk_prob: bool
     shared_intermediate_size: int
     sparse_layers: tuple[int, ...]
+    scoring: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gate: bool = False  # Qwen2-MoE's sigmoid gate on the shared expert
+    shared_name: str = "shared_expert"  # the checkpoint's name (DeepSeek: shared_experts)
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -64,6 +81,62 @@ class MoEConfig:
             )
         if self.intermediate_size < 1:
             raise ValueError(f"model config: expert intermediate size must be >= 1, got {self.intermediate_size}")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"model config: scoring_func must be softmax or sigmoid, got {self.scoring!r}")
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(
+                f"model config: topk_method must be one of {', '.join(TOPK_METHODS)}, got {self.topk_method!r}"
+            )
+        if self.topk_method != "greedy":
+            if self.n_group < 1 or self.num_experts % self.n_group:
+                raise ValueError(f"model config: n_group ({self.n_group}) must divide the {self.num_experts} experts")
+            if not 1 <= self.topk_group <= self.n_group:
+                raise ValueError(f"model config: need 1 <= topk_group ({self.topk_group}) <= n_group ({self.n_group})")
+            per_group = self.num_experts // self.n_group
+            if self.topk_group * per_group < self.top_k:
+                raise ValueError(
+                    f"model config: topk_group ({self.topk_group}) groups of {per_group} experts hold fewer "
+                    f"than num_experts_per_tok ({self.top_k})"
+                )
+            if self.topk_method == "noaux_tc" and per_group < 2:
+                raise ValueError("model config: noaux_tc ranks groups by their two best experts; need >= 2 per group")
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek's multi-head latent attention.
+
+    Per token and layer the cache holds the compressed latent (``kv_lora_rank``) and the
+    rotary key shared by all heads (``qk_rope_head_dim``); ``kv_b_proj`` expands the latent
+    into each head's no-RoPE key (``qk_nope_head_dim``) and value (``v_head_dim``).
+    ``q_lora_rank`` None: q comes from a direct projection. ``rope_interleave``: the rotary
+    dims are stored as interleaved pairs (DeepSeek's layout; V2 always).
+    """
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None
+    rope_interleave: bool
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"model config: qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"model config: q_lora_rank must be >= 1 or null, got {self.q_lora_rank}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_dim(self) -> int:
+        """Cached values per token and layer: latent + rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 # Routing features of other MoE families (DeepSeek's grouped top-k, sigmoid scores, scaled
@@ -81,7 +154,67 @@ UNSUPPORTED_MOE_KEYS: dict[str, Any] = {
 }
 
 
+def _read_deepseek_moe(arch: str, hf: dict[str, Any], layers: int) -> MoEConfig | None:
+    experts = int(hf.get("n_routed_experts") or 0)
+    if experts == 0:
+        return None
+    if int(hf.get("moe_layer_freq") or 1) != 1:
+        raise ValueError(f"{arch} config sets moe_layer_freq={hf['moe_layer_freq']!r}; ridge runs 1 (every layer)")
+    v3 = arch == "DeepseekV3ForCausalLM"
+    if v3:
+        # transformers (and DeepSeek's release) run V3's router one way: sigmoid scores and the
+        # bias-corrected grouped choice, whatever topk_method / scoring_func say
+        scoring, method = "sigmoid", "noaux_tc"
+        odd = {k: hf[k] for k in ("scoring_func", "topk_method") if hf.get(k) not in (None, "sigmoid", "noaux_tc")}
+        if odd:
+            raise ValueError(f"{arch} config sets {odd}; DeepSeek-V3 routes with sigmoid scores and noaux_tc")
+    else:
+        scoring, method = "softmax", str(hf.get("topk_method") or "greedy")
+        if method == "noaux_tc":
+            raise ValueError(f"{arch} config sets topk_method='noaux_tc' (DeepSeek-V3's router) on a V2 model")
+        if hf.get("norm_topk_prob"):
+            raise ValueError(f"{arch} config sets norm_topk_prob=true; DeepSeek-V2 does not renormalize its weights")
+    inter = int(hf["moe_intermediate_size"])
+    first_dense = int(hf.get("first_k_dense_replace") or 0)
+    return MoEConfig(
+        experts,
+        int(hf["num_experts_per_tok"]),
+        inter,
+        bool(hf.get("norm_topk_prob", False)) if v3 else False,
+        int(hf.get("n_shared_experts") or 0) * inter,
+        tuple(range(first_dense, layers)),
+        scoring=scoring,
+        topk_method=method,
+        n_group=int(hf.get("n_group") or 1),
+        topk_group=int(hf.get("topk_group") or 1),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+        shared_name="shared_experts",
+    )
+
+
+def _read_mla(arch: str, hf: dict[str, Any]) -> MLAConfig:
+    if hf.get("attention_bias"):
+        raise ValueError(f"{arch} config sets attention_bias=true; ridge runs MLA without projection biases")
+    try:
+        return MLAConfig(
+            int(hf["kv_lora_rank"]),
+            int(hf["qk_nope_head_dim"]),
+            int(hf["qk_rope_head_dim"]),
+            int(hf["v_head_dim"]),
+            int(hf["q_lora_rank"]) if hf.get("q_lora_rank") else None,
+            # V2 rotates interleaved pairs (complex multiply); V3 says which with rope_interleave
+            arch == "DeepseekV2ForCausalLM" or bool(hf.get("rope_interleave", True)),
+        )
+    except KeyError as exc:
+        raise ValueError(f"model config is missing {exc.args[0]!r} (needed by {arch}'s latent attention)") from None
+
+
 def _read_moe(arch: str, hf: dict[str, Any], layers: int) -> MoEConfig | None:
+    if arch in DEEPSEEK_ARCHITECTURES:
+        try:
+            return _read_deepseek_moe(arch, hf, layers)
+        except KeyError as exc:
+            raise ValueError(f"model config is missing {exc.args[0]!r} (needed by {arch})") from None
     if arch not in MOE_ARCHITECTURES:
         return None
     unsupported = sorted(k for k, unused in UNSUPPORTED_MOE_KEYS.items() if hf.get(k, unused) not in (unused, None))
@@ -114,6 +247,7 @@ def _read_moe(arch: str, hf: dict[str, Any], layers: int) -> MoEConfig | None:
             bool(hf.get("norm_topk_prob", False)),
             shared,
             sparse,
+            shared_expert_gate=shared > 0,
         )
     except KeyError as exc:
         raise ValueError(f"model config is missing {exc.args[0]!r} (needed by {arch})") from None
@@ -144,8 +278,9 @@ class ModelConfig:
     dtype: str  # the checkpoint's dtype (the default for --dtype)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    moe: MoEConfig | None = None  # the feed-forward of sparse layers (Mixtral, Qwen2-MoE, Qwen3-MoE)
+    moe: MoEConfig | None = None  # the feed-forward of sparse layers (Mixtral, Qwen-MoE, DeepSeek)
     ffn_name: str = "mlp"  # the checkpoint's name of a layer's feed-forward (Mixtral: block_sparse_moe)
+    mla: MLAConfig | None = None  # DeepSeek's latent attention (head_dim is then nope + rope)
 
     def __post_init__(self) -> None:
         for name in (
@@ -170,6 +305,11 @@ class ModelConfig:
         return self.num_heads * self.head_dim
 
     @property
+    def rotary_dim(self) -> int:
+        """The dims RoPE rotates per head (MLA: only the decoupled rope part)."""
+        return self.mla.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
@@ -189,6 +329,9 @@ class ModelConfig:
         except KeyError as exc:
             raise ValueError(f"model config is missing {exc.args[0]!r}") from None
         head_dim = hf.get("head_dim") or hidden // heads
+        mla = _read_mla(arch, hf) if arch in DEEPSEEK_ARCHITECTURES else None
+        if mla is not None:
+            head_dim = mla.qk_head_dim  # HF writes head_dim = qk_rope_head_dim (the rotary width)
         max_pos = int(hf.get("max_position_embeddings", 2048))
         if max_model_len is not None and max_model_len > max_pos:
             # Positions past the trained range give wrong outputs: refuse, don't clamp silently.
@@ -215,7 +358,8 @@ class ModelConfig:
             intermediate_size=inter,
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            # MLA has no KV heads of its own: every head reads the one latent
+            num_kv_heads=heads if mla else int(hf.get("num_key_value_heads") or heads),
             head_dim=int(head_dim),
             vocab_size=vocab,
             max_position_embeddings=max_pos,
@@ -232,6 +376,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             moe=_read_moe(arch, hf, layers),
             ffn_name="block_sparse_moe" if arch == "MixtralForCausalLM" else "mlp",
+            mla=mla,
         )
 
 

@@ -91,17 +91,10 @@ class LLMEngine:
         # prompt is refused at once instead of after seconds of tokenization.
         self.max_prompt_chars = self.max_model_len * self.tokenizer.max_token_chars * PROMPT_CHARS_MARGIN
 
-        cfg = self.model_config
+        self.kv_spec = self.model.kv_cache_spec()
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_caches = kv_cache.allocate(
-            cfg.num_layers,
-            self.num_kv_blocks,
-            config.block_size,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            self.dtype,
-            self.device,
-            config.kv_cache_dtype,
+            self.kv_spec, self.num_kv_blocks, config.block_size, self.dtype, self.device, config.kv_cache_dtype
         )
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.3g GiB, %s)",
@@ -131,10 +124,9 @@ class LLMEngine:
     # -- sizing -------------------------------------------------------------------------
     @property
     def kv_bytes_per_block(self) -> int:
-        """K and V of every layer for one block of tokens (an int8/fp8 cache: codes and scales)."""
-        cfg = self.model_config
-        per_head = kv_cache.bytes_per_token_head(self.config.kv_cache_dtype, cfg.head_dim, self.dtype)
-        return 2 * cfg.num_layers * self.config.block_size * cfg.num_kv_heads * per_head
+        """What every layer keeps for one block of tokens, as the model declares it (K and V, or
+        MLA's latent; an int8/fp8 cache: codes and scales)."""
+        return self.config.block_size * self.kv_spec.bytes_per_token(self.config.kv_cache_dtype, self.dtype)
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks:
@@ -154,7 +146,6 @@ class LLMEngine:
 
     def _make_telemetry(self) -> Telemetry:
         elem = self.dtype.itemsize
-        cfg = self.model_config
         # Weights priced by what the loaded layers hold (a quantized layer's blocks and scales,
         # a repacked layer's padding), not by the dtype: bytes per matrix parameter.
         weight_bytes = self.model.linear_weight_bytes() / max(1, self.model.linear_weight_params())
@@ -166,7 +157,7 @@ class LLMEngine:
             model=ModelShape.from_hf_config(self.hf_config),
             weight_bytes=weight_bytes,
             # per cached element: codes plus each token-head's scale
-            kv_bytes=kv_cache.bytes_per_token_head(self.config.kv_cache_dtype, cfg.head_dim, self.dtype) / cfg.head_dim,
+            kv_bytes=self.kv_spec.bytes_per_element(self.config.kv_cache_dtype, self.dtype),
             act_bytes=elem,
             compute_dtype=TORCH_TO_ROOFLINE_DTYPE[str(self.dtype)],
             hardware_fn=hardware_fn,

@@ -4,6 +4,10 @@
     k_scale     (num_blocks, block_size, Hkv)       fp16, one per token and KV head
     v_scale     (quantized caches only; None otherwise)
 
+What a token stores is the model's to say (``model.kv_cache_spec()``, a ``KVCacheSpec``):
+K and V per KV head for standard attention; for DeepSeek's latent attention one vector per
+token (latent + rotary key, ``Hkv`` = 1) that serves as both, so ``v`` is ``k`` itself.
+
 ``--kv-cache-dtype`` (vLLM's flag): ``auto`` keeps the model's dtype; ``int8`` stores
 round(x / s) with s = amax / 127 per token and head; ``fp8`` stores x / s as float8 e4m3
 (s = amax / 448). The scale is rounded to fp16 before the codes are computed, so
@@ -15,6 +19,7 @@ A block's bytes hold its tokens' scales too, so the block arithmetic, the prefix
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -36,6 +41,27 @@ class PagedKV(NamedTuple):
         return self.k_scale is not None
 
 
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one token keeps per layer: ``num_heads`` vectors of ``head_dim`` for K, and as
+    many again for V unless ``keys_only`` (MLA's latent: values are read from the same
+    vector). The block pool, ``--kv-cache-memory`` and the telemetry all size from it."""
+
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    keys_only: bool = False
+
+    def bytes_per_token(self, kind: str, dtype: torch.dtype) -> int:
+        """Bytes one token holds over all layers (an int8/fp8 cache: codes and scales)."""
+        tensors = 1 if self.keys_only else 2
+        return tensors * self.num_layers * self.num_heads * bytes_per_token_head(kind, self.head_dim, dtype)
+
+    def bytes_per_element(self, kind: str, dtype: torch.dtype) -> float:
+        """Bytes per cached value (codes plus each token-head's share of its scale)."""
+        return bytes_per_token_head(kind, self.head_dim, dtype) / self.head_dim
+
+
 def check_kv_cache_dtype(name: str) -> str:
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
@@ -50,11 +76,9 @@ def bytes_per_token_head(kind: str, head_dim: int, dtype: torch.dtype) -> int:
 
 
 def allocate(
-    num_layers: int,
+    spec: KVCacheSpec,
     num_blocks: int,
     block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
     dtype: torch.dtype,
     device: torch.device,
     kind: str = "auto",
@@ -66,23 +90,19 @@ def allocate(
     decode path zeroes the masked slots it gathers), so the pool costs nothing until used:
     the OS maps its pages as they are first written (zero-filling gigabytes took seconds).
     """
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    if kind == "auto":
-        return [
-            PagedKV(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)
-        ]
-    code_dtype = torch.int8 if kind == "int8" else torch.uint8  # fp8 codes kept as their bytes
-    return [
-        PagedKV(
-            torch.empty(shape, dtype=code_dtype, device=device),
-            torch.empty(shape, dtype=code_dtype, device=device),
-            torch.empty(shape[:-1], dtype=SCALE_DTYPE, device=device),
-            torch.empty(shape[:-1], dtype=SCALE_DTYPE, device=device),
-            kind,
-        )
-        for _ in range(num_layers)
-    ]
+    shape = (num_blocks, block_size, spec.num_heads, spec.head_dim)
+    code_dtype = dtype if kind == "auto" else torch.int8 if kind == "int8" else torch.uint8  # fp8 as bytes
+
+    def layer() -> PagedKV:
+        k = torch.empty(shape, dtype=code_dtype, device=device)
+        v = k if spec.keys_only else torch.empty(shape, dtype=code_dtype, device=device)
+        if kind == "auto":
+            return PagedKV(k, v)
+        k_scale = torch.empty(shape[:-1], dtype=SCALE_DTYPE, device=device)
+        v_scale = k_scale if spec.keys_only else torch.empty(shape[:-1], dtype=SCALE_DTYPE, device=device)
+        return PagedKV(k, v, k_scale, v_scale, kind)
+
+    return [layer() for _ in range(spec.num_layers)]
 
 
 def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,15 +55,22 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
+def write_slots(
+    pool: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor, slots: torch.Tensor, kind: str
+) -> None:
+    """x: (T, H, D) into ``pool`` (num_blocks, block_size, H, D) at flat slots (quantized
+    first, with their scales, for an int8/fp8 cache)."""
+    num_heads, head_dim = pool.shape[-2:]
+    if scales is not None:
+        x, scale = kv_cache.quantize(x, kind)
+        scales.view(-1, num_heads).index_copy_(0, slots, scale)
+    pool.view(-1, num_heads, head_dim).index_copy_(0, slots, x)
+
+
 def write_kv(cache: PagedKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """k/v: (T, Hkv, D) into the pool (num_blocks, block_size, Hkv, D) at flat slots
-    (quantized first, with their scales, for an int8/fp8 cache)."""
-    num_kv_heads, head_dim = cache.k.shape[-2:]
-    for pool, scales, x in ((cache.k, cache.k_scale, k), (cache.v, cache.v_scale, v)):
-        if scales is not None:
-            x, scale = kv_cache.quantize(x, cache.kind)
-            scales.view(-1, num_kv_heads).index_copy_(0, slots, scale)
-        pool.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, x)
+    """k/v: (T, Hkv, D) into their pools at flat slots."""
+    write_slots(cache.k, cache.k_scale, k, slots, cache.kind)
+    write_slots(cache.v, cache.v_scale, v, slots, cache.kind)
 
 
 def gather_context(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:

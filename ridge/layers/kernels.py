@@ -58,15 +58,18 @@ class TorchKernels:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def decode_attention(self, q, cache: PagedKV, meta: AttentionMetadata) -> torch.Tensor:
-        """q: (D, Hq, Dh), one query per sequence over its paged context -> (D, Hq, Dh)."""
+    def decode_attention(self, q, cache: PagedKV, meta: AttentionMetadata, scale: float | None = None) -> torch.Tensor:
+        """q: (D, Hq, Dh), one query per sequence over its paged context -> (D, Hq, Dh).
+
+        ``scale`` multiplies the scores (default Dh ** -0.5)."""
         num_seqs, num_heads, head_dim = q.shape
+        scale = head_dim**-0.5 if scale is None else scale
         keys, values = gather_values(cache, meta.decode_block_tables, q.dtype)  # (D, L, Hkv, Dh), dequantized
         num_kv_heads = keys.shape[2]
         # GQA without copying K/V: the G query heads of a group share one K/V head.
         #   q (D, Hkv, G, Dh) @ K^T (D, Hkv, Dh, L) -> scores (D, Hkv, G, L)
         qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * head_dim**-0.5
+        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * scale
         if meta.decode_mask is None:  # built by the first layer, shared by the rest of the step
             meta.decode_mask = decode_valid_mask(meta.decode_context_lens, keys.shape[1])
         scores.masked_fill_(~meta.decode_mask, float("-inf"))
@@ -142,15 +145,16 @@ class CpuKernels(TorchKernels):
             return super().silu_mul(gate_up)
         return self.ext.silu_mul_bf16(gate_up)
 
-    def decode_attention(self, q, cache, meta):
+    def decode_attention(self, q, cache, meta, scale=None):
         head_dim = q.shape[-1]
         k_cache, v_cache = cache.k, cache.v
         if q.dtype not in (torch.bfloat16, torch.float32):
-            return super().decode_attention(q, cache, meta)
-        tables, lens, scale = meta.decode_block_tables, meta.decode_context_lens, head_dim**-0.5
+            return super().decode_attention(q, cache, meta, scale)
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        scale = head_dim**-0.5 if scale is None else scale
         if cache.quantized:  # codes and scales read from the pool, dequantized in registers
             if head_dim % 16:
-                return super().decode_attention(q, cache, meta)
+                return super().decode_attention(q, cache, meta, scale)
             return self.ext.paged_decode_attention_quant(
                 q, k_cache, v_cache, cache.k_scale, cache.v_scale, tables, lens, scale, cache.kind == "fp8"
             )

@@ -14,13 +14,13 @@ import torch
 from torch import nn
 
 from ridge.config import ModelConfig
-from ridge.kv.cache import PagedKV
+from ridge.kv.cache import KVCacheSpec, PagedKV
 from ridge.layers.attention import AttentionMetadata, paged_attention
 from ridge.layers.kernels import TorchKernels
 from ridge.layers.linear import Linear, PackedLinear
 from ridge.layers.norm import RMSNorm
 from ridge.layers.rotary import RotaryEmbedding
-from ridge.models.moe import SparseMoE
+from ridge.models.moe import Router, SparseMoE
 from ridge.quantization.config import QuantizationConfig
 
 # checkpoint module name -> (packed module name, shard index)
@@ -104,10 +104,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, quant: QuantizationConfig, prefix: str) -> None:
+    """Pre-norm attention then a feed-forward; ``attention_cls`` is the model's attention
+    (``LlamaAttention``, or DeepSeek's latent attention)."""
+
+    def __init__(self, cfg: ModelConfig, quant: QuantizationConfig, prefix: str, attention_cls: type) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, quant, f"{prefix}.self_attn")
+        self.self_attn = attention_cls(cfg, quant, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # the feed-forward under the checkpoint's name: a dense MLP, or the MoE of a sparse layer
         self.ffn_name = cfg.ffn_name
@@ -128,11 +131,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, quant: QuantizationConfig) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, quant: QuantizationConfig, attention_cls: type) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, quant, f"model.layers.{i}") for i in range(cfg.num_layers))
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, quant, f"model.layers.{i}", attention_cls) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -140,6 +145,7 @@ class LlamaForCausalLM(nn.Module):
     """forward(): hidden states of the step's flat tokens; compute_logits(): only where we sample."""
 
     packed_modules = PACKED_MODULES
+    attention_cls = LlamaAttention
 
     def __init__(self, cfg: ModelConfig, max_positions: int, quant: QuantizationConfig | None = None) -> None:
         super().__init__()
@@ -150,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         self._moe_layers: list | None = None  # found on first use (experts_touched)
         if cfg.architecture == "MixtralForCausalLM":
             self.packed_modules = {**PACKED_MODULES, **MIXTRAL_PACKED_MODULES}
-        self.model = LlamaModel(cfg, max_positions, quant)
+        self.model = LlamaModel(cfg, max_positions, quant, self.attention_cls)
         tied = cfg.tie_word_embeddings
         self.lm_head = Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False, method=quant.method_for("lm_head", cfg.hidden_size, tied)
@@ -163,10 +169,13 @@ class LlamaForCausalLM(nn.Module):
         """After ``to_empty``: the RoPE tables again, and the tie (``to_empty`` makes new
         tensors, which unties them)."""
         cfg = self.config
-        self.model.rotary.__init__(cfg.head_dim, self.max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.model.rotary.__init__(cfg.rotary_dim, self.max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.model.rotary.to(device)
         if cfg.tie_word_embeddings:
             self.tie_lm_head()
+        for module in self.modules():
+            if isinstance(module, Router):
+                module.keep_float32()
 
     def tie_lm_head(self) -> None:
         """lm_head computes with the embedding's Parameter itself (never freed by repacking)."""
@@ -192,6 +201,11 @@ class LlamaForCausalLM(nn.Module):
         """hidden: (R, hidden_size) rows that sample -> (R, vocab) logits."""
         norm = self.model.norm
         return self.kernels.matmul(self.kernels.rms_norm(hidden, norm.weight, norm.eps), self.lm_head)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """What each token keeps per layer: K and V for every KV head."""
+        cfg = self.config
+        return KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
 
     def experts_touched(self) -> float | None:
         """Distinct experts the last forward read per MoE layer (mean); None for a dense model."""

@@ -166,6 +166,7 @@ def _load_safetensors(model: torch.nn.Module, model_dir: Path) -> None:
     names = _loadable_names(model)
     modules = dict(model.named_modules())
     loaded: set[str] = set()
+    extra_layers: set[str] = set()
     for file in _weight_files(model_dir):
         handle = SafetensorsFile(file)
         for name in handle.keys():
@@ -175,10 +176,20 @@ def _load_safetensors(model: torch.nn.Module, model_dir: Path) -> None:
             if target is None:
                 if name == "lm_head.weight" and model.config.tie_word_embeddings:
                     continue
+                if _beyond_last_layer(name, model.config.num_layers):
+                    extra_layers.add(name.split(".")[2])  # DeepSeek-V3's multi-token-prediction layer
+                    continue
                 raise ValueError(f"{file.name}: unexpected tensor {name!r} for {model.config.architecture}")
             load_tensor(model, modules, target, handle.get_tensor(name), name)
             loaded.add(target[0] if target[1] is None else f"{target[0]}#{target[1]}")
     _check_complete(model, loaded)
+    if extra_layers:
+        logger.info("skipped checkpoint layer(s) %s past num_hidden_layers (not used to decode)", sorted(extra_layers))
+
+
+def _beyond_last_layer(name: str, num_layers: int) -> bool:
+    parts = name.split(".")
+    return len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= num_layers
 
 
 def _load_gguf(model: torch.nn.Module, gguf: GGUFModel) -> None:

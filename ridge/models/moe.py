@@ -1,5 +1,5 @@
-"""Mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE): each token runs top_k of
-num_experts gated MLPs, weighted by its router probabilities.
+"""Mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3): each token
+runs top_k of num_experts gated MLPs, weighted by its router's scores.
 
 Grouped execution: the step's (token, expert) pairs are sorted by expert, and each expert
 that some token picked runs once over its rows; an expert no token picked is never read.
@@ -9,7 +9,7 @@ that some token picked runs once over its rows; an expert no token picked is nev
 
 Each expert is a packed gate/up projection and a down projection: linear layers like any
 other, so quantization and ridge's kernels apply to them unchanged. The router runs in
-float32.
+float32 (``Router``: softmax or sigmoid scores, greedy or group-limited top-k).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ridge.config import ModelConfig
+from ridge.config import ModelConfig, MoEConfig
 from ridge.layers.linear import Linear, PackedLinear
 from ridge.quantization.config import QuantizationConfig
 
@@ -40,34 +40,87 @@ class Expert(nn.Module):
         return ops.matmul(ops.silu_mul(ops.matmul(x, self.gate_up_proj)), getattr(self, self.down_name))
 
 
+class Router(nn.Module):
+    """Scores every expert for each token and picks ``top_k``, in float32, as Hugging Face does.
+
+    greedy: the top_k scores. group_limited_greedy (DeepSeek-V2): experts sit in n_group
+    groups; only the topk_group groups with the best single score compete. noaux_tc
+    (DeepSeek-V3): the choice ranks scores + e_score_correction_bias, groups by the sum of
+    their two best; the weights are the uncorrected scores.
+
+        scores (T, E) -> view (T, n_group, E / n_group) -> group score -> keep topk_group groups
+                      -> mask the other groups' experts -> top_k of what is left
+    """
+
+    def __init__(self, hidden: int, moe: MoEConfig) -> None:
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden), requires_grad=False)
+        if moe.topk_method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts), requires_grad=False)
+
+    def keep_float32(self) -> None:
+        """The correction bias stays float32 in any model dtype (a bf16 bias would change choices)."""
+        if self.moe.topk_method == "noaux_tc":
+            bias = self.e_score_correction_bias
+            self.e_score_correction_bias = nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, k) expert ids and their weights (in x's dtype)."""
+        moe = self.moe
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.softmax(dim=-1) if moe.scoring == "softmax" else logits.sigmoid()
+        if moe.topk_method == "greedy":
+            weights, ids = scores.topk(moe.top_k, dim=-1)
+        else:
+            noaux = moe.topk_method == "noaux_tc"
+            choice = scores + self.e_score_correction_bias.float() if noaux else scores
+            grouped = choice.view(x.shape[0], moe.n_group, -1)
+            group_score = grouped.topk(2, dim=-1).values.sum(-1) if noaux else grouped.amax(dim=-1)
+            best_groups = group_score.topk(moe.topk_group, dim=-1).indices
+            keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best_groups, True)
+            keep = keep.repeat_interleave(moe.num_experts // moe.n_group, dim=1)
+            ids = choice.masked_fill(~keep, float("-inf") if noaux else 0.0).topk(moe.top_k, dim=-1).indices
+            weights = scores.gather(1, ids)
+        if moe.norm_topk_prob:
+            # sigmoid scores can all be ~0; V3 guards the division as transformers does
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if moe.scoring == "sigmoid" else 0.0))
+        if moe.routed_scaling_factor != 1.0:
+            weights = weights * moe.routed_scaling_factor
+        return ids, weights.to(x.dtype)
+
+
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, quant: QuantizationConfig, prefix: str) -> None:
         super().__init__()
         moe = cfg.moe
-        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
+        self.top_k = moe.top_k
         # the router (and the shared expert's gate): plain parameters, never quantized or repacked
-        self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
+        self.gate = Router(cfg.hidden_size, moe)
         down = "w2" if cfg.architecture == "MixtralForCausalLM" else "down_proj"
         self.experts = nn.ModuleList(
             Expert(cfg.hidden_size, moe.intermediate_size, quant, f"{prefix}.experts.{e}", down)
             for e in range(moe.num_experts)
         )
-        self.shared_expert = None
-        if moe.shared_intermediate_size:
-            self.shared_expert = Expert(
-                cfg.hidden_size, moe.shared_intermediate_size, quant, f"{prefix}.shared_expert", "down_proj"
+        # always-on shared expert(s), under the checkpoint's name (Qwen2-MoE: shared_expert,
+        # sigmoid-gated; DeepSeek: shared_experts, their widths summed into one MLP)
+        self.shared_name = moe.shared_name if moe.shared_intermediate_size else None
+        if self.shared_name:
+            shared = Expert(
+                cfg.hidden_size, moe.shared_intermediate_size, quant, f"{prefix}.{moe.shared_name}", "down_proj"
             )
-            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+            setattr(self, self.shared_name, shared)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if moe.shared_expert_gate else None
         self.experts_touched = 0  # experts run in the last forward (what the step read)
+
+    @property
+    def shared_mlp(self) -> Expert | None:
+        """The shared expert(s), whatever the checkpoint calls them."""
+        return getattr(self, self.shared_name) if self.shared_name else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(T, k) expert ids and their weights (in x's dtype), as Hugging Face computes them."""
-        logits = F.linear(x.float(), self.gate.weight.float())
-        probs = logits.softmax(dim=-1)
-        weights, ids = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights.to(x.dtype)
+        return self.gate(x)
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         ids, weights = self.route(x)
@@ -86,7 +139,10 @@ class SparseMoE(nn.Module):
                 touched += 1
             start += count
         self.experts_touched = touched
-        if self.shared_expert is not None:
-            gate = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))
-            out += gate * self.shared_expert(x, ops)
+        shared = self.shared_mlp
+        if shared is not None:
+            y = shared(x, ops)
+            if self.shared_expert_gate is not None:
+                y = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * y
+            out += y
         return out

@@ -391,6 +391,28 @@ PRESETS: dict[str, dict] = {
 }
 
 
+_DEEPSEEK_YARN = {
+    "type": "yarn",
+    "factor": 4,
+    "original_max_position_embeddings": 512,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+
+def _tiny_mla(q_lora_rank: int | None) -> dict:
+    """Latent-attention ranks of the tiny DeepSeek presets."""
+    return {
+        "q_lora_rank": q_lora_rank,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 16,
+    }
+
+
 def _tiny_moe(architecture: str, model_type: str, **moe) -> dict:
     """A tiny random MoE of one family for tests and demos (byte-tokenizer vocabulary)."""
     return {
@@ -438,6 +460,66 @@ PRESETS.update(
             "max_window_layers": 24,
             "bos_token_id": 1,
             "eos_token_id": 2,
+        },
+        # DeepSeek-V2-Lite's layout, tiny: direct q projection, softmax group-limited routing
+        "tiny-deepseek-v2": _tiny_moe(
+            "DeepseekV2ForCausalLM",
+            "deepseek_v2",
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            **_tiny_mla(q_lora_rank=None),
+            n_routed_experts=8,
+            moe_intermediate_size=32,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+        ),
+        # DeepSeek-V3's layout, tiny: q low-rank, sigmoid + bias-corrected grouped routing, YaRN
+        "tiny-deepseek-v3": _tiny_moe(
+            "DeepseekV3ForCausalLM",
+            "deepseek_v3",
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            **_tiny_mla(q_lora_rank=32),
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            rope_scaling=_DEEPSEEK_YARN,
+        ),
+        # DeepSeek-V3's shape at a size this machine decodes in milliseconds (~0.63B
+        # parameters, ~0.27B active): MLA with q_lora_rank, grouped sigmoid routing, YaRN.
+        "deepseek-v3-small": {
+            **{k: v for k, v in copy.deepcopy(PRESETS["deepseek-v3"]).items() if k != "quantization_config"},
+            "hidden_size": 1024,
+            "intermediate_size": 2816,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "q_lora_rank": 384,
+            "kv_lora_rank": 256,
+            "qk_nope_head_dim": 64,
+            "qk_rope_head_dim": 32,
+            "v_head_dim": 64,
+            "n_routed_experts": 32,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 512,
+            "n_group": 4,
+            "topk_group": 2,
+            "first_k_dense_replace": 1,
+            "vocab_size": 32000,
+            "max_position_embeddings": 16384,
+            "num_nextn_predict_layers": 0,
+            "rope_scaling": {**_DEEPSEEK_YARN, "factor": 4, "original_max_position_embeddings": 4096},
         },
     }
 )

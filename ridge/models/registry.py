@@ -7,6 +7,7 @@ and the interface every class offers:
     model.materialize(device)             rebuild what meta-device construction left empty
     model(input_ids, positions, kv_caches, meta) -> hidden states
     model.compute_logits(hidden), model.set_kernels(kernels), model.linear_layers()
+    model.kv_cache_spec()                 what a token keeps in the KV cache per layer
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ _REGISTRY: dict[str, str] = {
     "MixtralForCausalLM": "ridge.models.llama:LlamaForCausalLM",
     "Qwen2MoeForCausalLM": "ridge.models.llama:LlamaForCausalLM",
     "Qwen3MoeForCausalLM": "ridge.models.llama:LlamaForCausalLM",
+    # latent attention + DeepSeek's MoE (ridge/models/deepseek.py)
+    "DeepseekV2ForCausalLM": "ridge.models.deepseek:DeepseekForCausalLM",
+    "DeepseekV3ForCausalLM": "ridge.models.deepseek:DeepseekForCausalLM",
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_REGISTRY)

@@ -107,19 +107,17 @@ class DraftProposer:
         loaded = load_model(hf_config, config, source, dtype, device, max_model_len, seed, quant)
         loaded.model.set_kernels(select_kernels(options.get("kernels", kernels), device, dtype))
         num_blocks = -(-num_tokens // block_size)
-        caches = kv_cache.allocate(
-            config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, device, kind
-        )
+        spec = loaded.model.kv_cache_spec()
+        caches = kv_cache.allocate(spec, num_blocks, block_size, dtype, device, kind)
         proposer = cls(loaded.model, caches, KVCacheManager(num_blocks, block_size), device, seed)
         from ridge.roofline.shapes import ModelShape
         from ridge.telemetry import ModelPricing
 
         params = max(1, loaded.model.linear_weight_params())
-        per_head = kv_cache.bytes_per_token_head(kind, config.head_dim, dtype)
         proposer.pricing = ModelPricing(
             ModelShape.from_hf_config(hf_config),
             proposer.weight_bytes / params,
-            per_head / config.head_dim,
+            spec.bytes_per_element(kind, dtype),
             dtype.itemsize,
         )
         return proposer

@@ -34,12 +34,17 @@ def per_token_reference(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     for t in range(x.shape[0]):
         for j in range(moe.top_k):
             out[t] += weights[t, j] * moe.experts[int(ids[t, j])](x[t : t + 1], ops)[0]
-    if moe.shared_expert is not None:
-        out += torch.sigmoid(x @ moe.shared_expert_gate.weight.T) * moe.shared_expert(x, ops)
+    if moe.shared_mlp is not None:
+        shared = moe.shared_mlp(x, ops)
+        if moe.shared_expert_gate is not None:
+            shared = torch.sigmoid(x @ moe.shared_expert_gate.weight.T) * shared
+        out += shared
     return out
 
 
-@pytest.mark.parametrize("variant", ["mixtral-moe", "qwen2-moe-shared", "qwen3-moe-dense-mixed"])
+@pytest.mark.parametrize(
+    "variant", ["mixtral-moe", "qwen2-moe-shared", "qwen3-moe-dense-mixed", "deepseek-v2-lite", "deepseek-v3-yarn"]
+)
 @pytest.mark.parametrize("tokens", [1, 5, 33])
 def test_grouped_execution_equals_a_per_token_loop(variant, tokens):
     moe, cfg = make_moe(variant)
@@ -96,7 +101,9 @@ def test_quantized_experts_match_their_dequantized_reference(fmt):
     assert ((out - reference).norm() / reference.norm()).item() < 0.02
 
 
-@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"])
+@pytest.mark.parametrize(
+    "preset", ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-deepseek-v2", "tiny-deepseek-v3"]
+)
 def test_random_moe_presets_run_and_the_analyzer_reads_them(preset):
     from ridge import LLM, SamplingParams
     from ridge.models.presets import get_preset
@@ -136,3 +143,77 @@ def test_a_moe_config_with_unsupported_routing_names_the_fields():
     hf = get_preset("tiny-qwen3-moe")
     hf.update(scoring_func="softmax", routed_scaling_factor=1.0)  # the defaults: accepted
     assert ModelConfig.from_hf_config(hf).moe.num_experts == 16
+
+
+ROUTER_CASES = {
+    # name: (HF config class name, router class, config overrides)
+    "v2-greedy": ("DeepseekV2Config", "DeepseekV2TopkRouter", dict(topk_method="greedy", routed_scaling_factor=1.5)),
+    "v2-group-limited": (
+        "DeepseekV2Config",
+        "DeepseekV2TopkRouter",
+        dict(topk_method="group_limited_greedy", n_group=4, topk_group=2),
+    ),
+    "v3-noaux-tc": (
+        "DeepseekV3Config",
+        "DeepseekV3TopkRouter",
+        dict(n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5),
+    ),
+    "v3-one-group-unnormalized": (
+        "DeepseekV3Config",
+        "DeepseekV3TopkRouter",
+        dict(n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROUTER_CASES))
+def test_deepseek_routers_choose_and_weigh_as_transformers(case):
+    import transformers
+
+    config_name, router_name, overrides = ROUTER_CASES[case]
+    hf_config = getattr(transformers, config_name)(
+        hidden_size=64, n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, **overrides
+    )
+    module = __import__(type(hf_config).__module__.replace("configuration", "modeling"), fromlist=[router_name])
+    hf_router = getattr(module, router_name)(hf_config)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        hf_router.weight.normal_(0, 0.5, generator=gen)
+        if hasattr(hf_router, "e_score_correction_bias"):
+            hf_router.e_score_correction_bias.normal_(0, 0.3, generator=gen)
+    hf = hf_config.to_dict()
+    hf.update(
+        architectures=[config_name.replace("Config", "ForCausalLM")], num_hidden_layers=2, first_k_dense_replace=0
+    )
+    moe = SparseMoE(ModelConfig.from_hf_config(hf), QuantizationConfig(), "model.layers.0.mlp")
+    with torch.no_grad():
+        moe.gate.weight.copy_(hf_router.weight)
+        if hasattr(hf_router, "e_score_correction_bias"):
+            moe.gate.e_score_correction_bias.copy_(hf_router.e_score_correction_bias)
+        x = torch.randn(40, 64, generator=gen)
+        _, ref_weights, ref_ids = hf_router(x)
+        ids, weights = moe.route(x)
+    # the same experts with the same weights (the order within a token's k does not matter)
+    ref_order, order = ref_ids.argsort(dim=-1), ids.argsort(dim=-1)
+    assert torch.equal(ref_ids.gather(1, ref_order), ids.gather(1, order))
+    torch.testing.assert_close(weights.gather(1, order), ref_weights.gather(1, ref_order), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("arch", "fields", "message"),
+    [
+        ("DeepseekV3ForCausalLM", dict(scoring_func="softmax"), "sigmoid scores and noaux_tc"),
+        ("DeepseekV2ForCausalLM", dict(norm_topk_prob=True), "norm_topk_prob=true"),
+        ("DeepseekV2ForCausalLM", dict(topk_method="noaux_tc"), "V3's router"),
+        ("DeepseekV3ForCausalLM", dict(moe_layer_freq=2), "moe_layer_freq=2"),
+        ("DeepseekV3ForCausalLM", dict(n_group=3), "n_group .3. must divide"),
+        ("DeepseekV3ForCausalLM", dict(attention_bias=True), "attention_bias"),
+    ],
+)
+def test_deepseek_configs_ridge_does_not_run_are_refused_by_name(arch, fields, message):
+    from ridge.models.presets import get_preset
+
+    hf = get_preset("tiny-deepseek-v3" if "V3" in arch else "tiny-deepseek-v2")
+    hf.update(fields)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_config(hf)

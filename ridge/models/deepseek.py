@@ -1,0 +1,135 @@
+"""DeepSeek-V2 and V3: the Llama-family decoder with multi-head latent attention (MLA,
+``layers/mla.py``) and a mixture-of-experts feed-forward after the first
+``first_k_dense_replace`` dense layers (``models/moe.py``: softmax or sigmoid router, grouped
+top-k, shared experts, routed scaling).
+
+The KV cache holds one latent per token and layer (``kv_cache_spec``); decode reads only the
+latents (absorbed form), prefill expands them.
+
+Packing, declared as data for the loader: x's two projections (q, or q's low-rank
+a-projection, and the latent + rotary key) are one matmul.
+
+    fused_qkv_a_proj rows: [ q_a_proj (q_lora_rank) or q_proj (H (nope + p)) | kv_a_proj_with_mqa (r + p) ]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ridge.config import ModelConfig
+from ridge.kv.cache import KVCacheSpec, PagedKV
+from ridge.layers.attention import AttentionMetadata
+from ridge.layers.linear import Linear, PackedLinear
+from ridge.layers.mla import mla_attention
+from ridge.layers.norm import RMSNorm
+from ridge.layers.rotary import yarn_mscale
+from ridge.models.llama import LlamaForCausalLM, StepInputs
+from ridge.quantization.config import QuantizationConfig
+
+PACKED_MODULES: dict[str, tuple[str, int]] = {
+    "q_a_proj": ("fused_qkv_a_proj", 0),
+    "q_proj": ("fused_qkv_a_proj", 0),
+    "kv_a_proj_with_mqa": ("fused_qkv_a_proj", 1),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: DeepSeek's default, not rms_norm_eps
+
+
+def mla_softmax_scale(cfg: ModelConfig) -> float:
+    """1/sqrt(qk_head_dim), times YaRN's mscale(factor, mscale_all_dim) squared when set."""
+    scale = cfg.mla.qk_head_dim**-0.5
+    rope = cfg.rope_scaling or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default" and rope.get("mscale_all_dim"):
+        scale *= yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
+    return scale
+
+
+class DeepseekAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, quant: QuantizationConfig, prefix: str) -> None:
+        super().__init__()
+        mla, d, heads = cfg.mla, cfg.hidden_size, cfg.num_heads
+        self.mla, self.num_heads = mla, heads
+        q_width = mla.q_lora_rank or heads * mla.qk_head_dim
+        self.fused_qkv_a_proj = PackedLinear(
+            d, [q_width, mla.cache_dim], bias=False, method=quant.method_for(f"{prefix}.fused_qkv_a_proj", d)
+        )
+        if mla.q_lora_rank:
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = Linear(
+                mla.q_lora_rank,
+                heads * mla.qk_head_dim,
+                bias=False,
+                method=quant.method_for(f"{prefix}.q_b_proj", mla.q_lora_rank),
+            )
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = Linear(
+            mla.kv_lora_rank,
+            heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+            bias=False,
+            method=quant.method_for(f"{prefix}.kv_b_proj", mla.kv_lora_rank),
+        )
+        self.o_proj = Linear(
+            heads * mla.v_head_dim, d, bias=False, method=quant.method_for(f"{prefix}.o_proj", heads * mla.v_head_dim)
+        )
+        self.scale = mla_softmax_scale(cfg)
+        self.absorbed: tuple[torch.Tensor, torch.Tensor] | None = None  # set by absorb()
+
+    def absorb(self) -> None:
+        """kv_b_proj's weight split per head for the absorbed decode: W_uk (H, nope, r) and
+        W_uv (H, v, r), dense in the model's dtype (whatever format kv_b_proj holds)."""
+        mla = self.mla
+        dtype = self.kv_a_layernorm.weight.dtype  # the model's (a packed or quantized weight unpacks to float32)
+        w = self.kv_b_proj.dense_weight().to(dtype).view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, -1)
+        self.absorbed = (w[:, : mla.qk_nope_head_dim].contiguous(), w[:, mla.qk_nope_head_dim :].contiguous())
+
+    def forward(self, x, kv_cache: PagedKV, meta: AttentionMetadata, step: StepInputs):
+        ops, mla = step.kernels, self.mla
+        tokens, rope = x.shape[0], mla.qk_rope_head_dim
+        q, kv_a = ops.matmul(x, self.fused_qkv_a_proj).split(self.fused_qkv_a_proj.output_sizes, dim=-1)
+        if self.absorbed is None:
+            self.absorb()
+        if mla.q_lora_rank:
+            q = ops.rms_norm(q.contiguous(), self.q_a_layernorm.weight, self.q_a_layernorm.eps)
+            q = ops.matmul(q, self.q_b_proj)
+        q = q.reshape(tokens, self.num_heads, mla.qk_head_dim)
+        latent = kv_a[:, : mla.kv_lora_rank].contiguous()
+        latent = ops.rms_norm(latent, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
+        # q's rotary part of every head and the shared rotary key, rotated in one call
+        qk_rope = torch.cat((q[..., mla.qk_nope_head_dim :], kv_a[:, None, mla.kv_lora_rank :]), dim=1)
+        if mla.rope_interleave:
+            # pairs (x0, x1), (x2, x3) .. -> halves [x0 x2 .. | x1 x3 ..]: rotate-half then turns
+            # each pair by its frequency. q and k move alike, so their dot products do not change.
+            qk_rope = qk_rope.unflatten(-1, (rope // 2, 2)).transpose(-1, -2).flatten(-2).contiguous()
+        qk_rope = ops.rope(qk_rope, step.rope)
+        entry = torch.cat((latent, qk_rope[:, -1]), dim=-1).unsqueeze(1)  # (T, 1, r + p): what the cache keeps
+        out = mla_attention(
+            q[..., : mla.qk_nope_head_dim],
+            qk_rope[:, :-1],
+            entry,
+            kv_cache,
+            meta,
+            self.absorbed,
+            self.kv_b_proj,
+            self.scale,
+            ops,
+        )
+        return ops.matmul(out.flatten(1), self.o_proj)
+
+
+class DeepseekForCausalLM(LlamaForCausalLM):
+    """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM (the differences are in ModelConfig)."""
+
+    packed_modules = PACKED_MODULES
+    attention_cls = DeepseekAttention
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """One latent + rotary key per token and layer, shared by all heads."""
+        return KVCacheSpec(self.config.num_layers, 1, self.config.mla.cache_dim, keys_only=True)
+
+    def set_kernels(self, kernels) -> None:
+        super().set_kernels(kernels)
+        for module in self.modules():
+            if isinstance(module, DeepseekAttention):
+                module.absorb()

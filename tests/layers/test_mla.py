@@ -1,0 +1,95 @@
+"""Latent attention: the absorbed decode and the expanded prefill against attention written
+out by hand on the expanded keys and values, over the paged latent cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ridge.kv import cache as kv_cache
+from ridge.kv.cache import KVCacheSpec
+from ridge.layers.attention import AttentionMetadata, PrefillChunk
+from ridge.layers.kernels import TorchKernels
+from ridge.layers.linear import Linear
+from ridge.layers.mla import mla_attention
+
+H, NOPE, ROPE, RANK, V = 4, 16, 8, 32, 12
+BLOCK = 4
+
+
+def _setup(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    kv_b = Linear(RANK, H * (NOPE + V), bias=False)
+    with torch.no_grad():
+        kv_b.weight.normal_(0, 0.2, generator=gen)
+    w = kv_b.weight.detach().view(H, NOPE + V, RANK)
+    absorbed = (w[:, :NOPE].contiguous(), w[:, NOPE:].contiguous())
+    return gen, kv_b, absorbed
+
+
+def _reference(q_nope, q_rope, entries, absorbed, scale):
+    """Every query at the end of the context: the keys and values expanded per head."""
+    w_uk, w_uv = absorbed
+    latent, k_rope = entries[:, 0, :RANK], entries[:, 0, RANK:]
+    keys = torch.cat((torch.einsum("lr,hnr->lhn", latent, w_uk), k_rope[:, None].expand(-1, H, -1)), -1)
+    values = torch.einsum("lr,hvr->lhv", latent, w_uv)
+    query = torch.cat((q_nope, q_rope), -1)  # (H, nope + p)
+    probs = (torch.einsum("hd,lhd->hl", query, keys) * scale).softmax(-1)
+    return torch.einsum("hl,lhv->hv", probs, values)
+
+
+@pytest.mark.parametrize("kind", ["auto", "int8"])
+@pytest.mark.parametrize("context", [1, 5, 13])
+def test_absorbed_decode_and_expanded_prefill_equal_attention_on_expanded_heads(kind, context):
+    gen, kv_b, absorbed = _setup(context)
+    scale = 0.3
+    entries = torch.randn(context, 1, RANK + ROPE, generator=gen)
+    q_nope, q_rope = torch.randn(context, H, NOPE, generator=gen), torch.randn(context, H, ROPE, generator=gen)
+    spec = KVCacheSpec(1, 1, RANK + ROPE, keys_only=True)
+    ops = TorchKernels()
+    table = torch.tensor([5, 2, 7, 0])  # scattered physical blocks
+    slots = table[torch.arange(context) // BLOCK] * BLOCK + torch.arange(context) % BLOCK
+
+    # the whole context as one prefill chunk (expanded)
+    cache = kv_cache.allocate(spec, 8, BLOCK, torch.float32, torch.device("cpu"), kind)[0]
+    meta = AttentionMetadata(slot_mapping=slots, prefills=[PrefillChunk(0, context, context, table)])
+    prefill = mla_attention(q_nope, q_rope, entries, cache, meta, absorbed, kv_b, scale, ops)
+
+    # the same context: the prefix as a prefill, then the last token as a decode (absorbed)
+    cache2 = kv_cache.allocate(spec, 8, BLOCK, torch.float32, torch.device("cpu"), kind)[0]
+    if context > 1:
+        n = context - 1
+        meta = AttentionMetadata(slot_mapping=slots[:n], prefills=[PrefillChunk(0, n, n, table)])
+        mla_attention(q_nope[:n], q_rope[:n], entries[:n], cache2, meta, absorbed, kv_b, scale, ops)
+    meta = AttentionMetadata(
+        slot_mapping=slots[-1:],
+        num_decode_tokens=1,
+        decode_block_tables=table[None],
+        decode_context_lens=torch.tensor([context]),
+    )
+    decode = mla_attention(q_nope[-1:], q_rope[-1:], entries[-1:], cache2, meta, absorbed, kv_b, scale, ops)
+
+    stored = entries
+    if kind != "auto":  # what the cache holds is the quantized latent: the reference sees the same
+        codes, scales = kv_cache.quantize(entries, kind)
+        stored = kv_cache.dequantize(codes, scales, kind, torch.float32)
+    ref = _reference(q_nope[-1], q_rope[-1], stored, absorbed, scale)
+    torch.testing.assert_close(decode[0], ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prefill[-1], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_latent_cache_holds_rank_plus_rope_values_per_token_and_layer():
+    from ridge import LLM
+    from ridge.models.presets import get_preset
+    from ridge.roofline.shapes import ModelShape
+
+    llm = LLM("random:tiny-deepseek-v3", device="cpu", dtype="float32", num_kv_blocks=16, block_size=4)
+    engine = llm.engine
+    mla = engine.model_config.mla
+    assert engine.kv_spec == KVCacheSpec(3, 1, mla.kv_lora_rank + mla.qk_rope_head_dim, keys_only=True)
+    assert engine.kv_caches[0].k.shape == (16, 4, 1, mla.kv_lora_rank + mla.qk_rope_head_dim)
+    assert engine.kv_caches[0].v is engine.kv_caches[0].k  # one vector is both key and value
+    per_token = 3 * (mla.kv_lora_rank + mla.qk_rope_head_dim)
+    assert engine.kv_bytes_per_block == 4 * per_token * 4  # float32
+    shape = ModelShape.from_hf_config(get_preset("tiny-deepseek-v3"))
+    assert shape.kv_cache_elements_per_token() == per_token  # the analyzer agrees
