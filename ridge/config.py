@@ -209,7 +209,7 @@ def _read_mla(arch: str, hf: dict[str, Any]) -> MLAConfig:
         raise ValueError(f"model config is missing {exc.args[0]!r} (needed by {arch}'s latent attention)") from None
 
 
-def _read_moe(arch: str, hf: dict[str, Any], layers: int) -> MoEConfig | None:
+def _read_moe(arch: str, hf: dict[str, Any], layers: int, lenient: bool, notes: list[str]) -> MoEConfig | None:
     if arch in DEEPSEEK_ARCHITECTURES:
         try:
             return _read_deepseek_moe(arch, hf, layers)
@@ -218,7 +218,9 @@ def _read_moe(arch: str, hf: dict[str, Any], layers: int) -> MoEConfig | None:
     if arch not in MOE_ARCHITECTURES:
         return None
     unsupported = sorted(k for k, unused in UNSUPPORTED_MOE_KEYS.items() if hf.get(k, unused) not in (unused, None))
-    if unsupported:
+    if unsupported and lenient:
+        notes.append(f"MoE field(s) of other families ignored: {', '.join(unsupported)}")
+    elif unsupported:
         raise ValueError(
             f"{arch} config sets MoE field(s) ridge does not support: "
             + ", ".join(f"{k}={hf[k]!r}" for k in unsupported)
@@ -281,11 +283,15 @@ class ModelConfig:
     moe: MoEConfig | None = None  # the feed-forward of sparse layers (Mixtral, Qwen-MoE, DeepSeek)
     ffn_name: str = "mlp"  # the checkpoint's name of a layer's feed-forward (Mixtral: block_sparse_moe)
     mla: MLAConfig | None = None  # DeepSeek's latent attention (head_dim is then nope + rope)
+    sliding_window: int | None = None  # kept only by the analyzer's lenient reading (the engine refuses one)
+    notes: tuple[str, ...] = ()  # what a lenient reading assumed or left out
 
     def __post_init__(self) -> None:
+        dense_layers = self.num_layers - (len(self.moe.sparse_layers) if self.moe else 0)
+        if dense_layers and self.intermediate_size < 1:
+            raise ValueError(f"model config: intermediate_size must be >= 1, got {self.intermediate_size}")
         for name in (
             "hidden_size",
-            "intermediate_size",
             "num_layers",
             "num_heads",
             "num_kv_heads",
@@ -314,33 +320,59 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any], max_model_len: int | None = None) -> ModelConfig:
-        """Parse a Hugging Face config dict; clear errors for what ridge does not run."""
-        archs = hf.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; ridge supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+    def from_hf_config(
+        cls, hf: dict[str, Any], max_model_len: int | None = None, *, lenient: bool = False
+    ) -> ModelConfig:
+        """Parse a Hugging Face config dict; clear errors for what ridge does not run.
+
+        This is the one reader of ``config.json``: the roofline analyzer's ``ModelShape`` is
+        derived from its result. ``lenient`` is the analyzer's reading: any Llama-style
+        decoder is read (an unknown family as Llama, with a note), and what the engine
+        refuses to run (a narrow sliding window, another family's routing fields) is kept or
+        noted instead.
+        """
+        if isinstance(hf.get("text_config"), dict):  # a multimodal wrapper: its language model
+            inner = dict(hf["text_config"])
+            for key in ("architectures", "tie_word_embeddings"):
+                inner.setdefault(key, hf.get(key))
+            hf = inner
+        notes: list[str] = []
+        arch = _architecture(hf, lenient, notes)
         try:
             hidden = int(hf["hidden_size"])
             heads = int(hf["num_attention_heads"])
             layers = int(hf["num_hidden_layers"])
-            inter = int(hf["intermediate_size"])
             vocab = int(hf["vocab_size"])
-        except KeyError as exc:
-            raise ValueError(f"model config is missing {exc.args[0]!r}") from None
+        except (KeyError, TypeError):
+            missing = next(
+                k
+                for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
+                if hf.get(k) is None
+            )
+            raise ValueError(f"model config is missing required key {missing!r}") from None
         head_dim = hf.get("head_dim") or hidden // heads
         mla = _read_mla(arch, hf) if arch in DEEPSEEK_ARCHITECTURES else None
         if mla is not None:
             head_dim = mla.qk_head_dim  # HF writes head_dim = qk_rope_head_dim (the rotary width)
-        max_pos = int(hf.get("max_position_embeddings", 2048))
+            if hf.get("num_nextn_predict_layers"):
+                notes.append(
+                    f"{hf['num_nextn_predict_layers']} multi-token-prediction layer(s) not counted "
+                    "(not used by ordinary decoding)"
+                )
+        max_pos = int(hf.get("max_position_embeddings") or 2048)
         if max_model_len is not None and max_model_len > max_pos:
             # Positions past the trained range give wrong outputs: refuse, don't clamp silently.
             raise ValueError(
                 f"max_model_len {max_model_len} is longer than the model's context "
                 f"(max_position_embeddings {max_pos}); pass max_model_len <= {max_pos}"
             )
+        window = _sliding_window(arch, hf, layers, max_pos, notes)
         limit = max_model_len or max_pos
-        _check_sliding_window(arch, hf, limit)
+        if window is not None and window < limit and not lenient:
+            raise ValueError(
+                f"sliding-window attention (window {window} < context limit {limit}) is not supported; "
+                f"pass max_model_len <= {window} to serve it as full attention"
+            )
         rope_scaling = hf.get("rope_scaling") or None
         rope_theta = hf.get("rope_theta")
         rope_params = hf.get("rope_parameters")  # transformers 5 folds theta and scaling into one dict
@@ -352,10 +384,17 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
         attention_bias = bool(hf.get("attention_bias", False))
+        quant = hf.get("quantization_config")
+        if isinstance(quant, dict):
+            notes.append(
+                f"checkpoint is quantized ({quant.get('quant_method', '?')}); pass --weight-bits "
+                "to match it (the analysis uses the bits you give)"
+            )
+        qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         return cls(
             architecture=arch,
             hidden_size=hidden,
-            intermediate_size=inter,
+            intermediate_size=int(hf.get("intermediate_size") or 0),
             num_layers=layers,
             num_heads=heads,
             # MLA has no KV heads of its own: every head reads the one latent
@@ -367,30 +406,63 @@ class ModelConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or attention_bias,
-            o_bias=arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and attention_bias,
+            qkv_bias=qwen2 or attention_bias,
+            o_bias=not qwen2 and attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             dtype=canonical_dtype(str(dtype)) if str(dtype) in DTYPES or str(dtype) in DTYPE_ALIASES else "float32",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            moe=_read_moe(arch, hf, layers),
+            moe=_read_moe(arch, hf, layers, lenient, notes),
             ffn_name="block_sparse_moe" if arch == "MixtralForCausalLM" else "mlp",
             mla=mla,
+            sliding_window=window,
+            notes=tuple(notes),
         )
 
 
-def _check_sliding_window(arch: str, hf: dict, context_limit: int) -> None:
-    """A window at least as wide as the context limit is full attention; a narrower one ridge does not run."""
+# model_type -> the architecture its configs name (a config without architectures, or the
+# analyzer's reading of a wrapper's text_config, goes by its model_type)
+MODEL_TYPE_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+
+
+def _architecture(hf: dict[str, Any], lenient: bool, notes: list[str]) -> str:
+    archs = hf.get("architectures") or []
+    arch = archs[0] if archs else None
+    model_type = str(hf.get("model_type") or "")
+    if lenient and model_type not in MODEL_TYPE_ARCHITECTURES:
+        notes.append(
+            f"model_type {model_type or '(none)'!r} is not one ridge knows; read as a "
+            "Llama-style decoder (gated MLP, RMSNorm, no biases)"
+        )
+    if arch in SUPPORTED_ARCHITECTURES:
+        return arch
+    if lenient:
+        return MODEL_TYPE_ARCHITECTURES.get(model_type, "LlamaForCausalLM")
+    raise ValueError(f"unsupported architecture {arch!r}; ridge supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _sliding_window(arch: str, hf: dict, layers: int, max_pos: int, notes: list[str]) -> int | None:
+    """The attention window, or None for full attention (a window as long as the context
+    changes nothing; Qwen's configs carry one that use_sliding_window leaves off)."""
     window = hf.get("sliding_window")
     qwen = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-    if arch in qwen and not hf.get("use_sliding_window", False):
-        window = None
-    if window is not None and int(window) < context_limit:
-        raise ValueError(
-            f"sliding-window attention (window {window} < context limit {context_limit}) is not supported; "
-            f"pass max_model_len <= {window} to serve it as full attention"
-        )
+    if not window or not hf.get("use_sliding_window", arch not in qwen) or int(window) >= max_pos:
+        return None
+    if hf.get("max_window_layers") not in (None, layers):
+        notes.append("per-layer sliding windows are read as applying to every layer")
+    notes.append(f"sliding-window attention: each query sees the last {window} tokens")
+    return int(window)
 
 
 @dataclass

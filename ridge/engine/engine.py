@@ -154,7 +154,7 @@ class LLMEngine:
         else:
             hardware_fn = local_hardware
         return Telemetry(
-            model=ModelShape.from_hf_config(self.hf_config),
+            model=ModelShape.from_model_config(self.model_config, self.config.model),
             weight_bytes=weight_bytes,
             # per cached element: codes plus each token-head's scale
             kv_bytes=self.kv_spec.bytes_per_element(self.config.kv_cache_dtype, self.dtype),

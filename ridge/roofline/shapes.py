@@ -14,21 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ridge.config import MODEL_TYPE_ARCHITECTURES, ModelConfig
 from ridge.models.presets import PRESETS, get_preset
 
 # Families whose config layout ridge knows; any other model_type with Llama-style keys is read
 # as a Llama-style decoder and says so in ``notes``.
-KNOWN_MODEL_TYPES = (
-    "llama",
-    "mistral",
-    "mixtral",
-    "qwen2",
-    "qwen3",
-    "qwen2_moe",
-    "qwen3_moe",
-    "deepseek_v2",
-    "deepseek_v3",
-)
+KNOWN_MODEL_TYPES = tuple(MODEL_TYPE_ARCHITECTURES)
 
 
 def _require_positive(owner: str, **values: int | None) -> None:
@@ -222,95 +213,59 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], name: str | None = None) -> ModelShape:
-        """Read a Hugging Face ``config.json`` dict (HF key names; nested ``text_config`` ok).
+        """Read a Hugging Face ``config.json`` dict (HF key names; nested ``text_config`` ok)
+        through the engine's own parser (``ModelConfig.from_hf_config``, leniently), so the
+        analyzer and the engine read every config the same way.
 
         Raises ValueError naming the missing or inconsistent key.
         """
         if not isinstance(config, dict):
             raise ValueError(f"a model config must be a JSON object, got {type(config).__name__}")
-        if isinstance(config.get("text_config"), dict):
-            merged = dict(config["text_config"])
-            for key in ("architectures", "tie_word_embeddings"):
-                merged.setdefault(key, config.get(key))
-            config = merged
-        model_type = str(config.get("model_type") or "")
         label = name or _name_from_config(config)
-        notes: list[str] = []
+        try:
+            parsed = ModelConfig.from_hf_config(config, lenient=True)
+        except ValueError as exc:
+            raise ValueError(f"model config {label!r}: {exc}") from None
+        return cls.from_model_config(parsed, label)
 
-        def need(key: str) -> Any:
-            value = config.get(key)
-            if value is None:
-                raise ValueError(f"model config {label!r}: missing required key {key!r}")
-            return value
-
-        hidden = int(need("hidden_size"))
-        layers = int(need("num_hidden_layers"))
-        heads = int(need("num_attention_heads"))
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or hidden // heads)
-        vocab = int(need("vocab_size"))
-        if model_type not in KNOWN_MODEL_TYPES:
-            notes.append(
-                f"model_type {model_type or '(none)'!r} is not one ridge knows; read as a "
-                "Llama-style decoder (gated MLP, RMSNorm, no biases)"
+    @classmethod
+    def from_model_config(cls, cfg: ModelConfig, name: str) -> ModelShape:
+        """The roofline's view of the engine's ``ModelConfig``: widths, counts, MoE, MLA."""
+        moe, dense_layers = None, cfg.num_layers
+        if cfg.moe is not None:
+            m = cfg.moe
+            moe = MoEShape(
+                num_experts=m.num_experts,
+                experts_per_token=m.top_k,
+                expert_intermediate_size=m.intermediate_size,
+                shared_intermediate_size=m.shared_intermediate_size,
+                shared_expert_gate=m.shared_expert_gate,
+                router_bias=m.topk_method == "noaux_tc",
             )
-
+            dense_layers = cfg.num_layers - len(m.sparse_layers)
         mla = None
-        if config.get("kv_lora_rank"):
-            mla = MLAShape(
-                kv_lora_rank=int(config["kv_lora_rank"]),
-                qk_nope_head_dim=int(need("qk_nope_head_dim")),
-                qk_rope_head_dim=int(need("qk_rope_head_dim")),
-                v_head_dim=int(need("v_head_dim")),
-                q_lora_rank=int(config["q_lora_rank"]) if config.get("q_lora_rank") else None,
-            )
-            kv_heads = heads  # MLA has no KV heads of its own; the latent is shared by all heads.
-            head_dim = mla.qk_head_dim
-            if config.get("num_nextn_predict_layers"):
-                notes.append(
-                    f"{config['num_nextn_predict_layers']} multi-token-prediction layer(s) "
-                    "not counted (not used by ordinary decoding)"
-                )
-
-        moe, dense_layers = _read_moe(config, model_type, layers, label)
-        window = None
-        if config.get("sliding_window") and config.get("use_sliding_window", True):
-            window = int(config["sliding_window"])
-            if window >= int(config.get("max_position_embeddings") or 0) > 0:
-                window = None  # a window as long as the context changes nothing
-            elif config.get("max_window_layers") not in (None, layers):
-                notes.append("per-layer sliding windows are read as applying to every layer")
-        if window is not None:
-            notes.append(f"sliding-window attention: each query sees the last {window} tokens")
-        quant = config.get("quantization_config")
-        if isinstance(quant, dict):
-            notes.append(
-                f"checkpoint is quantized ({quant.get('quant_method', '?')}); pass --weight-bits "
-                "to match it (the analysis uses the bits you give)"
-            )
-
-        attention_bias = bool(config.get("attention_bias", False))
-        qwen2_family = model_type in ("qwen2", "qwen2_moe")
+        if cfg.mla is not None:
+            a = cfg.mla
+            mla = MLAShape(a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.q_lora_rank)
         return cls(
-            name=label,
-            hidden_size=hidden,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            intermediate_size=int(config.get("intermediate_size") or 0),
-            vocab_size=vocab,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            # Qwen2 hard-codes q/k/v biases; Llama's attention_bias covers q, k, v and o.
-            qkv_bias=qwen2_family or (attention_bias and mla is None),
-            o_bias=attention_bias and not qwen2_family and mla is None,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            sliding_window=window,
-            max_context=int(config["max_position_embeddings"]) if config.get("max_position_embeddings") else None,
+            name=name,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_layers,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            intermediate_size=cfg.intermediate_size,
+            vocab_size=cfg.vocab_size,
+            tie_word_embeddings=cfg.tie_word_embeddings,
+            qkv_bias=cfg.qkv_bias,
+            o_bias=cfg.o_bias,
+            qk_norm=cfg.qk_norm,
+            sliding_window=cfg.sliding_window,
+            max_context=cfg.max_position_embeddings,
             moe=moe,
             num_dense_layers=dense_layers if moe is not None else None,
             mla=mla,
-            notes=tuple(notes),
+            notes=cfg.notes,
         )
 
 
@@ -320,40 +275,6 @@ def _name_from_config(config: dict[str, Any]) -> str:
         return str(path)
     archs = config.get("architectures") or []
     return str(archs[0]) if archs else str(config.get("model_type") or "model")
-
-
-def _read_moe(config: dict[str, Any], model_type: str, layers: int, label: str) -> tuple[MoEShape | None, int]:
-    """The MoE block and the number of dense-MLP layers, from any of HF's spellings."""
-    experts = config.get("n_routed_experts") or config.get("num_local_experts") or config.get("num_experts")
-    if not experts or int(experts) <= 1:
-        return None, layers
-    top_k = config.get("num_experts_per_tok")
-    if not top_k:
-        raise ValueError(f"model config {label!r}: MoE config without 'num_experts_per_tok'")
-    # Mixtral's experts use intermediate_size; DeepSeek and Qwen use moe_intermediate_size.
-    expert_ff = int(config.get("moe_intermediate_size") or config.get("intermediate_size") or 0)
-    shared = 0
-    if config.get("n_shared_experts"):
-        shared = int(config["n_shared_experts"]) * expert_ff
-    elif config.get("shared_expert_intermediate_size"):
-        shared = int(config["shared_expert_intermediate_size"])
-    moe = MoEShape(
-        num_experts=int(experts),
-        experts_per_token=int(top_k),
-        expert_intermediate_size=expert_ff,
-        shared_intermediate_size=shared,
-        shared_expert_gate=model_type == "qwen2_moe" and shared > 0,
-        router_bias=config.get("topk_method") == "noaux_tc",
-    )
-    if "first_k_dense_replace" in config:  # DeepSeek
-        first_dense = int(config.get("first_k_dense_replace") or 0)
-        freq = int(config.get("moe_layer_freq") or 1)
-        moe_layers = sum(1 for i in range(layers) if i >= first_dense and i % freq == 0)
-    else:  # Qwen-MoE; Mixtral has neither key, so every layer is MoE
-        step = int(config.get("decoder_sparse_step") or 1)
-        dense_only = set(config.get("mlp_only_layers") or [])
-        moe_layers = sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
-    return moe, layers - moe_layers
 
 
 def load_model_shape(spec: str) -> ModelShape:

@@ -107,17 +107,17 @@ class DraftProposer:
         loaded = load_model(hf_config, config, source, dtype, device, max_model_len, seed, quant)
         loaded.model.set_kernels(select_kernels(options.get("kernels", kernels), device, dtype))
         num_blocks = -(-num_tokens // block_size)
-        spec = loaded.model.kv_cache_spec()
-        caches = kv_cache.allocate(spec, num_blocks, block_size, dtype, device, kind)
+        kv_spec = loaded.model.kv_cache_spec()
+        caches = kv_cache.allocate(kv_spec, num_blocks, block_size, dtype, device, kind)
         proposer = cls(loaded.model, caches, KVCacheManager(num_blocks, block_size), device, seed)
         from ridge.roofline.shapes import ModelShape
         from ridge.telemetry import ModelPricing
 
         params = max(1, loaded.model.linear_weight_params())
         proposer.pricing = ModelPricing(
-            ModelShape.from_hf_config(hf_config),
+            ModelShape.from_model_config(config, spec),
             proposer.weight_bytes / params,
-            spec.bytes_per_element(kind, dtype),
+            kv_spec.bytes_per_element(kind, dtype),
             dtype.itemsize,
         )
         return proposer

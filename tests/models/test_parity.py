@@ -84,6 +84,22 @@ def test_engine_matches_transformers(hf_model, block_size, chunked):
     llm.engine.kv.check_integrity()
 
 
+def test_preempted_and_recomputed_requests_still_match_transformers(hf_model):
+    """A pool too small for the batch: requests are preempted, recomputed, and still agree."""
+    name, directory, hf = hf_model
+    llm = LLM(str(directory), tokenizer="bytes", dtype="float32", block_size=4, num_kv_blocks=40)
+    seen = _record_logits(llm)
+    prompts = _prompts(8)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_DECODE_STEPS, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outputs):
+        # a preempted request's logits are recorded again when it recomputes: keep the last run's
+        tokens = out.outputs[0].token_ids
+        _check_against_hf(hf, prompt, tokens, seen[out.request_id][-len(tokens) :])
+    llm.engine.kv.check_integrity()
+
+
 def test_alone_equals_hf_generate(hf_model):
     """One request alone, against transformers' own greedy generate()."""
     name, directory, hf = hf_model

@@ -177,3 +177,24 @@ def test_parameter_formula_matches_transformers_on_a_shrunk_model(preset):
     ours = params_total(ModelShape.from_hf_config(config))
     router_bias_buffers = 256 if preset == "deepseek-v3" else 0  # one MoE layer
     assert ours == hf_params + router_bias_buffers
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_the_analyzer_reads_each_config_through_the_engine_parser(preset):
+    """One reader of config.json: the analyzer's shape is the engine's ModelConfig, seen by
+    the roofline. Where the engine would run the config, both readings agree exactly."""
+    from ridge.config import ModelConfig
+
+    shape = ModelShape.from_preset(preset)
+    lenient = ModelConfig.from_hf_config(get_preset(preset), lenient=True)
+    assert shape == ModelShape.from_model_config(lenient, preset)
+    if shape.sliding_window is None:  # the engine refuses a narrow window; otherwise it reads the same
+        assert ModelConfig.from_hf_config(get_preset(preset)) == lenient
+
+
+def test_a_narrow_window_is_kept_by_the_analyzer_and_refused_by_the_engine():
+    from ridge.config import ModelConfig
+
+    assert ModelShape.from_preset("mistral-7b").sliding_window == 4096
+    with pytest.raises(ValueError, match="sliding-window attention"):
+        ModelConfig.from_hf_config(get_preset("mistral-7b"))
