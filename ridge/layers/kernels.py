@@ -17,6 +17,7 @@ from ridge.layers.attention import AttentionMetadata, decode_valid_mask, gather_
 from ridge.layers.linear import Linear
 from ridge.layers.rotary import RotaryEmbedding, rotate_half
 from ridge.quantization.formats import Q4_0, Q4_1, Q8_0, BlockFormat
+from ridge.quantization.methods import PACKED_ROW_BLOCK
 
 # The extension's format codes (csrc/linear_quant.cpp)
 QUANT_KERNEL_CODES = {Q8_0.name: 0, Q4_0.name: 1, Q4_1.name: 2}
@@ -25,8 +26,12 @@ QUANT_KERNEL_CODES = {Q8_0.name: 0, Q4_0.name: 1, Q4_1.name: 2}
 class TorchKernels:
     name = "torch"
 
-    def matmul(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
-        """x @ W^T (+ b) in whatever form the layer's method holds W: here its torch reference."""
+    def matmul(self, x: torch.Tensor, layer: Linear, rows: slice | None = None) -> torch.Tensor:
+        """x @ W^T (+ b) in whatever form the layer's method holds W: here its torch reference.
+
+        ``rows``: only those output rows (one expert of a stacked layer, which has no bias)."""
+        if rows is not None:
+            return layer.method.apply_rows(layer, x, rows)
         return layer.method.apply(layer, x)
 
     # Repacking, asked for by each layer's method once its weights are loaded. These kernels
@@ -90,17 +95,24 @@ class CpuKernels(TorchKernels):
     def __init__(self, ext) -> None:
         self.ext = ext
 
-    def matmul(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, layer: Linear, rows: slice | None = None) -> torch.Tensor:
         packed, fmt = layer.packed, layer.method.format
         if packed is None or packed.device != x.device:
-            return layer.method.apply(layer, x)
+            return super().matmul(x, layer, rows)
+        n, bias = layer.out_features, layer.bias
+        if rows is not None:
+            # one expert's rows of a stacked layer: a contiguous run of the packed row blocks
+            if rows.start % PACKED_ROW_BLOCK or rows.stop % PACKED_ROW_BLOCK:
+                return super().matmul(x, layer, rows)
+            packed = packed[rows.start // PACKED_ROW_BLOCK : rows.stop // PACKED_ROW_BLOCK]
+            n, bias = rows.stop - rows.start, None
         if fmt is None:
             if x.dtype is not torch.bfloat16:
-                return layer.method.apply(layer, x)
-            return self.ext.linear_bf16(x, packed, layer.out_features, layer.bias)
+                return super().matmul(x, layer, rows)
+            return self.ext.linear_bf16(x, packed, n, bias)
         if x.dtype not in (torch.bfloat16, torch.float32):
-            return layer.method.apply(layer, x)
-        return self.ext.linear_quant(x, packed, QUANT_KERNEL_CODES[fmt.name], layer.out_features, layer.bias)
+            return super().matmul(x, layer, rows)
+        return self.ext.linear_quant(x, packed, QUANT_KERNEL_CODES[fmt.name], n, bias)
 
     def pack_dense(self, weight):
         """bf16 CPU weights into linear_bf16's blocks of 16 rows x 2 k."""

@@ -10,6 +10,12 @@ checkpoint tensor to the method with its row range (see ``models/llama.py``'s pa
 
     qkv_proj  rows: [ q_proj (Hq*D) | k_proj (Hkv*D) | v_proj (Hkv*D) ]
     gate_up   rows: [ gate_proj (I) | up_proj (I) ]
+
+A stacked expert layer (``ExpertLinear``) is a packed layer whose shards are every expert's
+projections in turn, so each expert owns a contiguous run of rows:
+
+    experts.gate_up_proj rows: [ e0 gate (I) | e0 up (I) | e1 gate (I) | e1 up (I) | ... ]
+    experts.down_proj    rows: [ e0 (d) | e1 (d) | ... ]          expert e: rows e*N .. (e+1)*N
 """
 
 from __future__ import annotations
@@ -66,3 +72,18 @@ class PackedLinear(Linear):
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(y.split(self.output_sizes, dim=-1))
+
+
+class ExpertLinear(PackedLinear):
+    """``num_experts`` projections (in -> sum(output_sizes) each) stacked along the output
+    rows: one tensor (in any format) for a layer's experts, expert e at ``expert_rows(e)``."""
+
+    def __init__(
+        self, num_experts: int, in_features: int, output_sizes: list[int], method: LinearMethod | None = None
+    ) -> None:
+        super().__init__(in_features, list(output_sizes) * num_experts, bias=False, method=method)
+        self.num_experts = num_experts
+        self.rows_per_expert = sum(output_sizes)
+
+    def expert_rows(self, expert: int) -> slice:
+        return slice(expert * self.rows_per_expert, (expert + 1) * self.rows_per_expert)

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ridge.config import ModelConfig
+from ridge.layers.linear import ExpertLinear
 
 # Llama-family checkpoints that llama.cpp runs as its "llama" architecture.
 GGUF_LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
@@ -71,6 +72,10 @@ def hf_state_dict(engine_or_model) -> dict[str, torch.Tensor]:
     unpacked: dict[str, list[tuple[int, str]]] = {}
     for checkpoint_name, (packed_name, shard) in model.packed_modules.items():
         unpacked.setdefault(packed_name, []).append((shard, checkpoint_name))
+    # stacked experts: experts.gate_up_proj -> experts.{e}.gate_proj / up_proj, ...
+    unstacked: dict[str, list[tuple[int, int, str]]] = {}
+    for checkpoint_name, (stacked_name, index, per_expert) in getattr(model, "expert_stacking", {}).items():
+        unstacked.setdefault(stacked_name, []).append((index, per_expert, checkpoint_name))
     modules = dict(model.named_modules())
     state: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():  # a tied lm_head is a duplicate: not listed
@@ -78,7 +83,13 @@ def hf_state_dict(engine_or_model) -> dict[str, torch.Tensor]:
         prefix, _, short = module_name.rpartition(".")
         if leaf == "weight" and hasattr(modules[module_name], "dense_weight"):
             param = modules[module_name].dense_weight()  # kernels may hold it repacked
-        if short in unpacked:
+        module = modules[module_name]
+        if isinstance(module, ExpertLinear) and short in unstacked:
+            for expert in range(module.num_experts):
+                for index, per_expert, checkpoint_name in unstacked[short]:
+                    rows = module.shard_rows(expert * per_expert + index)
+                    state[f"{prefix}.{expert}.{checkpoint_name}.{leaf}"] = param.detach()[rows]
+        elif short in unpacked:
             module = modules[module_name]
             for shard, checkpoint_name in sorted(unpacked[short]):
                 state[f"{prefix}.{checkpoint_name}.{leaf}"] = param.detach()[module.shard_rows(shard)]

@@ -31,8 +31,15 @@ PACKED_MODULES: dict[str, tuple[str, int]] = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-# Mixtral's experts name their gate and up projections w1 and w3 (and the down one w2)
-MIXTRAL_PACKED_MODULES = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1)}
+# checkpoint expert projection (experts.{e}.<name>) -> (stacked layer under experts, shard
+# within the expert, shards per expert): expert e's gate is shard 2e of experts.gate_up_proj
+EXPERT_STACKING: dict[str, tuple[str, int, int]] = {
+    "gate_proj": ("gate_up_proj", 0, 2),
+    "up_proj": ("gate_up_proj", 1, 2),
+    "down_proj": ("down_proj", 0, 1),
+}
+# Mixtral names them w1 (gate), w3 (up) and w2 (down)
+MIXTRAL_EXPERT_STACKING = {"w1": ("gate_up_proj", 0, 2), "w3": ("gate_up_proj", 1, 2), "w2": ("down_proj", 0, 1)}
 
 
 @dataclass
@@ -145,6 +152,7 @@ class LlamaForCausalLM(nn.Module):
     """forward(): hidden states of the step's flat tokens; compute_logits(): only where we sample."""
 
     packed_modules = PACKED_MODULES
+    expert_stacking = EXPERT_STACKING
     attention_cls = LlamaAttention
 
     def __init__(self, cfg: ModelConfig, max_positions: int, quant: QuantizationConfig | None = None) -> None:
@@ -155,7 +163,7 @@ class LlamaForCausalLM(nn.Module):
         self.max_positions = max_positions
         self._moe_layers: list | None = None  # found on first use (experts_touched)
         if cfg.architecture == "MixtralForCausalLM":
-            self.packed_modules = {**PACKED_MODULES, **MIXTRAL_PACKED_MODULES}
+            self.expert_stacking = MIXTRAL_EXPERT_STACKING
         self.model = LlamaModel(cfg, max_positions, quant, self.attention_cls)
         tied = cfg.tie_word_embeddings
         self.lm_head = Linear(

@@ -172,7 +172,7 @@ def _load_safetensors(model: torch.nn.Module, model_dir: Path) -> None:
         for name in handle.keys():
             if "rotary_emb" in name:
                 continue
-            target = _target_of(name, names, model.packed_modules)
+            target = _target_of(name, names, model.packed_modules, model.expert_stacking)
             if target is None:
                 if name == "lm_head.weight" and model.config.tie_word_embeddings:
                     continue
@@ -199,7 +199,7 @@ def _load_gguf(model: torch.nn.Module, gguf: GGUFModel) -> None:
     modules = dict(model.named_modules())
     loaded: set[str] = set()
     for name, tensor in gguf.tensors.items():
-        target = _target_of(name, names, model.packed_modules)
+        target = _target_of(name, names, model.packed_modules, model.expert_stacking)
         if target is None:
             if name == "lm_head.weight" and model.config.tie_word_embeddings:
                 continue
@@ -237,6 +237,8 @@ def load_tensor(model, modules: dict, target: tuple[str, int | None], tensor: to
     try:
         with torch.no_grad():
             if isinstance(module, Linear) and leaf == "weight":
+                if tensor.dim() == 3:  # experts stored fused, (E, rows, K): the stacked layer's rows in order
+                    tensor = tensor.flatten(0, 1)
                 module.method.load_weight(module, tensor, None if shard is None else module.shard_rows(shard))
                 return
             param = getattr(module, leaf)
@@ -253,13 +255,28 @@ def load_tensor(model, modules: dict, target: tuple[str, int | None], tensor: to
         raise
 
 
-def _target_of(name: str, params: set[str], packed: dict[str, tuple[str, int]]) -> tuple[str, int | None] | None:
-    """Checkpoint tensor name -> (ridge parameter name, packed shard index or None)."""
+def _target_of(
+    name: str,
+    params: set[str],
+    packed: dict[str, tuple[str, int]],
+    stacking: dict[str, tuple[str, int, int]] | None = None,
+) -> tuple[str, int | None] | None:
+    """Checkpoint tensor name -> (ridge parameter name, packed shard index or None).
+
+    An expert's projection lands in its layer's stacked tensor:
+
+        ...experts.{e}.{proj}.weight  ->  ...experts.{stacked}.weight, shard e * per_expert + index
+    """
     candidates = [name] if name.startswith(("model.", "lm_head.")) else [name, f"model.{name}"]
     for cand in candidates:
         if cand in params:
             return cand, None
         parts = cand.split(".")
+        if stacking and len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit() and parts[-2] in stacking:
+            stacked, index, per_expert = stacking[parts[-2]]
+            stacked_param = ".".join(parts[:-3] + [stacked, parts[-1]])
+            if stacked_param in params:
+                return stacked_param, int(parts[-3]) * per_expert + index
         if len(parts) >= 2 and parts[-2] in packed:
             packed_name, shard = packed[parts[-2]]
             packed_param = ".".join(parts[:-2] + [packed_name, parts[-1]])

@@ -7,8 +7,11 @@ that some token picked runs once over its rows; an expert no token picked is nev
     topk ids   (T, k)  ->  flat (T k,)  -> stable sort by expert -> runs of rows per expert
     expert e:  y_e = expert_e(x[rows_e]) * weight[rows_e]   ->  out.index_add_(rows_e, y_e)
 
-Each expert is a packed gate/up projection and a down projection: linear layers like any
-other, so quantization and ridge's kernels apply to them unchanged. The router runs in
+A layer's experts are stacked at load into one tensor per projection (``StackedExperts``:
+``experts.gate_up_proj`` and ``experts.down_proj``, the loader mapping each checkpoint's
+``experts.{e}.*`` onto expert e's rows as the model's ``expert_stacking`` table declares).
+They are linear layers like any other, so quantization and ridge's kernels apply to them
+unchanged; an expert's matmul reads only its own rows (``kernels.matmul(x, layer, rows)``). The router runs in
 float32 (``Router``: softmax or sigmoid scores, greedy or group-limited top-k).
 """
 
@@ -19,25 +22,41 @@ import torch.nn.functional as F
 from torch import nn
 
 from ridge.config import ModelConfig, MoEConfig
-from ridge.layers.linear import Linear, PackedLinear
+from ridge.layers.linear import ExpertLinear, Linear, PackedLinear
 from ridge.quantization.config import QuantizationConfig
 
 
-class Expert(nn.Module):
-    """A gated MLP; ``down_name`` is the checkpoint's name of its down projection (Mixtral: w2)."""
+class SharedExpert(nn.Module):
+    """An always-on gated MLP beside the routed experts."""
 
-    def __init__(self, hidden: int, inter: int, quant: QuantizationConfig, prefix: str, down_name: str) -> None:
+    def __init__(self, hidden: int, inter: int, quant: QuantizationConfig, prefix: str) -> None:
         super().__init__()
         self.gate_up_proj = PackedLinear(
             hidden, [inter, inter], bias=False, method=quant.method_for(f"{prefix}.gate_up_proj", hidden)
         )
-        self.down_name = down_name
-        setattr(
-            self, down_name, Linear(inter, hidden, bias=False, method=quant.method_for(f"{prefix}.{down_name}", inter))
-        )
+        self.down_proj = Linear(inter, hidden, bias=False, method=quant.method_for(f"{prefix}.down_proj", inter))
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
-        return ops.matmul(ops.silu_mul(ops.matmul(x, self.gate_up_proj)), getattr(self, self.down_name))
+        return ops.matmul(ops.silu_mul(ops.matmul(x, self.gate_up_proj)), self.down_proj)
+
+
+class StackedExperts(nn.Module):
+    """A layer's ``num_experts`` gated MLPs as two stacked projections."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, quant: QuantizationConfig, prefix: str) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = ExpertLinear(
+            num_experts, hidden, [inter, inter], method=quant.method_for(f"{prefix}.gate_up_proj", hidden)
+        )
+        self.down_proj = ExpertLinear(
+            num_experts, inter, [hidden], method=quant.method_for(f"{prefix}.down_proj", inter)
+        )
+
+    def forward_expert(self, x: torch.Tensor, expert: int, ops) -> torch.Tensor:
+        """Expert ``expert`` on rows x: only its rows of each projection are read."""
+        gate_up = ops.matmul(x, self.gate_up_proj, self.gate_up_proj.expert_rows(expert))
+        return ops.matmul(ops.silu_mul(gate_up), self.down_proj, self.down_proj.expert_rows(expert))
 
 
 class Router(nn.Module):
@@ -97,24 +116,20 @@ class SparseMoE(nn.Module):
         self.top_k = moe.top_k
         # the router (and the shared expert's gate): plain parameters, never quantized or repacked
         self.gate = Router(cfg.hidden_size, moe)
-        down = "w2" if cfg.architecture == "MixtralForCausalLM" else "down_proj"
-        self.experts = nn.ModuleList(
-            Expert(cfg.hidden_size, moe.intermediate_size, quant, f"{prefix}.experts.{e}", down)
-            for e in range(moe.num_experts)
+        self.experts = StackedExperts(
+            moe.num_experts, cfg.hidden_size, moe.intermediate_size, quant, f"{prefix}.experts"
         )
         # always-on shared expert(s), under the checkpoint's name (Qwen2-MoE: shared_expert,
         # sigmoid-gated; DeepSeek: shared_experts, their widths summed into one MLP)
         self.shared_name = moe.shared_name if moe.shared_intermediate_size else None
         if self.shared_name:
-            shared = Expert(
-                cfg.hidden_size, moe.shared_intermediate_size, quant, f"{prefix}.{moe.shared_name}", "down_proj"
-            )
+            shared = SharedExpert(cfg.hidden_size, moe.shared_intermediate_size, quant, f"{prefix}.{moe.shared_name}")
             setattr(self, self.shared_name, shared)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if moe.shared_expert_gate else None
         self.experts_touched = 0  # experts run in the last forward (what the step read)
 
     @property
-    def shared_mlp(self) -> Expert | None:
+    def shared_mlp(self) -> SharedExpert | None:
         """The shared expert(s), whatever the checkpoint calls them."""
         return getattr(self, self.shared_name) if self.shared_name else None
 
@@ -126,15 +141,15 @@ class SparseMoE(nn.Module):
         ids, weights = self.route(x)
         flat = ids.flatten()
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        counts = torch.bincount(flat, minlength=self.experts.num_experts).tolist()
         token_of = order // self.top_k  # the token of each sorted (token, expert) pair
         weight_of = weights.flatten()[order]
         out = torch.zeros_like(x)
         start, touched = 0, 0
-        for expert, count in zip(self.experts, counts):
+        for expert, count in enumerate(counts):
             if count:
                 rows = token_of[start : start + count]
-                y = expert(x[rows], ops) * weight_of[start : start + count, None]
+                y = self.experts.forward_expert(x[rows], expert, ops) * weight_of[start : start + count, None]
                 out.index_add_(0, rows, y)
                 touched += 1
             start += count

@@ -49,8 +49,17 @@ class LinearMethod:
         """The torch reference: any device, any float dtype."""
         return F.linear(x, self.dense_weight(layer).to(x.dtype), layer.bias)
 
+    def apply_rows(self, layer: Linear, x: torch.Tensor, rows: slice) -> torch.Tensor:
+        """The torch reference for the output rows ``rows`` only (one expert of a stacked
+        layer): x @ W[rows]^T, reading no other row's weight where the held form allows."""
+        return F.linear(x, self.dense_rows(layer, rows).to(x.dtype))
+
     def dense_weight(self, layer: Linear) -> torch.Tensor:
         raise NotImplementedError
+
+    def dense_rows(self, layer: Linear, rows: slice) -> torch.Tensor:
+        """W[rows] as a dense (rows, K) matrix."""
+        return self.dense_weight(layer)[rows]
 
     def weight_nbytes(self, layer: Linear) -> int:
         """Bytes a matmul reads: whichever form of the weight the layer holds."""
@@ -97,6 +106,13 @@ class UnquantizedLinearMethod(LinearMethod):
         if layer.weight.numel() == 0 and layer.packed is not None:
             return layer.unpacker.unpack_dense(layer.packed, layer.out_features, layer.in_features)
         return layer.weight
+
+    def dense_rows(self, layer, rows):
+        if layer.weight.numel() == 0 and layer.packed is not None:
+            return _unpack_rows(
+                layer, rows, lambda packed, n: layer.unpacker.unpack_dense(packed, n, layer.in_features)
+            )
+        return layer.weight[rows]
 
     def _plain_nbytes(self, layer):
         return layer.weight.numel() * layer.weight.element_size()
@@ -146,8 +162,30 @@ class BlockQuantLinearMethod(LinearMethod):
     def dense_weight(self, layer):
         return self.format.dequantize(self.blocks_of(layer), layer.in_features)
 
+    def dense_rows(self, layer, rows):
+        if layer.blocks.numel() == 0 and layer.packed is not None:
+            fmt, k = self.format, layer.in_features
+            blocks = _unpack_rows(layer, rows, lambda packed, n: layer.unpacker.unpack_blocks(fmt, packed, n, k))
+        else:
+            blocks = layer.blocks[rows]
+        return self.format.dequantize(blocks, layer.in_features)
+
     def _plain_nbytes(self, layer):
         return layer.blocks.numel()
+
+
+# The kernels pack rows in blocks of 16 (linear_bf16, linear_quant): a row range on block
+# boundaries is a contiguous slice of the packed tensor.
+PACKED_ROW_BLOCK = 16
+
+
+def _unpack_rows(layer, rows: slice, unpack) -> torch.Tensor:
+    """Rows of a packed weight: only their blocks unpacked where the range is block-aligned."""
+    start, stop = rows.start or 0, rows.stop
+    if start % PACKED_ROW_BLOCK == 0 and (stop % PACKED_ROW_BLOCK == 0 or stop == layer.out_features):
+        blocks = layer.packed[start // PACKED_ROW_BLOCK : -(-stop // PACKED_ROW_BLOCK)]
+        return unpack(blocks, stop - start)
+    return unpack(layer.packed, layer.out_features)[rows]
 
 
 def _check_shape(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -8,6 +8,7 @@ import torch
 
 from ridge.config import ModelConfig
 from ridge.layers.kernels import TorchKernels
+from ridge.layers.linear import ExpertLinear
 from ridge.models.moe import SparseMoE
 from ridge.quantization.config import QuantizationConfig
 
@@ -33,7 +34,7 @@ def per_token_reference(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for j in range(moe.top_k):
-            out[t] += weights[t, j] * moe.experts[int(ids[t, j])](x[t : t + 1], ops)[0]
+            out[t] += weights[t, j] * moe.experts.forward_expert(x[t : t + 1], int(ids[t, j]), ops)[0]
     if moe.shared_mlp is not None:
         shared = moe.shared_mlp(x, ops)
         if moe.shared_expert_gate is not None:
@@ -53,20 +54,60 @@ def test_grouped_execution_equals_a_per_token_loop(variant, tokens):
         torch.testing.assert_close(moe(x, TorchKernels()), per_token_reference(moe, x), rtol=1e-5, atol=1e-6)
 
 
+class ExpertProbe(TorchKernels):
+    """Records which expert rows each stacked-expert matmul asks for."""
+
+    def __init__(self) -> None:
+        self.experts_read: list[int] = []
+
+    def matmul(self, x, layer, rows=None):
+        if isinstance(layer, ExpertLinear):
+            assert rows is not None and rows.stop - rows.start == layer.rows_per_expert  # one expert's rows, no more
+            self.experts_read.append(rows.start // layer.rows_per_expert)
+        return super().matmul(x, layer, rows)
+
+
 def test_every_token_picking_one_expert_and_the_others_never_run():
     moe, cfg = make_moe("mixtral-moe")
     with torch.no_grad():
         moe.gate.weight.zero_()
         moe.gate.weight[2, 0] = 50.0  # every token with x[0] > 0 routes to expert 2 first, then ties
         moe.gate.weight[1, 0] = 40.0
-    ran = []
-    for e, expert in enumerate(moe.experts):
-        expert.register_forward_hook(lambda module, args, out, e=e: ran.append(e))
+    reference_out = None
     x = torch.randn(9, cfg.hidden_size).abs()
     with torch.no_grad():
-        out = moe(x, TorchKernels())
-    assert sorted(ran) == [1, 2] and moe.experts_touched == 2  # experts 0 and 3 were never read
-    torch.testing.assert_close(out, per_token_reference(moe, x), rtol=1e-5, atol=1e-6)
+        reference_out = per_token_reference(moe, x)
+        # poison the experts no token picks: a read of any of their weights would show as NaN
+        for layer in (moe.experts.gate_up_proj, moe.experts.down_proj):
+            for expert in (0, 3):
+                layer.weight[layer.expert_rows(expert)] = float("nan")
+        probe = ExpertProbe()
+        out = moe(x, probe)
+    assert sorted(set(probe.experts_read)) == [1, 2] and moe.experts_touched == 2
+    assert len(probe.experts_read) == 4  # gate_up and down of each, once for all its tokens
+    torch.testing.assert_close(out, reference_out, rtol=1e-5, atol=1e-6)
+
+
+def test_stacked_experts_read_only_their_rows_through_the_cpu_kernels():
+    """The packed stacked tensor sliced per expert (ridge's kernel) equals each expert's own matmul."""
+    from ridge.layers.cpu_kernels import select_kernels
+
+    kernels = select_kernels("auto", torch.device("cpu"), torch.bfloat16)
+    if isinstance(kernels, TorchKernels) and type(kernels) is TorchKernels:
+        pytest.skip("ridge's CPU kernels are not available here")
+    layer = ExpertLinear(4, 64, [32, 32])
+    with torch.no_grad():
+        layer.weight.normal_(0, 0.1)
+    layer.to(torch.bfloat16)
+    dense = layer.weight.detach().clone()
+    layer.method.process_weights_after_loading(layer, kernels)
+    assert layer.packed is not None and layer.weight.numel() == 0
+    x = torch.randn(5, 64).bfloat16()
+    for expert in range(4):
+        rows = layer.expert_rows(expert)
+        got = kernels.matmul(x, layer, rows)
+        torch.testing.assert_close(got.float(), (x @ dense[rows].T).float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(layer.method.dense_rows(layer, rows), dense[rows])
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
