@@ -79,7 +79,10 @@ class Router(nn.Module):
             self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts), requires_grad=False)
 
     def keep_float32(self) -> None:
-        """The correction bias stays float32 in any model dtype (a bf16 bias would change choices)."""
+        """The router's tensors stay float32 in any model dtype: it scores in float32 anyway
+        (a bf16 weight converts exactly, so this converts once instead of every step), and a
+        bf16 correction bias would change choices."""
+        self.weight = nn.Parameter(self.weight.detach().float(), requires_grad=False)
         if self.moe.topk_method == "noaux_tc":
             bias = self.e_score_correction_bias
             self.e_score_correction_bias = nn.Parameter(bias.detach().float(), requires_grad=False)
@@ -87,7 +90,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(T, k) expert ids and their weights (in x's dtype)."""
         moe = self.moe
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(x.float(), self.weight.float())  # (a no-op conversion once keep_float32 ran)
         scores = logits.softmax(dim=-1) if moe.scoring == "softmax" else logits.sigmoid()
         if moe.topk_method == "greedy":
             weights, ids = scores.topk(moe.top_k, dim=-1)
@@ -143,17 +146,19 @@ class SparseMoE(nn.Module):
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.experts.num_experts).tolist()
         token_of = order // self.top_k  # the token of each sorted (token, expert) pair
-        weight_of = weights.flatten()[order]
-        out = torch.zeros_like(x)
-        start, touched = 0, 0
+        rows = x[token_of]  # (T k, d): each expert's tokens side by side
+        outputs, start = [], 0
         for expert, count in enumerate(counts):
             if count:
-                rows = token_of[start : start + count]
-                y = self.experts.forward_expert(x[rows], expert, ops) * weight_of[start : start + count, None]
-                out.index_add_(0, rows, y)
-                touched += 1
-            start += count
-        self.experts_touched = touched
+                outputs.append(self.experts.forward_expert(rows[start : start + count], expert, ops))
+                start += count
+        self.experts_touched = len(outputs)
+        ys = torch.cat(outputs)
+        ys = ys * weights.flatten()[order, None]
+        # back to (token, k) order, then each token's k outputs summed: one scatter for all
+        # experts, and a token's sum is the same whatever else is in the batch
+        by_token = torch.empty_like(ys).index_copy_(0, order, ys)
+        out = by_token.view(x.shape[0], self.top_k, -1).sum(dim=1)
         shared = self.shared_mlp
         if shared is not None:
             y = shared(x, ops)
