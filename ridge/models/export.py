@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,6 +32,8 @@ from ridge.layers.linear import ExpertLinear
 
 # Llama-family checkpoints that llama.cpp runs as its "llama" architecture.
 GGUF_LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+# Checkpoint architecture -> llama.cpp architecture write_gguf can write it as
+GGUF_ARCHITECTURES = {**dict.fromkeys(GGUF_LLAMA_ARCHITECTURES, "llama"), "Qwen3MoeForCausalLM": "qwen3moe"}
 
 # Hugging Face name (after "model.layers.{i}.") -> GGUF name (after "blk.{i}.").
 _GGUF_LAYER_NAMES = {
@@ -43,6 +46,22 @@ _GGUF_LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+}
+# qwen3moe: q/k norms, the router, and each projection's experts stacked as one 3-D tensor
+# (E, rows, K) (the HF names of the stacks are write_gguf's own: experts.{e}.* stacked)
+_GGUF_QWEN3MOE_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.gate_proj.weight": "ffn_gate_exps.weight",
+    "mlp.experts.up_proj.weight": "ffn_up_exps.weight",
+    "mlp.experts.down_proj.weight": "ffn_down_exps.weight",
 }
 _GGUF_GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -140,16 +159,32 @@ def write_gguf(directory_or_state: str | Path | Mapping[str, torch.Tensor], hf_c
     import gguf  # optional: pip install gguf
 
     cfg = ModelConfig.from_hf_config(hf_config)
-    if cfg.architecture not in GGUF_LLAMA_ARCHITECTURES or cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or cfg.qk_norm:
-        raise ValueError(f"write_gguf writes plain Llama models (no biases, no q/k norm), not {cfg.architecture}")
+    arch = GGUF_ARCHITECTURES.get(cfg.architecture)
+    plain_llama = arch == "llama" and not (cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or cfg.qk_norm)
+    # llama.cpp's qwen3moe: every layer MoE, top-k renormalized, no shared expert
+    moe = cfg.moe
+    qwen3moe = (
+        arch == "qwen3moe"
+        and moe is not None
+        and len(moe.sparse_layers) == cfg.num_layers
+        and moe.norm_topk_prob
+        and not moe.shared_intermediate_size
+    )
+    if not (plain_llama or qwen3moe):
+        raise ValueError(
+            "write_gguf writes plain Llama models (no biases, no q/k norm) and Qwen3-MoE models with every "
+            f"layer sparse and norm_topk_prob, not this {cfg.architecture}"
+        )
     state = dict(_read_state(directory_or_state))
+    if qwen3moe:
+        state = _stack_experts(state, cfg)
     matrix_dtype = state["model.embed_tokens.weight"].dtype
     if matrix_dtype not in _GGUF_FILE_TYPES:
         raise ValueError(f"write_gguf: cannot store {matrix_dtype} tensors")
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(str(hf_config.get("_name_or_path") or "ridge-export"))
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -158,9 +193,15 @@ def write_gguf(directory_or_state: str | Path | Mapping[str, torch.Tensor], hf_c
     writer.add_head_count(cfg.num_heads)
     writer.add_head_count_kv(cfg.num_kv_heads)
     writer.add_rope_dimension_count(cfg.head_dim)
-    if cfg.head_dim * cfg.num_heads != cfg.hidden_size:
+    if cfg.head_dim * cfg.num_heads != cfg.hidden_size and not qwen3moe:
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
+    if qwen3moe:
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+        writer.add_expert_count(moe.num_experts)
+        writer.add_expert_used_count(moe.top_k)
+        writer.add_expert_feed_forward_length(moe.intermediate_size)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_vocab_size(cfg.vocab_size)
@@ -168,13 +209,19 @@ def write_gguf(directory_or_state: str | Path | Mapping[str, torch.Tensor], hf_c
     rope_factors = _add_rope_scaling(writer, gguf, cfg)
     _add_placeholder_vocab(writer, gguf, cfg)
 
-    for name, tensor in _gguf_tensors(state, cfg):
-        _add_tensor(writer, gguf, name, tensor)
+    # Tensor infos first, then each tensor made (an expert stack: copied) and written in turn,
+    # so at most one stacked tensor exists beside the model at a time.
+    entries = list(_gguf_tensors(state, cfg))
     if rope_factors is not None:
-        _add_tensor(writer, gguf, "rope_freqs.weight", rope_factors)
+        entries.append(_Entry("rope_freqs.weight", tuple(rope_factors.shape), torch.float32, lambda: rope_factors))
+    for entry in entries:
+        shape, np_dtype, nbytes, raw_dtype = _tensor_info(entry, gguf)
+        writer.add_tensor_info(entry.name, shape, np_dtype, nbytes, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for entry in entries:
+        writer.write_tensor_data(_as_array(entry.make(), entry.dtype))
     writer.close()
     return path
 
@@ -194,9 +241,46 @@ def _read_state(source) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, handle.get_tensor(name)
 
 
-def _gguf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(GGUF name, tensor) in llama.cpp's layout; raises ValueError on unknown or missing names."""
-    expected = {f"model.layers.{i}.{k}" for i in range(cfg.num_layers) for k in _GGUF_LAYER_NAMES}
+@dataclass
+class _Entry:
+    """A tensor to write: its GGUF name, shape and dtype now, its values when ``make()`` is called."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: Callable[[], torch.Tensor]
+
+
+class _ExpertStack:
+    """The (E, rows, K) stack of one projection's experts, built only when written."""
+
+    def __init__(self, parts: list[torch.Tensor]) -> None:
+        self.parts = parts
+        self.shape = (len(parts), *parts[0].shape)
+        self.dtype = parts[0].dtype
+
+    def materialize(self) -> torch.Tensor:
+        return torch.stack(self.parts)
+
+
+def _stack_experts(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict:
+    """experts.{e}.{proj}.weight of every layer -> one (E, rows, K) experts.{proj}.weight."""
+    out: dict = {n: t for n, t in state.items() if ".mlp.experts." not in n}
+    for layer in range(cfg.num_layers):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names = [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight" for e in range(cfg.moe.num_experts)]
+            missing = [n for n in names if n not in state]
+            if missing:
+                raise ValueError(f"write_gguf: missing {missing[:2]}")
+            out[f"model.layers.{layer}.mlp.experts.{proj}.weight"] = _ExpertStack([state[n] for n in names])
+    return out
+
+
+def _gguf_tensors(state: dict, cfg: ModelConfig) -> Iterator[_Entry]:
+    """What to write, in llama.cpp's names and layout; raises ValueError on unknown or missing names."""
+    qwen3moe = GGUF_ARCHITECTURES[cfg.architecture] == "qwen3moe"
+    layer_names = _GGUF_QWEN3MOE_LAYER_NAMES if qwen3moe else _GGUF_LAYER_NAMES
+    expected = {f"model.layers.{i}.{k}" for i in range(cfg.num_layers) for k in layer_names}
     expected |= {"model.embed_tokens.weight", "model.norm.weight"}
     if not cfg.tie_word_embeddings:
         expected.add("lm_head.weight")
@@ -204,35 +288,51 @@ def _gguf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> Iterator[
     if names != expected:
         extra, missing = sorted(names - expected), sorted(expected - names)
         raise ValueError(f"write_gguf: unexpected tensors {extra[:4]}, missing {missing[:4]}")
-    for name in sorted(names, key=_tensor_order):
+    for name in sorted(names, key=lambda n: _tensor_order(n, layer_names)):
         tensor = state[name]
+        make = tensor.materialize if isinstance(tensor, _ExpertStack) else (lambda t=tensor: t)
+        shape, dtype = tuple(tensor.shape), tensor.dtype
         if name in _GGUF_GLOBAL_NAMES:
-            yield _GGUF_GLOBAL_NAMES[name], tensor
+            yield _Entry(_GGUF_GLOBAL_NAMES[name], shape, dtype, make)
             continue
         layer, rest = name[len("model.layers.") :].split(".", 1)
-        if rest == "self_attn.q_proj.weight":
-            tensor = permute_for_llama_cpp(tensor, cfg.num_heads)
-        elif rest == "self_attn.k_proj.weight":
-            tensor = permute_for_llama_cpp(tensor, cfg.num_kv_heads)
-        yield f"blk.{layer}.{_GGUF_LAYER_NAMES[rest]}", tensor
+        # llama's RoPE pairs interleaved dims; qwen3moe rotates halves, as ridge and HF do
+        if rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight") and not qwen3moe:
+            heads = cfg.num_heads if rest == "self_attn.q_proj.weight" else cfg.num_kv_heads
+            make = lambda t=tensor, h=heads: permute_for_llama_cpp(t, h)  # noqa: E731
+        if rest == "mlp.gate.weight":  # the router in f32, as llama.cpp's converter leaves it
+            make, dtype = (lambda t=tensor: t.float()), torch.float32
+        yield _Entry(f"blk.{layer}.{layer_names[rest]}", shape, dtype, make)
 
 
-def _tensor_order(name: str) -> tuple:
+def _tensor_order(name: str, layer_names: dict[str, str] = _GGUF_LAYER_NAMES) -> tuple:
     # embeddings first, then layers in numeric order, then the final norm and head (as llama.cpp's converter)
     if name.startswith("model.layers."):
         layer, rest = name[len("model.layers.") :].split(".", 1)
-        return (1, int(layer), list(_GGUF_LAYER_NAMES).index(rest))
+        return (1, int(layer), list(layer_names).index(rest))
     return (0 if name == "model.embed_tokens.weight" else 2, 0, name)
 
 
-def _add_tensor(writer, gguf, name: str, tensor: torch.Tensor) -> None:
+def _tensor_info(entry: _Entry, gguf) -> tuple[tuple[int, ...], object, int, object]:
+    """(shape as handed over, numpy dtype, bytes, raw GGML type) of what ``_as_array`` gives."""
+    import numpy as np
+
+    count = math.prod(entry.shape)
+    if len(entry.shape) == 1 or entry.dtype is torch.float32:
+        return entry.shape, np.dtype(np.float32), 4 * count, None
+    if entry.dtype is torch.float16:
+        return entry.shape, np.dtype(np.float16), 2 * count, None
+    # bf16: numpy has no bf16, so the raw bytes go with their GGML type
+    return (*entry.shape[:-1], 2 * entry.shape[-1]), np.dtype(np.uint8), 2 * count, gguf.GGMLQuantizationType.BF16
+
+
+def _as_array(tensor: torch.Tensor, dtype: torch.dtype):
     tensor = tensor.detach().to("cpu").contiguous()
-    if tensor.dim() == 1 or tensor.dtype is torch.float32:
-        writer.add_tensor(name, tensor.float().numpy())
-    elif tensor.dtype is torch.float16:
-        writer.add_tensor(name, tensor.numpy())
-    else:  # bf16: numpy has no bf16, so hand over the raw bytes with their GGML type
-        writer.add_tensor(name, tensor.view(torch.uint8).numpy(), raw_dtype=gguf.GGMLQuantizationType.BF16)
+    if tensor.dim() == 1 or dtype is torch.float32:
+        return tensor.float().numpy()
+    if dtype is torch.float16:
+        return tensor.numpy()
+    return tensor.view(torch.uint8).numpy()
 
 
 def _add_rope_scaling(writer, gguf, cfg: ModelConfig) -> torch.Tensor | None:

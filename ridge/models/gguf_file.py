@@ -27,7 +27,12 @@ import torch
 
 from ridge.quantization.formats import FORMATS, Q4_1, Q8_0, BlockFormat
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}
 DENSE_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 NATIVE_TYPES = {f.ggml_name: f for f in FORMATS.values()}
 # K-quants, and the 5-bit types llama.cpp falls back to where K is not a multiple of 256
@@ -49,7 +54,12 @@ LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # an MoE layer's router
 }
+# An MoE layer's experts, one 3-D tensor (E, rows, K) per projection: split into each
+# expert's (rows, K) (views of the mapped file) under Hugging Face's per-expert names, which
+# the loader stacks again into ridge's experts.gate_up_proj / experts.down_proj.
+EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -132,11 +142,24 @@ class GGUFModel:
         embed = self.tensors.get("model.embed_tokens.weight")
         if embed is None:
             raise ValueError(f"{self.path.name}: tensor 'token_embd.weight' is missing")
+        moe = {}
+        if a == "qwen3moe":  # llama.cpp's qwen3moe: every layer MoE, softmax top-k renormalized
+            expert_ff = self._required(f"{a}.expert_feed_forward_length")
+            moe = {
+                "num_experts": self._required(f"{a}.expert_count"),
+                "num_experts_per_tok": self._required(f"{a}.expert_used_count"),
+                "moe_intermediate_size": expert_ff,
+                "norm_topk_prob": True,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+            }
         config = {
             "architectures": [ARCHITECTURES[a]],
-            "model_type": a,
+            "model_type": "qwen3_moe" if a == "qwen3moe" else a,
             "hidden_size": hidden,
-            "intermediate_size": self._required(f"{a}.feed_forward_length"),
+            "intermediate_size": int(self._field(f"{a}.feed_forward_length", 0))
+            or self._required(f"{a}.expert_feed_forward_length" if moe else f"{a}.feed_forward_length"),
+            **moe,
             "num_hidden_layers": self._required(f"{a}.block_count"),
             "num_attention_heads": heads,
             "num_key_value_heads": int(self._field(f"{a}.attention.head_count_kv", heads)),
@@ -180,6 +203,10 @@ class GGUFModel:
         kv_heads = self._field(f"{self.arch}.attention.head_count_kv", heads)
         for t in self.reader.tensors:
             type_name = t.tensor_type.name
+            parts = t.name.split(".")
+            if len(parts) == 4 and parts[0] == "blk" and parts[2] in EXPERT_TENSORS and type_name in SUPPORTED_TYPES:
+                tensors.update(self._split_experts(t, int(parts[1]), EXPERT_TENSORS[parts[2]]))
+                continue
             hf_name = _hf_name(t.name)
             if hf_name is None:
                 raise ValueError(f"{self.path.name}: unexpected tensor {t.name!r} for architecture {self.arch!r}")
@@ -202,6 +229,19 @@ class GGUFModel:
                 data = _unpermute_rows(data, int(n_heads))
             tensors[hf_name] = GGUFTensor(hf_name, type_name, shape, data)
         return tensors
+
+    def _split_experts(self, t, layer: int, proj: str) -> dict[str, GGUFTensor]:
+        type_name = t.tensor_type.name
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # (E, rows, K)
+        if len(shape) != 3 or t.data.nbytes != _nbytes(type_name, shape):
+            raise ValueError(f"{self.path.name}: tensor {t.name!r} is truncated or corrupt")
+        experts, rows = shape[0], shape[1]
+        data = t.data.reshape(experts, rows, -1)
+        return {
+            name: GGUFTensor(name, type_name, shape[1:], data[e])
+            for e in range(experts)
+            for name in [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"]
+        }
 
     def tensor_formats(self) -> dict[str, str]:
         return {name: t.type_name for name, t in self.tensors.items()}
@@ -281,7 +321,7 @@ def widest(formats: list[BlockFormat | None]) -> BlockFormat | None:
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
 
-def _layer_of(name: str, packed_modules: dict[str, tuple[str, int]]) -> str | None:
+def _layer_of(name: str, packed_modules: dict[str, tuple[str, int]], stacking: dict | None = None) -> str | None:
     """HF tensor name -> the ridge linear layer it loads into (None: not a linear weight)."""
     if not name.endswith(".weight"):
         return None
@@ -289,26 +329,33 @@ def _layer_of(name: str, packed_modules: dict[str, tuple[str, int]]) -> str | No
     parent, _, child = module.rpartition(".")
     if child not in PROJECTIONS:
         return None
+    owner, _, index = parent.rpartition(".")
+    if stacking and child in stacking and owner.endswith(".experts") and index.isdigit():
+        return f"{owner}.{stacking[child][0]}"  # one expert's projection: its layer's stacked tensor
     return f"{parent}.{packed_modules[child][0]}" if child in packed_modules else module
 
 
-def layer_formats(model: GGUFModel, packed_modules: dict[str, tuple[str, int]]) -> dict[str, BlockFormat | None]:
-    """ridge linear layer name -> the format its GGUF tensors ask for (a packed layer: the
-    widest of its shards'); dense tensors give None (the --quantization policy decides)."""
+def layer_formats(
+    model: GGUFModel, packed_modules: dict[str, tuple[str, int]], stacking: dict | None = None
+) -> dict[str, BlockFormat | None]:
+    """ridge linear layer name -> the format its GGUF tensors ask for (a packed or stacked
+    layer: the widest of its shards'); dense tensors give None (the --quantization policy decides)."""
     wanted: dict[str, list[BlockFormat | None]] = {}
     for name, tensor in model.tensors.items():
-        layer = _layer_of(name, packed_modules)
+        layer = _layer_of(name, packed_modules, stacking)
         if layer is not None:
             wanted.setdefault(layer, []).append(target_format(tensor.type_name))
     return {layer: widest(formats) for layer, formats in wanted.items()}
 
 
-def conversions(model: GGUFModel, formats: dict[str, BlockFormat | None], packed_modules) -> list[str]:
+def conversions(
+    model: GGUFModel, formats: dict[str, BlockFormat | None], packed_modules, stacking: dict | None = None
+) -> list[str]:
     """What was converted into what, for the start-up log ('Q6_K -> int8 (Q8_0; requantized): 23 tensors')."""
     counts: dict[str, int] = {}
     for name, tensor in model.tensors.items():
         source = tensor.type_name
-        layer = _layer_of(name, packed_modules)
+        layer = _layer_of(name, packed_modules, stacking)
         if layer is None:
             what = f"{source} -> dense ({name.split('.')[-2]}, dequantized)" if source not in DENSE_TYPES else None
         elif formats.get(layer) is None:

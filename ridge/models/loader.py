@@ -75,7 +75,8 @@ def load_model(
     context_limit = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
     quantization = quantization or QuantizationConfig()
     if isinstance(model_dir, GGUFModel):
-        quantization.file_formats = gguf_layer_formats(model_dir, model_class(config.architecture).packed_modules)
+        cls = model_class(config.architecture)
+        quantization.file_formats = gguf_layer_formats(model_dir, cls.packed_modules, cls.expert_stacking)
     model = _empty_model(config, context_limit, dtype, device, quantization)
     if model_dir is None:
         _init_random(model, seed)
@@ -216,7 +217,7 @@ def _load_gguf(model: torch.nn.Module, gguf: GGUFModel) -> None:
         load_tensor(model, modules, target, tensor.dense(), name)
         loaded.add(param_name if shard is None else f"{param_name}#{shard}")
     _check_complete(model, loaded)
-    for line in conversions(gguf, model.quant_config.file_formats, model.packed_modules):
+    for line in conversions(gguf, model.quant_config.file_formats, model.packed_modules, model.expert_stacking):
         logger.info("%s: %s", gguf.path.name, line)
 
 

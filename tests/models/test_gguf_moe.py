@@ -1,0 +1,116 @@
+"""Qwen3-MoE as llama.cpp's qwen3moe GGUF: ridge writes it (experts stacked into 3-D tensors),
+reads it back (split per expert, stacked again into its own layout), and computes what the
+Hugging Face directory computes; llama.cpp, where installed, agrees on the greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from ridge import LLM, SamplingParams
+from ridge.models.export import hf_state_dict, write_gguf
+
+from .hf_tiny import COMMON
+
+gguf = pytest.importorskip("gguf")
+
+PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 250, 3, 3, 3, 17]]
+
+
+@pytest.fixture(scope="module")
+def qwen3moe_dir(tmp_path_factory):
+    config = transformers.Qwen3MoeConfig(
+        **{
+            **COMMON,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "head_dim": 16,
+            "tie_word_embeddings": False,
+        }
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.08)
+    directory = tmp_path_factory.mktemp("qwen3moe")
+    model.save_pretrained(directory)
+    return directory
+
+
+def _run(llm) -> tuple[list[list[int]], list[torch.Tensor]]:
+    outs = llm.generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0), use_tqdm=False
+    )
+    return [o.outputs[0].token_ids for o in outs], [torch.tensor(o.outputs[0].cumulative_logprob) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def qwen3moe_gguf(qwen3moe_dir, tmp_path_factory):
+    llm = LLM(str(qwen3moe_dir), tokenizer="bytes", dtype="float32", num_kv_blocks=64, kernels="torch")
+    path = tmp_path_factory.mktemp("gguf") / "tiny-qwen3moe-f32.gguf"
+    write_gguf(hf_state_dict(llm), llm.engine.hf_config, path)
+    return path
+
+
+def test_the_qwen3moe_file_holds_stacked_experts(qwen3moe_gguf):
+    reader = gguf.GGUFReader(qwen3moe_gguf)
+    assert reader.fields["general.architecture"].contents() == "qwen3moe"
+    assert reader.fields["qwen3moe.expert_count"].contents() == 8
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    assert shapes["blk.0.ffn_gate_exps.weight"] == (8, 32, 64)
+    assert shapes["blk.1.ffn_down_exps.weight"] == (8, 64, 32)
+    assert shapes["blk.0.ffn_gate_inp.weight"] == (8, 64)
+
+
+def test_ridge_reads_its_qwen3moe_gguf_back_to_the_same_outputs(qwen3moe_dir, qwen3moe_gguf):
+    from_dir = LLM(str(qwen3moe_dir), tokenizer="bytes", dtype="float32", num_kv_blocks=64)
+    from_file = LLM(str(qwen3moe_gguf), tokenizer="bytes", dtype="float32", num_kv_blocks=64)
+    assert from_file.engine.model_config.moe == from_dir.engine.model_config.moe
+    tokens_dir, logprob_dir = _run(from_dir)
+    tokens_file, logprob_file = _run(from_file)
+    assert tokens_file == tokens_dir
+    torch.testing.assert_close(torch.stack(logprob_file), torch.stack(logprob_dir), rtol=1e-4, atol=1e-4)
+
+
+def test_a_q8_0_qwen3moe_file_loads_its_experts_as_int8_blocks(qwen3moe_dir, tmp_path):
+    """llama.cpp's quantizer writes Q8_0 experts; ridge loads their bytes as they are."""
+    lc = pytest.importorskip("llama_cpp")
+    import ctypes
+
+    llm = LLM(str(qwen3moe_dir), tokenizer="bytes", dtype="float32", num_kv_blocks=64, kernels="torch")
+    source = tmp_path / "f32.gguf"
+    write_gguf(hf_state_dict(llm), llm.engine.hf_config, source)
+    target = tmp_path / "q8_0.gguf"
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = lc.LLAMA_FTYPE_MOSTLY_Q8_0
+    assert lc.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) == 0
+    quantized = LLM(str(target), tokenizer="bytes", dtype="float32", num_kv_blocks=64)
+    experts = quantized.engine.model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.method.name == "int8" and experts.down_proj.method.name == "int8"
+    tokens, _ = _run(quantized)
+    reference, _ = _run(llm)
+    agree = sum(a == b for x, y in zip(tokens, reference) for a, b in zip(x, y)) / sum(map(len, reference))
+    assert agree >= 0.75  # int8 weights: nearly every greedy token the same
+
+
+def test_llama_cpp_decodes_the_same_greedy_tokens(qwen3moe_dir, qwen3moe_gguf):
+    lc = pytest.importorskip("llama_cpp")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from compare import LlamaCppRunner
+
+    runner = LlamaCppRunner(qwen3moe_gguf, threads=2, context_per_seq=64)
+    try:
+        theirs = runner.run_batch([PROMPTS[0]], 12).tokens[0]
+    finally:
+        runner.close()
+    ours = LLM(str(qwen3moe_gguf), tokenizer="bytes", dtype="float32", num_kv_blocks=64)
+    assert lc is not None
+    assert _run(ours)[0][0][:8] == theirs[:8]
