@@ -19,6 +19,8 @@ from ridge.layers.rotary import RotaryEmbedding, rotate_half
 from ridge.quantization.formats import Q4_0, Q4_1, Q8_0, BlockFormat
 from ridge.quantization.methods import PACKED_ROW_BLOCK
 
+# Query heads per KV head from which the generic decode-attention kernel gives way to GEMMs
+MANY_HEADS_PER_KV_HEAD = 8
 # The extension's format codes (csrc/linear_quant.cpp)
 QUANT_KERNEL_CODES = {Q8_0.name: 0, Q4_0.name: 1, Q4_1.name: 2}
 
@@ -173,4 +175,9 @@ class CpuKernels(TorchKernels):
         args = (q, k_cache, v_cache, tables, lens, scale)
         if q.dtype is torch.bfloat16 and head_dim % 16 == 0 and head_dim <= 256 and k_cache.numel() < 2**32:
             return self.ext.paged_decode_attention_bf16(*args)  # AVX-512, 16 lanes of a head at a time
+        if q.shape[1] // k_cache.shape[2] >= MANY_HEADS_PER_KV_HEAD:
+            # MLA's latent (all heads on one KV vector, 576 wide in DeepSeek-V3): the generic
+            # kernel runs one job per (sequence, KV head), a single thread at batch 1, while
+            # the torch path's gathered copy feeds batched GEMMs (heads x context) on every core
+            return super().decode_attention(q, cache, meta, scale)
         return self.ext.paged_decode_attention(*args)

@@ -44,15 +44,20 @@ def mla_attention(
     kv_b_proj: Linear,
     scale: float,
     ops,
+    absorb_decode: bool = True,
 ) -> torch.Tensor:
     """q_nope (T, H, nope), q_rope (T, H, p) rotated, entry (T, 1, r + p) this step's cache
     vectors (latent normalized, k_rope rotated) -> attention output (T, H, v).
 
     ``absorbed``: (W_uk (H, nope, r), W_uv (H, v, r)), kv_b_proj's weight split per head.
+    ``absorb_decode`` False runs decode rows the expanded way too (each sequence's whole
+    context through kv_b_proj every step): the comparison the absorbed form is measured against.
     """
     write_slots(cache.k, cache.k_scale, entry, meta.slot_mapping, cache.kind)
     w_uk, w_uv = absorbed
     num_decodes, tokens = meta.num_decode_tokens, q_nope.shape[0]
+    if num_decodes and not absorb_decode:
+        return _all_expanded(q_nope, q_rope, entry, cache, meta, kv_b_proj, scale, ops, w_uv.shape[1])
     if num_decodes == tokens:
         return _absorbed_decode(q_nope, q_rope, cache, meta, w_uk, w_uv, scale, ops)
     out = q_nope.new_empty(tokens, w_uv.shape[0], w_uv.shape[1])
@@ -61,6 +66,19 @@ def mla_attention(
             q_nope[:num_decodes], q_rope[:num_decodes], cache, meta, w_uk, w_uv, scale, ops
         )
     for chunk in meta.prefills:
+        s, e = chunk.start, chunk.end
+        out[s:e] = _expanded_prefill(q_nope[s:e], q_rope[s:e], entry[s:e], cache, chunk, kv_b_proj, scale, ops)
+    return out
+
+
+def _all_expanded(q_nope, q_rope, entry, cache, meta, kv_b_proj, scale, ops, v_dim) -> torch.Tensor:
+    """Every row expanded: a decode row is a one-token chunk at the end of its context."""
+    out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], v_dim)
+    chunks = [
+        PrefillChunk(i, i + 1, int(meta.decode_context_lens[i]), meta.decode_block_tables[i])
+        for i in range(meta.num_decode_tokens)
+    ]
+    for chunk in chunks + list(meta.prefills):
         s, e = chunk.start, chunk.end
         out[s:e] = _expanded_prefill(q_nope[s:e], q_rope[s:e], entry[s:e], cache, chunk, kv_b_proj, scale, ops)
     return out

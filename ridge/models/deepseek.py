@@ -75,6 +75,7 @@ class DeepseekAttention(nn.Module):
         )
         self.scale = mla_softmax_scale(cfg)
         self.absorbed: tuple[torch.Tensor, torch.Tensor] | None = None  # set by absorb()
+        self.absorb_decode = True  # False: decode expanded too (benchmarks/mla_decode.py compares)
 
     def absorb(self) -> None:
         """kv_b_proj's weight split per head for the absorbed decode: W_uk (H, nope, r) and
@@ -114,6 +115,7 @@ class DeepseekAttention(nn.Module):
             self.kv_b_proj,
             self.scale,
             ops,
+            self.absorb_decode,
         )
         return ops.matmul(out.flatten(1), self.o_proj)
 

@@ -93,3 +93,21 @@ def test_the_latent_cache_holds_rank_plus_rope_values_per_token_and_layer():
     assert engine.kv_bytes_per_block == 4 * per_token * 4  # float32
     shape = ModelShape.from_hf_config(get_preset("tiny-deepseek-v3"))
     assert shape.kv_cache_elements_per_token() == per_token  # the analyzer agrees
+
+
+def test_the_expanded_decode_form_generates_what_the_absorbed_one_does():
+    """benchmarks/mla_decode.py's comparison runs the same arithmetic both ways."""
+    from ridge import LLM, SamplingParams
+    from ridge.models.deepseek import DeepseekAttention
+
+    llm = LLM("random:tiny-deepseek-v3", device="cpu", dtype="float32", num_kv_blocks=64, block_size=4)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    absorbed = llm.generate(prompts, params, use_tqdm=False)
+    for module in llm.engine.model.modules():
+        if isinstance(module, DeepseekAttention):
+            module.absorb_decode = False
+    expanded = llm.generate(prompts, params, use_tqdm=False)
+    for a, e in zip(absorbed, expanded):
+        assert a.outputs[0].token_ids == e.outputs[0].token_ids
+        assert abs(a.outputs[0].cumulative_logprob - e.outputs[0].cumulative_logprob) < 1e-4

@@ -74,6 +74,18 @@ VARIANTS = {
             tie_word_embeddings=False,
         ),
     ),
+    "qwen3-moe-top1-raw": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(
+            num_experts=4,
+            num_experts_per_tok=1,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,  # top-1 weighted by its raw softmax probability
+            head_dim=16,
+            tie_word_embeddings=True,
+        ),
+    ),
     # DeepSeek: latent attention (with and without q_lora_rank), grouped routers, shared experts, dense first layers
     "deepseek-v2-lite": (
         transformers.DeepseekV2Config,
