@@ -36,6 +36,17 @@ class TorchKernels:
             return layer.method.apply_rows(layer, x, rows)
         return layer.method.apply(layer, x)
 
+    def grouped_matmul(self, x: torch.Tensor, layer, counts: list[int]) -> torch.Tensor:
+        """A stacked-expert layer (``ExpertLinear``) on rows sorted by expert: the first
+        counts[0] rows through expert 0's rows of W, the next counts[1] through expert 1's, ...
+        An expert with no rows is never read. Here: one ``matmul`` per expert."""
+        outputs, start = [], 0
+        for expert, count in enumerate(counts):
+            if count:
+                outputs.append(self.matmul(x[start : start + count], layer, layer.expert_rows(expert)))
+                start += count
+        return torch.cat(outputs) if outputs else x.new_empty(0, layer.rows_per_expert)
+
     # Repacking, asked for by each layer's method once its weights are loaded. These kernels
     # keep every format as loaded (None: not repacked).
     def pack_dense(self, weight: torch.Tensor) -> torch.Tensor | None:
@@ -115,6 +126,19 @@ class CpuKernels(TorchKernels):
         if x.dtype not in (torch.bfloat16, torch.float32):
             return super().matmul(x, layer, rows)
         return self.ext.linear_quant(x, packed, QUANT_KERNEL_CODES[fmt.name], n, bias)
+
+    def grouped_matmul(self, x, layer, counts):
+        """All of a layer's experts in one C++ call (the packed stacked tensor sliced per expert)."""
+        packed, fmt, n = layer.packed, layer.method.format, layer.rows_per_expert
+        if packed is None or packed.device != x.device or n % PACKED_ROW_BLOCK:
+            return super().grouped_matmul(x, layer, counts)
+        if fmt is None:
+            if x.dtype is not torch.bfloat16:
+                return super().grouped_matmul(x, layer, counts)
+            return self.ext.linear_bf16_grouped(x, packed, n, counts)
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            return super().grouped_matmul(x, layer, counts)
+        return self.ext.linear_quant_grouped(x, packed, QUANT_KERNEL_CODES[fmt.name], n, counts)
 
     def pack_dense(self, weight):
         """bf16 CPU weights into linear_bf16's blocks of 16 rows x 2 k."""

@@ -53,6 +53,12 @@ class StackedExperts(nn.Module):
             num_experts, inter, [hidden], method=quant.method_for(f"{prefix}.down_proj", inter)
         )
 
+    def forward(self, rows: torch.Tensor, counts: list[int], ops) -> torch.Tensor:
+        """rows sorted by expert, counts[e] of them for expert e -> each row through its
+        expert (one grouped matmul per projection; SiLU-gating once over all rows)."""
+        gate_up = ops.grouped_matmul(rows, self.gate_up_proj, counts)
+        return ops.grouped_matmul(ops.silu_mul(gate_up), self.down_proj, counts)
+
     def forward_expert(self, x: torch.Tensor, expert: int, ops) -> torch.Tensor:
         """Expert ``expert`` on rows x: only its rows of each projection are read."""
         gate_up = ops.matmul(x, self.gate_up_proj, self.gate_up_proj.expert_rows(expert))
@@ -146,19 +152,16 @@ class SparseMoE(nn.Module):
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.experts.num_experts).tolist()
         token_of = order // self.top_k  # the token of each sorted (token, expert) pair
-        rows = x[token_of]  # (T k, d): each expert's tokens side by side
-        outputs, start = [], 0
-        for expert, count in enumerate(counts):
-            if count:
-                outputs.append(self.experts.forward_expert(rows[start : start + count], expert, ops))
-                start += count
-        self.experts_touched = len(outputs)
-        ys = torch.cat(outputs)
-        ys = ys * weights.flatten()[order, None]
-        # back to (token, k) order, then each token's k outputs summed: one scatter for all
-        # experts, and a token's sum is the same whatever else is in the batch
-        by_token = torch.empty_like(ys).index_copy_(0, order, ys)
-        out = by_token.view(x.shape[0], self.top_k, -1).sum(dim=1)
+        rows = x.index_select(0, token_of)  # (T k, d): each expert's tokens side by side
+        self.experts_touched = sum(1 for c in counts if c)
+        ys = self.experts.forward(rows, counts, ops) * weights.flatten()[order, None]
+        # back to (token, k) order, then each token's k outputs summed (in float32, rounded
+        # once): one gather for all experts, and a token's sum is the same whatever else is
+        # in the batch
+        unsort = torch.empty_like(order)
+        unsort[order] = torch.arange(order.numel(), device=order.device)
+        by_token = ys.index_select(0, unsort).view(x.shape[0], self.top_k, -1)
+        out = by_token.sum(dim=1, dtype=torch.float32).to(x.dtype)
         shared = self.shared_mlp
         if shared is not None:
             y = shared(x, ops)

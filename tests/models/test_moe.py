@@ -110,6 +110,37 @@ def test_stacked_experts_read_only_their_rows_through_the_cpu_kernels():
         torch.testing.assert_close(layer.method.dense_rows(layer, rows), dense[rows])
 
 
+@pytest.mark.parametrize("fmt", [None, "int8", "int4", "int4_asym"])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_grouped_cpu_kernel_equals_one_matmul_per_expert(fmt, x_dtype):
+    """One C++ call for all experts of a stacked layer (rows sorted by expert, some experts
+    with none) against the torch reference on each expert's own rows of W."""
+    from ridge.layers.cpu_kernels import select_kernels
+
+    kernels = select_kernels("auto", torch.device("cpu"), torch.bfloat16)
+    if type(kernels) is TorchKernels:
+        pytest.skip("ridge's CPU kernels are not available here")
+    if fmt is None and x_dtype is torch.float32:
+        pytest.skip("the bf16 kernel takes bf16 activations")
+    layer = ExpertLinear(5, 64, [32, 32], method=QuantizationConfig.from_name(fmt).method_for("e.gate_up_proj", 64))
+    gen = torch.Generator().manual_seed(1)
+    dense = torch.randn(layer.out_features, 64, generator=gen) * 0.1
+    if fmt is None:
+        layer.weight.data = dense.bfloat16()
+    else:
+        layer.method.load_weight(layer, dense, None)
+    reference_kernels = TorchKernels()
+    counts = [3, 0, 17, 1, 0]  # experts 1 and 4 picked by no row
+    x = torch.randn(sum(counts), 64, generator=gen).to(x_dtype)
+    expected = reference_kernels.grouped_matmul(x, layer, counts).float()
+    layer.method.process_weights_after_loading(layer, kernels)
+    assert layer.packed is not None
+    got = kernels.grouped_matmul(x, layer, counts).float()
+    assert got.shape == (21, 64)
+    # bf16 rounding, and per-32 int8 activations in the block formats
+    assert ((got - expected).norm() / expected.norm()).item() < (0.01 if fmt is None else 0.03)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_quantized_experts_match_their_dequantized_reference(fmt):
     """Experts in a block format through the engine's kernels (ridge's integer kernel where the

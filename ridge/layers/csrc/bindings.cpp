@@ -5,6 +5,9 @@ torch::Tensor pack_vnni(torch::Tensor w);
 torch::Tensor unpack_vnni(torch::Tensor packed, int64_t N, int64_t K);
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias);
 bool linear_bf16_uses_amx(int64_t K);
+torch::Tensor linear_bf16_grouped(torch::Tensor x, torch::Tensor packed, int64_t N, std::vector<int64_t> counts);
+torch::Tensor linear_quant_grouped(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_t N,
+                                   std::vector<int64_t> counts);
 torch::Tensor pack_quant(torch::Tensor blocks, int64_t fmt, int64_t N, int64_t K);
 torch::Tensor unpack_quant(torch::Tensor packed, int64_t fmt, int64_t N, int64_t K);
 torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_t N,
@@ -25,6 +28,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_vnni", &pack_vnni, "(N, K) bf16 -> (N/16, K/2, 16, 2) blocks for linear_bf16");
   m.def("unpack_vnni", &unpack_vnni, "the inverse of pack_vnni");
   m.def("linear_bf16", &linear_bf16, "y = x @ W.T (+ bias) with W packed by pack_vnni; bfloat16, AVX-512 BF16");
+  m.def("linear_bf16_grouped", &linear_bf16_grouped,
+        "stacked experts: x rows sorted by expert (counts per expert) times each expert's rows of W");
+  m.def("linear_quant_grouped", &linear_quant_grouped, "linear_bf16_grouped for Q8_0 / Q4_0 / Q4_1 weights");
   m.def("linear_bf16_uses_amx", &linear_bf16_uses_amx, "whether linear_bf16 runs 2+ rows on AMX tiles for this K");
   m.def("pack_quant", &pack_quant, "(N, K/32 * type_size) GGUF blocks -> blocks of 16 rows for linear_quant");
   m.def("unpack_quant", &unpack_quant, "the inverse of pack_quant");

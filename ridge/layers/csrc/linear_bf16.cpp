@@ -355,6 +355,28 @@ torch::Tensor unpack_vnni(torch::Tensor packed, int64_t N, int64_t K) {
   return out;
 }
 
+// M rows of x (row-major, K wide) times the N rows of packed W: the path the row count asks for.
+static void linear_bf16_rows(const bf16* x, int64_t M, int64_t K, const bf16* wp, int64_t N, const float* bias,
+                             bf16* y) {
+  if (M <= 0) return;
+  if (M > 1 && linear_bf16_uses_amx(K)) {
+    gemm_amx(x, M, K, wp, N, bias, y);
+    return;
+  }
+  if (M <= SMALL_M) {
+    gemm(x, M, K, wp, N, bias, y);
+    return;
+  }
+  const int64_t padded = (M + 7) / 8 * 8;  // whole tiles of 8 rows (zeros; their outputs are dropped)
+  if (padded != M) {
+    std::vector<bf16> xp(padded * K, bf16(0.f));
+    std::memcpy(xp.data(), x, M * K * sizeof(bf16));
+    gemm_large_m<8, 3>(xp.data(), M, K, wp, N, bias, y);
+  } else {
+    gemm_large_m<8, 3>(x, M, K, wp, N, bias, y);
+  }
+}
+
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "linear_bf16: bfloat16 only");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear_bf16: CPU tensors only");
@@ -362,18 +384,32 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
   const int64_t M = call.M, K = call.K;
   TORCH_CHECK(packed.dim() == 4 && packed.size(0) == (N + 15) / 16 && packed.size(1) == (K + 1) / 2,
               "linear_bf16: packed weight does not match (N, K)");
-  bf16* y = call.y.data_ptr<bf16>();
-  if (M > 1 && linear_bf16_uses_amx(K)) {
-    gemm_amx(call.x2.data_ptr<bf16>(), M, K, packed.data_ptr<bf16>(), N, call.bias, y);
-    return call.result();
-  }
-  if (M <= SMALL_M) {
-    if (M > 0) gemm(call.x2.data_ptr<bf16>(), M, K, packed.data_ptr<bf16>(), N, call.bias, y);
-    return call.result();
-  }
-  auto x2 = call.x2;
-  const int64_t padded = (M + 7) / 8 * 8;  // whole tiles of 8 rows (zeros; their outputs are dropped)
-  if (padded != M) x2 = torch::cat({x2, torch::zeros({padded - M, K}, x2.options())});
-  gemm_large_m<8, 3>(x2.data_ptr<bf16>(), M, K, packed.data_ptr<bf16>(), N, call.bias, y);
+  linear_bf16_rows(call.x2.data_ptr<bf16>(), M, K, packed.data_ptr<bf16>(), N, call.bias, call.y.data_ptr<bf16>());
   return call.result();
+}
+
+// Stacked experts (ExpertLinear): x's rows sorted by expert, counts[e] rows for expert e; each
+// run of rows times expert e's N rows of the stacked packed weight, which are its blocks
+// [e N/16, (e+1) N/16): one call per projection per layer, an expert with no rows never read.
+torch::Tensor linear_bf16_grouped(torch::Tensor x, torch::Tensor packed, int64_t N, std::vector<int64_t> counts) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "linear_bf16_grouped: bf16");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && x.dim() == 2, "linear_bf16_grouped: (R, K) on CPU");
+  TORCH_CHECK(N % 16 == 0, "linear_bf16_grouped: rows per expert must be a multiple of 16");
+  auto x2 = x.contiguous();
+  const int64_t R = x2.size(0), K = x2.size(1), E = static_cast<int64_t>(counts.size());
+  TORCH_CHECK(packed.dim() == 4 && packed.size(0) == E * N / 16 && packed.size(1) == (K + 1) / 2,
+              "linear_bf16_grouped: packed weight does not match (E * N, K)");
+  auto y = torch::empty({R, N}, x2.options());
+  const int64_t expert_elems = (N / 16) * packed.size(1) * 32;
+  int64_t row = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t c = counts[e];
+    TORCH_CHECK(c >= 0 && row + c <= R, "linear_bf16_grouped: counts do not add up to x's rows");
+    if (c == 0) continue;
+    linear_bf16_rows(x2.data_ptr<bf16>() + row * K, c, K, packed.data_ptr<bf16>() + e * expert_elems, N, nullptr,
+                     y.data_ptr<bf16>() + row * N);
+    row += c;
+  }
+  TORCH_CHECK(row == R, "linear_bf16_grouped: counts do not add up to x's rows");
+  return y;
 }

@@ -322,3 +322,36 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t fmt, i
   }
   return call.result();
 }
+
+// Stacked experts in a block format: as linear_bf16_grouped (expert e's rows of the stacked
+// weight are its packed blocks [e N/16, (e+1) N/16)).
+torch::Tensor linear_quant_grouped(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_t N,
+                                   std::vector<int64_t> counts) {
+  const Layout L = layout_of(fmt);
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && x.dim() == 2, "linear_quant_grouped: (R, K) on CPU");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "linear_quant_grouped: bf16 or f32 x");
+  TORCH_CHECK(N % ROWS == 0, "linear_quant_grouped: rows per expert must be a multiple of 16");
+  auto x2 = x.contiguous();
+  const int64_t R = x2.size(0), K = x2.size(1), E = static_cast<int64_t>(counts.size());
+  TORCH_CHECK(K % QK == 0 && packed.dim() == 3 && packed.size(0) == E * N / ROWS && packed.size(1) == K / QK &&
+                  packed.size(2) == L.chunk,
+              "linear_quant_grouped: packed weight does not match (E * N, K)");
+  auto y = torch::empty({R, N}, x2.options());
+  const int64_t expert_bytes = (N / ROWS) * (K / QK) * L.chunk;
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  int64_t row = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t c = counts[e];
+    TORCH_CHECK(c >= 0 && row + c <= R, "linear_quant_grouped: counts do not add up to x's rows");
+    if (c == 0) continue;
+    if (x2.scalar_type() == at::kFloat)
+      gemm<float>(fmt, x2.data_ptr<float>() + row * K, c, K, wp + e * expert_bytes, N, nullptr,
+                  y.data_ptr<float>() + row * N);
+    else
+      gemm<at::BFloat16>(fmt, x2.data_ptr<at::BFloat16>() + row * K, c, K, wp + e * expert_bytes, N, nullptr,
+                         y.data_ptr<at::BFloat16>() + row * N);
+    row += c;
+  }
+  TORCH_CHECK(row == R, "linear_quant_grouped: counts do not add up to x's rows");
+  return y;
+}
