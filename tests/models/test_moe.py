@@ -88,6 +88,19 @@ def test_every_token_picking_one_expert_and_the_others_never_run():
     torch.testing.assert_close(out, reference_out, rtol=1e-5, atol=1e-6)
 
 
+def test_a_top1_step_where_every_token_picks_the_same_expert_runs_only_it():
+    moe, cfg = make_moe("qwen3-moe-top1-raw")  # 4 experts, top-1
+    with torch.no_grad():
+        moe.gate.weight.zero_()
+        moe.gate.weight[3, 0] = 50.0
+        x = torch.randn(12, cfg.hidden_size).abs()
+        reference = per_token_reference(moe, x)
+        probe = ExpertProbe()
+        out = moe(x, probe)
+    assert probe.experts_read == [3, 3] and moe.experts_touched == 1  # one run of 12 rows per projection
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
+
+
 def test_stacked_experts_read_only_their_rows_through_the_cpu_kernels():
     """The packed stacked tensor sliced per expert (ridge's kernel) equals each expert's own matmul."""
     from ridge.layers.cpu_kernels import select_kernels
