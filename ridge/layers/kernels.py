@@ -25,6 +25,12 @@ MANY_HEADS_PER_KV_HEAD = 8
 QUANT_KERNEL_CODES = {Q8_0.name: 0, Q4_0.name: 1, Q4_1.name: 2}
 
 
+def _takes(x: torch.Tensor, fmt: BlockFormat | None) -> bool:
+    """Whether ridge's GEMMs take these activations: bf16 for bf16 weights; bf16 or float32
+    for the block formats (x is quantized per 32 anyway)."""
+    return x.dtype is torch.bfloat16 if fmt is None else x.dtype in (torch.bfloat16, torch.float32)
+
+
 class TorchKernels:
     name = "torch"
 
@@ -112,6 +118,8 @@ class CpuKernels(TorchKernels):
         packed, fmt = layer.packed, layer.method.format
         if packed is None or packed.device != x.device:
             return super().matmul(x, layer, rows)
+        if not _takes(x, fmt):
+            return super().matmul(x, layer, rows)
         n, bias = layer.out_features, layer.bias
         if rows is not None:
             # one expert's rows of a stacked layer: a contiguous run of the packed row blocks
@@ -120,24 +128,16 @@ class CpuKernels(TorchKernels):
             packed = packed[rows.start // PACKED_ROW_BLOCK : rows.stop // PACKED_ROW_BLOCK]
             n, bias = rows.stop - rows.start, None
         if fmt is None:
-            if x.dtype is not torch.bfloat16:
-                return super().matmul(x, layer, rows)
             return self.ext.linear_bf16(x, packed, n, bias)
-        if x.dtype not in (torch.bfloat16, torch.float32):
-            return super().matmul(x, layer, rows)
         return self.ext.linear_quant(x, packed, QUANT_KERNEL_CODES[fmt.name], n, bias)
 
     def grouped_matmul(self, x, layer, counts):
         """All of a layer's experts in one C++ call (the packed stacked tensor sliced per expert)."""
         packed, fmt, n = layer.packed, layer.method.format, layer.rows_per_expert
-        if packed is None or packed.device != x.device or n % PACKED_ROW_BLOCK:
+        if packed is None or packed.device != x.device or n % PACKED_ROW_BLOCK or not _takes(x, fmt):
             return super().grouped_matmul(x, layer, counts)
         if fmt is None:
-            if x.dtype is not torch.bfloat16:
-                return super().grouped_matmul(x, layer, counts)
             return self.ext.linear_bf16_grouped(x, packed, n, counts)
-        if x.dtype not in (torch.bfloat16, torch.float32):
-            return super().grouped_matmul(x, layer, counts)
         return self.ext.linear_quant_grouped(x, packed, QUANT_KERNEL_CODES[fmt.name], n, counts)
 
     def pack_dense(self, weight):

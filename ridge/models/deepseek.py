@@ -74,7 +74,7 @@ class DeepseekAttention(nn.Module):
             heads * mla.v_head_dim, d, bias=False, method=quant.method_for(f"{prefix}.o_proj", heads * mla.v_head_dim)
         )
         self.scale = mla_softmax_scale(cfg)
-        self.absorbed: tuple[torch.Tensor, torch.Tensor] | None = None  # set by absorb()
+        self.absorbed: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the first forward (absorb())
         self.absorb_decode = True  # False: decode expanded too (benchmarks/mla_decode.py compares)
 
     def absorb(self) -> None:
@@ -129,9 +129,3 @@ class DeepseekForCausalLM(LlamaForCausalLM):
     def kv_cache_spec(self) -> KVCacheSpec:
         """One latent + rotary key per token and layer, shared by all heads."""
         return KVCacheSpec(self.config.num_layers, 1, self.config.mla.cache_dim, keys_only=True)
-
-    def set_kernels(self, kernels) -> None:
-        super().set_kernels(kernels)
-        for module in self.modules():
-            if isinstance(module, DeepseekAttention):
-                module.absorb()

@@ -93,7 +93,7 @@ def hf_state_dict(engine_or_model) -> dict[str, torch.Tensor]:
         unpacked.setdefault(packed_name, []).append((shard, checkpoint_name))
     # stacked experts: experts.gate_up_proj -> experts.{e}.gate_proj / up_proj, ...
     unstacked: dict[str, list[tuple[int, int, str]]] = {}
-    for checkpoint_name, (stacked_name, index, per_expert) in getattr(model, "expert_stacking", {}).items():
+    for checkpoint_name, (stacked_name, index, per_expert) in model.expert_stacking.items():
         unstacked.setdefault(stacked_name, []).append((index, per_expert, checkpoint_name))
     modules = dict(model.named_modules())
     state: dict[str, torch.Tensor] = {}

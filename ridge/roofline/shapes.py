@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ridge.config import MODEL_TYPE_ARCHITECTURES, ModelConfig
+from ridge.config import MODEL_TYPE_ARCHITECTURES, MLAConfig, ModelConfig
 from ridge.models.presets import PRESETS, get_preset
 
 # Families whose config layout ridge knows; any other model_type with Llama-style keys is read
@@ -71,41 +71,6 @@ class MoEShape:
 
 
 @dataclass(frozen=True)
-class MLAShape:
-    """DeepSeek multi-head latent attention ranks.
-
-    The KV cache holds, per token and layer, the compressed latent (``kv_lora_rank``) and the
-    shared rotary key (``qk_rope_head_dim``); ``q_lora_rank`` None means a direct q projection.
-    """
-
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    q_lora_rank: int | None = None
-
-    def __post_init__(self) -> None:
-        _require_positive(
-            "MLAShape",
-            kv_lora_rank=self.kv_lora_rank,
-            qk_nope_head_dim=self.qk_nope_head_dim,
-            qk_rope_head_dim=self.qk_rope_head_dim,
-            v_head_dim=self.v_head_dim,
-        )
-        if self.q_lora_rank is not None:
-            _require_positive("MLAShape", q_lora_rank=self.q_lora_rank)
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def cache_dim(self) -> int:
-        """Elements cached per token per layer: latent + rotary key."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-
-@dataclass(frozen=True)
 class ModelShape:
     """Everything the roofline needs about a decoder-only model; validates itself.
 
@@ -130,7 +95,7 @@ class ModelShape:
     max_context: int | None = None  # max_position_embeddings: the longest sequence it was trained for
     moe: MoEShape | None = None
     num_dense_layers: int | None = None
-    mla: MLAShape | None = None
+    mla: MLAConfig | None = None  # the engine's own: latent ranks, qk_head_dim, cache_dim
     notes: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -243,10 +208,6 @@ class ModelShape:
                 router_bias=m.topk_method == "noaux_tc",
             )
             dense_layers = cfg.num_layers - len(m.sparse_layers)
-        mla = None
-        if cfg.mla is not None:
-            a = cfg.mla
-            mla = MLAShape(a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.q_lora_rank)
         return cls(
             name=name,
             hidden_size=cfg.hidden_size,
@@ -264,7 +225,7 @@ class ModelShape:
             max_context=cfg.max_position_embeddings,
             moe=moe,
             num_dense_layers=dense_layers if moe is not None else None,
-            mla=mla,
+            mla=cfg.mla,
             notes=cfg.notes,
         )
 
