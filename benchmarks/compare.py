@@ -118,7 +118,7 @@ class RidgeRunner:
     @property
     def weight_bytes_per_param(self) -> float:
         """What the loaded layers hold per matrix parameter (blocks and scales included)."""
-        model = self.llm.engine.model
+        model = self.llm.engine.executor.worker.model
         return model.linear_weight_bytes() / model.linear_weight_params()
 
     def run_batch(self, prompts: list[list[int]], new_tokens: int) -> Timed:

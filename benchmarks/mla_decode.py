@@ -40,7 +40,7 @@ def log(message: str) -> None:
 
 
 def set_form(llm, absorbed: bool) -> None:
-    for module in llm.engine.model.modules():
+    for module in llm.engine.executor.worker.model.modules():
         if isinstance(module, DeepseekAttention):
             module.absorb_decode = absorbed
 

@@ -48,7 +48,7 @@ def make_engine(model: str, blocks: int, quantization=None, kv_cache_dtype="auto
         max_num_seqs=64,
     )
     engine = LLMEngine(config)
-    fill_caches(engine.kv_caches)
+    fill_caches(engine.executor.worker.kv_caches)
     return engine
 
 
@@ -85,8 +85,8 @@ def step_seconds(engine: LLMEngine, batch: int, context: int, caches=None) -> fl
     ids = torch.randint(3, 200, (batch,))
     t = time.perf_counter()
     with torch.inference_mode():
-        hidden = engine.model(ids, positions, caches or engine.kv_caches, meta)
-        engine.model.compute_logits(hidden)
+        hidden = engine.executor.worker.model(ids, positions, caches or engine.executor.worker.kv_caches, meta)
+        engine.executor.worker.model.compute_logits(hidden)
     return time.perf_counter() - t
 
 
@@ -95,7 +95,7 @@ def attention_seconds(engine: LLMEngine, batch: int, context: int, caches) -> fl
     cfg = engine.model_config
     q = torch.randn(batch, cfg.num_heads, cfg.head_dim).bfloat16()
     t = time.perf_counter()
-    engine.model.kernels.decode_attention(q, caches[0], meta)
+    engine.executor.worker.model.kernels.decode_attention(q, caches[0], meta)
     return time.perf_counter() - t
 
 

@@ -154,6 +154,17 @@ class ModelPricing:
     kv_bytes: float  # per cached element
     act_bytes: float
 
+    @classmethod
+    def of(cls, info) -> ModelPricing:
+        """From a worker's ``ModelInfo``: weights priced by what the loaded layers hold (a
+        quantized layer's blocks and scales, a repacked layer's padding), not by the dtype."""
+        return cls(
+            ModelShape.from_model_config(info.config, info.source),
+            info.weight_bytes / max(1, info.weight_params),
+            info.kv_bytes_per_element,  # codes plus each token-head's scale
+            info.dtype.itemsize,
+        )
+
 
 @dataclass
 class Telemetry:

@@ -22,7 +22,6 @@ import torch
 
 from ridge.bench.common import dump_json, machine
 from ridge.engine.args import add_engine_args, engine_options
-from ridge.layers.attention import AttentionMetadata, PrefillChunk
 
 
 def register(subparsers) -> None:
@@ -47,17 +46,17 @@ def run(args: argparse.Namespace) -> int:
     reference_options = {**options, "quantization": None, "kv_cache_dtype": "auto"}
     reference = LLMEngine(EngineConfig.from_kwargs(args.reference or args.model, **reference_options))
     ids = _text_ids(reference, args)
-    ref_logprobs = sequence_logprobs(reference, ids)
+    ref_logprobs = reference.score(ids)
     ref_name = f"{args.reference or args.model} ({str(reference.dtype).removeprefix('torch.')})"
     del reference
     candidate = LLMEngine(EngineConfig.from_kwargs(args.model, **options))
-    result = compare(ref_logprobs, sequence_logprobs(candidate, ids), ids)
+    result = compare(ref_logprobs, candidate.score(ids), ids)
     payload = {
         "candidate": {
             "model": args.model,
             "quantization": args.quantization,
             "kv_cache_dtype": args.kv_cache_dtype,
-            "weight_bytes": candidate.model.linear_weight_bytes(),
+            "weight_bytes": candidate.model_info.weight_bytes,
         },
         "reference": ref_name,
         "tokens": len(ids),
@@ -97,26 +96,6 @@ def _text_ids(engine, args) -> list[int]:
     if len(ids) > engine.max_model_len:
         ids = ids[: engine.max_model_len]
     return ids
-
-
-@torch.inference_mode()
-def sequence_logprobs(engine, ids: list[int]) -> torch.Tensor:
-    """(T - 1, V) float32 log-probabilities of each next token, from one prefill of ``ids``
-    through ``engine``'s model into the first blocks of its (idle) pool."""
-    if engine.has_unfinished_requests():
-        raise ValueError("the engine must be idle")
-    block_size = engine.config.block_size
-    n = len(ids)
-    num_blocks = -(-n // block_size)
-    if num_blocks > engine.num_kv_blocks:
-        raise ValueError(f"the text needs {num_blocks} KV blocks; the pool has {engine.num_kv_blocks}")
-    device = engine.device
-    table = torch.arange(num_blocks, device=device)
-    positions = torch.arange(n, device=device)
-    meta = AttentionMetadata(slot_mapping=positions.clone(), prefills=[PrefillChunk(0, n, n, table)])
-    hidden = engine.model(torch.tensor(ids, device=device), positions, engine.kv_caches, meta)
-    logits = engine.model.compute_logits(hidden[:-1]).float()
-    return torch.log_softmax(logits, dim=-1).cpu()
 
 
 def compare(reference: torch.Tensor, candidate: torch.Tensor, ids: list[int]) -> dict:

@@ -1,11 +1,15 @@
 """The engine: requests in, ``RequestOutput`` objects out, one step at a time.
 
-    step():  plan = scheduler.schedule()  ->  out = runner.run(plan)  ->  outputs of (plan, out)
+    step():  plan = scheduler.schedule()                       plain data (engine/step.py)
+             out = executor.execute_model(plan)                 the workers run the model
+             result = output_processor.process(plan, out)       stops, text, logprobs
+             scheduler.update(plan, result.accepted, result.finished)
 
-The outputs are the ``OutputProcessor``'s work (text, stop strings, logprob texts).
-``add_request`` validates everything before it changes any state, so bad input raises
-``ValueError`` for that request alone and never disturbs the others. The engine is not
-thread-safe: one thread (the ``LLM`` loop, or the server's engine loop) drives it.
+The engine never holds a model: the executor (``engine/executor.py``) drives the workers
+that own it. ``add_request`` validates everything before it changes any state, so bad input
+raises ``ValueError`` for that request alone and never disturbs the others. The engine is
+not thread-safe: one thread (the ``LLM`` loop, or the server's engine loop) drives it.
+``stats()`` is its state as data (what ``/metrics`` renders).
 """
 
 from __future__ import annotations
@@ -13,40 +17,30 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import os
 import time
 
-import torch
-
-from ridge.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from ridge.config import EngineConfig
+from ridge.engine.executor import make_executor
 from ridge.engine.output_processor import OutputProcessor, RequestState, SequenceState
 from ridge.engine.outputs import RequestOutput
 from ridge.engine.request import Request, RequestStatus
-from ridge.engine.runner import ModelRunner
 from ridge.engine.scheduler import ChunkKind, Scheduler, SchedulerConfig
+from ridge.engine.stats import EngineStats
+from ridge.engine.stop import StopLimits
 from ridge.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer, load_tokenizer
-from ridge.kv import cache as kv_cache
 from ridge.kv.manager import KVCacheManager
-from ridge.layers.cpu_kernels import select_kernels
-from ridge.models.loader import load_model, read_hf_config
-from ridge.quantization.config import QuantizationConfig
 from ridge.roofline.ops import step_cost_from_counts
-from ridge.roofline.probe import local_hardware, probe_linear_flops
-from ridge.roofline.shapes import ModelShape
-from ridge.sampling import Sampler, SamplingParams, SamplingState
+from ridge.roofline.probe import local_hardware
+from ridge.sampling import SamplingParams
 from ridge.spec_decode.config import SpeculativeConfig
-from ridge.spec_decode.draft import DraftProposer
-from ridge.spec_decode.ngram import NgramProposer
 from ridge.spec_decode.policy import SpeculationPolicy
+from ridge.spec_decode.proposer import ProposalRequest, make_proposer
 from ridge.spec_decode.speculator import Speculator
-from ridge.telemetry import TORCH_TO_ROOFLINE_DTYPE, Telemetry, cuda_hardware
+from ridge.telemetry import TORCH_TO_ROOFLINE_DTYPE, ModelPricing, Telemetry, cuda_hardware
+from ridge.worker.worker import WorkerConfig
 
 # tokenizer="bytes": UTF-8 bytes as tokens, no files (random models, token-id-only use).
 BYTES_TOKENIZER = "bytes"
-
-# Without --kv-cache-memory the pool takes this share of free memory, but never more than
-# max_num_seqs full-length sequences need.
-DEFAULT_KV_MEMORY_FRACTION = {"cpu": 0.25, "cuda": 0.80}
 
 # Prompts longer than max_model_len x (the longest token's characters) x this are refused
 # before tokenizing. The margin covers normalizers that shorten text (NFKC ligatures, ...);
@@ -59,24 +53,12 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.device = resolve_device(config.device)
-        hf_config, model_dir = read_hf_config(config.model)
-        model_config = ModelConfig.from_hf_config(hf_config, config.max_model_len)
-        self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
-        quant = QuantizationConfig.from_name(config.quantization)
-        loaded = load_model(
-            hf_config, model_config, model_dir, self.dtype, self.device, config.max_model_len, config.seed, quant
-        )
-        self.model = loaded.model
-        self.model.set_kernels(select_kernels(config.kernels, self.device, self.dtype))
-        for line in quant.summary():
-            logger.info("weights: %s", line)
-        self.model_config = loaded.config
-        self.hf_config = loaded.hf_config
-        self.max_model_len = loaded.max_model_len
-        if config.tokenizer == BYTES_TOKENIZER or (config.tokenizer is None and loaded.model_dir is None):
+        self.executor = make_executor(WorkerConfig.from_engine_config(config))
+        info = self.model_info = self.executor.info
+        self.model_config, self.hf_config = info.config, info.hf_config
+        self.dtype, self.device = info.dtype, info.device
+        self.max_model_len = info.max_model_len
+        if config.tokenizer == BYTES_TOKENIZER or (config.tokenizer is None and info.model_dir is None):
             self.tokenizer = ByteTokenizer()
             if self.model_config.vocab_size < self.tokenizer.vocab_size:
                 raise ValueError(
@@ -84,24 +66,21 @@ class LLMEngine:
                     f"({self.tokenizer.vocab_size})"
                 )
         else:
-            self.tokenizer = load_tokenizer(config.tokenizer or loaded.model_dir)
+            self.tokenizer = load_tokenizer(config.tokenizer or info.model_dir)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         # The longest prompt text worth tokenizing: no longer text fits in max_model_len tokens
         # (the tokenizer's longest token, with a margin). Checked before tokenizing, so a huge
         # prompt is refused at once instead of after seconds of tokenization.
         self.max_prompt_chars = self.max_model_len * self.tokenizer.max_token_chars * PROMPT_CHARS_MARGIN
 
-        self.kv_spec = self.model.kv_cache_spec()
-        self.num_kv_blocks = self._num_kv_blocks()
-        self.kv_caches = kv_cache.allocate(
-            self.kv_spec, self.num_kv_blocks, config.block_size, self.dtype, self.device, config.kv_cache_dtype
-        )
+        self.num_kv_blocks = self.executor.available_kv_blocks(config.max_num_seqs)
+        self.executor.init_kv_cache(self.num_kv_blocks, self.eos_token_ids)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.3g GiB, %s)",
             self.num_kv_blocks,
             config.block_size,
             self.num_kv_blocks * config.block_size,
-            self.num_kv_blocks * self.kv_bytes_per_block / 2**30,
+            self.num_kv_blocks * info.kv_bytes_per_block / 2**30,
             str(self.dtype).removeprefix("torch.") if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
         )
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
@@ -115,50 +94,27 @@ class LLMEngine:
             self.kv,
             self.max_model_len,
         )
-        self.runner = ModelRunner(self.model, self.kv_caches, self.kv, Sampler(config.seed), self.device)
         self.telemetry = self._make_telemetry()
         self.speculator = self._make_speculator(config.speculative_config)
-        self.output_processor = OutputProcessor(self.tokenizer, stop=self._stop_on_string)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
     # -- sizing -------------------------------------------------------------------------
     @property
     def kv_bytes_per_block(self) -> int:
-        """What every layer keeps for one block of tokens, as the model declares it (K and V, or
-        MLA's latent; an int8/fp8 cache: codes and scales)."""
-        return self.config.block_size * self.kv_spec.bytes_per_token(self.config.kv_cache_dtype, self.dtype)
-
-    def _num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks:
-            return self.config.num_kv_blocks
-        if self.config.kv_cache_memory:
-            budget = self.config.kv_cache_memory * 2**30
-        else:
-            seq_blocks = -(-self.max_model_len // self.config.block_size)
-            needed = self.config.max_num_seqs * seq_blocks * self.kv_bytes_per_block
-            budget = min(needed, DEFAULT_KV_MEMORY_FRACTION[self.device.type] * _free_memory(self.device))
-        blocks = int(budget // self.kv_bytes_per_block)
-        if blocks < 1:
-            raise ValueError(
-                f"KV cache memory too small: one block needs {self.kv_bytes_per_block} bytes; raise kv_cache_memory"
-            )
-        return blocks
+        return self.model_info.kv_bytes_per_block
 
     def _make_telemetry(self) -> Telemetry:
-        elem = self.dtype.itemsize
-        # Weights priced by what the loaded layers hold (a quantized layer's blocks and scales,
-        # a repacked layer's padding), not by the dtype: bytes per matrix parameter.
-        weight_bytes = self.model.linear_weight_bytes() / max(1, self.model.linear_weight_params())
         if self.device.type == "cuda":
             hardware_fn = functools.partial(cuda_hardware, self.device)
         else:
             hardware_fn = local_hardware
+        pricing = ModelPricing.of(self.model_info)
         return Telemetry(
-            model=ModelShape.from_model_config(self.model_config, self.config.model),
-            weight_bytes=weight_bytes,
-            # per cached element: codes plus each token-head's scale
-            kv_bytes=self.kv_spec.bytes_per_element(self.config.kv_cache_dtype, self.dtype),
-            act_bytes=elem,
+            model=pricing.model,
+            weight_bytes=pricing.weight_bytes,
+            kv_bytes=pricing.kv_bytes,
+            act_bytes=pricing.act_bytes,
             compute_dtype=TORCH_TO_ROOFLINE_DTYPE[str(self.dtype)],
             hardware_fn=hardware_fn,
         )
@@ -174,10 +130,8 @@ class LLMEngine:
             analyzer's bytes over the measured bandwidth, its FLOPs over what this engine's own
             matmul kernel reaches (measured once; the machine's best GEMM can be far faster)."""
             if not peak:
-                layer = max(self.model.linear_layers(), key=lambda m: m.in_features * m.out_features)
                 # enough rows to be compute-bound: a GPU's small matmuls measure launch latency
-                rows = 2048 if self.device.type == "cuda" else 32
-                kernel = probe_linear_flops(self.model.kernels.matmul, layer, self.dtype, self.device, rows=rows)
+                kernel = self.executor.probe_matmul_flops(2048 if self.device.type == "cuda" else 32)
                 peak.append(min(kernel, telemetry.hardware.peak(telemetry.compute_dtype)))
                 logger.info("speculation cost model: matmul kernel %.0f GFLOP/s", peak[0] / 1e9)
             cost = step_cost_from_counts(
@@ -190,27 +144,30 @@ class LLMEngine:
             )
             return max(cost.flops / peak[0], cost.bytes / telemetry.hardware.bandwidth_bytes_per_s)
 
-        if spec.method == "ngram":
-            proposer, proposer_cost = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max), 0.0
-        else:
-            cfg = self.model_config
-            proposer = DraftProposer.load(
-                spec.model,
-                spec.draft_options,
-                target_vocab_size=cfg.vocab_size,
-                max_model_len=self.max_model_len,
-                # the target's pool, plus room for each sequence's drafts
-                num_tokens=self.num_kv_blocks * self.config.block_size
-                + self.config.max_num_seqs * (spec.num_speculative_tokens + 1),
-                dtype=self.dtype,
-                device=self.device,
-                block_size=self.config.block_size,
-                seed=self.config.seed,
-                kernels=self.config.kernels,
-            )
+        proposer = make_proposer(
+            spec,
+            target_vocab_size=self.model_config.vocab_size,
+            # the target's pool, plus room for each sequence's drafts
+            num_tokens=self.num_kv_blocks * self.config.block_size
+            + self.config.max_num_seqs * (spec.num_speculative_tokens + 1),
+            dtype=self.dtype,
+            device=self.device,
+            block_size=self.config.block_size,
+            seed=self.config.seed,
+            kernels=self.config.kernels,
+        )
+        proposer_cost = 0.0
+        if spec.method == "draft_model":
             # a draft pass against a target step: both read their weights once (memory-bound)
-            proposer_cost = proposer.weight_bytes / max(1, self.model.linear_weight_bytes())
-            telemetry.draft = proposer.pricing  # the draft's passes count in the steps' cost
+            proposer_cost = proposer.weight_bytes / max(1, self.model_info.weight_bytes)
+            telemetry.draft = ModelPricing.of(proposer.info)  # the draft's passes count in the steps' cost
+            if proposer.max_model_len < self.max_model_len:
+                logger.info(
+                    "the draft model's context (%d tokens) is shorter than max_model_len (%d): it proposes "
+                    "only for sequences that fit it",
+                    proposer.max_model_len,
+                    self.max_model_len,
+                )
         policy = SpeculationPolicy(spec.num_speculative_tokens, step_time, proposer_cost=proposer_cost)
         logger.info(
             "speculative decoding: %s, up to %d tokens per step%s",
@@ -218,7 +175,7 @@ class LLMEngine:
             spec.num_speculative_tokens,
             " (adaptive)" if spec.adaptive else "",
         )
-        return Speculator(spec, proposer, self.max_model_len, policy)
+        return Speculator(spec, proposer, policy)
 
     # -- requests -----------------------------------------------------------------------
     def add_request(
@@ -259,37 +216,34 @@ class LLMEngine:
             stream,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
+        requests = []
         for index, seq_id in enumerate(seq_ids):
             seq_params = params.for_sample(index)
-            req = Request(
-                request_id=seq_id,
-                prompt_token_ids=list(prompt_ids),
-                sampling_params=seq_params,
-                max_tokens=max_tokens,
-                arrival_time=arrival,
-                eos_token_ids=self.eos_token_ids,
-            )
-            req.sampling_state = SamplingState(
-                seq_params, req.prompt_token_ids, req.output_token_ids, self.eos_token_ids
-            )
+            requests.append(Request(seq_id, list(prompt_ids), seq_params, max_tokens, arrival))
             detok = IncrementalDetokenizer(
                 self.tokenizer,
-                req.prompt_token_ids,
+                prompt_ids,
                 skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
             # Logprob tokens take their text from the detokenizer step by step.
             text_at_finish = not stream and not params.stop and params.logprobs is None
+            limits = StopLimits(seq_params, max_tokens, len(prompt_ids), self.max_model_len, self.eos_token_ids)
             user.sequences.append(
                 SequenceState(
-                    request_id, req, detok, [] if params.logprobs is not None else None, text_at_finish=text_at_finish
+                    request_id,
+                    seq_id,
+                    limits,
+                    detok,
+                    [] if params.logprobs is not None else None,
+                    text_at_finish=text_at_finish,
                 )
             )
         # Nothing above changed the engine; from here on nothing can fail.
         self.output_processor.add(user)
-        for seq in user.sequences:
-            self.scheduler.add_request(seq.request)
+        for req in requests:
+            self.scheduler.add_request(req)
         return request_id
 
     def check_prompt_chars(self, num_chars: int) -> None:
@@ -337,11 +291,11 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request (all its sequences); its blocks are free before the next step."""
-        user = self.output_processor.remove(request_id)
+        user = self.output_processor.abort(request_id)
         if user is None:
             return
         for seq in user.sequences:
-            self.scheduler.abort(seq.request.request_id)
+            self.scheduler.abort(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.requests)
@@ -357,12 +311,13 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        out = self.runner.run(plan, self.scheduler.requests)
-        progressed = self.scheduler.update(plan, out.sampled)
-        outputs = self.output_processor.process(progressed, out.logprobs, out.prompt_logprobs)
+        out = self.executor.execute_model(plan)
+        result = self.output_processor.process(plan, out)
+        finished = {rid: RequestStatus(reason) for rid, reason in result.finished.items()}
+        self.scheduler.update(plan, result.accepted, finished)
         if self.speculator is not None:
             self.speculator.record(out.verified, time.perf_counter() - start)
-            self.speculator.propose(self.scheduler.running, self.scheduler.requests)
+            self._propose()
         shapes: dict[ChunkKind, list] = {kind: [] for kind in ChunkKind}
         for c in plan.chunks:
             shapes[c.kind].append(c.end if c.kind is ChunkKind.DECODE else (c.num_new_tokens, c.end))
@@ -372,25 +327,37 @@ class LLMEngine:
             time.perf_counter() - start,
             shapes[ChunkKind.VERIFY],
             self.speculator.proposer.take_passes() if self.speculator is not None else (),
-            self.model.experts_touched(),
+            out.experts_touched,
         )
-        return outputs
+        return result.outputs
 
-    def _stop_on_string(self, req: Request, stop: str) -> None:
-        req.stop_reason = stop
-        self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+    def _propose(self) -> None:
+        """Ask the speculator for the next step's proposals and hand them to the scheduler."""
+        decoding = self.scheduler.decoding()
+        room = {
+            r.request_id: min(r.max_tokens - r.num_output_tokens, self.max_model_len - r.num_tokens) for r in decoding
+        }
+        running = {r.request_id for r in self.scheduler.running}
+        batch = [ProposalRequest(r.request_id, r.all_token_ids, r.sampling_params) for r in decoding]
+        proposals = self.speculator.propose(batch, room, running)
+        if proposals:
+            self.scheduler.set_proposals(proposals)
 
+    # -- state as data ------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """The engine's state now, as plain data (what ``/metrics`` renders)."""
+        return EngineStats.collect(self)
 
-def _free_memory(device: torch.device) -> float:
-    """Bytes free for the KV pool on ``device``."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return float(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    def score(self, ids: list[int]):
+        """(T - 1, V) float32 log-probabilities of each next token of ``ids`` under the model
+        (``ridge bench quality``); the engine must be idle."""
+        if self.has_unfinished_requests():
+            raise ValueError("the engine must be idle")
+        return self.executor.score(ids)
+
+    def resolve_roofline(self) -> None:
+        """Probe (or read from cache) the hardware the steps are priced against, now."""
+        _ = self.telemetry.ceiling
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

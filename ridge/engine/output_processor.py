@@ -1,12 +1,14 @@
-"""From sampled tokens to ``RequestOutput`` objects: text, stop strings and logprob texts.
+"""From sampled tokens to ``RequestOutput`` objects: stops, text and logprob texts.
 
-The engine's step ends here: ``Scheduler.update`` has appended each new token to its
-request; the output processor feeds the tokens to each sequence's detokenizer, finds stop
-strings (the scheduler finishes those requests), prices logprobs with token texts, and
-builds the outputs of the user requests that progressed.
+The output processor is the one place that decides when a sequence stops: it takes each
+step's sampled tokens (``RunnerOutput``) in order, applies the token rules
+(``engine/stop.py``: stop token ids, eos, ``max_tokens``, the context limit) and the stop
+strings its detokenizer finds, and tells the engine which tokens stand and which sequences
+ended (the engine hands both to the scheduler as data). It keeps its own state per
+sequence: output token ids, text, logprobs and the times that go into the metrics.
 
 A *user request* (``RequestState``) is what a caller added: one prompt, ``n`` sequences
-(``SequenceState``), each of them one scheduler ``Request``.
+(``SequenceState``), each of them one scheduler request.
 
 Logprob token texts (``Logprob.decoded_token``) follow vLLM's fields and one contract: the
 sampled tokens' texts concatenate to the sequence's text. Each is the text that token adds
@@ -19,30 +21,47 @@ alternatives are decoded after the token before them, so their leading spaces sh
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
 from dataclasses import dataclass, field
 
 from ridge.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from ridge.engine.request import Request, RequestStatus
+from ridge.engine.step import RunnerOutput, SchedulerOutput, TokenLogprobs
+from ridge.engine.stop import ABORTED, STOPPED, StopLimits, check_stop
 from ridge.engine.tokenizer import BaseTokenizer, IncrementalDetokenizer
 
-# (sampled token's logprob, [(token id, logprob) of the top alternatives])
-TokenLogprobs = tuple[float, list[tuple[int, float]]]
+__all__ = ["OutputProcessor", "RequestState", "SequenceState", "StepResult", "TokenLogprobs"]
 
 
 @dataclass
 class SequenceState:
-    """One of a user request's n completions: the scheduler's request plus its text state."""
+    """One of a user request's n completions: its tokens, text state and times."""
 
     user_id: str
-    request: Request
+    seq_id: str  # the scheduler's request id
+    limits: StopLimits
     detokenizer: IncrementalDetokenizer
     logprobs: list[dict[int, Logprob]] | None
+    output_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     cumulative_logprob: float = 0.0
     num_sent_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
     # Text only at the end: nobody reads it earlier (not streamed, no logprobs) and no stop
     # string needs it. Saves a detokenizer call per sequence per step.
     text_at_finish: bool = False
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def params(self):
+        return self.limits.params
 
 
 @dataclass
@@ -60,19 +79,24 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.request.is_finished for s in self.sequences)
+        return all(s.is_finished for s in self.sequences)
+
+
+@dataclass
+class StepResult:
+    """What one step's outputs decided, for the scheduler: the tokens that stand per
+    sequence (cut after a stop), and the sequences that ended with their finish reason."""
+
+    outputs: list[RequestOutput]
+    accepted: dict[str, list[int]]
+    finished: dict[str, str]
 
 
 class OutputProcessor:
-    """Owns the user requests' output state; see the module docstring.
+    """Owns the user requests' output state and every stop decision; see the module docstring."""
 
-    ``stop(request, stop_string)`` is called when a sequence's text hits a stop string
-    (the engine finishes it in the scheduler) before that request's output is built.
-    """
-
-    def __init__(self, tokenizer: BaseTokenizer, stop: Callable[[Request, str], None]) -> None:
+    def __init__(self, tokenizer: BaseTokenizer) -> None:
         self.tokenizer = tokenizer
-        self._stop = stop
         self.requests: dict[str, RequestState] = {}
         self._sequence_of: dict[str, SequenceState] = {}  # scheduler request id -> sequence
 
@@ -83,81 +107,102 @@ class OutputProcessor:
     def add(self, state: RequestState) -> None:
         self.requests[state.request_id] = state
         for seq in state.sequences:
-            self._sequence_of[seq.request.request_id] = seq
+            self._sequence_of[seq.seq_id] = seq
 
     def remove(self, request_id: str) -> RequestState | None:
         """Forget a user request (finished or aborted); returns it, or None if unknown."""
         state = self.requests.pop(request_id, None)
         if state is not None:
             for seq in state.sequences:
-                self._sequence_of.pop(seq.request.request_id, None)
+                self._sequence_of.pop(seq.seq_id, None)
+        return state
+
+    def abort(self, request_id: str) -> RequestState | None:
+        """Forget a user request that has not finished: its sequences end as aborted."""
+        state = self.remove(request_id)
+        if state is not None:
+            now = time.monotonic()
+            for seq in state.sequences:
+                if not seq.is_finished:
+                    seq.finish_reason, seq.finish_time = ABORTED, now
         return state
 
     # -- one step -------------------------------------------------------------------------
-    def process(
-        self,
-        progressed: list[tuple[Request, int]],
-        logprobs: dict[str, list[TokenLogprobs]],
-        prompt_logprobs: dict[str, tuple[int, list]] | None = None,
-    ) -> list[RequestOutput]:
-        """Outputs for the user requests that progressed (streamed ones every step, the
-        others when they finish); finished user requests are forgotten.
+    def process(self, plan: SchedulerOutput, out: RunnerOutput, now: float | None = None) -> StepResult:
+        """Apply a step's sampled tokens: stops, text, logprobs. Outputs for the user requests
+        that progressed (streamed ones every step, the others when they finish); finished
+        user requests are forgotten.
 
-        ``progressed``: each request with the number of tokens it received this step (more
-        than one after a verified speculation); ``logprobs``: one entry per received token,
-        where asked. A stop string found inside a run ends the output at the token that
-        completed it: the tokens after it are dropped.
+        A VERIFY run may bring several tokens; a stop (token or string) inside it ends the
+        output at the token that caused it, and the tokens after it are dropped.
         """
-        for rid, (first, entries) in (prompt_logprobs or {}).items():
+        now = time.monotonic() if now is None else now
+        for new in plan.new_requests:
+            seq = self._sequence_of.get(new.req_id)
+            if seq is not None and seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+                seq.num_cached_tokens = new.num_computed_tokens
+        for rid, (first, entries) in out.prompt_logprobs.items():
             self._add_prompt_logprobs(rid, first, entries)
+        accepted: dict[str, list[int]] = {}
+        finished: dict[str, str] = {}
         touched: dict[str, RequestState] = {}
-        for req, count in progressed:
-            seq = self._sequence_of[req.request_id]
-            if seq.text_at_finish:
-                if req.is_finished:
-                    # A request stopped on eos or a stop token id: that token's text is not shown.
-                    stopped_on_token = req.status is RequestStatus.FINISHED_STOPPED
-                    hide = stopped_on_token and not req.sampling_params.include_stop_str_in_output
-                    seq.detokenizer.add_tokens(req.output_token_ids[:-1] if hide else req.output_token_ids)
-            else:
-                self._add_run(seq, req, count, logprobs.get(req.request_id))
+        for rid, tokens in out.sampled.items():
+            seq = self._sequence_of.get(rid)
+            if seq is None or seq.is_finished:  # aborted while the step ran
+                continue
+            kept = self._add_run(seq, tokens, out.logprobs.get(rid), now)
+            accepted[rid] = kept
+            if seq.is_finished:
+                finished[rid] = seq.finish_reason
             # A user request finishes only in a step where one of its sequences finishes.
             state = self.requests[seq.user_id]
-            if seq.user_id not in touched and (req.is_finished or state.stream):
+            if seq.user_id not in touched and (seq.is_finished or state.stream):
                 touched[seq.user_id] = state
         outputs = []
         for state in touched.values():
-            finished = state.finished
-            if state.stream or finished:
+            done = state.finished
+            if state.stream or done:
                 outputs.append(self._make_output(state))
-            if finished:
+            if done:
                 self.remove(state.request_id)
-        return outputs
+        return StepResult(outputs, accepted, finished)
 
-    def _add_run(self, seq: SequenceState, req: Request, count: int, logprobs: list[TokenLogprobs] | None) -> None:
-        """Feed a sequence's ``count`` new tokens to its detokenizer, in order."""
-        first = req.num_output_tokens - count
-        for j in range(count):
-            index = first + j
-            token = req.output_token_ids[index]
-            last = j == count - 1
-            # Only a run's last token can have finished it on eos or a stop token id (the
-            # scheduler drops what follows a stop); such a token's text is not shown.
-            stopped_on_token = last and req.status is RequestStatus.FINISHED_STOPPED
-            show_token = not stopped_on_token or req.sampling_params.include_stop_str_in_output
-            stop = seq.detokenizer.add_tokens([token]) if show_token else None
-            if stop is not None and not req.is_finished:
-                self._stop(req, stop)
-                req.truncate_output(index + 1)
-            if seq.logprobs is not None and logprobs is not None:
-                token_text = seq.detokenizer.take_token_text(final=req.is_finished)
-                if not show_token:  # the unseen stop token: its own rendered text
-                    token_text += self.tokenizer.piece(token).text
-                before = req.all_token_ids[req.num_prompt_tokens + index - 1]  # the token before (prompt or output)
-                seq.logprobs.append(self._logprob_entry(before, token, token_text, *logprobs[j]))
-                seq.cumulative_logprob += logprobs[j][0]
-            if req.is_finished:
-                break
+    def _add_run(self, seq: SequenceState, tokens: list[int], logprobs: list[TokenLogprobs] | None, now: float):
+        """Take a sequence's new tokens in order until one ends it; returns those that stand."""
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        limits, out = seq.limits, seq.output_token_ids
+        params = limits.params
+        for j, token in enumerate(tokens):
+            out.append(token)
+            stop = check_stop(limits, token, len(out))
+            if stop is not None:
+                seq.finish_reason, seq.stop_reason = stop
+            if seq.text_at_finish:
+                if seq.is_finished:
+                    # A sequence stopped on eos or a stop token id: that token's text is not shown.
+                    hide = seq.finish_reason == STOPPED and not params.include_stop_str_in_output
+                    seq.detokenizer.add_tokens(out[:-1] if hide else out)
+            else:
+                # eos or a stop token id that ended the output: its text is not shown
+                stopped_on_token = seq.finish_reason == STOPPED
+                show_token = not stopped_on_token or params.include_stop_str_in_output
+                stop_string = seq.detokenizer.add_tokens([token]) if show_token else None
+                if stop_string is not None and not seq.is_finished:
+                    seq.finish_reason, seq.stop_reason = STOPPED, stop_string
+                if seq.logprobs is not None and logprobs is not None:
+                    token_text = seq.detokenizer.take_token_text(final=seq.is_finished)
+                    if not show_token:  # the unseen stop token: its own rendered text
+                        token_text += self.tokenizer.piece(token).text
+                    before = out[-2] if len(out) > 1 else self.requests[seq.user_id].prompt_token_ids[-1]
+                    seq.logprobs.append(self._logprob_entry(before, token, token_text, *logprobs[j]))
+                    seq.cumulative_logprob += logprobs[j][0]
+            if seq.is_finished:
+                seq.finish_time = now
+                return tokens[: j + 1]
+        return list(tokens)
 
     def _add_prompt_logprobs(self, rid: str, first: int, entries: list) -> None:
         """Prompt positions not seen yet (a recompute after preemption repeats some); from the
@@ -208,31 +253,30 @@ class OutputProcessor:
     def _make_output(self, state: RequestState) -> RequestOutput:
         completions = []
         for index, seq in enumerate(state.sequences):
-            req = seq.request
-            finished = req.is_finished
-            delta_ids = req.output_token_ids[seq.num_sent_tokens :]
-            seq.num_sent_tokens = req.num_output_tokens
+            finished = seq.is_finished
+            delta_ids = seq.output_token_ids[seq.num_sent_tokens :]
+            seq.num_sent_tokens = len(seq.output_token_ids)
             completions.append(
                 CompletionOutput(
                     index=index,
                     text=seq.detokenizer.text,
-                    token_ids=list(req.output_token_ids),
+                    token_ids=list(seq.output_token_ids),
                     cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
                     logprobs=seq.logprobs,
-                    finish_reason=req.status.value if finished else None,
-                    stop_reason=req.stop_reason,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
                     delta_text=seq.detokenizer.take_delta(finished=finished),
                     delta_token_ids=delta_ids,
                 )
             )
-        reqs = [s.request for s in state.sequences]
+        seqs = state.sequences
 
         def earliest(name: str) -> float | None:
-            times = [getattr(r, name) for r in reqs if getattr(r, name) is not None]
+            times = [getattr(s, name) for s in seqs if getattr(s, name) is not None]
             return min(times) if times else None
 
         def latest(name: str) -> float | None:
-            times = [getattr(r, name) for r in reqs if getattr(r, name) is not None]
+            times = [getattr(s, name) for s in seqs if getattr(s, name) is not None]
             return max(times) if times else None
 
         metrics = RequestMetrics(
@@ -249,6 +293,6 @@ class OutputProcessor:
             outputs=completions,
             finished=state.finished,
             metrics=metrics,
-            num_cached_tokens=max(reqs[0].num_cached_tokens, 0),
+            num_cached_tokens=max(seqs[0].num_cached_tokens, 0),
             prompt_logprobs=state.prompt_logprobs,
         )

@@ -19,93 +19,20 @@ the baseline that continuous batching is measured against.
 
 from __future__ import annotations
 
-import enum
-import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from ridge.engine.request import Request, RequestStatus
+from ridge.engine.step import (
+    CachedRequestData,
+    ChunkKind,
+    NewRequestData,
+    ScheduledChunk,
+    SchedulerOutput,
+)
 from ridge.kv.manager import KVCacheManager
 
-
-class ChunkKind(enum.Enum):
-    """What a chunk computes; the one place that says it (runner, engine and telemetry read it).
-
-    DECODE   a generated token, the request's newest: one query row, sampled
-    VERIFY   the newest token plus k proposed ones: 1 + k query rows, all sampled
-    PREFILL  prompt (or recomputed) tokens, sampled only when the chunk reaches the end
-
-    Which attention path a chunk takes follows from its query rows (``decode_rows``): one-row
-    chunks (DECODE, and a one-token PREFILL chunk, which costs the same) and VERIFY runs are
-    decode rows (each row its own context length, so a run is causal); longer PREFILL chunks
-    take the prefill path.
-    """
-
-    DECODE = "decode"
-    VERIFY = "verify"
-    PREFILL = "prefill"
-
-
-@dataclass
-class ScheduledChunk:
-    """``num_new_tokens`` tokens of ``request`` starting at ``start`` (its computed tokens).
-
-    A VERIFY chunk's tokens are the request's last token and then ``draft_token_ids``.
-    """
-
-    request: Request
-    start: int
-    num_new_tokens: int
-    draft_token_ids: list[int] = field(default_factory=list)
-    draft_probs: Any = None  # (k, V) tensor: the draft model's distributions (None: n-gram or greedy)
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_new_tokens
-
-    @property
-    def kind(self) -> ChunkKind:
-        if self.draft_token_ids:
-            return ChunkKind.VERIFY
-        if self.num_new_tokens == 1 and self.start >= self.request.num_prompt_tokens:
-            return ChunkKind.DECODE
-        return ChunkKind.PREFILL
-
-    @property
-    def decode_rows(self) -> bool:
-        """Its query rows run on the decode attention path (see ``ChunkKind``)."""
-        return self.num_new_tokens == 1 or bool(self.draft_token_ids)
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the request's last token, so its logits give the next token."""
-        return self.start + self.num_new_tokens - len(self.draft_token_ids) == self.request.num_tokens
-
-    @property
-    def num_sampled_rows(self) -> int:
-        """Rows whose logits are sampled: 0 (a prompt chunk short of the end), 1, or 1 + k."""
-        return 1 + len(self.draft_token_ids) if self.samples else 0
-
-    def token_ids(self) -> list[int]:
-        """The tokens this chunk runs through the model."""
-        if self.draft_token_ids:
-            return [self.request.all_token_ids[self.start], *self.draft_token_ids]
-        return self.request.all_token_ids[self.start : self.end]
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)  # decode-row chunks first
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_new_tokens for c in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
+__all__ = ["ChunkKind", "ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
 
 
 @dataclass
@@ -123,6 +50,10 @@ class SchedulerConfig:
 
 
 class Scheduler:
+    """Owns the requests (``Request``, never shared) and the KV manager; each ``schedule``
+    returns a plan of plain data (``engine/step.py``), each ``update`` takes what the step
+    produced and what the stop rules decided."""
+
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
         self.config = config
         self.kv = kv
@@ -131,6 +62,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions = 0
+        self._finished_ids: list[str] = []  # since the last plan: the workers drop these
 
     # -- requests -----------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -150,21 +82,35 @@ class Scheduler:
         if req.is_finished:
             return
         req.status = status
-        req.finish_time = time.monotonic()
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
+        if req.num_sent_tokens:
+            self._finished_ids.append(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def set_proposals(self, proposals: dict[str, tuple[list[int], object]]) -> None:
+        """Tokens proposed for each request's next step (and their draft distributions, or
+        None): a request that is not decoding next ignores them."""
+        for rid, (tokens, probs) in proposals.items():
+            req = self.requests.get(rid)
+            if req is not None and req.status is RequestStatus.RUNNING:
+                req.spec_token_ids, req.spec_token_probs = list(tokens), probs
+
+    def decoding(self) -> list[Request]:
+        """Running requests whose next step is a decode (those a proposer may speculate for)."""
+        return [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, ScheduledChunk] = {}
+        scheduled: dict[str, tuple[Request, int, int, list[int]]] = {}  # id -> (req, start, num_new, drafts)
+        draft_probs: dict = {}
         preempted: list[Request] = []
 
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
@@ -178,7 +124,8 @@ class Scheduler:
             if num_new == 0:
                 continue
             drafts = req.spec_token_ids[: budget - 1] if num_new == 1 else []
-            draft_probs = req.spec_token_probs[: len(drafts)] if drafts and req.spec_token_probs is not None else None
+            if drafts and req.spec_token_probs is not None:
+                draft_probs[req.request_id] = req.spec_token_probs[: len(drafts)]
             req.spec_token_ids, req.spec_token_probs = [], None  # consumed: verified this step, or dropped
             num_new += len(drafts)
             while not self.kv.allocate_slots(req, num_new):
@@ -186,11 +133,12 @@ class Scheduler:
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim.request_id in scheduled:
-                    budget += scheduled.pop(victim.request_id).num_new_tokens
+                    budget += scheduled.pop(victim.request_id)[2]
+                    draft_probs.pop(victim.request_id, None)
                 if victim is req:
                     break
             else:
-                scheduled[req.request_id] = ScheduledChunk(req, req.num_computed_tokens, num_new, drafts, draft_probs)
+                scheduled[req.request_id] = (req, req.num_computed_tokens, num_new, drafts)
                 budget -= num_new
 
         # Static batching admits only into an empty engine; nobody is admitted in a step
@@ -210,15 +158,59 @@ class Scheduler:
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit_tokens
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit_tokens
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
-            scheduled[req.request_id] = ScheduledChunk(req, num_hit_tokens, num_new)
+            scheduled[req.request_id] = (req, num_hit_tokens, num_new, [])
             budget -= num_new
 
-        chunks = sorted(scheduled.values(), key=lambda c: not c.decode_rows)
-        return SchedulerOutput(chunks=chunks, preempted=preempted)
+        plan = SchedulerOutput(
+            finished_req_ids=self._finished_ids,
+            preempted_req_ids=[r.request_id for r in preempted],
+            draft_probs=draft_probs,
+        )
+        self._finished_ids = []
+        for req, start, num_new, drafts in scheduled.values():
+            self._send_deltas(req, plan)
+            plan.chunks.append(self._chunk(req, start, num_new, drafts))
+        plan.chunks.sort(key=lambda c: not c.decode_rows)
+        return plan
+
+    @staticmethod
+    def _chunk(req: Request, start: int, num_new: int, drafts: list[int]) -> ScheduledChunk:
+        samples = start + num_new - len(drafts) == req.num_tokens
+        if drafts:
+            kind = ChunkKind.VERIFY
+        elif num_new == 1 and start >= req.num_prompt_tokens:
+            kind = ChunkKind.DECODE
+        else:
+            kind = ChunkKind.PREFILL
+        return ScheduledChunk(req.request_id, start, num_new, kind, samples, drafts)
+
+    def _send_deltas(self, req: Request, plan: SchedulerOutput) -> None:
+        """What the workers lack of a scheduled request: all of it, or its new tokens and blocks."""
+        table = self.kv.block_table(req)
+        if not req.num_sent_tokens:
+            plan.new_requests.append(
+                NewRequestData(
+                    req.request_id,
+                    list(req.all_token_ids),
+                    req.num_prompt_tokens,
+                    req.sampling_params,
+                    list(table),
+                    req.num_computed_tokens,
+                )
+            )
+        else:
+            first = min(req.num_sent_blocks, len(table))
+            plan.cached_requests.append(
+                CachedRequestData(
+                    req.request_id,
+                    req.all_token_ids[req.num_sent_tokens :],
+                    first,
+                    table[first:],
+                    req.num_computed_tokens,
+                )
+            )
+        req.num_sent_tokens = req.num_tokens
+        req.num_sent_blocks = len(table)
 
     def _chunk_size(self, remaining: int, budget: int) -> int:
         if remaining <= budget:
@@ -226,8 +218,10 @@ class Scheduler:
         return budget if self.config.enable_chunked_prefill else 0
 
     def _preempt(self, req: Request) -> None:
-        """Free a running request's blocks and queue it first, to be recomputed."""
+        """Free a running request's blocks and queue it first, to be recomputed (the workers
+        keep its tokens and sampling state; its block table comes again whole)."""
         self.kv.free(req)
+        req.num_sent_blocks = 0
         self.running.remove(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
@@ -236,39 +230,35 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, int]]:
-        """Advance computed tokens, append sampled tokens, finish what stopped.
+    def update(
+        self,
+        plan: SchedulerOutput,
+        accepted: dict[str, list[int]],
+        finished: dict[str, RequestStatus] | None = None,
+    ) -> None:
+        """Advance computed tokens, append the accepted tokens, finish what stopped.
 
-        ``sampled``: request id -> the tokens its chunk produced (one, or for a VERIFY chunk
-        the accepted drafts and the target's own token). Tokens after a stop (a stop token,
-        eos, ``max_tokens``, the context limit) are dropped. Returns each request that
-        received tokens this step (finished ones included) with how many it received.
+        ``accepted``: request id -> the tokens its chunk produced that stand (one, or for a
+        VERIFY chunk the accepted drafts and the target's own, cut after a stop); ``finished``:
+        the requests the stop rules ended this step, with their status.
         """
-        now = time.monotonic()
-        progressed = []
-        for chunk in output.chunks:
-            req = chunk.request
-            if req.is_finished:  # aborted while the step ran
+        finished = finished or {}
+        for chunk in plan.chunks:
+            req = self.requests.get(chunk.req_id)
+            if req is None or req.is_finished:  # aborted while the step ran
                 continue
             if not chunk.samples:
                 req.num_computed_tokens = chunk.end
                 continue
-            tokens = sampled[req.request_id]
+            tokens = accepted.get(chunk.req_id, ())
             # A verify run computed the newest token and the drafts it accepted; the last
             # token it emits (the target's own) is computed next step, like any sampled token.
             req.num_computed_tokens = chunk.end - len(chunk.draft_token_ids) + len(tokens) - 1
-            received = 0
             for token in tokens:
                 req.append_output_token(token)
-                received += 1
-                status = req.check_stop(self.max_model_len)
-                if status is not None:
-                    self.finish(req, status)
-                    break
-            if req.first_token_time is None:
-                req.first_token_time = now
-            req.last_token_time = now
-            if chunk.draft_token_ids and not req.is_finished:
+            status = finished.get(chunk.req_id)
+            if status is not None:
+                self.finish(req, status)
+            elif chunk.draft_token_ids:
                 self.kv.trim(req, req.num_tokens)  # blocks taken for rejected drafts go back
-            progressed.append((req, received))
-        return progressed
+                req.num_sent_blocks = min(req.num_sent_blocks, len(self.kv.block_table(req)))

@@ -73,8 +73,10 @@ _GGUF_FILE_TYPES = {torch.bfloat16: "MOSTLY_BF16", torch.float16: "MOSTLY_F16", 
 
 
 def _as_model(engine_or_model) -> torch.nn.Module:
-    """An ``LLM``, ``LLMEngine``, ``LoadedModel`` or the model itself -> the ``LlamaForCausalLM``."""
+    """An ``LLM``, ``LLMEngine`` (one in-process worker), ``Worker``, ``LoadedModel`` or the
+    model itself -> the model."""
     obj = getattr(engine_or_model, "engine", engine_or_model)  # LLM -> LLMEngine
+    obj = getattr(getattr(obj, "executor", None), "worker", obj)  # LLMEngine -> its worker
     model = obj if isinstance(obj, torch.nn.Module) else getattr(obj, "model", None)
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "packed_modules"):
         raise TypeError(f"cannot find a ridge model in {type(engine_or_model).__name__}")

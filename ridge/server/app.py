@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ridge import __version__
-from ridge.engine.engine import LLMEngine
+from ridge.engine.client import EngineClient
 from ridge.server.async_engine import AsyncEngine
 from ridge.server.metrics import STATE_SOURCES, ServerMetrics, StateSource
 from ridge.server.protocol import (
@@ -65,7 +65,7 @@ class ServerState:
 
 
 def build_app(
-    engine: LLMEngine, config: ServerConfig, state_sources: tuple[StateSource, ...] = STATE_SOURCES
+    engine: EngineClient, config: ServerConfig, state_sources: tuple[StateSource, ...] = STATE_SOURCES
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``engine``. ``state_sources``: see ``ridge.server.metrics``."""
     metrics = ServerMetrics(config.served_model_names[0], state_sources)
@@ -136,7 +136,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
         try:  # engine state is read at scrape time, on the engine thread, between steps
-            samples = await asyncio.wait_for(async_engine.call(metrics.read_state), STATE_READ_TIMEOUT_S)
+            stats = await asyncio.wait_for(async_engine.stats(), STATE_READ_TIMEOUT_S)
+            samples = metrics.read_state(stats)
             metrics.publish_state(samples)
         except Exception as exc:  # engine stopped or busy: the last state read is exported
             logger.warning("metrics: could not read the engine state: %s", exc)

@@ -1,9 +1,10 @@
-"""The bridge between one ``LLMEngine`` (not thread-safe) and asyncio request handlers.
+"""The bridge between one engine (not thread-safe) and asyncio request handlers.
 
-One thread, the *engine loop*, owns the engine: it alone calls ``add_request``, ``step`` and
-``abort_request``. Handlers on the event loop talk to it through a thread-safe command queue
-and get outputs back through ``loop.call_soon_threadsafe`` into a per-group asyncio queue,
-so the event loop never waits on a model step.
+One thread, the *engine loop*, owns the engine: it alone calls ``add_request``, ``step``,
+``abort_request`` and ``stats`` (the whole ``EngineClient`` interface the server uses).
+Handlers on the event loop talk to it through a thread-safe command queue and get outputs
+back through ``loop.call_soon_threadsafe`` into a per-group asyncio queue, so the event loop
+never waits on a model step.
 
     handler --add(group)--> [command queue] --> engine loop: add_request / step / abort
     handler <--outputs----- [group's asyncio.Queue] <-- call_soon_threadsafe (once per step)
@@ -19,6 +20,7 @@ prompts). Contracts:
 * ``OutputStream.abort()`` (idempotent, safe from the event loop) aborts what has not
   finished; the engine frees its KV blocks when the loop processes the command, before the
   next step.
+* ``await stats()`` is the engine's ``EngineStats``, taken between two steps.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ridge.engine.engine import LLMEngine
+from ridge.engine.client import EngineClient
 from ridge.engine.outputs import RequestOutput
+from ridge.engine.stats import EngineStats
 from ridge.sampling import SamplingParams
 
 logger = logging.getLogger("ridge.server")
@@ -49,11 +52,10 @@ class EngineObserver:
 
     ``on_step`` runs after every step with the outputs it produced and the step's start and
     end (monotonic seconds); ``on_abort`` with ``(request_id, n)`` for each request aborted
-    before it finished (``n``: its sequences). To read engine state safely, use
-    ``AsyncEngine.call``.
+    before it finished (``n``: its sequences).
     """
 
-    def on_step(self, engine: LLMEngine, outputs: list[RequestOutput], start: float, end: float) -> None:
+    def on_step(self, outputs: list[RequestOutput], start: float, end: float) -> None:
         pass
 
     def on_abort(self, aborted: Sequence[tuple[str, int]]) -> None:
@@ -120,7 +122,7 @@ class _Group:
 class AsyncEngine:
     """Runs ``engine`` on its own thread; see the module docstring for the contracts."""
 
-    def __init__(self, engine: LLMEngine, observer: EngineObserver | None = None) -> None:
+    def __init__(self, engine: EngineClient, observer: EngineObserver | None = None) -> None:
         self.engine = engine
         self.observer = observer or EngineObserver()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -184,17 +186,29 @@ class AsyncEngine:
             self._send(("abort", stream.request_ids))
             raise
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run ``fn(engine)`` on the engine thread (between steps) and return its result."""
-        return await asyncio.wrap_future(self.call_threadsafe(fn))
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
 
-    def call_threadsafe(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
-        """``fn(engine)`` on the engine thread, from any thread: a ``concurrent.futures.Future``."""
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def check_prompt_chars(self, num_chars: int) -> None:
+        """ValueError when a prompt this long cannot fit the context (reads only fixed sizes)."""
+        self.engine.check_prompt_chars(num_chars)
+
+    async def stats(self) -> EngineStats:
+        """The engine's state, taken on the engine thread between steps."""
+        return await asyncio.wrap_future(self.stats_threadsafe())
+
+    def stats_threadsafe(self) -> concurrent.futures.Future:
+        """``stats()`` from any thread: a ``concurrent.futures.Future`` of an ``EngineStats``."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         if not self.is_alive:
             future.set_exception(EngineDeadError("the engine is not running"))
             return future
-        self._send(("call", (fn, future)))
+        self._send(("stats", future))
         return future
 
     def _send(self, command: tuple[str, Any]) -> None:
@@ -235,11 +249,11 @@ class AsyncEngine:
             self._add(payload)
         elif kind == "abort":
             self._abort(payload)
-        elif kind == "call":
-            fn, future = payload
+        elif kind == "stats":
+            future = payload
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(fn(self.engine))
+                    future.set_result(self.engine.stats())
                 except BaseException as exc:
                     future.set_exception(exc)
 
@@ -283,7 +297,7 @@ class AsyncEngine:
             self._fail_all(RuntimeError(f"engine step failed: {type(exc).__name__}: {exc}"))
             return
         end = time.monotonic()
-        self.observer.on_step(self.engine, outputs, start, end)
+        self.observer.on_step(outputs, start, end)
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
             owner = self._owner_of.get(output.request_id)
@@ -330,8 +344,8 @@ class AsyncEngine:
                 return
             if kind == "add":
                 self._deliver({payload.stream.loop: [(payload.stream, dead)]})
-            elif kind == "call":
-                payload[1].set_exception(dead)
+            elif kind == "stats":
+                payload.set_exception(dead)
 
 
 def _put_all(items: list) -> None:

@@ -85,14 +85,15 @@ def run_serve(args: argparse.Namespace) -> int:
     sock = bind_socket(args.host, args.port)
     try:
         engine = LLMEngine(engine_config)
-        _ = engine.telemetry.ceiling  # the roofline for /metrics: probed (or read from cache) now, not at a scrape
+        engine.resolve_roofline()  # for /metrics: probed (or read from cache) now, not at a scrape
         app = build_app(engine, config)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
+        info = engine.stats().info
         print(
             f"ridge serve: {config.served_model_names[0]} on http://{shown}:{port} "
-            f"({engine.dtype}, {engine.device}, {engine.num_kv_blocks} KV blocks, {engine_config.scheduler} batching, "
-            f"max_model_len {engine.max_model_len}){' (API key required)' if api_key else ''}",
+            f"({info['dtype']}, {info['device']}, {info['num_kv_blocks']} KV blocks, {info['scheduler']} batching, "
+            f"max_model_len {info['max_model_len']}){' (API key required)' if api_key else ''}",
             file=sys.stderr,
             flush=True,
         )

@@ -7,13 +7,13 @@ Two kinds of metric, fed two ways:
   time). ``ServerMetrics`` is the engine loop's ``EngineObserver``: it observes them on the
   engine thread as outputs come out of each step (prometheus-client metrics are thread-safe).
 * **Engine state** (running and waiting sequences, KV-cache usage, prefix-cache hit rate,
-  preemptions, ...), read *at scrape time*: the ``/metrics`` handler runs ``read_state`` on the
-  engine thread (between two steps, where reading the engine is safe), hands the samples to
-  ``publish_state`` and renders. Each *state source* is a function ``engine -> [Sample]``;
-  ``STATE_SOURCES`` lists the defaults.
+  preemptions, ...), read *at scrape time*: the ``/metrics`` handler asks the engine loop for
+  a stats snapshot (``EngineStats``, plain data taken between two steps), turns it into
+  samples with ``read_state``, hands them to ``publish_state`` and renders. Each *state
+  source* is a function ``EngineStats -> [Sample]``; ``STATE_SOURCES`` lists the defaults.
 
-Adding gauges is one function ``engine -> [Sample]`` in ``STATE_SOURCES``; ``telemetry_samples``
-(the steps on the roofline, per phase) is one.
+Adding gauges is one function ``EngineStats -> [Sample]`` in ``STATE_SOURCES``;
+``telemetry_samples`` (the steps on the roofline, per phase) is one.
 
 Every metric carries a ``model_name`` label (the first served name), as vLLM's do.
 """
@@ -27,8 +27,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ridge.engine.engine import LLMEngine
 from ridge.engine.outputs import RequestOutput
+from ridge.engine.stats import EngineStats
 from ridge.server.async_engine import EngineObserver
 
 TTFT_BUCKETS = (
@@ -112,33 +112,37 @@ class Sample:
     kind: str = "gauge"
 
 
-StateSource = Callable[[LLMEngine], Iterable[Sample]]
+StateSource = Callable[[EngineStats], Iterable[Sample]]
 
 
-def engine_state_samples(engine: LLMEngine) -> list[Sample]:
-    """Scheduler and KV-cache state. Runs on the engine thread."""
-    sched, kv = engine.scheduler, engine.kv
-    counts = kv.pool.counts()
+def engine_state_samples(stats: EngineStats) -> list[Sample]:
+    """Scheduler and KV-cache state."""
+    counts = stats.kv_blocks
     samples = [
-        Sample("ridge_num_requests_running", "Sequences in the running batch.", len(sched.running)),
-        Sample("ridge_num_requests_waiting", "Sequences waiting to be admitted.", len(sched.waiting)),
-        Sample("ridge_kv_cache_usage_ratio", "Fraction of KV blocks held by requests (0..1).", kv.usage),
+        Sample("ridge_num_requests_running", "Sequences in the running batch.", stats.num_running),
+        Sample("ridge_num_requests_waiting", "Sequences waiting to be admitted.", stats.num_waiting),
+        Sample("ridge_kv_cache_usage_ratio", "Fraction of KV blocks held by requests (0..1).", stats.kv_cache_usage),
         Sample(
             "ridge_prefix_cache_hit_rate",
             "Prompt tokens served from the prefix cache / prompt tokens looked up.",
-            kv.prefix_hit_rate,
+            stats.prefix_cache_hit_rate,
         ),
         Sample(
             "ridge_prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
-            kv.prefix_queries,
+            stats.prefix_cache_queries,
             kind="counter",
         ),
-        Sample("ridge_prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_hits, kind="counter"),
+        Sample(
+            "ridge_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            stats.prefix_cache_hits,
+            kind="counter",
+        ),
         Sample(
             "ridge_num_preemptions",
             "Sequences preempted (to be recomputed) for lack of KV blocks.",
-            sched.num_preemptions,
+            stats.num_preemptions,
             kind="counter",
         ),
     ]
@@ -151,69 +155,51 @@ def engine_state_samples(engine: LLMEngine) -> list[Sample]:
                 labels={"state": state},
             )
         )
-    cfg = engine.config
-    samples.append(
-        Sample(
-            "ridge_engine_info",
-            "Engine configuration (value 1).",
-            1.0,
-            labels={
-                "scheduler": cfg.scheduler,
-                "dtype": str(engine.dtype).removeprefix("torch."),
-                "device": str(engine.device),
-                "block_size": str(cfg.block_size),
-                "num_kv_blocks": str(engine.num_kv_blocks),
-                "max_num_seqs": str(cfg.max_num_seqs),
-                "max_model_len": str(engine.max_model_len),
-            },
-        )
-    )
+    samples.append(Sample("ridge_engine_info", "Engine configuration (value 1).", 1.0, labels=dict(stats.info)))
     return samples
 
 
-def telemetry_samples(engine: LLMEngine) -> list[Sample]:
+def telemetry_samples(stats: EngineStats) -> list[Sample]:
     """The steps on the roofline, per phase (prefill, decode, mixed), since the engine started.
 
     Achieved rates need only the analyzer's FLOPs and bytes; the roofline fraction also needs
     the hardware, which ``ridge serve`` resolves at start-up (a scrape never probes).
     """
-    telemetry = engine.telemetry
     samples = []
-    for phase, stats in telemetry.phases().items():
+    for phase, totals in stats.phases.items():
         labels = {"phase": phase}
         samples += [
             Sample(
                 "ridge_step_achieved_bandwidth_bytes_per_second",
                 "Bytes the analyzer says the phase's steps move, per second of their wall time.",
-                stats.achieved_bytes_per_s,
+                totals.achieved_bytes_per_s,
                 labels,
             ),
             Sample(
                 "ridge_step_achieved_flops_per_second",
                 "FLOPs the analyzer says the phase's steps do, per second of their wall time.",
-                stats.achieved_flops_per_s,
+                totals.achieved_flops_per_s,
                 labels,
             ),
-            Sample("ridge_steps", "Engine steps by phase.", stats.steps, labels, kind="counter"),
+            Sample("ridge_steps", "Engine steps by phase.", totals.steps, labels, kind="counter"),
         ]
-        if telemetry.hardware_resolved:
+        if stats.roofline_resolved:
             samples.append(
                 Sample(
                     "ridge_step_roofline_fraction",
                     "Roofline time / wall time of the phase's steps (1 = at the hardware limit).",
-                    stats.roofline_fraction,
+                    totals.roofline_fraction,
                     labels,
                 )
             )
     return samples
 
 
-def spec_decode_samples(engine: LLMEngine) -> list[Sample]:
+def spec_decode_samples(engine_stats: EngineStats) -> list[Sample]:
     """Speculative decoding: drafts proposed and accepted (vLLM's names), by position too."""
-    speculator = engine.speculator
-    if speculator is None:
+    stats = engine_stats.spec_decode
+    if stats is None:
         return []
-    stats = speculator.stats
     samples = [
         Sample(
             "ridge_spec_decode_num_drafts",
@@ -236,7 +222,7 @@ def spec_decode_samples(engine: LLMEngine) -> list[Sample]:
         Sample(
             "ridge_spec_decode_num_speculative_tokens",
             "Tokens proposed per sequence in the last step (k).",
-            speculator.last_k,
+            engine_stats.spec_decode_k,
         ),
     ]
     for position, accepted in enumerate(stats.accepted_by_position):
@@ -361,9 +347,9 @@ class ServerMetrics(EngineObserver):
         self._live: dict[str, _Live] = {}  # engine thread only
 
     # -- engine state, at scrape time ---------------------------------------------------
-    def read_state(self, engine: LLMEngine) -> list[Sample]:
-        """Every state source's samples. Call on the engine thread (``AsyncEngine.call``)."""
-        return [s for source in self.state_sources for s in source(engine)]
+    def read_state(self, stats: EngineStats) -> list[Sample]:
+        """Every state source's samples of one stats snapshot."""
+        return [s for source in self.state_sources for s in source(stats)]
 
     def publish_state(self, samples: Iterable[Sample]) -> None:
         self._state.publish(samples)
@@ -376,7 +362,7 @@ class ServerMetrics(EngineObserver):
         self.http_errors.labels(self.model_name, str(status)).inc()
 
     # -- EngineObserver (engine thread) -------------------------------------------------
-    def on_step(self, engine: LLMEngine, outputs: list[RequestOutput], start: float, end: float) -> None:
+    def on_step(self, outputs: list[RequestOutput], start: float, end: float) -> None:
         name = self.model_name
         self.step_time.labels(name).observe(end - start)
         for out in outputs:

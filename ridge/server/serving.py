@@ -113,9 +113,9 @@ class OpenAIServing:
     def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
-        self._check_prompt_chars = engine.engine.check_prompt_chars  # reads only immutable sizes
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self._check_prompt_chars = engine.check_prompt_chars  # reads only immutable sizes
         self._tokenizers = _TokenizerPool(self.tokenizer, TOKENIZER_THREADS)
 
     def close(self) -> None:

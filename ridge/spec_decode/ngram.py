@@ -48,6 +48,7 @@ class NgramProposer:
     model: no pass time (``pass_s``) and no passes for the telemetry (``take_passes``)."""
 
     pass_s = None
+    max_model_len = None
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.lo, self.hi = prompt_lookup_min, prompt_lookup_max
@@ -60,16 +61,16 @@ class NgramProposer:
         """Request id -> (up to k proposed tokens, None: no distribution); absent: nothing found."""
         out = {}
         for req in requests:
-            index = self._indexes.get(req.request_id)
-            if index is None:
-                index = self._indexes[req.request_id] = NgramIndex(self.lo, self.hi)
-            tokens = index.propose(req.all_token_ids, k)
+            index = self._indexes.get(req.req_id)
+            if index is None or index.num_indexed > len(req.token_ids):  # a new sequence under a reused id
+                index = self._indexes[req.req_id] = NgramIndex(self.lo, self.hi)
+            tokens = index.propose(req.token_ids, k)
             if tokens:
-                out[req.request_id] = (tokens, None)
+                out[req.req_id] = (tokens, None)
         return out
 
-    def forget_except(self, live) -> None:
-        """Drop the indexes of sequences no longer in ``live`` (finished, aborted)."""
-        if len(self._indexes) > len(live):
-            for rid in [rid for rid in self._indexes if rid not in live]:
-                del self._indexes[rid]
+    def forget_except(self, running: set[str]) -> None:
+        """Drop the indexes of sequences no longer running (finished, aborted; a preempted
+        one keeps its index: its tokens stand)."""
+        for rid in [rid for rid in self._indexes if rid not in running]:
+            del self._indexes[rid]

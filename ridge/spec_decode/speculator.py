@@ -1,13 +1,10 @@
 """Between steps: decide how many tokens to speculate and ask the proposer for them.
 
-The engine calls ``propose`` after a step's outputs are built; each running request whose
-next step is a decode gets ``spec_token_ids`` (and, from a draft model, their distributions
-``spec_token_probs``), which the scheduler turns into a VERIFY chunk of 1 + k rows; ``record``
-takes each verify run's outcome.
-
-A proposer offers ``propose(requests, k) -> {request id: (tokens, probs or None)}``,
-``forget_except(live requests by id)``, ``pass_s`` (seconds of its last one-token pass, or
-None) and ``take_passes()`` (the model passes it ran since, for the telemetry).
+The engine calls ``propose`` after a step's outputs are built, with the sequences whose next
+step is a decode (token ids and params, ``ProposalRequest``) and how many more tokens each may
+emit; the proposals it returns (tokens, and from a draft model their distributions) go to the
+scheduler, which turns each into a VERIFY chunk of 1 + k rows. ``record`` takes each verify
+run's outcome. The proposer behind it follows ``spec_decode/proposer.py``'s protocol.
 """
 
 from __future__ import annotations
@@ -16,16 +13,14 @@ import time
 
 from ridge.spec_decode.config import SpeculativeConfig
 from ridge.spec_decode.policy import SpeculationPolicy
+from ridge.spec_decode.proposer import Proposal, ProposalRequest, Proposer
 from ridge.spec_decode.stats import SpecDecodeStats
 
 
 class Speculator:
-    def __init__(
-        self, config: SpeculativeConfig, proposer, max_model_len: int, policy: SpeculationPolicy | None
-    ) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, policy: SpeculationPolicy | None) -> None:
         self.config = config
         self.proposer = proposer
-        self.max_model_len = max_model_len
         self.cost_model = policy  # the roofline's view of a verify step (benchmarks' predictions)
         self.policy = policy if config.adaptive else None
         self.stats = SpecDecodeStats()
@@ -35,31 +30,37 @@ class Speculator:
         self._draft_cost: float | None = None  # measured: seconds per drafted token / a step's
         self._step_s: float | None = None  # moving average of a step's wall time
 
-    def propose(self, running: list, requests: dict) -> None:
-        """Set ``spec_token_ids`` on each running request whose next step is a decode."""
+    def propose(self, decoding: list[ProposalRequest], room: dict[str, int], running: set[str]) -> dict[str, Proposal]:
+        """Proposals for the sequences in ``decoding``; ``room``: tokens each may still emit
+        (max_tokens and the context limit); ``running``: every running sequence (the
+        proposer forgets the others)."""
         start = time.perf_counter()
-        self.proposer.forget_except(requests)
-        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1 and not r.is_finished]
+        self.proposer.forget_except(running)
         k = self.config.num_speculative_tokens
         if self.policy is not None and decoding:
-            k = self.policy.choose_k(len(decoding), max(r.num_tokens for r in decoding))
+            k = self.policy.choose_k(len(decoding), max(len(r.token_ids) for r in decoding))
         self.last_k = k
         if k == 0 or not decoding:
-            return
-        # No draft past max_tokens or the context limit: a run emits at most k + 1 tokens.
-        limits = {
-            r.request_id: min(k, r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens)
-            for r in decoding
-        }
-        wanted = [r for r in decoding if limits[r.request_id] > 0]
+            return {}
+        # No draft past max_tokens or the context limit: a run emits at most k + 1 tokens. A
+        # draft model with a shorter context proposes while the sequence fits it: its last
+        # fed draft sits at position N + k - 2.
+        draft_len = self.proposer.max_model_len
+        limits = {}
+        for r in decoding:
+            limit = min(k, room[r.req_id] - 1)
+            if draft_len is not None:
+                limit = min(limit, draft_len - len(r.token_ids) + 1)
+            limits[r.req_id] = limit
+        wanted = [r for r in decoding if limits[r.req_id] > 0]
         if not wanted:
-            return
-        k_run = min(k, max(limits.values()))
+            return {}
+        k_run = min(k, max(limits[r.req_id] for r in wanted))
         proposed = self.proposer.propose(wanted, k_run)
+        out = {}
         for rid, (tokens, probs) in proposed.items():
-            req, limit = requests[rid], limits[rid]
-            req.spec_token_ids = tokens[:limit]
-            req.spec_token_probs = probs[:limit] if probs is not None else None
+            limit = limits[rid]
+            out[rid] = (tokens[:limit], probs[:limit] if probs is not None else None)
         elapsed = time.perf_counter() - start
         self.propose_s += elapsed
         pass_s = self.proposer.pass_s
@@ -72,6 +73,7 @@ class Speculator:
                 measured if self._draft_cost is None else self._draft_cost + 0.1 * (measured - self._draft_cost)
             )
             self.policy.proposer_cost = max(self.cost_model_proposer_cost, self._draft_cost)
+        return out
 
     def report(self) -> dict:
         """What speculation gained so far (the bench JSON's ``speculation``)."""

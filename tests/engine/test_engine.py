@@ -52,9 +52,7 @@ def engine_state(engine) -> dict:
     engine.kv.check_integrity()
     sched = engine.scheduler
     return {
-        "requests": {
-            rid: [s.request.request_id for s in st.sequences] for rid, st in engine.output_processor.requests.items()
-        },
+        "requests": {rid: [s.seq_id for s in st.sequences] for rid, st in engine.output_processor.requests.items()},
         "scheduled": sorted(sched.requests),
         "waiting": [r.request_id for r in sched.waiting],
         "running": [r.request_id for r in sched.running],
@@ -278,7 +276,7 @@ def test_slots_nobody_wrote_never_change_a_result(stories_dir, kernels, dtype):
             device="cpu",
             max_num_batched_tokens=8,
         )  # chunked prefill: chunks read the cached prefix
-        for cache in llm.engine.kv_caches:
+        for cache in llm.engine.executor.worker.kv_caches:
             cache.k.fill_(fill)
             cache.v.fill_(fill)
         results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])

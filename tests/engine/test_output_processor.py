@@ -8,49 +8,37 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ridge.engine.output_processor import OutputProcessor, RequestState, SequenceState
-from ridge.engine.request import Request, RequestStatus
+from ridge.engine.step import RunnerOutput, SchedulerOutput
+from ridge.engine.stop import StopLimits
 from ridge.engine.tokenizer import IncrementalDetokenizer
 from ridge.sampling import SamplingParams
 from tests.engine.conftest import ALL, PROPERTY, id_lists, texts
 
 
 def generate(tok, prompt_ids: list[int], output_ids: list[int], **params):
-    """Feed ``output_ids`` one step at a time, as ``Scheduler.update`` does; returns the
-    final output and the request (for its finish status)."""
+    """Feed ``output_ids`` one step at a time, as the runner's outputs come; returns the
+    final output and the sequence (for its finish reason)."""
     sp = SamplingParams(max_tokens=max(len(output_ids), 1), logprobs=2, **params)
-    req = Request(
-        "r",
-        list(prompt_ids),
-        sp,
-        max_tokens=sp.max_tokens,
-        arrival_time=0.0,
-        eos_token_ids=frozenset(tok.eos_token_ids),
-    )
-
-    def stop(request, _stop_string):
-        request.status = RequestStatus.FINISHED_STOPPED
-
-    proc = OutputProcessor(tok, stop=stop)
+    limits = StopLimits(sp, sp.max_tokens, len(prompt_ids), 10**9, frozenset(tok.eos_token_ids))
+    proc = OutputProcessor(tok)
     detok = IncrementalDetokenizer(
         tok,
-        req.prompt_token_ids,
+        list(prompt_ids),
         skip_special_tokens=sp.skip_special_tokens,
         stop=sp.stop,
         include_stop_str_in_output=sp.include_stop_str_in_output,
     )
-    proc.add(
-        RequestState("r", None, list(prompt_ids), 0.0, stream=True, sequences=[SequenceState("r", req, detok, [])])
-    )
+    seq = SequenceState("r", "r", limits, detok, [])
+    proc.add(RequestState("r", None, list(prompt_ids), 0.0, stream=True, sequences=[seq]))
     final = None
     for token in output_ids:
-        req.append_output_token(token)
-        req.status = req.check_stop(max_model_len=10**9) or req.status
         alternative = (token + 1) % tok.vocab_size
-        for out in proc.process([(req, 1)], {"r": [(-0.5, [(alternative, -0.1), (token, -0.5)])]}):
-            final = out
-        if req.is_finished:
+        out = RunnerOutput({"r": [token]}, {"r": [(-0.5, [(alternative, -0.1), (token, -0.5)])]})
+        for output in proc.process(SchedulerOutput(), out).outputs:
+            final = output
+        if seq.is_finished:
             break
-    return final, req
+    return final, seq
 
 
 def continuation(tok, prompt: str, more: str) -> tuple[list[int], list[int]]:
@@ -95,7 +83,7 @@ def test_words_keep_their_leading_space(tokenizer):
     spaced = [k for k, t in enumerate(texts_) if t.startswith(" ")]
     assert len(spaced) == 4  # " there", " was", " a", " cat" (or their first pieces)
     # The alternatives are decoded after the token before them: their spaces show too.
-    proc = OutputProcessor(tok, stop=lambda req, s: None)
+    proc = OutputProcessor(tok)
     assert all(proc._text_after(words[k - 1], words[k]) == texts_[k] for k in spaced)
 
 
@@ -116,5 +104,5 @@ def test_an_unseen_eos_carries_its_own_text_after_the_held_back_text(stories):
     prompt_ids, ids = continuation(tok, "Once", "a日")
     out, req = generate(tok, prompt_ids, ids + [eos])
     comp = out.outputs[0]
-    assert req.status is RequestStatus.FINISHED_STOPPED and comp.text == "a日"
+    assert req.finish_reason == "stop" and comp.text == "a日"
     assert "".join(sampled_texts(comp)) == comp.text + tok.piece(eos).text

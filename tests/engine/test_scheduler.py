@@ -9,23 +9,33 @@ from hypothesis import strategies as st
 
 from ridge.engine.request import Request, RequestStatus
 from ridge.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from ridge.engine.stop import StopLimits, check_stop
 from ridge.kv.manager import KVCacheManager
 from ridge.sampling import SamplingParams
 
 _ids = itertools.count()
 
 
+_made: dict[str, Request] = {}
+
+
+def req_of(chunk) -> Request:
+    """The request a chunk names (plans carry ids only)."""
+    return _made[chunk.req_id]
+
+
 def make_request(prompt_len: int, max_tokens: int = 4, prompt: list[int] | None = None) -> Request:
     rid = next(_ids)
     # distinct prompts, so prefix caching only hits where a test shares tokens on purpose
     tokens = prompt if prompt is not None else [1000 * (rid + 1) + i for i in range(prompt_len)]
-    return Request(
+    req = _made[f"r{rid}"] = Request(
         request_id=f"r{rid}",
         prompt_token_ids=list(tokens),
         sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
         max_tokens=max_tokens,
         arrival_time=0.0,
     )
+    return req
 
 
 def make_scheduler(num_blocks=64, block_size=4, budget=16, max_seqs=8, policy="continuous", caching=True):
@@ -35,12 +45,27 @@ def make_scheduler(num_blocks=64, block_size=4, budget=16, max_seqs=8, policy="c
 
 def fake_run(plan: SchedulerOutput) -> dict[str, list[int]]:
     """Every sampling chunk gets token 7."""
-    return {c.request.request_id: [7] for c in plan.chunks if c.samples}
+    return {c.req_id: [7] for c in plan.chunks if c.samples}
+
+
+def stops(sched: Scheduler, sampled: dict[str, list[int]]) -> dict[str, RequestStatus]:
+    """The stop rules, as the output processor applies them (max_tokens here: eos is ignored)."""
+    finished = {}
+    for rid, tokens in sampled.items():
+        req = sched.requests[rid]
+        limits = StopLimits(
+            req.sampling_params, req.max_tokens, req.num_prompt_tokens, sched.max_model_len, frozenset()
+        )
+        stop = check_stop(limits, tokens[-1], req.num_output_tokens + len(tokens))
+        if stop is not None:
+            finished[rid] = RequestStatus(stop[0])
+    return finished
 
 
 def step(sched: Scheduler) -> SchedulerOutput:
     plan = sched.schedule()
-    sched.update(plan, fake_run(plan))
+    sampled = fake_run(plan)
+    sched.update(plan, sampled, stops(sched, sampled))
     sched.kv.check_integrity()
     return plan
 
@@ -51,12 +76,12 @@ def test_token_budget_and_chunking():
     sched.add_request(a)
     sched.add_request(b)
     plan = step(sched)
-    assert [(c.request, c.num_new_tokens) for c in plan.chunks] == [(a, 10), (b, 6)]
+    assert [(req_of(c), c.num_new_tokens) for c in plan.chunks] == [(a, 10), (b, 6)]
     assert plan.num_batched_tokens == 16
     assert a.num_output_tokens == 1 and b.num_output_tokens == 0  # b's chunk does not sample
     plan = step(sched)
     # a decodes (1 token) first, then b's remaining 4 prompt tokens
-    assert [(c.request, c.num_new_tokens) for c in plan.chunks] == [(a, 1), (b, 4)]
+    assert [(req_of(c), c.num_new_tokens) for c in plan.chunks] == [(a, 1), (b, 4)]
     assert b.num_output_tokens == 1
 
 
@@ -76,7 +101,7 @@ def test_without_chunking_a_long_prompt_waits_for_a_whole_budget():
     sched.add_request(short)
     sched.add_request(long)
     plan = step(sched)
-    assert [c.request for c in plan.chunks] == [short]  # the 20-token prompt does not fit 16 - 4
+    assert [req_of(c) for c in plan.chunks] == [short]  # the 20-token prompt does not fit 16 - 4
 
 
 def test_decodes_are_scheduled_before_prefill_chunks():
@@ -87,8 +112,8 @@ def test_decodes_are_scheduled_before_prefill_chunks():
     late = make_request(20)
     sched.add_request(late)
     plan = step(sched)
-    assert plan.chunks[0].request is first and plan.chunks[0].num_new_tokens == 1
-    assert plan.chunks[1].request is late and plan.chunks[1].num_new_tokens == 7
+    assert req_of(plan.chunks[0]) is first and plan.chunks[0].num_new_tokens == 1
+    assert req_of(plan.chunks[1]) is late and plan.chunks[1].num_new_tokens == 7
 
 
 def test_max_num_seqs_caps_running():
@@ -97,7 +122,7 @@ def test_max_num_seqs_caps_running():
     for r in reqs:
         sched.add_request(r)
     plan = step(sched)
-    assert {c.request.request_id for c in plan.chunks} == {reqs[0].request_id, reqs[1].request_id}
+    assert {req_of(c).request_id for c in plan.chunks} == {reqs[0].request_id, reqs[1].request_id}
 
 
 def test_finished_requests_leave_and_waiting_join_the_next_step():
@@ -108,7 +133,7 @@ def test_finished_requests_leave_and_waiting_join_the_next_step():
     step(sched)
     assert a.is_finished and not sched.running
     plan = step(sched)
-    assert [c.request for c in plan.chunks] == [b]
+    assert [req_of(c) for c in plan.chunks] == [b]
 
 
 def test_preemption_takes_the_most_recent_and_recomputes_it():
@@ -120,10 +145,10 @@ def test_preemption_takes_the_most_recent_and_recomputes_it():
     step(sched)  # all three prefilled, 9 tokens each -> each needs a third block next
     assert all(r.num_output_tokens == 1 for r in reqs)
     plan = step(sched)
-    assert plan.preempted == [reqs[2]]  # the last admitted
+    assert plan.preempted_req_ids == [reqs[2].request_id]  # the last admitted
     assert reqs[2].status is RequestStatus.WAITING and reqs[2].num_computed_tokens == 0
     assert sched.waiting[0] is reqs[2]
-    assert {c.request.request_id for c in plan.chunks} == {reqs[0].request_id, reqs[1].request_id}
+    assert {req_of(c).request_id for c in plan.chunks} == {reqs[0].request_id, reqs[1].request_id}
     outputs_before = list(reqs[2].output_token_ids)
     while sched.has_unfinished_requests():
         step(sched)
@@ -145,8 +170,8 @@ def test_preempting_a_request_already_scheduled_this_step_returns_its_budget():
     sched.kv.allocate_slots(old, 4)
     old.num_computed_tokens = 4
     plan = step(sched)
-    assert young in plan.preempted
-    assert all(c.request is not young for c in plan.chunks)
+    assert young.request_id in plan.preempted_req_ids
+    assert all(req_of(c) is not young for c in plan.chunks)
 
 
 def test_no_starvation_under_memory_pressure():
@@ -197,11 +222,11 @@ def test_static_policy_admits_only_into_an_empty_engine():
     b = make_request(4, max_tokens=1)
     sched.add_request(b)
     plan = step(sched)
-    assert [c.request for c in plan.chunks] == [a]  # b waits for the batch to finish
+    assert [req_of(c) for c in plan.chunks] == [a]  # b waits for the batch to finish
     step(sched)
     assert a.is_finished
     plan = step(sched)
-    assert [c.request for c in plan.chunks] == [b]
+    assert [req_of(c) for c in plan.chunks] == [b]
 
 
 def test_prefix_cache_hits_share_blocks_and_count_references():
@@ -213,8 +238,9 @@ def test_prefix_cache_hits_share_blocks_and_count_references():
     b = make_request(0, max_tokens=4, prompt=shared + [3])
     sched.add_request(b)
     plan = step(sched)
-    chunk_b = next(c for c in plan.chunks if c.request is b)
-    assert b.num_cached_tokens == 12 and chunk_b.start == 12 and chunk_b.num_new_tokens == 1
+    chunk_b = next(c for c in plan.chunks if req_of(c) is b)
+    new_b = next(n for n in plan.new_requests if n.req_id == b.request_id)
+    assert new_b.num_computed_tokens == 12 and chunk_b.start == 12 and chunk_b.num_new_tokens == 1
     table_a, table_b = sched.kv.block_table(a), sched.kv.block_table(b)
     assert table_a[:3] == table_b[:3] and table_a[3] != table_b[3]
     assert all(sched.kv.pool.blocks[i].ref_cnt == 2 for i in table_a[:3])
@@ -232,7 +258,7 @@ def test_a_fully_cached_prompt_still_computes_its_last_token():
     b = make_request(0, max_tokens=1, prompt=prompt)
     sched.add_request(b)
     plan = step(sched)
-    assert b.num_cached_tokens == 4 and plan.chunks[0].num_new_tokens == 4
+    assert plan.new_requests[0].num_computed_tokens == 4 and plan.chunks[0].num_new_tokens == 4
     assert b.is_finished
 
 

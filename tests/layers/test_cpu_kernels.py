@@ -51,7 +51,7 @@ def test_prepare_packs_linears_frees_dense_copies_but_keeps_a_tied_embedding(ker
     build("llama-tied-llama3-rope", tmp_path)
     fast = LLM(str(tmp_path), tokenizer="bytes", dtype="bfloat16", num_kv_blocks=8, device="cpu")
     ref = LLM(str(tmp_path), tokenizer="bytes", dtype="bfloat16", num_kv_blocks=8, kernels="torch", device="cpu")
-    model, ref_model = fast.engine.model, ref.engine.model
+    model, ref_model = fast.engine.executor.worker.model, ref.engine.executor.worker.model
     layer = model.model.layers[0].self_attn.qkv_proj
     assert layer.packed is not None and layer.weight.numel() == 0  # the dense copy is freed
     assert torch.equal(layer.dense_weight(), ref_model.model.layers[0].self_attn.qkv_proj.weight)

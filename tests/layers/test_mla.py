@@ -86,9 +86,11 @@ def test_the_latent_cache_holds_rank_plus_rope_values_per_token_and_layer():
     llm = LLM("random:tiny-deepseek-v3", device="cpu", dtype="float32", num_kv_blocks=16, block_size=4)
     engine = llm.engine
     mla = engine.model_config.mla
-    assert engine.kv_spec == KVCacheSpec(3, 1, mla.kv_lora_rank + mla.qk_rope_head_dim, keys_only=True)
-    assert engine.kv_caches[0].k.shape == (16, 4, 1, mla.kv_lora_rank + mla.qk_rope_head_dim)
-    assert engine.kv_caches[0].v is engine.kv_caches[0].k  # one vector is both key and value
+    assert engine.model_info.kv_spec == KVCacheSpec(3, 1, mla.kv_lora_rank + mla.qk_rope_head_dim, keys_only=True)
+    assert engine.executor.worker.kv_caches[0].k.shape == (16, 4, 1, mla.kv_lora_rank + mla.qk_rope_head_dim)
+    assert (
+        engine.executor.worker.kv_caches[0].v is engine.executor.worker.kv_caches[0].k
+    )  # one vector is both key and value
     per_token = 3 * (mla.kv_lora_rank + mla.qk_rope_head_dim)
     assert engine.kv_bytes_per_block == 4 * per_token * 4  # float32
     shape = ModelShape.from_hf_config(get_preset("tiny-deepseek-v3"))
@@ -104,7 +106,7 @@ def test_the_expanded_decode_form_generates_what_the_absorbed_one_does():
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     absorbed = llm.generate(prompts, params, use_tqdm=False)
-    for module in llm.engine.model.modules():
+    for module in llm.engine.executor.worker.model.modules():
         if isinstance(module, DeepseekAttention):
             module.absorb_decode = False
     expanded = llm.generate(prompts, params, use_tqdm=False)

@@ -16,7 +16,7 @@ ATOL = 1e-4
 
 def _ridge_logits(llm: LLM, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens and the logits of every sampled row (float32 engine)."""
-    runner = llm.engine.runner
+    runner = llm.engine.executor.worker.runner
     seen: list[torch.Tensor] = []
     original = runner.forward_logits
 

@@ -81,9 +81,9 @@ def test_gguf_tokenizer_adds_bos_as_the_file_says(stories_gguf, tmp_path, add_bo
 def test_quantized_gguf_matches_transformers_on_its_dequantized_weights(stories_gguf, stories_dir, tmp_path, qtype):
     path = quantized(stories_gguf, tmp_path / f"stories-{qtype.name}.gguf", qtype)
     llm = LLM(str(path), num_kv_blocks=64, kernels="torch", device="cpu")
-    layer = llm.engine.model.model.layers[0].self_attn.qkv_proj
+    layer = llm.engine.executor.worker.model.model.layers[0].self_attn.qkv_proj
     assert layer.method.format.ggml_type == qtype  # loaded as they are, not requantized
-    assert llm.engine.model.model.layers[0].mlp.down_proj.method.format is None  # K = 172 stayed F32
+    assert llm.engine.executor.worker.model.model.layers[0].mlp.down_proj.method.format is None  # K = 172 stayed F32
 
     hf = transformers.LlamaForCausalLM.from_pretrained(stories_dir, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -185,7 +185,7 @@ def test_a_q4_k_m_style_file_loads_converted_and_logs_what_became_what(tmp_path,
     mixed = rewrite(dense, tmp_path / "mixed.gguf", fn)
     with caplog.at_level(logging.INFO, logger="ridge"):
         llm = LLM(str(mixed), tokenizer="bytes", num_kv_blocks=16, device="cpu")
-    layer0 = llm.engine.model.model.layers[0]
+    layer0 = llm.engine.executor.worker.model.model.layers[0]
     assert layer0.self_attn.qkv_proj.method.format.name == "int8"  # Q6_K's target is the widest shard's
     assert layer0.self_attn.o_proj.method.format.name == "int4_asym"
     assert layer0.mlp.gate_up_proj.method.format is None  # bf16 in the file, no --quantization
@@ -212,7 +212,7 @@ def test_five_bit_fallback_types_load_as_int8(stories_gguf, tmp_path, qtype):
     """llama.cpp's Q4_K_M falls back to Q5_0 / Q5_1 where K is not a multiple of 256 (stories: 64)."""
     path = quantized(stories_gguf, tmp_path / f"{qtype.name}.gguf", qtype)
     llm = LLM(str(path), num_kv_blocks=32, kernels="torch", device="cpu")
-    layer = llm.engine.model.model.layers[0].self_attn.o_proj
+    layer = llm.engine.executor.worker.model.model.layers[0].self_attn.o_proj
     assert layer.method.format.name == "int8"
     ref = dequantize(GGUFModel(path).tensors["model.layers.0.self_attn.o_proj.weight"].data, qtype)
     amax = np.abs(ref.reshape(ref.shape[0], -1, 32)).max(-1).repeat(32, -1)

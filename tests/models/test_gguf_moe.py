@@ -90,7 +90,7 @@ def test_a_q8_0_qwen3moe_file_loads_its_experts_as_int8_blocks(qwen3moe_dir, tmp
     params.ftype = lc.LLAMA_FTYPE_MOSTLY_Q8_0
     assert lc.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) == 0
     quantized = LLM(str(target), tokenizer="bytes", dtype="float32", num_kv_blocks=64)
-    experts = quantized.engine.model.model.layers[0].mlp.experts
+    experts = quantized.engine.executor.worker.model.model.layers[0].mlp.experts
     assert experts.gate_up_proj.method.name == "int8" and experts.down_proj.method.name == "int8"
     tokens, _ = _run(quantized)
     reference, _ = _run(llm)

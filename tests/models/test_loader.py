@@ -43,7 +43,7 @@ def test_half_dtypes_run_close_to_float32(llama_dir, dtype):
     ref = LLM(str(llama_dir), tokenizer="bytes", dtype="float32", num_kv_blocks=16)
     half = LLM(str(llama_dir), tokenizer="bytes", dtype=dtype, num_kv_blocks=16)
     assert half.engine.dtype == getattr(torch, dtype)
-    assert half.engine.kv_caches[0][0].dtype == getattr(torch, dtype)
+    assert half.engine.executor.worker.kv_caches[0][0].dtype == getattr(torch, dtype)
     lp = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
     a = ref.generate([PROMPT], lp, use_tqdm=False)[0].outputs[0]
     b = half.generate([PROMPT], lp, use_tqdm=False)[0].outputs[0]

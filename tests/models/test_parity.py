@@ -33,7 +33,7 @@ def _prompts(n: int, seed: int = 1) -> list[list[int]]:
 
 def _record_logits(llm: LLM) -> dict[str, list[torch.Tensor]]:
     """Wrap the runner so every sampled row's logits are kept, per request id."""
-    runner = llm.engine.runner
+    runner = llm.engine.executor.worker.runner
     seen: dict[str, list[torch.Tensor]] = {}
     original = runner.forward_logits
 
@@ -124,7 +124,7 @@ def test_prefill_logits_every_position(hf_model, chunk):
     """Prefill logits at every position, the prompt fed in chunks through the paged cache."""
     name, directory, hf = hf_model
     llm = LLM(str(directory), tokenizer="bytes", dtype="float32", block_size=4, num_kv_blocks=64)
-    model, caches, device = llm.engine.model, llm.engine.kv_caches, llm.engine.device
+    model, caches, device = llm.engine.executor.worker.model, llm.engine.executor.worker.kv_caches, llm.engine.device
     prompt = _prompts(3)[2]  # 40 tokens
     table = torch.arange(16, device=device)
     got = []

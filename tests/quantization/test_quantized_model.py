@@ -92,7 +92,7 @@ def test_torch_path_matches_transformers_on_the_quantized_weights(model_dir, fmt
         got = torch.stack(seen[out.request_id])
         assert (got - ref).abs().max().item() <= 1e-4
         assert tokens == ref.argmax(-1).tolist()
-    head = llm.engine.model.lm_head
+    head = llm.engine.executor.worker.model.lm_head
     assert (head.method.format is None) == tied  # a tied head stays with the embedding
 
 
@@ -102,7 +102,7 @@ def test_cpu_kernels_match_transformers_within_int8_activations(model_dir, fmt_n
     directory, tied = model_dir
     hf = _reference(directory, fmt_name, tied)
     llm, prompts, outputs, seen = _run(directory, fmt_name, "auto")
-    layer = llm.engine.model.model.layers[0].mlp.down_proj
+    layer = llm.engine.executor.worker.model.model.layers[0].mlp.down_proj
     assert layer.packed is not None and layer.blocks.numel() == 0  # repacked by the kernels, plain copy freed
     for prompt, out in zip(prompts, outputs):
         tokens = out.outputs[0].token_ids
@@ -118,7 +118,10 @@ def test_weight_bytes_are_the_formats(model_dir, fmt_name):
     directory, tied = model_dir
     llm = LLM(str(directory), tokenizer="bytes", dtype="float32", quantization=fmt_name, num_kv_blocks=8)
     fmt = FORMATS[fmt_name]
-    for layer in (llm.engine.model.model.layers[0].self_attn.o_proj, llm.engine.model.model.layers[1].mlp.down_proj):
+    for layer in (
+        llm.engine.executor.worker.model.model.layers[0].self_attn.o_proj,
+        llm.engine.executor.worker.model.model.layers[1].mlp.down_proj,
+    ):
         rows = -(-layer.out_features // 16) * 16 if layer.packed is not None else layer.out_features
         assert layer.weight_nbytes() == rows * layer.in_features // 32 * fmt.type_size
 
@@ -126,7 +129,7 @@ def test_weight_bytes_are_the_formats(model_dir, fmt_name):
 def test_layers_that_cannot_quantize_stay_and_the_log_says_so(stories_dir, caplog):
     with caplog.at_level(logging.INFO, logger="ridge"):
         llm = LLM(str(stories_dir), quantization="int8", num_kv_blocks=32)
-    model = llm.engine.model
+    model = llm.engine.executor.worker.model
     assert model.model.layers[0].self_attn.qkv_proj.method.format is FORMATS["int8"]
     assert model.model.layers[0].mlp.gate_up_proj.method.format is FORMATS["int8"]
     assert model.model.layers[0].mlp.down_proj.method.format is None  # K = 172

@@ -47,21 +47,15 @@ class RunningServer:
     def url(self, path: str = "") -> str:
         return self.base_url + path
 
-    def on_engine(self, fn, timeout: float = 10.0):
-        """``fn(engine)`` on the engine thread (the engine is not thread-safe)."""
-        return self.state.engine.call_threadsafe(fn).result(timeout)
-
-    def pool_state(self) -> dict:
-        def read(engine):
-            engine.kv.check_integrity()
-            return {
-                **engine.kv.pool.counts(),
-                "unfinished": engine.num_unfinished_requests,
-                "running": len(engine.scheduler.running),
-                "waiting": len(engine.scheduler.waiting),
-            }
-
-        return self.on_engine(read)
+    def pool_state(self, timeout: float = 10.0) -> dict:
+        """The engine's stats, taken on the engine thread between steps."""
+        stats = self.state.engine.stats_threadsafe().result(timeout)
+        return {
+            **stats.kv_blocks,
+            "unfinished": stats.num_unfinished_requests,
+            "running": stats.num_running,
+            "waiting": stats.num_waiting,
+        }
 
     def wait_idle(self, timeout: float = 15.0) -> dict:
         """Poll until no request is left and no KV block is held; returns the pool counts."""
@@ -80,6 +74,7 @@ class RunningServer:
         self._sock.close()
         assert not self._thread.is_alive(), "uvicorn did not stop"
         assert not self.state.engine.is_alive, "the engine loop did not stop"
+        self.engine.kv.check_integrity()  # the loop is gone: the engine is this thread's now
 
 
 # One torch thread: the tests check behaviour, not speed, and on a shared 2-core machine two

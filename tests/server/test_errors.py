@@ -247,7 +247,7 @@ def test_a_failing_step_fails_its_requests_only(guarded, api):
             raise RuntimeError("injected failure")
         return real_step()
 
-    guarded.on_engine(lambda e: setattr(e, "step", flaky_step))
+    guarded.engine.step = flaky_step  # one attribute store: the engine loop's next call takes it
     try:
         res = api.post("/v1/completions", json=comp(max_tokens=20))
         err = _assert_error(res, 500)
@@ -263,6 +263,6 @@ def test_a_failing_step_fails_its_requests_only(guarded, api):
         assert all("choices" in e for e in events[:-1])
         guarded.wait_idle()
     finally:
-        guarded.on_engine(lambda e: e.__dict__.pop("step", None))
+        del guarded.engine.step
     assert api.post("/v1/completions", json=GOOD).status_code == 200
     guarded.wait_idle()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ridge.engine.stats import EngineStats
 from ridge.server.metrics import STATE_SOURCES, Sample, ServerMetrics
 from tests.server.conftest import STORIES_NAME
 
@@ -153,7 +154,7 @@ def test_running_gauges_while_busy(server, http):
 def test_state_sources_are_pluggable():
     """The roofline telemetry hook: an extra source's samples appear at the next publish."""
 
-    def telemetry(engine):
+    def telemetry(stats):
         return [
             Sample(
                 "ridge_achieved_bandwidth_bytes_per_second", "Achieved bandwidth.", 1.5e9, labels={"phase": "decode"}
@@ -161,7 +162,7 @@ def test_state_sources_are_pluggable():
         ]
 
     metrics = ServerMetrics("m", state_sources=(telemetry,))
-    metrics.publish_state(metrics.read_state(engine=None))
+    metrics.publish_state(metrics.read_state(EngineStats()))
     text = metrics.render().decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     (sample,) = families["ridge_achieved_bandwidth_bytes_per_second"].samples
@@ -180,7 +181,7 @@ def test_roofline_telemetry_per_phase(server, http, client):
     assert value(samples, "ridge_steps_total", phase="decode") >= 7
     assert value(samples, "ridge_step_achieved_bandwidth_bytes_per_second", phase="decode") > 0
     assert value(samples, "ridge_step_achieved_flops_per_second", phase="decode") > 0
-    telemetry = server.engine.telemetry
+    telemetry = server.engine.telemetry  # the test's own engine object, not the server's view
     if not telemetry.hardware_resolved:  # as `ridge serve` does at start-up; a preset keeps the test fast
         telemetry._hardware = resolve_hardware("h100-sxm")
     client.completions.create(

@@ -54,39 +54,30 @@ def test_draft_cost_limits_k():
 def test_a_draft_pass_is_priced_at_its_measured_cost():
     """Where steps are bound by launches, not bytes (a GPU), a draft pass costs about a target
     step whatever the roofline says: the measured cost replaces the roofline's when larger."""
-    from types import SimpleNamespace
-
+    from ridge.sampling import SamplingParams
     from ridge.spec_decode.config import SpeculativeConfig
+    from ridge.spec_decode.proposer import ProposalRequest
     from ridge.spec_decode.speculator import Speculator
 
     class SlowDraft:
         pass_s = 0.8  # a one-token draft pass: 0.8 of a target step
+        max_model_len = None
 
-        def forget_except(self, live):
+        def forget_except(self, running):
             pass
 
         def propose(self, requests, k):
-            return {r.request_id: ([5] * k, None) for r in requests}
+            return {r.req_id: ([5] * k, None) for r in requests}
 
     config = SpeculativeConfig("draft_model", 4, model="random:tiny")
     policy = SpeculationPolicy(4, roofline(ridge_rows=64), proposer_cost=0.001, prior_acceptance=0.6)
-    speculator = Speculator(config, SlowDraft(), 10_000, policy)
-    req = SimpleNamespace(
-        request_id="r",
-        num_tokens=10,
-        num_computed_tokens=9,
-        is_finished=False,
-        max_tokens=100,
-        num_output_tokens=1,
-        spec_token_ids=[],
-        spec_token_probs=None,
-    )
-    speculator.propose([req], {"r": req})
-    assert req.spec_token_ids == [5] * 4  # the roofline alone says drafting is nearly free
+    speculator = Speculator(config, SlowDraft(), policy)
+    req = ProposalRequest("r", list(range(10)), SamplingParams())
+    room = {"r": 99}
+    assert speculator.propose([req], room, {"r"}) == {"r": ([5] * 4, None)}  # the roofline: drafting is nearly free
     for _ in range(40):
         speculator.record({}, step_s=1.0)
-        speculator.propose([req], {"r": req})
+        speculator.propose([req], room, {"r"})
     assert policy.proposer_cost > 0.5
-    req.spec_token_ids = []
-    speculator.propose([req], {"r": req})
+    speculator.propose([req], room, {"r"})
     assert speculator.last_k <= 1  # 0.6 acceptance cannot pay for 0.8 of a step per draft

@@ -1,0 +1,45 @@
+"""What a front end (the HTTP server, ``LLM``) may ask of an engine: the whole interface.
+
+    add_request(id, prompt, params, arrival_time=..)   submit (ValueError on bad input)
+    step() -> [RequestOutput]                          stream: outputs of the requests that progressed
+    abort_request(id)
+    has_unfinished_requests()
+    stats() -> EngineStats                             state as data (what /metrics renders)
+
+and what it needs to prepare requests: the tokenizer, ``max_model_len`` and
+``check_prompt_chars`` (refuse an over-long prompt before tokenizing it). ``LLMEngine``
+implements it; nothing on the other side of it reaches an engine attribute.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from ridge.engine.outputs import RequestOutput
+from ridge.engine.stats import EngineStats
+from ridge.engine.tokenizer import BaseTokenizer
+from ridge.sampling import SamplingParams
+
+
+class EngineClient(Protocol):
+    tokenizer: BaseTokenizer
+    max_model_len: int
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        stream: bool = True,
+    ) -> str: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def check_prompt_chars(self, num_chars: int) -> None: ...

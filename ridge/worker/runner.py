@@ -1,0 +1,291 @@
+"""The model runner: a plan (``engine/step.py``) in, one forward pass, sampled tokens out.
+
+It keeps its own state per request (``RunnerRequest``: token ids, block table, sampling
+state), updated from each plan's deltas, flattens the step's chunks into one batch (decode
+rows first: one-token chunks and VERIFY runs), builds the attention metadata from the block
+tables, runs the model, computes logits only at the rows that sample, samples them, and
+verifies proposed tokens. Rows of the logits:
+
+    [ R rows that sample one token | V rows of verify runs (1 + k each) | P prompt-logprob rows ]
+
+Only the driver samples (``sampler`` set): under tensor parallelism the other ranks run the
+same forward pass (their shard) and return None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ridge.engine.step import ChunkKind, PromptLogprob, RunnerOutput, SchedulerOutput
+from ridge.kv.cache import PagedKV
+from ridge.layers.attention import AttentionMetadata, PrefillChunk
+from ridge.sampling import Sampler, SamplingParams, SamplingState
+from ridge.spec_decode.rejection import plain_greedy, verify, verify_greedy_batch
+
+__all__ = ["ChunkInput", "ForwardBatch", "ModelRunner", "PromptLogprob", "RunnerOutput", "RunnerRequest"]
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # (T,)
+    positions: torch.Tensor  # (T,)
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # (R + V + P,) flat rows whose logits are needed (module docstring)
+    sample_request_ids: list[str] = field(default_factory=list)  # the R that sample
+    # verify runs: (request id, proposed tokens); 1 + k rows each
+    verify_runs: list[tuple[str, list[int]]] = field(default_factory=list)
+    # prompt logprobs: (request id, first prompt position predicted, rows) per chunk that asked;
+    # the logits of position p give the logprob of prompt token p + 1
+    prompt_spans: list[tuple[str, int, int]] = field(default_factory=list)
+
+
+@dataclass
+class ChunkInput:
+    """One chunk as the forward pass sees it: ``token_ids`` at positions ``start ..`` of a
+    sequence with ``block_table``. ``verify``: its rows are a speculated run (all decode
+    rows, all sampled); ``samples``: its last row is sampled; ``prompt_logprobs``: (first
+    position predicted, rows) when its prompt tokens' logprobs are wanted."""
+
+    req_id: str
+    start: int
+    token_ids: list[int]
+    block_table: list[int]
+    samples: bool
+    verify: bool = False
+    prompt_logprobs: tuple[int, int] | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass
+class RunnerRequest:
+    """What the runner keeps of one request between steps (from the plans' deltas only)."""
+
+    token_ids: list[int]  # prompt + accepted output
+    num_prompt_tokens: int
+    block_ids: list[int]
+    params: SamplingParams
+    sampling: SamplingState
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,  # the registry's interface (ridge/models/registry.py)
+        kv_caches: list[PagedKV],
+        block_size: int,
+        device: torch.device,
+        sampler: Sampler | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.sampler = sampler  # None: not the driver (tensor-parallel ranks > 0)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, RunnerRequest] = {}
+
+    # -- per-request state ----------------------------------------------------------------
+    def update_states(self, plan: SchedulerOutput) -> None:
+        for rid in plan.finished_req_ids:
+            self.requests.pop(rid, None)
+        for new in plan.new_requests:
+            tokens = list(new.token_ids)
+            prompt = tokens[: new.num_prompt_tokens]
+            outputs = tokens[new.num_prompt_tokens :]
+            self.requests[new.req_id] = RunnerRequest(
+                tokens,
+                new.num_prompt_tokens,
+                list(new.block_ids),
+                new.sampling_params,
+                SamplingState(new.sampling_params, prompt, outputs, self.eos_token_ids),
+            )
+        for delta in plan.cached_requests:
+            req = self.requests[delta.req_id]
+            if delta.new_token_ids:
+                req.token_ids.extend(delta.new_token_ids)
+                req.sampling.output_token_ids.extend(delta.new_token_ids)
+            if delta.first_block < len(req.block_ids):
+                del req.block_ids[delta.first_block :]
+            req.block_ids.extend(delta.new_block_ids)
+
+    def chunk_inputs(self, plan: SchedulerOutput) -> list[ChunkInput]:
+        """The plan's chunks with their tokens and block tables, from the runner's state."""
+        out = []
+        for chunk in plan.chunks:
+            req = self.requests[chunk.req_id]
+            if chunk.kind is ChunkKind.VERIFY:
+                tokens = [req.token_ids[chunk.start], *chunk.draft_token_ids]
+            else:
+                tokens = req.token_ids[chunk.start : chunk.end]
+            spans = None
+            last_scored = min(chunk.end, req.num_prompt_tokens - 1)  # position P - 1 predicts an output token
+            if req.params.prompt_logprobs is not None and chunk.start < last_scored:
+                spans = (chunk.start + 1, last_scored - chunk.start)
+            verifying = chunk.kind is ChunkKind.VERIFY
+            out.append(ChunkInput(chunk.req_id, chunk.start, tokens, req.block_ids, chunk.samples, verifying, spans))
+        return out
+
+    # -- the forward pass -----------------------------------------------------------------
+    def prepare(self, chunks: list[ChunkInput]) -> ForwardBatch:
+        """Decode-row chunks (one token, or a verify run) must come first."""
+        bs = self.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        sample_rows: list[int] = []
+        sample_ids: list[str] = []
+        verify_rows: list[int] = []
+        verify_runs: list[tuple[str, list[int]]] = []
+        prompt_rows: list[int] = []
+        prompt_spans: list[tuple[str, int, int]] = []
+        for chunk in chunks:
+            table = chunk.block_table
+            start, end = chunk.start, chunk.end
+            if len(chunk.token_ids) == 1:  # a decode (or one prompt token): the common case, kept lean
+                tokens.append(chunk.token_ids[0])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+                decode_tables.append(table)
+                decode_lens.append(end)
+            elif chunk.verify:
+                # 1 + k decode rows of one sequence: row j sees the context up to its own
+                # position (the step writes every row's K/V before attention), so the decode
+                # kernel is causal across the run and each row computes what a plain decode
+                # at that position computes.
+                tokens.extend(chunk.token_ids)
+                for pos in range(start, end):
+                    positions.append(pos)
+                    slots.append(table[pos // bs] * bs + pos % bs)
+                    decode_tables.append(table)
+                    decode_lens.append(pos + 1)
+            else:  # PREFILL: a run of query rows, causal over the paged context
+                row = len(tokens)
+                tokens.extend(chunk.token_ids)
+                positions.extend(range(start, end))
+                slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, end))
+                prefills.append(
+                    PrefillChunk(row, len(tokens), end, torch.tensor(table, dtype=torch.long, device=self.device))
+                )
+            if chunk.verify:
+                verify_rows.extend(range(len(tokens) - (end - start), len(tokens)))
+                verify_runs.append((chunk.req_id, chunk.token_ids[1:]))
+            elif chunk.samples:
+                sample_rows.append(len(tokens) - 1)
+                sample_ids.append(chunk.req_id)
+            if chunk.prompt_logprobs is not None:
+                first, count = chunk.prompt_logprobs
+                first_row = len(tokens) - (end - start)
+                prompt_spans.append((chunk.req_id, first, count))
+                prompt_rows.extend(range(first_row, first_row + count))
+
+        def as_tensor(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        meta = AttentionMetadata(slot_mapping=as_tensor(slots), num_decode_tokens=len(decode_tables), prefills=prefills)
+        if decode_tables:
+            width = max(map(len, decode_tables))
+            padded = np.zeros((len(decode_tables), width), dtype=np.int64)
+            for i, table in enumerate(decode_tables):
+                padded[i, : len(table)] = table
+            meta.decode_block_tables = torch.from_numpy(padded).to(self.device)
+            meta.decode_context_lens = as_tensor(decode_lens)
+        return ForwardBatch(
+            as_tensor(tokens),
+            as_tensor(positions),
+            meta,
+            as_tensor(sample_rows + verify_rows + prompt_rows),
+            sample_ids,
+            verify_runs,
+            prompt_spans,
+        )
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        return self.model.compute_logits(hidden[batch.sample_rows])
+
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput | None:
+        """Apply the plan's deltas, run its chunks; the driver samples and returns the output."""
+        self.update_states(plan)
+        if plan.is_empty:
+            return RunnerOutput({}) if self.sampler is not None else None
+        batch = self.prepare(self.chunk_inputs(plan))
+        logits = self.forward_logits(batch)
+        if self.sampler is None:
+            return None
+        out = self.sample(batch, logits, plan.draft_probs)
+        out.experts_touched = self.model.experts_touched()
+        return out
+
+    def sample(self, batch: ForwardBatch, logits: torch.Tensor, draft_probs: dict) -> RunnerOutput:
+        num_sampled = len(batch.sample_request_ids)
+        num_verify = sum(1 + len(drafts) for _, drafts in batch.verify_runs)
+        prompt_logprobs = self._prompt_logprobs(batch, logits[num_sampled + num_verify :], self.requests)
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list] = {}
+        if num_sampled:
+            states = [self.requests[rid].sampling for rid in batch.sample_request_ids]
+            out = self.sampler(logits[:num_sampled], states)
+            for rid, token, lp, top in zip(batch.sample_request_ids, out.token_ids, out.logprobs, out.top_logprobs):
+                sampled[rid] = [token]
+                if lp is not None:
+                    logprobs[rid] = [(lp, top or [])]
+        verified = {}
+        results, row = {}, num_sampled
+        greedy_rows, greedy_runs = [], []
+        for rid, drafts in batch.verify_runs:
+            state = self.requests[rid].sampling
+            rows = range(row, row + 1 + len(drafts))
+            row += 1 + len(drafts)
+            if plain_greedy(state):  # verified together below
+                greedy_rows.extend(rows)
+                greedy_runs.append((rid, drafts))
+            else:
+                probs = draft_probs.get(rid)
+                results[rid] = verify(self.sampler, logits[rows.start : rows.stop], state, drafts, probs)
+        if greedy_runs:
+            index = torch.tensor(greedy_rows, device=logits.device)
+            batch_results = verify_greedy_batch(logits[index], [d for _, d in greedy_runs])
+            results.update(zip([rid for rid, _ in greedy_runs], batch_results))
+        for rid, drafts in batch.verify_runs:
+            result = results[rid]
+            sampled[rid] = result.token_ids
+            verified[rid] = (len(drafts), result.num_accepted)
+            if result.logprobs is not None:
+                logprobs[rid] = [(lp, top or []) for lp, top in result.logprobs]
+        return RunnerOutput(sampled, logprobs, prompt_logprobs, verified)
+
+    @staticmethod
+    def _prompt_logprobs(batch: ForwardBatch, logits: torch.Tensor, requests: dict[str, RunnerRequest]) -> dict:
+        """Each asked-for prompt token's logprob under the raw distribution, its rank, the top-k."""
+        if not batch.prompt_spans:
+            return {}
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        out, row = {}, 0
+        for rid, first, count in batch.prompt_spans:
+            req = requests[rid]
+            k = req.params.prompt_logprobs
+            rows = logprobs[row : row + count]
+            targets = torch.tensor(req.token_ids[first : first + count], device=rows.device)
+            chosen = rows.gather(1, targets[:, None])[:, 0]
+            ranks = (rows > chosen[:, None]).sum(-1) + 1
+            top_lp, top_ids = rows.topk(k, dim=-1) if k else (rows[:, :0], rows[:, :0].long())
+            entries = [
+                PromptLogprob(t, lp, rank, list(zip(ids, lps)))
+                for t, lp, rank, ids, lps in zip(
+                    targets.tolist(), chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist()
+                )
+            ]
+            out[rid] = (first, entries)
+            row += count
+        return out

@@ -1,0 +1,209 @@
+"""A worker owns a model: it loads it (its shard, under tensor parallelism), picks its kernels,
+sizes and allocates its KV pool and runs the steps it is handed, through its ``ModelRunner``.
+
+    worker = Worker(WorkerConfig(...))       # loads the model
+    worker.describe() -> ModelInfo           # what the engine needs to know, as data
+    worker.available_kv_blocks(max_num_seqs) # what its memory holds
+    worker.init_kv_cache(num_blocks)         # allocates the pool, builds the runner
+    worker.execute_model(plan) -> RunnerOutput | None
+
+The engine never holds the model: it talks to an executor (``engine/executor.py``) that
+drives one worker in-process or one per rank. The draft model of speculative decoding is a
+worker too (``spec_decode/draft.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ridge.config import ModelConfig, canonical_dtype, resolve_device, resolve_dtype
+from ridge.engine.step import RunnerOutput, SchedulerOutput
+from ridge.kv import cache as kv_cache
+from ridge.kv.cache import KVCacheSpec
+from ridge.layers.attention import AttentionMetadata, PrefillChunk
+from ridge.layers.cpu_kernels import select_kernels
+from ridge.models.loader import load_model, read_hf_config
+from ridge.quantization.config import QuantizationConfig
+from ridge.roofline.probe import probe_linear_flops
+from ridge.sampling import Sampler
+from ridge.worker.runner import ModelRunner
+
+# Without --kv-cache-memory the pool takes this share of free memory, but never more than
+# max_num_seqs full-length sequences need.
+DEFAULT_KV_MEMORY_FRACTION = {"cpu": 0.25, "cuda": 0.80}
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerConfig:
+    """What a worker needs to build its model and pool (plain data: it travels to ranks)."""
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    max_model_len: int | None = None
+    quantization: str | None = None
+    kernels: str = "auto"
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory: float | None = None  # GiB
+    num_kv_blocks: int | None = None
+    num_threads: int | None = None
+    rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def from_engine_config(cls, config, **overrides) -> WorkerConfig:
+        values = {name: getattr(config, name) for name in cls.__dataclass_fields__ if hasattr(config, name)}
+        values.update(overrides)
+        return cls(**values)
+
+
+@dataclass
+class ModelInfo:
+    """A worker's model, as data: what the engine sizes, validates and prices with."""
+
+    config: ModelConfig
+    hf_config: dict  # the checkpoint's config.json (a GGUF file's, translated)
+    source: str  # the model spec
+    model_dir: Path | None  # where its tokenizer lives (None: a random model)
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+    kv_spec: KVCacheSpec  # this rank's share of a token's cache
+    kv_cache_dtype: str
+    block_size: int
+    weight_bytes: int  # the linear layers' weights as held (this rank's shard)
+    weight_params: int
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """What every layer keeps for one block of tokens, as the model declares it (K and V,
+        or MLA's latent; an int8/fp8 cache: codes and scales)."""
+        return self.block_size * self.kv_spec.bytes_per_token(self.kv_cache_dtype, self.dtype)
+
+    @property
+    def kv_bytes_per_element(self) -> float:
+        return self.kv_spec.bytes_per_element(self.kv_cache_dtype, self.dtype)
+
+
+class Worker:
+    """``vocab_size``: the vocabulary the model must have (a draft shares its target's
+    tokenizer), checked before any weight is read."""
+
+    def __init__(self, config: WorkerConfig, vocab_size: int | None = None) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        hf_config, source = read_hf_config(config.model)
+        model_config = ModelConfig.from_hf_config(hf_config, config.max_model_len)
+        if vocab_size is not None and model_config.vocab_size != vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({model_config.vocab_size} tokens) differs from the target's "
+                f"({vocab_size}): a draft must share the target's tokenizer"
+            )
+        if config.dtype != "auto":
+            canonical_dtype(config.dtype)
+        self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
+        kv_cache.check_kv_cache_dtype(config.kv_cache_dtype)
+        quant = QuantizationConfig.from_name(config.quantization)
+        loaded = load_model(
+            hf_config, model_config, source, self.dtype, self.device, config.max_model_len, config.seed, quant
+        )
+        self.model = loaded.model
+        self.model.set_kernels(select_kernels(config.kernels, self.device, self.dtype))
+        for line in quant.summary():
+            logger.info("weights: %s", line)
+        self.info = ModelInfo(
+            config=loaded.config,
+            hf_config=loaded.hf_config,
+            source=config.model,
+            model_dir=loaded.model_dir,
+            max_model_len=loaded.max_model_len,
+            dtype=self.dtype,
+            device=self.device,
+            kv_spec=self.model.kv_cache_spec(),
+            kv_cache_dtype=config.kv_cache_dtype,
+            block_size=config.block_size,
+            weight_bytes=self.model.linear_weight_bytes(),
+            weight_params=self.model.linear_weight_params(),
+        )
+        self.kv_caches: list = []
+        self.runner: ModelRunner | None = None
+
+    def describe(self) -> ModelInfo:
+        return self.info
+
+    # -- the KV pool ----------------------------------------------------------------------
+    def available_kv_blocks(self, max_num_seqs: int) -> int:
+        """Blocks this worker's pool would hold: ``num_kv_blocks``, else ``kv_cache_memory``,
+        else a share of free memory capped at what ``max_num_seqs`` full sequences need."""
+        cfg, per_block = self.config, self.info.kv_bytes_per_block
+        if cfg.num_kv_blocks:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_memory:
+            budget = cfg.kv_cache_memory * 2**30
+        else:
+            seq_blocks = -(-self.info.max_model_len // cfg.block_size)
+            needed = max_num_seqs * seq_blocks * per_block
+            budget = min(needed, DEFAULT_KV_MEMORY_FRACTION[self.device.type] * free_memory(self.device))
+        blocks = int(budget // per_block)
+        if blocks < 1:
+            raise ValueError(f"KV cache memory too small: one block needs {per_block} bytes; raise kv_cache_memory")
+        return blocks
+
+    def init_kv_cache(self, num_blocks: int, eos_token_ids: frozenset[int] = frozenset()) -> None:
+        """Allocate ``num_blocks`` blocks and the runner (``eos_token_ids``: what ``min_tokens`` masks)."""
+        cfg = self.config
+        self.kv_caches = kv_cache.allocate(
+            self.info.kv_spec, num_blocks, cfg.block_size, self.dtype, self.device, cfg.kv_cache_dtype
+        )
+        sampler = Sampler(cfg.seed) if cfg.rank == 0 else None
+        self.runner = ModelRunner(self.model, self.kv_caches, cfg.block_size, self.device, sampler, eos_token_ids)
+
+    # -- steps ----------------------------------------------------------------------------
+    def execute_model(self, plan: SchedulerOutput) -> RunnerOutput | None:
+        return self.runner.execute(plan)
+
+    @torch.inference_mode()
+    def score(self, ids: list[int]) -> torch.Tensor:
+        """(T - 1, V) float32 log-probabilities of each next token of ``ids``, from one prefill
+        into the first blocks of the pool (which must be idle: nothing else may hold them)."""
+        n, block_size = len(ids), self.config.block_size
+        num_blocks = -(-n // block_size)
+        if num_blocks > self.kv_caches[0].k.shape[0]:
+            raise ValueError(f"the text needs {num_blocks} KV blocks; the pool has {self.kv_caches[0].k.shape[0]}")
+        table = torch.arange(num_blocks, device=self.device)
+        positions = torch.arange(n, device=self.device)
+        meta = AttentionMetadata(slot_mapping=positions.clone(), prefills=[PrefillChunk(0, n, n, table)])
+        hidden = self.model(torch.tensor(ids, device=self.device), positions, self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden[:-1]).float()
+        return torch.log_softmax(logits, dim=-1).cpu()
+
+    def probe_matmul_flops(self, rows: int) -> float:
+        """FLOP/s this worker's matmul kernel reaches on its largest linear layer."""
+        layer = max(self.model.linear_layers(), key=lambda m: m.in_features * m.out_features)
+        return probe_linear_flops(self.model.kernels.matmul, layer, self.dtype, self.device, rows=rows)
+
+
+def free_memory(device: torch.device) -> float:
+    """Bytes free for the KV pool on ``device``."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return float(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
