@@ -493,6 +493,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8 (e4m3), scales per token and KV head
     # vLLM's --speculative-config: a JSON string or dict (ridge.spec_decode.config.SpeculativeConfig)
     speculative_config: Any = None
+    # vLLM's --tensor-parallel-size: N ranks, each holding 1/N of every weight matrix
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -501,7 +503,7 @@ class EngineConfig:
             self.dtype = canonical_dtype(self.dtype)
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        _require_positive_int(self, "block_size", "max_num_seqs", "max_num_batched_tokens")
+        _require_positive_int(self, "block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
         if self.num_kv_blocks is not None:
             _require_positive_int(self, "num_kv_blocks")
         if self.max_model_len is not None:

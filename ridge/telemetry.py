@@ -38,6 +38,7 @@ class StepRecord:
     # context after them) per sequence
     draft_passes: tuple[tuple[tuple[int, int], ...], ...] = ()
     experts_touched: float | None = None  # an MoE model: distinct experts read per MoE layer (mean)
+    comm_s: float = 0.0  # measured: seconds rank 0 spent in collectives (tensor parallelism)
     cost: StepCost | None = None  # priced on first read
 
     @property
@@ -63,6 +64,7 @@ class PhaseStats:
     bytes: float = 0.0
     floor_s: float = 0.0  # roofline time: sum over steps of max(flops / peak, bytes / bw)
     floored_wall_s: float = 0.0  # wall time of the steps priced with a known roofline
+    comm_s: float = 0.0  # measured time in collectives (tensor parallelism)
 
     @property
     def achieved_bytes_per_s(self) -> float:
@@ -85,6 +87,7 @@ class PhaseStats:
             "bytes": self.bytes,
             "floor_s": self.floor_s,
             "floored_wall_s": self.floored_wall_s,
+            "comm_s": self.comm_s,
             "achieved_gb_per_s": self.achieved_bytes_per_s / 1e9,
             "achieved_gflop_per_s": self.achieved_flops_per_s / 1e9,
             "roofline_fraction": self.roofline_fraction,
@@ -190,7 +193,14 @@ class Telemetry:
     draft: ModelPricing | None = None  # a speculative draft model whose passes count in its steps
 
     def record(
-        self, prefill_chunks, decode_contexts, wall_s: float, verify_chunks=(), draft_passes=(), experts_touched=None
+        self,
+        prefill_chunks,
+        decode_contexts,
+        wall_s: float,
+        verify_chunks=(),
+        draft_passes=(),
+        experts_touched=None,
+        comm_s: float = 0.0,
     ) -> None:
         """Hot path: keep the shape and the time; pricing happens on read."""
         rec = StepRecord(
@@ -200,6 +210,7 @@ class Telemetry:
             tuple(verify_chunks),
             tuple(draft_passes),
             experts_touched,
+            comm_s,
         )
         self.recent.append(rec)
         self._pending.append(rec)
@@ -264,6 +275,7 @@ class Telemetry:
             stats.steps += 1
             stats.tokens += rec.tokens
             stats.wall_s += rec.wall_s
+            stats.comm_s += rec.comm_s
             stats.flops += cost.flops
             stats.bytes += cost.bytes
             if self._hardware is not None:

@@ -21,6 +21,11 @@ from ridge.engine.tokenizer import BaseTokenizer
 from ridge.sampling import SamplingParams
 
 
+class EngineFatalError(RuntimeError):
+    """The engine cannot go on (a tensor-parallel rank died or hung): every request in flight
+    fails, and a server stops taking new ones."""
+
+
 class EngineClient(Protocol):
     tokenizer: BaseTokenizer
     max_model_len: int

@@ -18,6 +18,7 @@ import functools
 import itertools
 import logging
 import time
+import weakref
 
 from ridge.config import EngineConfig
 from ridge.engine.executor import make_executor
@@ -54,6 +55,15 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.executor = make_executor(WorkerConfig.from_engine_config(config))
+        # the ranks stop with the engine, even one nobody shuts down
+        self._finalizer = weakref.finalize(self, self.executor.shutdown)
+        try:
+            self._build(config)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
         info = self.model_info = self.executor.info
         self.model_config, self.hf_config = info.config, info.hf_config
         self.dtype, self.device = info.dtype, info.device
@@ -328,6 +338,7 @@ class LLMEngine:
             shapes[ChunkKind.VERIFY],
             self.speculator.proposer.take_passes() if self.speculator is not None else (),
             out.experts_touched,
+            out.comm_s,
         )
         return result.outputs
 
@@ -360,4 +371,5 @@ class LLMEngine:
         _ = self.telemetry.ceiling
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        """Stop the executor's ranks (idempotent)."""
+        self._finalizer()

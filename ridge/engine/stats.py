@@ -56,6 +56,7 @@ class EngineStats:
                 "num_kv_blocks": str(engine.num_kv_blocks),
                 "max_num_seqs": str(cfg.max_num_seqs),
                 "max_model_len": str(engine.max_model_len),
+                "tensor_parallel_size": str(cfg.tensor_parallel_size),
             },
             phases={name: copy.copy(stats) for name, stats in telemetry.phases().items()},
             roofline_resolved=telemetry.hardware_resolved,

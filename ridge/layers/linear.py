@@ -11,6 +11,11 @@ checkpoint tensor to the method with its row range (see ``models/llama.py``'s pa
     qkv_proj  rows: [ q_proj (Hq*D) | k_proj (Hkv*D) | v_proj (Hkv*D) ]
     gate_up   rows: [ gate_proj (I) | up_proj (I) ]
 
+Under tensor parallelism a layer holds one rank's slice (``distributed/parallel.py``):
+``tp_rows`` gives, per output shard, the rows of the checkpoint tensor it takes (column
+parallel), ``tp_cols`` the columns (row parallel); the loader narrows each checkpoint tensor
+to them before the method sees it. Both None: the whole tensor.
+
 A stacked expert layer (``ExpertLinear``) is a packed layer whose shards are every expert's
 projections in turn, so each expert owns a contiguous run of rows:
 
@@ -23,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ridge.distributed.parallel import Shard
 from ridge.quantization.methods import LinearMethod, UnquantizedLinearMethod
 
 
@@ -34,9 +40,21 @@ class Linear(nn.Module):
     through the method's torch reference (slow when packed, off the hot path).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, method: LinearMethod | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        method: LinearMethod | None = None,
+        tp_rows: list[Shard] | None = None,
+        tp_cols: Shard | None = None,
+        full: tuple[list[int], int] | None = None,
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.tp_rows, self.tp_cols = tp_rows, tp_cols  # this rank's slice of the checkpoint tensor
+        # the unsplit layer: each output shard's rows and K (None: this layer is not split)
+        self.full = full
         self.method = method or UnquantizedLinearMethod()
         self.packed: torch.Tensor | None = None
         self.unpacker = None  # the kernels that packed it
@@ -53,6 +71,30 @@ class Linear(nn.Module):
     def weight_nbytes(self) -> int:
         return self.method.weight_nbytes(self)
 
+    @property
+    def full_shape(self) -> tuple[int, int]:
+        """(N, K) of the checkpoint's (unsplit) weight."""
+        if self.full is None:
+            return self.out_features, self.in_features
+        return sum(self.full[0]), self.full[1]
+
+    def local_part(self, tensor: torch.Tensor, shard: int | None) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor: output shard ``shard`` (None: the whole
+        layer, every shard in turn), narrowed to ``tp_rows`` and ``tp_cols``. A view of the
+        tensor (of the memory-mapped file) unless the shards must be joined."""
+        if self.tp_rows is not None:
+            if shard is not None:
+                tensor = self.tp_rows[shard].of(tensor, 0)
+            else:
+                parts, offset = [], 0
+                for size, rows in zip(self.full[0], self.tp_rows, strict=True):
+                    parts.append(tensor.narrow(0, offset + rows.start, rows.length))
+                    offset += size
+                tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if self.tp_cols is not None and tensor.dim() == 2:
+            tensor = self.tp_cols.of(tensor, 1)
+        return tensor
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, {self.method.name}"
 
@@ -61,9 +103,16 @@ class PackedLinear(Linear):
     """A linear layer whose rows are the concatenation of ``output_sizes`` shards."""
 
     def __init__(
-        self, in_features: int, output_sizes: list[int], bias: bool, method: LinearMethod | None = None
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool,
+        method: LinearMethod | None = None,
+        tp_rows: list[Shard] | None = None,
+        tp_cols: Shard | None = None,
+        full: tuple[list[int], int] | None = None,
     ) -> None:
-        super().__init__(in_features, sum(output_sizes), bias, method)
+        super().__init__(in_features, sum(output_sizes), bias, method, tp_rows, tp_cols, full)
         self.output_sizes = list(output_sizes)
 
     def shard_rows(self, index: int) -> slice:
@@ -79,9 +128,19 @@ class ExpertLinear(PackedLinear):
     rows: one tensor (in any format) for a layer's experts, expert e at ``expert_rows(e)``."""
 
     def __init__(
-        self, num_experts: int, in_features: int, output_sizes: list[int], method: LinearMethod | None = None
+        self,
+        num_experts: int,
+        in_features: int,
+        output_sizes: list[int],
+        method: LinearMethod | None = None,
+        tp_rows: list[Shard] | None = None,
+        tp_cols: Shard | None = None,
+        full: tuple[list[int], int] | None = None,
     ) -> None:
-        super().__init__(in_features, list(output_sizes) * num_experts, bias=False, method=method)
+        # each expert's shards alike
+        rows = None if tp_rows is None else list(tp_rows) * num_experts
+        full = None if full is None else (list(full[0]) * num_experts, full[1])
+        super().__init__(in_features, list(output_sizes) * num_experts, False, method, rows, tp_cols, full)
         self.num_experts = num_experts
         self.rows_per_expert = sum(output_sizes)
 

@@ -18,13 +18,14 @@ import torch
 from torch import nn
 
 from ridge.config import ModelConfig
+from ridge.distributed.parallel import Shard, TensorParallel
 from ridge.kv.cache import KVCacheSpec, PagedKV
 from ridge.layers.attention import AttentionMetadata
 from ridge.layers.linear import Linear, PackedLinear
 from ridge.layers.mla import mla_attention
 from ridge.layers.norm import RMSNorm
 from ridge.layers.rotary import yarn_mscale
-from ridge.models.llama import LlamaForCausalLM, StepInputs
+from ridge.models.llama import LlamaForCausalLM, StepInputs, rows_of
 from ridge.quantization.config import QuantizationConfig
 
 PACKED_MODULES: dict[str, tuple[str, int]] = {
@@ -47,31 +48,56 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
 
 
 class DeepseekAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, quant: QuantizationConfig, prefix: str) -> None:
+    """Under tensor parallelism a rank holds its heads: q (q_b_proj, or q_proj's rows) and
+    kv_b_proj column-parallel, o row-parallel; the latent projection and the latent cache
+    are replicated (every head reads the same latent)."""
+
+    def __init__(self, cfg: ModelConfig, quant: QuantizationConfig, prefix: str, tp: TensorParallel) -> None:
         super().__init__()
-        mla, d, heads = cfg.mla, cfg.hidden_size, cfg.num_heads
-        self.mla, self.num_heads = mla, heads
-        q_width = mla.q_lora_rank or heads * mla.qk_head_dim
+        mla, d = cfg.mla, cfg.hidden_size
+        heads = tp.split(cfg.num_heads, "the attention heads")
+        self.mla, self.num_heads = mla, heads.length
+        split = tp.enabled
+        full_q = cfg.num_heads * mla.qk_head_dim
+        q_rows = rows_of(heads, mla.qk_head_dim)
+        q_width = mla.q_lora_rank or q_rows.length
+        a_rows = [Shard(0, mla.q_lora_rank) if mla.q_lora_rank else q_rows, Shard(0, mla.cache_dim)]
         self.fused_qkv_a_proj = PackedLinear(
-            d, [q_width, mla.cache_dim], bias=False, method=quant.method_for(f"{prefix}.fused_qkv_a_proj", d)
+            d,
+            [q_width, mla.cache_dim],
+            bias=False,
+            method=quant.method_for(f"{prefix}.fused_qkv_a_proj", d),
+            tp_rows=a_rows if split else None,
+            full=([mla.q_lora_rank or full_q, mla.cache_dim], d) if split else None,
         )
         if mla.q_lora_rank:
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = Linear(
                 mla.q_lora_rank,
-                heads * mla.qk_head_dim,
+                q_rows.length,
                 bias=False,
                 method=quant.method_for(f"{prefix}.q_b_proj", mla.q_lora_rank),
+                tp_rows=[q_rows] if split else None,
+                full=([full_q], mla.q_lora_rank) if split else None,
             )
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
+        kv_width = mla.qk_nope_head_dim + mla.v_head_dim
         self.kv_b_proj = Linear(
             mla.kv_lora_rank,
-            heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+            heads.length * kv_width,
             bias=False,
             method=quant.method_for(f"{prefix}.kv_b_proj", mla.kv_lora_rank),
+            tp_rows=[rows_of(heads, kv_width)] if split else None,
+            full=([cfg.num_heads * kv_width], mla.kv_lora_rank) if split else None,
         )
+        o_cols = rows_of(heads, mla.v_head_dim)
         self.o_proj = Linear(
-            heads * mla.v_head_dim, d, bias=False, method=quant.method_for(f"{prefix}.o_proj", heads * mla.v_head_dim)
+            o_cols.length,
+            d,
+            bias=False,
+            method=quant.method_for(f"{prefix}.o_proj", o_cols.length),
+            tp_cols=o_cols if split else None,
+            full=([d], cfg.num_heads * mla.v_head_dim) if split else None,
         )
         self.scale = mla_softmax_scale(cfg)
         self.absorbed: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the first forward (absorb())

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ridge.distributed.parallel import Shard
 from ridge.quantization.formats import FORMATS, Q4_1, Q8_0, BlockFormat
 
 ARCHITECTURES = {
@@ -74,24 +75,51 @@ class GGUFTensor:
     shape: tuple[int, ...]  # torch order: (N, K)
     data: np.ndarray  # memory-mapped: dense values, or (N, row bytes) uint8 blocks
 
-    def dense(self) -> torch.Tensor:
-        """Float values (dequantized with llama.cpp's reference code where quantized)."""
+    def _block_cols(self, cols: Shard) -> slice:
+        """The byte columns of K's ``cols`` in the tensor's rows: whole blocks only."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[self.type_name]]
+        if cols.start % block or cols.length % block:
+            raise ValueError(
+                f"{self.hf_name}: a {self.type_name} tensor splits K only on its {block}-value blocks; "
+                f"a rank's columns [{cols.start}, {cols.start + cols.length}) are not (lower the tensor parallel size)"
+            )
+        return slice(cols.start // block * type_size, (cols.start + cols.length) // block * type_size)
+
+    def dense(self, rows: Shard | None = None, cols: Shard | None = None) -> torch.Tensor:
+        """Float values (dequantized with llama.cpp's reference code where quantized), of the
+        rows and columns asked for (tensor parallelism): only those are read from the map."""
+        data = self.data
+        if rows is not None:
+            data = data[rows.start : rows.start + rows.length]
+        shape = (data.shape[0], self.shape[1]) if len(self.shape) == 2 else self.shape
         if self.type_name in DENSE_TYPES:
-            array = self.data.view(np.uint16) if self.type_name == "BF16" else self.data
+            if cols is not None:
+                data, shape = data[:, cols.start : cols.start + cols.length], (data.shape[0], cols.length)
+            array = data.view(np.uint16) if self.type_name == "BF16" else data
             tensor = torch.from_numpy(np.array(array))  # a copy: the mapped file is read-only
             if self.type_name == "BF16":
                 tensor = tensor.view(torch.bfloat16)
-            return tensor.reshape(self.shape)
+            return tensor.reshape(shape)
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        values = dequantize(self.data, GGMLQuantizationType[self.type_name])
-        return torch.from_numpy(np.ascontiguousarray(values)).reshape(self.shape)
+        if cols is not None:
+            data, shape = data[:, self._block_cols(cols)], (data.shape[0], cols.length)
+        values = dequantize(np.ascontiguousarray(data), GGMLQuantizationType[self.type_name])
+        return torch.from_numpy(np.ascontiguousarray(values)).reshape(shape)
 
-    def blocks(self) -> torch.Tensor:
-        """(N, K/32 * type_size) uint8 of a native block type (Q4_K: converted to Q4_1)."""
-        data = q4_k_to_q4_1(self.data) if self.type_name == "Q4_K" else self.data
-        return torch.from_numpy(np.array(data)).reshape(self.shape[0], -1)
+    def blocks(self, rows: Shard | None = None, cols: Shard | None = None) -> torch.Tensor:
+        """(N, K/32 * type_size) uint8 of a native block type (Q4_K: converted to Q4_1), of
+        the rows and (whole blocks of) columns asked for."""
+        data = self.data
+        if rows is not None:
+            data = data[rows.start : rows.start + rows.length]
+        if cols is not None:
+            data = data[:, self._block_cols(cols)]
+        data = q4_k_to_q4_1(np.ascontiguousarray(data)) if self.type_name == "Q4_K" else data
+        return torch.from_numpy(np.array(data)).reshape(data.shape[0], -1)
 
     @property
     def loads_as_blocks(self) -> bool:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ridge.config import ModelConfig
+from ridge.distributed.parallel import Shard, TensorParallel
 from ridge.kv.cache import KVCacheSpec, PagedKV
 from ridge.layers.attention import AttentionMetadata, paged_attention
 from ridge.layers.kernels import TorchKernels
@@ -50,18 +51,35 @@ class StepInputs:
     rope: object
 
 
+def rows_of(shard: Shard, width: int) -> Shard:
+    """The rows of ``shard``'s heads (or experts, ...) when each is ``width`` rows."""
+    return Shard(shard.start * width, shard.length * width)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, quant: QuantizationConfig, prefix: str) -> None:
+    """Under tensor parallelism a rank holds its heads (``distributed/parallel.py``): q/k/v
+    column-parallel, o row-parallel; the decoder layer all-reduces the output."""
+
+    def __init__(self, cfg: ModelConfig, quant: QuantizationConfig, prefix: str, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        heads, kv_heads = tp.split(cfg.num_heads, "the attention heads"), tp.kv_heads(cfg.num_kv_heads)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.length, kv_heads.length, cfg.head_dim
+        q_rows, kv_rows = rows_of(heads, cfg.head_dim), rows_of(kv_heads, cfg.head_dim)
         self.qkv_proj = PackedLinear(
             cfg.hidden_size,
-            [cfg.q_size, cfg.kv_size, cfg.kv_size],
+            [q_rows.length, kv_rows.length, kv_rows.length],
             bias=cfg.qkv_bias,
             method=quant.method_for(f"{prefix}.qkv_proj", cfg.hidden_size),
+            tp_rows=[q_rows, kv_rows, kv_rows] if tp.enabled else None,
+            full=([cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.hidden_size) if tp.enabled else None,
         )
         self.o_proj = Linear(
-            cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, method=quant.method_for(f"{prefix}.o_proj", cfg.q_size)
+            q_rows.length,
+            cfg.hidden_size,
+            bias=cfg.o_bias,  # row-parallel: only rank 0 keeps its values (the loader zeroes the others')
+            method=quant.method_for(f"{prefix}.o_proj", q_rows.length),
+            tp_cols=q_rows if tp.enabled else None,
+            full=([cfg.hidden_size], cfg.q_size) if tp.enabled else None,
         )
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -93,17 +111,26 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, quant: QuantizationConfig, prefix: str) -> None:
+    """Under tensor parallelism: gate/up column-parallel, down row-parallel (a partial sum)."""
+
+    def __init__(self, cfg: ModelConfig, quant: QuantizationConfig, prefix: str, tp: TensorParallel) -> None:
         super().__init__()
-        inter = cfg.intermediate_size
+        inter = tp.split(cfg.intermediate_size, "the MLP's intermediate size")
         self.gate_up_proj = PackedLinear(
             cfg.hidden_size,
-            [inter, inter],
+            [inter.length, inter.length],
             bias=cfg.mlp_bias,
             method=quant.method_for(f"{prefix}.gate_up_proj", cfg.hidden_size),
+            tp_rows=[inter, inter] if tp.enabled else None,
+            full=([cfg.intermediate_size] * 2, cfg.hidden_size) if tp.enabled else None,
         )
         self.down_proj = Linear(
-            inter, cfg.hidden_size, bias=cfg.mlp_bias, method=quant.method_for(f"{prefix}.down_proj", inter)
+            inter.length,
+            cfg.hidden_size,
+            bias=cfg.mlp_bias,
+            method=quant.method_for(f"{prefix}.down_proj", inter.length),
+            tp_cols=inter if tp.enabled else None,
+            full=([cfg.hidden_size], cfg.intermediate_size) if tp.enabled else None,
         )
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
@@ -114,36 +141,42 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention then a feed-forward; ``attention_cls`` is the model's attention
     (``LlamaAttention``, or DeepSeek's latent attention)."""
 
-    def __init__(self, cfg: ModelConfig, quant: QuantizationConfig, prefix: str, attention_cls: type) -> None:
+    def __init__(
+        self, cfg: ModelConfig, quant: QuantizationConfig, prefix: str, attention_cls: type, tp: TensorParallel
+    ) -> None:
         super().__init__()
+        self.tp = tp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = attention_cls(cfg, quant, f"{prefix}.self_attn")
+        self.self_attn = attention_cls(cfg, quant, f"{prefix}.self_attn", tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # the feed-forward under the checkpoint's name: a dense MLP, or the MoE of a sparse layer
         self.ffn_name = cfg.ffn_name
         layer = int(prefix.rsplit(".", 1)[1])
         if cfg.moe is not None and layer in cfg.moe.sparse_layers:
-            ffn = SparseMoE(cfg, quant, f"{prefix}.{cfg.ffn_name}")
+            ffn = SparseMoE(cfg, quant, f"{prefix}.{cfg.ffn_name}", tp)
         else:
-            ffn = LlamaMLP(cfg, quant, f"{prefix}.{cfg.ffn_name}")
+            ffn = LlamaMLP(cfg, quant, f"{prefix}.{cfg.ffn_name}", tp)
         setattr(self, cfg.ffn_name, ffn)
 
     def forward(self, h, kv_cache, meta, step: StepInputs) -> None:
-        """h: the residual stream (T, hidden), updated in place."""
-        ops = step.kernels
+        """h: the residual stream (T, hidden), updated in place. Under tensor parallelism the
+        attention's and the feed-forward's outputs are partial sums: each is all-reduced here."""
+        ops, tp = step.kernels, self.tp
         norm, post_norm = self.input_layernorm, self.post_attention_layernorm
         attn = self.self_attn.forward(ops.rms_norm(h, norm.weight, norm.eps), kv_cache, meta, step)
-        x = ops.add_rms_norm(attn, h, post_norm.weight, post_norm.eps)
-        h.add_(getattr(self, self.ffn_name).forward(x, ops))
+        x = ops.add_rms_norm(tp.all_reduce(attn), h, post_norm.weight, post_norm.eps)
+        h.add_(tp.all_reduce(getattr(self, self.ffn_name).forward(x, ops)))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, quant: QuantizationConfig, attention_cls: type) -> None:
+    def __init__(
+        self, cfg: ModelConfig, max_positions: int, quant: QuantizationConfig, attention_cls: type, tp: TensorParallel
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # replicated (parallel.py says why)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, quant, f"model.layers.{i}", attention_cls) for i in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, quant, f"model.layers.{i}", attention_cls, tp) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -155,19 +188,33 @@ class LlamaForCausalLM(nn.Module):
     expert_stacking = EXPERT_STACKING
     attention_cls = LlamaAttention
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, quant: QuantizationConfig | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        quant: QuantizationConfig | None = None,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         quant = quant or QuantizationConfig()
+        tp = tp or TensorParallel()
+        self.tp = tp
         self.config = cfg
         self.quant_config = quant
         self.max_positions = max_positions
         self._moe_layers: list | None = None  # found on first use (experts_touched)
         if cfg.architecture == "MixtralForCausalLM":
             self.expert_stacking = MIXTRAL_EXPERT_STACKING
-        self.model = LlamaModel(cfg, max_positions, quant, self.attention_cls)
+        self.model = LlamaModel(cfg, max_positions, quant, self.attention_cls, tp)
         tied = cfg.tie_word_embeddings
+        self.vocab_rows = tp.vocab(cfg.vocab_size)  # lm_head: this rank's share of the vocabulary
         self.lm_head = Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False, method=quant.method_for("lm_head", cfg.hidden_size, tied)
+            cfg.hidden_size,
+            self.vocab_rows.length,
+            bias=False,
+            method=quant.method_for("lm_head", cfg.hidden_size, tied),
+            tp_rows=[self.vocab_rows] if tp.enabled else None,
+            full=([cfg.vocab_size], cfg.hidden_size) if tp.enabled else None,
         )
         if tied:
             self.tie_lm_head()
@@ -185,9 +232,14 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Router):
                 module.keep_float32()
 
-    def tie_lm_head(self) -> None:
-        """lm_head computes with the embedding's Parameter itself (never freed by repacking)."""
-        self.lm_head.weight = self.model.embed_tokens.weight
+    def tie_lm_head(self, split: bool = False) -> None:
+        """lm_head computes with the embedding's Parameter itself (never freed by repacking).
+        ``split`` (tensor parallelism, once the embedding is loaded): with a view of the rows
+        of this rank's vocabulary share."""
+        weight = self.model.embed_tokens.weight
+        if split and self.tp.enabled:
+            weight = nn.Parameter(self.vocab_rows.of(weight.data, 0), requires_grad=False)
+        self.lm_head.weight = weight
         self.lm_head.weight_is_shared = True
 
     def forward(
@@ -206,14 +258,16 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: (R, hidden_size) rows that sample -> (R, vocab) logits."""
+        """hidden: (R, hidden_size) rows that sample -> (R, vocab) logits (under tensor
+        parallelism: gathered on rank 0, None on the others)."""
         norm = self.model.norm
-        return self.kernels.matmul(self.kernels.rms_norm(hidden, norm.weight, norm.eps), self.lm_head)
+        logits = self.kernels.matmul(self.kernels.rms_norm(hidden, norm.weight, norm.eps), self.lm_head)
+        return self.tp.gather_vocab(logits, self.config.vocab_size)
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        """What each token keeps per layer: K and V for every KV head."""
+        """What each token keeps per layer: K and V for every KV head (this rank's)."""
         cfg = self.config
-        return KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        return KVCacheSpec(cfg.num_layers, self.tp.kv_heads(cfg.num_kv_heads).length, cfg.head_dim)
 
     def experts_touched(self) -> float | None:
         """Distinct experts the last forward read per MoE layer (mean); None for a dense model."""

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ridge.config import ModelConfig
+from ridge.distributed.parallel import TensorParallel
 from ridge.layers.linear import Linear
 from ridge.models.gguf_file import GGUFModel, conversions, is_gguf, target_format
 from ridge.models.gguf_file import layer_formats as gguf_layer_formats
@@ -69,33 +70,57 @@ def load_model(
     max_model_len: int | None = None,
     seed: int = 0,
     quantization: QuantizationConfig | None = None,
+    tp: TensorParallel | None = None,
 ) -> LoadedModel:
     """Weights from ``model_dir``'s safetensors, or random ones (seeded) when it is None;
-    linear layers in the format ``quantization`` gives each (quantized as they load)."""
+    linear layers in the format ``quantization`` gives each (quantized as they load). Under
+    tensor parallelism (``tp``) the model holds this rank's slices: each checkpoint tensor is
+    narrowed (a view of the mapped file) before it is copied, and a random model draws every
+    weight whole and keeps its slice, so it is the same model at any parallel size."""
     context_limit = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
     quantization = quantization or QuantizationConfig()
+    tp = tp or TensorParallel()
     if isinstance(model_dir, GGUFModel):
         cls = model_class(config.architecture)
         quantization.file_formats = gguf_layer_formats(model_dir, cls.packed_modules, cls.expert_stacking)
-    model = _empty_model(config, context_limit, dtype, device, quantization)
+    model = _empty_model(config, context_limit, dtype, device, quantization, tp)
     if model_dir is None:
         _init_random(model, seed)
     elif isinstance(model_dir, GGUFModel):
         _load_gguf(model, model_dir)
     else:
         _load_safetensors(model, model_dir)
+    if tp.enabled:
+        _finish_split(model, tp)
     model.eval()
     source = model_dir.path if isinstance(model_dir, GGUFModel) else model_dir
     return LoadedModel(model, config, hf_config, source, context_limit)
 
 
+def _finish_split(model: torch.nn.Module, tp: TensorParallel) -> None:
+    """After loading a rank's slices: a row-parallel layer's bias counts once (rank 0's; the
+    others' are zero, so the all-reduce adds it once), and a tied lm_head takes its rows of
+    the embedding as loaded."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.tp_cols is not None and module.bias is not None and tp.rank:
+            with torch.no_grad():
+                module.bias.zero_()
+    if model.config.tie_word_embeddings:
+        model.tie_lm_head(split=True)
+
+
 def _empty_model(
-    config: ModelConfig, context_limit: int, dtype: torch.dtype, device: torch.device, quant: QuantizationConfig
+    config: ModelConfig,
+    context_limit: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    quant: QuantizationConfig,
+    tp: TensorParallel,
 ) -> torch.nn.Module:
     # Build on the meta device (no init cost), then allocate uninitialized storage once
     # (.to(dtype) converts floating tensors only: quantized blocks stay uint8).
     with torch.device("meta"):
-        model = model_class(config.architecture)(config, context_limit, quant)
+        model = model_class(config.architecture)(config, context_limit, quant, tp)
     model = model.to(dtype).to_empty(device=device)
     model.materialize(device)
     return model
@@ -112,18 +137,24 @@ def _init_random(model: torch.nn.Module, seed: int) -> None:
     params = list(model.named_parameters())
     device = params[0][1].device
     dtype = model.model.embed_tokens.weight.dtype
+    modules = dict(model.named_modules())
     # A quantized layer has no Parameter: it draws its dense weight (as a Parameter would be
-    # drawn, same generator) and loads it, quantizing.
+    # drawn, same generator) and loads it, quantizing. A split layer (tensor parallelism)
+    # draws the whole weight and keeps its slice.
     quantized = [(f"{n}.weight", m) for n, m in model.named_modules() if isinstance(m, Linear) and m.method.format]
     draws: list[tuple[str, torch.Tensor | Linear]] = params + quantized
+    for i, (name, _) in enumerate(draws):
+        owner = modules.get(name.rsplit(".", 1)[0])
+        if name.endswith(".weight") and isinstance(owner, Linear) and owner.full is not None:
+            draws[i] = (name, owner)
 
     def fill(index: int) -> None:
         name, target = draws[index]
         gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
         with torch.no_grad():
             if isinstance(target, Linear):
-                dense = torch.empty(target.out_features, target.in_features, dtype=dtype, device=device)
-                target.method.load_weight(target, dense.normal_(0.0, 0.02, generator=gen), None)
+                dense = torch.empty(*target.full_shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+                target.method.load_weight(target, target.local_part(dense, None), None)
             elif name.endswith("norm.weight"):
                 target.fill_(1.0)
             else:
@@ -131,7 +162,7 @@ def _init_random(model: torch.nn.Module, seed: int) -> None:
 
     def size(i: int) -> int:
         target = draws[i][1]
-        return target.in_features * target.out_features if isinstance(target, Linear) else target.numel()
+        return target.full_shape[0] * target.full_shape[1] if isinstance(target, Linear) else target.numel()
 
     order = sorted(range(len(draws)), key=lambda i: -size(i))  # big ones first
     if device.type == "cpu":
@@ -208,12 +239,21 @@ def _load_gguf(model: torch.nn.Module, gguf: GGUFModel) -> None:
         param_name, shard = target
         module = modules[param_name.rsplit(".", 1)[0]]
         fmt = getattr(module, "method", None) and module.method.format
+        # a split layer (tensor parallelism) reads only this rank's rows and columns of the map
+        split = isinstance(module, Linear) and param_name.endswith(".weight") and module.full is not None
+        tp_rows = module.tp_rows[shard or 0] if split and module.tp_rows is not None else None
+        tp_cols = module.tp_cols if split else None
         if fmt is not None and param_name.endswith(".weight") and tensor.loads_as_blocks:
             if target_format(tensor.type_name) is fmt:
                 rows = None if shard is None else module.shard_rows(shard)
-                module.method.load_blocks(module, tensor.blocks(), rows)
+                module.method.load_blocks(module, tensor.blocks(tp_rows, tp_cols), rows)
                 loaded.add(param_name if shard is None else f"{param_name}#{shard}")
                 continue
+        if split:
+            dense = tensor.dense(tp_rows, tp_cols)  # already this rank's part
+            module.method.load_weight(module, dense, None if shard is None else module.shard_rows(shard))
+            loaded.add(param_name if shard is None else f"{param_name}#{shard}")
+            continue
         load_tensor(model, modules, target, tensor.dense(), name)
         loaded.add(param_name if shard is None else f"{param_name}#{shard}")
     _check_complete(model, loaded)
@@ -240,8 +280,11 @@ def load_tensor(model, modules: dict, target: tuple[str, int | None], tensor: to
             if isinstance(module, Linear) and leaf == "weight":
                 if tensor.dim() == 3:  # experts stored fused, (E, rows, K): the stacked layer's rows in order
                     tensor = tensor.flatten(0, 1)
+                tensor = module.local_part(tensor, shard)  # this rank's slice (tensor parallelism)
                 module.method.load_weight(module, tensor, None if shard is None else module.shard_rows(shard))
                 return
+            if isinstance(module, Linear) and leaf == "bias" and module.tp_rows is not None:
+                tensor = module.tp_rows[shard or 0].of(tensor, 0)  # a column-parallel layer's bias is split too
             param = getattr(module, leaf)
             if shard is not None:
                 _copy_checked(param[module.shard_rows(shard)], tensor, name)

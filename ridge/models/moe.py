@@ -22,35 +22,67 @@ import torch.nn.functional as F
 from torch import nn
 
 from ridge.config import ModelConfig, MoEConfig
+from ridge.distributed.parallel import TensorParallel
 from ridge.layers.linear import ExpertLinear, Linear, PackedLinear
 from ridge.quantization.config import QuantizationConfig
 
 
 class SharedExpert(nn.Module):
-    """An always-on gated MLP beside the routed experts."""
+    """An always-on gated MLP beside the routed experts (split like a dense MLP under tensor
+    parallelism)."""
 
-    def __init__(self, hidden: int, inter: int, quant: QuantizationConfig, prefix: str) -> None:
+    def __init__(self, hidden: int, inter: int, quant: QuantizationConfig, prefix: str, tp: TensorParallel) -> None:
         super().__init__()
+        part = tp.split(inter, "the shared expert's intermediate size")
+        split = tp.enabled
         self.gate_up_proj = PackedLinear(
-            hidden, [inter, inter], bias=False, method=quant.method_for(f"{prefix}.gate_up_proj", hidden)
+            hidden,
+            [part.length, part.length],
+            bias=False,
+            method=quant.method_for(f"{prefix}.gate_up_proj", hidden),
+            tp_rows=[part, part] if split else None,
+            full=([inter, inter], hidden) if split else None,
         )
-        self.down_proj = Linear(inter, hidden, bias=False, method=quant.method_for(f"{prefix}.down_proj", inter))
+        self.down_proj = Linear(
+            part.length,
+            hidden,
+            bias=False,
+            method=quant.method_for(f"{prefix}.down_proj", part.length),
+            tp_cols=part if split else None,
+            full=([hidden], inter) if split else None,
+        )
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         return ops.matmul(ops.silu_mul(ops.matmul(x, self.gate_up_proj)), self.down_proj)
 
 
 class StackedExperts(nn.Module):
-    """A layer's ``num_experts`` gated MLPs as two stacked projections."""
+    """A layer's ``num_experts`` gated MLPs as two stacked projections. Under tensor
+    parallelism every expert is split along its intermediate dimension: a rank holds each
+    expert's slice of gate/up rows and of down's columns."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, quant: QuantizationConfig, prefix: str) -> None:
+    def __init__(
+        self, num_experts: int, hidden: int, inter: int, quant: QuantizationConfig, prefix: str, tp: TensorParallel
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
+        part = tp.split(inter, "the experts' intermediate size")
+        split = tp.enabled
         self.gate_up_proj = ExpertLinear(
-            num_experts, hidden, [inter, inter], method=quant.method_for(f"{prefix}.gate_up_proj", hidden)
+            num_experts,
+            hidden,
+            [part.length, part.length],
+            method=quant.method_for(f"{prefix}.gate_up_proj", hidden),
+            tp_rows=[part, part] if split else None,
+            full=([inter, inter], hidden) if split else None,
         )
         self.down_proj = ExpertLinear(
-            num_experts, inter, [hidden], method=quant.method_for(f"{prefix}.down_proj", inter)
+            num_experts,
+            part.length,
+            [hidden],
+            method=quant.method_for(f"{prefix}.down_proj", part.length),
+            tp_cols=part if split else None,
+            full=([hidden], inter) if split else None,
         )
 
     def forward(self, rows: torch.Tensor, counts: list[int], ops) -> torch.Tensor:
@@ -119,20 +151,28 @@ class Router(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, quant: QuantizationConfig, prefix: str) -> None:
+    """Under tensor parallelism the router and the shared expert's gate are replicated, the
+    experts and shared experts split; the output is a partial sum (the layer all-reduces it)."""
+
+    def __init__(
+        self, cfg: ModelConfig, quant: QuantizationConfig, prefix: str, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
+        tp = tp or TensorParallel()
         moe = cfg.moe
         self.top_k = moe.top_k
         # the router (and the shared expert's gate): plain parameters, never quantized or repacked
         self.gate = Router(cfg.hidden_size, moe)
         self.experts = StackedExperts(
-            moe.num_experts, cfg.hidden_size, moe.intermediate_size, quant, f"{prefix}.experts"
+            moe.num_experts, cfg.hidden_size, moe.intermediate_size, quant, f"{prefix}.experts", tp
         )
         # always-on shared expert(s), under the checkpoint's name (Qwen2-MoE: shared_expert,
         # sigmoid-gated; DeepSeek: shared_experts, their widths summed into one MLP)
         self.shared_name = moe.shared_name if moe.shared_intermediate_size else None
         if self.shared_name:
-            shared = SharedExpert(cfg.hidden_size, moe.shared_intermediate_size, quant, f"{prefix}.{moe.shared_name}")
+            shared = SharedExpert(
+                cfg.hidden_size, moe.shared_intermediate_size, quant, f"{prefix}.{moe.shared_name}", tp
+            )
             setattr(self, self.shared_name, shared)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if moe.shared_expert_gate else None
         self.experts_touched = 0  # experts run in the last forward (what the step read)

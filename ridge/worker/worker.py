@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ridge.config import ModelConfig, canonical_dtype, resolve_device, resolve_dtype
+from ridge.distributed.parallel import TensorParallel
 from ridge.engine.step import RunnerOutput, SchedulerOutput
 from ridge.kv import cache as kv_cache
 from ridge.kv.cache import KVCacheSpec
@@ -56,8 +57,7 @@ class WorkerConfig:
     kv_cache_memory: float | None = None  # GiB
     num_kv_blocks: int | None = None
     num_threads: int | None = None
-    rank: int = 0
-    world_size: int = 1
+    tensor_parallel_size: int = 1
 
     @classmethod
     def from_engine_config(cls, config, **overrides) -> WorkerConfig:
@@ -98,9 +98,10 @@ class Worker:
     """``vocab_size``: the vocabulary the model must have (a draft shares its target's
     tokenizer), checked before any weight is read."""
 
-    def __init__(self, config: WorkerConfig, vocab_size: int | None = None) -> None:
+    def __init__(self, config: WorkerConfig, vocab_size: int | None = None, tp: TensorParallel | None = None) -> None:
         self.config = config
-        if config.num_threads:
+        self.tp = tp = tp or TensorParallel()
+        if config.num_threads and not tp.enabled:  # a rank's threads are set where it starts
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         hf_config, source = read_hf_config(config.model)
@@ -116,7 +117,7 @@ class Worker:
         kv_cache.check_kv_cache_dtype(config.kv_cache_dtype)
         quant = QuantizationConfig.from_name(config.quantization)
         loaded = load_model(
-            hf_config, model_config, source, self.dtype, self.device, config.max_model_len, config.seed, quant
+            hf_config, model_config, source, self.dtype, self.device, config.max_model_len, config.seed, quant, tp
         )
         self.model = loaded.model
         self.model.set_kernels(select_kernels(config.kernels, self.device, self.dtype))
@@ -166,17 +167,22 @@ class Worker:
         self.kv_caches = kv_cache.allocate(
             self.info.kv_spec, num_blocks, cfg.block_size, self.dtype, self.device, cfg.kv_cache_dtype
         )
-        sampler = Sampler(cfg.seed) if cfg.rank == 0 else None
+        sampler = Sampler(cfg.seed) if self.tp.rank == 0 else None
         self.runner = ModelRunner(self.model, self.kv_caches, cfg.block_size, self.device, sampler, eos_token_ids)
 
     # -- steps ----------------------------------------------------------------------------
     def execute_model(self, plan: SchedulerOutput) -> RunnerOutput | None:
-        return self.runner.execute(plan)
+        out = self.runner.execute(plan)
+        comm_s = self.tp.take_comm()
+        if out is not None:
+            out.comm_s = comm_s
+        return out
 
     @torch.inference_mode()
-    def score(self, ids: list[int]) -> torch.Tensor:
+    def score(self, ids: list[int]) -> torch.Tensor | None:
         """(T - 1, V) float32 log-probabilities of each next token of ``ids``, from one prefill
-        into the first blocks of the pool (which must be idle: nothing else may hold them)."""
+        into the first blocks of the pool (which must be idle: nothing else may hold them).
+        Every rank runs it; rank 0 gets the result, the others None."""
         n, block_size = len(ids), self.config.block_size
         num_blocks = -(-n // block_size)
         if num_blocks > self.kv_caches[0].k.shape[0]:
@@ -185,8 +191,8 @@ class Worker:
         positions = torch.arange(n, device=self.device)
         meta = AttentionMetadata(slot_mapping=positions.clone(), prefills=[PrefillChunk(0, n, n, table)])
         hidden = self.model(torch.tensor(ids, device=self.device), positions, self.kv_caches, meta)
-        logits = self.model.compute_logits(hidden[:-1]).float()
-        return torch.log_softmax(logits, dim=-1).cpu()
+        logits = self.model.compute_logits(hidden[:-1])  # gathered on rank 0 (tensor parallelism)
+        return None if logits is None else torch.log_softmax(logits.float(), dim=-1).cpu()
 
     def probe_matmul_flops(self, rows: int) -> float:
         """FLOP/s this worker's matmul kernel reaches on its largest linear layer."""
@@ -207,3 +213,22 @@ def free_memory(device: torch.device) -> float:
     except OSError:
         pass
     return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def run_worker_loop(worker: Worker, control) -> None:
+    """Ranks > 0 of a tensor-parallel engine: run what rank 0 broadcasts on ``control`` until
+    it says stop. ``("step", plan)`` runs a step (rank 0 gathers the logits and samples);
+    ``("call", name, args)`` runs ``worker.name(*args)`` and sends the result to rank 0."""
+    tp = worker.tp
+    while True:
+        command = tp.broadcast_object(None, group=control)
+        kind = command[0]
+        if kind == "step":
+            worker.execute_model(command[1])
+        elif kind == "call":
+            _, name, args = command
+            tp.gather_objects(getattr(worker, name)(*args), group=control)
+        elif kind == "stop":
+            return
+        else:
+            raise RuntimeError(f"unknown command {kind!r} from rank 0")

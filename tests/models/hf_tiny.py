@@ -21,6 +21,12 @@ COMMON = dict(
 
 VARIANTS = {
     "llama-gqa": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=False)),
+    # one KV head: fewer than the ranks of tensor parallelism, so each rank keeps a copy
+    "llama-mqa": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(tie_word_embeddings=False, num_key_value_heads=1),
+    ),
     "llama-tied-llama3-rope": (
         transformers.LlamaConfig,
         transformers.LlamaForCausalLM,

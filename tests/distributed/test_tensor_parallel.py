@@ -1,0 +1,118 @@
+"""Tensor parallelism on gloo: TP=2 gives exactly the single-process outputs (greedy tokens,
+and logits within 1e-4 in float32) on every architecture ridge runs, with chunked prefill,
+prefix hits and forced preemption in the same run; with int8/int4 weights, an int8 KV cache
+and n-gram speculation; on stories260K. Each TP engine starts one more process (spawn)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ridge import LLM, SamplingParams
+
+from ..models.hf_tiny import VARIANTS, build
+
+ATOL = 1e-4
+CROWDED = dict(
+    tokenizer="bytes", dtype="float32", device="cpu", block_size=4, num_kv_blocks=48, max_num_batched_tokens=32
+)
+
+
+def _workload(count: int = 12):
+    """Mixed lengths; shared stems (prefix hits); long prompts (chunked); too many for the pool
+    (preemption); logprobs everywhere, prompt logprobs on some."""
+    gen = torch.Generator().manual_seed(0)
+    stem = torch.randint(3, 290, (12,), generator=gen).tolist()
+    prompts, params = [], []
+    for i in range(count):
+        own = torch.randint(3, 290, (int(torch.randint(1, 36, (1,), generator=gen)),), generator=gen).tolist()
+        prompts.append((stem if i % 3 == 0 else []) + own + own[: i % 5])
+        params.append(
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=int(torch.randint(6, 24, (1,), generator=gen)),
+                ignore_eos=True,
+                logprobs=3,
+                prompt_logprobs=2 if i % 4 == 1 else None,
+            )
+        )
+    return prompts, params
+
+
+def _assert_same(ref, got) -> None:
+    for a, b in zip(ref, got, strict=True):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert ca.token_ids == cb.token_ids
+        for la, lb in zip(ca.logprobs, cb.logprobs, strict=True):
+            assert la.keys() == lb.keys()
+            assert max(abs(la[t].logprob - lb[t].logprob) for t in la) <= ATOL
+        if a.prompt_logprobs is not None:
+            for la, lb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
+                assert max(abs(la[t].logprob - lb[t].logprob) for t in la) <= ATOL
+
+
+def _compare(model, prompts, params, **options) -> LLM:
+    """Run the same work on TP=1 and TP=2; returns the TP=1 LLM (the TP=2 one is closed)."""
+    score_ids = prompts[0] + prompts[1]
+    single = LLM(str(model), **options)
+    ref = single.generate(prompts, params, use_tqdm=False)
+    ref_scores = single.engine.score(score_ids)
+    with LLM(str(model), tensor_parallel_size=2, **options) as tp:
+        got = tp.generate(prompts, params, use_tqdm=False)
+        scores = tp.engine.score(score_ids)
+        stats = tp.engine.stats()
+        assert stats.info["tensor_parallel_size"] == "2"
+        assert stats.num_preemptions > 0  # the pool was too small: recompute ran too
+        assert stats.prefix_cache_hits > 0
+        assert stats.phases["decode"].comm_s > 0 or stats.phases["mixed"].comm_s > 0
+    _assert_same(ref, got)
+    assert (scores - ref_scores).abs().max().item() <= ATOL  # the logits of a whole sequence
+    return single
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    return tmp_path_factory.mktemp("tp")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_tp2_equals_tp1(tiny_dirs, variant):
+    model = tiny_dirs / variant
+    build(variant, model, seed=3)
+    prompts, params = _workload()
+    _compare(model, prompts, params, **CROWDED)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"quantization": "int8"},
+        {"quantization": "int4", "kv_cache_dtype": "int8"},
+        {
+            "speculative_config": {
+                "method": "ngram",
+                "num_speculative_tokens": 3,
+                "prompt_lookup_max": 3,
+                "adaptive": False,
+            }
+        },
+    ],
+    ids=["int8", "int4-kv-int8", "ngram"],
+)
+def test_tp2_equals_tp1_with(tiny_dirs, options):
+    model = tiny_dirs / "gqa-options"
+    if not (model / "config.json").is_file():
+        build("llama-gqa", model, seed=5)
+    prompts, params = _workload()
+    _compare(model, prompts, params, **CROWDED, **options)
+
+
+def test_tp2_on_stories(stories_dir):
+    prompts = ["Once upon a time", "The little dog ran to the park and", "Lily and Ben"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
+    single = LLM(str(stories_dir), dtype="float32", device="cpu")
+    ref = single.generate(prompts, params, use_tqdm=False)
+    with LLM(str(stories_dir), dtype="float32", device="cpu", tensor_parallel_size=2) as tp:
+        got = tp.generate(prompts, params, use_tqdm=False)
+    _assert_same(ref, got)
+    assert "Once upon a time" in ref[0].prompt and ref[0].outputs[0].text == got[0].outputs[0].text
