@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ridge.roofline.hardware import Hardware
-from ridge.roofline.ops import StepCost, step_cost
+from ridge.roofline.ops import CostConventions, Link, StepCost, step_cost
 from ridge.roofline.shapes import ModelShape
 
 PHASES = ("prefill", "decode", "mixed")
@@ -65,6 +65,7 @@ class PhaseStats:
     floor_s: float = 0.0  # roofline time: sum over steps of max(flops / peak, bytes / bw)
     floored_wall_s: float = 0.0  # wall time of the steps priced with a known roofline
     comm_s: float = 0.0  # measured time in collectives (tensor parallelism)
+    predicted_comm_s: float = 0.0  # the same steps' collectives priced on the link (once it is known)
 
     @property
     def achieved_bytes_per_s(self) -> float:
@@ -88,6 +89,7 @@ class PhaseStats:
             "floor_s": self.floor_s,
             "floored_wall_s": self.floored_wall_s,
             "comm_s": self.comm_s,
+            "predicted_comm_s": self.predicted_comm_s,
             "achieved_gb_per_s": self.achieved_bytes_per_s / 1e9,
             "achieved_gflop_per_s": self.achieved_flops_per_s / 1e9,
             "roofline_fraction": self.roofline_fraction,
@@ -191,6 +193,11 @@ class Telemetry:
     _hardware: Hardware | None = None
     _ceiling: Ceiling | None = None
     draft: ModelPricing | None = None  # a speculative draft model whose passes count in its steps
+    # tensor parallelism: steps are priced per rank, and their collectives on the link
+    # (``link_fn()`` resolves it on first report, like the hardware)
+    tensor_parallel: int = 1
+    link_fn: Callable[[], Link] | None = None
+    _link: Link | None = None
 
     def record(
         self,
@@ -225,6 +232,7 @@ class Telemetry:
                 self.weight_bytes,
                 self.kv_bytes,
                 self.act_bytes,
+                conventions=CostConventions(tensor_parallel=self.tensor_parallel),
                 logit_rows=rows,
                 experts_touched=rec.experts_touched,
             )
@@ -234,7 +242,7 @@ class Telemetry:
                 for chunks in rec.draft_passes:
                     cost = step_cost(d.model, chunks, (), d.weight_bytes, d.kv_bytes, d.act_bytes)
                     ops += [dataclasses.replace(op, name=f"draft {op.name}") for op in cost.ops]
-                rec.cost = StepCost(tuple(ops), rec.cost.tokens, rec.cost.sequences)
+                rec.cost = StepCost(tuple(ops), rec.cost.tokens, rec.cost.sequences, rec.cost.comm)
         return rec.cost
 
     @property
@@ -276,6 +284,8 @@ class Telemetry:
             stats.tokens += rec.tokens
             stats.wall_s += rec.wall_s
             stats.comm_s += rec.comm_s
+            if self._link is not None:
+                stats.predicted_comm_s += self._link.time_s(cost.comm)
             stats.flops += cost.flops
             stats.bytes += cost.bytes
             if self._hardware is not None:
@@ -289,8 +299,16 @@ class Telemetry:
         self.recent.clear()
         self._totals = {p: PhaseStats() for p in PHASES}
 
+    @property
+    def link(self) -> Link | None:
+        """What connects the ranks (tensor parallelism), resolved now; None for one rank."""
+        if self._link is None and self.link_fn is not None and self.tensor_parallel > 1:
+            self._link = self.link_fn()
+        return self._link
+
     def report(self) -> dict:
         ceiling = self.ceiling
+        _ = self.link
         phases = {name: stats.to_json() for name, stats in self.phases().items() if stats.steps}
         hw = self.hardware
         return {
@@ -317,6 +335,12 @@ class Telemetry:
             lines.append(
                 f"  {name:<8} {s['steps']:>5} steps  {s['achieved_gb_per_s']:7.1f} GB/s  "
                 f"{s['achieved_gflop_per_s']:8.1f} GFLOP/s  {100 * s['roofline_fraction']:5.1f}% of roofline"
+                + (
+                    f"  collectives {1e3 * s['comm_s'] / s['steps']:.2f} ms/step "
+                    f"(link predicts {1e3 * s['predicted_comm_s'] / s['steps']:.2f})"
+                    if s["comm_s"]
+                    else ""
+                )
             )
         lines += [f"  note: {notice}" for notice in rep["notices"]]
         return "\n".join(lines)

@@ -135,6 +135,22 @@ def join_env(device: torch.device) -> Rank:
     return _groups(dist.PrefixStore("ridge", store), rank, size, device)
 
 
+# A shared-memory slot per rank: an all-reduce or a logits gather larger than this goes over
+# the compute group instead (a 2,048-token prefill of a 2,048-wide model in float32: 16 MiB).
+SHM_SLOT_BYTES = 16 * 2**20
+
+
+def shm_enabled() -> bool:
+    """Ranks of one machine meet in shared memory (``RIDGE_TP_SHM=0``: gloo for everything)."""
+    return os.environ.get("RIDGE_TP_SHM", "1") != "0" and os.path.isdir("/dev/shm")
+
+
+def shm_group(name: str, rank: int, size: int, alive, create: bool = False):
+    from ridge.distributed.shm import ShmGroup
+
+    return ShmGroup(name, rank, size, SHM_SLOT_BYTES, collective_timeout().total_seconds(), alive, create)
+
+
 def usable_cores() -> list[int]:
     try:
         return sorted(os.sched_getaffinity(0))
@@ -142,14 +158,18 @@ def usable_cores() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def pin_threads(rank: int, size: int, num_threads: int | None, cores: list[int]) -> int:
-    """Give this rank its share of ``num_threads`` (default: of ``cores``), pinned to cores of
-    its own; returns the rank's thread count. Where cores are fewer than ranks, ValueError."""
+def check_cores(size: int, cores: list[int]) -> None:
     if size > len(cores):
         raise ValueError(
             f"tensor parallel size {size} is larger than the {len(cores)} CPU cores this process may use "
             "(one rank needs at least one core)"
         )
+
+
+def pin_threads(rank: int, size: int, num_threads: int | None, cores: list[int]) -> int:
+    """Give this rank its share of ``num_threads`` (default: of ``cores``), pinned to cores of
+    its own; returns the rank's thread count. Where cores are fewer than ranks, ValueError."""
+    check_cores(size, cores)
     share = len(cores) // size
     threads = max(1, num_threads // size) if num_threads else share
     mine = cores[rank * share : (rank + 1) * share]

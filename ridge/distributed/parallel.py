@@ -56,6 +56,7 @@ class TensorParallel:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     comm_s: float = 0.0  # seconds spent in collectives since the last take_comm()
     num_collectives: int = 0
+    shm: Any = None  # ranks of one machine: a ShmGroup for the collectives that fit it
 
     @property
     def enabled(self) -> bool:
@@ -97,7 +98,10 @@ class TensorParallel:
         if self.size == 1:
             return x
         start = time.perf_counter()
-        self.group.allreduce([x]).wait()
+        if self.shm is not None and self.shm.fits(x):
+            self.shm.all_reduce(x)
+        else:
+            self.group.allreduce([x]).wait()
         self._spent(start)
         return x
 
@@ -110,7 +114,10 @@ class TensorParallel:
         if x.shape[-1] < per:  # the last rank's shorter share, padded to the common size
             x = torch.nn.functional.pad(x, (0, per - x.shape[-1]))
         x = x.contiguous()
-        if self.rank == 0:
+        if self.shm is not None and self.shm.fits(x):
+            parts = self.shm.gather(x)
+            out = None if parts is None else torch.cat(parts, dim=-1)[..., :vocab_size]
+        elif self.rank == 0:
             parts = [torch.empty_like(x) for _ in range(self.size)]
             self.group.gather([parts], [x], dist.GatherOptions()).wait()
             out = torch.cat(parts, dim=-1)[..., :vocab_size]

@@ -57,6 +57,14 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None =
         '"num_speculative_tokens": 4}; "adaptive": false always proposes k',
     )
     g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=_ENGINE_DEFAULTS.tensor_parallel_size,
+        help="split every weight matrix over N ranks (torch.distributed: gloo on CPU, NCCL on CUDA); "
+        "ridge starts ranks 1..N-1 itself, or run one ridge per rank under torchrun",
+    )
+    g.add_argument(
         "--kernels",
         choices=KERNEL_CHOICES,
         default="auto",

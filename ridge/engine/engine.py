@@ -21,6 +21,7 @@ import time
 import weakref
 
 from ridge.config import EngineConfig
+from ridge.distributed.probe import local_link
 from ridge.engine.executor import make_executor
 from ridge.engine.output_processor import OutputProcessor, RequestState, SequenceState
 from ridge.engine.outputs import RequestOutput
@@ -30,7 +31,7 @@ from ridge.engine.stats import EngineStats
 from ridge.engine.stop import StopLimits
 from ridge.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer, load_tokenizer
 from ridge.kv.manager import KVCacheManager
-from ridge.roofline.ops import step_cost_from_counts
+from ridge.roofline.ops import CostConventions, step_cost_from_counts
 from ridge.roofline.probe import local_hardware
 from ridge.sampling import SamplingParams
 from ridge.spec_decode.config import SpeculativeConfig
@@ -127,6 +128,8 @@ class LLMEngine:
             act_bytes=pricing.act_bytes,
             compute_dtype=TORCH_TO_ROOFLINE_DTYPE[str(self.dtype)],
             hardware_fn=hardware_fn,
+            tensor_parallel=self.config.tensor_parallel_size,
+            link_fn=local_link if self.device.type == "cpu" else None,
         )
 
     def _make_speculator(self, spec: SpeculativeConfig | None) -> Speculator | None:
@@ -150,6 +153,7 @@ class LLMEngine:
                 telemetry.weight_bytes,
                 telemetry.kv_bytes,
                 telemetry.act_bytes,
+                conventions=CostConventions(tensor_parallel=self.config.tensor_parallel_size),
                 logit_rows=batch * rows,
             )
             return max(cost.flops / peak[0], cost.bytes / telemetry.hardware.bandwidth_bytes_per_s)

@@ -22,7 +22,7 @@ import torch
 
 from ridge.engine.client import EngineFatalError
 from ridge.engine.step import RunnerOutput, SchedulerOutput
-from ridge.worker.worker import ModelInfo, Worker, WorkerConfig, run_worker_loop
+from ridge.worker.worker import ModelInfo, Worker, WorkerConfig, check_tensor_parallel, run_worker_loop
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,9 @@ class UniProcExecutor:
         pass
 
 
-def _local_rank_main(port: int, rank: int, size: int, config: WorkerConfig, parent: int, cores: list[int]) -> None:
+def _local_rank_main(
+    port: int, rank: int, size: int, config: WorkerConfig, parent: int, cores: list[int], shm_name: str | None
+) -> None:
     """A rank of one machine (a process rank 0 spawned): join, load its shard, serve. Any
     failure is written to the store (``error/<rank>``) for rank 0 to report."""
     from ridge.distributed import launch
@@ -70,6 +72,8 @@ def _local_rank_main(port: int, rank: int, size: int, config: WorkerConfig, pare
         device = _rank_device(config, rank)
         store.set(f"ready/{rank}", "1")
         ctx = launch.groups_on(store, rank, size, device)
+        if shm_name is not None:
+            ctx.tp.shm = launch.shm_group(shm_name, rank, size, alive=lambda: os.getppid() == parent)
         worker = Worker(config, tp=ctx.tp)
         run_worker_loop(worker, ctx.control)
     except BaseException as exc:  # reported to rank 0 through the store, then exit
@@ -112,6 +116,7 @@ class MultiprocExecutor:
         self.size = config.tensor_parallel_size
         self.processes: list = []
         self._store = None
+        self._shm = None
         self.failure: WorkerFailure | None = None
         self._saved_threads = torch.get_num_threads()
         self._saved_affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
@@ -119,12 +124,21 @@ class MultiprocExecutor:
         try:
             if ctx is None:  # one machine: start ranks 1 .. N-1 here
                 cores = launch.usable_cores()
+                if device.type == "cpu":
+                    launch.check_cores(self.size, cores)
+                check_tensor_parallel(config)  # bad sizes fail here, before any process starts
                 launch.pin_threads(0, self.size, config.num_threads, cores)  # checks the size first
                 store = launch.host_store(self.size)
                 self._store = store
-                self._start_ranks(store.port, config, cores)
-                launch.wait_ready(store, self.size, lambda: all(p.exitcode is None for p in self.processes))
+                alive = lambda: all(p.exitcode is None for p in self.processes)  # noqa: E731
+                shm = None
+                if device.type == "cpu" and launch.shm_enabled():
+                    shm = launch.shm_group(f"ridge-tp-{os.getpid()}-{store.port}", 0, self.size, alive, create=True)
+                    self._shm = shm
+                self._start_ranks(store.port, config, cores, shm.path.rsplit("/", 1)[1] if shm else None)
+                launch.wait_ready(store, self.size, alive)
                 ctx = launch.groups_on(store, 0, self.size, device)
+                ctx.tp.shm = shm
             self.ctx = ctx
             self.tp = ctx.tp
             self.worker = Worker(config, tp=ctx.tp)
@@ -138,14 +152,14 @@ class MultiprocExecutor:
         self._monitor.start()
 
     # -- ranks ----------------------------------------------------------------------------
-    def _start_ranks(self, port: int, config: WorkerConfig, cores: list[int]) -> None:
+    def _start_ranks(self, port: int, config: WorkerConfig, cores: list[int], shm_name: str | None) -> None:
         import torch.multiprocessing as mp
 
         context = mp.get_context("spawn")
         for rank in range(1, self.size):
             proc = context.Process(
                 target=_local_rank_main,
-                args=(port, rank, self.size, config, os.getpid(), cores),
+                args=(port, rank, self.size, config, os.getpid(), cores, shm_name),
                 name=f"ridge-rank-{rank}",
                 daemon=True,
             )
@@ -174,14 +188,17 @@ class MultiprocExecutor:
         return errors
 
     def _explain(self, exc: BaseException) -> BaseException:
-        if isinstance(exc, (WorkerFailure, ValueError)) and not self._rank_errors():
+        """What to raise for ``exc``: rank 0's own bad input as it is; a rank's reported error
+        (bad input: ValueError), else a ``WorkerFailure`` naming what died."""
+        if isinstance(exc, (WorkerFailure, ValueError)):
             return exc
         time.sleep(0.2)  # a failed rank writes its error before it exits
         errors = self._rank_errors()
+        if errors and all(": ValueError: " in e for e in errors):
+            rank, _, message = errors[0].partition(": ValueError: ")
+            return ValueError(f"{rank}: {message}")
         dead = [f"{p.name} (exit code {p.exitcode})" for p in self.processes if p.exitcode is not None]
         detail = "; ".join(errors) or ", ".join(dead) or f"{type(exc).__name__}: {exc}"
-        if errors and all("ValueError" in e for e in errors):
-            return ValueError(f"tensor parallel {errors[0].split(': ', 2)[-1]}")
         return WorkerFailure(f"tensor-parallel rank failed: {detail}")
 
     def _guard(self, fn, *args):
@@ -248,6 +265,9 @@ class MultiprocExecutor:
         self.processes = []
 
     def _restore(self) -> None:
+        if self._shm is not None:
+            self._shm.unlink()
+            self._shm = None
         torch.set_num_threads(self._saved_threads)
         if self._saved_affinity is not None:
             os.sched_setaffinity(0, self._saved_affinity)

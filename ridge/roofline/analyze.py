@@ -117,7 +117,9 @@ class Conventions:
             "projections: " + ("fused QKV and gate_up" if c.fused_projections else "separate q/k/v and gate/up"),
             "MoE: uniform routing, expected distinct experts per layer; MLA: absorbed or decompressed "
             "per sequence, whichever has fewer FLOPs",
-            f"tensor parallel {c.tensor_parallel}: per-GPU costs, all-reduce not modelled"
+            f"tensor parallel {c.tensor_parallel}: per-GPU costs; 2 all-reduces of the hidden states per "
+            "layer and a gather of the logits, priced on the link (latency per collective + bytes / "
+            "bandwidth, a ring sends 2 (N-1)/N of an all-reduce), added to the step"
             if c.tensor_parallel > 1
             else "single GPU (tensor parallel 1)",
             "memory fit: weights + KV of full-length sequences; activations and runtime overhead ignored",
@@ -132,10 +134,15 @@ class Roof:
     dtype: str
     peak_flops: float
     bandwidth: float
+    link: ops.Link | None = None  # between tensor-parallel ranks (None: communication not priced)
 
     def __post_init__(self) -> None:
         if self.peak_flops <= 0 or self.bandwidth <= 0:
             raise ValueError("Roof needs positive peak and bandwidth")
+
+    def comm_s(self, cost: StepCost) -> float:
+        """The step's communication time on the link (0 for one rank or no link)."""
+        return self.link.time_s(cost.comm) if self.link is not None and cost.comm.collectives else 0.0
 
     @property
     def ridge_point(self) -> float:
@@ -170,9 +177,10 @@ class Phase:
     batch: int
     context_len: int
     cost: StepCost
-    time_s: float
+    time_s: float  # the roofline's time plus the communication's
     tokens_per_s: float
     bound: str
+    comm_s: float = 0.0  # of time_s: the tensor-parallel collectives on the link
 
     @property
     def intensity(self) -> float:
@@ -247,7 +255,8 @@ class Analyzer:
         )
 
     def phase(self, kind: str, batch: int, context_len: int, cost: StepCost, tokens: float) -> Phase:
-        time_s = cost.time_s(self.roof.peak_flops, self.roof.bandwidth)
+        comm_s = self.roof.comm_s(cost)
+        time_s = cost.time_s(self.roof.peak_flops, self.roof.bandwidth) + comm_s
         return Phase(
             kind,
             batch,
@@ -256,6 +265,7 @@ class Analyzer:
             time_s,
             tokens / time_s,
             cost.bound(self.roof.peak_flops, self.roof.bandwidth),
+            comm_s,
         )
 
     def prefill(self, batch: int) -> Phase:
@@ -304,10 +314,12 @@ def analyze(
     workload: Workload = Workload(),
     conventions: Conventions = Conventions(),
     compute_dtype: str | None = None,
+    link: ops.Link | None = None,
 ) -> Analysis:
-    """Run the whole analysis; raises ValueError on an impossible setup (e.g. TP vs heads)."""
+    """Run the whole analysis; raises ValueError on an impossible setup (e.g. TP vs heads).
+    ``link``: what connects tensor-parallel ranks (their collectives are priced on it)."""
     dtype = compute_dtype or infer_compute_dtype(workload.precision, hardware)
-    roof = Roof(dtype, hardware.peak(dtype), hardware.bandwidth_bytes_per_s)
+    roof = Roof(dtype, hardware.peak(dtype), hardware.bandwidth_bytes_per_s, link)
     az = Analyzer(model, roof, workload, conventions)
     tp = conventions.cost.tensor_parallel
     p = workload.precision

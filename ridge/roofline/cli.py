@@ -16,7 +16,9 @@ from ridge.roofline.ops import (
     ATTENTION_CONVENTIONS,
     DTYPE_BYTES,
     EMBEDDING_CONVENTIONS,
+    LINK_PRESETS,
     CostConventions,
+    Link,
     Precision,
     dtype_bytes,
     matmul_compute_bound_rows,
@@ -103,7 +105,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     load.add_argument("--act-bits", type=int, choices=(32, 16, 8, 4), default=16)
     load.add_argument("--kv-bits", type=int, choices=(32, 16, 8, 4), default=16)
-    load.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (costs are per GPU)")
+    load.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (costs are per rank)")
+    load.add_argument(
+        "--link",
+        default=None,
+        help="what connects the --tp ranks: local (probed here: gloo over loopback between two processes; "
+        f"the default), {', '.join(LINK_PRESETS)}, or custom GBPS:US (bandwidth per rank, latency per collective)",
+    )
     load.add_argument("--spec-k", type=int, default=0, help="speculative decoding: draft tokens per step")
     load.add_argument(
         "--spec-acceptance",
@@ -174,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
         units=args.units,
     )
     hardware = _hardware(args, workload.precision)
-    analysis = analyze(model, hardware, workload, conventions, compute_dtype=args.compute_dtype)
+    link = resolve_link(args.link) if args.tp > 1 else None
+    analysis = analyze(model, hardware, workload, conventions, compute_dtype=args.compute_dtype, link=link)
     if args.plot:
         from ridge.roofline.plot import plot_analysis
 
@@ -190,6 +199,25 @@ def run(args: argparse.Namespace) -> int:
 
         render_text(analysis, console, show_ops=not args.no_ops)
     return 0
+
+
+def resolve_link(spec: str | None) -> Link:
+    """A preset, ``local`` (probed on this machine, cached), or ``GBPS:US``."""
+    if spec is None or spec == "local":
+        from ridge.distributed.probe import local_link
+
+        return local_link()
+    if spec in LINK_PRESETS:
+        return LINK_PRESETS[spec]
+    try:
+        gbps, us = (float(part) for part in spec.split(":"))
+    except ValueError:
+        raise ValueError(
+            f"--link must be local, one of {', '.join(LINK_PRESETS)}, or GBPS:US (e.g. 25:20), got {spec!r}"
+        ) from None
+    if gbps <= 0 or us < 0:
+        raise ValueError(f"--link needs a positive bandwidth and a latency >= 0, got {spec!r}")
+    return Link(f"custom ({gbps:g} GB/s, {us:g} us)", gbps * 1e9, us * 1e-6, "given")
 
 
 def _hardware_spec(args: argparse.Namespace) -> str | None:

@@ -14,7 +14,10 @@ Conventions (also stated by every report):
 - Attention is per sequence; linear layers run once over the step's flattened tokens, so each
   weight is read once per step. MoE: uniform routing, expected distinct experts read per layer.
 - Tensor parallel: the cost is per GPU (heads, MLP and vocab sharded; norms, router and MLA's
-  down-projections replicated); all-reduce traffic is not modelled.
+  down-projections replicated). Communication (``CommCost``) is priced apart, on a ``Link``:
+  two all-reduces of the step's hidden states per layer (after attention, after the
+  feed-forward) and one gather of the logits to rank 0; a ring all-reduce sends 2 (N-1)/N of
+  its payload per rank. A collective sits on the step's critical path: its time adds.
 """
 
 from __future__ import annotations
@@ -183,12 +186,67 @@ class OpCost:
 
 
 @dataclass(frozen=True)
+class CommCost:
+    """A step's tensor-parallel communication, per rank: ``collectives`` (each pays the link's
+    latency), ``payload_bytes`` (the tensors reduced or gathered) and ``link_bytes`` (what a
+    rank sends over the link for them)."""
+
+    collectives: int = 0
+    payload_bytes: float = 0.0
+    link_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class Link:
+    """What connects the ranks: a latency per collective and a bandwidth per rank."""
+
+    name: str
+    bandwidth_bytes_per_s: float
+    latency_s: float
+    source: str = ""
+
+    def time_s(self, comm: CommCost) -> float:
+        return comm.collectives * self.latency_s + comm.link_bytes / self.bandwidth_bytes_per_s
+
+
+# Nominal links (per rank, one direction; latency of a small NCCL all-reduce). ``local`` probes
+# this machine instead: gloo over loopback between two processes (ridge/distributed/probe.py).
+LINK_PRESETS: Mapping[str, Link] = MappingProxyType(
+    {
+        "nvlink4": Link("nvlink4 (H100 SXM, 900 GB/s bidirectional)", 450e9, 10e-6, "nominal"),
+        "nvlink3": Link("nvlink3 (A100 SXM, 600 GB/s bidirectional)", 300e9, 10e-6, "nominal"),
+        "pcie5": Link("PCIe 5.0 x16", 64e9, 15e-6, "nominal"),
+        "pcie4": Link("PCIe 4.0 x16", 32e9, 15e-6, "nominal"),
+        "ib-400g": Link("InfiniBand NDR 400 Gb/s", 50e9, 5e-6, "nominal"),
+        "ethernet-100g": Link("100 Gb/s Ethernet (TCP)", 12.5e9, 30e-6, "nominal"),
+    }
+)
+
+
+def comm_cost(model: ModelShape, tokens: int, logit_rows: int, act_bytes: float, tp: int) -> CommCost:
+    """The communication of one step over ``tp`` ranks (zero for one rank)."""
+    if tp == 1:
+        return CommCost()
+    hidden = tokens * model.hidden_size * act_bytes
+    reduces = 2 * model.num_layers
+    share = ceil_div(model.vocab_size, tp)
+    logits = logit_rows * share * tp * act_bytes  # rank 0 receives every other rank's share
+    return CommCost(
+        collectives=reduces + 1,
+        payload_bytes=reduces * hidden + logits,
+        link_bytes=reduces * hidden * 2 * (tp - 1) / tp + logits * (tp - 1) / tp,
+    )
+
+
+@dataclass(frozen=True)
 class StepCost:
-    """All operators of one step (per GPU) plus the step's token and sequence counts."""
+    """All operators of one step (per GPU) plus the step's token and sequence counts, and its
+    tensor-parallel communication (priced on a ``Link``, apart from the roofline)."""
 
     ops: tuple[OpCost, ...]
     tokens: int
     sequences: int
+    comm: CommCost = CommCost()
 
     @property
     def flops(self) -> float:
@@ -515,7 +573,8 @@ def step_cost_from_counts(
     rows = count if logit_rows is None else logit_rows
     if not 1 <= rows <= tokens:
         raise ValueError(f"logit_rows must be in [1, {tokens}], got {logit_rows}")
-    return StepCost(ops=tuple(builder.build(shapes, tokens, rows)), tokens=tokens, sequences=count)
+    comm = comm_cost(model, tokens, rows, act_bytes, conventions.tensor_parallel)
+    return StepCost(ops=tuple(builder.build(shapes, tokens, rows)), tokens=tokens, sequences=count, comm=comm)
 
 
 class _StepBuilder:

@@ -237,6 +237,36 @@ def _batch_table(a: Analysis) -> Table:
     return table
 
 
+def _comm_rows(a: Analysis, units: str) -> list[tuple[str, str]]:
+    """Tensor parallelism: what one step sends and how long it takes on the link."""
+    link, tp = a.roof.link, a.conventions.cost.tensor_parallel
+    if tp == 1:
+        return []
+    rows = []
+    for label, phase in (("prefill", a.prefill), ("decode", a.decode[0])):
+        comm = phase.cost.comm
+        timing = (
+            f", {fmt_time(phase.comm_s)} on {link.name} ({100 * phase.comm_s / phase.time_s:.0f}% of the step)"
+            if link is not None
+            else " (no link given: not timed)"
+        )
+        rows.append(
+            (
+                f"communication, {label} (batch {phase.batch})",
+                f"{comm.collectives} collectives, {fmt_bytes(comm.link_bytes, units)} sent per rank{timing}",
+            )
+        )
+    if link is not None:
+        rows.append(
+            (
+                "link",
+                f"{link.name}: {link.bandwidth_bytes_per_s / 1e9:.2f} GB/s, {link.latency_s * 1e6:.0f} us per "
+                f"collective ({link.source})",
+            )
+        )
+    return rows
+
+
 def _summary_table(a: Analysis) -> Table:
     units = a.conventions.units
     tp = a.conventions.cost.tensor_parallel
@@ -264,6 +294,7 @@ def _summary_table(a: Analysis) -> Table:
             f"{fmt_time(a.prefill.time_s)} (1 prompt, {a.prefill.bound}-bound, "
             f"{a.prefill.tokens_per_s:,.0f} prompt tokens/s)",
         ),
+        *_comm_rows(a, units),
         (
             "decode floor",
             f"{fmt_time(a.decode_floor_s)} per token = weight bytes read per step / bandwidth "
@@ -373,6 +404,12 @@ def phase_to_json(phase: Phase, roof: Roof) -> dict[str, Any]:
         "time_s": phase.time_s,
         "tokens_per_s": phase.tokens_per_s,
         "bound": phase.bound,
+        "comm": {
+            "collectives": c.comm.collectives,
+            "payload_bytes": c.comm.payload_bytes,
+            "link_bytes_per_rank": c.comm.link_bytes,
+            "time_s": phase.comm_s,
+        },
         "ops": [op_to_json(op, roof) for op in c.ops],
     }
 
@@ -431,6 +468,14 @@ def analysis_to_json(a: Analysis) -> dict[str, Any]:
             "notes": list(m.notes),
         },
         "hardware": hardware_to_json(a.hardware, a.roof),
+        "link": None
+        if a.roof.link is None
+        else {
+            "name": a.roof.link.name,
+            "bandwidth_bytes_per_s": a.roof.link.bandwidth_bytes_per_s,
+            "latency_s": a.roof.link.latency_s,
+            "source": a.roof.link.source,
+        },
         "workload": {
             "prompt_len": w.prompt_len,
             "output_len": w.output_len,

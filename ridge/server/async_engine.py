@@ -31,11 +31,11 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ridge.engine.client import EngineClient
+from ridge.engine.client import EngineClient, EngineFatalError
 from ridge.engine.outputs import RequestOutput
 from ridge.engine.stats import EngineStats
 from ridge.sampling import SamplingParams
@@ -125,6 +125,8 @@ class AsyncEngine:
     def __init__(self, engine: EngineClient, observer: EngineObserver | None = None) -> None:
         self.engine = engine
         self.observer = observer or EngineObserver()
+        # called once (on the engine thread) when the engine fails for good: ``ridge serve`` exits
+        self.on_fatal: Callable[[BaseException], None] | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -290,6 +292,15 @@ class AsyncEngine:
         start = time.monotonic()
         try:
             outputs = self.engine.step()
+        except EngineFatalError as exc:
+            # A rank died or hung: nothing can run any more. Every request in flight fails,
+            # new ones get 503, and the loop ends.
+            logger.error("the engine failed: %s", exc)
+            self._dead = exc
+            self._stopping.set()
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
+            return
         except Exception as exc:
             # A failed step leaves its requests in an unknown state: fail and abort them all,
             # which frees their blocks, and keep serving new requests.

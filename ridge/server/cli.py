@@ -12,6 +12,7 @@ import argparse
 import os
 import socket
 import sys
+import threading
 
 from ridge.engine.args import add_engine_args, engine_options
 
@@ -66,6 +67,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+# After a fatal engine error: time for the open streams' error events to leave before exiting.
+FATAL_EXIT_DELAY_S = 1.0
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -83,6 +88,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     engine_config = EngineConfig.from_kwargs(args.model, **engine_options(args))  # bad flags fail before binding
     sock = bind_socket(args.host, args.port)
+    engine = async_engine = None
     try:
         engine = LLMEngine(engine_config)
         engine.resolve_roofline()  # for /metrics: probed (or read from cache) now, not at a scrape
@@ -106,7 +112,18 @@ def run_serve(args: argparse.Namespace) -> int:
                 timeout_keep_alive=30,
             )
         )
+        async_engine = app.state.ridge.engine
+
+        def exit_on_fatal(exc: BaseException) -> None:
+            """A rank died or hung: the open streams have their error event; new requests get
+            503 until uvicorn has shut down (a moment later), then the process exits with 1."""
+            print(f"ridge serve: the engine failed ({exc}); shutting down", file=sys.stderr, flush=True)
+            threading.Timer(FATAL_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True)).start()
+
+        async_engine.on_fatal = exit_on_fatal
         server.run(sockets=[sock])
     finally:
         sock.close()
-    return 0
+        if engine is not None:
+            engine.shutdown()
+    return 1 if async_engine is not None and async_engine.error is not None else 0

@@ -29,6 +29,7 @@ from ridge.kv.cache import KVCacheSpec
 from ridge.layers.attention import AttentionMetadata, PrefillChunk
 from ridge.layers.cpu_kernels import select_kernels
 from ridge.models.loader import load_model, read_hf_config
+from ridge.models.registry import model_class
 from ridge.quantization.config import QuantizationConfig
 from ridge.roofline.probe import probe_linear_flops
 from ridge.sampling import Sampler
@@ -198,6 +199,21 @@ class Worker:
         """FLOP/s this worker's matmul kernel reaches on its largest linear layer."""
         layer = max(self.model.linear_layers(), key=lambda m: m.in_features * m.out_features)
         return probe_linear_flops(self.model.kernels.matmul, layer, self.dtype, self.device, rows=rows)
+
+
+def check_tensor_parallel(config: WorkerConfig) -> None:
+    """ValueError when the model cannot be split over ``tensor_parallel_size`` ranks (heads,
+    KV heads, intermediate sizes, quantized blocks): its layers are built on the meta device
+    as rank 0 would build them, which reads no weight and allocates nothing."""
+    hf_config, _ = read_hf_config(config.model)
+    model_config = ModelConfig.from_hf_config(hf_config, config.max_model_len)
+    quant = QuantizationConfig.from_name(config.quantization)
+    tp = TensorParallel(0, config.tensor_parallel_size)
+    try:
+        with torch.device("meta"):
+            model_class(model_config.architecture)(model_config, 1, quant, tp)
+    except ValueError as exc:
+        raise ValueError(f"{config.model} cannot be split over {tp.size} ranks: {exc}") from None
 
 
 def free_memory(device: torch.device) -> float:
