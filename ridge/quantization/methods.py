@@ -127,7 +127,10 @@ class BlockQuantLinearMethod(LinearMethod):
 
     def create_weights(self, layer):
         if layer.in_features % BLOCK:
-            raise ValueError(f"{self.format.name} needs in_features divisible by {BLOCK}, got {layer.in_features}")
+            raise ValueError(
+                f"{self.format.name} needs in_features divisible by {BLOCK}, got {layer.in_features}"
+                + (" (this rank's columns of a row-parallel layer)" if getattr(layer, "tp_cols", None) else "")
+            )
         layer.register_buffer(
             "blocks", torch.empty(layer.out_features, self.format.row_bytes(layer.in_features), dtype=torch.uint8)
         )

@@ -10,6 +10,7 @@ import torch
 
 from ridge import LLM, SamplingParams
 
+from ..models.hf_tiny import COMMON as COMMON_TINY
 from ..models.hf_tiny import VARIANTS, build
 
 ATOL = 1e-4
@@ -96,13 +97,17 @@ def test_tp2_equals_tp1(tiny_dirs, variant):
                 "adaptive": False,
             }
         },
+        {"speculative_config": {"method": "draft_model", "model": "SELF", "num_speculative_tokens": 2}},
     ],
-    ids=["int8", "int4-kv-int8", "ngram"],
+    ids=["int8", "int4-kv-int8", "ngram", "draft"],
 )
 def test_tp2_equals_tp1_with(tiny_dirs, options):
     model = tiny_dirs / "gqa-options"
     if not (model / "config.json").is_file():
         build("llama-gqa", model, seed=5)
+    spec = options.get("speculative_config")
+    if spec is not None and spec.get("model") == "SELF":  # the target drafts for itself, unsplit, on rank 0
+        options = {**options, "speculative_config": {**spec, "model": str(model)}}
     prompts, params = _workload()
     _compare(model, prompts, params, **CROWDED, **options)
 
@@ -116,3 +121,46 @@ def test_tp2_on_stories(stories_dir):
         got = tp.generate(prompts, params, use_tqdm=False)
     _assert_same(ref, got)
     assert "Once upon a time" in ref[0].prompt and ref[0].outputs[0].text == got[0].outputs[0].text
+
+
+@pytest.fixture(scope="module")
+def stories_q8_gguf(stories_dir, tmp_path_factory):
+    from gguf import GGMLQuantizationType
+
+    from ..models.gguf_files import quantized
+
+    source = stories_dir.parent / "stories260K-gguf" / "stories260K.gguf"
+    if not source.is_file():
+        pytest.skip(f"{source} is absent")
+    return quantized(source, tmp_path_factory.mktemp("gguf") / "stories-q8.gguf", GGMLQuantizationType.Q8_0)
+
+
+def test_tp2_on_a_gguf_file_keeps_its_blocks(stories_q8_gguf):
+    """Q8_0 blocks loaded as they are on each rank: o_proj's K (64) splits on block boundaries
+    (32 columns per rank), q/k/v and gate/up split by rows; ffn_down stays F32 (K = 172)."""
+    prompts = ["Once upon a time", "The little dog"]
+    params = SamplingParams(temperature=0.0, max_tokens=20, logprobs=2)
+    ref = LLM(str(stories_q8_gguf), dtype="float32", device="cpu").generate(prompts, params, use_tqdm=False)
+    with LLM(str(stories_q8_gguf), dtype="float32", device="cpu", tensor_parallel_size=2) as tp:
+        o_proj = tp.engine.executor.worker.model.model.layers[0].self_attn.o_proj
+        assert o_proj.method.format is not None and o_proj.in_features == 32  # blocks, half of K
+        got = tp.generate(prompts, params, use_tqdm=False)
+    _assert_same(ref, got)
+
+
+def test_a_block_format_that_cannot_split_k_is_a_clear_error(tmp_path):
+    """ffn_down's K = 96 in Q8_0 blocks of 32: 48 columns per rank cut a block."""
+    from gguf import GGMLQuantizationType
+
+    from ridge.models.export import write_gguf
+
+    from ..models.gguf_files import quantized
+
+    config_cls, model_cls, _ = VARIANTS["llama-gqa"]
+    hf = model_cls(config_cls(**{**COMMON_TINY, "intermediate_size": 96})).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    plain = write_gguf(tmp_path / "hf", hf.config.to_dict(), tmp_path / "tiny.gguf")
+    path = quantized(plain, tmp_path / "tiny-q8.gguf", GGMLQuantizationType.Q8_0)
+    LLM(str(path), tokenizer="bytes", dtype="float32", device="cpu").close()  # one process: fine
+    with pytest.raises(ValueError, match="divisible by 32"):
+        LLM(str(path), tokenizer="bytes", dtype="float32", device="cpu", tensor_parallel_size=2)

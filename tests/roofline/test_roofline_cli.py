@@ -225,3 +225,24 @@ def test_small_models_warnings_and_a_model_that_does_not_fit(stories_dir, capsys
     code, out, _ = run(["--model", "llama-2-70b", "--hardware", "rtx-4090"], capsys)
     assert code == 0
     assert "largest batch 0" not in out and "does not fit: the weights alone" in out
+
+
+def test_tp_with_a_link_prints_each_phases_collectives(capsys):
+    import json
+
+    code = ridge_main(
+        ["analyze", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--tp", "2", "--link", "nvlink4", "--json"]
+    )
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["link"]["name"].startswith("nvlink4")
+    comm = data["decode"][0]["comm"]
+    assert comm["collectives"] == 2 * 32 + 1 and comm["time_s"] > 0
+    code = ridge_main(["analyze", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--tp", "2", "--link", "25:20"])
+    assert code == 0 and "custom (25 GB/s, 20 us)" in capsys.readouterr().out
+
+
+def test_a_bad_link_is_one_line(capsys):
+    code = ridge_main(["analyze", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--tp", "2", "--link", "fast"])
+    assert code == 2
+    assert "--link must be local" in capsys.readouterr().err

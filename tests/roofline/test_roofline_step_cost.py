@@ -160,3 +160,35 @@ def test_analyzer_phases_come_from_step_cost():
     assert phase.time_s == direct.time_s(roof.peak_flops, roof.bandwidth)
     prefill = analyzer.prefill(2)
     assert prefill.cost == cost(prefill=[(2048, 2048)] * 2)
+
+
+def test_tensor_parallel_communication_two_all_reduces_per_layer_and_a_logits_gather():
+    from ridge.roofline.ops import LINK_PRESETS, comm_cost
+
+    assert cost(decode=[100]).comm.collectives == 0  # one rank: nothing to send
+    tp2 = cost(decode=[100] * 4, conventions=CostConventions(tensor_parallel=2))
+    d, layers, vocab = LLAMA.hidden_size, LLAMA.num_layers, LLAMA.vocab_size
+    hidden = 4 * d * 2  # 4 tokens of the hidden state, 2 bytes each
+    logits = 4 * vocab * 2
+    assert tp2.comm.collectives == 2 * layers + 1
+    assert tp2.comm.payload_bytes == pytest.approx(2 * layers * hidden + logits)
+    # a ring all-reduce over 2 ranks sends half its payload twice; rank 0 receives half the logits
+    assert tp2.comm.link_bytes == pytest.approx(2 * layers * hidden + logits / 2)
+    tp4 = comm_cost(LLAMA, 4, 4, 2, 4)
+    assert tp4.link_bytes == pytest.approx(2 * layers * hidden * 2 * 3 / 4 + logits * 3 / 4)
+    link = LINK_PRESETS["nvlink4"]
+    assert link.time_s(tp2.comm) == pytest.approx(
+        tp2.comm.collectives * link.latency_s + tp2.comm.link_bytes / link.bandwidth_bytes_per_s
+    )
+
+
+def test_the_analyzer_adds_the_collectives_to_a_tensor_parallel_step():
+    from ridge.roofline.ops import Link
+
+    link = Link("test", 10e9, 50e-6)
+    conventions = Conventions(cost=CostConventions(tensor_parallel=2))
+    plain = Analyzer(LLAMA, Roof("bf16", 1e15, 3e12), Workload(), conventions).decode(1, 1000)
+    linked = Analyzer(LLAMA, Roof("bf16", 1e15, 3e12, link), Workload(), conventions).decode(1, 1000)
+    assert plain.comm_s == 0
+    assert linked.comm_s == pytest.approx(link.time_s(linked.cost.comm))
+    assert linked.time_s == pytest.approx(plain.time_s + linked.comm_s)
