@@ -20,30 +20,35 @@ from ridge.bench.serve import free_port, ridge_server
 from ..models.hf_tiny import COMMON, VARIANTS, build
 
 
-def _serve(model: str, port: int, *extra: str) -> subprocess.Popen:
+def _serve_args(model: str, port: int, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "ridge.cli",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--served-model-name",
+        "stories",
+        "--max-model-len",
+        "256",
+        "--dtype",
+        "float32",
+        "--tensor-parallel-size",
+        "2",
+        *extra,
+    ]
+
+
+def _serve(model: str, port: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ridge.cli",
-            "serve",
-            "--model",
-            model,
-            "--port",
-            str(port),
-            "--served-model-name",
-            "stories",
-            "--max-model-len",
-            "256",
-            "--dtype",
-            "float32",
-            "--tensor-parallel-size",
-            "2",
-            *extra,
-        ],
+        _serve_args(model, port, *extra),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -209,3 +214,63 @@ def tiny_model(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("tiny")
     build("llama-gqa", directory, seed=1)
     return directory
+
+
+def test_a_hung_rank_ends_the_engine_at_the_collective_timeout(stories_dir):
+    port = free_port()
+    proc = _serve(str(stories_dir), port, env={"RIDGE_TP_TIMEOUT": "3"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_up(proc, base)
+        (rank,) = _rank_processes(proc.pid)
+        body = {"model": "stories", "prompt": "Once", "max_tokens": 240, "temperature": 0, "stream": True}
+        start = time.monotonic()
+        with httpx.stream("POST", f"{base}/v1/completions", json={**body, "ignore_eos": True}, timeout=60) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: {")
+            os.kill(rank, signal.SIGSTOP)  # alive, but never answers again
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and "error" in rest[-2]
+        assert time.monotonic() - start < 30  # the 3 s timeout, not a hang
+        proc.wait(timeout=30)
+    finally:
+        try:
+            os.kill(rank, signal.SIGKILL)
+        except (ProcessLookupError, UnboundLocalError):
+            pass
+        out, err = _stop(proc)
+    assert proc.returncode == 1, err
+
+
+def test_torchrun_starts_one_ridge_per_rank(stories_dir):
+    """Rank 0 runs the engine and prints; rank 1 serves as a worker and leaves when it ends."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.is_file():
+        pytest.skip("torchrun is not beside this python")
+    args = ["--model", str(stories_dir), "--prompt", "Once upon a time", "--max-tokens", "20"]
+    single = subprocess.run(
+        [sys.executable, "-m", "ridge.cli", "generate", *args], capture_output=True, text=True, timeout=120
+    )
+    res = subprocess.run(
+        [
+            str(torchrun),
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "ridge.cli",
+            "generate",
+            *args,
+            "--tensor-parallel-size",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    assert single.returncode == 0 and single.stdout.strip()
+    assert res.stdout.strip() == single.stdout.strip()  # one output (rank 0's), the single-process text
