@@ -13,8 +13,10 @@ Two ways to start N ranks:
 Each rank builds two process groups on the store: ``compute`` (gloo on CPU, NCCL on CUDA),
 whose collectives run inside a step and time out after ``RIDGE_TP_TIMEOUT`` seconds (a hung
 rank ends the engine with an error, never a hang), and ``control`` (gloo), on which rank 0
-broadcasts each command, with no practical timeout (an idle server waits for requests). A rank
-that dies closes its connections, which fails the other ranks' next collective at once.
+broadcasts each command: a waiting rank has no practical timeout (an idle server waits for
+requests), but rank 0 gives each command the collective timeout to be taken (the load timeout,
+``RIDGE_TP_LOAD_TIMEOUT``, while the ranks load). A rank that dies closes its connections,
+which fails the other ranks' next collective at once.
 """
 
 from __future__ import annotations
@@ -35,10 +37,17 @@ DEFAULT_TIMEOUT_S = 120.0
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
 # Starting: every rank joins the store and builds its groups (before loading any weight).
 DEFAULT_CONNECT_TIMEOUT_S = 60.0
+# Loading: every rank reads its shard of the weights (a large model from a slow disk: minutes).
+DEFAULT_LOAD_TIMEOUT_S = 1800.0
 
 
 def collective_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=float(os.environ.get("RIDGE_TP_TIMEOUT", DEFAULT_TIMEOUT_S)))
+
+
+def load_timeout() -> datetime.timedelta:
+    """How long rank 0 waits for the other ranks to load their shards (``RIDGE_TP_LOAD_TIMEOUT``)."""
+    return datetime.timedelta(seconds=float(os.environ.get("RIDGE_TP_LOAD_TIMEOUT", DEFAULT_LOAD_TIMEOUT_S)))
 
 
 def connect_timeout() -> datetime.timedelta:

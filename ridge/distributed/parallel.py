@@ -129,9 +129,11 @@ class TensorParallel:
         self._spent(start)
         return out
 
-    def broadcast_object(self, obj: Any = None, group: Any = None) -> Any:
+    def broadcast_object(self, obj: Any = None, group: Any = None, timeout: Any = None) -> Any:
         """Rank 0's ``obj`` on every rank (pickled into a byte tensor: a length, then the
-        bytes); CPU tensors, so ``group`` is a gloo group (the compute group's by default)."""
+        bytes); CPU tensors, so ``group`` is a gloo group (the compute group's by default).
+        ``timeout`` (rank 0): how long a rank may take to receive it (a sender waits for its
+        receivers: a hung rank would otherwise hold rank 0 for the group's whole timeout)."""
         if self.size == 1:
             return obj
         group = group or self.group
@@ -139,8 +141,8 @@ class TensorParallel:
         if self.rank == 0:
             data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
             length = torch.tensor([data.numel()], dtype=torch.long, device=device)
-            group.broadcast([length]).wait()
-            group.broadcast([data.to(device)]).wait()
+            _wait(group.broadcast([length]), timeout)
+            _wait(group.broadcast([data.to(device)]), timeout)
             return obj
         length = torch.empty(1, dtype=torch.long, device=device)
         group.broadcast([length]).wait()
@@ -148,7 +150,7 @@ class TensorParallel:
         group.broadcast([data]).wait()
         return pickle.loads(data.cpu().numpy().tobytes())
 
-    def gather_objects(self, obj: Any, group: Any = None) -> list[Any] | None:
+    def gather_objects(self, obj: Any, group: Any = None, timeout: Any = None) -> list[Any] | None:
         """Every rank's ``obj`` on rank 0, in rank order (None elsewhere); CPU tensors, so
         ``group`` is a gloo group (the compute group's by default)."""
         if self.size == 1:
@@ -157,13 +159,13 @@ class TensorParallel:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         length = torch.tensor([len(data)], dtype=torch.long)
         lengths = [torch.empty_like(length) for _ in range(self.size)]
-        group.allgather([lengths], [length]).wait()
+        _wait(group.allgather([lengths], [length]), timeout)
         longest = max(int(t.item()) for t in lengths)
         buf = torch.zeros(longest, dtype=torch.uint8)
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         if self.rank == 0:
             parts = [torch.empty_like(buf) for _ in range(self.size)]
-            group.gather([parts], [buf], dist.GatherOptions()).wait()
+            _wait(group.gather([parts], [buf], dist.GatherOptions()), timeout)
             return [
                 pickle.loads(p[: int(n.item())].cpu().numpy().tobytes()) for p, n in zip(parts, lengths, strict=True)
             ]
@@ -175,3 +177,11 @@ class TensorParallel:
     def _spent(self, start: float) -> None:
         self.comm_s += time.perf_counter() - start
         self.num_collectives += 1
+
+
+def _wait(work, timeout) -> None:
+    """A collective's completion, within ``timeout`` (None: the group's own)."""
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)

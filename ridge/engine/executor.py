@@ -148,6 +148,7 @@ class MultiprocExecutor:
             raise self._explain(exc) from None
         self.info: ModelInfo = self.worker.describe()
         self.num_kv_blocks = 0
+        self._timeout = launch.collective_timeout()
         self._monitor = threading.Thread(target=self._watch, name="ridge-rank-watch", daemon=True)
         self._monitor.start()
 
@@ -216,12 +217,14 @@ class MultiprocExecutor:
 
     def _call(self, name: str, *args):
         """``worker.name(*args)`` on every rank; the results, in rank order."""
+        from ridge.distributed import launch
 
         def run():
-            self.tp.broadcast_object(("call", name, args), group=self.ctx.control)
+            # the other ranks may still be loading their shards: a generous timeout
+            timeout = launch.load_timeout()
+            self.tp.broadcast_object(("call", name, args), group=self.ctx.control, timeout=timeout)
             mine = getattr(self.worker, name)(*args)
-            results = self.tp.gather_objects(mine, group=self.ctx.control)
-            return results
+            return self.tp.gather_objects(mine, group=self.ctx.control, timeout=timeout)
 
         return self._guard(run)
 
@@ -235,7 +238,8 @@ class MultiprocExecutor:
 
     def execute_model(self, plan: SchedulerOutput) -> RunnerOutput:
         def run():
-            self.tp.broadcast_object(("step", plan), group=self.ctx.control)
+            # a rank that does not take the plan within the collective timeout has hung
+            self.tp.broadcast_object(("step", plan), group=self.ctx.control, timeout=self._timeout)
             return self.worker.execute_model(plan)
 
         return self._guard(run)
@@ -249,7 +253,7 @@ class MultiprocExecutor:
     def shutdown(self) -> None:
         if self.failure is None and getattr(self, "ctx", None) is not None and self.processes is not None:
             try:
-                self.tp.broadcast_object(("stop",), group=self.ctx.control)
+                self.tp.broadcast_object(("stop",), group=self.ctx.control, timeout=self._timeout)
             except Exception:
                 pass
         self.failure = self.failure or WorkerFailure("the engine was shut down")

@@ -161,12 +161,9 @@ class Scheduler:
             scheduled[req.request_id] = (req, num_hit_tokens, num_new, [])
             budget -= num_new
 
-        plan = SchedulerOutput(
-            finished_req_ids=self._finished_ids,
-            preempted_req_ids=[r.request_id for r in preempted],
-            draft_probs=draft_probs,
-        )
-        self._finished_ids = []
+        plan = SchedulerOutput(preempted_req_ids=[r.request_id for r in preempted], draft_probs=draft_probs)
+        if scheduled:  # an empty plan runs nowhere: the finished ids wait for the next one
+            plan.finished_req_ids, self._finished_ids = self._finished_ids, []
         for req, start, num_new, drafts in scheduled.values():
             self._send_deltas(req, plan)
             plan.chunks.append(self._chunk(req, start, num_new, drafts))

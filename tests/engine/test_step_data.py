@@ -116,3 +116,16 @@ def test_every_plan_is_plain_data_and_survives_pickle(tmp_path):
     assert any(c.first_block == 0 and len(c.new_block_ids) > 1 for p in plans for c in p.cached_requests)  # resumed
     assert any(p.finished_req_ids for p in plans)
     llm.engine.kv.check_integrity()
+
+
+def test_finished_ids_reach_the_workers_even_after_an_idle_step():
+    """A request that finishes before the engine goes idle is dropped by the runner with the next
+    plan that runs (an empty plan runs nowhere)."""
+    llm = LLM("random:tiny", tokenizer="bytes", dtype="float32", device="cpu", num_kv_blocks=16, block_size=4)
+    engine = llm.engine
+    runner = engine.executor.worker.runner
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    assert engine.step() == []  # idle
+    assert set(runner.requests) == {"0"}  # not told yet
+    llm.generate([[8, 9]], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    assert set(runner.requests) == {"1"}  # the first one dropped with the next plan
