@@ -146,8 +146,9 @@ class Worker:
 
     # -- the KV pool ----------------------------------------------------------------------
     def available_kv_blocks(self, max_num_seqs: int) -> int:
-        """Blocks this worker's pool would hold: ``num_kv_blocks``, else ``kv_cache_memory``,
-        else a share of free memory capped at what ``max_num_seqs`` full sequences need."""
+        """Blocks this worker's pool would hold: ``num_kv_blocks``, else ``kv_cache_memory`` (GiB
+        per rank), else a share of free memory (split between the ranks of one machine) capped
+        at what ``max_num_seqs`` full sequences need."""
         cfg, per_block = self.config, self.info.kv_bytes_per_block
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks
@@ -156,11 +157,19 @@ class Worker:
         else:
             seq_blocks = -(-self.info.max_model_len // cfg.block_size)
             needed = max_num_seqs * seq_blocks * per_block
-            budget = min(needed, DEFAULT_KV_MEMORY_FRACTION[self.device.type] * free_memory(self.device))
+            share = DEFAULT_KV_MEMORY_FRACTION[self.device.type] / self._ranks_sharing_memory()
+            budget = min(needed, share * free_memory(self.device))
         blocks = int(budget // per_block)
         if blocks < 1:
             raise ValueError(f"KV cache memory too small: one block needs {per_block} bytes; raise kv_cache_memory")
         return blocks
+
+    def _ranks_sharing_memory(self) -> int:
+        """Ranks whose pools come out of this rank's memory: on CPU every rank of this machine
+        (all of them when ridge started them; torchrun says how many run here); a GPU is its own."""
+        if self.device.type != "cpu" or not self.tp.enabled:
+            return 1
+        return int(os.environ.get("LOCAL_WORLD_SIZE", self.tp.size))
 
     def init_kv_cache(self, num_blocks: int, eos_token_ids: frozenset[int] = frozenset()) -> None:
         """Allocate ``num_blocks`` blocks and the runner (``eos_token_ids``: what ``min_tokens`` masks)."""
