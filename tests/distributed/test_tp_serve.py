@@ -18,51 +18,11 @@ from ridge import LLM, SamplingParams
 from ridge.bench.serve import free_port, ridge_server
 
 from ..models.hf_tiny import COMMON, VARIANTS, build
-
-
-def _serve_args(model: str, port: int, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "ridge.cli",
-        "serve",
-        "--model",
-        model,
-        "--port",
-        str(port),
-        "--served-model-name",
-        "stories",
-        "--max-model-len",
-        "256",
-        "--dtype",
-        "float32",
-        "--tensor-parallel-size",
-        "2",
-        *extra,
-    ]
+from ..serve_process import start_serve, wait_up
 
 
 def _serve(model: str, port: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
-        _serve_args(model, port, *extra),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **(env or {})},
-    )
-
-
-def _wait_up(proc: subprocess.Popen, base: str) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.communicate()[1]
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.2)
+    return start_serve(model, port, "--dtype", "float32", "--tensor-parallel-size", "2", *extra, env=env)
 
 
 def _rank_processes(pid: int) -> list[int]:
@@ -124,7 +84,7 @@ def test_a_rank_killed_mid_stream_fails_cleanly_and_the_server_exits(stories_dir
     proc = _serve(str(stories_dir), port)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_up(proc, base)
+        wait_up(proc, base)
         (rank,) = _rank_processes(proc.pid)
         body = {
             "model": "stories",
@@ -224,7 +184,7 @@ def test_a_hung_rank_ends_the_engine_at_the_collective_timeout(stories_dir):
     base = f"http://127.0.0.1:{port}"
     rank = None
     try:
-        _wait_up(proc, base)
+        wait_up(proc, base)
         (rank,) = _rank_processes(proc.pid)
         os.kill(rank, signal.SIGSTOP)  # alive, but never answers again
         body = {"model": "stories", "prompt": "Once", "max_tokens": 40, "temperature": 0, "stream": True}

@@ -6,13 +6,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from ridge.bench.serve import free_port
 from ridge.cli import build_parser
+from tests.serve_process import start_serve, wait_up
 
 
 def test_serve_flags():
@@ -57,41 +57,10 @@ def test_taken_port_is_one_line_and_exit_2():
 @pytest.mark.slow
 def test_serve_answers_then_ctrl_c_stops_it_cleanly(stories_dir):
     port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ridge.cli",
-            "serve",
-            "--model",
-            str(stories_dir),
-            "--port",
-            str(port),
-            "--served-model-name",
-            "stories",
-            "--max-model-len",
-            "256",
-            "--max-num-seqs",
-            "4",
-            "--num-threads",
-            "1",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_serve(str(stories_dir), port, "--max-num-seqs", "4", "--num-threads", "1")
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_up(proc, base)
         res = httpx.post(
             f"{base}/v1/completions",
             json={"model": "stories", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0},
