@@ -72,7 +72,8 @@ def env_rank() -> tuple[int, int]:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
-def _groups(store, rank: int, size: int, device: torch.device) -> Rank:
+def groups_on(store, rank: int, size: int, device: torch.device) -> Rank:
+    """This rank's compute and control groups on ``store``."""
     timeout = collective_timeout()
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
@@ -126,10 +127,6 @@ def wait_ready(store, size: int, alive) -> None:
             time.sleep(0.05)
 
 
-def groups_on(store, rank: int, size: int, device: torch.device) -> Rank:
-    return _groups(store, rank, size, device)
-
-
 def join_env(device: torch.device) -> Rank:
     """A rank started by torchrun: rank, world size and the master from the environment."""
     rank, size = env_rank()
@@ -141,7 +138,7 @@ def join_env(device: torch.device) -> Rank:
             f"tensor parallel: cannot reach the master at {addr}:{port} within "
             f"{connect_timeout().total_seconds():.0f} s ({type(exc).__name__}: {exc})"
         ) from None
-    return _groups(dist.PrefixStore("ridge", store), rank, size, device)
+    return groups_on(dist.PrefixStore("ridge", store), rank, size, device)
 
 
 # A shared-memory slot per rank: an all-reduce or a logits gather larger than this goes over

@@ -55,7 +55,6 @@ class TensorParallel:
     group: Any = None  # a torch.distributed ProcessGroup (None: one rank)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     comm_s: float = 0.0  # seconds spent in collectives since the last take_comm()
-    num_collectives: int = 0
     shm: Any = None  # ranks of one machine: a ShmGroup for the collectives that fit it
 
     @property
@@ -176,7 +175,6 @@ class TensorParallel:
 
     def _spent(self, start: float) -> None:
         self.comm_s += time.perf_counter() - start
-        self.num_collectives += 1
 
 
 def _wait(work, timeout) -> None:

@@ -67,11 +67,6 @@ class ScheduledChunk:
         """Its query rows run on the decode attention path (see ``ChunkKind``)."""
         return self.num_new_tokens == 1 or bool(self.draft_token_ids)
 
-    @property
-    def num_sampled_rows(self) -> int:
-        """Rows whose logits are sampled: 0 (a prompt chunk short of the end), 1, or 1 + k."""
-        return 1 + len(self.draft_token_ids) if self.samples else 0
-
 
 @dataclass
 class NewRequestData:
