@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ridge.bench import cli as bench_cli
     from ridge.engine import commands as engine_commands
     from ridge.roofline import cli as roofline_cli
+    from ridge.router import cli as router_cli
     from ridge.server import cli as server_cli
 
     parser = argparse.ArgumentParser(
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine_commands.register(subparsers)
     roofline_cli.register(subparsers)
     server_cli.register(subparsers)
+    router_cli.register(subparsers)
     bench_cli.register(subparsers)
     return parser
 

@@ -495,6 +495,9 @@ class EngineConfig:
     speculative_config: Any = None
     # vLLM's --tensor-parallel-size: N ranks, each holding 1/N of every weight matrix
     tensor_parallel_size: int = 1
+    # vLLM's --kv-transfer-config: a JSON string or dict (ridge.kv_transfer.config.KVTransferConfig):
+    # this instance runs prompts only (kv_producer) or decodes handed-over requests (kv_consumer)
+    kv_transfer_config: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -522,6 +525,9 @@ class EngineConfig:
         from ridge.spec_decode.config import SpeculativeConfig
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        from ridge.kv_transfer.config import KVTransferConfig
+
+        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
         if self.quantization in ("", "none"):
             self.quantization = None
         if self.quantization is not None:

@@ -35,3 +35,26 @@ def wait_up(proc: subprocess.Popen, base: str, timeout_s: float = 120) -> None:
             pass
         assert time.monotonic() < deadline, "the server did not come up"
         time.sleep(0.2)
+
+
+def start_router(port: int, *flags: str) -> subprocess.Popen:
+    """``python -m ridge.cli router --port PORT ...``, its stdout and stderr piped (text)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "ridge.cli", "router", "--port", str(port), "--health-interval", "0.5", *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def stop(*procs: subprocess.Popen) -> None:
+    """SIGINT (as Ctrl-C), then a kill for one that lingers; reaps every process."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(2)
+    for proc in procs:
+        try:
+            proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()

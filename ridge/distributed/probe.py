@@ -34,7 +34,7 @@ def _transport() -> str:
     return "shm" if launch.shm_enabled() else "gloo"
 
 
-def _measure(rank: int, port: int, out) -> None:
+def _measure(rank: int, port: int, out, transport: str = "gloo") -> None:
     import os
 
     import torch.distributed as dist
@@ -47,7 +47,7 @@ def _measure(rank: int, port: int, out) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=dt.timedelta(seconds=60))
     tp = TensorParallel(rank, 2, launch._gloo(store, rank, 2, dt.timedelta(seconds=60)))
-    if _transport() == "shm":
+    if transport == "shm":
         if rank == 0:
             tp.shm = launch.shm_group(f"ridge-probe-{port}", rank, 2, lambda: True, create=True)
         tp.group.barrier().wait()  # the file exists before rank 1 maps it
@@ -71,8 +71,9 @@ def _measure(rank: int, port: int, out) -> None:
         out.put(result)
 
 
-def probe_link() -> Link:
-    """Measure now (a few seconds)."""
+def probe_link(transport: str | None = None) -> Link:
+    """Measure now (a few seconds); ``transport``: "shm" or "gloo" (default: what tensor
+    parallelism uses here)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -82,24 +83,28 @@ def probe_link() -> Link:
         port = s.getsockname()[1]
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
-    peer = context.Process(target=_measure, args=(1, port, None), daemon=True)
+    transport = transport or _transport()
+    peer = context.Process(target=_measure, args=(1, port, None, transport), daemon=True)
     peer.start()
-    _measure(0, port, queue)
+    _measure(0, port, queue, transport)
     peer.join(timeout=60)
     times = queue.get()
     sent = LARGE * 4 * 2 * (2 - 1) / 2  # a ring all-reduce over 2 ranks sends half of it, twice
     bandwidth = sent / times[LARGE]
     latency = max(times[SMALL] - SMALL * 4 / bandwidth, 0.0)
     when = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    name = "shared memory (this machine)" if _transport() == "shm" else "gloo over loopback (this machine)"
+    name = "shared memory (this machine)" if transport == "shm" else "gloo over loopback (this machine)"
     return Link(name, bandwidth, latency, f"measured {when}: medians of {REPEATS}")
 
 
-def local_link(cache_dir: Path | None = None, reprobe: bool = False) -> Link:
-    """This machine's link: from the cache when it is there, else probed and cached."""
+def local_link(cache_dir: Path | None = None, reprobe: bool = False, transport: str | None = None) -> Link:
+    """This machine's link: from the cache when it is there, else probed and cached.
+    ``transport``: "gloo" (between instances: KV transfers), "shm", or None (what tensor
+    parallelism uses here)."""
     from ridge.roofline.probe import machine_fingerprint
 
-    path = (cache_dir or default_cache_dir()) / CACHE_FILE_NAME.format(transport=_transport())
+    transport = transport or _transport()
+    path = (cache_dir or default_cache_dir()) / CACHE_FILE_NAME.format(transport=transport)
     fingerprint = machine_fingerprint()
     if not reprobe and path.is_file():
         try:
@@ -108,7 +113,7 @@ def local_link(cache_dir: Path | None = None, reprobe: bool = False) -> Link:
                 return Link(data["name"], data["bandwidth_bytes_per_s"], data["latency_s"], data["source"])
         except (json.JSONDecodeError, KeyError, TypeError):
             pass
-    link = probe_link()
+    link = probe_link(transport)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "name": link.name,

@@ -65,6 +65,13 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None =
         "ridge starts ranks 1..N-1 itself, or run one ridge per rank under torchrun",
     )
     g.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        help='disaggregated serving, as JSON: {"kv_role": "kv_producer", "kv_port": 14600} runs prompts only '
+        'and hands their KV cache over; {"kv_role": "kv_consumer", "kv_port": 14700} decodes handed-over '
+        'requests; "kv_ip" defaults to 127.0.0.1 (see ridge router)',
+    )
+    g.add_argument(
         "--kernels",
         choices=KERNEL_CHOICES,
         default="auto",

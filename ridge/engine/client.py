@@ -5,6 +5,7 @@
     abort_request(id)
     has_unfinished_requests()
     stats() -> EngineStats                             state as data (what /metrics renders)
+    kv_info() / kv_connect(peer)                       disaggregated serving: identity, pairing
 
 and what it needs to prepare requests: the tokenizer, ``max_model_len`` and
 ``check_prompt_chars`` (refuse an over-long prompt before tokenizing it). ``LLMEngine``
@@ -18,6 +19,7 @@ from typing import Protocol
 from ridge.engine.outputs import RequestOutput
 from ridge.engine.stats import EngineStats
 from ridge.engine.tokenizer import BaseTokenizer
+from ridge.kv_transfer.config import KVTransferParams
 from ridge.sampling import SamplingParams
 
 
@@ -37,6 +39,7 @@ class EngineClient(Protocol):
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         stream: bool = True,
+        kv_transfer: KVTransferParams | None = None,
     ) -> str: ...
 
     def step(self) -> list[RequestOutput]: ...
@@ -48,3 +51,9 @@ class EngineClient(Protocol):
     def stats(self) -> EngineStats: ...
 
     def check_prompt_chars(self, num_chars: int) -> None: ...
+
+    def kv_info(self) -> dict | None: ...
+
+    def set_wakeup(self, callback) -> None: ...
+
+    def kv_connect(self, peer: dict) -> None: ...

@@ -18,10 +18,12 @@ import functools
 import itertools
 import logging
 import time
+import uuid
 import weakref
 
 from ridge.config import EngineConfig
 from ridge.distributed.probe import local_link
+from ridge.engine.disaggregation import KVTransferCoordinator
 from ridge.engine.executor import make_executor
 from ridge.engine.output_processor import OutputProcessor, RequestState, SequenceState
 from ridge.engine.outputs import RequestOutput
@@ -31,6 +33,7 @@ from ridge.engine.stats import EngineStats
 from ridge.engine.stop import StopLimits
 from ridge.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer, load_tokenizer
 from ridge.kv.manager import KVCacheManager
+from ridge.kv_transfer.config import KVTransferParams
 from ridge.roofline.ops import CostConventions, step_cost_from_counts
 from ridge.roofline.probe import local_hardware
 from ridge.sampling import SamplingParams
@@ -55,7 +58,9 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.executor = make_executor(WorkerConfig.from_engine_config(config))
+        # this engine's name among its KV-transfer peers (a restarted instance is a new peer)
+        self.engine_id = f"ridge-{uuid.uuid4().hex[:12]}"
+        self.executor = make_executor(WorkerConfig.from_engine_config(config, engine_id=self.engine_id))
         # the ranks stop with the engine, even one nobody shuts down
         self._finalizer = weakref.finalize(self, self.executor.shutdown)
         try:
@@ -109,6 +114,23 @@ class LLMEngine:
         self.speculator = self._make_speculator(config.speculative_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self.kv_transfer: KVTransferCoordinator | None = None
+        if config.kv_transfer_config is not None:
+            self.kv_transfer = KVTransferCoordinator(
+                config.kv_transfer_config,
+                self.engine_id,
+                self.scheduler,
+                self.executor,
+                self.kv_bytes_per_block,
+                config.tensor_parallel_size,
+            )
+            logger.info(
+                "KV transfer: %s %s on %s:%d",
+                config.kv_transfer_config.kv_role,
+                self.engine_id,
+                config.kv_transfer_config.kv_ip,
+                config.kv_transfer_config.kv_port,
+            )
 
     # -- sizing -------------------------------------------------------------------------
     @property
@@ -199,8 +221,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         stream: bool = True,
+        kv_transfer: KVTransferParams | None = None,
     ) -> str:
         """Validate and queue a request (n sequences); returns its id. Raises ValueError on bad input.
+
+        ``kv_transfer`` (disaggregated serving, ``engine/disaggregation.py``): on a producer,
+        ``do_remote_decode`` keeps the prompt's blocks after the request ends, for a consumer
+        to pull as transfer ``request_id``; on a consumer, ``do_remote_prefill`` pulls the
+        prompt's cache from the producer instead of computing it.
 
         Atomic: every check (ids, prompt, lengths, params) runs before any state changes, so
         a refused request leaves the engine exactly as it was. ``stream=False``: ``step``
@@ -220,6 +248,12 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} clashes with the running sequence {taken[0]!r}")
         prompt_text, prompt_ids = self._tokenize(prompt)
         max_tokens = self._resolve_max_tokens(prompt_ids, params)
+        if kv_transfer is not None and (kv_transfer.do_remote_decode or kv_transfer.do_remote_prefill):
+            if self.kv_transfer is None:
+                raise ValueError("kv_transfer_params: this instance has no --kv-transfer-config")
+            self.kv_transfer.check_request(kv_transfer, len(prompt_ids), params.n, params.prompt_logprobs)
+        else:
+            kv_transfer = None
         arrival = time.monotonic() if arrival_time is None else arrival_time
 
         user = RequestState(
@@ -233,7 +267,12 @@ class LLMEngine:
         requests = []
         for index, seq_id in enumerate(seq_ids):
             seq_params = params.for_sample(index)
-            requests.append(Request(seq_id, list(prompt_ids), seq_params, max_tokens, arrival))
+            req = Request(seq_id, list(prompt_ids), seq_params, max_tokens, arrival)
+            if kv_transfer is not None:
+                req.kv_park = kv_transfer.do_remote_decode
+                if kv_transfer.do_remote_prefill:  # the first sample pulls; the others find its blocks
+                    req.remote, req.follows = (kv_transfer, None) if index == 0 else (None, seq_ids[0])
+            requests.append(req)
             detok = IncrementalDetokenizer(
                 self.tokenizer,
                 prompt_ids,
@@ -312,7 +351,8 @@ class LLMEngine:
             self.scheduler.abort(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.output_processor.requests)
+        """Requests in flight, or KV transfers under way (which need the steps to go on)."""
+        return bool(self.output_processor.requests) or self.scheduler.kv_pending
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -322,13 +362,21 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return an output for every request that progressed."""
         start = time.perf_counter()
+        failures = self.kv_transfer.before_schedule() if self.kv_transfer is not None else []
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            return []
+            if self.kv_transfer is not None and self.scheduler.kv_pending and not failures:
+                self.kv_transfer.idle_wait()
+            return self._fail(failures)
         out = self.executor.execute_model(plan)
         result = self.output_processor.process(plan, out)
         finished = {rid: RequestStatus(reason) for rid, reason in result.finished.items()}
         self.scheduler.update(plan, result.accepted, finished)
+        if self.kv_transfer is not None:
+            failures += self.kv_transfer.after_step()
+            result.outputs.extend(self._fail(failures))
+        if not plan.chunks:
+            return result.outputs
         if self.speculator is not None:
             self.speculator.record(out.verified, time.perf_counter() - start)
             self._propose()
@@ -345,6 +393,36 @@ class LLMEngine:
             out.comm_s,
         )
         return result.outputs
+
+    def _fail(self, failures: list[tuple[str, str]]) -> list[RequestOutput]:
+        """End the user requests of failed sequences; their final outputs carry the error."""
+        outputs = []
+        for seq_id, message in failures:
+            failed = self.output_processor.fail(seq_id, message)
+            if failed is None:
+                continue
+            output, seq_ids = failed
+            for sid in seq_ids:
+                self.scheduler.abort(sid)
+            outputs.append(output)
+        return outputs
+
+    # -- disaggregated serving ------------------------------------------------------------
+    def kv_info(self) -> dict | None:
+        """This instance's KV-transfer identity (role, endpoint, layout), or None without one."""
+        return self.kv_transfer.info() if self.kv_transfer is not None else None
+
+    def set_wakeup(self, callback) -> None:
+        """``callback()`` (from another thread) when something that needs a step arrived while
+        nothing was running: a KV transfer's pull, arrival or failure."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.connector.set_wakeup(callback)
+
+    def kv_connect(self, peer: dict) -> None:
+        """Pair with a peer instance (its ``kv_info()``); ValueError when it cannot."""
+        if self.kv_transfer is None:
+            raise ValueError("this instance has no --kv-transfer-config")
+        self.kv_transfer.connect(peer)
 
     def _propose(self) -> None:
         """Ask the speculator for the next step's proposals and hand them to the scheduler."""

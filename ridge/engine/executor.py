@@ -53,6 +53,15 @@ class UniProcExecutor:
     def score(self, ids: list[int]):
         return self.worker.score(ids)
 
+    @property
+    def kv_connector(self):
+        return self.worker.kv_connector
+
+    def kv_connect(self, peer) -> None:
+        why = self.worker.kv_connect(peer)
+        if why is not None:
+            raise ValueError(why)
+
     def shutdown(self) -> None:
         pass
 
@@ -249,6 +258,17 @@ class MultiprocExecutor:
 
     def score(self, ids: list[int]):
         return self._call("score", ids)[0]
+
+    @property
+    def kv_connector(self):
+        return self.worker.kv_connector  # rank 0's: the control messages and events
+
+    def kv_connect(self, peer) -> None:
+        """Pair every rank with the peer's rank of the same number; ValueError naming the
+        first rank that could not (the engine goes on)."""
+        for rank, why in enumerate(self._call("kv_connect", peer)):
+            if why is not None:
+                raise ValueError(why if rank == 0 else f"rank {rank}: {why}")
 
     def shutdown(self) -> None:
         if self.failure is None and getattr(self, "ctx", None) is not None and self.processes is not None:

@@ -127,6 +127,18 @@ class OutputProcessor:
                     seq.finish_reason, seq.finish_time = ABORTED, now
         return state
 
+    def fail(self, sequence_id: str, message: str) -> tuple[RequestOutput, list[str]] | None:
+        """End the user request that sequence ``sequence_id`` belongs to with an error: its
+        final output carries ``message``; returns it and the request's sequence ids (the
+        caller aborts them in the scheduler)."""
+        seq = self._sequence_of.get(sequence_id)
+        if seq is None:
+            return None
+        state = self.abort(seq.user_id)
+        output = self._make_output(state)
+        output.error = message
+        return output, [s.seq_id for s in state.sequences]
+
     # -- one step -------------------------------------------------------------------------
     def process(self, plan: SchedulerOutput, out: RunnerOutput, now: float | None = None) -> StepResult:
         """Apply a step's sampled tokens: stops, text, logprobs. Outputs for the user requests

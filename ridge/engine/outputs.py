@@ -58,3 +58,6 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # SamplingParams.prompt_logprobs: per prompt token (None for the first) its logprob and the top-k
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # why the request failed (a KV transfer from a producer that went away, ...): it ended
+    # aborted, and a server answers with this error rather than a finish
+    error: str | None = None

@@ -10,6 +10,11 @@ samples one more token. Speculated tokens live apart (``spec_token_ids``) until 
 verifies them: only accepted ones join ``all_token_ids``. Whether a token ends the request is
 decided elsewhere (``engine/stop.py``, applied by the output processor); the scheduler is told.
 
+Disaggregated serving (``kv_transfer/``): a producer's request with ``kv_park`` keeps its
+blocks when it finishes, for a consumer to pull; a consumer's request with ``remote`` gets its
+prompt's cache from that producer (``follows``: a later sample of the same prompt, admitted
+once the first has its cache, to find it in the prefix cache).
+
 ``num_sent_tokens`` / ``num_sent_blocks``: how much of the token ids and block table the
 workers hold (the scheduler sends them deltas, ``engine/step.py``).
 """
@@ -20,11 +25,13 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from ridge.kv_transfer.config import KVTransferParams
 from ridge.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # admitted, holding blocks: its prompt's cache is on its way
     RUNNING = "running"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
@@ -55,6 +62,10 @@ class Request:
     num_preemptions: int = 0
     num_sent_tokens: int = 0  # token ids the workers hold (0: the workers do not know it)
     num_sent_blocks: int = 0  # leading block ids of the table the workers hold
+    kv_park: bool = False  # producer: keep the blocks after finishing, for a consumer to pull
+    remote: KVTransferParams | None = None  # consumer: the prompt's cache comes from a producer
+    follows: str | None = None  # consumer, n > 1: admitted once this sequence has its cache
+    kv_tag: int = 0  # consumer: the tag of its transfer (0: none posted)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

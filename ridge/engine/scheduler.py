@@ -15,10 +15,20 @@ refuses at admission any request that could not fit the whole pool: no deadlock.
 
 ``static`` admits a batch only when nothing runs, and runs it until every member finishes:
 the baseline that continuous batching is measured against.
+
+Disaggregated serving (``kv_transfer/``) adds two holding places:
+
+    parked      producer: finished requests whose blocks wait for a consumer's pull
+                (``add_pull`` sends them, then frees them; ``park_timeout`` frees them anyway)
+    receiving   consumer: admitted requests whose prompt's cache is on its way: admission
+                looks up the prefix cache, allocates the prompt's blocks and pulls only the
+                blocks it lacks; ``kv_received`` makes the request run from its last prompt
+                token (whose logits give the first output token), ``kv_failed`` ends it
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -31,8 +41,35 @@ from ridge.engine.step import (
     SchedulerOutput,
 )
 from ridge.kv.manager import KVCacheManager
+from ridge.kv_transfer.connector import KVRecv, KVSend
 
 __all__ = ["ChunkKind", "ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
+
+
+# A producer frees a parked request's blocks after this long without a pull.
+DEFAULT_PARK_TIMEOUT_S = 120.0
+
+
+@dataclass
+class Pull:
+    """Consumer: the control message that asks a producer for a transfer's blocks
+    ``[first_block, first_block + num_blocks)`` under ``tag`` (0 blocks: release them)."""
+
+    req_id: str
+    peer_id: str
+    transfer_id: str
+    first_block: int
+    num_blocks: int
+    tag: int
+
+    def message(self) -> dict:
+        return {
+            "type": "pull",
+            "transfer_id": self.transfer_id,
+            "first_block": self.first_block,
+            "num_blocks": self.num_blocks,
+            "tag": self.tag,
+        }
 
 
 @dataclass
@@ -63,6 +100,16 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions = 0
         self._finished_ids: list[str] = []  # since the last plan: the workers drop these
+        # disaggregated serving (module docstring)
+        self.park_timeout = DEFAULT_PARK_TIMEOUT_S
+        self.parked: dict[str, tuple[Request, float]] = {}  # transfer id -> (request, deadline)
+        self.receiving: dict[str, Request] = {}
+        self.pulls: list[Pull] = []  # due once the plan that posts their receives has run
+        self._sends: list[KVSend] = []  # for the next plan
+        self._releasing: list[Request] = []  # parked requests whose blocks the next plan sends
+        self._loaded: list[str] = []  # received: copied into their blocks by the next plan
+        self._next_tag = 1
+        self.kv_blocks_skipped = 0  # consumer: blocks a pull did not need (prefix-cache hits)
 
     # -- requests -----------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -86,13 +133,104 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)
+        self.receiving.pop(req.request_id, None)
+        if req.kv_park and status is not RequestStatus.FINISHED_ABORTED:
+            self.parked[req.request_id] = (req, time.monotonic() + self.park_timeout)  # blocks kept
+        else:
+            self.kv.free(req)
         self.requests.pop(req.request_id, None)
-        if req.num_sent_tokens:
+        if req.num_sent_tokens or req.kv_tag:
             self._finished_ids.append(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    @property
+    def kv_pending(self) -> bool:
+        """A KV transfer is under way (or blocks wait for one): the engine must keep polling."""
+        return bool(self.parked or self.receiving or self._sends or self._loaded or self.pulls)
+
+    # -- disaggregated serving -----------------------------------------------------------------
+    def add_pull(self, consumer_id: str, message: dict) -> str | None:
+        """Producer: a consumer's pull. Its blocks go out with the next plan and are freed after
+        it; returns why it cannot be served (an unknown or expired transfer: the answer is a
+        refusal, which completes the consumer's receive and fails its request), else None."""
+        entry = self.parked.pop(str(message.get("transfer_id")), None)
+        first, count, tag = int(message["first_block"]), int(message["num_blocks"]), int(message["tag"])
+        if count == 0:  # everything was in the consumer's prefix cache
+            if entry is not None:
+                self.kv.free(entry[0])
+            return None
+        block_ids = None
+        if entry is not None:
+            block_ids = self.kv.block_table(entry[0])[first : first + count]
+            self._releasing.append(entry[0])
+        if block_ids is None or len(block_ids) != count:
+            self._sends.append(KVSend(consumer_id, tag, None, count))
+            if entry is None:
+                return f"transfer {message.get('transfer_id')!r} is unknown here (expired or never produced)"
+            return f"transfer {message.get('transfer_id')!r} holds fewer than the {first + count} blocks asked for"
+        self._sends.append(KVSend(consumer_id, tag, block_ids, count))
+        return None
+
+    def expire_parked(self, now: float | None = None) -> int:
+        """Producer: free the parked blocks nobody pulled in time; returns how many requests."""
+        now = time.monotonic() if now is None else now
+        expired = [tid for tid, (_, deadline) in self.parked.items() if deadline <= now]
+        for tid in expired:
+            self.kv.free(self.parked.pop(tid)[0])
+        return len(expired)
+
+    def kv_received(self, req_id: str) -> None:
+        """Consumer: a transfer arrived; the request runs from its last prompt token."""
+        req = self.receiving.pop(req_id, None)
+        if req is None:  # aborted while the transfer ran
+            return
+        self._start_remote(req)
+        self._loaded.append(req_id)
+
+    def kv_failed(self, req_id: str) -> Request | None:
+        """Consumer: a transfer failed: the request ends (aborted); returns it, if it was waiting."""
+        req = self.receiving.get(req_id)
+        if req is not None:
+            self.finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def _start_remote(self, req: Request) -> None:
+        req.remote = None  # a later preemption recomputes locally
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = req.num_tokens - 1
+        self.running.append(req)
+
+    def _admit_remote(self, req: Request, plan: SchedulerOutput) -> bool:
+        """Consumer: admit a request whose prompt's cache a producer holds: allocate its blocks,
+        pull the ones the prefix cache lacks (False: no room)."""
+        hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+        if not self.kv.allocate_slots(req, req.num_tokens - num_hit_tokens, hits, cache=False):
+            return False
+        self.kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
+        self.waiting.popleft()
+        req.num_computed_tokens = num_hit_tokens
+        first = len(hits)
+        needed = -(-(req.num_tokens - 1) // self.kv.block_size)  # the last token is computed here
+        count = max(0, needed - first)
+        self.kv_blocks_skipped += first
+        remote = req.remote
+        tag = 0
+        if count:
+            tag, self._next_tag = self._next_tag, self._next_tag + 1
+            req.kv_tag, req.status = tag, RequestStatus.WAITING_FOR_KV
+            self.receiving[req.request_id] = req
+            table = self.kv.block_table(req)
+            plan.kv_recvs.append(KVRecv(remote.remote_engine_id, req.request_id, tag, table[first:needed]))
+        else:
+            self._start_remote(req)
+        self.pulls.append(Pull(req.request_id, remote.remote_engine_id, remote.transfer_id, first, count, tag))
+        return True
+
+    def _waits_for_leader(self, req: Request) -> bool:
+        leader = self.requests.get(req.follows) if req.follows is not None else None
+        return leader is not None and leader.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_KV)
 
     def set_proposals(self, proposals: dict[str, tuple[list[int], object]]) -> None:
         """Tokens proposed for each request's next step (and their draft distributions, or
@@ -144,8 +282,22 @@ class Scheduler:
         # Static batching admits only into an empty engine; nobody is admitted in a step
         # that had to preempt (memory is short).
         may_admit = not preempted and (self.config.policy == "continuous" or not self.running)
-        while may_admit and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        plan = SchedulerOutput(preempted_req_ids=[r.request_id for r in preempted], draft_probs=draft_probs)
+        held: list[Request] = []  # samples of a prompt whose cache is still on its way
+        while (
+            may_admit
+            and self.waiting
+            and budget > 0
+            and len(self.running) + len(self.receiving) < self.config.max_num_seqs
+        ):
             req = self.waiting[0]
+            if self._waits_for_leader(req):
+                held.append(self.waiting.popleft())
+                continue
+            if req.remote is not None:
+                if not self._admit_remote(req, plan):
+                    break
+                continue
             if req.sampling_params.prompt_logprobs is None:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             else:  # every prompt position's logits are wanted: compute them all
@@ -160,9 +312,12 @@ class Scheduler:
             req.num_computed_tokens = num_hit_tokens
             scheduled[req.request_id] = (req, num_hit_tokens, num_new, [])
             budget -= num_new
+        self.waiting.extendleft(reversed(held))
 
-        plan = SchedulerOutput(preempted_req_ids=[r.request_id for r in preempted], draft_probs=draft_probs)
-        if scheduled:  # an empty plan runs nowhere: the finished ids wait for the next one
+        plan.kv_sends, self._sends = self._sends, []
+        plan.kv_loaded, self._loaded = self._loaded, []
+        if scheduled or plan.kv_recvs or plan.kv_loaded:
+            # an empty plan runs nowhere: the finished ids wait for the next one
             plan.finished_req_ids, self._finished_ids = self._finished_ids, []
         for req, start, num_new, drafts in scheduled.values():
             self._send_deltas(req, plan)
@@ -240,6 +395,9 @@ class Scheduler:
         the requests the stop rules ended this step, with their status.
         """
         finished = finished or {}
+        for req in self._releasing:  # the plan that sent their blocks has run
+            self.kv.free(req)
+        self._releasing = []
         for chunk in plan.chunks:
             req = self.requests.get(chunk.req_id)
             if req is None or req.is_finished:  # aborted while the step ran

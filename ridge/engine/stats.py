@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+from ridge.kv_transfer.stats import KVTransferStats
 from ridge.spec_decode.stats import SpecDecodeStats
 from ridge.telemetry import PhaseStats
 
@@ -29,6 +30,7 @@ class EngineStats:
     roofline_resolved: bool = False  # the phases' roofline fractions are known
     spec_decode: SpecDecodeStats | None = None  # None: no speculation
     spec_decode_k: int = 0  # tokens proposed per sequence in the last step
+    kv_transfer: KVTransferStats | None = None  # None: not a producer or consumer
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -57,9 +59,11 @@ class EngineStats:
                 "max_num_seqs": str(cfg.max_num_seqs),
                 "max_model_len": str(engine.max_model_len),
                 "tensor_parallel_size": str(cfg.tensor_parallel_size),
+                "kv_role": cfg.kv_transfer_config.kv_role if cfg.kv_transfer_config is not None else "",
             },
             phases={name: copy.copy(stats) for name, stats in telemetry.phases().items()},
             roofline_resolved=telemetry.hardware_resolved,
             spec_decode=copy.deepcopy(speculator.stats) if speculator is not None else None,
             spec_decode_k=speculator.last_k if speculator is not None else 0,
+            kv_transfer=engine.kv_transfer.snapshot() if engine.kv_transfer is not None else None,
         )

@@ -22,6 +22,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from ridge.kv_transfer.connector import KVRecv, KVSend
 from ridge.sampling import SamplingParams
 
 
@@ -100,6 +101,11 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # a draft model's distributions of a VERIFY chunk's proposals, (k, V) each (rank 0 only)
     draft_probs: dict[str, Any] = field(default_factory=dict)
+    # disaggregated serving (kv_transfer/connector.py): blocks to send to a consumer, transfers
+    # to receive from a producer, received transfers to copy into their blocks before the forward
+    kv_sends: list[KVSend] = field(default_factory=list)
+    kv_recvs: list[KVRecv] = field(default_factory=list)
+    kv_loaded: list[str] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -107,7 +113,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks
+        """Nothing for the workers to do (no chunk and no KV transfer)."""
+        return not (self.chunks or self.kv_sends or self.kv_recvs or self.kv_loaded)
 
 
 @dataclass

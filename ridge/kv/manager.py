@@ -73,10 +73,14 @@ class KVCacheManager:
         self.prefix_hits += num_hit_tokens
 
     # -- allocation ---------------------------------------------------------------------
-    def allocate_slots(self, req, num_new_tokens: int, new_computed_blocks: list[Block] = ()) -> bool:
+    def allocate_slots(
+        self, req, num_new_tokens: int, new_computed_blocks: list[Block] = (), cache: bool = True
+    ) -> bool:
         """Make room for ``num_new_tokens`` after the request's computed tokens (and cache hits).
 
-        Returns False, changing nothing, when the pool cannot supply the blocks.
+        Returns False, changing nothing, when the pool cannot supply the blocks. ``cache=False``:
+        the blocks' contents come later (a KV transfer), so they join the prefix cache only
+        when the request's next allocation finds them full.
         """
         rid = req.request_id
         blocks = self._req_blocks.get(rid)
@@ -103,7 +107,7 @@ class KVCacheManager:
         if needed > 0:
             blocks.extend(self.pool.allocate(needed))
         self._req_table[rid].extend(b.block_id for b in blocks[len(self._req_table[rid]) :])
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and cache:
             self._cache_full_blocks(req, blocks, total_tokens)
         return True
 

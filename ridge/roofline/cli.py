@@ -31,6 +31,7 @@ EPILOG = """examples:
   ridge analyze --model mixtral-8x7b --hardware a100-80gb --weight-bits 4 --tp 2 --json
   ridge analyze --model path/to/model_dir --hardware local --plot roofline.png
   ridge analyze --matmul 100 4096 4096 --dtype fp32
+  ridge analyze --model tinyllama-1.1b --hardware local --weight-format int4 --disaggregated --prompt-len 1024
 """
 
 
@@ -109,8 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument(
         "--link",
         default=None,
-        help="what connects the --tp ranks: local (probed here: gloo over loopback between two processes; "
-        f"the default), {', '.join(LINK_PRESETS)}, or custom GBPS:US (bandwidth per rank, latency per collective)",
+        help="what connects the --tp ranks (or, with --disaggregated, the instances): local (probed here between "
+        f"two processes; the default), {', '.join(LINK_PRESETS)}, or custom GBPS:US (bandwidth per rank, "
+        "latency per message)",
     )
     load.add_argument("--spec-k", type=int, default=0, help="speculative decoding: draft tokens per step")
     load.add_argument(
@@ -118,6 +120,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.7,
         help="speculative decoding: per-token acceptance rate (default: %(default)s)",
+    )
+
+    dis = parser.add_argument_group("disaggregated serving (--disaggregated)")
+    dis.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help="predict colocated against disaggregated serving: a --prompt-len prompt every --arrival-interval "
+        "seconds while --decode-streams sequences decode; the KV cache crosses --link",
+    )
+    dis.add_argument("--arrival-interval", type=float, default=2.0, help="seconds between prompts (default: 2)")
+    dis.add_argument("--decode-streams", type=int, default=8, help="sequences decoding meanwhile (default: 8)")
+    dis.add_argument("--decode-context", type=int, default=256, help="their context length (default: 256)")
+    dis.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="colocated: tokens per step (default: 2048)"
+    )
+    dis.add_argument(
+        "--prefill-share",
+        type=float,
+        default=0.5,
+        help="disaggregated: the prefill instance's share of the machine (default: 0.5)",
     )
 
     conv = parser.add_argument_group("conventions (stated in every output)")
@@ -182,6 +204,8 @@ def run(args: argparse.Namespace) -> int:
         units=args.units,
     )
     hardware = _hardware(args, workload.precision)
+    if args.disaggregated:
+        return _run_disaggregated(args, console, model, hardware, workload, conventions)
     link = resolve_link(args.link) if args.tp > 1 else None
     analysis = analyze(model, hardware, workload, conventions, compute_dtype=args.compute_dtype, link=link)
     if args.plot:
@@ -201,12 +225,34 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def resolve_link(spec: str | None) -> Link:
-    """A preset, ``local`` (probed on this machine, cached), or ``GBPS:US``."""
+def _run_disaggregated(args, console, model, hardware, workload, conventions) -> int:
+    from ridge.roofline.disaggregation import ServingPattern, analyze_disaggregation, render_text
+
+    pattern = ServingPattern(
+        prompt_tokens=args.prompt_len,
+        arrival_interval_s=args.arrival_interval,
+        decode_streams=args.decode_streams,
+        decode_context=args.decode_context,
+        chunk_tokens=args.max_num_batched_tokens,
+        prefill_share=args.prefill_share,
+    )
+    result = analyze_disaggregation(
+        model, hardware, pattern, resolve_link(args.link, "gloo"), workload, conventions, args.compute_dtype
+    )
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        render_text(result, console)
+    return 0
+
+
+def resolve_link(spec: str | None, transport: str | None = None) -> Link:
+    """A preset, ``local`` (probed on this machine, cached; ``transport``: see ``local_link``),
+    or ``GBPS:US``."""
     if spec is None or spec == "local":
         from ridge.distributed.probe import local_link
 
-        return local_link()
+        return local_link(transport=transport)
     if spec in LINK_PRESETS:
         return LINK_PRESETS[spec]
     try:

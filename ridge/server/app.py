@@ -20,6 +20,7 @@ Every error reply, whatever raised it, is OpenAI's error object
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -36,7 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ridge import __version__
 from ridge.engine.client import EngineClient
-from ridge.server.async_engine import AsyncEngine
+from ridge.server.async_engine import AsyncEngine, EngineDeadError
 from ridge.server.metrics import STATE_SOURCES, ServerMetrics, StateSource
 from ridge.server.protocol import (
     APIError,
@@ -68,6 +69,8 @@ def build_app(
     engine: EngineClient, config: ServerConfig, state_sources: tuple[StateSource, ...] = STATE_SOURCES
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``engine``. ``state_sources``: see ``ridge.server.metrics``."""
+    if config.kv_info is None and engine.kv_info() is not None:  # read before the engine loop starts
+        config = dataclasses.replace(config, kv_info=engine.kv_info())
     metrics = ServerMetrics(config.served_model_names[0], state_sources)
     async_engine = AsyncEngine(engine, observer=metrics)
     serving = OpenAIServing(async_engine, config)
@@ -143,6 +146,30 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             logger.warning("metrics: could not read the engine state: %s", exc)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/kv/info", responses=_errors(404, 503))
+    async def kv_info() -> Response:
+        """Disaggregated serving: this instance's KV-transfer identity, endpoint and layout."""
+        info = await _engine_call(async_engine.kv_info())
+        if info is None:
+            raise APIError(404, "this instance has no --kv-transfer-config")
+        return JSONResponse(info)
+
+    @app.post("/kv/connect", responses=_errors(400, 404, 503))
+    async def kv_connect(raw: Request) -> Response:
+        """Pair with a peer instance (the body: the peer's ``/kv/info``); ``ridge router`` asks
+        both sides. 400 with one clear line when the peer is unreachable or does not match."""
+        try:
+            peer = json.loads(await raw.body())
+        except json.JSONDecodeError as exc:
+            raise APIError(400, f"Malformed JSON in the request body: {exc}", code="invalid_json") from None
+        if not isinstance(peer, dict):
+            raise APIError(400, "the body must be the peer's /kv/info object")
+        try:
+            await _engine_call(async_engine.kv_connect(peer))
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="kv_peer_mismatch") from None
+        return JSONResponse({"status": "ok", "peer": peer.get("engine_id")})
+
     def model_card(name: str) -> ModelCard:
         return ModelCard(id=name, root=config.model_root, max_model_len=serving.max_model_len)
 
@@ -165,6 +192,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return _reply(await _or_gone(serving.create_chat_completion(body, raw)))
 
 
+async def _engine_call(work):
+    try:
+        return await work
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc)) from None
+
+
 async def _or_gone(work):
     try:
         return await work
@@ -180,7 +214,10 @@ def _reply(result) -> Response:
         return StreamingResponse(
             result, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
-    return JSONResponse(result.model_dump())
+    body = result.model_dump()
+    if body.get("kv_transfer_params", 0) is None:  # only a producer's answer carries it
+        del body["kv_transfer_params"]
+    return JSONResponse(body)
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -265,7 +302,7 @@ def _describe(error: dict) -> str:
 
 
 class _ApiKey:
-    """``/v1`` routes need ``Authorization: Bearer <key>`` when the server has a key."""
+    """``/v1`` and ``/kv`` routes need ``Authorization: Bearer <key>`` when the server has a key."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, on_error) -> None:
         self.app = app
@@ -273,7 +310,7 @@ class _ApiKey:
         self.on_error = on_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.expected is None or scope["type"] != "http" or not scope["path"].startswith("/v1"):
+        if self.expected is None or scope["type"] != "http" or not scope["path"].startswith(("/v1", "/kv")):
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
         if hmac.compare_digest(given, self.expected):

@@ -20,7 +20,11 @@ prompts). Contracts:
 * ``OutputStream.abort()`` (idempotent, safe from the event loop) aborts what has not
   finished; the engine frees its KV blocks when the loop processes the command, before the
   next step.
-* ``await stats()`` is the engine's ``EngineStats``, taken between two steps.
+* ``await stats()`` is the engine's ``EngineStats``, taken between two steps; ``await
+  kv_info()`` and ``await kv_connect(peer)`` run on the engine thread too (disaggregated
+  serving: identity, pairing with a peer).
+* A request that fails on its own (its KV transfer from a producer failed) raises its error
+  from its group's iteration; the group's other requests are aborted.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from typing import Any
 from ridge.engine.client import EngineClient, EngineFatalError
 from ridge.engine.outputs import RequestOutput
 from ridge.engine.stats import EngineStats
+from ridge.kv_transfer.config import KVTransferParams
 from ridge.sampling import SamplingParams
 
 logger = logging.getLogger("ridge.server")
@@ -117,6 +122,7 @@ class _Group:
     prompts: list[str | list[int]]
     params: SamplingParams
     arrival_time: float
+    kv_transfer: list[KVTransferParams] | None = None  # one per prompt
 
 
 class AsyncEngine:
@@ -133,12 +139,14 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         # Engine-thread state: request id -> (group, index in the group).
         self._owner_of: dict[str, tuple[_Group, int]] = {}
+        self._poll = False  # the engine asked for a step while idle (set_wakeup)
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError("the engine loop is already started")
         self._thread = threading.Thread(target=self._run, name="ridge-engine-loop", daemon=True)
+        self.engine.set_wakeup(lambda: self._commands.put(("poll", None)))
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -170,13 +178,15 @@ class AsyncEngine:
         prompts: list[str | list[int]],
         params: SamplingParams,
         arrival_time: float | None = None,
+        kv_transfer: list[KVTransferParams] | None = None,
     ) -> OutputStream:
-        """Queue one engine request per prompt (all with ``params``); see the module docstring."""
+        """Queue one engine request per prompt (all with ``params``; ``kv_transfer``: each
+        prompt's part in a KV transfer); see the module docstring."""
         if not self.is_alive:
             raise EngineDeadError(f"the engine is not running ({self._dead or 'stopped'})")
         stream = OutputStream(self, list(request_ids), asyncio.get_running_loop())
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._send(("add", _Group(stream, list(prompts), params, arrival)))
+        self._send(("add", _Group(stream, list(prompts), params, arrival, kv_transfer)))
         await self._wait_accepted_or_abort(stream)
         return stream
 
@@ -213,6 +223,21 @@ class AsyncEngine:
         self._send(("stats", future))
         return future
 
+    async def kv_info(self) -> dict | None:
+        """The engine's KV-transfer identity (None: no --kv-transfer-config)."""
+        return await self._on_engine_thread(lambda engine: engine.kv_info())
+
+    async def kv_connect(self, peer: dict) -> None:
+        """Pair with a peer instance; ValueError when it cannot."""
+        await self._on_engine_thread(lambda engine: engine.kv_connect(peer))
+
+    async def _on_engine_thread(self, fn: Callable[[EngineClient], Any]) -> Any:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        self._send(("call", (fn, future)))
+        return await asyncio.wrap_future(future)
+
     def _send(self, command: tuple[str, Any]) -> None:
         self._commands.put(command)
 
@@ -225,7 +250,8 @@ class AsyncEngine:
                 self._process_commands(block=not engine.has_unfinished_requests())
                 if self._stopping.is_set():
                     break
-                if engine.has_unfinished_requests():
+                if engine.has_unfinished_requests() or self._poll:
+                    self._poll = False
                     self._step()
         except BaseException as exc:  # a bug in the loop itself: fail everyone, loudly
             logger.exception("the engine loop crashed")
@@ -258,13 +284,28 @@ class AsyncEngine:
                     future.set_result(self.engine.stats())
                 except BaseException as exc:
                     future.set_exception(exc)
+        elif kind == "poll":
+            self._poll = True
+        elif kind == "call":
+            fn, future = payload
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except BaseException as exc:
+                    future.set_exception(exc)
 
     def _add(self, group: _Group) -> None:
         stream = group.stream
         added: list[str] = []
         try:
-            for request_id, prompt in zip(stream.request_ids, group.prompts):
-                self.engine.add_request(request_id, prompt, group.params, arrival_time=group.arrival_time)
+            for i, (request_id, prompt) in enumerate(zip(stream.request_ids, group.prompts)):
+                kv = group.kv_transfer[i] if group.kv_transfer is not None else None
+                if kv is None:
+                    self.engine.add_request(request_id, prompt, group.params, arrival_time=group.arrival_time)
+                else:
+                    self.engine.add_request(
+                        request_id, prompt, group.params, arrival_time=group.arrival_time, kv_transfer=kv
+                    )
                 added.append(request_id)
         except Exception as exc:  # ValueError: bad input; anything else: reported, not fatal
             for request_id in added:
@@ -310,14 +351,21 @@ class AsyncEngine:
         end = time.monotonic()
         self.observer.on_step(outputs, start, end)
         batches: dict[asyncio.AbstractEventLoop, list] = {}
+        failed: list[_Group] = []
         for output in outputs:
             owner = self._owner_of.get(output.request_id)
             if owner is None:
                 continue
             group, index = owner
-            if output.finished:
+            if output.finished or output.error is not None:
                 del self._owner_of[output.request_id]
+            if output.error is not None:
+                failed.append(group)
+                batches.setdefault(group.stream.loop, []).append((group.stream, RuntimeError(output.error)))
+                continue
             batches.setdefault(group.stream.loop, []).append((group.stream, (index, output)))
+        for group in failed:  # the group's other requests end with it
+            self._abort([rid for rid in group.stream.request_ids if rid in self._owner_of])
         self._deliver(batches)
 
     def _deliver(self, batches: dict[asyncio.AbstractEventLoop, list]) -> None:
@@ -357,6 +405,8 @@ class AsyncEngine:
                 self._deliver({payload.stream.loop: [(payload.stream, dead)]})
             elif kind == "stats":
                 payload.set_exception(dead)
+            elif kind == "call":
+                payload[1].set_exception(dead)
 
 
 def _put_all(items: list) -> None:

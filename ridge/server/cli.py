@@ -67,6 +67,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _kv_role_note(kv: dict | None) -> str:
+    if kv is None:
+        return ""
+    return f", {kv['kv_role']} {kv['engine_id']} with its KV endpoint on {kv['kv_ip']}:{kv['kv_port']}"
+
+
 # After a fatal engine error: time for the open streams' error events to leave before exiting.
 FATAL_EXIT_DELAY_S = 1.0
 
@@ -99,7 +105,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(
             f"ridge serve: {config.served_model_names[0]} on http://{shown}:{port} "
             f"({info['dtype']}, {info['device']}, {info['num_kv_blocks']} KV blocks, {info['scheduler']} batching, "
-            f"max_model_len {info['max_model_len']}){' (API key required)' if api_key else ''}",
+            f"max_model_len {info['max_model_len']})"
+            f"{_kv_role_note(engine.kv_info())}{' (API key required)' if api_key else ''}",
             file=sys.stderr,
             flush=True,
         )

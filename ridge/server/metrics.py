@@ -238,7 +238,65 @@ def spec_decode_samples(engine_stats: EngineStats) -> list[Sample]:
     return samples
 
 
-STATE_SOURCES: tuple[StateSource, ...] = (engine_state_samples, telemetry_samples, spec_decode_samples)
+def kv_transfer_samples(engine_stats: EngineStats) -> list[Sample]:
+    """Disaggregated serving: transfers, blocks and bytes moved, their time, what waits."""
+    stats = engine_stats.kv_transfer
+    if stats is None:
+        return []
+    role = {"role": stats.role}
+    return [
+        Sample("ridge_kv_transfer_peers", "KV-transfer peers paired now.", stats.num_peers, role),
+        Sample(
+            "ridge_kv_transfer_transfers",
+            "KV transfers: pulls served (producer), transfers received (consumer).",
+            stats.transfers,
+            role,
+            kind="counter",
+        ),
+        Sample("ridge_kv_transfer_blocks", "KV blocks sent or received.", stats.blocks, role, kind="counter"),
+        Sample("ridge_kv_transfer_bytes", "KV-cache bytes sent or received.", stats.bytes, role, kind="counter"),
+        Sample(
+            "ridge_kv_transfer_blocks_skipped",
+            "Consumer: prompt blocks its prefix cache held, so not transferred.",
+            stats.blocks_skipped,
+            role,
+            kind="counter",
+        ),
+        Sample(
+            "ridge_kv_transfer_seconds",
+            "Consumer: seconds from posting a transfer's receive to its arrival, summed.",
+            stats.seconds,
+            role,
+            kind="counter",
+        ),
+        Sample(
+            "ridge_kv_transfer_failures",
+            "KV transfers that failed or were refused.",
+            stats.failures,
+            role,
+            kind="counter",
+        ),
+        Sample(
+            "ridge_kv_transfer_parked_requests",
+            "Producer: finished prompts whose blocks wait for a consumer's pull.",
+            stats.parked,
+            role,
+        ),
+        Sample(
+            "ridge_kv_transfer_receiving_requests",
+            "Consumer: admitted requests whose prompt's KV cache is on its way.",
+            stats.receiving,
+            role,
+        ),
+    ]
+
+
+STATE_SOURCES: tuple[StateSource, ...] = (
+    engine_state_samples,
+    telemetry_samples,
+    spec_decode_samples,
+    kv_transfer_samples,
+)
 
 
 class _StateCollector(Collector):

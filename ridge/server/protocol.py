@@ -118,6 +118,9 @@ class SamplingRequest(_Strict):
     service_tier: str | None = None
     # Declared so that using them is a clear 400 (see ``unsupported``).
     logit_bias: dict[str, float] | None = None
+    # vLLM's: a request's part in disaggregated serving (what ``ridge router`` sends; see
+    # ridge/kv_transfer/config.py)
+    kv_transfer_params: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) for the first set field ridge cannot honour, else None."""
@@ -295,6 +298,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a producer's: where the prompts' KV cache waits
 
 
 class TopLogprob(BaseModel):
@@ -334,6 +338,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a producer's: where the prompts' KV cache waits
 
 
 class DeltaMessage(BaseModel):

@@ -39,6 +39,7 @@ from pydantic import BaseModel
 
 from ridge.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from ridge.engine.tokenizer import BaseTokenizer
+from ridge.kv_transfer.config import KVTransferParams, request_params
 from ridge.sampling import SamplingParams
 from ridge.server.async_engine import AsyncEngine, EngineDeadError, OutputStream
 from ridge.server.protocol import (
@@ -84,6 +85,7 @@ class ServerConfig:
     model_root: str | None = None
     api_key: str | None = None
     max_request_bytes: int = 8 * 2**20
+    kv_info: dict | None = None  # disaggregated serving: the engine's KV-transfer identity
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(isinstance(n, str) and n for n in self.served_model_names):
@@ -171,12 +173,38 @@ class OpenAIServing:
         except ValueError as exc:
             raise bad_request(str(exc), param=param, code="context_length_exceeded") from None
 
+    def _kv_transfer(self, body: SamplingRequest, num_prompts: int) -> list[KVTransferParams] | None:
+        try:
+            kv = request_params(body.kv_transfer_params, num_prompts)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="kv_transfer_params") from None
+        if kv is not None and kv[0].do_remote_decode and body.stream:
+            raise bad_request("a prefill-only (do_remote_decode) request is not streamed", param="stream")
+        return kv
+
+    def _handover(self, stream: OutputStream, prompts: list[_Prompt], kv: list[KVTransferParams] | None) -> dict | None:
+        """A producer's answer: where the prompts' KV cache waits for a consumer's pull."""
+        if kv is None or not kv[0].do_remote_decode:
+            return None
+        return {
+            "do_remote_prefill": True,
+            "remote_engine_id": (self.config.kv_info or {}).get("engine_id"),
+            "transfer_ids": list(stream.request_ids),
+            "num_prompt_tokens": [len(p.token_ids) for p in prompts],
+        }
+
     async def _add(
-        self, request_id: str, prompts: list[_Prompt], params: SamplingParams, arrival: float, prompt_param: str
+        self,
+        request_id: str,
+        prompts: list[_Prompt],
+        params: SamplingParams,
+        arrival: float,
+        prompt_param: str,
+        kv: list[KVTransferParams] | None = None,
     ) -> OutputStream:
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         try:
-            return await self.engine.add_group(ids, [p.token_ids for p in prompts], params, arrival)
+            return await self.engine.add_group(ids, [p.token_ids for p in prompts], params, arrival, kv)
         except ValueError as exc:
             raise bad_request(str(exc), param=prompt_param) from None
         except EngineDeadError as exc:
@@ -194,8 +222,9 @@ class OpenAIServing:
         prompts = await self._completion_prompts(body.prompt)
         for p in prompts:
             self._check_length(len(p.token_ids), max_tokens, "prompt")
+        kv = self._kv_transfer(body, len(prompts))
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await self._add(request_id, prompts, params, arrival, "prompt")
+        stream = await self._add(request_id, prompts, params, arrival, "prompt", kv)
         ctx = _CompletionContext(
             request_id, int(time.time()), self.model_name, prompts, params, body.echo, self.tokenizer, body.echo_only
         )
@@ -209,7 +238,12 @@ class OpenAIServing:
                 text = echo if ctx.echo_only else echo + c.text
                 choices.append(ctx.choice(i, c, text, 0, len(c.token_ids), out if body.echo else None))
         return CompletionResponse(
-            id=request_id, created=ctx.created, model=ctx.model, choices=choices, usage=ctx.usage(finals)
+            id=request_id,
+            created=ctx.created,
+            model=ctx.model,
+            choices=choices,
+            usage=ctx.usage(finals),
+            kv_transfer_params=self._handover(stream, prompts, kv),
         )
 
     async def _completion_prompts(self, prompt: Any) -> list[_Prompt]:
@@ -296,8 +330,10 @@ class OpenAIServing:
             "messages",
             "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
         )
+        kv = self._kv_transfer(body, 1)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await self._add(request_id, [_Prompt(None, token_ids)], params, arrival, "messages")
+        prompts = [_Prompt(None, token_ids)]
+        stream = await self._add(request_id, prompts, params, arrival, "messages", kv)
         created = int(time.time())
         top = body.top_logprobs or 0
         if body.stream:
@@ -314,7 +350,12 @@ class OpenAIServing:
             for c in final.outputs
         ]
         return ChatCompletionResponse(
-            id=request_id, created=created, model=self.model_name, choices=choices, usage=_usage([final])
+            id=request_id,
+            created=created,
+            model=self.model_name,
+            choices=choices,
+            usage=_usage([final]),
+            kv_transfer_params=self._handover(stream, prompts, kv),
         )
 
     async def _chat_events(

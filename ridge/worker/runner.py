@@ -217,7 +217,7 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> RunnerOutput | None:
         """Apply the plan's deltas, run its chunks; the driver samples and returns the output."""
         self.update_states(plan)
-        if plan.is_empty:
+        if not plan.chunks:
             return RunnerOutput({}) if self.sampler is not None else None
         batch = self.prepare(self.chunk_inputs(plan))
         logits = self.forward_logits(batch)

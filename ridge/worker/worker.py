@@ -14,6 +14,8 @@ worker too (``spec_decode/draft.py``).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from ridge.distributed.parallel import TensorParallel
 from ridge.engine.step import RunnerOutput, SchedulerOutput
 from ridge.kv import cache as kv_cache
 from ridge.kv.cache import KVCacheSpec
+from ridge.kv_transfer.connector import KVConnector, KVLayout, PeerInfo, block_bytes, make_connector
 from ridge.layers.attention import AttentionMetadata, PrefillChunk
 from ridge.layers.cpu_kernels import select_kernels
 from ridge.models.loader import load_model, read_hf_config
@@ -59,6 +62,8 @@ class WorkerConfig:
     num_kv_blocks: int | None = None
     num_threads: int | None = None
     tensor_parallel_size: int = 1
+    kv_transfer_config: object = None  # a KVTransferConfig: the pool's blocks move to or from peers
+    engine_id: str = ""  # the engine's name among its KV peers (the same on every rank)
 
     @classmethod
     def from_engine_config(cls, config, **overrides) -> WorkerConfig:
@@ -140,6 +145,7 @@ class Worker:
         )
         self.kv_caches: list = []
         self.runner: ModelRunner | None = None
+        self.kv_connector: KVConnector | None = None
 
     def describe(self) -> ModelInfo:
         return self.info
@@ -179,9 +185,56 @@ class Worker:
         )
         sampler = Sampler(cfg.seed) if self.tp.rank == 0 else None
         self.runner = ModelRunner(self.model, self.kv_caches, cfg.block_size, self.device, sampler, eos_token_ids)
+        if cfg.kv_transfer_config is not None:
+            self.kv_connector = make_connector(
+                cfg.kv_transfer_config, cfg.engine_id, self.kv_layout(), self.kv_caches, self.tp.rank, self.device
+            )
+
+    # -- KV transfer between instances ----------------------------------------------------
+    def kv_layout(self) -> KVLayout:
+        """What a peer's pool must share with this one for blocks to move between them."""
+        spec = self.info.kv_spec
+        return KVLayout(
+            model=self.model_fingerprint(),
+            num_layers=spec.num_layers,
+            num_heads=spec.num_heads,
+            head_dim=spec.head_dim,
+            keys_only=spec.keys_only,
+            dtype=str(self.dtype).removeprefix("torch."),
+            kv_cache_dtype=self.config.kv_cache_dtype,
+            block_size=self.config.block_size,
+            tensor_parallel_size=self.tp.size,
+            device_type=self.device.type,
+            bytes_per_block=block_bytes(self.kv_caches),
+        )
+
+    def model_fingerprint(self) -> str:
+        """A digest of the checkpoint's config and the first values of its embedding (the same
+        file, or random weights of the same preset and seed, give the same digest)."""
+        digest = hashlib.blake2b(digest_size=8)
+        digest.update(json.dumps(self.info.hf_config, sort_keys=True, default=str).encode())
+        for name, param in sorted(self.model.named_parameters()):
+            if "embed" in name:
+                digest.update(param.detach().reshape(-1)[:256].float().cpu().numpy().tobytes())
+                break
+        return digest.hexdigest()
+
+    def kv_connect(self, peer: PeerInfo) -> str | None:
+        """Pair this rank with ``peer``'s; returns why it cannot (None: paired)."""
+        try:
+            self.kv_connector.connect(peer)
+        except ValueError as exc:
+            return str(exc)
+        return None
 
     # -- steps ----------------------------------------------------------------------------
     def execute_model(self, plan: SchedulerOutput) -> RunnerOutput | None:
+        connector = self.kv_connector
+        if connector is not None:  # blocks move before the forward pass writes any of them
+            connector.drop(plan.finished_req_ids)
+            connector.start_sends(plan.kv_sends)
+            connector.start_recvs(plan.kv_recvs)
+            connector.finish_recvs(plan.kv_loaded)
         out = self.runner.execute(plan)
         comm_s = self.tp.take_comm()
         if out is not None:

@@ -1,0 +1,1 @@
+"""``ridge router``: an OpenAI-compatible front over prefill/decode or replica instances."""

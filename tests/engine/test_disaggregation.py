@@ -1,0 +1,253 @@
+"""Prefill on one engine, decode on another, the KV cache moved between them over gloo
+(``engine/disaggregation.py``, ``kv_transfer/``), in one process: the outputs are exactly the
+colocated engine's, a shared prefix is not sent twice, and failures end the request clearly."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from ridge.bench.serve import free_port
+from ridge.config import EngineConfig
+from ridge.engine.engine import LLMEngine
+from ridge.kv_transfer.config import KVTransferConfig, KVTransferParams, request_params
+from ridge.sampling import SamplingParams
+
+MODEL = "random:tiny"
+BASE = dict(dtype="float32", num_kv_blocks=96, block_size=16, seed=0)
+
+
+def _engine(role: str | None = None, **overrides) -> LLMEngine:
+    kv = {"kv_role": role, "kv_port": free_port()} if role else None
+    return LLMEngine(EngineConfig(model=MODEL, kv_transfer_config=kv, **{**BASE, **overrides}))
+
+
+def _pair(producer: LLMEngine, consumer: LLMEngine) -> None:
+    """Both sides connect at once (as the router asks them)."""
+    errors = []
+
+    def connect():
+        try:
+            producer.kv_connect(consumer.kv_info())
+        except ValueError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=connect)
+    thread.start()
+    try:
+        consumer.kv_connect(producer.kv_info())
+    finally:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def _run(engines: list[LLMEngine], request_id: str, target: LLMEngine):
+    """Step every engine until ``target``'s request ends; its final output."""
+    for _ in range(10_000):
+        for engine in engines:
+            for out in engine.step():
+                if out.request_id == request_id and (out.finished or out.error):
+                    return out
+    raise AssertionError("the request did not finish")
+
+
+def _prefill(producer: LLMEngine, transfer_id: str, prompt: list[int]) -> KVTransferParams:
+    producer.add_request(
+        transfer_id, prompt, SamplingParams(max_tokens=1), kv_transfer=KVTransferParams(do_remote_decode=True)
+    )
+    out = _run([producer], transfer_id, producer)
+    assert out.finished and out.error is None
+    assert transfer_id in producer.scheduler.parked  # its blocks wait for the consumer
+    return KVTransferParams(
+        do_remote_prefill=True,
+        remote_engine_id=producer.engine_id,
+        transfer_id=transfer_id,
+        num_prompt_tokens=len(prompt),
+    )
+
+
+def _decode(producer, consumer, request_id, prompt, params, kv):
+    consumer.add_request(request_id, prompt, params, kv_transfer=kv)
+    return _run([consumer, producer], request_id, consumer)
+
+
+def _colocated(engine, request_id, prompt, params):
+    engine.add_request(request_id, prompt, params)
+    return _run([engine], request_id, engine)
+
+
+def _tokens(out):
+    return [c.token_ids for c in out.outputs]
+
+
+@pytest.fixture(scope="module")
+def trio():
+    producer, consumer, colocated = _engine("kv_producer"), _engine("kv_consumer"), _engine()
+    _pair(producer, consumer)
+    yield producer, consumer, colocated
+    for engine in (producer, consumer, colocated):
+        engine.shutdown()
+
+
+PROMPTS = {
+    "short": list(range(3, 8)),  # inside one block
+    "exact": [(7 * i) % 200 + 3 for i in range(48)],  # three whole blocks
+    "long": [(11 * i) % 250 + 2 for i in range(87)],
+}
+PARAMS = {
+    "greedy": SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+    "seeded-n2": SamplingParams(
+        temperature=0.9, top_p=0.9, seed=7, n=2, max_tokens=10, ignore_eos=True, repetition_penalty=1.2
+    ),
+}
+
+
+@pytest.mark.parametrize("prompt_name", sorted(PROMPTS))
+@pytest.mark.parametrize("params_name", sorted(PARAMS))
+def test_handed_over_requests_give_the_colocated_outputs(trio, prompt_name, params_name):
+    producer, consumer, colocated = trio
+    prompt, params = PROMPTS[prompt_name], PARAMS[params_name]
+    rid = f"{prompt_name}-{params_name}"
+    expected = _colocated(colocated, rid, prompt, params)
+    kv = _prefill(producer, rid, prompt)
+    got = _decode(producer, consumer, rid, prompt, params, kv)
+    assert got.error is None
+    assert _tokens(got) == _tokens(expected)
+    assert not producer.scheduler.parked  # the pull released the blocks
+    producer.kv.check_integrity()
+    consumer.kv.check_integrity()
+
+
+def test_a_shared_prefix_is_not_sent_again(trio):
+    producer, consumer, colocated = trio
+    first = [(13 * i) % 240 + 5 for i in range(70)]  # 4 whole blocks, then 6 tokens
+    second = first[:64] + [9, 8, 7] * 10  # the same 4 blocks, then 30 new tokens
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    _decode(producer, consumer, "p1", first, params, _prefill(producer, "p1", first))
+    got = _decode(producer, consumer, "p2", second, params, _prefill(producer, "p2", second))
+    record = consumer.stats().kv_transfer.recent[-1]
+    assert record.request_id == "p2"
+    assert record.blocks_skipped == 4  # found in the consumer's prefix cache
+    assert record.blocks == 2  # tokens 64 .. 91 (the last one is computed by the consumer)
+    assert record.bytes == 2 * consumer.kv_bytes_per_block
+    assert _tokens(got) == _tokens(_colocated(colocated, "p2", second, params))
+
+
+def test_an_unknown_or_expired_transfer_ends_the_request_with_an_error(trio):
+    producer, consumer, _ = trio
+    prompt = list(range(10, 60))
+    kv = KVTransferParams(
+        do_remote_prefill=True, remote_engine_id=producer.engine_id, transfer_id="nope", num_prompt_tokens=len(prompt)
+    )
+    out = _decode(producer, consumer, "lost", prompt, SamplingParams(max_tokens=4), kv)
+    assert out.error is not None and "does not hold" in out.error
+    kv = _prefill(producer, "late", prompt)
+    assert producer.scheduler.expire_parked(now=time.monotonic() + producer.scheduler.park_timeout) == 1
+    out = _decode(producer, consumer, "late", prompt, SamplingParams(max_tokens=4), kv)
+    assert out.error is not None and "does not hold" in out.error
+    assert not consumer.has_unfinished_requests() or not consumer.scheduler.receiving
+    consumer.kv.check_integrity()
+
+
+def test_bad_handover_requests_are_refused_before_anything_changes(trio):
+    producer, consumer, _ = trio
+    kv = KVTransferParams(
+        do_remote_prefill=True, remote_engine_id=producer.engine_id, transfer_id="x", num_prompt_tokens=9
+    )
+    with pytest.raises(ValueError, match="tokenize differently"):
+        consumer.add_request("bad1", list(range(5, 15)), SamplingParams(), kv_transfer=kv)
+    with pytest.raises(ValueError, match="not a kv_producer"):
+        consumer.add_request("bad2", [1, 2, 3], SamplingParams(), kv_transfer=KVTransferParams(do_remote_decode=True))
+    with pytest.raises(ValueError, match="n = 1"):
+        producer.add_request("bad3", [1, 2], SamplingParams(n=2), kv_transfer=KVTransferParams(do_remote_decode=True))
+    unknown = KVTransferParams(do_remote_prefill=True, remote_engine_id="ridge-x", transfer_id="x", num_prompt_tokens=2)
+    with pytest.raises(ValueError, match="not a connected kv_producer"):
+        consumer.add_request("bad4", [1, 2], SamplingParams(), kv_transfer=unknown)
+    assert not consumer.has_unfinished_requests() and not producer.has_unfinished_requests()
+
+
+def test_a_quantized_cache_moves_quantized():
+    producer = _engine("kv_producer", kv_cache_dtype="int8")
+    consumer = _engine("kv_consumer", kv_cache_dtype="int8")
+    colocated = _engine(kv_cache_dtype="int8")
+    try:
+        _pair(producer, consumer)
+        assert producer.kv_info()["layout"]["kv_cache_dtype"] == "int8"
+        prompt, params = PROMPTS["long"], PARAMS["greedy"]
+        got = _decode(producer, consumer, "q", prompt, params, _prefill(producer, "q", prompt))
+        assert _tokens(got) == _tokens(_colocated(colocated, "q", prompt, params))
+        # codes and scales, one byte a value plus an fp16 scale per token and head
+        assert consumer.stats().kv_transfer.bytes == 6 * consumer.kv_bytes_per_block
+    finally:
+        for engine in (producer, consumer, colocated):
+            engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("consumer_overrides", "message"),
+    [
+        ({"block_size": 32}, "block size 16"),
+        ({"kv_cache_dtype": "fp8"}, "formats must agree"),
+        ({"seed": 1}, "another model"),
+    ],
+)
+def test_instances_that_disagree_are_not_paired(consumer_overrides, message):
+    producer, consumer = _engine("kv_producer"), _engine("kv_consumer", **consumer_overrides)
+    try:
+        with pytest.raises(ValueError, match=message):
+            _pair(producer, consumer)
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+def test_two_producers_are_not_paired(monkeypatch):
+    monkeypatch.setenv("RIDGE_KV_CONNECT_TIMEOUT", "2")
+    a, b = _engine("kv_producer"), _engine("kv_producer")
+    try:
+        with pytest.raises(ValueError, match="own role"):
+            a.kv_connect(b.kv_info())
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_an_unreachable_peer_is_one_clear_line(monkeypatch):
+    monkeypatch.setenv("RIDGE_KV_CONNECT_TIMEOUT", "1")
+    consumer = _engine("kv_consumer")
+    try:
+        peer = {"engine_id": "ridge-gone", "kv_role": "kv_producer", "kv_ip": "127.0.0.1", "kv_port": free_port()}
+        with pytest.raises(ValueError, match=r"cannot reach the kv_producer at 127\.0\.0\.1:\d+"):
+            consumer.kv_connect(peer)
+    finally:
+        consumer.shutdown()
+
+
+def test_the_config_and_the_request_params_parse_with_clear_errors():
+    assert KVTransferConfig.parse('{"kv_role": "kv_consumer", "kv_port": 14700}').kv_port == 14700
+    assert KVTransferConfig.parse({"kv_role": "kv_producer", "kv_rank": 0}).kv_ip == "127.0.0.1"  # vLLM's keys
+    for bad, match in [
+        ('{"kv_role": "kv_both"}', "kv_role must be one of"),
+        ("{", "not valid JSON"),
+        ('{"kv_port": 1}', "needs kv_role"),
+        ('{"kv_role": "kv_producer", "kv_port": 70000}', "kv_port"),
+        ('{"kv_role": "kv_producer", "kv_connector": "NixlConnector"}', "not available"),
+        ('{"kv_role": "kv_producer", "colour": 1}', "unknown key"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            KVTransferConfig.parse(bad)
+    assert request_params(None, 1) is None
+    assert request_params({"do_remote_decode": True}, 2) == [KVTransferParams(do_remote_decode=True)] * 2
+    with pytest.raises(ValueError, match="2 transfers for 1 prompts"):
+        request_params(
+            {
+                "do_remote_prefill": True,
+                "remote_engine_id": "e",
+                "transfer_ids": ["a", "b"],
+                "num_prompt_tokens": [1, 2],
+            },
+            1,
+        )
