@@ -302,6 +302,7 @@ class Router:
             start = time.monotonic()
             prefill.in_flight += 1
             prefill.requests += 1
+            decode.in_flight += 1  # spoken for: later picks see it
             try:
                 answer = await self.client.post(f"{prefill.url}{path}", json=prefill_body(path, body), headers=headers)
             except httpx.TransportError as exc:
@@ -310,6 +311,7 @@ class Router:
                 continue
             finally:
                 prefill.in_flight -= 1
+                decode.in_flight -= 1
             self.prefill_seconds.labels(prefill.url).observe(time.monotonic() - start)
             if answer.status_code != 200:  # the client's own error (a bad value, too long): as it is
                 return Response(answer.content, answer.status_code, media_type="application/json")

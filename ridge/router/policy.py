@@ -69,7 +69,7 @@ class PrefixAffinity:
         self.chunk_chars = chunk_chars
         self.max_entries = max_entries
         self._seen: dict[str, OrderedDict[bytes, None]] = {}
-        self._turn = itertools.count()
+        self._turns: dict[tuple[str, ...], itertools.count] = {}  # ties go round, per set of instances
 
     def match(self, instance: Instance, chunks: list[bytes]) -> float:
         seen = self._seen.get(instance.url)
@@ -87,7 +87,7 @@ class PrefixAffinity:
         if not instances:
             raise ValueError("no instance to choose from")
         chunks = prefix_chunks(text, self.chunk_chars)
-        turn = next(self._turn)
+        turn = next(self._turns.setdefault(tuple(i.url for i in instances), itertools.count()))
         order = {inst.url: (turn + i) % len(instances) for i, inst in enumerate(instances)}  # fair ties
         least = min(instances, key=lambda i: (i.load, i.kv_usage, order[i.url]))
         best = max(instances, key=lambda i: (self.match(i, chunks), -i.load, -order[i.url]))

@@ -133,7 +133,7 @@ def _stream(base: str, prompt: str, results: list, started: threading.Event) -> 
     try:
         pieces = []
         for chunk in _client(base).completions.create(
-            model="stories", prompt=prompt, max_tokens=220, temperature=0, stream=True, extra_body={"ignore_eos": True}
+            model="stories", prompt=prompt, max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
         ):
             pieces.append(chunk.choices[0].text)
             started.set()
@@ -145,11 +145,12 @@ def _stream(base: str, prompt: str, results: list, started: threading.Event) -> 
 def test_killed_instances_give_clean_errors_and_leave_the_rotation(stories_dir):
     procs = []
     try:
-        p1, p1_url = _start(stories_dir, "kv_producer")
-        p2, p2_url = _start(stories_dir, "kv_producer")
+        p1, p1_url = _start(stories_dir, "kv_producer", "--max-model-len", "512")
+        p2, p2_url = _start(stories_dir, "kv_producer", "--max-model-len", "512")
         # one sequence at a time: a decode instance's streams are still running when it dies
-        d1, d1_url = _start(stories_dir, "kv_consumer", "--max-num-seqs", "1")
-        d2, d2_url = _start(stories_dir, "kv_consumer", "--max-num-seqs", "1")
+        slow = ("--max-num-seqs", "1", "--max-model-len", "512")
+        d1, d1_url = _start(stories_dir, "kv_consumer", *slow)
+        d2, d2_url = _start(stories_dir, "kv_consumer", *slow)
         procs += [p1, p2, d1, d2]
         r_port, bad_port = free_port(), free_port()
         router = start_router(r_port, "--prefill", p1_url, p2_url, "--decode", d1_url, d2_url)
@@ -171,12 +172,15 @@ def test_killed_instances_give_clean_errors_and_leave_the_rotation(stories_dir):
         results: list = []
         started = threading.Event()
         threads = [
-            threading.Thread(target=_stream, args=(r_url, f"Once upon a time {i}", results, started)) for i in range(6)
+            threading.Thread(target=_stream, args=(r_url, f"Once upon a time {i}", results, started)) for i in range(12)
         ]
         for t in threads:
             t.start()
         assert started.wait(60)
-        time.sleep(0.2)
+        deadline = time.monotonic() + 30
+        while _metric(d1_url, "ridge_num_requests_running") < 1:  # one of its streams is running
+            assert time.monotonic() < deadline, httpx.get(f"{r_url}/metrics", timeout=10).text
+            time.sleep(0.02)
         d1.kill()
         for t in threads:
             t.join(60)
@@ -221,3 +225,30 @@ def test_bad_flags_are_one_clear_line(stories_dir):
     assert out.returncode == 2 and "needs --prefill and --decode" in out.stderr
     out = run("router", "--port", str(free_port()), "--replica", "localhost:8000")
     assert out.returncode == 2 and "http(s) URL" in out.stderr
+
+
+def test_tensor_parallel_instances_on_both_sides(stories_dir):
+    """Each rank of the producer sends its KV heads to the consumer's rank of the same number."""
+    procs = []
+    try:
+        prefill, p_url = _start(stories_dir, "kv_producer", "--tensor-parallel-size", "2")
+        decode, d_url = _start(stories_dir, "kv_consumer", "--tensor-parallel-size", "2")
+        colocated, c_url = _start(stories_dir, None)
+        r_port = free_port()
+        router = start_router(r_port, "--prefill", p_url, "--decode", d_url)
+        procs += [prefill, decode, colocated, router]
+        r_url = f"http://127.0.0.1:{r_port}"
+        for proc, url in [(prefill, p_url), (decode, d_url), (colocated, c_url), (router, r_url)]:
+            wait_up(proc, url)
+        layout = httpx.get(f"{d_url}/kv/info", timeout=10).json()["layout"]
+        assert layout["tensor_parallel_size"] == 2 and layout["num_heads"] == 2  # its half of 4 KV heads
+        for kw in (
+            dict(prompt=PROMPT * 2, max_tokens=20, temperature=0),
+            dict(prompt=PROMPT, max_tokens=16, temperature=0.8, seed=3, n=2),
+        ):
+            a = _client(r_url).completions.create(model="stories", **kw)
+            b = _client(c_url).completions.create(model="stories", **kw)
+            assert [c.text for c in a.choices] == [c.text for c in b.choices]
+        assert _metric(d_url, "ridge_kv_transfer_transfers_total") == 2
+    finally:
+        stop(*procs)
