@@ -26,9 +26,10 @@ def _role(role: str) -> list[str]:
 
 def _start(model, role: str | None, *flags: str):
     port = free_port()
-    proc = start_serve(
-        model, port, "--dtype", "float32", "--log-level", "warning", *(_role(role) if role else ()), *flags
-    )
+    kv = _role(role) if role else ()
+    # an unreachable peer is reported after the connect timeout: short here
+    env = {"RIDGE_KV_CONNECT_TIMEOUT": "3"}
+    proc = start_serve(model, port, "--dtype", "float32", "--log-level", "warning", *kv, *flags, env=env)
     return proc, f"http://127.0.0.1:{port}"
 
 
