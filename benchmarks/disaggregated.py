@@ -79,10 +79,9 @@ async def stream_once(client: httpx.AsyncClient, url: str, prompt: str, max_toke
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
-            piece = chunk["choices"][0]["text"] if chunk["choices"] else ""
-            if piece or chunk["choices"][0].get("finish_reason"):
+            if chunk["choices"]:  # one event per step that produced a token (its text may be held back)
                 times.append(time.monotonic())
-                text.append(piece)
+                text.append(chunk["choices"][0]["text"])
     return {"start": start, "times": times, "text": "".join(text), "prompt": prompt}
 
 
@@ -111,7 +110,8 @@ async def run_load(url: str, args) -> dict:
         done.set()
         await asyncio.gather(*decoders)
     window = (start + args.warmup, max(r["times"][-1] for r in longs))
-    gaps = [b - a for r in decoded for a, b in zip(r["times"], r["times"][1:]) if window[0] <= a and b <= window[1]]
+    # every gap between two tokens of a stream that overlaps the window (a stall included)
+    gaps = [b - a for r in decoded for a, b in zip(r["times"], r["times"][1:]) if b >= window[0] and a <= window[1]]
     tokens = sum(1 for r in decoded for t in r["times"] if window[0] <= t <= window[1])
     return {
         "itl_s": summarize(gaps) | {"p99": _pct(gaps, 0.99), "mean": statistics.fmean(gaps) if gaps else float("nan")},

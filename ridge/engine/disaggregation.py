@@ -75,13 +75,10 @@ class KVTransferCoordinator:
         self.executor.kv_connect(info)
         self.peers[info.engine_id] = info
 
-    def check_request(self, params: KVTransferParams, num_prompt_tokens: int, n: int, prompt_logprobs) -> None:
-        """ValueError when this instance cannot take a request with ``params``."""
-        if params.do_remote_decode:
-            if not self.config.is_producer:
-                raise ValueError("do_remote_decode: this instance is not a kv_producer")
-            if n != 1:
-                raise ValueError("a prefill-only (do_remote_decode) request has n = 1")
+    def check_request(self, params: KVTransferParams, num_prompt_tokens: int, sampling) -> None:
+        """ValueError when this instance cannot take a request with ``params`` (and ``sampling``)."""
+        if params.do_remote_decode and not self.config.is_producer:
+            raise ValueError("do_remote_decode: this instance is not a kv_producer")
         if params.do_remote_prefill:
             if self.config.is_producer:
                 raise ValueError("do_remote_prefill: this instance is not a kv_consumer")
@@ -94,7 +91,11 @@ class KVTransferCoordinator:
                     f"the prompt has {num_prompt_tokens} tokens here but {params.num_prompt_tokens} on the "
                     "kv_producer: the two instances tokenize differently"
                 )
-            if prompt_logprobs is not None:
+            if len(params.transfer_ids) != sampling.n:
+                raise ValueError(f"the kv_producer handed over {len(params.transfer_ids)} samples for n = {sampling.n}")
+            if sampling.logprobs is not None and any(lp is None for lp in params.first_logprobs):
+                raise ValueError("logprobs were asked, but the kv_producer's handover lacks the first token's")
+            if sampling.prompt_logprobs is not None:
                 raise ValueError("prompt_logprobs need every prompt position's logits: not with do_remote_prefill")
 
     # -- around each step ---------------------------------------------------------------------
@@ -123,7 +124,7 @@ class KVTransferCoordinator:
             self.stats.bytes += size
             self.stats.seconds += seconds
             self.stats.recent.append(
-                TransferRecord(req_id, req.remote.remote_engine_id, blocks, self._skipped.pop(req_id, 0), size, seconds)
+                TransferRecord(req_id, req.remote.peer_id, blocks, self._skipped.pop(req_id, 0), size, seconds)
             )
             sched.kv_received(req_id)
         for req_id, why in events.failed:
@@ -131,7 +132,7 @@ class KVTransferCoordinator:
                 failures.append((req_id, why))
         for peer_id in events.dead:
             for req_id, req in list(sched.receiving.items()):
-                if req.remote is not None and req.remote.remote_engine_id == peer_id:
+                if req.remote is not None and req.remote.peer_id == peer_id:
                     sched.kv_failed(req_id)
                     failures.append((req_id, f"the kv_producer {peer_id} went away during the KV transfer"))
         self.stats.failures += len(failures)

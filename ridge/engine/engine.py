@@ -33,7 +33,7 @@ from ridge.engine.stats import EngineStats
 from ridge.engine.stop import StopLimits
 from ridge.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer, load_tokenizer
 from ridge.kv.manager import KVCacheManager
-from ridge.kv_transfer.config import KVTransferParams
+from ridge.kv_transfer.config import KVTransferParams, RemoteKV
 from ridge.roofline.ops import CostConventions, step_cost_from_counts
 from ridge.roofline.probe import local_hardware
 from ridge.sampling import SamplingParams
@@ -114,6 +114,10 @@ class LLMEngine:
         self.speculator = self._make_speculator(config.speculative_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        # producer: request id -> its sequences (transfers), and the seeded ones' generator
+        # states after their first token, until the request's final output carries them
+        self._handovers: dict[str, list[str]] = {}
+        self._generator_states: dict[str, bytes] = {}
         self.kv_transfer: KVTransferCoordinator | None = None
         if config.kv_transfer_config is not None:
             self.kv_transfer = KVTransferCoordinator(
@@ -226,9 +230,10 @@ class LLMEngine:
         """Validate and queue a request (n sequences); returns its id. Raises ValueError on bad input.
 
         ``kv_transfer`` (disaggregated serving, ``engine/disaggregation.py``): on a producer,
-        ``do_remote_decode`` keeps the prompt's blocks after the request ends, for a consumer
-        to pull as transfer ``request_id``; on a consumer, ``do_remote_prefill`` pulls the
-        prompt's cache from the producer instead of computing it.
+        ``do_remote_decode`` keeps each sample's blocks after the request ends, for a consumer
+        to pull (the final output's ``kv_handover`` names the transfers); on a consumer,
+        ``do_remote_prefill`` starts each sample from the token the producer sampled and pulls
+        the prompt's cache instead of computing it.
 
         Atomic: every check (ids, prompt, lengths, params) runs before any state changes, so
         a refused request leaves the engine exactly as it was. ``stream=False``: ``step``
@@ -251,7 +256,7 @@ class LLMEngine:
         if kv_transfer is not None and (kv_transfer.do_remote_decode or kv_transfer.do_remote_prefill):
             if self.kv_transfer is None:
                 raise ValueError("kv_transfer_params: this instance has no --kv-transfer-config")
-            self.kv_transfer.check_request(kv_transfer, len(prompt_ids), params.n, params.prompt_logprobs)
+            self.kv_transfer.check_request(kv_transfer, len(prompt_ids), params)
         else:
             kv_transfer = None
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -270,8 +275,13 @@ class LLMEngine:
             req = Request(seq_id, list(prompt_ids), seq_params, max_tokens, arrival)
             if kv_transfer is not None:
                 req.kv_park = kv_transfer.do_remote_decode
-                if kv_transfer.do_remote_prefill:  # the first sample pulls; the others find its blocks
-                    req.remote, req.follows = (kv_transfer, None) if index == 0 else (None, seq_ids[0])
+                if kv_transfer.do_remote_prefill:
+                    # the producer's first token; the samples after the first wait for its
+                    # blocks, to find them in the prefix cache and pull only their own tail
+                    req.append_output_token(kv_transfer.first_tokens[index])
+                    req.remote = RemoteKV(kv_transfer.remote_engine_id, kv_transfer.transfer_ids[index])
+                    req.generator_state = kv_transfer.generator_states[index]
+                    req.follows = seq_ids[0] if index else None
             requests.append(req)
             detok = IncrementalDetokenizer(
                 self.tokenizer,
@@ -295,7 +305,16 @@ class LLMEngine:
             )
         # Nothing above changed the engine; from here on nothing can fail.
         self.output_processor.add(user)
-        for req in requests:
+        if kv_transfer is not None and kv_transfer.do_remote_decode:
+            self._handovers[request_id] = seq_ids
+        for index, req in enumerate(requests):
+            if req.remote is not None:
+                logprobs = kv_transfer.first_logprobs[index]
+                if self.output_processor.start_with(req.request_id, req.output_token_ids[0], logprobs):
+                    self.scheduler.release_remote(req.request_id, req.remote)  # ended on it: no cache needed
+                    continue
+                if req.follows is not None and req.follows not in self.scheduler.requests:
+                    req.follows = None
             self.scheduler.add_request(req)
         return request_id
 
@@ -347,6 +366,8 @@ class LLMEngine:
         user = self.output_processor.abort(request_id)
         if user is None:
             return
+        for sid in self._handovers.pop(request_id, ()):
+            self._generator_states.pop(sid, None)
         for seq in user.sequences:
             self.scheduler.abort(seq.seq_id)
 
@@ -365,9 +386,12 @@ class LLMEngine:
         failures = self.kv_transfer.before_schedule() if self.kv_transfer is not None else []
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            if self.kv_transfer is not None and self.scheduler.kv_pending and not failures:
-                self.kv_transfer.idle_wait()
-            return self._fail(failures)
+            outputs = self._fail(failures) + self.output_processor.take_pending()
+            if self.kv_transfer is not None:
+                outputs += self._fail(self.kv_transfer.after_step())
+                if self.scheduler.kv_pending and not outputs:
+                    self.kv_transfer.idle_wait()
+            return outputs
         out = self.executor.execute_model(plan)
         result = self.output_processor.process(plan, out)
         finished = {rid: RequestStatus(reason) for rid, reason in result.finished.items()}
@@ -375,6 +399,8 @@ class LLMEngine:
         if self.kv_transfer is not None:
             failures += self.kv_transfer.after_step()
             result.outputs.extend(self._fail(failures))
+            self._generator_states.update(out.generator_states)
+            self._attach_handovers(result.outputs)
         if not plan.chunks:
             return result.outputs
         if self.speculator is not None:
@@ -393,6 +419,16 @@ class LLMEngine:
             out.comm_s,
         )
         return result.outputs
+
+    def _attach_handovers(self, outputs: list[RequestOutput]) -> None:
+        """Producer: a finished prefill-only request's output names its transfers."""
+        for output in outputs:
+            seq_ids = self._handovers.pop(output.request_id, None) if output.finished else None
+            if seq_ids is not None:
+                output.kv_handover = {
+                    "transfer_ids": seq_ids,
+                    "generator_states": [self._generator_states.pop(sid, None) for sid in seq_ids],
+                }
 
     def _fail(self, failures: list[tuple[str, str]]) -> list[RequestOutput]:
         """End the user requests of failed sequences; their final outputs carry the error."""

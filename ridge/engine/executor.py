@@ -63,7 +63,7 @@ class UniProcExecutor:
             raise ValueError(why)
 
     def shutdown(self) -> None:
-        pass
+        self.worker.close()
 
 
 def _local_rank_main(
@@ -277,6 +277,8 @@ class MultiprocExecutor:
             except Exception:
                 pass
         self.failure = self.failure or WorkerFailure("the engine was shut down")
+        if getattr(self, "worker", None) is not None:
+            self.worker.close()
         self._stop_processes()
         self._restore()
 

@@ -99,6 +99,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
         self._sequence_of: dict[str, SequenceState] = {}  # scheduler request id -> sequence
+        self._pending: dict[str, RequestState] = {}  # advanced by start_with, output at the next step
 
     # -- bookkeeping ----------------------------------------------------------------------
     def has_sequence(self, sequence_id: str) -> bool:
@@ -126,6 +127,35 @@ class OutputProcessor:
                 if not seq.is_finished:
                     seq.finish_reason, seq.finish_time = ABORTED, now
         return state
+
+    def start_with(self, sequence_id: str, token: int, logprobs: TokenLogprobs | None) -> bool:
+        """A sequence's first token, sampled elsewhere (a producer, in disaggregated serving):
+        taken like a sampled one (stops, text, logprobs); its output comes with the next step.
+        Returns whether the token ended the sequence."""
+        seq = self._sequence_of[sequence_id]
+        now = time.monotonic()
+        seq.first_scheduled_time = seq.first_scheduled_time or now
+        self._add_run(seq, [token], [logprobs] if logprobs is not None else None, now)
+        self._pending[seq.user_id] = self.requests[seq.user_id]
+        return seq.is_finished
+
+    def take_pending(self) -> list[RequestOutput]:
+        """Outputs of the requests ``start_with`` advanced since the last step."""
+        outputs = []
+        for state in self._take_pending().values():
+            outputs.extend(self._emit(state))
+        return outputs
+
+    def _take_pending(self) -> dict[str, RequestState]:
+        pending, self._pending = self._pending, {}
+        return {rid: st for rid, st in pending.items() if rid in self.requests}
+
+    def _emit(self, state: RequestState) -> list[RequestOutput]:
+        done = state.finished
+        out = [self._make_output(state)] if state.stream or done else []
+        if done:
+            self.remove(state.request_id)
+        return out
 
     def fail(self, sequence_id: str, message: str) -> tuple[RequestOutput, list[str]] | None:
         """End the user request that sequence ``sequence_id`` belongs to with an error: its
@@ -158,7 +188,7 @@ class OutputProcessor:
             self._add_prompt_logprobs(rid, first, entries)
         accepted: dict[str, list[int]] = {}
         finished: dict[str, str] = {}
-        touched: dict[str, RequestState] = {}
+        touched: dict[str, RequestState] = self._take_pending()
         for rid, tokens in out.sampled.items():
             seq = self._sequence_of.get(rid)
             if seq is None or seq.is_finished:  # aborted while the step ran
@@ -173,11 +203,7 @@ class OutputProcessor:
                 touched[seq.user_id] = state
         outputs = []
         for state in touched.values():
-            done = state.finished
-            if state.stream or done:
-                outputs.append(self._make_output(state))
-            if done:
-                self.remove(state.request_id)
+            outputs.extend(self._emit(state))
         return StepResult(outputs, accepted, finished)
 
     def _add_run(self, seq: SequenceState, tokens: list[int], logprobs: list[TokenLogprobs] | None, now: float):

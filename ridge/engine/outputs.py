@@ -61,3 +61,6 @@ class RequestOutput:
     # why the request failed (a KV transfer from a producer that went away, ...): it ended
     # aborted, and a server answers with this error rather than a finish
     error: str | None = None
+    # a producer's prefill-only request (disaggregated serving): its transfers, one per sample,
+    # and the seeded samples' generator states after their first token
+    kv_handover: dict | None = None

@@ -11,9 +11,10 @@ verifies them: only accepted ones join ``all_token_ids``. Whether a token ends t
 decided elsewhere (``engine/stop.py``, applied by the output processor); the scheduler is told.
 
 Disaggregated serving (``kv_transfer/``): a producer's request with ``kv_park`` keeps its
-blocks when it finishes, for a consumer to pull; a consumer's request with ``remote`` gets its
-prompt's cache from that producer (``follows``: a later sample of the same prompt, admitted
-once the first has its cache, to find it in the prefix cache).
+blocks when it finishes, for a consumer to pull; a consumer's request with ``remote`` starts
+from the first token the producer sampled and gets its prompt's cache from that producer
+(``follows``: a later sample of the same prompt, admitted once the first has its cache, to
+find the shared blocks in the prefix cache).
 
 ``num_sent_tokens`` / ``num_sent_blocks``: how much of the token ids and block table the
 workers hold (the scheduler sends them deltas, ``engine/step.py``).
@@ -25,7 +26,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from ridge.kv_transfer.config import KVTransferParams
+from ridge.kv_transfer.config import RemoteKV
 from ridge.sampling import SamplingParams
 
 
@@ -63,7 +64,8 @@ class Request:
     num_sent_tokens: int = 0  # token ids the workers hold (0: the workers do not know it)
     num_sent_blocks: int = 0  # leading block ids of the table the workers hold
     kv_park: bool = False  # producer: keep the blocks after finishing, for a consumer to pull
-    remote: KVTransferParams | None = None  # consumer: the prompt's cache comes from a producer
+    remote: RemoteKV | None = None  # consumer: the prompt's cache comes from a producer
+    generator_state: bytes | None = None  # consumer: a seeded sample goes on from the producer's draws
     follows: str | None = None  # consumer, n > 1: admitted once this sequence has its cache
     kv_tag: int = 0  # consumer: the tag of its transfer (0: none posted)
 

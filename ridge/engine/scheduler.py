@@ -22,8 +22,8 @@ Disaggregated serving (``kv_transfer/``) adds two holding places:
                 (``add_pull`` sends them, then frees them; ``park_timeout`` frees them anyway)
     receiving   consumer: admitted requests whose prompt's cache is on its way: admission
                 looks up the prefix cache, allocates the prompt's blocks and pulls only the
-                blocks it lacks; ``kv_received`` makes the request run from its last prompt
-                token (whose logits give the first output token), ``kv_failed`` ends it
+                blocks it lacks; ``kv_received`` makes the request run from the first output
+                token (which the producer sampled), ``kv_failed`` ends it
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from ridge.engine.step import (
     SchedulerOutput,
 )
 from ridge.kv.manager import KVCacheManager
+from ridge.kv_transfer.config import RemoteKV
 from ridge.kv_transfer.connector import KVRecv, KVSend
 
 __all__ = ["ChunkKind", "ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
@@ -182,7 +183,7 @@ class Scheduler:
         return len(expired)
 
     def kv_received(self, req_id: str) -> None:
-        """Consumer: a transfer arrived; the request runs from its last prompt token."""
+        """Consumer: a transfer arrived; the request runs from its first output token."""
         req = self.receiving.pop(req_id, None)
         if req is None:  # aborted while the transfer ran
             return
@@ -212,7 +213,8 @@ class Scheduler:
         self.waiting.popleft()
         req.num_computed_tokens = num_hit_tokens
         first = len(hits)
-        needed = -(-(req.num_tokens - 1) // self.kv.block_size)  # the last token is computed here
+        # the prompt's blocks; the first output token (the producer's) is computed here
+        needed = -(-(req.num_tokens - 1) // self.kv.block_size)
         count = max(0, needed - first)
         self.kv_blocks_skipped += first
         remote = req.remote
@@ -222,11 +224,16 @@ class Scheduler:
             req.kv_tag, req.status = tag, RequestStatus.WAITING_FOR_KV
             self.receiving[req.request_id] = req
             table = self.kv.block_table(req)
-            plan.kv_recvs.append(KVRecv(remote.remote_engine_id, req.request_id, tag, table[first:needed]))
+            plan.kv_recvs.append(KVRecv(remote.peer_id, req.request_id, tag, table[first:needed]))
         else:
             self._start_remote(req)
-        self.pulls.append(Pull(req.request_id, remote.remote_engine_id, remote.transfer_id, first, count, tag))
+        self.pulls.append(Pull(req.request_id, remote.peer_id, remote.transfer_id, first, count, tag))
         return True
+
+    def release_remote(self, req_id: str, remote: RemoteKV) -> None:
+        """Consumer: a sequence that ended on the producer's first token needs no cache: the
+        producer may free its blocks (a pull of none)."""
+        self.pulls.append(Pull(req_id, remote.peer_id, remote.transfer_id, 0, 0, 0))
 
     def _waits_for_leader(self, req: Request) -> bool:
         leader = self.requests.get(req.follows) if req.follows is not None else None
@@ -348,6 +355,8 @@ class Scheduler:
                     req.sampling_params,
                     list(table),
                     req.num_computed_tokens,
+                    export_generator=req.kv_park,
+                    generator_state=req.generator_state,
                 )
             )
         else:

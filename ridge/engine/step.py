@@ -79,6 +79,10 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # disaggregated serving: a producer's request reports its generator state after sampling
+    # (a seeded sample goes on from there on the consumer); a consumer's starts from one
+    export_generator: bool = False
+    generator_state: bytes | None = None
 
 
 @dataclass
@@ -138,3 +142,4 @@ class RunnerOutput:
     verified: dict[str, tuple[int, int]] = field(default_factory=dict)  # request id -> (proposed, accepted)
     experts_touched: float | None = None  # distinct experts read per MoE layer (mean); None: dense
     comm_s: float = 0.0  # seconds this step spent in collectives (tensor parallelism)
+    generator_states: dict[str, bytes] = field(default_factory=dict)  # export_generator requests, seeded

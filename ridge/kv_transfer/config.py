@@ -15,12 +15,15 @@ accepted and unused.
 A request's ``kv_transfer_params`` (what the router sends; vLLM's field of the same name):
 
     producer:  {"do_remote_decode": true}
-    consumer:  {"do_remote_prefill": true, "remote_engine_id": ..., "transfer_ids": [...],
-                "num_prompt_tokens": [...]}       one transfer per prompt (what the producer answered)
+    consumer:  {"do_remote_prefill": true, "remote_engine_id": ..., "prompts": [...]}
+               per prompt, what the producer answered: its transfer ids, first tokens (and
+               their logprobs, and the seeded samples' generator states), one per sample
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -99,22 +102,50 @@ class KVTransferConfig:
 class KVTransferParams:
     """One prompt's part in a transfer, as the engine takes it.
 
-    ``do_remote_decode`` (producer): keep the prompt's blocks after the request ends, for a
-    consumer to pull as transfer ``request_id``. ``do_remote_prefill`` (consumer): the prompt's
-    cache comes from engine ``remote_engine_id``'s transfer ``transfer_id``, computed over
-    ``num_prompt_tokens`` tokens (checked against this instance's tokenization).
+    ``do_remote_decode`` (producer): compute the prompt and each sample's first token, then
+    keep the blocks after the request ends, for a consumer to pull (the request's output then
+    carries ``kv_handover``: the transfer ids and the seeded samples' generator states).
+    ``do_remote_prefill`` (consumer): the prompt's cache comes from engine
+    ``remote_engine_id``, computed over ``num_prompt_tokens`` tokens (checked against this
+    instance's tokenization), and each of the n samples starts from what the producer sampled:
+    ``transfer_ids[i]``, ``first_tokens[i]``, ``first_logprobs[i]`` (``(logprob, [(token,
+    logprob), ...])``, when logprobs are asked) and ``generator_states[i]`` (seeded samples).
     """
 
     do_remote_decode: bool = False
     do_remote_prefill: bool = False
     remote_engine_id: str | None = None
-    transfer_id: str | None = None
     num_prompt_tokens: int | None = None
+    transfer_ids: tuple[str, ...] = ()
+    first_tokens: tuple[int, ...] = ()
+    first_logprobs: tuple = ()
+    generator_states: tuple = ()
 
 
-def request_params(raw: Any, num_prompts: int) -> list[KVTransferParams] | None:
+@dataclass(frozen=True)
+class RemoteKV:
+    """A consumer's sequence: the producer and transfer its prompt's cache comes from."""
+
+    peer_id: str
+    transfer_id: str
+
+
+def handover_to_json(handover: dict) -> dict:
+    """A producer's handover of one prompt as JSON (generator states in base64)."""
+    out = dict(handover)
+    out["generator_states"] = [
+        None if s is None else base64.b64encode(s).decode() for s in handover["generator_states"]
+    ]
+    return out
+
+
+def request_params(raw: Any, num_prompts: int, n: int = 1) -> list[KVTransferParams] | None:
     """A request body's ``kv_transfer_params`` as one ``KVTransferParams`` per prompt (None when
-    absent); ValueError naming what is wrong."""
+    absent); ValueError naming what is wrong.
+
+        {"do_remote_decode": true}
+        {"do_remote_prefill": true, "remote_engine_id": ..., "prompts": [a producer's handover per prompt]}
+    """
     if raw is None:
         return None
     if not isinstance(raw, dict):
@@ -123,17 +154,34 @@ def request_params(raw: Any, num_prompts: int) -> list[KVTransferParams] | None:
         return [KVTransferParams(do_remote_decode=True)] * num_prompts
     if not raw.get("do_remote_prefill"):
         return None
-    engine_id = raw.get("remote_engine_id")
-    ids, counts = raw.get("transfer_ids"), raw.get("num_prompt_tokens")
-    if not isinstance(engine_id, str) or not isinstance(ids, list) or not isinstance(counts, list):
-        raise ValueError(
-            "kv_transfer_params with do_remote_prefill needs remote_engine_id, transfer_ids, num_prompt_tokens"
-        )
-    if len(ids) != num_prompts or len(counts) != num_prompts:
-        raise ValueError(f"kv_transfer_params names {len(ids)} transfers for {num_prompts} prompts")
-    if not all(isinstance(t, str) for t in ids) or not all(isinstance(n, int) and n > 0 for n in counts):
-        raise ValueError("kv_transfer_params: transfer_ids must be strings and num_prompt_tokens positive integers")
-    return [
-        KVTransferParams(do_remote_prefill=True, remote_engine_id=engine_id, transfer_id=t, num_prompt_tokens=n)
-        for t, n in zip(ids, counts)
-    ]
+    engine_id, prompts = raw.get("remote_engine_id"), raw.get("prompts")
+    if not isinstance(engine_id, str) or not isinstance(prompts, list):
+        raise ValueError("kv_transfer_params with do_remote_prefill needs remote_engine_id and prompts")
+    if len(prompts) != num_prompts:
+        raise ValueError(f"kv_transfer_params hands over {len(prompts)} prompts for {num_prompts}")
+    out = []
+    for p in prompts:
+        try:
+            ids, tokens = p["transfer_ids"], p["first_tokens"]
+            logprobs, states = p.get("first_logprobs") or [None] * len(ids), p.get("generator_states") or []
+            count = int(p["num_prompt_tokens"])
+            if not (len(ids) == len(tokens) == len(logprobs) == n) or len(states) not in (0, n) or count < 1:
+                raise ValueError(f"it hands over {len(ids)} samples, the request asks for n = {n}")
+            decoded = tuple(None if s is None else base64.b64decode(s) for s in states) or (None,) * n
+            first_logprobs = tuple(
+                None if lp is None else (float(lp[0]), [(int(t), float(v)) for t, v in lp[1]]) for lp in logprobs
+            )
+            out.append(
+                KVTransferParams(
+                    do_remote_prefill=True,
+                    remote_engine_id=engine_id,
+                    num_prompt_tokens=count,
+                    transfer_ids=tuple(str(t) for t in ids),
+                    first_tokens=tuple(int(t) for t in tokens),
+                    first_logprobs=first_logprobs,
+                    generator_states=decoded,
+                )
+            )
+        except (KeyError, TypeError, ValueError, binascii.Error) as exc:
+            raise ValueError(f"kv_transfer_params: a prompt's handover is malformed ({exc})") from None
+    return out

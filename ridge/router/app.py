@@ -15,8 +15,9 @@ Two modes:
 
 Either way the instance is chosen by prefix affinity, then load (``router/policy.py``). A
 health loop polls each instance (``/health``, ``/metrics`` for its load and transfers,
-``/kv/info``) every ``health_interval`` seconds; an instance that fails a check, or a request,
-leaves the rotation until it answers again. A request whose instance dies ends with a clear
+``/kv/info``) every ``health_interval`` seconds; an instance that refuses a check, or breaks
+off a request, leaves the rotation until it answers again (one that answers only slowly, after
+``UNRESPONSIVE_S``). A request whose instance dies ends with a clear
 error (502, or for a stream an error event and ``[DONE]``); other requests go on. A prefill
 instance that cannot be reached before it answered is retried on another.
 
@@ -52,7 +53,9 @@ logger = logging.getLogger("ridge.router")
 DONE = b"data: [DONE]\n\n"
 # What a prefill instance's answer takes at most (a long prompt on a slow machine: minutes).
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
-CHECK_TIMEOUT_S = 2.0
+CHECK_TIMEOUT_S = 2.0  # /health answers at once, even while the engine runs a long step
+STATE_TIMEOUT_S = 2.0  # /metrics and /kv/info wait for the engine between two steps
+UNRESPONSIVE_S = 30.0  # an instance whose /health times out this long leaves the rotation
 # The instances' counters the router re-exports per instance (ridge serve's /metrics names).
 KV_COUNTERS = {
     "ridge_kv_transfer_transfers_total": "transfers",
@@ -159,25 +162,39 @@ class Router:
         await asyncio.gather(*(self.check(inst) for inst in self.instances))
 
     async def check(self, inst: Instance) -> None:
-        """Health, load and (prefill/decode) KV identity of one instance."""
+        """Health (``/health``: in or out of rotation), then, as far as the instance answers
+        in time, its load (``/metrics``) and KV identity (``/kv/info``: a prefill or decode
+        instance needs it once to be paired). A dead instance refuses or drops the connection
+        at once and leaves the rotation; one that only answers slowly (a long step) stays in
+        it up to ``UNRESPONSIVE_S``."""
         try:
             health = await self.client.get(f"{inst.url}/health", timeout=CHECK_TIMEOUT_S)
             if health.status_code != 200:
                 raise RuntimeError(f"/health answered {health.status_code}")
-            metrics = await self.client.get(f"{inst.url}/metrics", timeout=CHECK_TIMEOUT_S)
-            self._read_metrics(inst, metrics.text)
-            if inst.role != "replica":
-                info = await self.client.get(
-                    f"{inst.url}/kv/info", headers=self._headers(None), timeout=CHECK_TIMEOUT_S
-                )
-                if info.status_code != 200:
-                    raise RuntimeError(
-                        f"/kv/info answered {info.status_code}: is it started with --kv-transfer-config?"
-                    )
-                self._set_kv_info(inst, info.json())
+        except httpx.TimeoutException as exc:
+            if not inst.healthy or time.monotonic() - inst.last_seen > UNRESPONSIVE_S:
+                self._down(inst, f"no answer for {time.monotonic() - inst.last_seen:.0f} s ({type(exc).__name__})")
+            return
         except Exception as exc:
             self._down(inst, f"{type(exc).__name__}: {exc}")
             return
+        inst.last_seen = time.monotonic()
+        try:
+            metrics = await self.client.get(f"{inst.url}/metrics", timeout=STATE_TIMEOUT_S)
+            self._read_metrics(inst, metrics.text)
+        except Exception:  # busy between two steps: the last load read stands
+            pass
+        if inst.role != "replica":
+            try:
+                url, headers = f"{inst.url}/kv/info", self._headers(None)
+                info = await self.client.get(url, headers=headers, timeout=STATE_TIMEOUT_S)
+                if info.status_code != 200:
+                    raise RuntimeError(f"/kv/info answered {info.status_code} (no --kv-transfer-config?)")
+                self._set_kv_info(inst, info.json())
+            except Exception as exc:
+                if inst.kv_info is None:  # never identified: it cannot be paired yet
+                    self._down(inst, f"{type(exc).__name__}: {exc}")
+                    return
         if not inst.healthy:
             logger.info("instance %s (%s) is up", inst.url, inst.role)
         inst.healthy = True
@@ -397,16 +414,12 @@ def _needs_every_prompt_logit(body: dict) -> bool:
 
 
 def prefill_body(path: str, body: dict) -> dict:
-    """The prefill leg: the same prompt, one token, one sample, not streamed, no logprobs."""
-    out = {k: v for k, v in body.items() if k not in ("stream_options", "logprobs", "top_logprobs", "echo", "n")}
-    out.update(stream=False, min_tokens=0, kv_transfer_params={"do_remote_decode": True})
-    if path.endswith("chat/completions"):
-        out.pop("max_tokens", None)
-        out["max_completion_tokens"] = 1
-    else:
-        out["max_tokens"] = 1
-    if "best_of" in out:
-        out.pop("best_of")
+    """The prefill leg: the same prompt and samples, each to its first token (and its logprobs,
+    when asked), not streamed; the decode instance goes on from there."""
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "echo", "best_of", "max_tokens")}
+    out.update(stream=False, min_tokens=min(int(body.get("min_tokens") or 0), 1))
+    out["kv_transfer_params"] = {"do_remote_decode": True}
+    out["max_completion_tokens" if path.endswith("chat/completions") else "max_tokens"] = 1
     return out
 
 

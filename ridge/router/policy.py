@@ -34,6 +34,7 @@ class Instance:
     kv_usage: float = 0.0
     kv_info: dict | None = None  # its /kv/info (prefill and decode instances)
     kv_metrics: dict[str, float] = field(default_factory=dict)  # its ridge_kv_transfer_* counters
+    last_seen: float = 0.0  # monotonic time of its last good health check
     requests: int = 0  # sent, since the router started
     errors: int = 0  # ended with an error the instance caused (unreachable, broke off)
     last_error: str = ""

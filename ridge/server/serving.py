@@ -39,7 +39,7 @@ from pydantic import BaseModel
 
 from ridge.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from ridge.engine.tokenizer import BaseTokenizer
-from ridge.kv_transfer.config import KVTransferParams, request_params
+from ridge.kv_transfer.config import KVTransferParams, handover_to_json, request_params
 from ridge.sampling import SamplingParams
 from ridge.server.async_engine import AsyncEngine, EngineDeadError, OutputStream
 from ridge.server.protocol import (
@@ -175,23 +175,34 @@ class OpenAIServing:
 
     def _kv_transfer(self, body: SamplingRequest, num_prompts: int) -> list[KVTransferParams] | None:
         try:
-            kv = request_params(body.kv_transfer_params, num_prompts)
+            kv = request_params(body.kv_transfer_params, num_prompts, body.n)
         except ValueError as exc:
             raise bad_request(str(exc), param="kv_transfer_params") from None
         if kv is not None and kv[0].do_remote_decode and body.stream:
             raise bad_request("a prefill-only (do_remote_decode) request is not streamed", param="stream")
         return kv
 
-    def _handover(self, stream: OutputStream, prompts: list[_Prompt], kv: list[KVTransferParams] | None) -> dict | None:
-        """A producer's answer: where the prompts' KV cache waits for a consumer's pull."""
+    def _handover(self, finals: Sequence[RequestOutput], kv: list[KVTransferParams] | None) -> dict | None:
+        """A producer's answer: per prompt, where its KV cache waits for a consumer's pull and
+        what each sample's first token was (the ``kv_transfer_params`` a consumer takes)."""
         if kv is None or not kv[0].do_remote_decode:
             return None
-        return {
-            "do_remote_prefill": True,
-            "remote_engine_id": (self.config.kv_info or {}).get("engine_id"),
-            "transfer_ids": list(stream.request_ids),
-            "num_prompt_tokens": [len(p.token_ids) for p in prompts],
-        }
+        prompts = []
+        for out in finals:
+            handover = out.kv_handover or {"transfer_ids": [], "generator_states": []}
+            prompts.append(
+                handover_to_json(
+                    {
+                        "num_prompt_tokens": len(out.prompt_token_ids),
+                        "transfer_ids": handover["transfer_ids"],
+                        "first_tokens": [c.token_ids[0] for c in out.outputs],
+                        "first_logprobs": [_first_logprobs(c) for c in out.outputs],
+                        "generator_states": handover["generator_states"],
+                    }
+                )
+            )
+        engine_id = (self.config.kv_info or {}).get("engine_id")
+        return {"do_remote_prefill": True, "remote_engine_id": engine_id, "prompts": prompts}
 
     async def _add(
         self,
@@ -243,7 +254,7 @@ class OpenAIServing:
             model=ctx.model,
             choices=choices,
             usage=ctx.usage(finals),
-            kv_transfer_params=self._handover(stream, prompts, kv),
+            kv_transfer_params=self._handover(finals, kv),
         )
 
     async def _completion_prompts(self, prompt: Any) -> list[_Prompt]:
@@ -355,7 +366,7 @@ class OpenAIServing:
             model=self.model_name,
             choices=choices,
             usage=_usage([final]),
-            kv_transfer_params=self._handover(stream, prompts, kv),
+            kv_transfer_params=self._handover([final], kv),
         )
 
     async def _chat_events(
@@ -542,6 +553,16 @@ def _chat_logprobs(c: CompletionOutput, start: int, end: int, top: int) -> ChatL
             )
         )
     return ChatLogprobs(content=content)
+
+
+def _first_logprobs(c: CompletionOutput) -> list | None:
+    """The first token's logprob and ranked alternatives, as the sampler gave them (a
+    consumer that starts from this token reports them as its own)."""
+    if not c.logprobs:
+        return None
+    entry, token = c.logprobs[0], c.token_ids[0]
+    ranked = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank is not None)
+    return [entry[token].logprob, [[tid, value] for _, tid, value in ranked]]
 
 
 def _token_text(entry: dict[int, Logprob], token_id: int) -> str:

@@ -71,6 +71,7 @@ class RunnerRequest:
     block_ids: list[int]
     params: SamplingParams
     sampling: SamplingState
+    export_generator: bool = False  # report the generator's state after each sample
 
 
 class ModelRunner:
@@ -99,12 +100,12 @@ class ModelRunner:
             tokens = list(new.token_ids)
             prompt = tokens[: new.num_prompt_tokens]
             outputs = tokens[new.num_prompt_tokens :]
+            state = SamplingState(new.sampling_params, prompt, outputs, self.eos_token_ids)
+            if new.generator_state is not None:  # a producer sampled this request's first token
+                state.generator = torch.Generator(device=self.device)
+                state.generator.set_state(torch.frombuffer(bytearray(new.generator_state), dtype=torch.uint8))
             self.requests[new.req_id] = RunnerRequest(
-                tokens,
-                new.num_prompt_tokens,
-                list(new.block_ids),
-                new.sampling_params,
-                SamplingState(new.sampling_params, prompt, outputs, self.eos_token_ids),
+                tokens, new.num_prompt_tokens, list(new.block_ids), new.sampling_params, state, new.export_generator
             )
         for delta in plan.cached_requests:
             req = self.requests[delta.req_id]
@@ -233,6 +234,7 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(batch, logits[num_sampled + num_verify :], self.requests)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list] = {}
+        generator_states: dict[str, bytes] = {}
         if num_sampled:
             states = [self.requests[rid].sampling for rid in batch.sample_request_ids]
             out = self.sampler(logits[:num_sampled], states)
@@ -240,6 +242,9 @@ class ModelRunner:
                 sampled[rid] = [token]
                 if lp is not None:
                     logprobs[rid] = [(lp, top or [])]
+                req = self.requests[rid]
+                if req.export_generator and req.sampling.generator is not None:
+                    generator_states[rid] = req.sampling.generator.get_state().numpy().tobytes()
         verified = {}
         results, row = {}, num_sampled
         greedy_rows, greedy_runs = [], []
@@ -263,7 +268,7 @@ class ModelRunner:
             verified[rid] = (len(drafts), result.num_accepted)
             if result.logprobs is not None:
                 logprobs[rid] = [(lp, top or []) for lp, top in result.logprobs]
-        return RunnerOutput(sampled, logprobs, prompt_logprobs, verified)
+        return RunnerOutput(sampled, logprobs, prompt_logprobs, verified, generator_states=generator_states)
 
     @staticmethod
     def _prompt_logprobs(batch: ForwardBatch, logits: torch.Tensor, requests: dict[str, RunnerRequest]) -> dict:

@@ -219,6 +219,12 @@ class Worker:
                 break
         return digest.hexdigest()
 
+    def close(self) -> None:
+        """Stop moving KV blocks (the peers see this instance go); idempotent."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+            self.kv_connector = None
+
     def kv_connect(self, peer: PeerInfo) -> str | None:
         """Pair this rank with ``peer``'s; returns why it cannot (None: paired)."""
         try:

@@ -4,6 +4,7 @@ colocated engine's, a shared prefix is not sent twice, and failures end the requ
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -54,18 +55,22 @@ def _run(engines: list[LLMEngine], request_id: str, target: LLMEngine):
     raise AssertionError("the request did not finish")
 
 
-def _prefill(producer: LLMEngine, transfer_id: str, prompt: list[int]) -> KVTransferParams:
-    producer.add_request(
-        transfer_id, prompt, SamplingParams(max_tokens=1), kv_transfer=KVTransferParams(do_remote_decode=True)
-    )
+def _prefill(producer: LLMEngine, transfer_id: str, prompt: list[int], params: SamplingParams) -> KVTransferParams:
+    """The producer's leg: the prompt and each sample's first token; what it hands over."""
+    first = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+    producer.add_request(transfer_id, prompt, first, kv_transfer=KVTransferParams(do_remote_decode=True))
     out = _run([producer], transfer_id, producer)
     assert out.finished and out.error is None
-    assert transfer_id in producer.scheduler.parked  # its blocks wait for the consumer
+    handover = out.kv_handover
+    assert set(handover["transfer_ids"]) <= set(producer.scheduler.parked)  # the blocks wait for the consumer
     return KVTransferParams(
         do_remote_prefill=True,
         remote_engine_id=producer.engine_id,
-        transfer_id=transfer_id,
         num_prompt_tokens=len(prompt),
+        transfer_ids=tuple(handover["transfer_ids"]),
+        first_tokens=tuple(c.token_ids[0] for c in out.outputs),
+        first_logprobs=tuple(None for _ in out.outputs),
+        generator_states=tuple(handover["generator_states"]),
     )
 
 
@@ -112,7 +117,7 @@ def test_handed_over_requests_give_the_colocated_outputs(trio, prompt_name, para
     prompt, params = PROMPTS[prompt_name], PARAMS[params_name]
     rid = f"{prompt_name}-{params_name}"
     expected = _colocated(colocated, rid, prompt, params)
-    kv = _prefill(producer, rid, prompt)
+    kv = _prefill(producer, rid, prompt, params)
     got = _decode(producer, consumer, rid, prompt, params, kv)
     assert got.error is None
     assert _tokens(got) == _tokens(expected)
@@ -126,46 +131,67 @@ def test_a_shared_prefix_is_not_sent_again(trio):
     first = [(13 * i) % 240 + 5 for i in range(70)]  # 4 whole blocks, then 6 tokens
     second = first[:64] + [9, 8, 7] * 10  # the same 4 blocks, then 30 new tokens
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    _decode(producer, consumer, "p1", first, params, _prefill(producer, "p1", first))
-    got = _decode(producer, consumer, "p2", second, params, _prefill(producer, "p2", second))
+    _decode(producer, consumer, "p1", first, params, _prefill(producer, "p1", first, params))
+    got = _decode(producer, consumer, "p2", second, params, _prefill(producer, "p2", second, params))
     record = consumer.stats().kv_transfer.recent[-1]
     assert record.request_id == "p2"
     assert record.blocks_skipped == 4  # found in the consumer's prefix cache
-    assert record.blocks == 2  # tokens 64 .. 91 (the last one is computed by the consumer)
+    assert record.blocks == 2  # tokens 64 .. 93
     assert record.bytes == 2 * consumer.kv_bytes_per_block
     assert _tokens(got) == _tokens(_colocated(colocated, "p2", second, params))
 
 
 def test_an_unknown_or_expired_transfer_ends_the_request_with_an_error(trio):
     producer, consumer, _ = trio
-    prompt = list(range(10, 60))
-    kv = KVTransferParams(
-        do_remote_prefill=True, remote_engine_id=producer.engine_id, transfer_id="nope", num_prompt_tokens=len(prompt)
-    )
-    out = _decode(producer, consumer, "lost", prompt, SamplingParams(max_tokens=4), kv)
+    prompt, params = list(range(10, 60)), SamplingParams(max_tokens=4, ignore_eos=True)
+    kv = dataclasses.replace(_prefill(producer, "real", prompt, params), transfer_ids=("nope",))
+    out = _decode(producer, consumer, "lost", prompt, params, kv)
     assert out.error is not None and "does not hold" in out.error
-    kv = _prefill(producer, "late", prompt)
-    assert producer.scheduler.expire_parked(now=time.monotonic() + producer.scheduler.park_timeout) == 1
-    out = _decode(producer, consumer, "late", prompt, SamplingParams(max_tokens=4), kv)
+    kv = _prefill(producer, "late", prompt, params)
+    assert producer.scheduler.expire_parked(now=time.monotonic() + producer.scheduler.park_timeout) >= 1
+    out = _decode(producer, consumer, "late", prompt, params, kv)
     assert out.error is not None and "does not hold" in out.error
-    assert not consumer.has_unfinished_requests() or not consumer.scheduler.receiving
+    assert not consumer.scheduler.receiving
     consumer.kv.check_integrity()
+
+
+def test_a_sample_that_ends_on_its_first_token_needs_no_transfer(trio):
+    producer, consumer, colocated = trio
+    prompt = list(range(20, 70))
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    kv = _prefill(producer, "one", prompt, params)
+    got = _decode(producer, consumer, "one", prompt, params, kv)
+    assert _tokens(got) == _tokens(_colocated(colocated, "one", prompt, params))
+    for _ in range(5):  # the consumer's release reaches the producer
+        producer.step()
+        consumer.step()
+    assert "one" not in producer.scheduler.parked
+    assert not consumer.has_unfinished_requests()
 
 
 def test_bad_handover_requests_are_refused_before_anything_changes(trio):
     producer, consumer, _ = trio
     kv = KVTransferParams(
-        do_remote_prefill=True, remote_engine_id=producer.engine_id, transfer_id="x", num_prompt_tokens=9
+        do_remote_prefill=True,
+        remote_engine_id=producer.engine_id,
+        num_prompt_tokens=9,
+        transfer_ids=("x",),
+        first_tokens=(5,),
+        first_logprobs=(None,),
+        generator_states=(None,),
     )
     with pytest.raises(ValueError, match="tokenize differently"):
         consumer.add_request("bad1", list(range(5, 15)), SamplingParams(), kv_transfer=kv)
+    with pytest.raises(ValueError, match="1 samples for n = 2"):
+        consumer.add_request("bad2", list(range(5, 14)), SamplingParams(n=2), kv_transfer=kv)
+    with pytest.raises(ValueError, match="lacks the first token's"):
+        consumer.add_request("bad3", list(range(5, 14)), SamplingParams(logprobs=2), kv_transfer=kv)
     with pytest.raises(ValueError, match="not a kv_producer"):
-        consumer.add_request("bad2", [1, 2, 3], SamplingParams(), kv_transfer=KVTransferParams(do_remote_decode=True))
-    with pytest.raises(ValueError, match="n = 1"):
-        producer.add_request("bad3", [1, 2], SamplingParams(n=2), kv_transfer=KVTransferParams(do_remote_decode=True))
-    unknown = KVTransferParams(do_remote_prefill=True, remote_engine_id="ridge-x", transfer_id="x", num_prompt_tokens=2)
+        consumer.add_request("bad4", [1, 2, 3], SamplingParams(), kv_transfer=KVTransferParams(do_remote_decode=True))
     with pytest.raises(ValueError, match="not a connected kv_producer"):
-        consumer.add_request("bad4", [1, 2], SamplingParams(), kv_transfer=unknown)
+        consumer.add_request(
+            "bad5", list(range(5, 14)), SamplingParams(), kv_transfer=dataclasses.replace(kv, remote_engine_id="x")
+        )
     assert not consumer.has_unfinished_requests() and not producer.has_unfinished_requests()
 
 
@@ -177,10 +203,10 @@ def test_a_quantized_cache_moves_quantized():
         _pair(producer, consumer)
         assert producer.kv_info()["layout"]["kv_cache_dtype"] == "int8"
         prompt, params = PROMPTS["long"], PARAMS["greedy"]
-        got = _decode(producer, consumer, "q", prompt, params, _prefill(producer, "q", prompt))
+        got = _decode(producer, consumer, "q", prompt, params, _prefill(producer, "q", prompt, params))
         assert _tokens(got) == _tokens(_colocated(colocated, "q", prompt, params))
         # codes and scales, one byte a value plus an fp16 scale per token and head
-        assert consumer.stats().kv_transfer.bytes == 6 * consumer.kv_bytes_per_block
+        assert consumer.stats().kv_transfer.bytes == 6 * consumer.kv_bytes_per_block  # 87 tokens
     finally:
         for engine in (producer, consumer, colocated):
             engine.shutdown()
@@ -241,13 +267,10 @@ def test_the_config_and_the_request_params_parse_with_clear_errors():
             KVTransferConfig.parse(bad)
     assert request_params(None, 1) is None
     assert request_params({"do_remote_decode": True}, 2) == [KVTransferParams(do_remote_decode=True)] * 2
-    with pytest.raises(ValueError, match="2 transfers for 1 prompts"):
-        request_params(
-            {
-                "do_remote_prefill": True,
-                "remote_engine_id": "e",
-                "transfer_ids": ["a", "b"],
-                "num_prompt_tokens": [1, 2],
-            },
-            1,
-        )
+    handover = {"num_prompt_tokens": 3, "transfer_ids": ["a"], "first_tokens": [7], "generator_states": [None]}
+    (kv,) = request_params({"do_remote_prefill": True, "remote_engine_id": "e", "prompts": [handover]}, 1)
+    assert kv.transfer_ids == ("a",) and kv.first_tokens == (7,) and kv.first_logprobs == (None,)
+    with pytest.raises(ValueError, match="hands over 1 prompts for 2"):
+        request_params({"do_remote_prefill": True, "remote_engine_id": "e", "prompts": [handover]}, 2)
+    with pytest.raises(ValueError, match="n = 2"):
+        request_params({"do_remote_prefill": True, "remote_engine_id": "e", "prompts": [handover]}, 1, n=2)

@@ -25,25 +25,28 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack_vnni", &pack_vnni, "(N, K) bf16 -> (N/16, K/2, 16, 2) blocks for linear_bf16");
-  m.def("unpack_vnni", &unpack_vnni, "the inverse of pack_vnni");
-  m.def("linear_bf16", &linear_bf16, "y = x @ W.T (+ bias) with W packed by pack_vnni; bfloat16, AVX-512 BF16");
-  m.def("linear_bf16_grouped", &linear_bf16_grouped,
+  // Each call releases the GIL while it computes (ATen needs none): a server's event loop
+  // answers health checks and streams tokens meanwhile.
+  namespace py = pybind11;
+  m.def("pack_vnni", &pack_vnni, py::call_guard<py::gil_scoped_release>(), "(N, K) bf16 -> (N/16, K/2, 16, 2) blocks for linear_bf16");
+  m.def("unpack_vnni", &unpack_vnni, py::call_guard<py::gil_scoped_release>(), "the inverse of pack_vnni");
+  m.def("linear_bf16", &linear_bf16, py::call_guard<py::gil_scoped_release>(), "y = x @ W.T (+ bias) with W packed by pack_vnni; bfloat16, AVX-512 BF16");
+  m.def("linear_bf16_grouped", &linear_bf16_grouped, py::call_guard<py::gil_scoped_release>(),
         "stacked experts: x rows sorted by expert (counts per expert) times each expert's rows of W");
-  m.def("linear_quant_grouped", &linear_quant_grouped, "linear_bf16_grouped for Q8_0 / Q4_0 / Q4_1 weights");
-  m.def("linear_bf16_uses_amx", &linear_bf16_uses_amx, "whether linear_bf16 runs 2+ rows on AMX tiles for this K");
-  m.def("pack_quant", &pack_quant, "(N, K/32 * type_size) GGUF blocks -> blocks of 16 rows for linear_quant");
-  m.def("unpack_quant", &unpack_quant, "the inverse of pack_quant");
-  m.def("linear_quant", &linear_quant,
+  m.def("linear_quant_grouped", &linear_quant_grouped, py::call_guard<py::gil_scoped_release>(), "linear_bf16_grouped for Q8_0 / Q4_0 / Q4_1 weights");
+  m.def("linear_bf16_uses_amx", &linear_bf16_uses_amx, py::call_guard<py::gil_scoped_release>(), "whether linear_bf16 runs 2+ rows on AMX tiles for this K");
+  m.def("pack_quant", &pack_quant, py::call_guard<py::gil_scoped_release>(), "(N, K/32 * type_size) GGUF blocks -> blocks of 16 rows for linear_quant");
+  m.def("unpack_quant", &unpack_quant, py::call_guard<py::gil_scoped_release>(), "the inverse of pack_quant");
+  m.def("linear_quant", &linear_quant, py::call_guard<py::gil_scoped_release>(),
         "y = x @ W.T (+ bias) with W in Q8_0 / Q4_0 / Q4_1 (fmt 0 / 1 / 2) packed by pack_quant; AVX-512 VNNI");
-  m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm, rounded like Hugging Face's bf16 path");
-  m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual += x (in place), then RMSNorm(residual)");
-  m.def("rope_bf16_", &rope_bf16_, "rotate-half RoPE in place on (T, H, D) rows");
-  m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up for (T, 2I) -> (T, I)");
-  m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16,
+  m.def("rms_norm_bf16", &rms_norm_bf16, py::call_guard<py::gil_scoped_release>(), "RMSNorm, rounded like Hugging Face's bf16 path");
+  m.def("add_rms_norm_bf16", &add_rms_norm_bf16, py::call_guard<py::gil_scoped_release>(), "residual += x (in place), then RMSNorm(residual)");
+  m.def("rope_bf16_", &rope_bf16_, py::call_guard<py::gil_scoped_release>(), "rotate-half RoPE in place on (T, H, D) rows");
+  m.def("silu_mul_bf16", &silu_mul_bf16, py::call_guard<py::gil_scoped_release>(), "silu(gate) * up for (T, 2I) -> (T, I)");
+  m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16, py::call_guard<py::gil_scoped_release>(),
         "one query per sequence over its paged K/V, no gather");
-  m.def("paged_decode_attention_quant", &paged_decode_attention_quant,
+  m.def("paged_decode_attention_quant", &paged_decode_attention_quant, py::call_guard<py::gil_scoped_release>(),
         "one query per sequence over an int8 / fp8 paged K/V with per-token-head fp16 scales");
-  m.def("paged_decode_attention", &paged_decode_attention,
+  m.def("paged_decode_attention", &paged_decode_attention, py::call_guard<py::gil_scoped_release>(),
         "the same for any head size, float32 or bfloat16 (portable loops)");
 }
