@@ -5,9 +5,10 @@
                     thread each), behind ``ridge router``
 
 Each round sends both the same load, one after the other (the order alternates by round):
-``--streams`` greedy streams decode all the time (short prompts, restarted when they finish)
-while a ``--prompt-len``-token prompt arrives every ``--interval`` seconds (``--prompts`` of
-them, ``--long-output`` tokens each). Per configuration: the decode users' inter-token
+``--streams`` greedy streams decode all the time (short prompts, long outputs, cut once the
+last long prompt has finished) while a ``--prompt-len``-token prompt arrives every
+``--interval`` seconds (``--prompts`` of them, ``--long-output`` tokens each). Per
+configuration: the decode users' inter-token
 latency (gaps between their streamed tokens while the long prompts are in the system), the
 long prompts' time to first token, the streams' decode throughput, whether the greedy outputs
 of the same requests agree, and each KV transfer's measured time (the consumer's ``/kv/info``)
@@ -66,11 +67,11 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 900) -> No
     raise RuntimeError(f"{url} did not come up")
 
 
-async def stream_once(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
-    """One streamed completion: when each token chunk arrived, and the text."""
+async def stream_once(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, record: dict) -> None:
+    """One streamed completion into ``record``: when each token's event arrived, and the text
+    (filled as it comes, so a stream cancelled midway keeps what it got)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-    start = time.monotonic()
-    times, text = [], []
+    record.update(prompt=prompt, start=time.monotonic(), times=[], text=[], done=False)
     async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
@@ -80,35 +81,37 @@ async def stream_once(client: httpx.AsyncClient, url: str, prompt: str, max_toke
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
             if chunk["choices"]:  # one event per step that produced a token (its text may be held back)
-                times.append(time.monotonic())
-                text.append(chunk["choices"][0]["text"])
-    return {"start": start, "times": times, "text": "".join(text), "prompt": prompt}
+                record["times"].append(time.monotonic())
+                record["text"].append(chunk["choices"][0]["text"])
+    record["done"] = True
 
 
-async def run_load(url: str, args) -> dict:
-    """The round's load against one front: streams decode while long prompts arrive."""
+async def run_load(url: str, args, round_no: int) -> dict:
+    """The round's load against one front: ``streams`` long decodes run while the long
+    prompts arrive; the decodes are cancelled once the last long prompt has finished."""
     limits = httpx.Limits(max_connections=64)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
-        done = asyncio.Event()
-        decoded: list[dict] = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900), limits=limits) as client:
+        decoded = [{} for _ in range(args.streams)]
+        longs = [{} for _ in range(args.prompts)]
+        decoders = [
+            asyncio.create_task(stream_once(client, url, f"Round {round_no} stream {i}: ", args.stream_output, rec))
+            for i, rec in enumerate(decoded)
+        ]
 
-        async def decoder(i: int) -> None:
-            k = 0
-            while not done.is_set():
-                decoded.append(await stream_once(client, url, f"Stream {i} turn {k}: ", args.stream_output))
-                k += 1
-
-        async def long_prompt(j: int) -> dict:
+        async def long_prompt(j: int) -> None:
             await asyncio.sleep(args.warmup + j * args.interval)
-            filler = "".join(chr(97 + (j * 7 + n * 13) % 26) for n in range(args.prompt_len - 12))
-            return await stream_once(client, url, f"Long {j} text: {filler}", args.long_output)
+            # new text every round and prompt: nothing in the prefix cache
+            filler = "".join(chr(97 + (round_no * 5 + j * 7 + n * 13) % 26) for n in range(args.prompt_len - 24))
+            await stream_once(client, url, f"Round {round_no} long {j}: {filler}", args.long_output, longs[j])
 
-        decoders = [asyncio.create_task(decoder(i)) for i in range(args.streams)]
         start = time.monotonic()
-        longs = await asyncio.gather(*(long_prompt(j) for j in range(args.prompts)))
+        await asyncio.gather(*(long_prompt(j) for j in range(args.prompts)))
         end = time.monotonic()
-        done.set()
-        await asyncio.gather(*decoders)
+        for task in decoders:
+            task.cancel()
+        await asyncio.gather(*decoders, return_exceptions=True)
+    if not all(r.get("done") for r in longs) or any(len(r.get("times", ())) < 2 for r in decoded):
+        raise RuntimeError("a stream failed or never produced tokens: the window is too short")
     window = (start + args.warmup, max(r["times"][-1] for r in longs))
     # every gap between two tokens of a stream that overlaps the window (a stall included)
     gaps = [b - a for r in decoded for a, b in zip(r["times"], r["times"][1:]) if b >= window[0] and a <= window[1]]
@@ -119,7 +122,7 @@ async def run_load(url: str, args) -> dict:
         "decode_tokens_per_s": tokens / (window[1] - window[0]),
         "window_s": window[1] - window[0],
         "wall_s": end - start,
-        "outputs": {r["prompt"]: r["text"] for r in longs + decoded},
+        "outputs": {r["prompt"]: (r["text"], r["done"]) for r in longs + decoded},
     }
 
 
@@ -136,7 +139,12 @@ def main() -> int:
     parser.add_argument("--quantization", default="int4")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--streams", type=int, default=8)
-    parser.add_argument("--stream-output", type=int, default=32, help="tokens per decode stream request")
+    parser.add_argument(
+        "--stream-output",
+        type=int,
+        default=1500,
+        help="tokens a decode stream asks for (it is cut at the window's end)",
+    )
     parser.add_argument("--prompts", type=int, default=3, help="long prompts per round")
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--long-output", type=int, default=8)
@@ -168,7 +176,7 @@ def main() -> int:
             order = ["colocated", "disaggregated"] if r % 2 == 0 else ["disaggregated", "colocated"]
             for config in order:
                 front = url["colocated" if config == "colocated" else "router"]
-                res = asyncio.run(run_load(front, args))
+                res = asyncio.run(run_load(front, args, r))
                 results[config].append(res)
                 itl = res["itl_s"]
                 print(
@@ -187,17 +195,20 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
 
-    # the same requests, the same greedy outputs
-    agree = total = 0
+    # the same requests, the same greedy outputs: whole for finished requests, token by token
+    # over what both streams got for the decodes cancelled at the end of the window
+    agree = total = compared_tokens = 0
     for co, dis in zip(results["colocated"], results["disaggregated"]):
-        for prompt, text in co["outputs"].items():
-            if prompt in dis["outputs"]:
-                total += 1
-                agree += text == dis["outputs"][prompt]
+        for prompt, (tokens_a, done_a) in co["outputs"].items():
+            tokens_b, done_b = dis["outputs"][prompt]
+            n = len(tokens_a) if done_a and done_b else min(len(tokens_a), len(tokens_b))
+            total += 1
+            compared_tokens += n
+            agree += tokens_a[:n] == tokens_b[:n] and (not (done_a and done_b) or len(tokens_a) == len(tokens_b))
 
     shape = load_model_shape(args.model.removeprefix("random:"))
     precision = Precision.for_weight_format(args.quantization, 16, 16) if args.quantization else Precision(16, 16, 16)
-    pattern = ServingPattern(args.prompt_len, args.interval, args.streams, 16 + args.stream_output // 2)
+    pattern = ServingPattern(args.prompt_len, args.interval, args.streams, decode_context=256)
     hardware, link = local_hardware(), local_link(transport="gloo")
     predicted = analyze_disaggregation(shape, hardware, pattern, link, Workload(precision=precision))
     long_transfers = [t for t in transfers if t["blocks"] >= args.prompt_len // 32]
@@ -211,7 +222,7 @@ def main() -> int:
         "itl_p99_ratio": med("colocated", "p99") / med("disaggregated", "p99"),
         "ttft_median_s": {c: statistics.median(t for x in results[c] for t in x["ttft_s"]) for c in results},
         "decode_tokens_per_s": {c: statistics.median(x["decode_tokens_per_s"] for x in results[c]) for c in results},
-        "greedy_outputs_identical": f"{agree}/{total}",
+        "greedy_outputs_identical": f"{agree}/{total} requests ({compared_tokens} tokens compared)",
         "transfer_ms": [t["seconds"] * 1e3 for t in long_transfers],
         "transfer_mb": [t["bytes"] / 1e6 for t in long_transfers],
         "predicted": {

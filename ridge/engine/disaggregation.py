@@ -1,16 +1,20 @@
 """The engine's side of disaggregated serving: prefill on a producer, decode on a consumer.
 
     producer                                          consumer
-    request with do_remote_decode: runs the prompt,
-    samples one token, finishes; its blocks park  ->  (the router hands the request over)
-                                                      request with do_remote_prefill: admission
-                                                      allocates the prompt's blocks, finds the
-                                                      prefix cache's share, posts a receive for
-                                 <- pull ----------   the rest and pulls (rank 0's control message)
-    the next plan sends the blocks, then frees them   the transfer lands; the request runs from
-                                 --- blocks ------->  its last prompt token: the consumer samples
-                                                      every output token, so outputs are exactly
-                                                      the colocated ones
+    request with do_remote_decode: runs the prompt
+    and samples each sample's first token, as a
+    colocated engine would; finishes; its blocks
+    park (per sample)                            ->  (the router hands the request over, with
+                                                      the first tokens, their logprobs and the
+                                                      seeded samples' generator states)
+                                                      request with do_remote_prefill: starts
+                                                      from the first token; admission allocates
+                                                      the prompt's blocks, finds the prefix
+                                                      cache's share, posts a receive for the
+                                 <- pull ----------   rest and pulls (rank 0's control message)
+    the next plan sends the blocks, then frees them   the transfer lands; the request decodes
+                                 --- blocks ------->  from its first token, exactly as the
+                                                      colocated engine would go on
 
 ``KVTransferCoordinator`` turns the connector's events (rank 0's ``poll``) into scheduler
 calls before each schedule, and sends the pulls after the plan that posted their receives has
@@ -56,6 +60,7 @@ class KVTransferCoordinator:
         self.peers: dict[str, PeerInfo] = {}
         self.stats = KVTransferStats(config.kv_role, engine_id)
         self._skipped: dict[str, int] = {}  # consumer: request id -> blocks its cache held
+        self._offered: set[str] = set()  # producer: parked transfers offered to the listener
 
     # -- identity and pairing ------------------------------------------------------------------
     def info(self) -> dict:
@@ -113,7 +118,17 @@ class KVTransferCoordinator:
                 self.stats.transfers += 1
                 self.stats.blocks += int(message["num_blocks"])
                 self.stats.bytes += int(message["num_blocks"]) * self.bytes_per_block
-        self.stats.expired += sched.expire_parked()
+        for tid, blocks in events.served:  # the listener read them (a pull served at once)
+            sched.release_parked(tid)
+            self._offered.discard(tid)
+            if blocks:
+                self.stats.transfers += 1
+                self.stats.blocks += blocks
+                self.stats.bytes += blocks * self.bytes_per_block
+        for consumer, why in events.refused:
+            self.stats.failures += 1
+            logger.warning("KV transfer: a pull from %s: %s", consumer, why)
+        self.expire()
         for req_id, seconds, size in events.received:
             req = sched.receiving.get(req_id)
             if req is None:
@@ -138,8 +153,26 @@ class KVTransferCoordinator:
         self.stats.failures += len(failures)
         return failures
 
+    def expire(self, now: float | None = None) -> int:
+        """Producer: free the parked blocks nobody pulled in time; returns how many transfers."""
+        expired = 0
+        for tid in self.scheduler.expired_parked(now):
+            # an offer a pull has claimed is being read: its served event frees it
+            if tid not in self._offered or self.connector.withdraw(tid):
+                self._offered.discard(tid)
+                self.scheduler.release_parked(tid)
+                expired += 1
+        self.stats.expired += expired
+        return expired
+
     def after_step(self) -> list[tuple[str, str]]:
-        """Send the pulls whose receives the plan just posted; returns the requests that failed."""
+        """Offer what the step parked (a producer of one rank); send the pulls whose receives
+        the plan just posted; returns the requests that failed."""
+        if self.config.is_producer and self.tensor_parallel_size == 1:
+            for tid, (req, _) in self.scheduler.parked.items():
+                if tid not in self._offered:
+                    self.connector.offer(tid, self.scheduler.kv.block_table(req))
+                    self._offered.add(tid)
         failures = []
         pulls, self.scheduler.pulls = self.scheduler.pulls, []
         for pull in pulls:

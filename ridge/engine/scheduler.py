@@ -174,13 +174,17 @@ class Scheduler:
         self._sends.append(KVSend(consumer_id, tag, block_ids, count))
         return None
 
-    def expire_parked(self, now: float | None = None) -> int:
-        """Producer: free the parked blocks nobody pulled in time; returns how many requests."""
+    def expired_parked(self, now: float | None = None) -> list[str]:
+        """Producer: the parked transfers nobody pulled in time (the engine's KV-transfer
+        coordinator withdraws their offers, then ``release_parked`` frees them)."""
         now = time.monotonic() if now is None else now
-        expired = [tid for tid, (_, deadline) in self.parked.items() if deadline <= now]
-        for tid in expired:
-            self.kv.free(self.parked.pop(tid)[0])
-        return len(expired)
+        return [tid for tid, (_, deadline) in self.parked.items() if deadline <= now]
+
+    def release_parked(self, transfer_id: str) -> None:
+        """Producer: a parked transfer's blocks were read (or expired): they return to the pool."""
+        entry = self.parked.pop(transfer_id, None)
+        if entry is not None:
+            self.kv.free(entry[0])
 
     def kv_received(self, req_id: str) -> None:
         """Consumer: a transfer arrived; the request runs from its first output token."""

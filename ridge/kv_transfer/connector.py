@@ -7,9 +7,11 @@ carries the control messages. The engine drives it through the step's plan (plai
     plan.kv_recvs   consumer: receive a transfer (tag) for these blocks
     plan.kv_loaded  consumer: the transfer arrived: copy it into the blocks before the forward
 
-and, on rank 0 only, ``poll`` (what arrived: pulls, refusals, finished or failed receives,
-peers gone), ``wait`` and ``send_control``. ``KVConnector`` is that interface;
-``make_connector`` the one factory. Only ``TorchDistributedConnector`` ships:
+and, on rank 0 only, ``poll`` (what arrived: pulls, pulls served, finished or failed
+receives, peers gone), ``wait``, ``send_control``, and ``offer`` / ``withdraw``: a producer of
+one rank offers its parked blocks, and its listener serves a pull at once, while the engine
+runs a step (a long prefill would otherwise hold the transfer up until the step ends).
+``KVConnector`` is that interface; ``make_connector`` the one factory. Only ``TorchDistributedConnector`` ships:
 
 * Every instance hosts a ``TCPStore`` at its ``kv_ip:kv_port`` (rank 0), where each rank
   publishes its ``KVLayout``.
@@ -50,7 +52,10 @@ HEADER_BYTES = 16  # a transfer's status, before its blocks (keeps them aligned 
 # A listener waits for the peer's next control message for as long as the pair lives (a
 # peer that dies closes the connection, which ends the wait at once).
 LISTEN_TIMEOUT = datetime.timedelta(days=365)
-DEFAULT_TIMEOUT_S = 30.0  # a transfer in flight, and every wait on a peer
+# A transfer in flight, and every wait on a live peer. A producer serves pulls between its
+# steps, and a step with a long prefill (two 1,024-token prompts on one CPU core: over 30 s)
+# delays them; a dead peer closes its connections, which ends every wait on it at once.
+DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_CONNECT_TIMEOUT_S = 10.0  # reaching a peer's store, both sides joining the pair group
 
 logger = logging.getLogger(__name__)
@@ -160,12 +165,14 @@ class KVEvents:
     """What rank 0's connector saw since the last poll."""
 
     pulls: list[tuple[str, dict]] = field(default_factory=list)  # (consumer id, pull message)
+    served: list[tuple[str, int]] = field(default_factory=list)  # (transfer id, blocks sent): free them
+    refused: list[tuple[str, str]] = field(default_factory=list)  # (consumer id, why)
     received: list[tuple[str, float, int]] = field(default_factory=list)  # (req id, seconds, bytes)
     failed: list[tuple[str, str]] = field(default_factory=list)  # (req id, why)
     dead: list[str] = field(default_factory=list)  # peers whose connection closed
 
     def __bool__(self) -> bool:
-        return bool(self.pulls or self.received or self.failed or self.dead)
+        return bool(self.pulls or self.served or self.refused or self.received or self.failed or self.dead)
 
 
 class KVConnector(Protocol):
@@ -186,6 +193,10 @@ class KVConnector(Protocol):
     def poll(self) -> KVEvents: ...
 
     def wait(self, timeout: float) -> None: ...
+
+    def offer(self, transfer_id: str, block_ids: list[int]) -> None: ...
+
+    def withdraw(self, transfer_id: str) -> bool: ...
 
     def set_wakeup(self, callback) -> None: ...
 
@@ -298,6 +309,9 @@ class TorchDistributedConnector:
         self._recvs: dict[str, _Recv] = {}
         self._sends: list[tuple[Future, torch.Tensor]] = []
         self._closed = False
+        self._offer_lock = threading.Lock()
+        self._offered: dict[str, list[int]] = {}  # producer: transfer id -> parked block ids
+        self._offering = False
         self._wakeup = None  # called (on a connector thread) when an event is ready
         timeout = datetime.timedelta(seconds=connect_timeout())
         if rank == 0:
@@ -395,7 +409,52 @@ class TorchDistributedConnector:
                     self._put(("dead", peer.info.engine_id))
                 return
             message = json.loads(bytes(buffer.tolist()).rstrip(b" ").decode())
-            self._put((message.get("type"), (peer.info.engine_id, message)))
+            if message.get("type") == "pull" and self.serves_pulls:
+                self._serve(peer, message)
+            else:
+                self._put((message.get("type"), (peer.info.engine_id, message)))
+
+    # -- serving pulls at once (a producer of one rank) ------------------------------------------
+    @property
+    def serves_pulls(self) -> bool:
+        """A producer whose engine offers its parked transfers (``offer``) serves pulls from the
+        listener, while its engine runs a step: a long prefill does not hold the transfer up.
+        (Under tensor parallelism every rank sends its shard, so pulls go through the plan.)"""
+        return self.is_producer and self._offering
+
+    def offer(self, transfer_id: str, block_ids: list[int]) -> None:
+        """Producer, rank 0: parked blocks a consumer may pull now (they do not change while parked)."""
+        with self._offer_lock:
+            self._offering = True
+            self._offered[transfer_id] = list(block_ids)
+
+    def withdraw(self, transfer_id: str) -> bool:
+        """Take back an offer (the blocks expire); False when a pull already claimed it (its
+        ``served`` event comes once the blocks have been read)."""
+        with self._offer_lock:
+            return self._offered.pop(transfer_id, None) is not None
+
+    def _serve(self, peer: _Peer, message: dict) -> None:
+        tid, first, count, tag = (message.get("transfer_id"), int(message["first_block"]),
+                                  int(message["num_blocks"]), int(message["tag"]))  # fmt: skip
+        with self._offer_lock:
+            block_ids = self._offered.pop(tid, None)
+        why = None
+        if count and block_ids is not None and len(block_ids[first : first + count]) == count:
+            data = gather_blocks(self.pools, block_ids[first : first + count])
+        elif count:
+            why = f"transfer {tid!r} is unknown here (expired or never produced)" if block_ids is None else (
+                f"transfer {tid!r} holds fewer than the {first + count} blocks asked for")  # fmt: skip
+            data = refusal(count, self.layout.bytes_per_block, self.device)
+        if count:
+            try:
+                peer.group.send([data], peer.pair_rank, tag).wait(datetime.timedelta(seconds=transfer_timeout()))
+            except Exception as exc:
+                logger.warning("KV transfer %d to the %s failed: %s", tag, peer.info.where, type(exc).__name__)
+        if block_ids is not None:  # read (or not needed): the engine may free them
+            self._put(("served", (tid, count if why is None else 0)))
+        if why is not None:
+            self._put(("refused", (peer.info.engine_id, why)))
 
     def send_control(self, peer_id: str, message: dict) -> None:
         """Rank 0: one control message to a peer's rank 0; ValueError when the peer is gone."""
@@ -430,6 +489,10 @@ class TorchDistributedConnector:
                 break
             if kind == "pull":
                 events.pulls.append(payload)
+            elif kind == "served":
+                events.served.append(payload)
+            elif kind == "refused":
+                events.refused.append(payload)
             elif kind == "received":
                 events.received.append(payload)
             elif kind == "failed":

@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from ridge.server.cli import DEFAULT_HOST, bind_socket
+from ridge.server.listen import DEFAULT_HOST, bind_socket
 
 DEFAULT_PORT = 8000
 

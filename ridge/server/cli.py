@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import threading
 
 from ridge.engine.args import add_engine_args, engine_options
+from ridge.server.listen import DEFAULT_HOST, bind_socket
 
-DEFAULT_HOST = "127.0.0.1"
+__all__ = ["DEFAULT_HOST", "bind_socket", "register", "run_serve"]
+
 DEFAULT_PORT = 8000
 
 
@@ -49,22 +50,6 @@ def register(subparsers) -> None:
     g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     g.add_argument("--disable-access-log", action="store_true")
     p.set_defaults(func=run_serve)
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket (IPv4 or IPv6 by ``host``); ValueError when it cannot bind."""
-    if not 0 <= port <= 65535:
-        raise ValueError(f"port must be in [0, 65535], got {port}")
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError as exc:
-        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
 
 
 def _kv_role_note(kv: dict | None) -> str:

@@ -148,7 +148,7 @@ def test_an_unknown_or_expired_transfer_ends_the_request_with_an_error(trio):
     out = _decode(producer, consumer, "lost", prompt, params, kv)
     assert out.error is not None and "does not hold" in out.error
     kv = _prefill(producer, "late", prompt, params)
-    assert producer.scheduler.expire_parked(now=time.monotonic() + producer.scheduler.park_timeout) >= 1
+    assert producer.kv_transfer.expire(now=time.monotonic() + producer.scheduler.park_timeout) >= 1
     out = _decode(producer, consumer, "late", prompt, params, kv)
     assert out.error is not None and "does not hold" in out.error
     assert not consumer.scheduler.receiving
@@ -274,3 +274,18 @@ def test_the_config_and_the_request_params_parse_with_clear_errors():
         request_params({"do_remote_prefill": True, "remote_engine_id": "e", "prompts": [handover]}, 2)
     with pytest.raises(ValueError, match="n = 2"):
         request_params({"do_remote_prefill": True, "remote_engine_id": "e", "prompts": [handover]}, 1, n=2)
+
+
+def test_a_producer_of_one_rank_serves_a_pull_while_its_engine_is_busy(trio):
+    """Its listener sends the parked blocks at once: the consumer finishes without the producer
+    taking a single step (as when the producer is inside a long prefill)."""
+    producer, consumer, colocated = trio
+    prompt, params = [(17 * i) % 230 + 4 for i in range(60)], PARAMS["greedy"]
+    kv = _prefill(producer, "busy", prompt, params)
+    consumer.add_request("busy", prompt, params, kv_transfer=kv)
+    got = _run([consumer], "busy", consumer)  # the producer does not step
+    assert _tokens(got) == _tokens(_colocated(colocated, "busy", prompt, params))
+    assert "busy" in producer.scheduler.parked  # freed at its next step, once it learns the blocks were read
+    producer.step()
+    assert "busy" not in producer.scheduler.parked
+    producer.kv.check_integrity()
