@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 
 from ridge.bench.common import summarize
-from ridge.bench.serve import free_port
+from ridge.bench.serve import free_port, wait_healthy
 from ridge.distributed.probe import local_link
 from ridge.roofline.analyze import Workload
 from ridge.roofline.disaggregation import ServingPattern, analyze_disaggregation
@@ -51,20 +51,6 @@ def serve(args, port: int, cores: set[int], threads: int, *flags: str) -> subpro
     cmd += ["--num-threads", str(threads), "--max-model-len", str(args.max_model_len), "--log-level", "warning"]
     cmd += ["--disable-access-log", *(["--quantization", args.quantization] if args.quantization else []), *flags]
     return subprocess.Popen(cmd, preexec_fn=lambda: os.sched_setaffinity(0, cores), stderr=subprocess.DEVNULL)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 900) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not come up")
 
 
 async def stream_once(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, record: dict) -> None:
@@ -171,7 +157,7 @@ def main() -> int:
     results: dict = {"colocated": [], "disaggregated": []}
     try:
         for name in ("colocated", "prefill", "decode", "router"):
-            wait_healthy(url[name], procs[name])
+            wait_healthy(url[name], procs[name], timeout_s=900)
         for r in range(args.rounds):
             order = ["colocated", "disaggregated"] if r % 2 == 0 else ["disaggregated", "colocated"]
             for config in order:

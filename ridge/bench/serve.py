@@ -449,18 +449,7 @@ def ridge_server(
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://{host}:{port}"
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise ValueError(f"the server exited with code {proc.returncode}:\n{_tail(log)}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise ValueError(f"the server was not healthy within {timeout_s:.0f} s:\n{_tail(log)}")
-            time.sleep(0.2)
+        wait_healthy(url, proc, timeout_s, lambda: _tail(log))
         yield url
     finally:
         if proc.poll() is None:
@@ -471,6 +460,23 @@ def ridge_server(
                 proc.kill()
                 proc.wait()
         log.close()
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log=lambda: "") -> None:
+    """Until ``GET url/health`` answers 200; ValueError (with ``log()``, the end of the
+    server's output) when ``proc`` exits first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise ValueError(f"the server at {url} exited with code {proc.returncode}:\n{log()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise ValueError(f"the server at {url} was not healthy within {timeout_s:.0f} s:\n{log()}")
+        time.sleep(0.2)
 
 
 def _tail(log, lines: int = 20) -> str:

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from ridge.flags import json_object
 
 KV_ROLES = ("kv_producer", "kv_consumer")
 CONNECTORS = ("TorchDistributedConnector",)
@@ -72,14 +73,7 @@ class KVTransferConfig:
         """None, a ``KVTransferConfig``, a dict or its JSON text; ValueError naming what is wrong."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError("kv_transfer_config must be a JSON object")
-        value = {k: v for k, v in value.items() if k not in _ACCEPTED_UNUSED}
+        value = {k: v for k, v in json_object(value, "--kv-transfer-config").items() if k not in _ACCEPTED_UNUSED}
         unknown = sorted(set(value) - set(cls.__dataclass_fields__))
         if unknown:
             raise ValueError(

@@ -409,10 +409,12 @@ class TorchDistributedConnector:
                     self._put(("dead", peer.info.engine_id))
                 return
             message = json.loads(bytes(buffer.tolist()).rstrip(b" ").decode())
-            if message.get("type") == "pull" and self.serves_pulls:
+            if message.get("type") != "pull":
+                logger.warning("KV transfer: an unknown control message from the %s: %s", peer.info.where, message)
+            elif self.serves_pulls:
                 self._serve(peer, message)
             else:
-                self._put((message.get("type"), (peer.info.engine_id, message)))
+                self._put(("pulls", (peer.info.engine_id, message)))
 
     # -- serving pulls at once (a producer of one rank) ------------------------------------------
     @property
@@ -487,18 +489,7 @@ class TorchDistributedConnector:
                 kind, payload = self._events.get_nowait()
             except queue.Empty:
                 break
-            if kind == "pull":
-                events.pulls.append(payload)
-            elif kind == "served":
-                events.served.append(payload)
-            elif kind == "refused":
-                events.refused.append(payload)
-            elif kind == "received":
-                events.received.append(payload)
-            elif kind == "failed":
-                events.failed.append(payload)
-            elif kind == "dead":
-                events.dead.append(payload)
+            getattr(events, kind).append(payload)  # kinds are KVEvents' fields
         self._sends = [(f, b) for f, b in self._sends if not f.done()]  # staging of finished sends
         return events
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
+
+from ridge.flags import json_object
 
 METHODS = ("ngram", "draft_model")
 
@@ -59,13 +60,7 @@ class SpeculativeConfig:
         """From a JSON string (the CLI flag), a dict (``LLM(speculative_config=...)``) or None."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--speculative-config is not valid JSON: {e.msg} (at character {e.pos})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative config must be a JSON object, got {type(value).__name__}")
+        value = json_object(value, "--speculative-config")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
