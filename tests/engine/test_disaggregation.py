@@ -289,3 +289,24 @@ def test_a_producer_of_one_rank_serves_a_pull_while_its_engine_is_busy(trio):
     producer.step()
     assert "busy" not in producer.scheduler.parked
     producer.kv.check_integrity()
+
+
+def test_speculative_decoding_on_the_consumer_keeps_the_outputs(trio):
+    producer, _, colocated = trio
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+        "adaptive": False,
+    }
+    consumer = _engine("kv_consumer", speculative_config=spec)
+    try:
+        _pair(producer, consumer)
+        prompt = list(range(3, 250))  # every token: the n-gram proposer finds each output token in it
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        got = _decode(producer, consumer, "spec", prompt, params, _prefill(producer, "spec", prompt, params))
+        assert _tokens(got) == _tokens(_colocated(colocated, "spec", prompt, params))
+        assert consumer.speculator.stats.num_draft_tokens > 0  # it did speculate
+    finally:
+        consumer.shutdown()
