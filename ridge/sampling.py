@@ -27,6 +27,7 @@ import numbers
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -110,8 +111,14 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: the output's shape (a JSON schema, any JSON object, a regex, a choice or a
+    # grammar), enforced token by token; a ``StructuredOutputsParams`` or a dict of its fields
+    structured_outputs: Any = None
 
     def __post_init__(self) -> None:
+        from ridge.structured.params import StructuredOutputsParams
+
+        self.structured_outputs = StructuredOutputsParams.parse(self.structured_outputs)
         self.n = _check_int("n", self.n, lo=1, rule=">= 1")
         self.temperature = _check_float("temperature", self.temperature, ok=lambda v: v >= 0, rule=">= 0")
         if 0 < self.temperature < MIN_TEMPERATURE:

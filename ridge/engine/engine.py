@@ -31,6 +31,7 @@ from ridge.engine.request import Request, RequestStatus
 from ridge.engine.scheduler import ChunkKind, Scheduler, SchedulerConfig
 from ridge.engine.stats import EngineStats
 from ridge.engine.stop import StopLimits
+from ridge.engine.structured import StructuredOutputs
 from ridge.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer, load_tokenizer
 from ridge.kv.manager import KVCacheManager
 from ridge.kv_transfer.config import KVTransferParams, RemoteKV
@@ -113,6 +114,7 @@ class LLMEngine:
         self.telemetry = self._make_telemetry()
         self.speculator = self._make_speculator(config.speculative_config)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
         self._ids = itertools.count()
         # producer: request id -> its sequences (transfers), and the seeded ones' generator
         # states after their first token, until the request's final output carries them
@@ -259,6 +261,8 @@ class LLMEngine:
             self.kv_transfer.check_request(kv_transfer, len(prompt_ids), params)
         else:
             kv_transfer = None
+        # a constraint that does not compile is refused here (cached: a repeat costs nothing)
+        grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
         arrival = time.monotonic() if arrival_time is None else arrival_time
 
         user = RequestState(
@@ -305,6 +309,10 @@ class LLMEngine:
             )
         # Nothing above changed the engine; from here on nothing can fail.
         self.output_processor.add(user)
+        if grammar is not None:
+            for req in requests:
+                self.structured.add(req.request_id, grammar)
+                self.structured.accept({req.request_id: req.output_token_ids})  # a producer's first token
         if kv_transfer is not None and kv_transfer.do_remote_decode:
             self._handovers[request_id] = seq_ids
         for index, req in enumerate(requests):
@@ -370,6 +378,7 @@ class LLMEngine:
             self._generator_states.pop(sid, None)
         for seq in user.sequences:
             self.scheduler.abort(seq.seq_id)
+        self.structured.drop(seq.seq_id for seq in user.sequences)
 
     def has_unfinished_requests(self) -> bool:
         """Requests in flight, or KV transfers under way (which need the steps to go on)."""
@@ -385,6 +394,7 @@ class LLMEngine:
         start = time.perf_counter()
         failures = self.kv_transfer.before_schedule() if self.kv_transfer is not None else []
         plan = self.scheduler.schedule()
+        self.structured.fill_plan(plan)
         if plan.is_empty:
             outputs = self._fail(failures) + self.output_processor.take_pending()
             if self.kv_transfer is not None:
@@ -396,6 +406,8 @@ class LLMEngine:
         result = self.output_processor.process(plan, out)
         finished = {rid: RequestStatus(reason) for rid, reason in result.finished.items()}
         self.scheduler.update(plan, result.accepted, finished)
+        self.structured.accept(result.accepted)
+        self.structured.drop(finished)
         if self.kv_transfer is not None:
             failures += self.kv_transfer.after_step()
             result.outputs.extend(self._fail(failures))
@@ -440,6 +452,7 @@ class LLMEngine:
             output, seq_ids = failed
             for sid in seq_ids:
                 self.scheduler.abort(sid)
+            self.structured.drop(seq_ids)
             outputs.append(output)
         return outputs
 
@@ -462,7 +475,8 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Ask the speculator for the next step's proposals and hand them to the scheduler."""
-        decoding = self.scheduler.decoding()
+        # a constrained sequence is not speculated for (its grammar would have to vet the drafts)
+        decoding = [r for r in self.scheduler.decoding() if not self.structured.constrained(r.request_id)]
         room = {
             r.request_id: min(r.max_tokens - r.num_output_tokens, self.max_model_len - r.num_tokens) for r in decoding
         }

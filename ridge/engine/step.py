@@ -110,6 +110,10 @@ class SchedulerOutput:
     kv_sends: list[KVSend] = field(default_factory=list)
     kv_recvs: list[KVRecv] = field(default_factory=list)
     kv_loaded: list[str] = field(default_factory=list)
+    # structured output (rank 0 only): an int32 token bitmask, one row per constrained
+    # sequence that samples this step (``grammar_rows``: its row); masked before sampling
+    grammar_bitmask: Any = None
+    grammar_rows: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:

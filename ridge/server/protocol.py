@@ -121,6 +121,8 @@ class SamplingRequest(_Strict):
     # vLLM's: a request's part in disaggregated serving (what ``ridge router`` sends; see
     # ridge/kv_transfer/config.py)
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's: the output's shape (json, json_object, regex, choice, grammar), enforced token by token
+    structured_outputs: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) for the first set field ridge cannot honour, else None."""
@@ -156,9 +158,16 @@ class SamplingRequest(_Strict):
             )
             if getattr(self, name) is not None
         }
+        structured = self.structured_outputs
+        response_format = getattr(self, "response_format", None)
+        if response_format is not None and response_format.structured_outputs() is not None:
+            if structured is not None:
+                raise ValueError("structured_outputs and a JSON response_format cannot both be given")
+            structured = response_format.structured_outputs()
         return SamplingParams(
             n=self.n,
             max_tokens=max_tokens,
+            structured_outputs=structured,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
@@ -216,8 +225,27 @@ class ChatMessage(BaseModel):
         return data
 
 
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: ``text``, ``json_object``, or ``json_schema`` with its schema."""
+
     type: str
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured_outputs(self) -> dict | None:
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise ValueError("response_format json_schema needs json_schema.schema")
+            return {"json": self.json_schema.schema_}
+        return None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -248,7 +276,7 @@ class ChatCompletionRequest(SamplingRequest):
             return "tools", "tools are not supported"
         if self.tool_choice not in (None, "none"):
             return "tool_choice", "tool_choice is not supported"
-        if self.response_format is not None and self.response_format.type != "text":
+        if self.response_format is not None and self.response_format.type not in ("text", "json_object", "json_schema"):
             return "response_format", f"response_format {self.response_format.type!r} is not supported"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs to be true"

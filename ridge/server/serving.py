@@ -217,7 +217,8 @@ class OpenAIServing:
         try:
             return await self.engine.add_group(ids, [p.token_ids for p in prompts], params, arrival, kv)
         except ValueError as exc:
-            raise bad_request(str(exc), param=prompt_param) from None
+            param = "structured_outputs" if "structured_outputs." in str(exc) else prompt_param
+            raise bad_request(str(exc), param=param) from None
         except EngineDeadError as exc:
             raise APIError(503, str(exc)) from None
 

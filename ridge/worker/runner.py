@@ -24,6 +24,7 @@ from ridge.kv.cache import PagedKV
 from ridge.layers.attention import AttentionMetadata, PrefillChunk
 from ridge.sampling import Sampler, SamplingParams, SamplingState
 from ridge.spec_decode.rejection import plain_greedy, verify, verify_greedy_batch
+from ridge.structured.backend import apply_bitmask
 
 __all__ = ["ChunkInput", "ForwardBatch", "ModelRunner", "PromptLogprob", "RunnerOutput", "RunnerRequest"]
 
@@ -224,11 +225,18 @@ class ModelRunner:
         logits = self.forward_logits(batch)
         if self.sampler is None:
             return None
-        out = self.sample(batch, logits, plan.draft_probs)
+        out = self.sample(batch, logits, plan.draft_probs, plan.grammar_bitmask, plan.grammar_rows)
         out.experts_touched = self.model.experts_touched()
         return out
 
-    def sample(self, batch: ForwardBatch, logits: torch.Tensor, draft_probs: dict) -> RunnerOutput:
+    def sample(
+        self,
+        batch: ForwardBatch,
+        logits: torch.Tensor,
+        draft_probs: dict,
+        grammar_bitmask: torch.Tensor | None = None,
+        grammar_rows: dict[str, int] | None = None,
+    ) -> RunnerOutput:
         num_sampled = len(batch.sample_request_ids)
         num_verify = sum(1 + len(drafts) for _, drafts in batch.verify_runs)
         prompt_logprobs = self._prompt_logprobs(batch, logits[num_sampled + num_verify :], self.requests)
@@ -237,7 +245,15 @@ class ModelRunner:
         generator_states: dict[str, bytes] = {}
         if num_sampled:
             states = [self.requests[rid].sampling for rid in batch.sample_request_ids]
-            out = self.sampler(logits[:num_sampled], states)
+            sample_logits = logits[:num_sampled]
+            if grammar_rows:  # structured output: what each constrained row's grammar allows
+                mine = [(i, grammar_rows[rid]) for i, rid in enumerate(batch.sample_request_ids) if rid in grammar_rows]
+                if mine:
+                    index = torch.tensor([i for i, _ in mine], device=logits.device)
+                    rows = sample_logits[index]  # a copy: the logits are inference tensors
+                    apply_bitmask(rows, grammar_bitmask[[r for _, r in mine]])
+                    sample_logits = sample_logits.index_copy(0, index, rows)
+            out = self.sampler(sample_logits, states)
             for rid, token, lp, top in zip(batch.sample_request_ids, out.token_ids, out.logprobs, out.top_logprobs):
                 sampled[rid] = [token]
                 if lp is not None:

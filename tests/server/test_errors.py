@@ -123,7 +123,9 @@ CASES = [
     ("/v1/completions", comp(logit_bias={"5": 10}), 400, "logit_bias", None),
     ("/v1/completions", comp(stream_options={"include_usage": True}), 400, "stream_options", None),
     ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", None),
-    ("/v1/chat/completions", chat(response_format={"type": "json_object"}), 400, "response_format", None),
+    ("/v1/chat/completions", chat(response_format={"type": "yaml"}), 400, "response_format", None),
+    ("/v1/chat/completions", chat(response_format={"type": "json_schema"}), 400, "response_format", None),
+    ("/v1/completions", comp(structured_outputs={"regex": "a(b"}), 400, "structured_outputs", None),
     # text that is not valid Unicode (lone surrogates are legal JSON), and prompts longer
     # than the context could hold, refused before tokenizing
     ("/v1/completions", b'{"prompt": "Once \\ud800 upon", "max_tokens": 4}', 400, "prompt", None),

@@ -1,0 +1,1 @@
+"""Structured output: constraints on what a request may generate, enforced token by token."""
