@@ -6,6 +6,7 @@
     has_unfinished_requests()
     stats() -> EngineStats                             state as data (what /metrics renders)
     kv_info() / kv_connect(peer)                       disaggregated serving: identity, pairing
+    prepare(params)                                    compile a constraint (any thread; ValueError)
 
 and what it needs to prepare requests: the tokenizer, ``max_model_len`` and
 ``check_prompt_chars`` (refuse an over-long prompt before tokenizing it). ``LLMEngine``
@@ -53,6 +54,8 @@ class EngineClient(Protocol):
     def check_prompt_chars(self, num_chars: int) -> None: ...
 
     def kv_info(self) -> dict | None: ...
+
+    def prepare(self, params: SamplingParams) -> None: ...
 
     def set_wakeup(self, callback) -> None: ...
 

@@ -49,6 +49,13 @@ def run_generate(args: argparse.Namespace) -> int:
         print(llm.engine.telemetry.format())
         if llm.engine.speculator is not None:
             print(llm.engine.speculator.format())
+        s = llm.engine.structured.stats
+        if s.requests:
+            print(
+                f"structured output: {s.requests} sequences, {s.compiles} grammars compiled in "
+                f"{s.compile_s * 1e3:.1f} ms, masks {s.mask_s * 1e3 / max(s.mask_steps, 1):.3f} ms per step "
+                f"({s.mask_steps} steps)"
+            )
     return 0
 
 

@@ -457,6 +457,12 @@ class LLMEngine:
         return outputs
 
     # -- disaggregated serving ------------------------------------------------------------
+    def prepare(self, params: SamplingParams) -> None:
+        """Compile what ``params`` constrain (thread-safe; cached for ``add_request``, which
+        then compiles nothing on the engine's thread); ValueError when it does not compile."""
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)
+
     def kv_info(self) -> dict | None:
         """This instance's KV-transfer identity (role, endpoint, layout), or None without one."""
         return self.kv_transfer.info() if self.kv_transfer is not None else None

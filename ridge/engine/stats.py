@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+from ridge.engine.structured import StructuredStats
 from ridge.kv_transfer.stats import KVTransferStats
 from ridge.spec_decode.stats import SpecDecodeStats
 from ridge.telemetry import PhaseStats
@@ -31,6 +32,7 @@ class EngineStats:
     spec_decode: SpecDecodeStats | None = None  # None: no speculation
     spec_decode_k: int = 0  # tokens proposed per sequence in the last step
     kv_transfer: KVTransferStats | None = None  # None: not a producer or consumer
+    structured: StructuredStats = field(default_factory=StructuredStats)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -66,4 +68,5 @@ class EngineStats:
             spec_decode=copy.deepcopy(speculator.stats) if speculator is not None else None,
             spec_decode_k=speculator.last_k if speculator is not None else 0,
             kv_transfer=engine.kv_transfer.snapshot() if engine.kv_transfer is not None else None,
+            structured=engine.structured.stats.copy(),
         )

@@ -3,14 +3,19 @@ step's bitmask (plain data in the plan: one row per constrained sequence that sa
 the matchers' advance with each accepted token.
 
 The backend (``ridge/structured/backend.py``) is built on the first constrained request (a
-tokenizer it cannot read then refuses that request with a clear error). A sequence's tokens
-stay accepted through a preemption (it is recomputed, not resampled), so its matcher never
-rolls back. Constrained sequences are not speculated for.
+tokenizer it cannot read then refuses that request with a clear error). ``compile`` is
+thread-safe: a server compiles a request's constraint on a worker thread before it reaches
+the engine loop, which then finds it cached. A sequence's tokens stay accepted through a
+preemption (it is recomputed, not resampled), so its matcher never rolls back. Constrained
+sequences are not speculated for. ``stats``: compile and mask times, as data.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from dataclasses import dataclass
 
 from ridge.engine.step import SchedulerOutput
 from ridge.structured.backend import GrammarBackend, make_backend
@@ -19,25 +24,52 @@ from ridge.structured.params import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class StructuredStats:
+    """Structured output since the engine started (plain data: ``/metrics``, ``--stats``)."""
+
+    requests: int = 0  # constrained sequences admitted
+    compiles: int = 0  # constraints compiled (cache misses)
+    compile_s: float = 0.0
+    mask_steps: int = 0  # steps that masked
+    mask_rows: int = 0
+    mask_s: float = 0.0  # filling the bitmasks (the engine thread)
+
+    def copy(self) -> StructuredStats:
+        return StructuredStats(**vars(self))
+
+
 class StructuredOutputs:
     def __init__(self, tokenizer, vocab_size: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._backend: GrammarBackend | None = None
+        self._lock = threading.Lock()
+        self._compiled: set[str] = set()  # constraint keys compiled (for the stats)
         self._matchers: dict[str, object] = {}  # sequence id -> matcher
+        self.stats = StructuredStats()
 
     @property
     def backend(self) -> GrammarBackend:
-        if self._backend is None:
-            self._backend = make_backend(self.tokenizer, self.vocab_size)
-        return self._backend
+        with self._lock:
+            if self._backend is None:
+                self._backend = make_backend(self.tokenizer, self.vocab_size)
+            return self._backend
 
     def compile(self, params: StructuredOutputsParams):
-        """The compiled constraint (cached); ValueError naming what is wrong with it."""
-        return self.backend.compile(params)
+        """The compiled constraint (cached); ValueError naming what is wrong with it. Any thread."""
+        start = time.perf_counter()
+        grammar = self.backend.compile(params)
+        with self._lock:
+            if params.key not in self._compiled:
+                self._compiled.add(params.key)
+                self.stats.compiles += 1
+                self.stats.compile_s += time.perf_counter() - start
+        return grammar
 
     def add(self, seq_id: str, grammar) -> None:
         self._matchers[seq_id] = self.backend.matcher(grammar)
+        self.stats.requests += 1
 
     def constrained(self, seq_id: str) -> bool:
         return seq_id in self._matchers
@@ -51,11 +83,15 @@ class StructuredOutputs:
         rows = [c.req_id for c in plan.chunks if c.samples and c.req_id in self._matchers]
         if not rows:
             return
+        start = time.perf_counter()
         bitmask = self.backend.allocate_bitmask(len(rows))
         for row, seq_id in enumerate(rows):
             self.backend.fill_bitmask(self._matchers[seq_id], bitmask, row)
         plan.grammar_bitmask = bitmask
         plan.grammar_rows = {seq_id: row for row, seq_id in enumerate(rows)}
+        self.stats.mask_steps += 1
+        self.stats.mask_rows += len(rows)
+        self.stats.mask_s += time.perf_counter() - start
 
     def accept(self, accepted: dict[str, list[int]]) -> None:
         """Advance each constrained sequence's matcher over the tokens that stand."""

@@ -184,8 +184,11 @@ class AsyncEngine:
         prompt's part in a KV transfer); see the module docstring."""
         if not self.is_alive:
             raise EngineDeadError(f"the engine is not running ({self._dead or 'stopped'})")
-        stream = OutputStream(self, list(request_ids), asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        if params.structured_outputs is not None:  # compiled here, off the engine loop
+            await loop.run_in_executor(None, self.engine.prepare, params)
+        stream = OutputStream(self, list(request_ids), loop)
         self._send(("add", _Group(stream, list(prompts), params, arrival, kv_transfer)))
         await self._wait_accepted_or_abort(stream)
         return stream

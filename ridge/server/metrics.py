@@ -291,11 +291,41 @@ def kv_transfer_samples(engine_stats: EngineStats) -> list[Sample]:
     ]
 
 
+def structured_samples(engine_stats: EngineStats) -> list[Sample]:
+    """Structured output: constrained sequences, grammar compiles and the steps' mask time."""
+    stats = engine_stats.structured
+    return [
+        Sample(
+            "ridge_structured_output_requests",
+            "Constrained sequences admitted.",
+            stats.requests,
+            kind="counter",
+        ),
+        Sample(
+            "ridge_structured_output_compiles", "Constraints compiled (cache misses).", stats.compiles, kind="counter"
+        ),
+        Sample(
+            "ridge_structured_output_compile_seconds",
+            "Seconds spent compiling constraints.",
+            stats.compile_s,
+            kind="counter",
+        ),
+        Sample(
+            "ridge_structured_output_mask_seconds",
+            "Seconds the steps spent filling token bitmasks.",
+            stats.mask_s,
+            kind="counter",
+        ),
+        Sample("ridge_structured_output_mask_steps", "Steps that masked.", stats.mask_steps, kind="counter"),
+    ]
+
+
 STATE_SOURCES: tuple[StateSource, ...] = (
     engine_state_samples,
     telemetry_samples,
     spec_decode_samples,
     kv_transfer_samples,
+    structured_samples,
 )
 
 

@@ -100,3 +100,19 @@ def test_a_bad_constraint_is_a_400_and_the_server_serves_on(client, extra, messa
     with pytest.raises(openai.BadRequestError, match=message):
         client.completions.create(model="stories", prompt="x", max_tokens=4, extra_body=extra)
     assert client.completions.create(model="stories", prompt="x", max_tokens=2).choices[0].text is not None
+
+
+def test_metrics_count_the_constrained_requests_and_their_masks(client, http):
+    client.completions.create(
+        model="stories", prompt="Hi", max_tokens=8, extra_body={"structured_outputs": {"regex": "[x-z]{1,4}"}}
+    )
+    text = http.get("/metrics").text
+    values = {
+        line.split(" ")[0].split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("ridge_structured_output")
+    }
+    assert values["ridge_structured_output_requests_total"] >= 1
+    assert values["ridge_structured_output_compiles_total"] >= 1
+    assert values["ridge_structured_output_mask_steps_total"] >= 1
+    assert values["ridge_structured_output_mask_seconds_total"] > 0

@@ -118,3 +118,16 @@ def test_params_name_their_constraint():
     assert p.kind == "json" and p.json == {"type": "integer"}
     assert StructuredOutputsParams(choice=["a"]).grammar_spec() == ("choice", '["a"]')
     assert StructuredOutputsParams.parse({"regex": "x+"}).key != StructuredOutputsParams.parse({"regex": "x*"}).key
+
+
+def test_a_constraint_compiles_once_and_its_masks_are_counted(llm):
+    stats = llm.engine.structured.stats
+    before = stats.compiles
+    params = SamplingParams(max_tokens=8, structured_outputs={"regex": "[q-s]{2,3}"})
+    llm.engine.prepare(params)  # what a server does off the engine loop
+    llm.engine.prepare(params)
+    assert stats.compiles == before + 1  # the second is a cache hit
+    steps = stats.mask_steps
+    assert llm.generate(["x"], params, use_tqdm=False)[0].outputs[0].text
+    assert stats.compiles == before + 1 and stats.mask_steps > steps
+    assert llm.engine.stats().structured.mask_s > 0
