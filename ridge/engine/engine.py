@@ -481,14 +481,17 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Ask the speculator for the next step's proposals and hand them to the scheduler."""
-        # a constrained sequence is not speculated for (its grammar would have to vet the drafts)
-        decoding = [r for r in self.scheduler.decoding() if not self.structured.constrained(r.request_id)]
+        decoding = self.scheduler.decoding()
         room = {
             r.request_id: min(r.max_tokens - r.num_output_tokens, self.max_model_len - r.num_tokens) for r in decoding
         }
         running = {r.request_id for r in self.scheduler.running}
         batch = [ProposalRequest(r.request_id, r.all_token_ids, r.sampling_params) for r in decoding]
         proposals = self.speculator.propose(batch, room, running)
+        for rid, (tokens, probs) in list(proposals.items()):
+            keep = self.structured.vet(rid, tokens)  # a constrained sequence's grammar vets its drafts
+            if keep < len(tokens):
+                proposals[rid] = (tokens[:keep], probs[:keep] if probs is not None else None)
         if proposals:
             self.scheduler.set_proposals(proposals)
 

@@ -6,8 +6,11 @@ The backend (``ridge/structured/backend.py``) is built on the first constrained 
 tokenizer it cannot read then refuses that request with a clear error). ``compile`` is
 thread-safe: a server compiles a request's constraint on a worker thread before it reaches
 the engine loop, which then finds it cached. A sequence's tokens stay accepted through a
-preemption (it is recomputed, not resampled), so its matcher never rolls back. Constrained
-sequences are not speculated for. ``stats``: compile and mask times, as data.
+preemption (it is recomputed, not resampled), so its matcher never rolls back. Speculation:
+proposals are cut at the first token the grammar refuses (``vet``), and a verify run is masked
+at each position (the matcher consumes the proposals to fill their rows, then rolls back), so
+speculation never changes what a constrained sequence may output. ``stats``: compile and mask
+times, as data.
 """
 
 from __future__ import annotations
@@ -80,18 +83,37 @@ class StructuredOutputs:
 
     def fill_plan(self, plan: SchedulerOutput) -> None:
         """One bitmask row per constrained chunk that samples this step."""
-        rows = [c.req_id for c in plan.chunks if c.samples and c.req_id in self._matchers]
-        if not rows:
+        chunks = [c for c in plan.chunks if c.samples and c.req_id in self._matchers]
+        if not chunks:
             return
         start = time.perf_counter()
-        bitmask = self.backend.allocate_bitmask(len(rows))
-        for row, seq_id in enumerate(rows):
-            self.backend.fill_bitmask(self._matchers[seq_id], bitmask, row)
+        bitmask = self.backend.allocate_bitmask(sum(1 + len(c.draft_token_ids) for c in chunks))
+        row = 0
+        for c in chunks:
+            matcher = self._matchers[c.req_id]
+            plan.grammar_rows[c.req_id] = row
+            # a verify run: the grammar's state before each proposed token (consumed, then rolled back)
+            consumed = 0
+            for j in range(1 + len(c.draft_token_ids)):
+                if j == consumed:
+                    self.backend.fill_bitmask(matcher, bitmask, row + j)
+                else:  # past a refused proposal (its row rejects it): any allowed row will do
+                    bitmask[row + j] = bitmask[row + consumed]
+                if j < len(c.draft_token_ids) and j == consumed and matcher.consume_token(c.draft_token_ids[j]):
+                    consumed += 1
+            if consumed:
+                matcher.rollback(consumed)
+            row += 1 + len(c.draft_token_ids)
         plan.grammar_bitmask = bitmask
-        plan.grammar_rows = {seq_id: row for row, seq_id in enumerate(rows)}
         self.stats.mask_steps += 1
-        self.stats.mask_rows += len(rows)
+        self.stats.mask_rows += row
         self.stats.mask_s += time.perf_counter() - start
+
+    def vet(self, seq_id: str, tokens: list[int]) -> int:
+        """How many of a constrained sequence's proposed tokens its grammar accepts in a row
+        (all of them for an unconstrained one)."""
+        matcher = self._matchers.get(seq_id)
+        return len(tokens) if matcher is None else matcher.validate_tokens(tokens)
 
     def accept(self, accepted: dict[str, list[int]]) -> None:
         """Advance each constrained sequence's matcher over the tokens that stand."""

@@ -239,21 +239,15 @@ class ModelRunner:
     ) -> RunnerOutput:
         num_sampled = len(batch.sample_request_ids)
         num_verify = sum(1 + len(drafts) for _, drafts in batch.verify_runs)
+        if grammar_rows:  # structured output: only what each constrained row's grammar allows
+            logits = self._masked(batch, logits, grammar_bitmask, grammar_rows)
         prompt_logprobs = self._prompt_logprobs(batch, logits[num_sampled + num_verify :], self.requests)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list] = {}
         generator_states: dict[str, bytes] = {}
         if num_sampled:
             states = [self.requests[rid].sampling for rid in batch.sample_request_ids]
-            sample_logits = logits[:num_sampled]
-            if grammar_rows:  # structured output: what each constrained row's grammar allows
-                mine = [(i, grammar_rows[rid]) for i, rid in enumerate(batch.sample_request_ids) if rid in grammar_rows]
-                if mine:
-                    index = torch.tensor([i for i, _ in mine], device=logits.device)
-                    rows = sample_logits[index]  # a copy: the logits are inference tensors
-                    apply_bitmask(rows, grammar_bitmask[[r for _, r in mine]])
-                    sample_logits = sample_logits.index_copy(0, index, rows)
-            out = self.sampler(sample_logits, states)
+            out = self.sampler(logits[:num_sampled], states)
             for rid, token, lp, top in zip(batch.sample_request_ids, out.token_ids, out.logprobs, out.top_logprobs):
                 sampled[rid] = [token]
                 if lp is not None:
@@ -285,6 +279,26 @@ class ModelRunner:
             if result.logprobs is not None:
                 logprobs[rid] = [(lp, top or []) for lp, top in result.logprobs]
         return RunnerOutput(sampled, logprobs, prompt_logprobs, verified, generator_states=generator_states)
+
+    @staticmethod
+    def _masked(
+        batch: ForwardBatch, logits: torch.Tensor, bitmask: torch.Tensor, grammar_rows: dict[str, int]
+    ) -> torch.Tensor:
+        """A copy of ``logits`` (inference tensors) with each constrained row's bitmask applied:
+        a sampled row takes its sequence's row of the bitmask; a verify run of 1 + k rows the
+        k + 1 rows from it (the grammar's state before each proposed token)."""
+        pairs = [(i, grammar_rows[rid]) for i, rid in enumerate(batch.sample_request_ids) if rid in grammar_rows]
+        row = len(batch.sample_request_ids)
+        for rid, drafts in batch.verify_runs:
+            if rid in grammar_rows:
+                pairs += [(row + j, grammar_rows[rid] + j) for j in range(1 + len(drafts))]
+            row += 1 + len(drafts)
+        if not pairs:
+            return logits
+        index = torch.tensor([i for i, _ in pairs], device=logits.device)
+        rows = logits[index]
+        apply_bitmask(rows, bitmask[[m for _, m in pairs]])
+        return logits.index_copy(0, index, rows)
 
     @staticmethod
     def _prompt_logprobs(batch: ForwardBatch, logits: torch.Tensor, requests: dict[str, RunnerRequest]) -> dict:

@@ -131,3 +131,17 @@ def test_a_constraint_compiles_once_and_its_masks_are_counted(llm):
     assert llm.generate(["x"], params, use_tqdm=False)[0].outputs[0].text
     assert stats.compiles == before + 1 and stats.mask_steps > steps
     assert llm.engine.stats().structured.mask_s > 0
+
+
+def test_speculation_never_changes_what_a_constrained_sequence_outputs(stories_dir, llm):
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
+    fast = LLM(str(stories_dir), dtype="float32", num_kv_blocks=48, max_num_seqs=8, speculative_config=spec)
+    prompt = 'The toy said {"name":"Rex","age":3} and {"name":"Tim","age":4} and'  # JSON to look up
+    for sampling in (dict(temperature=0.0), dict(temperature=1.0, seed=9, n=2)):
+        params = SamplingParams(max_tokens=80, structured_outputs={"json": SCHEMA}, **sampling)
+        got = fast.generate([prompt], params, use_tqdm=False)[0].outputs
+        for c in got:
+            check_schema(c.text)
+        if sampling["temperature"] == 0.0:  # greedy: exactly what the unspeculated engine outputs
+            assert [c.text for c in got] == [c.text for c in llm.generate([prompt], params, use_tqdm=False)[0].outputs]
+    assert fast.engine.speculator.stats.num_draft_tokens > 0  # it did speculate, within the grammar
