@@ -110,7 +110,6 @@ class Scheduler:
         self._releasing: list[Request] = []  # parked requests whose blocks the next plan sends
         self._loaded: list[str] = []  # received: copied into their blocks by the next plan
         self._next_tag = 1
-        self.kv_blocks_skipped = 0  # consumer: blocks a pull did not need (prefix-cache hits)
 
     # -- requests -----------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -220,7 +219,6 @@ class Scheduler:
         # the prompt's blocks; the first output token (the producer's) is computed here
         needed = -(-(req.num_tokens - 1) // self.kv.block_size)
         count = max(0, needed - first)
-        self.kv_blocks_skipped += first
         remote = req.remote
         tag = 0
         if count:

@@ -83,6 +83,8 @@ class StructuredOutputs:
 
     def fill_plan(self, plan: SchedulerOutput) -> None:
         """One bitmask row per constrained chunk that samples this step."""
+        if not self._matchers:  # the usual step: nothing constrained
+            return
         chunks = [c for c in plan.chunks if c.samples and c.req_id in self._matchers]
         if not chunks:
             return
@@ -117,6 +119,8 @@ class StructuredOutputs:
 
     def accept(self, accepted: dict[str, list[int]]) -> None:
         """Advance each constrained sequence's matcher over the tokens that stand."""
+        if not self._matchers:
+            return
         for seq_id, tokens in accepted.items():
             matcher = self._matchers.get(seq_id)
             if matcher is None:

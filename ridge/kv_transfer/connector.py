@@ -171,9 +171,6 @@ class KVEvents:
     failed: list[tuple[str, str]] = field(default_factory=list)  # (req id, why)
     dead: list[str] = field(default_factory=list)  # peers whose connection closed
 
-    def __bool__(self) -> bool:
-        return bool(self.pulls or self.served or self.refused or self.received or self.failed or self.dead)
-
 
 class KVConnector(Protocol):
     layout: KVLayout
@@ -568,11 +565,7 @@ class TorchDistributedConnector:
             self._recvs.pop(req_id, None)
 
     def close(self) -> None:
+        """Stop serving: no more transfers start (the listeners end with the process)."""
         self._closed = True
         self._waiters.shutdown(wait=False, cancel_futures=True)
-        for peer in self.peers.values():
-            try:
-                peer.group.abort() if hasattr(peer.group, "abort") else None
-            except Exception:
-                pass
         self.peers.clear()
