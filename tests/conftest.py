@@ -30,3 +30,43 @@ def stories_dir() -> Path:
     if not (STORIES / "model.safetensors").is_file():
         pytest.skip(f"the real model is absent: {STORIES} (it lives in ../shared beside the checkout)")
     return STORIES
+
+
+# A chat template in the shape of Qwen2.5's (the hermes tool-call format): the tools in a system
+# turn (short: stories260K's context is 512 tokens), an assistant's calls as <tool_call> blocks, tool results as
+# <tool_response> blocks in a user turn. Written for the tests; stories260K has no template.
+HERMES_TEMPLATE = """
+{%- if tools %}
+{{- '<|system|>\\nTools:\\n' }}
+{%- for tool in tools %}
+{{- tool.function.name + '(' + ((tool.function.parameters or {}).get('properties') or {}) | list | join(', ') + ')\\n' }}
+{%- endfor %}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'tool' %}
+{{- '<|user|>\\n<tool_response>\\n' + message.content + '\\n</tool_response>\\n' }}
+{%- else %}
+{{- '<|' + message.role + '|>\\n' + (message.content or '') }}
+{%- for call in message.tool_calls or [] %}
+{{- '\\n<tool_call>\\n{"name": "' + call.function.name + '", "arguments": ' }}
+{{- call.function.arguments | tojson }}{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}
+"""
+
+
+@pytest.fixture(scope="session")
+def stories_tools_dir(stories_dir, tmp_path_factory) -> Path:
+    """stories260K with ``HERMES_TEMPLATE`` as its chat template (the weights are links)."""
+    import json
+
+    out = tmp_path_factory.mktemp("stories-tools")
+    for f in stories_dir.iterdir():
+        if f.name != "tokenizer_config.json":
+            (out / f.name).symlink_to(f)
+    config = json.loads((stories_dir / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": HERMES_TEMPLATE}))
+    return out

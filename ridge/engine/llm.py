@@ -64,10 +64,12 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Chat conversations rendered with the model's chat template (a plain one if it has none)."""
+        """Chat conversations rendered with the model's chat template (a plain one if it has none);
+        ``tools``: OpenAI tool definitions for the template to show the model (vLLM's ``LLM.chat``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.engine.tokenizer.encode_chat(conv) for conv in conversations]
+        prompts = [self.engine.tokenizer.encode_chat(conv, tools=tools) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _add_all(self, prompts: list, params: list[SamplingParams]) -> list[str]:

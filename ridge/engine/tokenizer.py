@@ -97,7 +97,8 @@ def validate_messages(messages: Any) -> list[dict]:
     """Check a chat conversation and return it as a list of dicts.
 
     A conversation is a non-empty list of ``{"role": str, "content": str}`` dicts whose
-    roles are in :data:`KNOWN_ROLES`; other keys pass through to the template.
+    roles are in :data:`KNOWN_ROLES`; other keys pass through to the template. An assistant
+    message may carry ``tool_calls`` instead of content (see :func:`_template_tool_calls`).
     Raises ValueError naming the first offending message.
     """
     expected = 'a list of {"role": str, "content": str} dicts'
@@ -109,16 +110,43 @@ def validate_messages(messages: Any) -> list[dict]:
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise ValueError(f"messages[{i}] must be a dict, got {type(message).__name__}")
-        if "role" not in message or "content" not in message:
+        if "role" not in message or ("content" not in message and not message.get("tool_calls")):
             raise ValueError(f"messages[{i}] must have 'role' and 'content' keys, got {sorted(message)}")
-        role, content = message["role"], message["content"]
+        role, content = message["role"], message.get("content")
         if not isinstance(role, str):
             raise ValueError(f"messages[{i}]['role'] must be a str, got {type(role).__name__}")
         if role not in KNOWN_ROLES:
             raise ValueError(f"messages[{i}] has unknown role {role!r}; expected one of {sorted(KNOWN_ROLES)}")
+        message = dict(message)
+        if message.get("tool_calls") is not None:
+            message["tool_calls"] = _template_tool_calls(message["tool_calls"], f"messages[{i}]")
+            if content is None:  # an assistant turn that only calls tools
+                content = message["content"] = ""
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}]['content'] must be a str, got {type(content).__name__}")
-        out.append(dict(message))
+        out.append(message)
+    return out
+
+
+def _template_tool_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's ``tool_calls`` as chat templates expect them: OpenAI sends each
+    call's ``arguments`` as a JSON string, templates render them as a mapping (``| tojson``),
+    so the string is parsed here (as vLLM does). Raises ValueError naming a malformed call."""
+    if not isinstance(calls, Sequence) or isinstance(calls, (str, bytes)):
+        raise ValueError(f"{where}['tool_calls'] must be a list, got {type(calls).__name__}")
+    out = []
+    for j, call in enumerate(calls):
+        here = f"{where}['tool_calls'][{j}]"
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise ValueError(f"{here} must be {{'type': 'function', 'function': {{'name': str, 'arguments': str}}}}")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError as exc:
+                raise ValueError(f"{here}['function']['arguments'] is not valid JSON: {exc}") from None
+        out.append({**call, "function": {**function, "arguments": arguments}})
     return out
 
 
@@ -143,10 +171,21 @@ def check_text(text: object, what: str = "text") -> str:
     return text
 
 
-def render_plain_chat(messages: list[dict], add_generation_prompt: bool) -> str:
+def render_plain_chat(messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
     """The fallback chat format for tokenizers without a template: one ``role: content``
-    line per message, then ``assistant:`` when a reply is wanted."""
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    line per message, then ``assistant:`` when a reply is wanted. Tools, when given, come
+    first as one ``tools:`` line of JSON; an assistant's tool calls follow its content as
+    ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` (the hermes format)."""
+    lines = [f"tools: {json.dumps(tools, ensure_ascii=False)}\n"] if tools else []
+    for m in messages:
+        calls = "".join(
+            "<tool_call>"
+            + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}, ensure_ascii=False)
+            + "</tool_call>"
+            for c in m.get("tool_calls") or ()
+        )
+        lines.append(f"{m['role']}: {m['content']}{calls}\n")
+    text = "".join(lines)
     return text + "assistant:" if add_generation_prompt else text
 
 
@@ -191,7 +230,7 @@ class BaseTokenizer(ABC):
         """Whether the model ships a chat template (else the plain fallback is used)."""
 
     @abstractmethod
-    def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str: ...
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> str: ...
 
     @abstractmethod
     def _make_piece(self, token_id: int) -> TokenPiece: ...
@@ -202,20 +241,26 @@ class BaseTokenizer(ABC):
         """An upper bound on the characters of input text that one token encodes (the
         longest token string): a text of C characters needs at least C / this tokens."""
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
         """Render a conversation to prompt text with the model's chat template, or with
         :func:`render_plain_chat` when it has none. The text may already contain bos, so
-        encode it with ``add_special_tokens=False`` when it does.
+        encode it with ``add_special_tokens=False`` when it does. ``tools``: OpenAI's tool
+        definitions, which the template renders as the model was trained to see them (with
+        an assistant's ``tool_calls`` and ``role: tool`` results in ``messages``).
 
         Raises ValueError for a malformed conversation or one the template rejects.
         """
-        return self._render_chat(validate_messages(messages), add_generation_prompt)
+        return self._render_chat(validate_messages(messages), add_generation_prompt, tools or None)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
         """Token ids of a conversation. A model's template writes its own special tokens
         (bos among them), so its text is encoded without adding them again; the plain
         fallback writes none, so its prompt gets bos as ``encode`` gives any other text."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         return self.encode(text, add_special_tokens=not self.has_chat_template)
 
     def piece(self, token_id: int) -> TokenPiece:
@@ -275,13 +320,13 @@ class Tokenizer(BaseTokenizer):
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf_tokenizer, "chat_template", None))
 
-    def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> str:
         if not self.has_chat_template:
-            return render_plain_chat(messages, add_generation_prompt)
+            return render_plain_chat(messages, add_generation_prompt, tools)
         try:
             # transformers 5 tokenizes by default (and returns a dict); we want the text.
             text = self.hf_tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except Exception as e:  # jinja errors, raise_exception() in templates, ...
             raise ValueError(f"the chat template rejected the messages: {e}") from e
@@ -378,8 +423,8 @@ class ByteTokenizer(BaseTokenizer):
     def has_chat_template(self) -> bool:
         return False
 
-    def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return render_plain_chat(messages, add_generation_prompt)
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> str:
+        return render_plain_chat(messages, add_generation_prompt, tools)
 
     @property
     def max_token_chars(self) -> int:

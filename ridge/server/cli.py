@@ -15,6 +15,7 @@ import threading
 
 from ridge.engine.args import add_engine_args, engine_options
 from ridge.server.listen import DEFAULT_HOST, bind_socket
+from ridge.tools.parsers import TOOL_PARSERS
 
 __all__ = ["DEFAULT_HOST", "bind_socket", "register", "run_serve"]
 
@@ -47,6 +48,18 @@ def register(subparsers) -> None:
         default=10,
         help="seconds in-flight responses get to finish on shutdown",
     )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="how the model writes tool calls (hermes: Qwen2.5/3, Hermes; llama3_json: Llama 3.x): "
+        "answers to tool_choice 'auto' are read with it into tool_calls",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="vLLM's flag for tool_choice 'auto'; accepted for compatibility (--tool-call-parser enables it)",
+    )
     g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     g.add_argument("--disable-access-log", action="store_true")
     p.set_defaults(func=run_serve)
@@ -71,11 +84,15 @@ def run_serve(args: argparse.Namespace) -> int:
     from ridge.server.serving import ServerConfig
 
     api_key = args.api_key if args.api_key is not None else os.environ.get("RIDGE_API_KEY") or None
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        print("ridge serve: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
+        return 2
     config = ServerConfig(
         served_model_names=tuple(args.served_model_name or [args.model]),
         model_root=args.model,
         api_key=api_key,
         max_request_bytes=args.max_request_bytes,
+        tool_call_parser=args.tool_call_parser,
     )
     engine_config = EngineConfig.from_kwargs(args.model, **engine_options(args))  # bad flags fail before binding
     sock = bind_socket(args.host, args.port)

@@ -5,7 +5,7 @@ not a silent default). They accept the OpenAI fields ridge implements, a few tha
 harmless to ignore (``user``, ``metadata``, ...), and vLLM's sampling extensions (``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ...),
 so clients written for vLLM work unchanged. Fields ridge cannot honour (``suffix``,
-``logit_bias``, tools, ...) are declared so that setting them gives a clear 400 rather than
+``logit_bias``, ``suffix``, ...) are declared so that setting them gives a clear 400 rather than
 an "unknown field" error.
 
 Schema problems (wrong types, missing fields) are caught by pydantic and become 422s in the
@@ -272,10 +272,6 @@ class ChatCompletionRequest(SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools", "tools are not supported"
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice", "tool_choice is not supported"
         if self.response_format is not None and self.response_format.type not in ("text", "json_object", "json_schema"):
             return "response_format", f"response_format {self.response_format.type!r} is not supported"
         if self.top_logprobs is not None and not self.logprobs:
@@ -346,9 +342,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -369,11 +377,34 @@ class ChatCompletionResponse(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None  # a producer's: where the prompts' KV cache waits
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """A fragment of tool call ``index``: its id, type and name come once, with its first arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class DeltaMessage(BaseModel):
     """A streamed message fragment; unset fields are left out (``{}`` on the final chunk)."""
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import re
 import threading
 import time
@@ -55,15 +56,21 @@ from ridge.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     ErrorInfo,
     ErrorResponse,
+    FunctionCall,
     SamplingRequest,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     UsageInfo,
     bad_request,
 )
+from ridge.tools.calls import ToolError, ToolPlan, new_call_id, plan_tools
+from ridge.tools.parsers import make_tool_parser
 
 DONE = "data: [DONE]\n\n"
 # Prompts tokenized at once: a long one occupies a thread, the others go on.
@@ -86,12 +93,15 @@ class ServerConfig:
     api_key: str | None = None
     max_request_bytes: int = 8 * 2**20
     kv_info: dict | None = None  # disaggregated serving: the engine's KV-transfer identity
+    tool_call_parser: str | None = None  # --tool-call-parser: reads tool calls for tool_choice "auto"
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(isinstance(n, str) and n for n in self.served_model_names):
             raise ValueError("served_model_names must hold at least one non-empty name")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if self.tool_call_parser is not None:
+            make_tool_parser(self.tool_call_parser)  # an unknown name fails at start-up
 
 
 class ClientGone(Exception):
@@ -328,11 +338,14 @@ class OpenAIServing:
         self._check_request(body)
         max_tokens = body.max_output_tokens
         params = self._sampling_params(body, max_tokens, body.num_logprobs)
+        plan, params = self._tool_plan(body, params)
         messages = [m.for_template() for m in body.messages]
         self._bound_prompt(sum(len(m["content"]) for m in messages), "messages")
         try:
             token_ids = await self._tokenizers.run(
-                lambda tok: tok.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
+                lambda tok: tok.encode_chat(
+                    messages, add_generation_prompt=body.add_generation_prompt, tools=plan.tools or None
+                )
             )
         except ValueError as exc:
             raise bad_request(str(exc), param="messages") from None
@@ -349,18 +362,25 @@ class OpenAIServing:
         created = int(time.time())
         top = body.top_logprobs or 0
         if body.stream:
-            return self._chat_events(request_id, created, stream, params, top, body.include_usage)
+            return self._chat_events(request_id, created, stream, params, top, body.include_usage, plan)
         (final,) = await _collect(stream, raw, 1)
-        choices = [
-            ChatChoice(
-                index=c.index,
-                message=AssistantMessage(content=c.text),
-                logprobs=_chat_logprobs(c, 0, len(c.token_ids), top) if params.logprobs is not None else None,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+        choices = []
+        for c in final.outputs:
+            answer = plan.answer(c.text)
+            calls = [
+                ToolCall(id=new_call_id(), function=FunctionCall(name=t.name, arguments=t.arguments))
+                for t in answer.calls
+            ]
+            content = answer.content if answer.content is not None or calls else ""
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=AssistantMessage(content=content, tool_calls=calls),
+                    logprobs=_chat_logprobs(c, 0, len(c.token_ids), top) if params.logprobs is not None else None,
+                    finish_reason=plan.finish_reason if calls and c.finish_reason == "stop" else c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
             )
-            for c in final.outputs
-        ]
         return ChatCompletionResponse(
             id=request_id,
             created=created,
@@ -370,8 +390,35 @@ class OpenAIServing:
             kv_transfer_params=self._handover([final], kv),
         )
 
+    def _tool_plan(self, body: ChatCompletionRequest, params: SamplingParams) -> tuple[ToolPlan, SamplingParams]:
+        """The request's tool plan, and its sampling params with the plan's grammar (a forced
+        tool choice) and the special tokens its parser reads."""
+        try:
+            plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.config.tool_call_parser)
+        except ToolError as exc:
+            raise bad_request(str(exc), param=exc.param) from None
+        changes: dict[str, Any] = {}
+        if plan.structured_outputs is not None:
+            if params.structured_outputs is not None:
+                raise bad_request(
+                    f"tool_choice {plan.mode!r} sets the output's grammar; it cannot be combined with "
+                    "response_format or structured_outputs",
+                    param="tool_choice",
+                )
+            changes["structured_outputs"] = plan.structured_outputs
+        if plan.needs_special_tokens:
+            changes["skip_special_tokens"] = False  # the parser reads its markers (as vLLM)
+        return plan, dataclasses.replace(params, **changes) if changes else params
+
     async def _chat_events(
-        self, request_id: str, created: int, stream: OutputStream, params: SamplingParams, top: int, include_usage: bool
+        self,
+        request_id: str,
+        created: int,
+        stream: OutputStream,
+        params: SamplingParams,
+        top: int,
+        include_usage: bool,
+        plan: ToolPlan,
     ) -> AsyncIterator[str]:
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
             return sse(
@@ -380,6 +427,8 @@ class OpenAIServing:
 
         final: RequestOutput | None = None
         ended: set[int] = set()  # choices whose finish was sent
+        texts = [""] * params.n
+        readers = [plan.stream() for _ in range(params.n)]  # each choice's tool calls, as they grow
         try:
             for index in range(params.n):  # the role first, before any token (as OpenAI and vLLM)
                 yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
@@ -390,13 +439,28 @@ class OpenAIServing:
                     if not _is_news(c.delta_text, start, end, c.finish_reason, c.index, ended):
                         continue
                     logprobs = _chat_logprobs(c, start, end, top) if params.logprobs is not None else None
+                    texts[c.index] += c.delta_text
+                    reader = readers[c.index]
+                    content, calls = reader.update(texts[c.index], final=c.finish_reason is not None)
+                    finish = c.finish_reason
+                    if finish == "stop" and reader.called:
+                        finish = plan.finish_reason
+                    tool_calls = [
+                        DeltaToolCall(
+                            index=d.index,
+                            id=d.id,
+                            type="function" if d.id is not None else None,
+                            function=DeltaFunctionCall(name=d.name, arguments=d.arguments),
+                        )
+                        for d in calls
+                    ]
                     yield chunk(
                         [
                             ChatStreamChoice(
                                 index=c.index,
-                                delta=DeltaMessage(content=c.delta_text or None),
+                                delta=DeltaMessage(content=content or None, tool_calls=tool_calls or None),
                                 logprobs=logprobs,
-                                finish_reason=c.finish_reason,
+                                finish_reason=finish,
                                 stop_reason=c.stop_reason,
                             )
                         ]
