@@ -39,6 +39,7 @@ class StepRecord:
     draft_passes: tuple[tuple[tuple[int, int], ...], ...] = ()
     experts_touched: float | None = None  # an MoE model: distinct experts read per MoE layer (mean)
     comm_s: float = 0.0  # measured: seconds rank 0 spent in collectives (tensor parallelism)
+    mask_s: float = 0.0  # measured: seconds filling structured output's token bitmasks
     cost: StepCost | None = None  # priced on first read
 
     @property
@@ -66,6 +67,8 @@ class PhaseStats:
     floored_wall_s: float = 0.0  # wall time of the steps priced with a known roofline
     comm_s: float = 0.0  # measured time in collectives (tensor parallelism)
     predicted_comm_s: float = 0.0  # the same steps' collectives priced on the link (once it is known)
+    mask_s: float = 0.0  # measured time filling structured output's token bitmasks
+    mask_steps: int = 0  # steps that filled one
 
     @property
     def achieved_bytes_per_s(self) -> float:
@@ -90,6 +93,8 @@ class PhaseStats:
             "floored_wall_s": self.floored_wall_s,
             "comm_s": self.comm_s,
             "predicted_comm_s": self.predicted_comm_s,
+            "mask_s": self.mask_s,
+            "mask_steps": self.mask_steps,
             "achieved_gb_per_s": self.achieved_bytes_per_s / 1e9,
             "achieved_gflop_per_s": self.achieved_flops_per_s / 1e9,
             "roofline_fraction": self.roofline_fraction,
@@ -208,6 +213,7 @@ class Telemetry:
         draft_passes=(),
         experts_touched=None,
         comm_s: float = 0.0,
+        mask_s: float = 0.0,
     ) -> None:
         """Hot path: keep the shape and the time; pricing happens on read."""
         rec = StepRecord(
@@ -218,6 +224,7 @@ class Telemetry:
             tuple(draft_passes),
             experts_touched,
             comm_s,
+            mask_s,
         )
         self.recent.append(rec)
         self._pending.append(rec)
@@ -284,6 +291,8 @@ class Telemetry:
             stats.tokens += rec.tokens
             stats.wall_s += rec.wall_s
             stats.comm_s += rec.comm_s
+            stats.mask_s += rec.mask_s
+            stats.mask_steps += rec.mask_s > 0
             if self._link is not None:
                 stats.predicted_comm_s += self._link.time_s(cost.comm)
             stats.flops += cost.flops
@@ -339,6 +348,11 @@ class Telemetry:
                     f"  collectives {1e3 * s['comm_s'] / s['steps']:.2f} ms/step "
                     f"(link predicts {1e3 * s['predicted_comm_s'] / s['steps']:.2f})"
                     if s["comm_s"]
+                    else ""
+                )
+                + (
+                    f"  grammar masks {1e3 * s['mask_s'] / s['mask_steps']:.2f} ms on {s['mask_steps']} steps"
+                    if s["mask_steps"]
                     else ""
                 )
             )

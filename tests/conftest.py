@@ -39,7 +39,8 @@ HERMES_TEMPLATE = """
 {%- if tools %}
 {{- '<|system|>\\nTools:\\n' }}
 {%- for tool in tools %}
-{{- tool.function.name + '(' + ((tool.function.parameters or {}).get('properties') or {}) | list | join(', ') + ')\\n' }}
+{%- set params = (tool.function.parameters or {}).get('properties') or {} %}
+{{- tool.function.name + '(' + params | list | join(', ') + ')\\n' }}
 {%- endfor %}
 {%- endif %}
 {%- for message in messages %}

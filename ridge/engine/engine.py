@@ -394,7 +394,7 @@ class LLMEngine:
         start = time.perf_counter()
         failures = self.kv_transfer.before_schedule() if self.kv_transfer is not None else []
         plan = self.scheduler.schedule()
-        self.structured.fill_plan(plan)
+        mask_s = self.structured.fill_plan(plan)
         if plan.is_empty:
             outputs = self._fail(failures) + self.output_processor.take_pending()
             if self.kv_transfer is not None:
@@ -429,6 +429,7 @@ class LLMEngine:
             self.speculator.proposer.take_passes() if self.speculator is not None else (),
             out.experts_touched,
             out.comm_s,
+            mask_s,
         )
         return result.outputs
 

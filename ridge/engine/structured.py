@@ -81,13 +81,13 @@ class StructuredOutputs:
         for seq_id in seq_ids:
             self._matchers.pop(seq_id, None)
 
-    def fill_plan(self, plan: SchedulerOutput) -> None:
-        """One bitmask row per constrained chunk that samples this step."""
+    def fill_plan(self, plan: SchedulerOutput) -> float:
+        """One bitmask row per constrained chunk that samples this step; returns the seconds spent."""
         if not self._matchers:  # the usual step: nothing constrained
-            return
+            return 0.0
         chunks = [c for c in plan.chunks if c.samples and c.req_id in self._matchers]
         if not chunks:
-            return
+            return 0.0
         start = time.perf_counter()
         bitmask = self.backend.allocate_bitmask(sum(1 + len(c.draft_token_ids) for c in chunks))
         row = 0
@@ -109,7 +109,9 @@ class StructuredOutputs:
         plan.grammar_bitmask = bitmask
         self.stats.mask_steps += 1
         self.stats.mask_rows += row
-        self.stats.mask_s += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.stats.mask_s += elapsed
+        return elapsed
 
     def vet(self, seq_id: str, tokens: list[int]) -> int:
         """How many of a constrained sequence's proposed tokens its grammar accepts in a row

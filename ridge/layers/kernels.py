@@ -21,6 +21,8 @@ from ridge.quantization.methods import PACKED_ROW_BLOCK
 
 # Query heads per KV head from which the generic decode-attention kernel gives way to GEMMs
 MANY_HEADS_PER_KV_HEAD = 8
+# Each bit of an int32 word as an int32 (bit 31 is the sign): token bitmasks unpacked in one op
+_BIT_VALUES = torch.tensor([1 << j if j < 31 else -(1 << 31) for j in range(32)], dtype=torch.int32)
 # The extension's format codes (csrc/linear_quant.cpp)
 QUANT_KERNEL_CODES = {Q8_0.name: 0, Q4_0.name: 1, Q4_1.name: 2}
 
@@ -81,6 +83,17 @@ class TorchKernels:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def apply_token_bitmask_(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """Structured output: the tokens a row's grammar does not allow get -inf, in place.
+        ``bitmask`` (rows, words) int32: bit j of word w allows token 32 w + j; tokens past
+        its words are disallowed."""
+        rows, vocab = logits.shape
+        bitmask = bitmask.to(logits.device)
+        allowed = (bitmask.unsqueeze(-1) & _BIT_VALUES.to(logits.device)) != 0  # (rows, words, 32)
+        allowed = allowed.view(rows, -1)[:, :vocab]
+        logits[:, : allowed.shape[1]].masked_fill_(~allowed, float("-inf"))
+        logits[:, allowed.shape[1] :] = float("-inf")
 
     def decode_attention(self, q, cache: PagedKV, meta: AttentionMetadata, scale: float | None = None) -> torch.Tensor:
         """q: (D, Hq, Dh), one query per sequence over its paged context -> (D, Hq, Dh).
@@ -182,6 +195,11 @@ class CpuKernels(TorchKernels):
         if gate_up.dtype is not torch.bfloat16:
             return super().silu_mul(gate_up)
         return self.ext.silu_mul_bf16(gate_up)
+
+    def apply_token_bitmask_(self, logits, bitmask):
+        if logits.device.type != "cpu" or not logits.is_contiguous():
+            return super().apply_token_bitmask_(logits, bitmask)
+        self.ext.apply_token_bitmask_(logits, bitmask.contiguous())
 
     def decode_attention(self, q, cache, meta, scale=None):
         head_dim = q.shape[-1]

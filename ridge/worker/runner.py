@@ -24,7 +24,6 @@ from ridge.kv.cache import PagedKV
 from ridge.layers.attention import AttentionMetadata, PrefillChunk
 from ridge.sampling import Sampler, SamplingParams, SamplingState
 from ridge.spec_decode.rejection import plain_greedy, verify, verify_greedy_batch
-from ridge.structured.backend import apply_bitmask
 
 __all__ = ["ChunkInput", "ForwardBatch", "ModelRunner", "PromptLogprob", "RunnerOutput", "RunnerRequest"]
 
@@ -280,9 +279,8 @@ class ModelRunner:
                 logprobs[rid] = [(lp, top or []) for lp, top in result.logprobs]
         return RunnerOutput(sampled, logprobs, prompt_logprobs, verified, generator_states=generator_states)
 
-    @staticmethod
     def _masked(
-        batch: ForwardBatch, logits: torch.Tensor, bitmask: torch.Tensor, grammar_rows: dict[str, int]
+        self, batch: ForwardBatch, logits: torch.Tensor, bitmask: torch.Tensor, grammar_rows: dict[str, int]
     ) -> torch.Tensor:
         """A copy of ``logits`` (inference tensors) with each constrained row's bitmask applied:
         a sampled row takes its sequence's row of the bitmask; a verify run of 1 + k rows the
@@ -297,7 +295,7 @@ class ModelRunner:
             return logits
         index = torch.tensor([i for i, _ in pairs], device=logits.device)
         rows = logits[index]
-        apply_bitmask(rows, bitmask[[m for _, m in pairs]])
+        self.model.kernels.apply_token_bitmask_(rows, bitmask[[m for _, m in pairs]])
         return logits.index_copy(0, index, rows)
 
     @staticmethod

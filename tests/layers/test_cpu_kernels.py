@@ -122,6 +122,26 @@ def test_silu_mul(pair):
     assert _ulps(fast.silu_mul(gate_up), ref.silu_mul(gate_up)) <= 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab,words", [(100, 4), (96, 3), (130, 4)])  # 130 > 4 * 32: the tail is disallowed
+def test_token_bitmask_matches_llguidance_and_the_torch_path(pair, dtype, vocab, words):
+    import llguidance.torch
+
+    ref, fast = pair
+    gen = torch.Generator().manual_seed(vocab)
+    mask = torch.randint(-(2**31), 2**31, (5, words), dtype=torch.int32, generator=gen)
+    mask[1] = -1  # every token allowed
+    mask[2] = 0  # none
+    logits = torch.randn(5, vocab, generator=gen).to(dtype)
+    expected = logits.clone()
+    llguidance.torch.apply_token_bitmask_inplace(expected, mask)  # the grammar engine's own reading
+    for kernels in (ref, fast):
+        got = logits.clone()
+        kernels.apply_token_bitmask_(got, mask)
+        assert torch.equal(got, expected), kernels.name
+    assert torch.isinf(expected[2]).all() and torch.equal(expected[1, : 32 * words], logits[1, : 32 * words])
+
+
 @pytest.mark.parametrize("dtype,dim", [(torch.float32, 8), (torch.float32, 64), (torch.bfloat16, 24)])
 @pytest.mark.parametrize("lens", [[1], [5, 40, 17]])
 def test_portable_decode_attention_any_head_size(pair, lens, dtype, dim):

@@ -266,3 +266,21 @@ def test_malformed_arguments_in_a_message_are_a_400(server):
     with httpx.Client(base_url=server.base_url, timeout=60) as http:
         res = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4})
         assert res.status_code == 400 and "not valid JSON" in res.json()["error"]["message"]
+
+
+def test_an_agent_loop_sends_the_reply_message_back(client):
+    """The openai client's own message object goes back as the assistant's turn, then the result."""
+    messages = list(MESSAGES)
+    reply = client.chat.completions.create(
+        model="stories",
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=60,
+        temperature=0,
+    ).choices[0]
+    (call,) = reply.message.tool_calls
+    messages += [reply.message, {"role": "tool", "tool_call_id": call.id, "content": "done"}]
+    answer = client.chat.completions.create(model="stories", messages=messages, tools=TOOLS, max_tokens=4)
+    assert answer.choices[0].message.content is not None

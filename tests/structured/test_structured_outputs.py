@@ -131,10 +131,17 @@ def test_a_constraint_compiles_once_and_its_masks_are_counted(llm):
     assert llm.generate(["x"], params, use_tqdm=False)[0].outputs[0].text
     assert stats.compiles == before + 1 and stats.mask_steps > steps
     assert llm.engine.stats().structured.mask_s > 0
+    decode = llm.engine.telemetry.phases()["decode"]  # each step's mask time is in the telemetry
+    assert decode.mask_steps > 0 and 0 < decode.mask_s < decode.wall_s
 
 
-def test_speculation_never_changes_what_a_constrained_sequence_outputs(stories_dir, llm):
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_never_changes_what_a_constrained_sequence_outputs(stories_dir, llm, method):
+    spec = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
+    if method == "ngram":
+        spec["prompt_lookup_min"] = 1
+    else:  # the model drafts for itself: most drafts are the grammar's and the target's choice
+        spec["model"] = str(stories_dir)
     fast = LLM(str(stories_dir), dtype="float32", num_kv_blocks=48, max_num_seqs=8, speculative_config=spec)
     prompt = 'The toy said {"name":"Rex","age":3} and {"name":"Tim","age":4} and'  # JSON to look up
     for sampling in (dict(temperature=0.0), dict(temperature=1.0, seed=9, n=2)):

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -425,3 +426,44 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 namespace ridge {
 void softmax_row(float* scores, int64_t L, bool round_to_bf16) { ::softmax_row(scores, L, round_to_bf16); }
 }  // namespace ridge
+
+// Structured output: the tokens a row's grammar does not allow get -inf, in place. Bit j of
+// word w of a row's mask allows token 32 w + j (llguidance's and xgrammar's layout); tokens
+// past the mask's words are disallowed. Each word is one or two masked stores of -inf (no
+// branch per token: grammar masks are as random as bits get); a word of all ones is skipped.
+void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask) {
+  TORCH_CHECK(logits.dim() == 2 && bitmask.dim() == 2 && logits.size(0) == bitmask.size(0),
+              "apply_token_bitmask_: logits (rows, V) and bitmask (rows, words)");
+  TORCH_CHECK(bitmask.scalar_type() == torch::kInt32, "apply_token_bitmask_: the bitmask is int32");
+  TORCH_CHECK(logits.is_contiguous() && bitmask.is_contiguous() && logits.device().is_cpu() && bitmask.device().is_cpu(),
+              "apply_token_bitmask_: contiguous CPU tensors");
+  const auto dtype = logits.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kFloat16,
+              "apply_token_bitmask_: float32, bfloat16 or float16 logits");
+  const int64_t rows = logits.size(0), V = logits.size(1), words = bitmask.size(1);
+  const uint32_t* mp = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const bool f32 = dtype == torch::kFloat32;
+  char* lp = static_cast<char*>(logits.data_ptr());
+  const int64_t row_bytes = V * logits.element_size();
+  // -inf: fp32 0xFF800000, bf16 0xFF80, fp16 0xFC00
+  const __m512 ninf32 = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0xFF800000u)));
+  const __m512i ninf16 = _mm512_set1_epi16(static_cast<short>(dtype == torch::kBFloat16 ? 0xFF80 : 0xFC00));
+  at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      char* row = lp + r * row_bytes;
+      const uint32_t* m = mp + r * words;
+      for (int64_t base = 0, w = 0; base < V; base += 32, ++w) {
+        uint32_t off = w < words ? ~m[w] : 0xFFFFFFFFu;  // the tokens to disallow
+        if (V - base < 32) off &= (1u << (V - base)) - 1u;  // no store past the row
+        if (!off) continue;
+        if (f32) {
+          float* p = reinterpret_cast<float*>(row) + base;
+          _mm512_mask_storeu_ps(p, static_cast<__mmask16>(off & 0xFFFFu), ninf32);
+          _mm512_mask_storeu_ps(p + 16, static_cast<__mmask16>(off >> 16), ninf32);
+        } else {
+          _mm512_mask_storeu_epi16(reinterpret_cast<int16_t*>(row) + base, static_cast<__mmask32>(off), ninf16);
+        }
+      }
+    }
+  });
+}
