@@ -46,6 +46,7 @@ import torch
 from ridge.config import EngineConfig
 from ridge.engine.engine import LLMEngine
 from ridge.engine.tokenizer import load_tokenizer
+from ridge.roofline.probe import cpu_model
 from ridge.sampling import SamplingParams
 from ridge.structured.backend import make_backend
 from ridge.structured.params import StructuredOutputsParams
@@ -448,7 +449,7 @@ def main() -> None:
         tok_dir = train_tokenizer(Path(tmp) / "bpe32k")
         result: dict = {
             "machine": platform.processor() or platform.machine(),
-            "cpu": _cpu_name(),
+            "cpu": cpu_model(),
             "torch": torch.__version__,
             "model": MODEL,
             "quantization": "int4",
@@ -483,16 +484,6 @@ def main() -> None:
         result = {**{k: v for k, v in json.loads(OUT.read_text()).items() if k in args.skip}, **result}
     OUT.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {OUT}")
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

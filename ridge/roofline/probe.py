@@ -75,7 +75,7 @@ class ProbeSettings:
 def machine_fingerprint() -> dict[str, str | int]:
     """What the measurements depend on; a change invalidates the cache."""
     return {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "logical_cpus": os.cpu_count() or 1,
         "threads": os.cpu_count() or 1,
         "torch": torch.__version__,
@@ -150,7 +150,7 @@ def probe_local(settings: ProbeSettings = ProbeSettings()) -> Hardware:
         bandwidth_bytes_per_s=bandwidth.high,
         memory_bytes=_physical_memory_bytes(),
         source=(
-            f"measured on this machine ({_cpu_model()}, {threads} threads, torch {torch.__version__}): "
+            f"measured on this machine ({cpu_model()}, {threads} threads, torch {torch.__version__}): "
             f"sum() over {settings.bandwidth_bytes / 1024**2:.0f} MiB fp32, square torch.matmul{kernels}; "
             "the best of repeated runs"
         ),
@@ -280,7 +280,8 @@ def _seconds(run: Callable[[], object]) -> float:
     return max(time.perf_counter() - start, 1e-9)
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), for saying where a figure was measured."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
