@@ -34,6 +34,9 @@ HEADERS = ("linear_call.h", "paged_rows.h")
 EXTENSION_NAME = "ridge_cpu"
 # Progress lines while a build runs (it takes 1-2 minutes on 2 cores).
 PROGRESS_EVERY_S = 15.0
+# cpp_extension's build lock: a build that was killed leaves it, and every later load would
+# wait on it forever. One older than this is taken as such a leftover (a build takes minutes).
+STALE_LOCK_S = 600.0
 
 
 def cpu_has_avx512_bf16() -> bool:
@@ -73,6 +76,7 @@ def load_extension(progress=sys.stderr):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     build_dir = extension_build_dir()
     build_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_lock(build_dir / "lock", progress)
     building = not extension_is_built()
     done = threading.Event()
     if building and progress is not None:
@@ -118,6 +122,20 @@ def load_extension(progress=sys.stderr):
     if building and progress is not None:
         print(f"ridge: CPU kernels compiled in {time.monotonic() - start:.0f} s", file=progress, flush=True)
     return module
+
+
+def _remove_stale_lock(lock: Path, progress) -> None:
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
+        if progress is not None:
+            print(
+                f"ridge: removed a build lock left {age / 60:.0f} minutes ago by a build that did not finish",
+                file=progress,
+            )
 
 
 def select_kernels(kind: str, device: torch.device, dtype: torch.dtype):

@@ -11,9 +11,8 @@ converter interleaves each head's two RoPE halves; ridge, like transformers, rot
 Tensor types and what each becomes (``plan_weights``):
 
     F32, F16, BF16            dense (the model's dtype, or --quantization's format)
-    Q8_0, Q4_0, Q4_1          as they are: ridge's int8 / int4 / int4_asym hold GGUF's bytes
-    Q4_K                      int4_asym: each sub-block of 32 is an affine map (exact up to
-                              the fp16 rounding of its folded scale and minimum)
+    Q8_0, Q4_0, Q4_1, IQ4_NL, as they are: ridge's int8 / int4 / int4_asym / iq4_nl / q4_k
+    Q4_K                      hold GGUF's bytes (the kernels regroup them at load, same size)
     Q5_K, Q6_K, Q5_0, Q5_1    int8 (dequantized, requantized per 32: a small added error)
 """
 
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 
 from ridge.distributed.parallel import Shard
-from ridge.quantization.formats import FORMATS, Q4_1, Q8_0, BlockFormat
+from ridge.quantization.formats import FORMATS, Q8_0, BlockFormat
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -37,10 +36,10 @@ ARCHITECTURES = {
 DENSE_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 NATIVE_TYPES = {f.ggml_name: f for f in FORMATS.values()}
 # K-quants, and the 5-bit types llama.cpp falls back to where K is not a multiple of 256
-CONVERTED_TYPES = {"Q4_K": Q4_1, "Q5_K": Q8_0, "Q6_K": Q8_0, "Q5_0": Q8_0, "Q5_1": Q8_0}
+CONVERTED_TYPES = {"Q5_K": Q8_0, "Q6_K": Q8_0, "Q5_0": Q8_0, "Q5_1": Q8_0}
 SUPPORTED_TYPES = (*DENSE_TYPES, *NATIVE_TYPES, *CONVERTED_TYPES)
 # the formats a layer can take, widest first (a packed layer whose shards differ takes the widest)
-WIDTH_ORDER = ("int8", "int4_asym", "int4")
+WIDTH_ORDER = ("int8", "int4_asym", "q4_k", "iq4_nl", "int4")
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face module path
 LAYER_TENSORS = {
@@ -111,20 +110,19 @@ class GGUFTensor:
         return torch.from_numpy(np.ascontiguousarray(values)).reshape(shape)
 
     def blocks(self, rows: Shard | None = None, cols: Shard | None = None) -> torch.Tensor:
-        """(N, K/32 * type_size) uint8 of a native block type (Q4_K: converted to Q4_1), of
-        the rows and (whole blocks of) columns asked for."""
+        """(N, row bytes) uint8 of a native block type, of the rows and (whole blocks of)
+        columns asked for."""
         data = self.data
         if rows is not None:
             data = data[rows.start : rows.start + rows.length]
         if cols is not None:
             data = data[:, self._block_cols(cols)]
-        data = q4_k_to_q4_1(np.ascontiguousarray(data)) if self.type_name == "Q4_K" else data
         return torch.from_numpy(np.array(data)).reshape(data.shape[0], -1)
 
     @property
     def loads_as_blocks(self) -> bool:
         """Its bytes go into a layer of its target format without dequantizing."""
-        return self.type_name in NATIVE_TYPES or self.type_name == "Q4_K"
+        return self.type_name in NATIVE_TYPES
 
 
 class GGUFModel:
@@ -304,34 +302,6 @@ def _unpermute_rows(data: np.ndarray, n_heads: int) -> np.ndarray:
     return data.reshape(n_heads, rows // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
-def q4_k_to_q4_1(data: np.ndarray) -> np.ndarray:
-    """Q4_K super-blocks (N, K/256 * 144 bytes) -> Q4_1 blocks (N, K/32 * 20 bytes).
-
-    A Q4_K super-block holds 8 sub-blocks of 32 with 6-bit scales and minimums under two
-    fp16 super-scales: w = d * sc_j * q - dmin * m_j, an affine map per 32 weights, i.e.
-    a Q4_1 block with d' = fp16(d * sc_j), m' = fp16(-dmin * m_j). Nibbles regroup:
-
-        Q4_K 64 weights = 32 bytes: low nibbles -> sub-block 2i, high -> sub-block 2i + 1
-        Q4_1 32 weights = 16 bytes: byte j = element j (low) | element j + 16 (high)
-    """
-    from gguf.quants import Q4_K
-
-    n = data.shape[0]
-    blocks = data.reshape(-1, 144)
-    d = blocks[:, 0:2].view(np.float16).astype(np.float32)
-    dmin = blocks[:, 2:4].view(np.float16).astype(np.float32)
-    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
-    scale = (d * sc.astype(np.float32)).astype(np.float16)  # (B, 8)
-    minimum = (-(dmin * m.astype(np.float32))).astype(np.float16)
-    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    codes = (qs & 0x0F).reshape(-1, 8, 32)  # (B, sub-block, element)
-    nibbles = codes[..., :16] | (codes[..., 16:] << 4)
-    out = np.concatenate(
-        [scale.reshape(-1, 8, 1).view(np.uint8), minimum.reshape(-1, 8, 1).view(np.uint8), nibbles], axis=-1
-    )
-    return out.reshape(n, -1)
-
-
 def target_format(type_name: str) -> BlockFormat | None:
     """The ridge format a tensor of this GGUF type becomes (None: dense)."""
     if type_name in DENSE_TYPES:
@@ -343,7 +313,10 @@ def widest(formats: list[BlockFormat | None]) -> BlockFormat | None:
     """The format a packed layer takes when its shards' formats differ (dense if any is)."""
     if any(f is None for f in formats):
         return None
-    return min(formats, key=lambda f: WIDTH_ORDER.index(f.name))
+    wide = min(formats, key=lambda f: WIDTH_ORDER.index(f.name))
+    if not wide.quantizable and any(f is not wide for f in formats):
+        return Q8_0  # the others cannot be requantized into a format ridge does not produce
+    return wide
 
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
@@ -392,8 +365,6 @@ def conversions(
             fmt = formats[layer]
             if source in NATIVE_TYPES and NATIVE_TYPES[source] is fmt:
                 what = None
-            elif source == "Q4_K" and fmt is Q4_1:
-                what = f"Q4_K -> {fmt.name} ({fmt.ggml_name}; exact up to the fp16 rounding of scales)"
             else:
                 what = f"{source} -> {fmt.name} ({fmt.ggml_name}; requantized)"
         if what:

@@ -225,8 +225,8 @@ def _beyond_last_layer(name: str, num_layers: int) -> bool:
 
 
 def _load_gguf(model: torch.nn.Module, gguf: GGUFModel) -> None:
-    """Each tensor of the file into its parameter: blocks of a layer's own format as they are
-    (Q4_K regrouped into Q4_1), anything else dequantized and handed to the layer's method."""
+    """Each tensor of the file into its parameter: blocks of a layer's own format as they are;
+    anything else dequantized and handed to the layer's method."""
     names = _loadable_names(model)
     modules = dict(model.named_modules())
     loaded: set[str] = set()

@@ -6,12 +6,20 @@ row by row exactly as a GGUF tensor stores them (``blocks``: uint8, (N, K/32 * t
     Q8_0  [ d:f16 | q:int8 x 32 ]                         34 bytes   w = q * d
     Q4_0  [ d:f16 | nibbles x 16 ]                        18 bytes   w = (q - 8) * d
     Q4_1  [ d:f16 | m:f16 | nibbles x 16 ]                20 bytes   w = q * d + m
+    IQ4_NL [ d:f16 | nibbles x 16 ]                       18 bytes   w = IQ4_NL_VALUES[q] * d
 
     nibbles: byte j holds element j (low 4 bits) and element j + 16 (high 4 bits)
 
+and one K-quant, in super-blocks of 256 (8 sub-blocks of 32, each with 6-bit codes for its
+scale and minimum under the super-block's two fp16 factors):
+
+    Q4_K  [ d:f16 | dmin:f16 | 12 bytes: 8 x (sc, m) 6-bit | nibbles x 128 ]   144 bytes
+          w = d * sc_j * q - dmin * m_j     (run c of 32 bytes: sub-block 2c low, 2c + 1 high)
+
 Quantization reproduces ``gguf.quants.quantize`` bit for bit (the same float32 arithmetic
 in the same order, llama.cpp's rounding), so a file quantized by llama.cpp and the same
-weights quantized by ridge at load hold identical bytes. Any device; no numpy.
+weights quantized by ridge at load hold identical bytes. IQ4_NL and Q4_K are read from files
+only (``gguf.quants`` has no quantizer to match: llama.cpp's search scales). Any device; no numpy.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-BLOCK = 32  # weights per block, every format
+BLOCK = 32  # weights per block (a K-quant's sub-block: what the kernels' groups are)
 
 
 @dataclass(frozen=True)
@@ -34,27 +42,39 @@ class BlockFormat:
     offset: int  # q - offset is the signed code (8 for Q4_0, 0 otherwise)
     has_min: bool  # Q4_1: a per-block minimum besides the scale
     nibbles: bool  # 4-bit codes, two per byte
+    codebook: tuple[int, ...] | None = None  # IQ4_NL: each code indexes these values (not q - offset)
+    block: int = BLOCK  # weights per block: 256 for a K-quant's super-block
+
+    @property
+    def quantizable(self) -> bool:
+        """Whether ridge produces it at load (``--quantization``); the others come from files."""
+        return self.name in _QUANTIZE
 
     @property
     def bits_per_weight(self) -> float:
-        return self.type_size * 8 / BLOCK
+        return self.type_size * 8 / self.block
 
     def row_bytes(self, k: int) -> int:
-        return k // BLOCK * self.type_size
+        return k // self.block * self.type_size
 
     def quantize(self, w: torch.Tensor) -> torch.Tensor:
         """(N, K) float weights, K a multiple of 32 -> (N, K/32 * type_size) uint8 blocks."""
+        if not self.quantizable:
+            raise ValueError(f"{self.ggml_name} is read from GGUF files only; ridge does not quantize to it")
         return _QUANTIZE[self.name](_blocks_of(w))
 
     def dequantize(self, blocks: torch.Tensor, k: int) -> torch.Tensor:
         """(N, K/32 * type_size) uint8 -> (N, K) float32 weights."""
         n = blocks.shape[0]
+        if self.name == "q4_k":
+            return _dequantize_q4_k(blocks.reshape(n, k // self.block, self.type_size)).reshape(n, k)
         b = blocks.reshape(n, k // BLOCK, self.type_size)
         d = _f16(b[..., 0:2])
         if self.nibbles:
             start = 4 if self.has_min else 2
             packed = b[..., start:]
-            q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()  # elements 0-15, then 16-31
+            q = torch.cat([packed & 0x0F, packed >> 4], dim=-1)  # elements 0-15, then 16-31
+            q = torch.tensor(self.codebook, device=q.device)[q.long()].float() if self.codebook else q.float()
         else:
             q = b[..., 2:].contiguous().view(torch.int8).float()
         w = (q - self.offset) * d.unsqueeze(-1)
@@ -66,18 +86,35 @@ class BlockFormat:
 Q8_0 = BlockFormat("int8", "Q8_0", 8, 34, offset=0, has_min=False, nibbles=False)
 Q4_0 = BlockFormat("int4", "Q4_0", 2, 18, offset=8, has_min=False, nibbles=True)
 Q4_1 = BlockFormat("int4_asym", "Q4_1", 3, 20, offset=0, has_min=True, nibbles=True)
-FORMATS: dict[str, BlockFormat] = {f.name: f for f in (Q8_0, Q4_0, Q4_1)}
+# llama.cpp's kvalues_iq4nl: 16 non-linear steps, denser near zero where weights are
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+IQ4_NL = BlockFormat("iq4_nl", "IQ4_NL", 20, 18, offset=0, has_min=False, nibbles=True, codebook=IQ4_NL_VALUES)
+Q4_K = BlockFormat("q4_k", "Q4_K", 12, 144, offset=0, has_min=True, nibbles=True, block=256)
+FORMATS: dict[str, BlockFormat] = {f.name: f for f in (Q8_0, Q4_0, Q4_1, IQ4_NL, Q4_K)}
 FORMATS_BY_GGML_TYPE: dict[int, BlockFormat] = {f.ggml_type: f for f in FORMATS.values()}
 # --quantization accepts ridge's names and llama.cpp's
 FORMAT_ALIASES = {"q8_0": "int8", "q4_0": "int4", "q4_1": "int4_asym"}
 
 
 def get_format(name: str) -> BlockFormat:
+    """A format ``--quantization`` can produce, by ridge's or llama.cpp's name."""
     key = FORMAT_ALIASES.get(name.lower(), name.lower())
-    if key not in FORMATS:
-        choices = ", ".join([*FORMATS, *FORMAT_ALIASES])
+    if key not in QUANTIZATION_FORMATS:
+        choices = ", ".join([*QUANTIZATION_FORMATS, *FORMAT_ALIASES])
         raise ValueError(f"unknown quantization {name!r}; choose one of {choices}")
     return FORMATS[key]
+
+
+def _dequantize_q4_k(b: torch.Tensor) -> torch.Tensor:
+    """(N, S, 144) uint8 super-blocks -> (N, S, 256) float32, as gguf.quants computes it."""
+    d, dmin = _f16(b[..., 0:2]).unsqueeze(-1), _f16(b[..., 2:4]).unsqueeze(-1)
+    q = b[..., 4:16].long()
+    lo, mid, top = q[..., 0:4], q[..., 4:8], q[..., 8:12]
+    sc = torch.cat([lo & 63, (top & 15) | ((lo >> 6) << 4)], dim=-1).float()  # (N, S, 8)
+    m = torch.cat([mid & 63, (top >> 4) | ((mid >> 6) << 4)], dim=-1).float()
+    runs = b[..., 16:].reshape(*b.shape[:-1], 4, 1, 32)
+    codes = torch.cat([runs & 15, runs >> 4], dim=-2).reshape(*b.shape[:-1], 8, 32).float()
+    return ((d * sc).unsqueeze(-1) * codes - (dmin * m).unsqueeze(-1)).reshape(*b.shape[:-1], 256)
 
 
 def _blocks_of(w: torch.Tensor) -> torch.Tensor:
@@ -134,3 +171,6 @@ def _quantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
 
 
 _QUANTIZE = {"int8": _quantize_q8_0, "int4": _quantize_q4_0, "int4_asym": _quantize_q4_1}
+
+# the formats --quantization produces at load (the others are read from files only)
+QUANTIZATION_FORMATS = tuple(name for name, f in FORMATS.items() if f.quantizable)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ridge.quantization.formats import BLOCK, BlockFormat
+from ridge.quantization.formats import BlockFormat
 
 if TYPE_CHECKING:
     from ridge.layers.linear import Linear
@@ -126,9 +126,9 @@ class BlockQuantLinearMethod(LinearMethod):
         self.format = fmt
 
     def create_weights(self, layer):
-        if layer.in_features % BLOCK:
+        if layer.in_features % self.format.block:
             raise ValueError(
-                f"{self.format.name} needs in_features divisible by {BLOCK}, got {layer.in_features}"
+                f"{self.format.name} needs in_features divisible by {self.format.block}, got {layer.in_features}"
                 + (" (this rank's columns of a row-parallel layer)" if getattr(layer, "tp_cols", None) else "")
             )
         layer.register_buffer(

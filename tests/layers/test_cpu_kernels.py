@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -62,6 +64,22 @@ def test_prepare_packs_linears_frees_dense_copies_but_keeps_a_tied_embedding(ker
     a = fast.generate([prompt], lp, use_tqdm=False)[0].outputs[0]
     b = ref.generate([prompt], lp, use_tqdm=False)[0].outputs[0]
     assert a.token_ids == b.token_ids and abs(a.cumulative_logprob - b.cumulative_logprob) < 0.05
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, capsys):
+    import os
+    import time
+
+    from ridge.layers.cpu_kernels import STALE_LOCK_S, _remove_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    _remove_stale_lock(lock, sys.stderr)
+    assert lock.exists()  # a build may be running
+    old = time.time() - STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    _remove_stale_lock(lock, sys.stderr)
+    assert not lock.exists() and "removed a build lock" in capsys.readouterr().err
 
 
 def test_select_kernels_choices():

@@ -54,12 +54,29 @@ def rewrite(
     return dst
 
 
+def quantize_any(values: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """llama.cpp's quantizer code where gguf has it; IQ4_NL (which it lacks): each block's
+    scale from its largest magnitude, each weight the nearest table value (valid IQ4_NL blocks,
+    not llama.cpp's scale search)."""
+    if qtype != GGMLQuantizationType.IQ4_NL:
+        return quantize(values, qtype)
+    from ridge.quantization.formats import IQ4_NL_VALUES
+
+    table = np.array(IQ4_NL_VALUES, dtype=np.float32)
+    blocks = values.astype(np.float32).reshape(values.shape[0], -1, 32)
+    d = (np.abs(blocks).max(-1, keepdims=True) / 127).astype(np.float16)
+    inv = np.where(d == 0, 0, 1 / np.where(d == 0, 1, d.astype(np.float32)))
+    codes = np.abs(blocks[..., None] * inv[..., None] - table).argmin(-1).astype(np.uint8)
+    nibbles = codes[..., :16] | (codes[..., 16:] << 4)
+    return np.concatenate([d.view(np.uint8), nibbles], axis=-1).reshape(values.shape[0], -1)
+
+
 def quantized(src: Path, dst: Path, qtype: GGMLQuantizationType) -> Path:
     """Every linear weight whose K allows it in ``qtype`` (stories' ffn_down, K = 172, stays F32)."""
 
     def fn(name, values):
         if is_linear(name) and values.shape[-1] % 32 == 0:
-            return quantize(values, qtype), qtype
+            return quantize_any(values, qtype), qtype
         return None
 
     return rewrite(src, dst, fn)

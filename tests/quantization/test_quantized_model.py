@@ -16,7 +16,7 @@ import transformers
 
 from ridge import LLM, SamplingParams
 from ridge.layers.cpu_kernels import cpu_has_avx512_bf16
-from ridge.quantization.formats import FORMATS
+from ridge.quantization.formats import FORMATS, QUANTIZATION_FORMATS
 
 from ..models.hf_tiny import COMMON
 from ..models.test_parity import _prompts, _record_logits
@@ -81,7 +81,7 @@ def _hf_logits(hf, prompt, tokens):
     return ref[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
 
 
-@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+@pytest.mark.parametrize("fmt_name", QUANTIZATION_FORMATS)
 def test_torch_path_matches_transformers_on_the_quantized_weights(model_dir, fmt_name):
     directory, tied = model_dir
     hf = _reference(directory, fmt_name, tied)
@@ -97,7 +97,7 @@ def test_torch_path_matches_transformers_on_the_quantized_weights(model_dir, fmt
 
 
 @pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU has no AVX-512 BF16 + VNNI")
-@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+@pytest.mark.parametrize("fmt_name", QUANTIZATION_FORMATS)
 def test_cpu_kernels_match_transformers_within_int8_activations(model_dir, fmt_name):
     directory, tied = model_dir
     hf = _reference(directory, fmt_name, tied)
@@ -113,7 +113,7 @@ def test_cpu_kernels_match_transformers_within_int8_activations(model_dir, fmt_n
         assert torch.nn.functional.cosine_similarity(got, ref, dim=-1).min().item() > 0.999
 
 
-@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+@pytest.mark.parametrize("fmt_name", QUANTIZATION_FORMATS)
 def test_weight_bytes_are_the_formats(model_dir, fmt_name):
     directory, tied = model_dir
     llm = LLM(str(directory), tokenizer="bytes", dtype="float32", quantization=fmt_name, num_kv_blocks=8)

@@ -1,4 +1,4 @@
-// y = x @ w^T (+ bias) for weights in llama.cpp's block formats (Q8_0, Q4_0, Q4_1), with
+// y = x @ w^T (+ bias) for weights in llama.cpp's block formats (Q8_0, Q4_0, Q4_1, IQ4_NL, Q4_K), with
 // integer dot products (AVX-512 VNNI, vpdpbusd): x is quantized per row to int8 in blocks
 // of 32 (as llama.cpp quantizes activations to Q8_0), so one instruction does 64
 // multiply-adds (twice vdpbf16ps) and W is read in its own 4.5-8.5 bits per weight.
@@ -20,6 +20,9 @@
 // int8 code + 128) and x the signed one; the offset comes back out with the x block's sum:
 //   sum_k (q_k - off) x_k = sum_k q_k x_k - off * sum_k x_k         (off = 128, 8 or 0)
 //   Q4_1: sum_k (q_k d + m) x_k = d sum_k q_k x_k + m sum_k x_k
+//   Q4_K: sum_k (d sc q_k - dmin m) x_k per group of 32, d sc and dmin m from 6-bit codes
+//   IQ4_NL: a code is an index into a 16-value int8 table (non-linear steps); one vpshufb per
+//   64 codes looks them up as table + 128 (unsigned), and off = 128 takes the 128 back out
 //   (with x = dx * xq per block of 32: every sum above is an integer times dx)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -33,7 +36,10 @@
 
 namespace {
 
-enum Format : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+enum Format : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, IQ4_NL = 3, Q4_K = 4 };
+
+// IQ4_NL's table (llama.cpp's kvalues_iq4nl) plus 128: the unsigned bytes vpdpbusd multiplies
+alignas(16) constexpr uint8_t IQ4_NL_TABLE[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
 constexpr int64_t QK = 32;     // weights per block
 constexpr int64_t ROWS = 16;   // output rows per packed block
@@ -52,6 +58,9 @@ Layout layout_of(int64_t fmt) {
     case Q8_0: return {34, 512, 512 + 32, 128, false, false};
     case Q4_0: return {18, 256, 256 + 32, 8, true, false};
     case Q4_1: return {20, 256, 256 + 64, 0, true, true};
+    case IQ4_NL: return {18, 256, 256 + 32, 128, true, false};
+    // per 256 k (a super-block): 144 bytes in the file, 16 x 144 in a block of 16 rows
+    case Q4_K: return {144, 256, 256 + 32, 0, true, true};
   }
   TORCH_CHECK(false, "unknown block format ", fmt);
 }
@@ -113,25 +122,68 @@ inline void load_weights(const uint8_t* chunk, __m512i w[8]) {
       w[j] = _mm512_and_si512(v, low);
       w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
+    if constexpr (FMT == IQ4_NL) {  // codes -> table values (+ 128), 16 bytes per 128-bit lane
+      const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_TABLE)));
+      for (int j = 0; j < 8; ++j) w[j] = _mm512_shuffle_epi8(table, w[j]);
+    }
   }
 }
 
 // One block of 16 outputs for the MR rows of a tile: fp32 results into out[MR][16].
+// Q4_K: a super-block's 6-bit codes for its 8 groups x 16 rows, unpacked into bytes with a
+// few 512-bit byte ops (see pack_q4_k for their 192 bytes), and its fp16 d and dmin.
+struct Q4KScales {
+  alignas(64) uint8_t sc[128];  // [group][row]
+  alignas(64) uint8_t m[128];
+  __m512 d, dmin;
+};
+
+inline void q4_k_superblock(const uint8_t* scales, int64_t G, int64_t s, Q4KScales& out) {
+  const uint8_t* dd = scales + s * 64;
+  const uint8_t* codes = scales + (G >> 3) * 64 + s * 192;
+  const __m512i nib = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3), twelve = _mm512_set1_epi8(12);
+  const __m512i hv = _mm512_loadu_si512(codes + 128);
+  const __m512i high[2] = {_mm512_and_si512(hv, nib), _mm512_and_si512(_mm512_srli_epi16(hv, 4), nib)};
+  for (int half = 0; half < 2; ++half) {
+    const __m512i low = _mm512_loadu_si512(codes + 64 * half);  // sc's low 4 bits | m's << 4
+    const __m512i sc = _mm512_or_si512(_mm512_and_si512(low, nib), _mm512_slli_epi16(_mm512_and_si512(high[half], two), 4));
+    const __m512i m = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), nib),
+                                      _mm512_slli_epi16(_mm512_and_si512(high[half], twelve), 2));
+    _mm512_store_si512(out.sc + 64 * half, sc);
+    _mm512_store_si512(out.m + 64 * half, m);
+  }
+  out.d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd)));
+  out.dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd + 32)));
+}
+
 template <int FMT, int MR>
 inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* out) {
   constexpr int64_t WB = FMT == Q8_0 ? 512 : 256;
+  constexpr bool MIN = FMT == Q4_1 || FMT == Q4_K;
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   const uint8_t* scales = block + G * WB;
+  [[maybe_unused]] Q4KScales sb;
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* chunk = block + g * WB;
+    if constexpr (FMT == Q4_K) {
+      if ((g & 7) == 0) q4_k_superblock(scales, G, g >> 3, sb);
+    }
     if constexpr (MR >= PF_MIN_MR) {
       _mm_prefetch(reinterpret_cast<const char*>(chunk + PF_DIST * WB), _MM_HINT_T0);
       if constexpr (WB > 256) _mm_prefetch(reinterpret_cast<const char*>(chunk + PF_DIST * WB + 256), _MM_HINT_T0);
     }
     // the scales are a short second stream per block (2 KiB at K = 2048): the hardware
     // prefetcher hardly starts on it, so it is fetched ahead here (their misses stalled M = 1)
-    _mm_prefetch(reinterpret_cast<const char*>(scales + (g + 4) * 32), _MM_HINT_T0);
+    if constexpr (FMT == Q4_K) {  // the next super-block's d, dmin and codes
+      if ((g & 7) == 2) {
+        const uint8_t* next = scales + (G >> 3) * 64 + ((g >> 3) + 1) * 192;
+        _mm_prefetch(reinterpret_cast<const char*>(scales + ((g >> 3) + 1) * 64), _MM_HINT_T0);
+        for (int line = 0; line < 3; ++line) _mm_prefetch(reinterpret_cast<const char*>(next + 64 * line), _MM_HINT_T0);
+      }
+    } else {
+      _mm_prefetch(reinterpret_cast<const char*>(scales + (g + 4) * 32), _MM_HINT_T0);
+    }
     if constexpr (FMT == Q4_1) _mm_prefetch(reinterpret_cast<const char*>(scales + (G + g + 4) * 32), _MM_HINT_T0);
     if (g + 8 == G) {  // the next block's first scales (a thread walks its blocks in order)
       const uint8_t* next_scales = block + G * (WB + (FMT == Q4_1 ? 64 : 32)) + G * WB;
@@ -139,15 +191,21 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
     }
     __m512i w[8];
     load_weights<FMT>(chunk, w);
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * 32)));
-    __m512 mw;
+    __m512 dw, mw;
+    if constexpr (FMT == Q4_K) {
+      const int64_t j = (g & 7) * 16;
+      dw = _mm512_mul_ps(sb.d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.sc + j)))));
+      mw = _mm512_mul_ps(sb.dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.m + j)))));
+    } else {
+      dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * 32)));
+    }
     if constexpr (FMT == Q4_1)
       mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (G + g) * 32)));
     const int32_t* xq = t.q + g * 8 * MR;
     for (int i = 0; i < MR; ++i) {
       // two partial sums: halves the chain of dependent vpdpbusd (latency 5)
       // the offset's correction (-off * sum of x codes) starts the sum: no extra op
-      __m512i s = FMT == Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(t.qs[g * MR + i]);
+      __m512i s = MIN ? _mm512_setzero_si512() : _mm512_set1_epi32(t.qs[g * MR + i]);
       if constexpr (MR <= 2) {  // few rows: two chains, or vpdpbusd's latency (5) is the limit
         __m512i s1 = _mm512_setzero_si512();
         for (int j = 0; j < 8; j += 2) {
@@ -161,6 +219,7 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
       const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(t.d[g * MR + i]));
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[i]);
       if constexpr (FMT == Q4_1) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(t.s[g * MR + i]), acc[i]);
+      if constexpr (FMT == Q4_K) acc[i] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(t.s[g * MR + i]), acc[i]);  // w = d sc q - dmin m
     }
   }
   for (int i = 0; i < MR; ++i) _mm512_storeu_ps(out + i * 16, acc[i]);
@@ -233,6 +292,8 @@ void gemm(int64_t fmt, const T* x, int64_t M, int64_t K, const uint8_t* wp, int6
     switch (fmt) {
       case Q8_0: gemm_slab<Q8_0, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
       case Q4_0: gemm_slab<Q4_0, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
+      case IQ4_NL: gemm_slab<IQ4_NL, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
+      case Q4_K: gemm_slab<Q4_K, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
       default: gemm_slab<Q4_1, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N);
     }
   }
@@ -240,7 +301,120 @@ void gemm(int64_t fmt, const T* x, int64_t M, int64_t K, const uint8_t* wp, int6
 
 }  // namespace
 
+// Q4_K super-blocks (N, K/256 * 144 bytes) -> blocks of 16 rows, the same bytes regrouped:
+//
+//   [ G weight chunks, as Q4_0's ][ K/256 x (16 fp16 d, 16 fp16 dmin) ][ K/256 x 192 bytes ]
+//   192 bytes of a super-block, its 8 groups x 16 rows of 6-bit codes (scale sc, minimum m):
+//   byte 16 j + r holds group j row r's low 4 bits of sc (low nibble) and of m (high nibble);
+//   byte 128 + b holds the top 2 bits of sc and of m (sc's in bits 0-1, m's in 2-3) of code
+//   b in its low nibble and of code b + 64 in its high nibble (code = 16 j + r)
+//
+// A file's 64 weights of a 32-byte run hold sub-block 2c in their low nibbles and 2c + 1 in
+// their high ones; each becomes a group of 32 whose byte i holds elements i and i + 16.
+constexpr int64_t QK_K = 256;
+
+inline void q4_k_scale_min(const uint8_t* q, int j, uint8_t& sc, uint8_t& m) {  // llama.cpp's get_scale_min_k4
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+torch::Tensor pack_q4_k(torch::Tensor blocks, int64_t N, int64_t K) {
+  TORCH_CHECK(K % QK_K == 0, "pack_quant: Q4_K needs K a multiple of 256");
+  const int64_t G = K / QK, S = K / QK_K, NB = (N + ROWS - 1) / ROWS, row_bytes = S * 144;
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.device().is_cpu() && blocks.dim() == 2 &&
+                  blocks.size(0) == N && blocks.size(1) == row_bytes,
+              "pack_quant: Q4_K blocks must be (N, K/256 * 144) uint8 on the CPU");
+  auto src_t = blocks.contiguous();
+  const uint8_t* src = src_t.data_ptr<uint8_t>();
+  auto out = huge_page_empty({NB, G, 256 + 32}, blocks.options());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) {
+      uint8_t* block = dst + nb * G * 288;
+      std::memset(block, 0, G * 288);  // rows past N: zero scales, so they add nothing
+      uint8_t* dd = block + G * 256;
+      uint8_t* codes = dd + S * 64;
+      for (int64_t r = 0; r < ROWS && nb * ROWS + r < N; ++r) {
+        const uint8_t* row = src + (nb * ROWS + r) * row_bytes;
+        for (int64_t s = 0; s < S; ++s) {
+          const uint8_t* sb = row + s * 144;
+          std::memcpy(dd + s * 64 + 2 * r, sb, 2);
+          std::memcpy(dd + s * 64 + 32 + 2 * r, sb + 2, 2);
+          for (int j = 0; j < 8; ++j) {
+            const int64_t g = s * 8 + j;
+            uint8_t sc, m;
+            q4_k_scale_min(sb + 4, j, sc, m);
+            uint8_t* sbc = codes + s * 192;
+            const int64_t c = 16 * j + r;
+            sbc[c] = static_cast<uint8_t>((sc & 15) | ((m & 15) << 4));
+            sbc[128 + (c & 63)] |= static_cast<uint8_t>(((sc >> 4) | ((m >> 4) << 2)) << (c >= 64 ? 4 : 0));
+            const uint8_t* qs = sb + 16 + 32 * (j / 2);
+            const int shift = 4 * (j & 1);
+            uint8_t* chunk = block + g * 256;
+            for (int64_t jq = 0; jq < 4; ++jq)
+              for (int64_t t = 0; t < 4; ++t) {
+                const int64_t p = 4 * jq + t;
+                const uint8_t lo = (qs[p] >> shift) & 15, hi = (qs[p + 16] >> shift) & 15;
+                chunk[(jq * ROWS + r) * 4 + t] = static_cast<uint8_t>(lo | (hi << 4));
+              }
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+torch::Tensor unpack_q4_k(torch::Tensor packed, int64_t N, int64_t K) {
+  const int64_t G = K / QK, S = K / QK_K, row_bytes = S * 144;
+  auto out = torch::zeros({N, row_bytes}, packed.options());
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t nb = n / ROWS, r = n % ROWS;
+    const uint8_t* block = src + nb * G * 288;
+    const uint8_t* dd = block + G * 256;
+    const uint8_t* codes = dd + S * 64;
+    for (int64_t s = 0; s < S; ++s) {
+      uint8_t* sb = dst + n * row_bytes + s * 144;
+      std::memcpy(sb, dd + s * 64 + 2 * r, 2);
+      std::memcpy(sb + 2, dd + s * 64 + 32 + 2 * r, 2);
+      uint8_t sc[8], m[8];
+      for (int j = 0; j < 8; ++j) {
+        const uint8_t* sbc = codes + s * 192;
+        const int64_t c = 16 * j + r;
+        const uint8_t high = (sbc[128 + (c & 63)] >> (c >= 64 ? 4 : 0)) & 15;
+        sc[j] = (sbc[c] & 15) | ((high & 3) << 4);
+        m[j] = (sbc[c] >> 4) | ((high >> 2) << 4);
+        const uint8_t* chunk = block + (s * 8 + j) * 256;
+        uint8_t* qs = sb + 16 + 32 * (j / 2);
+        const int shift = 4 * (j & 1);
+        for (int64_t jq = 0; jq < 4; ++jq)
+          for (int64_t t = 0; t < 4; ++t) {
+            const int64_t p = 4 * jq + t;
+            const uint8_t v = chunk[(jq * ROWS + r) * 4 + t];
+            qs[p] |= static_cast<uint8_t>((v & 15) << shift);
+            qs[p + 16] |= static_cast<uint8_t>((v >> 4) << shift);
+          }
+      }
+      uint8_t* q = sb + 4;  // the inverse of q4_k_scale_min
+      for (int j = 0; j < 4; ++j) {
+        q[j] = static_cast<uint8_t>(sc[j] | ((sc[j + 4] >> 4) << 6));
+        q[j + 4] = static_cast<uint8_t>(m[j] | ((m[j + 4] >> 4) << 6));
+        q[j + 8] = static_cast<uint8_t>((sc[j + 4] & 15) | ((m[j + 4] & 15) << 4));
+      }
+    }
+  }
+  return out;
+}
+
 torch::Tensor pack_quant(torch::Tensor blocks, int64_t fmt, int64_t N, int64_t K) {
+  if (fmt == Q4_K) return pack_q4_k(blocks, N, K);
   const Layout L = layout_of(fmt);
   TORCH_CHECK(K % QK == 0, "pack_quant: K must be a multiple of 32");
   const int64_t G = K / QK, NB = (N + ROWS - 1) / ROWS;
@@ -277,6 +451,7 @@ torch::Tensor pack_quant(torch::Tensor blocks, int64_t fmt, int64_t N, int64_t K
 }
 
 torch::Tensor unpack_quant(torch::Tensor packed, int64_t fmt, int64_t N, int64_t K) {
+  if (fmt == Q4_K) return unpack_q4_k(packed, N, K);
   const Layout L = layout_of(fmt);
   const int64_t G = K / QK, row_bytes = G * L.type_size, head = L.has_min ? 4 : 2;
   auto out = torch::empty({N, row_bytes}, packed.options());
@@ -307,6 +482,7 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t fmt, i
   const int64_t K = x.size(-1);
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear_quant: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "linear_quant: bf16 or f32 x");
+  TORCH_CHECK(fmt != Q4_K || K % 256 == 0, "linear_quant: Q4_K needs K a multiple of 256");
   TORCH_CHECK(K % QK == 0 && packed.dim() == 3 && packed.size(0) == (N + ROWS - 1) / ROWS &&
                   packed.size(1) == K / QK && packed.size(2) == L.chunk,
               "linear_quant: packed weight does not match (N, K)");
@@ -333,6 +509,7 @@ torch::Tensor linear_quant_grouped(torch::Tensor x, torch::Tensor packed, int64_
   TORCH_CHECK(N % ROWS == 0, "linear_quant_grouped: rows per expert must be a multiple of 16");
   auto x2 = x.contiguous();
   const int64_t R = x2.size(0), K = x2.size(1), E = static_cast<int64_t>(counts.size());
+  TORCH_CHECK(fmt != Q4_K || K % 256 == 0, "linear_quant_grouped: Q4_K needs K a multiple of 256");
   TORCH_CHECK(K % QK == 0 && packed.dim() == 3 && packed.size(0) == E * N / ROWS && packed.size(1) == K / QK &&
                   packed.size(2) == L.chunk,
               "linear_quant_grouped: packed weight does not match (E * N, K)");

@@ -1,0 +1,22 @@
+"""Random but valid blocks of a GGUF block type, for formats ridge reads but does not produce
+(IQ4_NL, Q4_K): any bytes are valid codes; only the fp16 factors need finite, realistic values."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ridge.quantization.formats import BlockFormat
+
+
+def random_blocks(fmt: BlockFormat, rows: int, k: int, seed: int, scale: float = 0.002) -> torch.Tensor:
+    """(rows, K/32 * type_size) uint8: random codes, each block's fp16 d uniform in +-``scale``
+    (weights then reach about 127 * scale)."""
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=(rows, k // fmt.block, fmt.type_size), dtype=np.uint8)
+    factors = 2 if fmt.block > 32 else 1  # a K-quant super-block: d, then dmin
+    d = rng.uniform(-scale, scale, size=(rows, k // fmt.block, factors)).astype(np.float16)
+    if factors == 2:  # 6-bit codes up to 63 multiply them: keep the weights as large as a block's
+        d /= 16
+    data[..., 0 : 2 * factors] = d.view(np.uint8)
+    return torch.from_numpy(data.reshape(rows, -1))
