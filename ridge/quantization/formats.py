@@ -10,16 +10,18 @@ row by row exactly as a GGUF tensor stores them (``blocks``: uint8, (N, K/32 * t
 
     nibbles: byte j holds element j (low 4 bits) and element j + 16 (high 4 bits)
 
-and one K-quant, in super-blocks of 256 (8 sub-blocks of 32, each with 6-bit codes for its
+and two in super-blocks of 256 (8 sub-blocks of 32, each with 6-bit codes for its
 scale and minimum under the super-block's two fp16 factors):
 
     Q4_K  [ d:f16 | dmin:f16 | 12 bytes: 8 x (sc, m) 6-bit | nibbles x 128 ]   144 bytes
           w = d * sc_j * q - dmin * m_j     (run c of 32 bytes: sub-block 2c low, 2c + 1 high)
+    IQ4_XS [ d:f16 | 2 bytes: 8 x 2 high bits | 4 bytes: 8 x 4 low bits | nibbles x 128 ]  136 bytes
+          w = d * (code_j - 32) * IQ4_NL_VALUES[q]   (sub-block j's 16 bytes as IQ4_NL's)
 
 Quantization reproduces ``gguf.quants.quantize`` bit for bit (the same float32 arithmetic
 in the same order, llama.cpp's rounding), so a file quantized by llama.cpp and the same
 weights quantized by ridge at load hold identical bytes. IQ4_NL and Q4_K are read from files
-only (``gguf.quants`` has no quantizer to match: llama.cpp's search scales). Any device; no numpy.
+only, as is IQ4_XS (``gguf.quants`` has no quantizer to match: llama.cpp's search scales). Any device; no numpy.
 """
 
 from __future__ import annotations
@@ -66,8 +68,8 @@ class BlockFormat:
     def dequantize(self, blocks: torch.Tensor, k: int) -> torch.Tensor:
         """(N, K/32 * type_size) uint8 -> (N, K) float32 weights."""
         n = blocks.shape[0]
-        if self.name == "q4_k":
-            return _dequantize_q4_k(blocks.reshape(n, k // self.block, self.type_size)).reshape(n, k)
+        if self.name in _DEQUANTIZE_SUPER:
+            return _DEQUANTIZE_SUPER[self.name](blocks.reshape(n, k // self.block, self.type_size)).reshape(n, k)
         b = blocks.reshape(n, k // BLOCK, self.type_size)
         d = _f16(b[..., 0:2])
         if self.nibbles:
@@ -90,7 +92,10 @@ Q4_1 = BlockFormat("int4_asym", "Q4_1", 3, 20, offset=0, has_min=True, nibbles=T
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 IQ4_NL = BlockFormat("iq4_nl", "IQ4_NL", 20, 18, offset=0, has_min=False, nibbles=True, codebook=IQ4_NL_VALUES)
 Q4_K = BlockFormat("q4_k", "Q4_K", 12, 144, offset=0, has_min=True, nibbles=True, block=256)
-FORMATS: dict[str, BlockFormat] = {f.name: f for f in (Q8_0, Q4_0, Q4_1, IQ4_NL, Q4_K)}
+IQ4_XS = BlockFormat(
+    "iq4_xs", "IQ4_XS", 23, 136, offset=0, has_min=False, nibbles=True, codebook=IQ4_NL_VALUES, block=256
+)
+FORMATS: dict[str, BlockFormat] = {f.name: f for f in (Q8_0, Q4_0, Q4_1, IQ4_NL, Q4_K, IQ4_XS)}
 FORMATS_BY_GGML_TYPE: dict[int, BlockFormat] = {f.ggml_type: f for f in FORMATS.values()}
 # --quantization accepts ridge's names and llama.cpp's
 FORMAT_ALIASES = {"q8_0": "int8", "q4_0": "int4", "q4_1": "int4_asym"}
@@ -115,6 +120,23 @@ def _dequantize_q4_k(b: torch.Tensor) -> torch.Tensor:
     runs = b[..., 16:].reshape(*b.shape[:-1], 4, 1, 32)
     codes = torch.cat([runs & 15, runs >> 4], dim=-2).reshape(*b.shape[:-1], 8, 32).float()
     return ((d * sc).unsqueeze(-1) * codes - (dmin * m).unsqueeze(-1)).reshape(*b.shape[:-1], 256)
+
+
+def _dequantize_iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    """(N, S, 136) uint8 super-blocks -> (N, S, 256) float32, as gguf.quants computes it."""
+    d = _f16(b[..., 0:2]).unsqueeze(-1)
+    high = b[..., 2].long() | (b[..., 3].long() << 8)  # 2 bits per sub-block
+    low = b[..., 4:8].long()
+    j = torch.arange(8, device=b.device)
+    codes = ((low[..., j // 2] >> (4 * (j % 2))) & 15) | (((high.unsqueeze(-1) >> (2 * j)) & 3) << 4)
+    scale = d * (codes - 32).float()  # (N, S, 8)
+    qs = b[..., 8:].reshape(*b.shape[:-1], 8, 16)
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).long()
+    values = torch.tensor(IQ4_NL_VALUES, device=b.device)[q].float()
+    return (scale.unsqueeze(-1) * values).reshape(*b.shape[:-1], 256)
+
+
+_DEQUANTIZE_SUPER = {"q4_k": _dequantize_q4_k, "iq4_xs": _dequantize_iq4_xs}
 
 
 def _blocks_of(w: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,8 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
+from tests.quantization.random_blocks import random_blocks  # noqa: E402
+
 from .gguf_files import quantize_any, quantized, rewrite  # noqa: E402
 
 
@@ -198,9 +200,11 @@ def test_a_q4_k_m_style_file_loads_converted_and_logs_what_became_what(tmp_path,
     llm.generate([prompt], SamplingParams(max_tokens=4), use_tqdm=False)  # runs
 
 
-def test_a_q4_k_file_computes_what_transformers_computes_on_its_weights(tmp_path):
-    """Every linear weight in Q4_K (K = 256): ridge reads the blocks as they are; the torch path
-    equals transformers on the dequantized weights, the CPU kernels stay within int8 activations."""
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.IQ4_XS], ids=lambda t: t.name)
+def test_a_k_quant_file_computes_what_transformers_computes_on_its_weights(tmp_path, qtype):
+    """Every linear weight in one super-block format (K = 256): ridge reads the blocks as they
+    are; the torch path equals transformers on the dequantized weights, the CPU kernels stay
+    within int8 activations."""
     from ridge.models.export import write_gguf
 
     config = transformers.LlamaConfig(
@@ -214,22 +218,23 @@ def test_a_q4_k_file_computes_what_transformers_computes_on_its_weights(tmp_path
 
     def fn(name, values):
         if name.rsplit(".", 2)[-2] in linear:
-            return _random_blocks(T.Q4_K, values.shape[0], values.shape[1], seed=len(name)), T.Q4_K
+            fmt = next(f for f in FORMATS.values() if f.ggml_type == qtype)
+            return random_blocks(fmt, values.shape[0], values.shape[1], seed=len(name)).numpy(), qtype
         return None
 
-    path = rewrite(dense, tmp_path / "q4_k.gguf", fn)
+    path = rewrite(dense, tmp_path / f"{qtype.name}.gguf", fn)
     model = GGUFModel(path)
     with torch.no_grad():  # transformers on the file's weights, dequantized by gguf
         for name, module in hf.named_modules():
             tensor = model.tensors.get(f"{name}.weight")
-            if isinstance(module, torch.nn.Linear) and tensor is not None and tensor.type_name == "Q4_K":
-                module.weight.copy_(torch.from_numpy(dequantize(tensor.data, T.Q4_K)).reshape(module.weight.shape))
+            if isinstance(module, torch.nn.Linear) and tensor is not None and tensor.type_name == qtype.name:
+                module.weight.copy_(torch.from_numpy(dequantize(tensor.data, qtype)).reshape(module.weight.shape))
                 if name.endswith(("q_proj", "k_proj")):  # the file holds them permuted for llama.cpp's RoPE
                     module.weight.copy_(model.tensors[f"{name}.weight"].dense())
     prompt = list(range(3, 30))
     ref_llm = LLM(str(path), tokenizer="bytes", dtype="float32", num_kv_blocks=16, kernels="torch", device="cpu")
     layer = ref_llm.engine.executor.worker.model.model.layers[0]
-    assert layer.mlp.gate_up_proj.method.format.name == "q4_k" and layer.self_attn.qkv_proj.method.format.name == "q4_k"
+    assert layer.mlp.gate_up_proj.method.format.ggml_type == qtype == layer.self_attn.qkv_proj.method.format.ggml_type
     ((tokens, logits),) = _logits(ref_llm, [prompt])
     with torch.no_grad():
         ref = hf(torch.tensor([prompt + tokens])).logits[0][len(prompt) - 1 : len(prompt) - 1 + len(tokens)]

@@ -1,4 +1,4 @@
-// y = x @ w^T (+ bias) for weights in llama.cpp's block formats (Q8_0, Q4_0, Q4_1, IQ4_NL, Q4_K), with
+// y = x @ w^T (+ bias) for weights in llama.cpp's block formats (Q8_0, Q4_0, Q4_1, IQ4_NL, IQ4_XS, Q4_K), with
 // integer dot products (AVX-512 VNNI, vpdpbusd): x is quantized per row to int8 in blocks
 // of 32 (as llama.cpp quantizes activations to Q8_0), so one instruction does 64
 // multiply-adds (twice vdpbf16ps) and W is read in its own 4.5-8.5 bits per weight.
@@ -22,7 +22,8 @@
 //   Q4_1: sum_k (q_k d + m) x_k = d sum_k q_k x_k + m sum_k x_k
 //   Q4_K: sum_k (d sc q_k - dmin m) x_k per group of 32, d sc and dmin m from 6-bit codes
 //   IQ4_NL: a code is an index into a 16-value int8 table (non-linear steps); one vpshufb per
-//   64 codes looks them up as table + 128 (unsigned), and off = 128 takes the 128 back out
+//   64 codes looks them up as table + 128 (unsigned), and off = 128 takes the 128 back out;
+//   IQ4_XS: the same codes, each group scaled by its super-block's d times a 6-bit code - 32
 //   (with x = dx * xq per block of 32: every sum above is an integer times dx)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -36,7 +37,7 @@
 
 namespace {
 
-enum Format : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, IQ4_NL = 3, Q4_K = 4 };
+enum Format : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, IQ4_NL = 3, Q4_K = 4, IQ4_XS = 5 };
 
 // IQ4_NL's table (llama.cpp's kvalues_iq4nl) plus 128: the unsigned bytes vpdpbusd multiplies
 alignas(16) constexpr uint8_t IQ4_NL_TABLE[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
@@ -61,6 +62,7 @@ Layout layout_of(int64_t fmt) {
     case IQ4_NL: return {18, 256, 256 + 32, 128, true, false};
     // per 256 k (a super-block): 144 bytes in the file, 16 x 144 in a block of 16 rows
     case Q4_K: return {144, 256, 256 + 32, 0, true, true};
+    case IQ4_XS: return {136, 256, 256 + 16, 128, true, false};  // per 256 k: 136 bytes
   }
   TORCH_CHECK(false, "unknown block format ", fmt);
 }
@@ -122,7 +124,7 @@ inline void load_weights(const uint8_t* chunk, __m512i w[8]) {
       w[j] = _mm512_and_si512(v, low);
       w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
-    if constexpr (FMT == IQ4_NL) {  // codes -> table values (+ 128), 16 bytes per 128-bit lane
+    if constexpr (FMT == IQ4_NL || FMT == IQ4_XS) {  // codes -> table values (+ 128), 16 bytes per 128-bit lane
       const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_TABLE)));
       for (int j = 0; j < 8; ++j) w[j] = _mm512_shuffle_epi8(table, w[j]);
     }
@@ -156,10 +158,33 @@ inline void q4_k_superblock(const uint8_t* scales, int64_t G, int64_t s, Q4KScal
   out.dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd + 32)));
 }
 
+// IQ4_XS: a super-block's 6-bit scale codes for its 8 groups x 16 rows as signed bytes (code
+// - 32), and its fp16 d (see pack_iq4_xs for their 128 bytes).
+inline void iq4_xs_superblock(const uint8_t* scales, int64_t G, int64_t s, Q4KScales& out) {
+  const uint8_t* dd = scales + s * 32;
+  const uint8_t* codes = scales + (G >> 3) * 32 + s * 96;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const __m256i three = _mm256_set1_epi8(3);
+  const __m512i lv = _mm512_loadu_si512(codes);  // low 4 bits: code b (low nibble), b + 64 (high)
+  const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64));  // 2 bits: b, b+32, b+64, b+96
+  auto two_bits = [&](int shift) { return _mm256_and_si256(_mm256_srli_epi16(hv, shift), three); };
+  const __m512i high[2] = {
+      _mm512_inserti64x4(_mm512_castsi256_si512(two_bits(0)), two_bits(2), 1),
+      _mm512_inserti64x4(_mm512_castsi256_si512(two_bits(4)), two_bits(6), 1),
+  };
+  const __m512i low[2] = {_mm512_and_si512(lv, nib), _mm512_and_si512(_mm512_srli_epi16(lv, 4), nib)};
+  for (int half = 0; half < 2; ++half) {
+    const __m512i code = _mm512_or_si512(low[half], _mm512_slli_epi16(high[half], 4));
+    _mm512_store_si512(out.sc + 64 * half, _mm512_sub_epi8(code, _mm512_set1_epi8(32)));
+  }
+  out.d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd)));
+}
+
 template <int FMT, int MR>
 inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* out) {
   constexpr int64_t WB = FMT == Q8_0 ? 512 : 256;
   constexpr bool MIN = FMT == Q4_1 || FMT == Q4_K;
+  constexpr int64_t CHUNK = FMT == Q8_0 ? 512 + 32 : FMT == Q4_1 ? 256 + 64 : FMT == IQ4_XS ? 256 + 16 : 256 + 32;
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   const uint8_t* scales = block + G * WB;
@@ -168,6 +193,9 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
     const uint8_t* chunk = block + g * WB;
     if constexpr (FMT == Q4_K) {
       if ((g & 7) == 0) q4_k_superblock(scales, G, g >> 3, sb);
+    }
+    if constexpr (FMT == IQ4_XS) {
+      if ((g & 7) == 0) iq4_xs_superblock(scales, G, g >> 3, sb);
     }
     if constexpr (MR >= PF_MIN_MR) {
       _mm_prefetch(reinterpret_cast<const char*>(chunk + PF_DIST * WB), _MM_HINT_T0);
@@ -181,12 +209,18 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
         _mm_prefetch(reinterpret_cast<const char*>(scales + ((g >> 3) + 1) * 64), _MM_HINT_T0);
         for (int line = 0; line < 3; ++line) _mm_prefetch(reinterpret_cast<const char*>(next + 64 * line), _MM_HINT_T0);
       }
+    } else if constexpr (FMT == IQ4_XS) {
+      if ((g & 7) == 2) {
+        const uint8_t* next = scales + (G >> 3) * 32 + ((g >> 3) + 1) * 96;
+        _mm_prefetch(reinterpret_cast<const char*>(scales + ((g >> 3) + 1) * 32), _MM_HINT_T0);
+        for (int line = 0; line < 2; ++line) _mm_prefetch(reinterpret_cast<const char*>(next + 64 * line), _MM_HINT_T0);
+      }
     } else {
       _mm_prefetch(reinterpret_cast<const char*>(scales + (g + 4) * 32), _MM_HINT_T0);
     }
     if constexpr (FMT == Q4_1) _mm_prefetch(reinterpret_cast<const char*>(scales + (G + g + 4) * 32), _MM_HINT_T0);
     if (g + 8 == G) {  // the next block's first scales (a thread walks its blocks in order)
-      const uint8_t* next_scales = block + G * (WB + (FMT == Q4_1 ? 64 : 32)) + G * WB;
+      const uint8_t* next_scales = block + G * CHUNK + G * WB;
       for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(next_scales + 64 * line), _MM_HINT_T0);
     }
     __m512i w[8];
@@ -196,6 +230,9 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
       const int64_t j = (g & 7) * 16;
       dw = _mm512_mul_ps(sb.d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.sc + j)))));
       mw = _mm512_mul_ps(sb.dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.m + j)))));
+    } else if constexpr (FMT == IQ4_XS) {
+      const int64_t j = (g & 7) * 16;
+      dw = _mm512_mul_ps(sb.d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.sc + j)))));
     } else {
       dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * 32)));
     }
@@ -294,6 +331,7 @@ void gemm(int64_t fmt, const T* x, int64_t M, int64_t K, const uint8_t* wp, int6
       case Q4_0: gemm_slab<Q4_0, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
       case IQ4_NL: gemm_slab<IQ4_NL, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
       case Q4_K: gemm_slab<Q4_K, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
+      case IQ4_XS: gemm_slab<IQ4_XS, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
       default: gemm_slab<Q4_1, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N);
     }
   }
@@ -413,8 +451,91 @@ torch::Tensor unpack_q4_k(torch::Tensor packed, int64_t N, int64_t K) {
   return out;
 }
 
+// IQ4_XS super-blocks (N, K/256 * 136 bytes: fp16 d, 2 bytes of scales' top bits, 4 of their
+// low bits, 128 of codes) -> blocks of 16 rows, the same bytes regrouped:
+//
+//   [ G weight chunks, as IQ4_NL's ][ K/256 x 16 fp16 d ][ K/256 x 96 bytes ]
+//   96 bytes of a super-block, its 8 groups x 16 rows of 6-bit scale codes (code c = 16 j + r):
+//   byte b < 64 holds the low 4 bits of code b (low nibble) and of code b + 64 (high nibble);
+//   byte 64 + b holds the top 2 bits of codes b, b + 32, b + 64, b + 96 (bits 0-1, 2-3, 4-5, 6-7)
+//
+// A file's sub-block j holds its 32 codes in 16 bytes as IQ4_NL's block does (byte i: elements
+// i and i + 16): they move as they are.
+torch::Tensor pack_iq4_xs(torch::Tensor blocks, int64_t N, int64_t K) {
+  TORCH_CHECK(K % QK_K == 0, "pack_quant: IQ4_XS needs K a multiple of 256");
+  const int64_t G = K / QK, S = K / QK_K, NB = (N + ROWS - 1) / ROWS, row_bytes = S * 136;
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.device().is_cpu() && blocks.dim() == 2 &&
+                  blocks.size(0) == N && blocks.size(1) == row_bytes,
+              "pack_quant: IQ4_XS blocks must be (N, K/256 * 136) uint8 on the CPU");
+  auto src_t = blocks.contiguous();
+  const uint8_t* src = src_t.data_ptr<uint8_t>();
+  auto out = huge_page_empty({NB, G, 256 + 16}, blocks.options());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) {
+      uint8_t* block = dst + nb * G * 272;
+      std::memset(block, 0, G * 272);  // rows past N: zero d, so they add nothing
+      uint8_t* dd = block + G * 256;
+      uint8_t* codes = dd + S * 32;
+      for (int64_t r = 0; r < ROWS && nb * ROWS + r < N; ++r) {
+        const uint8_t* row = src + (nb * ROWS + r) * row_bytes;
+        for (int64_t s = 0; s < S; ++s) {
+          const uint8_t* sb = row + s * 136;
+          std::memcpy(dd + s * 32 + 2 * r, sb, 2);
+          const uint16_t scales_h = static_cast<uint16_t>(sb[2] | (sb[3] << 8));
+          for (int j = 0; j < 8; ++j) {
+            const int64_t g = s * 8 + j, c = 16 * j + r;
+            const uint8_t low = (sb[4 + j / 2] >> (4 * (j & 1))) & 15, high = (scales_h >> (2 * j)) & 3;
+            uint8_t* sbc = codes + s * 96;
+            sbc[c & 63] |= static_cast<uint8_t>(low << (c >= 64 ? 4 : 0));
+            sbc[64 + (c & 31)] |= static_cast<uint8_t>(high << (2 * (c >> 5)));
+            const uint8_t* qs = sb + 8 + 16 * j;
+            uint8_t* chunk = block + g * 256;
+            for (int64_t jq = 0; jq < 4; ++jq)
+              for (int64_t t = 0; t < 4; ++t) chunk[(jq * ROWS + r) * 4 + t] = qs[4 * jq + t];
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+torch::Tensor unpack_iq4_xs(torch::Tensor packed, int64_t N, int64_t K) {
+  const int64_t G = K / QK, S = K / QK_K, row_bytes = S * 136;
+  auto out = torch::zeros({N, row_bytes}, packed.options());
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t nb = n / ROWS, r = n % ROWS;
+    const uint8_t* block = src + nb * G * 272;
+    const uint8_t* dd = block + G * 256;
+    const uint8_t* codes = dd + S * 32;
+    for (int64_t s = 0; s < S; ++s) {
+      uint8_t* sb = dst + n * row_bytes + s * 136;
+      std::memcpy(sb, dd + s * 32 + 2 * r, 2);
+      uint16_t scales_h = 0;
+      for (int j = 0; j < 8; ++j) {
+        const uint8_t* sbc = codes + s * 96;
+        const int64_t c = 16 * j + r;
+        const uint8_t low = (sbc[c & 63] >> (c >= 64 ? 4 : 0)) & 15;
+        const uint8_t high = (sbc[64 + (c & 31)] >> (2 * (c >> 5))) & 3;
+        sb[4 + j / 2] |= static_cast<uint8_t>(low << (4 * (j & 1)));
+        scales_h |= static_cast<uint16_t>(high << (2 * j));
+        const uint8_t* chunk = block + (s * 8 + j) * 256;
+        for (int64_t jq = 0; jq < 4; ++jq)
+          for (int64_t t = 0; t < 4; ++t) sb[8 + 16 * j + 4 * jq + t] = chunk[(jq * ROWS + r) * 4 + t];
+      }
+      sb[2] = static_cast<uint8_t>(scales_h & 0xFF);
+      sb[3] = static_cast<uint8_t>(scales_h >> 8);
+    }
+  }
+  return out;
+}
+
 torch::Tensor pack_quant(torch::Tensor blocks, int64_t fmt, int64_t N, int64_t K) {
   if (fmt == Q4_K) return pack_q4_k(blocks, N, K);
+  if (fmt == IQ4_XS) return pack_iq4_xs(blocks, N, K);
   const Layout L = layout_of(fmt);
   TORCH_CHECK(K % QK == 0, "pack_quant: K must be a multiple of 32");
   const int64_t G = K / QK, NB = (N + ROWS - 1) / ROWS;
@@ -452,6 +573,7 @@ torch::Tensor pack_quant(torch::Tensor blocks, int64_t fmt, int64_t N, int64_t K
 
 torch::Tensor unpack_quant(torch::Tensor packed, int64_t fmt, int64_t N, int64_t K) {
   if (fmt == Q4_K) return unpack_q4_k(packed, N, K);
+  if (fmt == IQ4_XS) return unpack_iq4_xs(packed, N, K);
   const Layout L = layout_of(fmt);
   const int64_t G = K / QK, row_bytes = G * L.type_size, head = L.has_min ? 4 : 2;
   auto out = torch::empty({N, row_bytes}, packed.options());
@@ -482,7 +604,7 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t fmt, i
   const int64_t K = x.size(-1);
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear_quant: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "linear_quant: bf16 or f32 x");
-  TORCH_CHECK(fmt != Q4_K || K % 256 == 0, "linear_quant: Q4_K needs K a multiple of 256");
+  TORCH_CHECK((fmt != Q4_K && fmt != IQ4_XS) || K % 256 == 0, "linear_quant: K-quants need K a multiple of 256");
   TORCH_CHECK(K % QK == 0 && packed.dim() == 3 && packed.size(0) == (N + ROWS - 1) / ROWS &&
                   packed.size(1) == K / QK && packed.size(2) == L.chunk,
               "linear_quant: packed weight does not match (N, K)");
@@ -509,7 +631,7 @@ torch::Tensor linear_quant_grouped(torch::Tensor x, torch::Tensor packed, int64_
   TORCH_CHECK(N % ROWS == 0, "linear_quant_grouped: rows per expert must be a multiple of 16");
   auto x2 = x.contiguous();
   const int64_t R = x2.size(0), K = x2.size(1), E = static_cast<int64_t>(counts.size());
-  TORCH_CHECK(fmt != Q4_K || K % 256 == 0, "linear_quant_grouped: Q4_K needs K a multiple of 256");
+  TORCH_CHECK((fmt != Q4_K && fmt != IQ4_XS) || K % 256 == 0, "linear_quant_grouped: K-quants need K a multiple of 256");
   TORCH_CHECK(K % QK == 0 && packed.dim() == 3 && packed.size(0) == E * N / ROWS && packed.size(1) == K / QK &&
                   packed.size(2) == L.chunk,
               "linear_quant_grouped: packed weight does not match (E * N, K)");
