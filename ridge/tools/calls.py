@@ -93,12 +93,13 @@ class ToolPlan:
         """The whole output's content and calls."""
         if self.parser is None:
             return Parsed(text)
-        return self._limit(self.parser.parse(text, final=True))
+        return self.limit_calls(self.parser.parse(text, final=True))
 
     def stream(self) -> ToolCallStream:
         return ToolCallStream(self)
 
-    def _limit(self, parsed: Parsed) -> Parsed:
+    def limit_calls(self, parsed: Parsed) -> Parsed:
+        """Only the first call when parallel_tool_calls is false (as vLLM)."""
         return parsed if self.parallel else Parsed(parsed.content, parsed.calls[:1])
 
     def _functions(self) -> dict[str, dict]:
@@ -215,7 +216,7 @@ class ToolCallStream:
             delta = text[len(self.content) :]
             self.content = text
             return delta, []
-        parsed = self.plan._limit(self.plan.parser.parse(text, final))
+        parsed = self.plan.limit_calls(self.plan.parser.parse(text, final))
         content = parsed.content or ""
         delta = ""
         if content.startswith(self.content):

@@ -361,94 +361,101 @@ inline void q4_k_scale_min(const uint8_t* q, int j, uint8_t& sc, uint8_t& m) {  
   }
 }
 
-torch::Tensor pack_q4_k(torch::Tensor blocks, int64_t N, int64_t K) {
-  TORCH_CHECK(K % QK_K == 0, "pack_quant: Q4_K needs K a multiple of 256");
-  const int64_t G = K / QK, S = K / QK_K, NB = (N + ROWS - 1) / ROWS, row_bytes = S * 144;
+// The walk every super-block format's (un)packing shares. Packing checks the file's (N, K/256 *
+// sb_bytes) bytes, allocates (N/16, K/32, chunk) zeroed (rows past N add nothing), and calls
+// fill(block, r, s, sb) for each real row r of each block of 16 rows and each super-block s;
+// unpacking calls read(block, r, s, sb) to rebuild the file's bytes sb from a block.
+template <typename Fill>
+torch::Tensor pack_superblocks(torch::Tensor blocks, int64_t N, int64_t K, int64_t sb_bytes, int64_t chunk,
+                               const char* name, Fill fill) {
+  TORCH_CHECK(K % QK_K == 0, "pack_quant: ", name, " needs K a multiple of 256");
+  const int64_t G = K / QK, S = K / QK_K, NB = (N + ROWS - 1) / ROWS, row_bytes = S * sb_bytes;
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.device().is_cpu() && blocks.dim() == 2 &&
                   blocks.size(0) == N && blocks.size(1) == row_bytes,
-              "pack_quant: Q4_K blocks must be (N, K/256 * 144) uint8 on the CPU");
+              "pack_quant: ", name, " blocks must be (N, K/256 * ", sb_bytes, ") uint8 on the CPU");
   auto src_t = blocks.contiguous();
   const uint8_t* src = src_t.data_ptr<uint8_t>();
-  auto out = huge_page_empty({NB, G, 256 + 32}, blocks.options());
+  auto out = huge_page_empty({NB, G, chunk}, blocks.options());
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
     for (int64_t nb = begin; nb < end; ++nb) {
-      uint8_t* block = dst + nb * G * 288;
-      std::memset(block, 0, G * 288);  // rows past N: zero scales, so they add nothing
-      uint8_t* dd = block + G * 256;
-      uint8_t* codes = dd + S * 64;
-      for (int64_t r = 0; r < ROWS && nb * ROWS + r < N; ++r) {
-        const uint8_t* row = src + (nb * ROWS + r) * row_bytes;
-        for (int64_t s = 0; s < S; ++s) {
-          const uint8_t* sb = row + s * 144;
-          std::memcpy(dd + s * 64 + 2 * r, sb, 2);
-          std::memcpy(dd + s * 64 + 32 + 2 * r, sb + 2, 2);
-          for (int j = 0; j < 8; ++j) {
-            const int64_t g = s * 8 + j;
-            uint8_t sc, m;
-            q4_k_scale_min(sb + 4, j, sc, m);
-            uint8_t* sbc = codes + s * 192;
-            const int64_t c = 16 * j + r;
-            sbc[c] = static_cast<uint8_t>((sc & 15) | ((m & 15) << 4));
-            sbc[128 + (c & 63)] |= static_cast<uint8_t>(((sc >> 4) | ((m >> 4) << 2)) << (c >= 64 ? 4 : 0));
-            const uint8_t* qs = sb + 16 + 32 * (j / 2);
-            const int shift = 4 * (j & 1);
-            uint8_t* chunk = block + g * 256;
-            for (int64_t jq = 0; jq < 4; ++jq)
-              for (int64_t t = 0; t < 4; ++t) {
-                const int64_t p = 4 * jq + t;
-                const uint8_t lo = (qs[p] >> shift) & 15, hi = (qs[p + 16] >> shift) & 15;
-                chunk[(jq * ROWS + r) * 4 + t] = static_cast<uint8_t>(lo | (hi << 4));
-              }
-          }
-        }
-      }
+      uint8_t* block = dst + nb * G * chunk;
+      std::memset(block, 0, G * chunk);
+      for (int64_t r = 0; r < ROWS && nb * ROWS + r < N; ++r)
+        for (int64_t s = 0; s < S; ++s) fill(block, r, s, src + (nb * ROWS + r) * row_bytes + s * sb_bytes);
     }
   });
   return out;
 }
 
-torch::Tensor unpack_q4_k(torch::Tensor packed, int64_t N, int64_t K) {
-  const int64_t G = K / QK, S = K / QK_K, row_bytes = S * 144;
+template <typename Read>
+torch::Tensor unpack_superblocks(torch::Tensor packed, int64_t N, int64_t K, int64_t sb_bytes, int64_t chunk, Read read) {
+  const int64_t G = K / QK, S = K / QK_K, row_bytes = S * sb_bytes;
   auto out = torch::zeros({N, row_bytes}, packed.options());
   const uint8_t* src = packed.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t nb = n / ROWS, r = n % ROWS;
-    const uint8_t* block = src + nb * G * 288;
-    const uint8_t* dd = block + G * 256;
-    const uint8_t* codes = dd + S * 64;
-    for (int64_t s = 0; s < S; ++s) {
-      uint8_t* sb = dst + n * row_bytes + s * 144;
-      std::memcpy(sb, dd + s * 64 + 2 * r, 2);
-      std::memcpy(sb + 2, dd + s * 64 + 32 + 2 * r, 2);
-      uint8_t sc[8], m[8];
-      for (int j = 0; j < 8; ++j) {
-        const uint8_t* sbc = codes + s * 192;
-        const int64_t c = 16 * j + r;
-        const uint8_t high = (sbc[128 + (c & 63)] >> (c >= 64 ? 4 : 0)) & 15;
-        sc[j] = (sbc[c] & 15) | ((high & 3) << 4);
-        m[j] = (sbc[c] >> 4) | ((high >> 2) << 4);
-        const uint8_t* chunk = block + (s * 8 + j) * 256;
-        uint8_t* qs = sb + 16 + 32 * (j / 2);
-        const int shift = 4 * (j & 1);
-        for (int64_t jq = 0; jq < 4; ++jq)
-          for (int64_t t = 0; t < 4; ++t) {
-            const int64_t p = 4 * jq + t;
-            const uint8_t v = chunk[(jq * ROWS + r) * 4 + t];
-            qs[p] |= static_cast<uint8_t>((v & 15) << shift);
-            qs[p + 16] |= static_cast<uint8_t>((v >> 4) << shift);
-          }
-      }
-      uint8_t* q = sb + 4;  // the inverse of q4_k_scale_min
-      for (int j = 0; j < 4; ++j) {
-        q[j] = static_cast<uint8_t>(sc[j] | ((sc[j + 4] >> 4) << 6));
-        q[j + 4] = static_cast<uint8_t>(m[j] | ((m[j + 4] >> 4) << 6));
-        q[j + 8] = static_cast<uint8_t>((sc[j + 4] & 15) | ((m[j + 4] & 15) << 4));
-      }
-    }
-  }
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t s = 0; s < S; ++s) read(src + (n / ROWS) * G * chunk, n % ROWS, s, dst + n * row_bytes + s * sb_bytes);
   return out;
+}
+
+torch::Tensor pack_q4_k(torch::Tensor blocks, int64_t N, int64_t K) {
+  const int64_t G = K / QK, S = K / QK_K;
+  return pack_superblocks(blocks, N, K, 144, 256 + 32, "Q4_K", [&](uint8_t* block, int64_t r, int64_t s, const uint8_t* sb) {
+    uint8_t* dd = block + G * 256;
+    uint8_t* sbc = dd + S * 64 + s * 192;
+    std::memcpy(dd + s * 64 + 2 * r, sb, 2);
+    std::memcpy(dd + s * 64 + 32 + 2 * r, sb + 2, 2);
+    for (int j = 0; j < 8; ++j) {
+      uint8_t sc, m;
+      q4_k_scale_min(sb + 4, j, sc, m);
+      const int64_t c = 16 * j + r;
+      sbc[c] = static_cast<uint8_t>((sc & 15) | ((m & 15) << 4));
+      sbc[128 + (c & 63)] |= static_cast<uint8_t>(((sc >> 4) | ((m >> 4) << 2)) << (c >= 64 ? 4 : 0));
+      const uint8_t* qs = sb + 16 + 32 * (j / 2);
+      const int shift = 4 * (j & 1);
+      uint8_t* chunk = block + (s * 8 + j) * 256;
+      for (int64_t jq = 0; jq < 4; ++jq)
+        for (int64_t t = 0; t < 4; ++t) {
+          const int64_t p = 4 * jq + t;
+          const uint8_t lo = (qs[p] >> shift) & 15, hi = (qs[p + 16] >> shift) & 15;
+          chunk[(jq * ROWS + r) * 4 + t] = static_cast<uint8_t>(lo | (hi << 4));
+        }
+    }
+  });
+}
+
+torch::Tensor unpack_q4_k(torch::Tensor packed, int64_t N, int64_t K) {
+  const int64_t G = K / QK, S = K / QK_K;
+  return unpack_superblocks(packed, N, K, 144, 256 + 32, [&](const uint8_t* block, int64_t r, int64_t s, uint8_t* sb) {
+    const uint8_t* dd = block + G * 256;
+    const uint8_t* sbc = dd + S * 64 + s * 192;
+    std::memcpy(sb, dd + s * 64 + 2 * r, 2);
+    std::memcpy(sb + 2, dd + s * 64 + 32 + 2 * r, 2);
+    uint8_t sc[8], m[8];
+    for (int j = 0; j < 8; ++j) {
+      const int64_t c = 16 * j + r;
+      const uint8_t high = (sbc[128 + (c & 63)] >> (c >= 64 ? 4 : 0)) & 15;
+      sc[j] = (sbc[c] & 15) | ((high & 3) << 4);
+      m[j] = (sbc[c] >> 4) | ((high >> 2) << 4);
+      const uint8_t* chunk = block + (s * 8 + j) * 256;
+      uint8_t* qs = sb + 16 + 32 * (j / 2);
+      const int shift = 4 * (j & 1);
+      for (int64_t jq = 0; jq < 4; ++jq)
+        for (int64_t t = 0; t < 4; ++t) {
+          const int64_t p = 4 * jq + t;
+          const uint8_t v = chunk[(jq * ROWS + r) * 4 + t];
+          qs[p] |= static_cast<uint8_t>((v & 15) << shift);
+          qs[p + 16] |= static_cast<uint8_t>((v >> 4) << shift);
+        }
+    }
+    uint8_t* q = sb + 4;  // the inverse of q4_k_scale_min
+    for (int j = 0; j < 4; ++j) {
+      q[j] = static_cast<uint8_t>(sc[j] | ((sc[j + 4] >> 4) << 6));
+      q[j + 4] = static_cast<uint8_t>(m[j] | ((m[j + 4] >> 4) << 6));
+      q[j + 8] = static_cast<uint8_t>((sc[j + 4] & 15) | ((m[j + 4] & 15) << 4));
+    }
+  });
 }
 
 // IQ4_XS super-blocks (N, K/256 * 136 bytes: fp16 d, 2 bytes of scales' top bits, 4 of their
@@ -462,75 +469,45 @@ torch::Tensor unpack_q4_k(torch::Tensor packed, int64_t N, int64_t K) {
 // A file's sub-block j holds its 32 codes in 16 bytes as IQ4_NL's block does (byte i: elements
 // i and i + 16): they move as they are.
 torch::Tensor pack_iq4_xs(torch::Tensor blocks, int64_t N, int64_t K) {
-  TORCH_CHECK(K % QK_K == 0, "pack_quant: IQ4_XS needs K a multiple of 256");
-  const int64_t G = K / QK, S = K / QK_K, NB = (N + ROWS - 1) / ROWS, row_bytes = S * 136;
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.device().is_cpu() && blocks.dim() == 2 &&
-                  blocks.size(0) == N && blocks.size(1) == row_bytes,
-              "pack_quant: IQ4_XS blocks must be (N, K/256 * 136) uint8 on the CPU");
-  auto src_t = blocks.contiguous();
-  const uint8_t* src = src_t.data_ptr<uint8_t>();
-  auto out = huge_page_empty({NB, G, 256 + 16}, blocks.options());
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t nb = begin; nb < end; ++nb) {
-      uint8_t* block = dst + nb * G * 272;
-      std::memset(block, 0, G * 272);  // rows past N: zero d, so they add nothing
-      uint8_t* dd = block + G * 256;
-      uint8_t* codes = dd + S * 32;
-      for (int64_t r = 0; r < ROWS && nb * ROWS + r < N; ++r) {
-        const uint8_t* row = src + (nb * ROWS + r) * row_bytes;
-        for (int64_t s = 0; s < S; ++s) {
-          const uint8_t* sb = row + s * 136;
-          std::memcpy(dd + s * 32 + 2 * r, sb, 2);
-          const uint16_t scales_h = static_cast<uint16_t>(sb[2] | (sb[3] << 8));
-          for (int j = 0; j < 8; ++j) {
-            const int64_t g = s * 8 + j, c = 16 * j + r;
-            const uint8_t low = (sb[4 + j / 2] >> (4 * (j & 1))) & 15, high = (scales_h >> (2 * j)) & 3;
-            uint8_t* sbc = codes + s * 96;
-            sbc[c & 63] |= static_cast<uint8_t>(low << (c >= 64 ? 4 : 0));
-            sbc[64 + (c & 31)] |= static_cast<uint8_t>(high << (2 * (c >> 5)));
-            const uint8_t* qs = sb + 8 + 16 * j;
-            uint8_t* chunk = block + g * 256;
-            for (int64_t jq = 0; jq < 4; ++jq)
-              for (int64_t t = 0; t < 4; ++t) chunk[(jq * ROWS + r) * 4 + t] = qs[4 * jq + t];
-          }
-        }
-      }
+  const int64_t G = K / QK, S = K / QK_K;
+  return pack_superblocks(blocks, N, K, 136, 256 + 16, "IQ4_XS", [&](uint8_t* block, int64_t r, int64_t s, const uint8_t* sb) {
+    uint8_t* dd = block + G * 256;
+    uint8_t* sbc = dd + S * 32 + s * 96;
+    std::memcpy(dd + s * 32 + 2 * r, sb, 2);
+    const uint16_t scales_h = static_cast<uint16_t>(sb[2] | (sb[3] << 8));
+    for (int j = 0; j < 8; ++j) {
+      const int64_t c = 16 * j + r;
+      const uint8_t low = (sb[4 + j / 2] >> (4 * (j & 1))) & 15, high = (scales_h >> (2 * j)) & 3;
+      sbc[c & 63] |= static_cast<uint8_t>(low << (c >= 64 ? 4 : 0));
+      sbc[64 + (c & 31)] |= static_cast<uint8_t>(high << (2 * (c >> 5)));
+      const uint8_t* qs = sb + 8 + 16 * j;
+      uint8_t* chunk = block + (s * 8 + j) * 256;
+      for (int64_t jq = 0; jq < 4; ++jq)
+        for (int64_t t = 0; t < 4; ++t) chunk[(jq * ROWS + r) * 4 + t] = qs[4 * jq + t];
     }
   });
-  return out;
 }
 
 torch::Tensor unpack_iq4_xs(torch::Tensor packed, int64_t N, int64_t K) {
-  const int64_t G = K / QK, S = K / QK_K, row_bytes = S * 136;
-  auto out = torch::zeros({N, row_bytes}, packed.options());
-  const uint8_t* src = packed.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t nb = n / ROWS, r = n % ROWS;
-    const uint8_t* block = src + nb * G * 272;
+  const int64_t G = K / QK, S = K / QK_K;
+  return unpack_superblocks(packed, N, K, 136, 256 + 16, [&](const uint8_t* block, int64_t r, int64_t s, uint8_t* sb) {
     const uint8_t* dd = block + G * 256;
-    const uint8_t* codes = dd + S * 32;
-    for (int64_t s = 0; s < S; ++s) {
-      uint8_t* sb = dst + n * row_bytes + s * 136;
-      std::memcpy(sb, dd + s * 32 + 2 * r, 2);
-      uint16_t scales_h = 0;
-      for (int j = 0; j < 8; ++j) {
-        const uint8_t* sbc = codes + s * 96;
-        const int64_t c = 16 * j + r;
-        const uint8_t low = (sbc[c & 63] >> (c >= 64 ? 4 : 0)) & 15;
-        const uint8_t high = (sbc[64 + (c & 31)] >> (2 * (c >> 5))) & 3;
-        sb[4 + j / 2] |= static_cast<uint8_t>(low << (4 * (j & 1)));
-        scales_h |= static_cast<uint16_t>(high << (2 * j));
-        const uint8_t* chunk = block + (s * 8 + j) * 256;
-        for (int64_t jq = 0; jq < 4; ++jq)
-          for (int64_t t = 0; t < 4; ++t) sb[8 + 16 * j + 4 * jq + t] = chunk[(jq * ROWS + r) * 4 + t];
-      }
-      sb[2] = static_cast<uint8_t>(scales_h & 0xFF);
-      sb[3] = static_cast<uint8_t>(scales_h >> 8);
+    const uint8_t* sbc = dd + S * 32 + s * 96;
+    std::memcpy(sb, dd + s * 32 + 2 * r, 2);
+    uint16_t scales_h = 0;
+    for (int j = 0; j < 8; ++j) {
+      const int64_t c = 16 * j + r;
+      const uint8_t low = (sbc[c & 63] >> (c >= 64 ? 4 : 0)) & 15;
+      const uint8_t high = (sbc[64 + (c & 31)] >> (2 * (c >> 5))) & 3;
+      sb[4 + j / 2] |= static_cast<uint8_t>(low << (4 * (j & 1)));
+      scales_h |= static_cast<uint16_t>(high << (2 * j));
+      const uint8_t* chunk = block + (s * 8 + j) * 256;
+      for (int64_t jq = 0; jq < 4; ++jq)
+        for (int64_t t = 0; t < 4; ++t) sb[8 + 16 * j + 4 * jq + t] = chunk[(jq * ROWS + r) * 4 + t];
     }
-  }
-  return out;
+    sb[2] = static_cast<uint8_t>(scales_h & 0xFF);
+    sb[3] = static_cast<uint8_t>(scales_h >> 8);
+  });
 }
 
 torch::Tensor pack_quant(torch::Tensor blocks, int64_t fmt, int64_t N, int64_t K) {
