@@ -40,9 +40,17 @@ class TorchKernels:
         """x @ W^T (+ b) in whatever form the layer's method holds W: here its torch reference.
 
         ``rows``: only those output rows (one expert of a stacked layer, which has no bias)."""
+        if layer.parts is not None and rows is None:
+            return self.matmul_parts(x, layer)
         if rows is not None:
             return layer.method.apply_rows(layer, x, rows)
         return layer.method.apply(layer, x)
+
+    def matmul_parts(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
+        """A layer whose shards keep different formats (``ShardedLinearMethod``): one matmul per
+        part, outputs side by side, then the layer's bias."""
+        y = torch.cat([self.matmul(x, part) for part in layer.parts], dim=-1)
+        return y if layer.bias is None else y + layer.bias.to(y.dtype)
 
     def grouped_matmul(self, x: torch.Tensor, layer, counts: list[int]) -> torch.Tensor:
         """A stacked-expert layer (``ExpertLinear``) on rows sorted by expert: the first
@@ -128,6 +136,8 @@ class CpuKernels(TorchKernels):
         self.ext = ext
 
     def matmul(self, x: torch.Tensor, layer: Linear, rows: slice | None = None) -> torch.Tensor:
+        if layer.parts is not None and rows is None:
+            return self.matmul_parts(x, layer)
         packed, fmt = layer.packed, layer.method.format
         if packed is None or packed.device != x.device:
             return super().matmul(x, layer, rows)

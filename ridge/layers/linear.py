@@ -49,21 +49,32 @@ class Linear(nn.Module):
         tp_rows: list[Shard] | None = None,
         tp_cols: Shard | None = None,
         full: tuple[list[int], int] | None = None,
+        output_sizes: list[int] | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        if output_sizes is not None:  # a packed layer's shards (PackedLinear), known to its method
+            self.output_sizes = list(output_sizes)
         self.tp_rows, self.tp_cols = tp_rows, tp_cols  # this rank's slice of the checkpoint tensor
         # the unsplit layer: each output shard's rows and K (None: this layer is not split)
         self.full = full
         self.method = method or UnquantizedLinearMethod()
         self.packed: torch.Tensor | None = None
         self.unpacker = None  # the kernels that packed it
+        self.parts: tuple[Linear, ...] | None = None  # a method holding shards apart (ShardedLinearMethod)
         self.weight_is_shared = False  # a tied lm_head: the embedding's Parameter, never freed
         self.method.create_weights(self)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
+
+    def _apply(self, fn, recurse=True):
+        """``to`` / ``to_empty`` reach the parts too (held outside the module tree)."""
+        super()._apply(fn, recurse)
+        for part in self.parts or ():
+            part._apply(fn, recurse)
+        return self
 
     def dense_weight(self) -> torch.Tensor:
         return self.method.dense_weight(self)
@@ -112,8 +123,7 @@ class PackedLinear(Linear):
         tp_cols: Shard | None = None,
         full: tuple[list[int], int] | None = None,
     ) -> None:
-        super().__init__(in_features, sum(output_sizes), bias, method, tp_rows, tp_cols, full)
-        self.output_sizes = list(output_sizes)
+        super().__init__(in_features, sum(output_sizes), bias, method, tp_rows, tp_cols, full, output_sizes)
 
     def shard_rows(self, index: int) -> slice:
         start = sum(self.output_sizes[:index])

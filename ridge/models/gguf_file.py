@@ -38,7 +38,8 @@ NATIVE_TYPES = {f.ggml_name: f for f in FORMATS.values()}
 # K-quants, and the 5-bit types llama.cpp falls back to where K is not a multiple of 256
 CONVERTED_TYPES = {"Q5_K": Q8_0, "Q6_K": Q8_0, "Q5_0": Q8_0, "Q5_1": Q8_0}
 SUPPORTED_TYPES = (*DENSE_TYPES, *NATIVE_TYPES, *CONVERTED_TYPES)
-# the formats a layer can take, widest first (a packed layer whose shards differ takes the widest)
+# the formats a layer can take, widest first (a stacked expert layer whose shards differ takes the widest;
+# a packed one keeps each shard's: layer_formats)
 WIDTH_ORDER = ("int8", "int4_asym", "q4_k", "iq4_nl", "int4", "iq4_xs")
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face module path
@@ -338,19 +339,41 @@ def _layer_of(name: str, packed_modules: dict[str, tuple[str, int]], stacking: d
 
 def layer_formats(
     model: GGUFModel, packed_modules: dict[str, tuple[str, int]], stacking: dict | None = None
-) -> dict[str, BlockFormat | None]:
-    """ridge linear layer name -> the format its GGUF tensors ask for (a packed or stacked
-    layer: the widest of its shards'); dense tensors give None (the --quantization policy decides)."""
-    wanted: dict[str, list[BlockFormat | None]] = {}
+) -> dict[str, BlockFormat | tuple[BlockFormat, ...] | None]:
+    """ridge linear layer name -> the format its GGUF tensors ask for; dense tensors give None
+    (the --quantization policy decides). A packed layer whose shards' formats differ keeps
+    each shard's (a tuple in shard order: ``ShardedLinearMethod``); a stacked expert layer, or
+    a packed one with a dense shard, takes the widest of its shards'."""
+    wanted: dict[str, dict[int, BlockFormat | None]] = {}
+    stacked: set[str] = set()
     for name, tensor in model.tensors.items():
         layer = _layer_of(name, packed_modules, stacking)
-        if layer is not None:
-            wanted.setdefault(layer, []).append(target_format(tensor.type_name))
-    return {layer: widest(formats) for layer, formats in wanted.items()}
+        if layer is None:
+            continue
+        shards = wanted.setdefault(layer, {})
+        shard = _shard_of(name, packed_modules)
+        if shard is None or (stacking and ".experts." in name):  # not one of a packed layer's shards
+            stacked.add(layer)
+        shards[len(shards) if shard is None else shard] = target_format(tensor.type_name)
+    out: dict[str, BlockFormat | tuple[BlockFormat, ...] | None] = {}
+    for layer, shards in wanted.items():
+        formats = [shards[i] for i in sorted(shards)]
+        mixed = len(set(formats)) > 1 and None not in formats
+        out[layer] = tuple(formats) if mixed and layer not in stacked else widest(formats)
+    return out
+
+
+def _shard_of(name: str, packed_modules: dict[str, tuple[str, int]]) -> int | None:
+    """A packed layer's shard index of HF tensor ``name`` (None: not a packed shard)."""
+    child = name[: -len(".weight")].rpartition(".")[2] if name.endswith(".weight") else ""
+    return packed_modules[child][1] if child in packed_modules else None
 
 
 def conversions(
-    model: GGUFModel, formats: dict[str, BlockFormat | None], packed_modules, stacking: dict | None = None
+    model: GGUFModel,
+    formats: dict[str, BlockFormat | tuple[BlockFormat, ...] | None],
+    packed_modules,
+    stacking: dict | None = None,
 ) -> list[str]:
     """What was converted into what, for the start-up log ('Q6_K -> int8 (Q8_0; requantized): 23 tensors')."""
     counts: dict[str, int] = {}
@@ -363,6 +386,8 @@ def conversions(
             what = f"{source} -> dense (dequantized)" if source not in DENSE_TYPES else None
         else:
             fmt = formats[layer]
+            if isinstance(fmt, tuple):  # a packed layer held per shard
+                fmt = fmt[_shard_of(name, packed_modules)]
             if source in NATIVE_TYPES and NATIVE_TYPES[source] is fmt:
                 what = None
             else:

@@ -238,7 +238,7 @@ def _load_gguf(model: torch.nn.Module, gguf: GGUFModel) -> None:
             raise ValueError(f"{gguf.path.name}: unexpected tensor {name!r} for {model.config.architecture}")
         param_name, shard = target
         module = modules[param_name.rsplit(".", 1)[0]]
-        fmt = getattr(module, "method", None) and module.method.format
+        fmt = module.method.shard_format(shard) if isinstance(module, Linear) else None
         # a split layer (tensor parallelism) reads only this rank's rows and columns of the map
         split = isinstance(module, Linear) and param_name.endswith(".weight") and module.full is not None
         tp_rows = module.tp_rows[shard or 0] if split and module.tp_rows is not None else None

@@ -3,7 +3,12 @@ hold and apply them (``methods``), and the policy that assigns methods (``config
 
 from ridge.quantization.config import QuantizationConfig
 from ridge.quantization.formats import BLOCK, FORMATS, BlockFormat, get_format
-from ridge.quantization.methods import BlockQuantLinearMethod, LinearMethod, UnquantizedLinearMethod
+from ridge.quantization.methods import (
+    BlockQuantLinearMethod,
+    LinearMethod,
+    ShardedLinearMethod,
+    UnquantizedLinearMethod,
+)
 
 __all__ = [
     "BLOCK",
@@ -12,6 +17,7 @@ __all__ = [
     "BlockQuantLinearMethod",
     "LinearMethod",
     "QuantizationConfig",
+    "ShardedLinearMethod",
     "UnquantizedLinearMethod",
     "get_format",
 ]

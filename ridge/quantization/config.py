@@ -11,7 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ridge.quantization.formats import BLOCK, BlockFormat, get_format
-from ridge.quantization.methods import BlockQuantLinearMethod, LinearMethod, UnquantizedLinearMethod
+from ridge.quantization.methods import (
+    BlockQuantLinearMethod,
+    LinearMethod,
+    ShardedLinearMethod,
+    UnquantizedLinearMethod,
+)
 
 UNQUANTIZED = UnquantizedLinearMethod()
 
@@ -19,8 +24,9 @@ UNQUANTIZED = UnquantizedLinearMethod()
 @dataclass
 class QuantizationConfig:
     format: BlockFormat | None = None  # None: every layer unquantized
-    # layer name -> the format its checkpoint tensors already have (a GGUF file's): kept as is
-    file_formats: dict[str, BlockFormat | None] = field(default_factory=dict)
+    # layer name -> the format its checkpoint tensors already have (a GGUF file's): kept as is;
+    # a tuple, one per shard, for a packed layer whose shards' formats differ
+    file_formats: dict[str, BlockFormat | tuple[BlockFormat, ...] | None] = field(default_factory=dict)
     # layer name (numbers folded: "layers.*.mlp.down_proj") -> what it got, and why if not quantized
     decisions: dict[str, str] = field(default_factory=dict)
 
@@ -31,6 +37,9 @@ class QuantizationConfig:
     def method_for(self, name: str, in_features: int, tied: bool = False) -> LinearMethod:
         key = ".".join("*" if part.isdigit() else part for part in name.split("."))
         stored = self.file_formats.get(name)
+        if isinstance(stored, tuple) and not tied:
+            self.decisions[key] = f"{'+'.join(f.name for f in stored)} (per shard, from the file)"
+            return ShardedLinearMethod(stored)
         if stored is not None and not tied:
             self.decisions[key] = f"{stored.name} ({stored.ggml_name}, {stored.bits_per_weight:g} bits, from the file)"
             return BlockQuantLinearMethod(stored)

@@ -6,6 +6,8 @@ and is the torch reference for the matmul. Nothing else touches a layer's storag
 
     UnquantizedLinearMethod   weight (N, K) in the model's dtype (a Parameter)
     BlockQuantLinearMethod    blocks (N, K/32 * type_size) uint8: GGUF's bytes (formats.py)
+    ShardedLinearMethod       a packed layer whose shards keep different block formats: one
+                              layer per run of like shards (``layer.parts``), each as above
 
 After ``process_weights_after_loading`` a layer may hold its weight in the kernels' layout
 instead (``layer.packed``), with the plain form freed; ``dense_weight`` rebuilds the
@@ -37,6 +39,10 @@ class LinearMethod:
 
     def create_weights(self, layer: Linear) -> None:
         raise NotImplementedError
+
+    def shard_format(self, shard: int | None) -> BlockFormat | None:
+        """The format output shard ``shard`` (None: the whole layer) is held in."""
+        return self.format
 
     def load_weight(self, layer: Linear, tensor: torch.Tensor, rows: slice | None) -> None:
         """A dense checkpoint tensor, the whole weight (rows None) or a packed shard's rows."""
@@ -175,6 +181,86 @@ class BlockQuantLinearMethod(LinearMethod):
 
     def _plain_nbytes(self, layer):
         return layer.blocks.numel()
+
+
+class ShardedLinearMethod(LinearMethod):
+    """A packed layer whose shards keep the formats a file gave them, where they differ
+    (llama.cpp's Q4_K_M mix stores ``attn_q``/``attn_k`` as Q4_K and ``attn_v`` as Q6_K):
+    converting every shard to the widest would read more bytes than the file holds. Each run
+    of consecutive shards of one format becomes a layer of its own (``layer.parts``, plain
+    ``Linear`` layers outside the module tree: the packed layer is what the model, the loader
+    and the byte counts see); the matmul is one per part, outputs side by side, then the
+    layer's bias (vLLM's GGUF linear method computes a mixed fused layer per shard too).
+
+        qkv_proj (Q4_K_M): [ q_proj | k_proj ] q4_k  ->  parts[0]
+                           [ v_proj ]          int8  ->  parts[1]
+    """
+
+    def __init__(self, formats: tuple[BlockFormat, ...]) -> None:
+        self.formats = tuple(formats)
+
+    @property
+    def name(self) -> str:
+        return "+".join(f.name for f in self.formats)
+
+    def shard_format(self, shard):
+        if shard is None:
+            raise ValueError(f"a layer held as {self.name} per shard loads shard by shard")
+        return self.formats[shard]
+
+    def create_weights(self, layer):
+        from ridge.layers.linear import Linear  # the layers import the methods
+
+        sizes = layer.output_sizes
+        if len(sizes) != len(self.formats):
+            raise ValueError(f"{len(self.formats)} shard formats for a layer of {len(sizes)} shards")
+        parts, start = [], 0
+        for shard in range(1, len(sizes) + 1):
+            if shard == len(sizes) or self.formats[shard] is not self.formats[start]:
+                rows = sum(sizes[start:shard])
+                parts.append(Linear(layer.in_features, rows, False, BlockQuantLinearMethod(self.formats[start])))
+                start = shard
+        layer.parts = tuple(parts)  # a tuple: not registered as submodules
+
+    def _part_rows(self, layer, rows: slice) -> tuple[Linear, slice]:
+        """The part holding ``rows`` (whole shards' rows) and the rows within it."""
+        offset = 0
+        for part in layer.parts:
+            if offset <= rows.start and rows.stop <= offset + part.out_features:
+                return part, slice(rows.start - offset, rows.stop - offset)
+            offset += part.out_features
+        raise ValueError(f"rows {rows.start}:{rows.stop} cross the layer's formats ({self.name})")
+
+    def _whole(self, part, rows: slice) -> slice | None:
+        return None if rows.start == 0 and rows.stop == part.out_features else rows
+
+    def load_weight(self, layer, tensor, rows):
+        if rows is None:  # the whole layer: each part its rows
+            offset = 0
+            for part in layer.parts:
+                part.method.load_weight(part, tensor[offset : offset + part.out_features], None)
+                offset += part.out_features
+            return
+        part, within = self._part_rows(layer, rows)
+        part.method.load_weight(part, tensor, self._whole(part, within))
+
+    def load_blocks(self, layer, blocks, rows):
+        part, within = self._part_rows(layer, rows)
+        part.method.load_blocks(part, blocks, self._whole(part, within))
+
+    def process_weights_after_loading(self, layer, kernels):
+        for part in layer.parts:
+            part.method.process_weights_after_loading(part, kernels)
+
+    def apply(self, layer, x):
+        y = torch.cat([part.method.apply(part, x) for part in layer.parts], dim=-1)
+        return y if layer.bias is None else y + layer.bias.to(y.dtype)
+
+    def dense_weight(self, layer):
+        return torch.cat([part.dense_weight().float() for part in layer.parts])
+
+    def weight_nbytes(self, layer):
+        return sum(part.weight_nbytes() for part in layer.parts)
 
 
 # The kernels pack rows in blocks of 16 (linear_bf16, linear_quant): a row range on block

@@ -181,7 +181,11 @@ def test_a_q4_k_m_style_file_loads_converted_and_logs_what_became_what(tmp_path,
     with caplog.at_level(logging.INFO, logger="ridge"):
         llm = LLM(str(mixed), tokenizer="bytes", num_kv_blocks=16, device="cpu")
     layer0 = llm.engine.executor.worker.model.model.layers[0]
-    assert layer0.self_attn.qkv_proj.method.format.name == "int8"  # Q6_K's target is the widest shard's
+    qkv = layer0.self_attn.qkv_proj
+    # each shard as the file holds it (Q6_K as int8): q and k one Q4_K part, v another
+    assert qkv.method.name == "q4_k+q4_k+int8" and [p.method.name for p in qkv.parts] == ["q4_k", "int8"]
+    assert [p.out_features for p in qkv.parts] == [256 + 128, 128] and all(p.packed is not None for p in qkv.parts)
+    assert qkv.weight_nbytes() == sum(p.weight_nbytes() for p in qkv.parts) < (256 + 256) * 256 * 34 // 32
     assert layer0.self_attn.o_proj.method.format.name == "q4_k"  # as the file holds it
     assert layer0.self_attn.o_proj.packed is not None  # on the CPU kernels, regrouped at load
     assert layer0.mlp.gate_up_proj.method.format is None  # bf16 in the file, no --quantization
@@ -194,17 +198,19 @@ def test_a_q4_k_m_style_file_loads_converted_and_logs_what_became_what(tmp_path,
     amax = np.abs(v_ref.reshape(v_ref.shape[0], -1, 32)).max(-1).repeat(32, -1)
     assert (np.abs(v_got - v_ref) <= amax / 254 + amax / 1024 + 1e-6).all()
     log = caplog.text
-    assert "Q4_K -> int4_asym" not in log
-    assert "Q4_K -> int8 (Q8_0; requantized): 2 tensors" in log
+    assert "Q4_K -> " not in log  # q and k keep their format beside v's
     assert "Q6_K -> int8 (Q8_0; requantized): 1 tensors" in log
     llm.generate([prompt], SamplingParams(max_tokens=4), use_tqdm=False)  # runs
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.IQ4_XS], ids=lambda t: t.name)
-def test_a_k_quant_file_computes_what_transformers_computes_on_its_weights(tmp_path, qtype):
+@pytest.mark.parametrize(
+    "qtype,mixed", [(T.Q4_K, False), (T.IQ4_XS, False), (T.Q4_K, True)], ids=["Q4_K", "IQ4_XS", "mix"]
+)
+def test_a_k_quant_file_computes_what_transformers_computes_on_its_weights(tmp_path, qtype, mixed):
     """Every linear weight in one super-block format (K = 256): ridge reads the blocks as they
     are; the torch path equals transformers on the dequantized weights, the CPU kernels stay
-    within int8 activations."""
+    within int8 activations. ``mixed``: v and down in Q8_0 (where a Q4_K_M file has Q6_K), so
+    qkv keeps two formats side by side."""
     from ridge.models.export import write_gguf
 
     config = transformers.LlamaConfig(
@@ -216,10 +222,13 @@ def test_a_k_quant_file_computes_what_transformers_computes_on_its_weights(tmp_p
     dense = write_gguf(tmp_path / "hf", hf.config.to_dict(), tmp_path / "dense.gguf")
     linear = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
+    def type_of(name):
+        return T.Q8_0 if mixed and name.rsplit(".", 2)[-2] in ("attn_v", "ffn_down") else qtype
+
     def fn(name, values):
         if name.rsplit(".", 2)[-2] in linear:
-            fmt = next(f for f in FORMATS.values() if f.ggml_type == qtype)
-            return random_blocks(fmt, values.shape[0], values.shape[1], seed=len(name)).numpy(), qtype
+            fmt = next(f for f in FORMATS.values() if f.ggml_type == type_of(name))
+            return random_blocks(fmt, values.shape[0], values.shape[1], seed=len(name)).numpy(), fmt.ggml_type
         return None
 
     path = rewrite(dense, tmp_path / f"{qtype.name}.gguf", fn)
@@ -227,20 +236,25 @@ def test_a_k_quant_file_computes_what_transformers_computes_on_its_weights(tmp_p
     with torch.no_grad():  # transformers on the file's weights, dequantized by gguf
         for name, module in hf.named_modules():
             tensor = model.tensors.get(f"{name}.weight")
-            if isinstance(module, torch.nn.Linear) and tensor is not None and tensor.type_name == qtype.name:
-                module.weight.copy_(torch.from_numpy(dequantize(tensor.data, qtype)).reshape(module.weight.shape))
+            if isinstance(module, torch.nn.Linear) and tensor is not None and tensor.type_name != "F32":
+                values = dequantize(tensor.data, T[tensor.type_name])
+                module.weight.copy_(torch.from_numpy(values).reshape(module.weight.shape))
                 if name.endswith(("q_proj", "k_proj")):  # the file holds them permuted for llama.cpp's RoPE
                     module.weight.copy_(model.tensors[f"{name}.weight"].dense())
     prompt = list(range(3, 30))
     ref_llm = LLM(str(path), tokenizer="bytes", dtype="float32", num_kv_blocks=16, kernels="torch", device="cpu")
     layer = ref_llm.engine.executor.worker.model.model.layers[0]
-    assert layer.mlp.gate_up_proj.method.format.ggml_type == qtype == layer.self_attn.qkv_proj.method.format.ggml_type
+    assert layer.mlp.gate_up_proj.method.format.ggml_type == qtype
+    qkv_formats = [layer.self_attn.qkv_proj.method.shard_format(i).ggml_type for i in range(3)]
+    assert qkv_formats == [qtype, qtype, T.Q8_0 if mixed else qtype]
     ((tokens, logits),) = _logits(ref_llm, [prompt])
     with torch.no_grad():
         ref = hf(torch.tensor([prompt + tokens])).logits[0][len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
     assert (logits - ref).abs().max().item() <= 1e-4
     fast = LLM(str(path), tokenizer="bytes", dtype="float32", num_kv_blocks=16, device="cpu")
-    assert fast.engine.executor.worker.model.model.layers[0].mlp.gate_up_proj.packed is not None
+    fast_layer = fast.engine.executor.worker.model.model.layers[0]
+    assert fast_layer.mlp.gate_up_proj.packed is not None
+    assert all(p.packed is not None for p in fast_layer.self_attn.qkv_proj.parts or [fast_layer.self_attn.qkv_proj])
     ((fast_tokens, fast_logits),) = _logits(fast, [prompt])
     # the first step's logits (later ones follow each run's own tokens); activations quantized to
     # int8 per 32 in every matmul of 2 layers (the kernel's own bound: tests/layers/test_quant_kernels.py)
