@@ -111,6 +111,7 @@ def load_extension(progress=sys.stderr):
                 "-mamx-tile",  # AMX runs only where the CPU has it (linear_bf16.cpp asks at run time)
                 "-mamx-bf16",
                 "-mf16c",
+                "-mgfni",  # every AVX-512 BF16 CPU has it (Zen 4, Sapphire Rapids)
                 "-mfma",
                 "-fopenmp",
             ],

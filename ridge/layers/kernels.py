@@ -16,7 +16,7 @@ from ridge.kv.cache import PagedKV
 from ridge.layers.attention import AttentionMetadata, decode_valid_mask, gather_values
 from ridge.layers.linear import Linear
 from ridge.layers.rotary import RotaryEmbedding, rotate_half
-from ridge.quantization.formats import IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q8_0, BlockFormat
+from ridge.quantization.formats import IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, BlockFormat
 from ridge.quantization.methods import PACKED_ROW_BLOCK
 
 # Query heads per KV head from which the generic decode-attention kernel gives way to GEMMs
@@ -24,7 +24,15 @@ MANY_HEADS_PER_KV_HEAD = 8
 # Each bit of an int32 word as an int32 (bit 31 is the sign): token bitmasks unpacked in one op
 _BIT_VALUES = torch.tensor([1 << j if j < 31 else -(1 << 31) for j in range(32)], dtype=torch.int32)
 # The extension's format codes (csrc/linear_quant.cpp)
-QUANT_KERNEL_CODES = {Q8_0.name: 0, Q4_0.name: 1, Q4_1.name: 2, IQ4_NL.name: 3, Q4_K.name: 4, IQ4_XS.name: 5}
+QUANT_KERNEL_CODES = {
+    Q8_0.name: 0,
+    Q4_0.name: 1,
+    Q4_1.name: 2,
+    IQ4_NL.name: 3,
+    Q4_K.name: 4,
+    IQ4_XS.name: 5,
+    Q6_K.name: 6,
+}
 
 
 def _takes(x: torch.Tensor, fmt: BlockFormat | None) -> bool:

@@ -10,18 +10,21 @@ row by row exactly as a GGUF tensor stores them (``blocks``: uint8, (N, K/32 * t
 
     nibbles: byte j holds element j (low 4 bits) and element j + 16 (high 4 bits)
 
-and two in super-blocks of 256 (8 sub-blocks of 32, each with 6-bit codes for its
+and three in super-blocks of 256 (8 sub-blocks of 32, each with 6-bit codes for its
 scale and minimum under the super-block's two fp16 factors):
 
     Q4_K  [ d:f16 | dmin:f16 | 12 bytes: 8 x (sc, m) 6-bit | nibbles x 128 ]   144 bytes
           w = d * sc_j * q - dmin * m_j     (run c of 32 bytes: sub-block 2c low, 2c + 1 high)
     IQ4_XS [ d:f16 | 2 bytes: 8 x 2 high bits | 4 bytes: 8 x 4 low bits | nibbles x 128 ]  136 bytes
           w = d * (code_j - 32) * IQ4_NL_VALUES[q]   (sub-block j's 16 bytes as IQ4_NL's)
+    Q6_K  [ 128 bytes: low 4 bits | 64 bytes: top 2 bits | 16 x int8 scale | d:f16 ]  210 bytes
+          w = d * scale_i * (q - 32), a scale per 16 weights
 
 Quantization reproduces ``gguf.quants.quantize`` bit for bit (the same float32 arithmetic
 in the same order, llama.cpp's rounding), so a file quantized by llama.cpp and the same
-weights quantized by ridge at load hold identical bytes. IQ4_NL and Q4_K are read from files
-only, as is IQ4_XS (``gguf.quants`` has no quantizer to match: llama.cpp's search scales). Any device; no numpy.
+weights quantized by ridge at load hold identical bytes. IQ4_NL, IQ4_XS, Q4_K and Q6_K are
+read from files only (``gguf.quants`` has no quantizer to match: llama.cpp's search scales).
+Any device; no numpy.
 """
 
 from __future__ import annotations
@@ -95,7 +98,8 @@ Q4_K = BlockFormat("q4_k", "Q4_K", 12, 144, offset=0, has_min=True, nibbles=True
 IQ4_XS = BlockFormat(
     "iq4_xs", "IQ4_XS", 23, 136, offset=0, has_min=False, nibbles=True, codebook=IQ4_NL_VALUES, block=256
 )
-FORMATS: dict[str, BlockFormat] = {f.name: f for f in (Q8_0, Q4_0, Q4_1, IQ4_NL, Q4_K, IQ4_XS)}
+Q6_K = BlockFormat("q6_k", "Q6_K", 14, 210, offset=32, has_min=False, nibbles=False, block=256)
+FORMATS: dict[str, BlockFormat] = {f.name: f for f in (Q8_0, Q4_0, Q4_1, IQ4_NL, Q4_K, IQ4_XS, Q6_K)}
 FORMATS_BY_GGML_TYPE: dict[int, BlockFormat] = {f.ggml_type: f for f in FORMATS.values()}
 # --quantization accepts ridge's names and llama.cpp's
 FORMAT_ALIASES = {"q8_0": "int8", "q4_0": "int4", "q4_1": "int4_asym"}
@@ -136,7 +140,19 @@ def _dequantize_iq4_xs(b: torch.Tensor) -> torch.Tensor:
     return (scale.unsqueeze(-1) * values).reshape(*b.shape[:-1], 256)
 
 
-_DEQUANTIZE_SUPER = {"q4_k": _dequantize_q4_k, "iq4_xs": _dequantize_iq4_xs}
+def _dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
+    """(N, S, 210) uint8 super-blocks -> (N, S, 256) float32, as gguf.quants computes it."""
+    lead = b.shape[:-1]
+    ql = b[..., 0:128].reshape(*lead, 2, 1, 64)
+    low = torch.cat([ql & 15, ql >> 4], dim=-2).reshape(*lead, 2, 4, 32)  # (half, quarter, l)
+    qh = b[..., 128:192].reshape(*lead, 2, 1, 32).long()
+    top = (qh >> (2 * torch.arange(4, device=b.device)).view(4, 1)) & 3  # (half, quarter, l)
+    q = ((low.long() | (top << 4)) - 32).reshape(*lead, 16, 16).float()
+    scale = _f16(b[..., 208:210]).unsqueeze(-1) * b[..., 192:208].contiguous().view(torch.int8).float()
+    return (scale.unsqueeze(-1) * q).reshape(*lead, 256)
+
+
+_DEQUANTIZE_SUPER = {"q4_k": _dequantize_q4_k, "iq4_xs": _dequantize_iq4_xs, "q6_k": _dequantize_q6_k}
 
 
 def _blocks_of(w: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,12 @@ def random_blocks(fmt: BlockFormat, rows: int, k: int, seed: int, scale: float =
     (weights then reach about 127 * scale)."""
     rng = np.random.default_rng(seed)
     data = rng.integers(0, 256, size=(rows, k // fmt.block, fmt.type_size), dtype=np.uint8)
-    factors = 2 if fmt.block > 32 else 1  # a K-quant super-block: d, then dmin
+    factors = 2 if fmt.block > 32 else 1  # a K-quant super-block: d, then dmin (Q6_K: d last)
     d = rng.uniform(-scale, scale, size=(rows, k // fmt.block, factors)).astype(np.float16)
     if factors == 2:  # 6-bit codes up to 63 multiply them: keep the weights as large as a block's
         d /= 16
-    data[..., 0 : 2 * factors] = d.view(np.uint8)
+    if fmt.ggml_name == "Q6_K":  # d at the end, after 16 int8 scales up to 127
+        data[..., -2:] = (d[..., :1] / 4).astype(np.float16).view(np.uint8)
+    else:
+        data[..., 0 : 2 * factors] = d.view(np.uint8)
     return torch.from_numpy(data.reshape(rows, -1))

@@ -1,4 +1,5 @@
-// y = x @ w^T (+ bias) for weights in llama.cpp's block formats (Q8_0, Q4_0, Q4_1, IQ4_NL, IQ4_XS, Q4_K), with
+// y = x @ w^T (+ bias) for weights in llama.cpp's block formats (Q8_0, Q4_0, Q4_1, IQ4_NL, IQ4_XS, Q4_K,
+// Q6_K), with
 // integer dot products (AVX-512 VNNI, vpdpbusd): x is quantized per row to int8 in blocks
 // of 32 (as llama.cpp quantizes activations to Q8_0), so one instruction does 64
 // multiply-adds (twice vdpbf16ps) and W is read in its own 4.5-8.5 bits per weight.
@@ -24,6 +25,7 @@
 //   IQ4_NL: a code is an index into a 16-value int8 table (non-linear steps); one vpshufb per
 //   64 codes looks them up as table + 128 (unsigned), and off = 128 takes the 128 back out;
 //   IQ4_XS: the same codes, each group scaled by its super-block's d times a 6-bit code - 32
+//   Q6_K: 6-bit codes (off = 32), each half group (16 k) scaled by its own int8 times d
 //   (with x = dx * xq per block of 32: every sum above is an integer times dx)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -37,7 +39,7 @@
 
 namespace {
 
-enum Format : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, IQ4_NL = 3, Q4_K = 4, IQ4_XS = 5 };
+enum Format : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, IQ4_NL = 3, Q4_K = 4, IQ4_XS = 5, Q6_K = 6 };
 
 // IQ4_NL's table (llama.cpp's kvalues_iq4nl) plus 128: the unsigned bytes vpdpbusd multiplies
 alignas(16) constexpr uint8_t IQ4_NL_TABLE[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
@@ -68,6 +70,7 @@ Layout layout_of(int64_t fmt) {
     // per 256 k (a super-block): 144 bytes in the file, 16 x 144 in a block of 16 rows
     case Q4_K: return {144, 256, 256 + 32, 0, true, true};
     case IQ4_XS: return {136, 256, 256 + 16, 128, true, false};  // per 256 k: 136 bytes
+    case Q6_K: return {210, 384, 384 + 36, 32, true, false};  // per 256 k: 210 bytes
   }
   TORCH_CHECK(false, "unknown block format ", fmt);
 }
@@ -82,6 +85,7 @@ struct XTile {
   float* d;
   float* s;
   int32_t* qs;  // -off * sum of codes (symmetric formats)
+  int32_t* qsa;  // -off * sum of the first 16 codes (Q6_K: a scale per 16 k)
 };
 
 template <typename T>
@@ -112,16 +116,43 @@ void quantize_row(const T* x, int64_t G, int64_t off, const XTile& t, int64_t i)
     t.d[g * t.mr + i] = d;
     const int32_t code_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
     t.qs[g * t.mr + i] = static_cast<int32_t>(-off * code_sum);
+    t.qsa[g * t.mr + i] = static_cast<int32_t>(-off * _mm512_reduce_add_epi32(qa));
     // Q4_1's minimum multiplies the sum of the *quantized* x (as llama.cpp's Q8_1 does): the
     // error is then sum_k w_k e_k, not sum_k q_k d e_k, whose terms all share one sign
     t.s[g * t.mr + i] = d * static_cast<float>(code_sum);
   }
 }
 
+// A GF(2) affine matrix (vgf2p8affineqb) moving ``count`` bits of each byte from bit ``in`` up
+// to bit ``out`` up (zeros elsewhere): the matrix's byte 7 - o selects the input bits of output bit o.
+constexpr uint64_t bit_move(int in, int out, int count) {
+  uint64_t a = 0;
+  for (int i = 0; i < count; ++i) a |= uint64_t{1} << (8 * (7 - (out + i)) + (in + i));
+  return a;
+}
+
 template <int FMT>
 inline void load_weights(const uint8_t* chunk, __m512i w[8]) {
   if constexpr (FMT == Q8_0) {
     for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(chunk + 64 * j);
+  } else if constexpr (FMT == Q6_K) {  // low 4 bits as Q4_0's nibbles, top 2 bits from a second plane
+    // (see pack_q6_k): quads j and j + 4 of a position take bits 4 (j & 1) .. +3 of plane j / 2.
+    // GFNI's affine byte transform moves any bits of a byte to any others in one op.
+    constexpr uint64_t TOP[4] = {bit_move(0, 4, 2), bit_move(2, 4, 2), bit_move(4, 4, 2), bit_move(6, 4, 2)};
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i high_nibble = _mm512_set1_epi64(static_cast<long long>(bit_move(4, 0, 4)));
+    const __m512i tops[4] = {_mm512_set1_epi64(static_cast<long long>(TOP[0])), _mm512_set1_epi64(static_cast<long long>(TOP[1])),
+                             _mm512_set1_epi64(static_cast<long long>(TOP[2])), _mm512_set1_epi64(static_cast<long long>(TOP[3]))};
+    const __m512i planes[2] = {_mm512_loadu_si512(chunk + 256), _mm512_loadu_si512(chunk + 320)};
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(chunk + 64 * j);
+      const __m512i h = planes[j >> 1];
+      const __m512i top_j = _mm512_gf2p8affine_epi64_epi8(h, tops[2 * (j & 1)], 0);
+      const __m512i top_j4 = _mm512_gf2p8affine_epi64_epi8(h, tops[2 * (j & 1) + 1], 0);
+      w[j] = _mm512_ternarylogic_epi32(v, top_j, low, 0xEC);  // (v & 0x0F) | top
+      w[j + 4] = _mm512_or_si512(_mm512_gf2p8affine_epi64_epi8(v, high_nibble, 0), top_j4);
+    }
   } else {
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int j = 0; j < 4; ++j) {
@@ -187,9 +218,14 @@ inline void iq4_xs_superblock(const uint8_t* scales, int64_t G, int64_t s, Q4KSc
 
 template <int FMT, int MR>
 inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* out) {
-  constexpr int64_t WB = FMT == Q8_0 ? 512 : 256;
+  constexpr int64_t WB = FMT == Q8_0 ? 512 : FMT == Q6_K ? 384 : 256;
   constexpr bool MIN = FMT == Q4_1 || FMT == Q4_K;
-  constexpr int64_t CHUNK = FMT == Q8_0 ? 512 + 32 : FMT == Q4_1 ? 256 + 64 : FMT == IQ4_XS ? 256 + 16 : 256 + 32;
+  constexpr int64_t CHUNK = FMT == Q8_0     ? 512 + 32
+                            : FMT == Q4_1   ? 256 + 64
+                            : FMT == IQ4_XS ? 256 + 16
+                            : FMT == Q6_K   ? 384 + 36
+                                            : 256 + 32;
+  [[maybe_unused]] __m512 d6;  // Q6_K: the super-block's d for the 16 rows
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   const uint8_t* scales = block + G * WB;
@@ -201,6 +237,9 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
     }
     if constexpr (FMT == IQ4_XS) {
       if ((g & 7) == 0) iq4_xs_superblock(scales, G, g >> 3, sb);
+    }
+    if constexpr (FMT == Q6_K) {
+      if ((g & 7) == 0) d6 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (g >> 3) * 32)));
     }
     if constexpr (MR < PF_MIN_MR && FMT != Q8_0) {
       for (int64_t line = 0; line < WB; line += 64)
@@ -218,6 +257,9 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
         _mm_prefetch(reinterpret_cast<const char*>(scales + ((g >> 3) + 1) * 64), _MM_HINT_T0);
         for (int line = 0; line < 3; ++line) _mm_prefetch(reinterpret_cast<const char*>(next + 64 * line), _MM_HINT_T0);
       }
+    } else if constexpr (FMT == Q6_K) {
+      _mm_prefetch(reinterpret_cast<const char*>(scales + (G >> 3) * 32 + (g + 4) * 32), _MM_HINT_T0);
+      if ((g & 7) == 2) _mm_prefetch(reinterpret_cast<const char*>(scales + ((g >> 3) + 1) * 32), _MM_HINT_T0);
     } else if constexpr (FMT == IQ4_XS) {
       if ((g & 7) == 2) {
         const uint8_t* next = scales + (G >> 3) * 32 + ((g >> 3) + 1) * 96;
@@ -239,6 +281,10 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
       const int64_t j = (g & 7) * 16;
       dw = _mm512_mul_ps(sb.d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.sc + j)))));
       mw = _mm512_mul_ps(sb.dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.m + j)))));
+    } else if constexpr (FMT == Q6_K) {  // the two halves' int8 scales (times d below)
+      const uint8_t* sc = scales + (G >> 3) * 32 + g * 32;
+      dw = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))));
+      mw = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16))));
     } else if constexpr (FMT == IQ4_XS) {
       const int64_t j = (g & 7) * 16;
       dw = _mm512_mul_ps(sb.d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.sc + j)))));
@@ -248,6 +294,19 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
     if constexpr (FMT == Q4_1)
       mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (G + g) * 32)));
     const int32_t* xq = t.q + g * 8 * MR;
+    if constexpr (FMT == Q6_K) {  // a scale per 16 k: quads 0-3 and 4-7 sum apart (two chains anyway)
+      for (int i = 0; i < MR; ++i) {
+        const int32_t qsa = t.qsa[g * MR + i];
+        __m512i s0 = _mm512_set1_epi32(qsa), s1 = _mm512_set1_epi32(t.qs[g * MR + i] - qsa);
+        for (int j = 0; j < 4; ++j) {
+          s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(xq[j * MR + i]));
+          s1 = _mm512_dpbusd_epi32(s1, w[j + 4], _mm512_set1_epi32(xq[(j + 4) * MR + i]));
+        }
+        const __m512 both = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), dw, _mm512_mul_ps(_mm512_cvtepi32_ps(s1), mw));
+        acc[i] = _mm512_fmadd_ps(both, _mm512_mul_ps(d6, _mm512_set1_ps(t.d[g * MR + i])), acc[i]);
+      }
+      continue;
+    }
     for (int i = 0; i < MR; ++i) {
       // two partial sums: halves the chain of dependent vpdpbusd (latency 5)
       // the offset's correction (-off * sum of x codes) starts the sum: no extra op
@@ -306,10 +365,10 @@ void gemm_slab(const T* x, int64_t M, int64_t K, const uint8_t* wp, int64_t N, c
   for (int64_t r0 = 0; r0 < M; r0 += 16) {
     const int64_t rows = std::min<int64_t>(16, M - r0);
     const int64_t mr = rows <= 2 ? rows : rows <= 4 ? 4 : rows <= 8 ? 8 : rows <= 12 ? 12 : 16;
-    tiles.push_back({r0, rows, mr, nullptr, nullptr, nullptr, nullptr});
+    tiles.push_back({r0, rows, mr, nullptr, nullptr, nullptr, nullptr, nullptr});
     cells += mr;
   }
-  std::vector<int32_t> qbuf(cells * G * 8, 0), qsbuf(cells * G, 0);
+  std::vector<int32_t> qbuf(cells * G * 8, 0), qsbuf(cells * G, 0), qsabuf(cells * G, 0);
   std::vector<float> dbuf(cells * G, 0.f), sbuf(cells * G, 0.f);
   int64_t at = 0;
   for (XTile& t : tiles) {
@@ -317,6 +376,7 @@ void gemm_slab(const T* x, int64_t M, int64_t K, const uint8_t* wp, int64_t N, c
     t.d = dbuf.data() + at * G;
     t.s = sbuf.data() + at * G;
     t.qs = qsbuf.data() + at * G;
+    t.qsa = qsabuf.data() + at * G;
     at += t.mr;
   }
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
@@ -341,6 +401,7 @@ void gemm(int64_t fmt, const T* x, int64_t M, int64_t K, const uint8_t* wp, int6
       case IQ4_NL: gemm_slab<IQ4_NL, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
       case Q4_K: gemm_slab<Q4_K, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
       case IQ4_XS: gemm_slab<IQ4_XS, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
+      case Q6_K: gemm_slab<Q6_K, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
       default: gemm_slab<Q4_1, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N);
     }
   }
@@ -519,9 +580,79 @@ torch::Tensor unpack_iq4_xs(torch::Tensor packed, int64_t N, int64_t K) {
   });
 }
 
+// Q6_K super-blocks (N, K/256 * 210 bytes: 128 of low 4 bits, 64 of top 2 bits, 16 int8
+// scales, fp16 d) -> blocks of 16 rows, the same bytes regrouped:
+//
+//   [ G x (256 bytes of low 4 bits as Q4_0's nibbles, 128 bytes of top 2 bits) ]
+//   [ K/256 x 16 fp16 d ][ G x 32 bytes: the 16 rows' int8 scale of k 0-15, then of k 16-31 ]
+//
+// Top bits of group g: byte p of plane P (0, 1) holds those of quads 2P and 2P + 4 (bits 0-1,
+// 2-3) and 2P + 1 and 2P + 5 (bits 4-5, 6-7) at position p (row p / 4, k 4 quad + p % 4).
+// A file's half h of a super-block holds element 32 q + l (quarter q) in the low (q < 2) or
+// high nibble of ql[64 h + l + 32 (q & 1)] and bits 2 q of qh[32 h + l].
+inline uint8_t q6_k_code(const uint8_t* sb, int64_t e) {  // element e (0-255) of a super-block, 0-63
+  const int64_t h = e / 128, q = (e % 128) / 32, l = e % 32;
+  const uint8_t lo = (sb[64 * h + l + 32 * (q & 1)] >> (q < 2 ? 0 : 4)) & 15;
+  const uint8_t hi = (sb[128 + 32 * h + l] >> (2 * q)) & 3;
+  return static_cast<uint8_t>(lo | (hi << 4));
+}
+
+inline int64_t q6_k_plane_byte(int64_t quad, int64_t r, int64_t t, int& shift) {  // quad 0-7 of a group
+  const int64_t j = quad & 3;  // quads j and j + 4 share a nibble byte
+  shift = 4 * (j & 1) + 2 * (quad >> 2);
+  return 256 + 64 * (j >> 1) + r * 4 + t;
+}
+
+torch::Tensor pack_q6_k(torch::Tensor blocks, int64_t N, int64_t K) {
+  const int64_t G = K / QK, S = K / QK_K;
+  return pack_superblocks(blocks, N, K, 210, 384 + 36, "Q6_K", [&](uint8_t* block, int64_t r, int64_t s, const uint8_t* sb) {
+    uint8_t* dd = block + G * 384;
+    uint8_t* scl = dd + S * 32;
+    std::memcpy(dd + s * 32 + 2 * r, sb + 208, 2);
+    for (int j = 0; j < 8; ++j) {
+      const int64_t g = s * 8 + j;
+      scl[g * 32 + r] = sb[192 + 2 * j];
+      scl[g * 32 + 16 + r] = sb[192 + 2 * j + 1];
+      uint8_t* chunk = block + g * 384;
+      for (int64_t quad = 0; quad < 8; ++quad)
+        for (int64_t t = 0; t < 4; ++t) {
+          const uint8_t code = q6_k_code(sb, 32 * j + 4 * quad + t);
+          chunk[((quad & 3) * ROWS + r) * 4 + t] |= static_cast<uint8_t>((code & 15) << (quad < 4 ? 0 : 4));
+          int shift;
+          chunk[q6_k_plane_byte(quad, r, t, shift)] |= static_cast<uint8_t>((code >> 4) << shift);
+        }
+    }
+  });
+}
+
+torch::Tensor unpack_q6_k(torch::Tensor packed, int64_t N, int64_t K) {
+  const int64_t G = K / QK, S = K / QK_K;
+  return unpack_superblocks(packed, N, K, 210, 384 + 36, [&](const uint8_t* block, int64_t r, int64_t s, uint8_t* sb) {
+    const uint8_t* dd = block + G * 384;
+    const uint8_t* scl = dd + S * 32;
+    std::memcpy(sb + 208, dd + s * 32 + 2 * r, 2);
+    for (int j = 0; j < 8; ++j) {
+      const int64_t g = s * 8 + j;
+      sb[192 + 2 * j] = scl[g * 32 + r];
+      sb[192 + 2 * j + 1] = scl[g * 32 + 16 + r];
+      const uint8_t* chunk = block + g * 384;
+      for (int64_t quad = 0; quad < 8; ++quad)
+        for (int64_t t = 0; t < 4; ++t) {
+          const uint8_t lo = (chunk[((quad & 3) * ROWS + r) * 4 + t] >> (quad < 4 ? 0 : 4)) & 15;
+          int shift;
+          const uint8_t hi = (chunk[q6_k_plane_byte(quad, r, t, shift)] >> shift) & 3;
+          const int64_t e = 32 * j + 4 * quad + t, h = e / 128, q = (e % 128) / 32, l = e % 32;
+          sb[64 * h + l + 32 * (q & 1)] |= static_cast<uint8_t>(lo << (q < 2 ? 0 : 4));
+          sb[128 + 32 * h + l] |= static_cast<uint8_t>(hi << (2 * q));
+        }
+    }
+  });
+}
+
 torch::Tensor pack_quant(torch::Tensor blocks, int64_t fmt, int64_t N, int64_t K) {
   if (fmt == Q4_K) return pack_q4_k(blocks, N, K);
   if (fmt == IQ4_XS) return pack_iq4_xs(blocks, N, K);
+  if (fmt == Q6_K) return pack_q6_k(blocks, N, K);
   const Layout L = layout_of(fmt);
   TORCH_CHECK(K % QK == 0, "pack_quant: K must be a multiple of 32");
   const int64_t G = K / QK, NB = (N + ROWS - 1) / ROWS;
@@ -560,6 +691,7 @@ torch::Tensor pack_quant(torch::Tensor blocks, int64_t fmt, int64_t N, int64_t K
 torch::Tensor unpack_quant(torch::Tensor packed, int64_t fmt, int64_t N, int64_t K) {
   if (fmt == Q4_K) return unpack_q4_k(packed, N, K);
   if (fmt == IQ4_XS) return unpack_iq4_xs(packed, N, K);
+  if (fmt == Q6_K) return unpack_q6_k(packed, N, K);
   const Layout L = layout_of(fmt);
   const int64_t G = K / QK, row_bytes = G * L.type_size, head = L.has_min ? 4 : 2;
   auto out = torch::empty({N, row_bytes}, packed.options());
@@ -590,7 +722,7 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t fmt, i
   const int64_t K = x.size(-1);
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear_quant: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "linear_quant: bf16 or f32 x");
-  TORCH_CHECK((fmt != Q4_K && fmt != IQ4_XS) || K % 256 == 0, "linear_quant: K-quants need K a multiple of 256");
+  TORCH_CHECK((fmt != Q4_K && fmt != IQ4_XS && fmt != Q6_K) || K % 256 == 0, "linear_quant: K-quants need K a multiple of 256");
   TORCH_CHECK(K % QK == 0 && packed.dim() == 3 && packed.size(0) == (N + ROWS - 1) / ROWS &&
                   packed.size(1) == K / QK && packed.size(2) == L.chunk,
               "linear_quant: packed weight does not match (N, K)");
@@ -617,7 +749,7 @@ torch::Tensor linear_quant_grouped(torch::Tensor x, torch::Tensor packed, int64_
   TORCH_CHECK(N % ROWS == 0, "linear_quant_grouped: rows per expert must be a multiple of 16");
   auto x2 = x.contiguous();
   const int64_t R = x2.size(0), K = x2.size(1), E = static_cast<int64_t>(counts.size());
-  TORCH_CHECK((fmt != Q4_K && fmt != IQ4_XS) || K % 256 == 0, "linear_quant_grouped: K-quants need K a multiple of 256");
+  TORCH_CHECK((fmt != Q4_K && fmt != IQ4_XS && fmt != Q6_K) || K % 256 == 0, "linear_quant_grouped: K-quants need K a multiple of 256");
   TORCH_CHECK(K % QK == 0 && packed.dim() == 3 && packed.size(0) == E * N / ROWS && packed.size(1) == K / QK &&
                   packed.size(2) == L.chunk,
               "linear_quant_grouped: packed weight does not match (E * N, K)");
