@@ -10,11 +10,13 @@ row by row exactly as a GGUF tensor stores them (``blocks``: uint8, (N, K/32 * t
 
     nibbles: byte j holds element j (low 4 bits) and element j + 16 (high 4 bits)
 
-and three in super-blocks of 256 (8 sub-blocks of 32, each with 6-bit codes for its
+and four in super-blocks of 256 (8 sub-blocks of 32, each with 6-bit codes for its
 scale and minimum under the super-block's two fp16 factors):
 
     Q4_K  [ d:f16 | dmin:f16 | 12 bytes: 8 x (sc, m) 6-bit | nibbles x 128 ]   144 bytes
           w = d * sc_j * q - dmin * m_j     (run c of 32 bytes: sub-block 2c low, 2c + 1 high)
+    Q5_K  [ d | dmin | 12 bytes of (sc, m) | qh x 32 | nibbles x 128 ]         176 bytes
+          Q4_K's, q + 16 * (bit j of qh[l]) for sub-block j's element l
     IQ4_XS [ d:f16 | 2 bytes: 8 x 2 high bits | 4 bytes: 8 x 4 low bits | nibbles x 128 ]  136 bytes
           w = d * (code_j - 32) * IQ4_NL_VALUES[q]   (sub-block j's 16 bytes as IQ4_NL's)
     Q6_K  [ 128 bytes: low 4 bits | 64 bytes: top 2 bits | 16 x int8 scale | d:f16 ]  210 bytes
@@ -22,7 +24,7 @@ scale and minimum under the super-block's two fp16 factors):
 
 Quantization reproduces ``gguf.quants.quantize`` bit for bit (the same float32 arithmetic
 in the same order, llama.cpp's rounding), so a file quantized by llama.cpp and the same
-weights quantized by ridge at load hold identical bytes. IQ4_NL, IQ4_XS, Q4_K and Q6_K are
+weights quantized by ridge at load hold identical bytes. IQ4_NL, IQ4_XS, Q4_K, Q5_K and Q6_K are
 read from files only (``gguf.quants`` has no quantizer to match: llama.cpp's search scales).
 Any device; no numpy.
 """
@@ -98,8 +100,9 @@ Q4_K = BlockFormat("q4_k", "Q4_K", 12, 144, offset=0, has_min=True, nibbles=True
 IQ4_XS = BlockFormat(
     "iq4_xs", "IQ4_XS", 23, 136, offset=0, has_min=False, nibbles=True, codebook=IQ4_NL_VALUES, block=256
 )
+Q5_K = BlockFormat("q5_k", "Q5_K", 13, 176, offset=0, has_min=True, nibbles=True, block=256)
 Q6_K = BlockFormat("q6_k", "Q6_K", 14, 210, offset=32, has_min=False, nibbles=False, block=256)
-FORMATS: dict[str, BlockFormat] = {f.name: f for f in (Q8_0, Q4_0, Q4_1, IQ4_NL, Q4_K, IQ4_XS, Q6_K)}
+FORMATS: dict[str, BlockFormat] = {f.name: f for f in (Q8_0, Q4_0, Q4_1, IQ4_NL, Q4_K, Q5_K, IQ4_XS, Q6_K)}
 FORMATS_BY_GGML_TYPE: dict[int, BlockFormat] = {f.ggml_type: f for f in FORMATS.values()}
 # --quantization accepts ridge's names and llama.cpp's
 FORMAT_ALIASES = {"q8_0": "int8", "q4_0": "int4", "q4_1": "int4_asym"}
@@ -116,13 +119,31 @@ def get_format(name: str) -> BlockFormat:
 
 def _dequantize_q4_k(b: torch.Tensor) -> torch.Tensor:
     """(N, S, 144) uint8 super-blocks -> (N, S, 256) float32, as gguf.quants computes it."""
+    return _dequantize_k_scaled(b, _k_nibbles(b[..., 16:]))
+
+
+def _dequantize_q5_k(b: torch.Tensor) -> torch.Tensor:
+    """(N, S, 176) uint8 super-blocks -> (N, S, 256) float32, as gguf.quants computes it:
+    Q4_K's nibbles plus a fifth bit per weight, bit j of qh[l] for sub-block j's element l."""
+    qh = b[..., 16:48].long().unsqueeze(-2)  # (N, S, 1, 32)
+    top = (qh >> torch.arange(8, device=b.device).view(8, 1)) & 1  # (N, S, 8, 32)
+    return _dequantize_k_scaled(b, _k_nibbles(b[..., 48:]) + 16 * top.float())
+
+
+def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """128 bytes of a Q4_K/Q5_K super-block -> (..., 8, 32) codes: run c of 32 bytes holds
+    sub-block 2c in its low nibbles and 2c + 1 in its high ones."""
+    runs = qs.reshape(*qs.shape[:-1], 4, 1, 32)
+    return torch.cat([runs & 15, runs >> 4], dim=-2).reshape(*qs.shape[:-1], 8, 32).float()
+
+
+def _dequantize_k_scaled(b: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """w = d * sc_j * q - dmin * m_j with Q4_K's and Q5_K's 12 bytes of 6-bit (sc, m) codes."""
     d, dmin = _f16(b[..., 0:2]).unsqueeze(-1), _f16(b[..., 2:4]).unsqueeze(-1)
     q = b[..., 4:16].long()
     lo, mid, top = q[..., 0:4], q[..., 4:8], q[..., 8:12]
     sc = torch.cat([lo & 63, (top & 15) | ((lo >> 6) << 4)], dim=-1).float()  # (N, S, 8)
     m = torch.cat([mid & 63, (top >> 4) | ((mid >> 6) << 4)], dim=-1).float()
-    runs = b[..., 16:].reshape(*b.shape[:-1], 4, 1, 32)
-    codes = torch.cat([runs & 15, runs >> 4], dim=-2).reshape(*b.shape[:-1], 8, 32).float()
     return ((d * sc).unsqueeze(-1) * codes - (dmin * m).unsqueeze(-1)).reshape(*b.shape[:-1], 256)
 
 
@@ -152,7 +173,12 @@ def _dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
     return (scale.unsqueeze(-1) * q).reshape(*lead, 256)
 
 
-_DEQUANTIZE_SUPER = {"q4_k": _dequantize_q4_k, "iq4_xs": _dequantize_iq4_xs, "q6_k": _dequantize_q6_k}
+_DEQUANTIZE_SUPER = {
+    "q4_k": _dequantize_q4_k,
+    "q5_k": _dequantize_q5_k,
+    "iq4_xs": _dequantize_iq4_xs,
+    "q6_k": _dequantize_q6_k,
+}
 
 
 def _blocks_of(w: torch.Tensor) -> torch.Tensor:

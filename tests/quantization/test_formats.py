@@ -65,6 +65,7 @@ def test_sizes_are_llama_cpps():
         "iq4_nl": (18, 4.5),
         "q4_k": (144, 4.5),
         "iq4_xs": (136, 4.25),
+        "q5_k": (176, 5.5),
         "q6_k": (210, 6.5625),
     }
     for fmt in FORMATS.values():

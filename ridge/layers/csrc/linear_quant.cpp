@@ -1,5 +1,5 @@
 // y = x @ w^T (+ bias) for weights in llama.cpp's block formats (Q8_0, Q4_0, Q4_1, IQ4_NL, IQ4_XS, Q4_K,
-// Q6_K), with
+// Q5_K, Q6_K), with
 // integer dot products (AVX-512 VNNI, vpdpbusd): x is quantized per row to int8 in blocks
 // of 32 (as llama.cpp quantizes activations to Q8_0), so one instruction does 64
 // multiply-adds (twice vdpbf16ps) and W is read in its own 4.5-8.5 bits per weight.
@@ -22,6 +22,7 @@
 //   sum_k (q_k - off) x_k = sum_k q_k x_k - off * sum_k x_k         (off = 128, 8 or 0)
 //   Q4_1: sum_k (q_k d + m) x_k = d sum_k q_k x_k + m sum_k x_k
 //   Q4_K: sum_k (d sc q_k - dmin m) x_k per group of 32, d sc and dmin m from 6-bit codes
+//   Q5_K: the same with 5-bit codes, each code's fifth bit from a plane of one bit per weight
 //   IQ4_NL: a code is an index into a 16-value int8 table (non-linear steps); one vpshufb per
 //   64 codes looks them up as table + 128 (unsigned), and off = 128 takes the 128 back out;
 //   IQ4_XS: the same codes, each group scaled by its super-block's d times a 6-bit code - 32
@@ -39,7 +40,7 @@
 
 namespace {
 
-enum Format : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, IQ4_NL = 3, Q4_K = 4, IQ4_XS = 5, Q6_K = 6 };
+enum Format : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, IQ4_NL = 3, Q4_K = 4, IQ4_XS = 5, Q6_K = 6, Q5_K = 7 };
 
 // IQ4_NL's table (llama.cpp's kvalues_iq4nl) plus 128: the unsigned bytes vpdpbusd multiplies
 alignas(16) constexpr uint8_t IQ4_NL_TABLE[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
@@ -69,6 +70,7 @@ Layout layout_of(int64_t fmt) {
     case IQ4_NL: return {18, 256, 256 + 32, 128, true, false};
     // per 256 k (a super-block): 144 bytes in the file, 16 x 144 in a block of 16 rows
     case Q4_K: return {144, 256, 256 + 32, 0, true, true};
+    case Q5_K: return {176, 320, 320 + 32, 0, true, true};  // Q4_K's + a 64-byte bit plane per group
     case IQ4_XS: return {136, 256, 256 + 16, 128, true, false};  // per 256 k: 136 bytes
     case Q6_K: return {210, 384, 384 + 36, 32, true, false};  // per 256 k: 210 bytes
   }
@@ -135,6 +137,18 @@ template <int FMT>
 inline void load_weights(const uint8_t* chunk, __m512i w[8]) {
   if constexpr (FMT == Q8_0) {
     for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(chunk + 64 * j);
+  } else if constexpr (FMT == Q5_K) {  // Q4_K's nibbles; bit q of plane byte p: quad q's fifth bit at p
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i plane = _mm512_loadu_si512(chunk + 256);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(chunk + 64 * j);
+      const __m512i top_j = _mm512_gf2p8affine_epi64_epi8(plane, _mm512_set1_epi64(static_cast<long long>(bit_move(j, 4, 1))), 0);
+      const __m512i top_j4 =
+          _mm512_gf2p8affine_epi64_epi8(plane, _mm512_set1_epi64(static_cast<long long>(bit_move(j + 4, 4, 1))), 0);
+      w[j] = _mm512_ternarylogic_epi32(v, top_j, low, 0xEC);                           // (v & 0x0F) | top
+      w[j + 4] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), top_j4, low, 0xEC);  // (v >> 4 & 0x0F) | top
+    }
   } else if constexpr (FMT == Q6_K) {  // low 4 bits as Q4_0's nibbles, top 2 bits from a second plane
     // (see pack_q6_k): quads j and j + 4 of a position take bits 4 (j & 1) .. +3 of plane j / 2.
     // GFNI's affine byte transform moves any bits of a byte to any others in one op.
@@ -169,7 +183,7 @@ inline void load_weights(const uint8_t* chunk, __m512i w[8]) {
 
 // One block of 16 outputs for the MR rows of a tile: fp32 results into out[MR][16].
 // Q4_K: a super-block's 6-bit codes for its 8 groups x 16 rows, unpacked into bytes with a
-// few 512-bit byte ops (see pack_q4_k for their 192 bytes), and its fp16 d and dmin.
+// few 512-bit byte ops (see pack_k_quant for their 192 bytes), and its fp16 d and dmin.
 struct Q4KScales {
   alignas(64) uint8_t sc[128];  // [group][row]
   alignas(64) uint8_t m[128];
@@ -218,12 +232,14 @@ inline void iq4_xs_superblock(const uint8_t* scales, int64_t G, int64_t s, Q4KSc
 
 template <int FMT, int MR>
 inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* out) {
-  constexpr int64_t WB = FMT == Q8_0 ? 512 : FMT == Q6_K ? 384 : 256;
-  constexpr bool MIN = FMT == Q4_1 || FMT == Q4_K;
+  constexpr int64_t WB = FMT == Q8_0 ? 512 : FMT == Q6_K ? 384 : FMT == Q5_K ? 320 : 256;
+  constexpr bool KQ = FMT == Q4_K || FMT == Q5_K;  // Q4_K's super-block scales and minimums
+  constexpr bool MIN = FMT == Q4_1 || KQ;
   constexpr int64_t CHUNK = FMT == Q8_0     ? 512 + 32
                             : FMT == Q4_1   ? 256 + 64
                             : FMT == IQ4_XS ? 256 + 16
                             : FMT == Q6_K   ? 384 + 36
+                            : FMT == Q5_K   ? 320 + 32
                                             : 256 + 32;
   [[maybe_unused]] __m512 d6;  // Q6_K: the super-block's d for the 16 rows
   __m512 acc[MR];
@@ -232,7 +248,7 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
   [[maybe_unused]] Q4KScales sb;
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* chunk = block + g * WB;
-    if constexpr (FMT == Q4_K) {
+    if constexpr (KQ) {
       if ((g & 7) == 0) q4_k_superblock(scales, G, g >> 3, sb);
     }
     if constexpr (FMT == IQ4_XS) {
@@ -251,7 +267,7 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
     }
     // the scales are a short second stream per block (2 KiB at K = 2048): the hardware
     // prefetcher hardly starts on it, so it is fetched ahead here (their misses stalled M = 1)
-    if constexpr (FMT == Q4_K) {  // the next super-block's d, dmin and codes
+    if constexpr (KQ) {  // the next super-block's d, dmin and codes
       if ((g & 7) == 2) {
         const uint8_t* next = scales + (G >> 3) * 64 + ((g >> 3) + 1) * 192;
         _mm_prefetch(reinterpret_cast<const char*>(scales + ((g >> 3) + 1) * 64), _MM_HINT_T0);
@@ -277,7 +293,7 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
     __m512i w[8];
     load_weights<FMT>(chunk, w);
     __m512 dw, mw;
-    if constexpr (FMT == Q4_K) {
+    if constexpr (KQ) {
       const int64_t j = (g & 7) * 16;
       dw = _mm512_mul_ps(sb.d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.sc + j)))));
       mw = _mm512_mul_ps(sb.dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.m + j)))));
@@ -324,7 +340,7 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
       const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(t.d[g * MR + i]));
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[i]);
       if constexpr (FMT == Q4_1) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(t.s[g * MR + i]), acc[i]);
-      if constexpr (FMT == Q4_K) acc[i] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(t.s[g * MR + i]), acc[i]);  // w = d sc q - dmin m
+      if constexpr (KQ) acc[i] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(t.s[g * MR + i]), acc[i]);  // w = d sc q - dmin m
     }
   }
   for (int i = 0; i < MR; ++i) _mm512_storeu_ps(out + i * 16, acc[i]);
@@ -400,6 +416,7 @@ void gemm(int64_t fmt, const T* x, int64_t M, int64_t K, const uint8_t* wp, int6
       case Q4_0: gemm_slab<Q4_0, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
       case IQ4_NL: gemm_slab<IQ4_NL, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
       case Q4_K: gemm_slab<Q4_K, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
+      case Q5_K: gemm_slab<Q5_K, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
       case IQ4_XS: gemm_slab<IQ4_XS, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
       case Q6_K: gemm_slab<Q6_K, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
       default: gemm_slab<Q4_1, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N);
@@ -409,7 +426,8 @@ void gemm(int64_t fmt, const T* x, int64_t M, int64_t K, const uint8_t* wp, int6
 
 }  // namespace
 
-// Q4_K super-blocks (N, K/256 * 144 bytes) -> blocks of 16 rows, the same bytes regrouped:
+// Q4_K super-blocks (N, K/256 * 144 bytes) -> blocks of 16 rows, the same bytes regrouped
+// (Q5_K's 176: each weight chunk followed by its 64-byte plane of fifth bits):
 //
 //   [ G weight chunks, as Q4_0's ][ K/256 x (16 fp16 d, 16 fp16 dmin) ][ K/256 x 192 bytes ]
 //   192 bytes of a super-block, its 8 groups x 16 rows of 6-bit codes (scale sc, minimum m):
@@ -469,10 +487,15 @@ torch::Tensor unpack_superblocks(torch::Tensor packed, int64_t N, int64_t K, int
   return out;
 }
 
-torch::Tensor pack_q4_k(torch::Tensor blocks, int64_t N, int64_t K) {
-  const int64_t G = K / QK, S = K / QK_K;
-  return pack_superblocks(blocks, N, K, 144, 256 + 32, "Q4_K", [&](uint8_t* block, int64_t r, int64_t s, const uint8_t* sb) {
-    uint8_t* dd = block + G * 256;
+// Q4_K and Q5_K (sb_bytes 144 / 176; nibbles at qs_at; Q5_K's fifth bits at 16, qh_at >= 0)
+// into blocks of chunk bytes per group: [ nibbles as Q4_0's, 256 | Q5_K's bit plane, 64 ]
+// per group, then the scales as above. Bit plane byte p = 4 r + t holds in bit q the fifth
+// bit of row r's element 4 q + t (quad q's byte p).
+torch::Tensor pack_k_quant(torch::Tensor blocks, int64_t N, int64_t K, int64_t sb_bytes, int64_t qs_at, int64_t qh_at,
+                           const char* name) {
+  const int64_t G = K / QK, S = K / QK_K, wb = qh_at >= 0 ? 320 : 256;
+  return pack_superblocks(blocks, N, K, sb_bytes, wb + 32, name, [&](uint8_t* block, int64_t r, int64_t s, const uint8_t* sb) {
+    uint8_t* dd = block + G * wb;
     uint8_t* sbc = dd + S * 64 + s * 192;
     std::memcpy(dd + s * 64 + 2 * r, sb, 2);
     std::memcpy(dd + s * 64 + 32 + 2 * r, sb + 2, 2);
@@ -482,23 +505,26 @@ torch::Tensor pack_q4_k(torch::Tensor blocks, int64_t N, int64_t K) {
       const int64_t c = 16 * j + r;
       sbc[c] = static_cast<uint8_t>((sc & 15) | ((m & 15) << 4));
       sbc[128 + (c & 63)] |= static_cast<uint8_t>(((sc >> 4) | ((m >> 4) << 2)) << (c >= 64 ? 4 : 0));
-      const uint8_t* qs = sb + 16 + 32 * (j / 2);
+      const uint8_t* qs = sb + qs_at + 32 * (j / 2);
       const int shift = 4 * (j & 1);
-      uint8_t* chunk = block + (s * 8 + j) * 256;
+      uint8_t* chunk = block + (s * 8 + j) * wb;
       for (int64_t jq = 0; jq < 4; ++jq)
         for (int64_t t = 0; t < 4; ++t) {
           const int64_t p = 4 * jq + t;
           const uint8_t lo = (qs[p] >> shift) & 15, hi = (qs[p + 16] >> shift) & 15;
           chunk[(jq * ROWS + r) * 4 + t] = static_cast<uint8_t>(lo | (hi << 4));
         }
+      if (qh_at >= 0)
+        for (int64_t e = 0; e < 32; ++e)
+          chunk[256 + 4 * r + e % 4] |= static_cast<uint8_t>(((sb[qh_at + e] >> j) & 1) << (e / 4));
     }
   });
 }
 
-torch::Tensor unpack_q4_k(torch::Tensor packed, int64_t N, int64_t K) {
-  const int64_t G = K / QK, S = K / QK_K;
-  return unpack_superblocks(packed, N, K, 144, 256 + 32, [&](const uint8_t* block, int64_t r, int64_t s, uint8_t* sb) {
-    const uint8_t* dd = block + G * 256;
+torch::Tensor unpack_k_quant(torch::Tensor packed, int64_t N, int64_t K, int64_t sb_bytes, int64_t qs_at, int64_t qh_at) {
+  const int64_t G = K / QK, S = K / QK_K, wb = qh_at >= 0 ? 320 : 256;
+  return unpack_superblocks(packed, N, K, sb_bytes, wb + 32, [&](const uint8_t* block, int64_t r, int64_t s, uint8_t* sb) {
+    const uint8_t* dd = block + G * wb;
     const uint8_t* sbc = dd + S * 64 + s * 192;
     std::memcpy(sb, dd + s * 64 + 2 * r, 2);
     std::memcpy(sb + 2, dd + s * 64 + 32 + 2 * r, 2);
@@ -508,8 +534,8 @@ torch::Tensor unpack_q4_k(torch::Tensor packed, int64_t N, int64_t K) {
       const uint8_t high = (sbc[128 + (c & 63)] >> (c >= 64 ? 4 : 0)) & 15;
       sc[j] = (sbc[c] & 15) | ((high & 3) << 4);
       m[j] = (sbc[c] >> 4) | ((high >> 2) << 4);
-      const uint8_t* chunk = block + (s * 8 + j) * 256;
-      uint8_t* qs = sb + 16 + 32 * (j / 2);
+      const uint8_t* chunk = block + (s * 8 + j) * wb;
+      uint8_t* qs = sb + qs_at + 32 * (j / 2);
       const int shift = 4 * (j & 1);
       for (int64_t jq = 0; jq < 4; ++jq)
         for (int64_t t = 0; t < 4; ++t) {
@@ -518,6 +544,9 @@ torch::Tensor unpack_q4_k(torch::Tensor packed, int64_t N, int64_t K) {
           qs[p] |= static_cast<uint8_t>((v & 15) << shift);
           qs[p + 16] |= static_cast<uint8_t>((v >> 4) << shift);
         }
+      if (qh_at >= 0)
+        for (int64_t e = 0; e < 32; ++e)
+          sb[qh_at + e] |= static_cast<uint8_t>(((chunk[256 + 4 * r + e % 4] >> (e / 4)) & 1) << j);
     }
     uint8_t* q = sb + 4;  // the inverse of q4_k_scale_min
     for (int j = 0; j < 4; ++j) {
@@ -650,7 +679,8 @@ torch::Tensor unpack_q6_k(torch::Tensor packed, int64_t N, int64_t K) {
 }
 
 torch::Tensor pack_quant(torch::Tensor blocks, int64_t fmt, int64_t N, int64_t K) {
-  if (fmt == Q4_K) return pack_q4_k(blocks, N, K);
+  if (fmt == Q4_K) return pack_k_quant(blocks, N, K, 144, 16, -1, "Q4_K");
+  if (fmt == Q5_K) return pack_k_quant(blocks, N, K, 176, 48, 16, "Q5_K");
   if (fmt == IQ4_XS) return pack_iq4_xs(blocks, N, K);
   if (fmt == Q6_K) return pack_q6_k(blocks, N, K);
   const Layout L = layout_of(fmt);
@@ -689,7 +719,8 @@ torch::Tensor pack_quant(torch::Tensor blocks, int64_t fmt, int64_t N, int64_t K
 }
 
 torch::Tensor unpack_quant(torch::Tensor packed, int64_t fmt, int64_t N, int64_t K) {
-  if (fmt == Q4_K) return unpack_q4_k(packed, N, K);
+  if (fmt == Q4_K) return unpack_k_quant(packed, N, K, 144, 16, -1);
+  if (fmt == Q5_K) return unpack_k_quant(packed, N, K, 176, 48, 16);
   if (fmt == IQ4_XS) return unpack_iq4_xs(packed, N, K);
   if (fmt == Q6_K) return unpack_q6_k(packed, N, K);
   const Layout L = layout_of(fmt);
@@ -722,7 +753,7 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t fmt, i
   const int64_t K = x.size(-1);
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear_quant: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "linear_quant: bf16 or f32 x");
-  TORCH_CHECK((fmt != Q4_K && fmt != IQ4_XS && fmt != Q6_K) || K % 256 == 0, "linear_quant: K-quants need K a multiple of 256");
+  TORCH_CHECK((fmt != Q4_K && fmt != Q5_K && fmt != IQ4_XS && fmt != Q6_K) || K % 256 == 0, "linear_quant: K-quants need K a multiple of 256");
   TORCH_CHECK(K % QK == 0 && packed.dim() == 3 && packed.size(0) == (N + ROWS - 1) / ROWS &&
                   packed.size(1) == K / QK && packed.size(2) == L.chunk,
               "linear_quant: packed weight does not match (N, K)");
@@ -749,7 +780,7 @@ torch::Tensor linear_quant_grouped(torch::Tensor x, torch::Tensor packed, int64_
   TORCH_CHECK(N % ROWS == 0, "linear_quant_grouped: rows per expert must be a multiple of 16");
   auto x2 = x.contiguous();
   const int64_t R = x2.size(0), K = x2.size(1), E = static_cast<int64_t>(counts.size());
-  TORCH_CHECK((fmt != Q4_K && fmt != IQ4_XS && fmt != Q6_K) || K % 256 == 0, "linear_quant_grouped: K-quants need K a multiple of 256");
+  TORCH_CHECK((fmt != Q4_K && fmt != Q5_K && fmt != IQ4_XS && fmt != Q6_K) || K % 256 == 0, "linear_quant_grouped: K-quants need K a multiple of 256");
   TORCH_CHECK(K % QK == 0 && packed.dim() == 3 && packed.size(0) == E * N / ROWS && packed.size(1) == K / QK &&
                   packed.size(2) == L.chunk,
               "linear_quant_grouped: packed weight does not match (E * N, K)");
