@@ -42,7 +42,7 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None =
         "-q",
         default=None,
         help="quantize the linear layers' weights at load: int8 (llama.cpp's Q8_0), int4 (Q4_0), "
-        "int4_asym (Q4_1); blocks of 32 along K",
+        "int4_asym (Q4_1) in blocks of 32 along K; q4_k, q6_k in super-blocks of 256",
     )
     g.add_argument(
         "--kv-cache-dtype",

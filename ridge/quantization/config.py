@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ridge.quantization.formats import BLOCK, BlockFormat, get_format
+from ridge.quantization.formats import BlockFormat, get_format
 from ridge.quantization.methods import (
     BlockQuantLinearMethod,
     LinearMethod,
@@ -48,8 +48,8 @@ class QuantizationConfig:
         if tied:
             self.decisions[key] = "unquantized (tied to the embedding, which stays as loaded)"
             return UNQUANTIZED
-        if in_features % BLOCK:
-            self.decisions[key] = f"unquantized (K = {in_features} is not a multiple of {BLOCK})"
+        if in_features % self.format.block:
+            self.decisions[key] = f"unquantized (K = {in_features} is not a multiple of {self.format.block})"
             return UNQUANTIZED
         self.decisions[key] = f"{self.format.name} ({self.format.ggml_name}, {self.format.bits_per_weight:g} bits)"
         return BlockQuantLinearMethod(self.format)

@@ -22,11 +22,12 @@ scale and minimum under the super-block's two fp16 factors):
     Q6_K  [ 128 bytes: low 4 bits | 64 bytes: top 2 bits | 16 x int8 scale | d:f16 ]  210 bytes
           w = d * scale_i * (q - 32), a scale per 16 weights
 
-Quantization reproduces ``gguf.quants.quantize`` bit for bit (the same float32 arithmetic
-in the same order, llama.cpp's rounding), so a file quantized by llama.cpp and the same
-weights quantized by ridge at load hold identical bytes. IQ4_NL, IQ4_XS, Q4_K, Q5_K and Q6_K are
-read from files only (``gguf.quants`` has no quantizer to match: llama.cpp's search scales).
-Any device; no numpy.
+Quantization to Q8_0, Q4_0 and Q4_1 reproduces ``gguf.quants.quantize`` bit for bit (the same
+float32 arithmetic in the same order, llama.cpp's rounding), so a file quantized by llama.cpp
+and the same weights quantized by ridge at load hold identical bytes. Q4_K and Q6_K run
+llama.cpp's reference quantizers (``quantize_row_q4_K_ref`` / ``_q6_K_ref``: a search over
+candidate scales per sub-block, which ``gguf.quants`` lacks), vectorized; IQ4_NL, IQ4_XS and
+Q5_K are read from files only. Any device; no numpy.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ class BlockFormat:
         """(N, K) float weights, K a multiple of 32 -> (N, K/32 * type_size) uint8 blocks."""
         if not self.quantizable:
             raise ValueError(f"{self.ggml_name} is read from GGUF files only; ridge does not quantize to it")
+        if w.dim() == 2 and w.shape[1] % self.block:
+            raise ValueError(f"{self.ggml_name} needs K a multiple of {self.block}, got {tuple(w.shape)}")
+        if self.block > BLOCK:  # the K-quants' searches: a few rows at a time keep their temporaries in cache
+            rows = max(1, (1 << 16) // w.shape[1])
+            return torch.cat([_QUANTIZE[self.name](_blocks_of(w[i : i + rows])) for i in range(0, w.shape[0], rows)])
         return _QUANTIZE[self.name](_blocks_of(w))
 
     def dequantize(self, blocks: torch.Tensor, k: int) -> torch.Tensor:
@@ -234,7 +240,158 @@ def _quantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return torch.cat([_f16_bytes(d), _f16_bytes(lo), _pack_nibbles(q)], dim=-1).reshape(blocks.shape[0], -1)
 
 
-_QUANTIZE = {"int8": _quantize_q8_0, "int4": _quantize_q4_0, "int4_asym": _quantize_q4_1}
+# -- the K-quants: llama.cpp's reference quantizers (quantize_row_q4_K_ref, _q6_K_ref), the
+# same searches over candidate scales vectorized over every sub-block at once. Sums run in
+# torch's order, not C's one-by-one float order, so a near tie between two candidates can fall
+# the other way (rare; either is as good).
+
+
+def _nearest_int(x: torch.Tensor) -> torch.Tensor:
+    return torch.round(x)  # llama.cpp's nearest_int (the 1.5 * 2^23 trick): half to even
+
+
+def _make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int):
+    """llama.cpp's make_qkx2_quants (squared error) over (..., n) sub-blocks: the (scale, min)
+    pair of least weighted error among nstep + 2 candidate scales -> (scale, -min, codes).
+
+    As in C, each candidate rounds x - min with the min of the best fit so far; a candidate's
+    error comes from its sums (sum w (s l + m - x)^2 expanded), and the codes of the winner are
+    rounded once at the end from its (iscale, min)."""
+    mn = mn0 = x.amin(-1).clamp(max=0)
+    rng = x.amax(-1) - mn
+    flat = rng == 0
+    rng = torch.where(flat, torch.ones_like(rng), rng)
+    sum_w, sum_x, sum_x2 = w.sum(-1), (w * x).sum(-1), (w * x * x).sum(-1)
+
+    def fit(iscale, lo):
+        cand = _nearest_int(iscale.unsqueeze(-1) * (x - lo.unsqueeze(-1))).clamp_(0, nmax)
+        wl = w * cand
+        return wl.sum(-1), (wl * cand).sum(-1), (wl * x).sum(-1)
+
+    def error(scale, m, sum_l, sum_l2, sum_xl):
+        return (
+            scale * scale * sum_l2 + 2 * scale * m * sum_l - 2 * scale * sum_xl + m * m * sum_w - 2 * m * sum_x + sum_x2
+        )
+
+    iscale = nmax / rng
+    scale = 1 / iscale
+    best = error(scale, mn, *fit(iscale, mn))
+    best_iscale, best_lo = iscale, mn
+    rmin_, rdelta_ = torch.tensor(rmin), torch.tensor(rdelta)  # float32 arithmetic, as C's
+    for step in range(nstep + 1):
+        iscale = (rmin_ + rdelta_ * step + nmax) / rng
+        sum_l, sum_l2, sum_xl = fit(iscale, mn)
+        det = sum_w * sum_l2 - sum_l * sum_l
+        safe = torch.where(det > 0, det, torch.ones_like(det))
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / safe
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / safe
+        clipped = this_min > 0
+        this_scale = torch.where(clipped, sum_xl / torch.where(sum_l2 > 0, sum_l2, torch.ones_like(sum_l2)), this_scale)
+        this_min = torch.where(clipped, torch.zeros_like(this_min), this_min)
+        err = error(this_scale, this_min, sum_l, sum_l2, sum_xl)
+        take = (det > 0) & (err < best)
+        best = torch.where(take, err, best)
+        best_iscale, best_lo = torch.where(take, iscale, best_iscale), torch.where(take, mn, best_lo)
+        scale = torch.where(take, this_scale, scale)
+        mn = torch.where(take, this_min, mn)
+    codes = _nearest_int(best_iscale.unsqueeze(-1) * (x - best_lo.unsqueeze(-1))).clamp(0, nmax)
+    scale = torch.where(flat, torch.zeros_like(scale), scale)
+    codes = torch.where(flat.unsqueeze(-1), torch.zeros_like(codes), codes)
+    return scale, -torch.where(flat, mn0, mn), codes
+
+
+def _quantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    """(N, K/32, 32) -> (N, K/256 * 144) uint8, llama.cpp's quantize_row_q4_K_ref."""
+    n = blocks.shape[0]
+    x = blocks.reshape(n, -1, 8, 32)
+    av_x = (x.square().sum(-1, keepdim=True) / 32).sqrt()
+    scales, mins, codes = _make_qkx2_quants(x, av_x + x.abs(), 15, -1.0, 0.1, 20)
+    max_scale, max_min = scales.amax(-1, keepdim=True), mins.amax(-1, keepdim=True)
+    ls = _nearest_int(scales * (63 / max_scale).nan_to_num(0, 0, 0)).clamp(max=63).to(torch.uint8)
+    lm = _nearest_int(mins * (63 / max_min).nan_to_num(0, 0, 0)).clamp(max=63).to(torch.uint8)
+    d, dmin = (max_scale / 63).to(torch.float16), (max_min / 63).to(torch.float16)
+    step = d.float() * ls.float()  # the codes again, under the stored scales (where one is not 0)
+    redo = _nearest_int((x + (dmin.float() * lm.float()).unsqueeze(-1)) / step.unsqueeze(-1)).clamp(0, 15)
+    codes = torch.where((step != 0).unsqueeze(-1), redo, codes).to(torch.uint8)
+    packed = torch.cat(
+        [
+            ls[..., :4] | ((ls[..., 4:] >> 4) << 6),
+            lm[..., :4] | ((lm[..., 4:] >> 4) << 6),
+            (ls[..., 4:] & 15) | ((lm[..., 4:] & 15) << 4),
+        ],
+        dim=-1,
+    )
+    pairs = codes.reshape(n, -1, 4, 2, 32)
+    qs = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(n, -1, 128)
+    return torch.cat(
+        [d.view(torch.uint8).reshape(n, -1, 2), dmin.view(torch.uint8).reshape(n, -1, 2), packed, qs], -1
+    ).reshape(n, -1)
+
+
+def _make_qx_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's make_qx_quants (rmse_type 1: weights x^2) over (..., n) sub-blocks: the
+    symmetric scale of least weighted error among 19 candidates -> (scale, codes + nmax)."""
+    imax = x.abs().argmax(-1, keepdim=True)
+    mx = torch.gather(x, -1, imax).squeeze(-1)
+    zero = mx.abs() < 1e-15  # GROUP_MAX_EPS
+    mx = torch.where(zero, torch.ones_like(mx), mx)
+    w = x * x
+
+    def fit(iscale):
+        cand = _nearest_int(iscale.unsqueeze(-1) * x).clamp(-nmax, nmax - 1)
+        return cand, (w * x * cand).sum(-1), (w * cand * cand).sum(-1)
+
+    codes, sumlx, suml2 = fit(-nmax / mx)
+    scale = torch.where(
+        suml2 != 0, sumlx / torch.where(suml2 != 0, suml2, torch.ones_like(suml2)), torch.zeros_like(sumlx)
+    )
+    best = scale * sumlx
+    tenth = torch.tensor(0.1)
+    for step in range(-9, 10):
+        if step == 0:
+            continue
+        cand, slx, sl2 = fit(-(nmax + tenth * step) / mx)
+        take = (sl2 > 0) & (slx * slx > best * sl2)
+        codes = torch.where(take.unsqueeze(-1), cand, codes)
+        scale = torch.where(take, slx / torch.where(sl2 > 0, sl2, torch.ones_like(sl2)), scale)
+        best = torch.where(take, scale * slx, best)
+    return torch.where(zero, torch.zeros_like(scale), scale), codes + nmax
+
+
+def _quantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    """(N, K/32, 32) -> (N, K/256 * 210) uint8, llama.cpp's quantize_row_q6_K_ref."""
+    n = blocks.shape[0]
+    x = blocks.reshape(n, -1, 16, 16)
+    scales, found = _make_qx_quants(x, 32)
+    imax = scales.abs().argmax(-1, keepdim=True)
+    max_scale = torch.gather(scales, -1, imax)  # the signed scale of largest magnitude
+    zero = max_scale.abs() < 1e-15
+    iscale = -128 / torch.where(zero, torch.ones_like(max_scale), max_scale)
+    d = torch.where(zero, torch.zeros_like(iscale), 1 / iscale).to(torch.float16)
+    sc = _nearest_int(iscale * scales).clamp(max=127)
+    sc = torch.where(zero, torch.zeros_like(sc), sc).to(torch.int8)
+    step = d.float() * sc.float()
+    codes = _nearest_int(x / torch.where(step != 0, step, torch.ones_like(step)).unsqueeze(-1)).clamp(-32, 31) + 32
+    codes = torch.where((step != 0).unsqueeze(-1), codes, found)  # a zero scale keeps the search's codes
+    codes = torch.where(zero.unsqueeze(-1), torch.zeros_like(codes), codes).to(torch.uint8)  # an all-zero block
+    # 128 elements per half: ql[l] = q(l) | q(l + 64) << 4, ql[l + 32] = q(l + 32) | q(l + 96) << 4,
+    # qh[l] = the top 2 bits of q(l), q(l + 32), q(l + 64), q(l + 96) at bits 0, 2, 4, 6
+    q = codes.reshape(n, -1, 2, 4, 32)
+    ql = torch.cat([q[..., 0, :] & 15 | ((q[..., 2, :] & 15) << 4), q[..., 1, :] & 15 | ((q[..., 3, :] & 15) << 4)], -1)
+    qh = (q[..., 0, :] >> 4) | ((q[..., 1, :] >> 4) << 2) | ((q[..., 2, :] >> 4) << 4) | ((q[..., 3, :] >> 4) << 6)
+    s = ql.shape[1]
+    return torch.cat(
+        [ql.reshape(n, s, 128), qh.reshape(n, s, 64), sc.view(torch.uint8), d.view(torch.uint8).reshape(n, s, 2)], -1
+    ).reshape(n, -1)
+
+
+_QUANTIZE = {
+    "int8": _quantize_q8_0,
+    "int4": _quantize_q4_0,
+    "int4_asym": _quantize_q4_1,
+    "q4_k": _quantize_q4_k,
+    "q6_k": _quantize_q6_k,
+}
 
 # the formats --quantization produces at load (the others are read from files only)
 QUANTIZATION_FORMATS = tuple(name for name, f in FORMATS.items() if f.quantizable)

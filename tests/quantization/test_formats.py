@@ -14,6 +14,8 @@ from tests.quantization.random_blocks import random_blocks
 
 gguf = pytest.importorskip("gguf")
 quants = pytest.importorskip("gguf.quants")
+# the formats gguf.quants quantizes too (bit for bit); Q4_K and Q6_K are tested on their own below
+PER_32 = [name for name in QUANTIZATION_FORMATS if FORMATS[name].block == 32]
 
 
 def _weights(rows: int, k: int, seed: int) -> torch.Tensor:
@@ -26,7 +28,7 @@ def _weights(rows: int, k: int, seed: int) -> torch.Tensor:
     return w
 
 
-@pytest.mark.parametrize("name", QUANTIZATION_FORMATS)
+@pytest.mark.parametrize("name", PER_32)
 @pytest.mark.parametrize("shape", [(1, 32), (7, 64), (33, 256)])
 def test_quantize_is_bit_exact_with_gguf(name, shape):
     fmt = FORMATS[name]
@@ -47,7 +49,7 @@ def test_dequantize_is_bit_exact_with_gguf(name):
 
 @settings(max_examples=40, deadline=None)
 @given(
-    name=st.sampled_from(QUANTIZATION_FORMATS),
+    name=st.sampled_from(PER_32),
     values=st.lists(st.floats(min_value=-1e4, max_value=1e4, allow_nan=False, width=32), min_size=64, max_size=64),
 )
 def test_any_values_quantize_as_gguf_does(name, values):
@@ -82,3 +84,33 @@ def test_names_and_errors():
         get_format("iq4_nl")
     with pytest.raises(ValueError, match="IQ4_NL is read from GGUF files only"):
         FORMATS["iq4_nl"].quantize(torch.zeros(4, 32))
+
+
+def test_k_quant_quantizers_search_scales_as_llama_cpp_does():
+    """Q4_K and Q6_K at load (llama.cpp's reference quantizers): the bytes decode to valid
+    super-blocks, the error is below what the per-32 formats of as many bits reach, and a
+    weight that already is a Q4_K / Q6_K tensor comes back (almost) as it was."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 512) * torch.rand(64, 1)  # rows of different magnitude
+    w[3] = 0.0  # an all-zero row: zero blocks, no NaN
+    errors = {}
+    for name in ("int4_asym", "q4_k", "q6_k", "int8"):
+        fmt = FORMATS[name]
+        blocks = fmt.quantize(w)
+        assert blocks.shape == (64, fmt.row_bytes(512)) and blocks.dtype == torch.uint8
+        back = fmt.dequantize(blocks, 512)
+        assert torch.isfinite(back).all() and (back[3] == 0).all()
+        errors[name] = (back - w).square().mean().sqrt().item()
+    # 4.5 bits with searched scales beat Q4_1's 5 bits with min/max; 6.56 bits land between
+    assert errors["q4_k"] < errors["int4_asym"]
+    assert errors["int8"] < errors["q6_k"] < errors["q4_k"] / 3
+    for name in ("q4_k", "q6_k"):
+        fmt = FORMATS[name]
+        once = fmt.dequantize(fmt.quantize(w), 512)
+        twice = fmt.dequantize(fmt.quantize(once), 512)
+        assert (twice - once).abs().max().item() <= 0.02 * once.abs().max().item()
+
+
+def test_k_quants_need_k_in_256s():
+    with pytest.raises(ValueError, match="Q4_K needs K a multiple of 256"):
+        FORMATS["q4_k"].quantize(torch.randn(4, 96))

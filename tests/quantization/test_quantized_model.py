@@ -25,6 +25,8 @@ gguf = pytest.importorskip("gguf")
 quants = pytest.importorskip("gguf.quants")
 
 STEPS = 8
+# the formats gguf.quants can quantize (the reference); the K-quants (K in 256s) are tested apart
+PER_32 = [name for name in QUANTIZATION_FORMATS if FORMATS[name].block == 32]
 
 
 def _build(directory, tied: bool) -> None:
@@ -81,7 +83,7 @@ def _hf_logits(hf, prompt, tokens):
     return ref[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
 
 
-@pytest.mark.parametrize("fmt_name", QUANTIZATION_FORMATS)
+@pytest.mark.parametrize("fmt_name", PER_32)
 def test_torch_path_matches_transformers_on_the_quantized_weights(model_dir, fmt_name):
     directory, tied = model_dir
     hf = _reference(directory, fmt_name, tied)
@@ -97,7 +99,7 @@ def test_torch_path_matches_transformers_on_the_quantized_weights(model_dir, fmt
 
 
 @pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU has no AVX-512 BF16 + VNNI")
-@pytest.mark.parametrize("fmt_name", QUANTIZATION_FORMATS)
+@pytest.mark.parametrize("fmt_name", PER_32)
 def test_cpu_kernels_match_transformers_within_int8_activations(model_dir, fmt_name):
     directory, tied = model_dir
     hf = _reference(directory, fmt_name, tied)
@@ -113,7 +115,7 @@ def test_cpu_kernels_match_transformers_within_int8_activations(model_dir, fmt_n
         assert torch.nn.functional.cosine_similarity(got, ref, dim=-1).min().item() > 0.999
 
 
-@pytest.mark.parametrize("fmt_name", QUANTIZATION_FORMATS)
+@pytest.mark.parametrize("fmt_name", PER_32)
 def test_weight_bytes_are_the_formats(model_dir, fmt_name):
     directory, tied = model_dir
     llm = LLM(str(directory), tokenizer="bytes", dtype="float32", quantization=fmt_name, num_kv_blocks=8)
@@ -149,3 +151,34 @@ def test_int8_stories_still_tells_the_story(stories_dir):
 def test_unknown_quantization_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown quantization 'int3'"):
         LLM("random:tiny", quantization="int3")
+
+
+@pytest.mark.parametrize("fmt_name", ["q4_k", "q6_k"])
+def test_k_quants_at_load(tmp_path, fmt_name):
+    """--quantization q4_k / q6_k on a model whose K are multiples of 256: every linear layer
+    holds llama.cpp's super-blocks (its reference quantizer), the torch path computes what
+    transformers computes on those weights, the CPU kernels stay within int8 activations."""
+    config = transformers.LlamaConfig(**{**COMMON, "hidden_size": 256, "intermediate_size": 512})
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path)
+    fmt = FORMATS[fmt_name]
+    with torch.no_grad():  # the reference: transformers on the weights ridge's quantizer gives
+        for module in hf.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(fmt.dequantize(fmt.quantize(module.weight), module.in_features))
+    llm, prompts, outputs, seen = _run(tmp_path, fmt_name, "torch")
+    layers = llm.engine.executor.worker.model.model.layers
+    assert layers[0].mlp.down_proj.method.format is fmt and layers[1].self_attn.qkv_proj.method.format is fmt
+    for prompt, out in zip(prompts, outputs):
+        tokens = out.outputs[0].token_ids
+        ref = _hf_logits(hf, prompt, tokens)
+        assert (torch.stack(seen[out.request_id]) - ref).abs().max().item() <= 1e-4
+        assert tokens == ref.argmax(-1).tolist()
+    if cpu_has_avx512_bf16():
+        llm, prompts, outputs, seen = _run(tmp_path, fmt_name, "auto")
+        assert llm.engine.executor.worker.model.model.layers[0].mlp.down_proj.packed is not None
+        for prompt, out in zip(prompts, outputs):
+            ref = _hf_logits(hf, prompt, out.outputs[0].token_ids)
+            got = torch.stack(seen[out.request_id])
+            assert torch.nn.functional.cosine_similarity(got, ref, dim=-1).min().item() > 0.999
