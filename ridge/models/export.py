@@ -33,7 +33,11 @@ from ridge.layers.linear import ExpertLinear
 # Llama-family checkpoints that llama.cpp runs as its "llama" architecture.
 GGUF_LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 # Checkpoint architecture -> llama.cpp architecture write_gguf can write it as
-GGUF_ARCHITECTURES = {**dict.fromkeys(GGUF_LLAMA_ARCHITECTURES, "llama"), "Qwen3MoeForCausalLM": "qwen3moe"}
+GGUF_ARCHITECTURES = {
+    **dict.fromkeys(GGUF_LLAMA_ARCHITECTURES, "llama"),
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "Qwen2MoeForCausalLM": "qwen2moe",
+}
 
 # Hugging Face name (after "model.layers.{i}.") -> GGUF name (after "blk.{i}.").
 _GGUF_LAYER_NAMES = {
@@ -62,6 +66,21 @@ _GGUF_QWEN3MOE_LAYER_NAMES = {
     "mlp.experts.gate_proj.weight": "ffn_gate_exps.weight",
     "mlp.experts.up_proj.weight": "ffn_up_exps.weight",
     "mlp.experts.down_proj.weight": "ffn_down_exps.weight",
+}
+# qwen2moe: no q/k norms but q/k/v biases, and the shared expert with its sigmoid gate (1-D)
+_GGUF_QWEN2MOE_LAYER_NAMES = {
+    **{
+        k: v
+        for k, v in _GGUF_QWEN3MOE_LAYER_NAMES.items()
+        if k not in ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+    },
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
 }
 _GGUF_GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -163,20 +182,19 @@ def write_gguf(directory_or_state: str | Path | Mapping[str, torch.Tensor], hf_c
     cfg = ModelConfig.from_hf_config(hf_config)
     arch = GGUF_ARCHITECTURES.get(cfg.architecture)
     plain_llama = arch == "llama" and not (cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or cfg.qk_norm)
-    # llama.cpp's qwen3moe: every layer MoE, top-k renormalized, no shared expert
+    # llama.cpp's qwen3moe: every layer MoE, top-k renormalized, no shared expert; its
+    # qwen2moe: every layer MoE, top-k as the softmax gives it, one sigmoid-gated shared expert
     moe = cfg.moe
-    qwen3moe = (
-        arch == "qwen3moe"
-        and moe is not None
-        and len(moe.sparse_layers) == cfg.num_layers
-        and moe.norm_topk_prob
-        and not moe.shared_intermediate_size
-    )
-    if not (plain_llama or qwen3moe):
+    all_sparse = moe is not None and len(moe.sparse_layers) == cfg.num_layers
+    qwen3moe = arch == "qwen3moe" and all_sparse and moe.norm_topk_prob and not moe.shared_intermediate_size
+    qwen2moe = arch == "qwen2moe" and all_sparse and not moe.norm_topk_prob and moe.shared_expert_gate
+    if not (plain_llama or qwen3moe or qwen2moe):
         raise ValueError(
-            "write_gguf writes plain Llama models (no biases, no q/k norm) and Qwen3-MoE models with every "
-            f"layer sparse and norm_topk_prob, not this {cfg.architecture}"
+            "write_gguf writes plain Llama models (no biases, no q/k norm), Qwen3-MoE models with every "
+            "layer sparse and norm_topk_prob, and Qwen2-MoE models with every layer sparse, not this "
+            f"{cfg.architecture}"
         )
+    qwen3moe = qwen3moe or qwen2moe  # what they share below: stacked experts, halves rotated
     state = dict(_read_state(directory_or_state))
     if qwen3moe:
         state = _stack_experts(state, cfg)
@@ -204,6 +222,8 @@ def write_gguf(directory_or_state: str | Path | Mapping[str, torch.Tensor], hf_c
         writer.add_expert_count(moe.num_experts)
         writer.add_expert_used_count(moe.top_k)
         writer.add_expert_feed_forward_length(moe.intermediate_size)
+    if qwen2moe:
+        writer.add_expert_shared_feed_forward_length(moe.shared_intermediate_size)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_vocab_size(cfg.vocab_size)
@@ -280,8 +300,11 @@ def _stack_experts(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict:
 
 def _gguf_tensors(state: dict, cfg: ModelConfig) -> Iterator[_Entry]:
     """What to write, in llama.cpp's names and layout; raises ValueError on unknown or missing names."""
-    qwen3moe = GGUF_ARCHITECTURES[cfg.architecture] == "qwen3moe"
-    layer_names = _GGUF_QWEN3MOE_LAYER_NAMES if qwen3moe else _GGUF_LAYER_NAMES
+    arch = GGUF_ARCHITECTURES[cfg.architecture]
+    qwen3moe = arch in ("qwen3moe", "qwen2moe")
+    layer_names = {"qwen3moe": _GGUF_QWEN3MOE_LAYER_NAMES, "qwen2moe": _GGUF_QWEN2MOE_LAYER_NAMES}.get(
+        arch, _GGUF_LAYER_NAMES
+    )
     expected = {f"model.layers.{i}.{k}" for i in range(cfg.num_layers) for k in layer_names}
     expected |= {"model.embed_tokens.weight", "model.norm.weight"}
     if not cfg.tie_word_embeddings:
@@ -304,6 +327,8 @@ def _gguf_tensors(state: dict, cfg: ModelConfig) -> Iterator[_Entry]:
             make = lambda t=tensor, h=heads: permute_for_llama_cpp(t, h)  # noqa: E731
         if rest == "mlp.gate.weight":  # the router in f32, as llama.cpp's converter leaves it
             make, dtype = (lambda t=tensor: t.float()), torch.float32
+        if rest == "mlp.shared_expert_gate.weight":  # llama.cpp's (hidden,): 1-D, f32
+            make, dtype, shape = (lambda t=tensor: t.float().reshape(-1)), torch.float32, (tensor.shape[-1],)
         yield _Entry(f"blk.{layer}.{layer_names[rest]}", shape, dtype, make)
 
 

@@ -33,6 +33,7 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
 }
 DENSE_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 NATIVE_TYPES = {f.ggml_name: f for f in FORMATS.values()}
@@ -57,6 +58,11 @@ LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # an MoE layer's router
+    # qwen2moe's shared expert, and the sigmoid gate on it (llama.cpp stores it 1-D: (hidden,))
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # An MoE layer's experts, one 3-D tensor (E, rows, K) per projection: split into each
 # expert's (rows, K) (views of the mapped file) under Hugging Face's per-expert names, which
@@ -171,19 +177,21 @@ class GGUFModel:
         if embed is None:
             raise ValueError(f"{self.path.name}: tensor 'token_embd.weight' is missing")
         moe = {}
-        if a == "qwen3moe":  # llama.cpp's qwen3moe: every layer MoE, softmax top-k renormalized
+        if a in ("qwen3moe", "qwen2moe"):  # llama.cpp's: every layer MoE, softmax top-k
             expert_ff = self._required(f"{a}.expert_feed_forward_length")
             moe = {
                 "num_experts": self._required(f"{a}.expert_count"),
                 "num_experts_per_tok": self._required(f"{a}.expert_used_count"),
                 "moe_intermediate_size": expert_ff,
-                "norm_topk_prob": True,
+                "norm_topk_prob": a == "qwen3moe",  # qwen2moe's top-k weights are not renormalized
                 "decoder_sparse_step": 1,
                 "mlp_only_layers": [],
             }
+        if a == "qwen2moe":  # plus one shared expert for every token, under a sigmoid gate
+            moe["shared_expert_intermediate_size"] = self._required(f"{a}.expert_shared_feed_forward_length")
         config = {
             "architectures": [ARCHITECTURES[a]],
-            "model_type": "qwen3_moe" if a == "qwen3moe" else a,
+            "model_type": {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}.get(a, a),
             "hidden_size": hidden,
             "intermediate_size": int(self._field(f"{a}.feed_forward_length", 0))
             or self._required(f"{a}.expert_feed_forward_length" if moe else f"{a}.feed_forward_length"),
@@ -250,6 +258,8 @@ class GGUFModel:
                 raise ValueError(f"{self.path.name}: tensor {t.name!r} is truncated or corrupt")
             if type_name not in DENSE_TYPES:
                 data = data.reshape(shape[0], -1)
+            elif hf_name.endswith("shared_expert_gate.weight"):  # (hidden,) -> the gate's (1, hidden)
+                data, shape = data.reshape(1, -1), (1, *shape)
             if self.arch == "llama" and hf_name.endswith(
                 ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
             ):

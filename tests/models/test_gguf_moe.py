@@ -113,3 +113,56 @@ def test_llama_cpp_decodes_the_same_greedy_tokens(qwen3moe_dir, qwen3moe_gguf):
         runner.close()
     ours = LLM(str(qwen3moe_gguf), tokenizer="bytes", dtype="float32", num_kv_blocks=64)
     assert _run(ours)[0][0][:8] == theirs[:8]
+
+
+# -- qwen2moe: the shared expert under its sigmoid gate, q/k/v biases, top-k not renormalized ----
+
+
+@pytest.fixture(scope="module")
+def qwen2moe_dir(tmp_path_factory):
+    config = transformers.Qwen2MoeConfig(
+        **{
+            **COMMON,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "norm_topk_prob": False,
+            "tie_word_embeddings": False,
+        }
+    )
+    torch.manual_seed(1)
+    model = transformers.Qwen2MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.08)
+    directory = tmp_path_factory.mktemp("qwen2moe")
+    model.save_pretrained(directory)
+    return directory
+
+
+def test_qwen2moe_round_trips_through_its_gguf(qwen2moe_dir, tmp_path):
+    """llama.cpp's qwen2moe layout (the shared expert's gate 1-D, experts stacked): written by
+    ridge, read back to the outputs of the Hugging Face directory, which transformers agrees with."""
+    from_dir = LLM(str(qwen2moe_dir), tokenizer="bytes", dtype="float32", num_kv_blocks=64, kernels="torch")
+    path = write_gguf(hf_state_dict(from_dir), from_dir.engine.hf_config, tmp_path / "tiny-qwen2moe-f32.gguf")
+    reader = gguf.GGUFReader(path)
+    assert reader.fields["general.architecture"].contents() == "qwen2moe"
+    assert reader.fields["qwen2moe.expert_shared_feed_forward_length"].contents() == 48
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    assert shapes["blk.0.ffn_gate_inp_shexp.weight"] == (64,) and shapes["blk.1.ffn_up_shexp.weight"] == (48, 64)
+    assert shapes["blk.0.attn_q.bias"] == (64,) and shapes["blk.0.ffn_gate_exps.weight"] == (8, 32, 64)
+
+    from_file = LLM(str(path), tokenizer="bytes", dtype="float32", num_kv_blocks=64)
+    assert from_file.engine.model_config.moe == from_dir.engine.model_config.moe
+    assert from_file.engine.model_config.qkv_bias
+    tokens_dir, logprob_dir = _run(from_dir)
+    tokens_file, logprob_file = _run(from_file)
+    assert tokens_file == tokens_dir
+    torch.testing.assert_close(torch.stack(logprob_file), torch.stack(logprob_dir), rtol=1e-4, atol=1e-4)
+    hf = transformers.Qwen2MoeForCausalLM.from_pretrained(qwen2moe_dir, dtype=torch.float32).eval()
+    with torch.no_grad():  # the greedy tokens are transformers' too
+        ids = torch.tensor([PROMPTS[0] + tokens_file[0]])
+        ref = hf(ids).logits[0, len(PROMPTS[0]) - 1 : -1].argmax(-1).tolist()
+    assert ref == tokens_file[0]
