@@ -252,6 +252,51 @@ def test_a_k_quant_file_computes_what_transformers_computes_on_its_weights(tmp_p
     assert (fast_logits[0] - logits[0]).abs().max().item() <= 0.06 * logits[0].abs().max().item()
 
 
+def test_a_k_quant_file_serves_batched_prefix_cached_and_preempted(tmp_path):
+    """A Q4_K_M-like mix of every native K-quant (q/k/gate/up Q4_K, v Q6_K, o and down Q5_K),
+    on the CPU kernels: requests sharing a prefix, served together in chunks from the prefix
+    cache, give each one's tokens alone; a pool too small for them preempts and still finishes
+    every request and frees every block."""
+    from ridge.models.export import write_gguf
+
+    config = transformers.LlamaConfig(
+        **{**COMMON, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}
+    )
+    torch.manual_seed(2)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    dense = write_gguf(tmp_path / "hf", hf.config.to_dict(), tmp_path / "dense.gguf")
+    types = {"attn_v": T.Q6_K, "attn_output": T.Q5_K, "ffn_down": T.Q5_K}
+
+    def fn(name, values):
+        kind = name.rsplit(".", 2)[-2]
+        if kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+            fmt = next(f for f in FORMATS.values() if f.ggml_type == types.get(kind, T.Q4_K))
+            return random_blocks(fmt, values.shape[0], values.shape[1], seed=len(name)).numpy(), fmt.ggml_type
+        return None
+
+    path = str(rewrite(dense, tmp_path / "mix.gguf", fn))
+    shared = list(range(3, 43))  # 40 tokens every prompt starts with
+    prompts = [shared + list(range(50 + i, 50 + i + 3 * i + 1)) for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    options = {"tokenizer": "bytes", "dtype": "float32", "block_size": 4, "device": "cpu"}
+    served = LLM(path, num_kv_blocks=256, max_num_batched_tokens=24, **options)
+    layer = served.engine.executor.worker.model.model.layers[0]
+    assert [p.method.name for p in layer.self_attn.qkv_proj.parts] == ["q4_k", "q6_k"]
+    assert layer.mlp.down_proj.method.name == "q5_k" and layer.mlp.down_proj.packed is not None
+    served.generate(prompts[:1], params, use_tqdm=False)  # the shared prefix now cached
+    together = served.generate(prompts, params, use_tqdm=False)
+    assert served.engine.kv.prefix_hits >= 6 * 40  # each prompt's shared blocks came from the cache
+    alone = LLM(path, num_kv_blocks=256, enable_prefix_caching=False, **options)
+    for prompt, out in zip(prompts, together):
+        assert out.outputs[0].token_ids == alone.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    crowded = LLM(path, num_kv_blocks=24, max_num_batched_tokens=24, enable_prefix_caching=False, **options)
+    outs = crowded.generate(prompts, params, use_tqdm=False)
+    assert crowded.engine.scheduler.num_preemptions > 0
+    assert all(len(o.outputs[0].token_ids) == 10 for o in outs)
+    assert crowded.engine.kv.pool.counts()["used"] == 0
+
+
 # -- bad files ----------------------------------------------------------------------------
 
 
