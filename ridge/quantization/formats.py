@@ -49,9 +49,15 @@ class BlockFormat:
     type_size: int  # bytes per block
     offset: int  # q - offset is the signed code (8 for Q4_0, 0 otherwise)
     has_min: bool  # Q4_1: a per-block minimum besides the scale
-    nibbles: bool  # 4-bit codes, two per byte
+    nibbles: bool  # 4-bit codes (Q5_K: their low 4 bits), two per byte
     codebook: tuple[int, ...] | None = None  # IQ4_NL: each code indexes these values (not q - offset)
     block: int = BLOCK  # weights per block: 256 for a K-quant's super-block
+    code_bits: int = 4  # bits of a weight's code (8: Q8_0's bytes; 5, 6: Q5_K's and Q6_K's)
+
+    @property
+    def arithmetic_bits(self) -> int:
+        """The width the integer kernels multiply a code at: a nibble, or else a byte."""
+        return 4 if self.code_bits <= 4 else 8
 
     @property
     def quantizable(self) -> bool:
@@ -96,7 +102,7 @@ class BlockFormat:
         return w.reshape(n, k)
 
 
-Q8_0 = BlockFormat("int8", "Q8_0", 8, 34, offset=0, has_min=False, nibbles=False)
+Q8_0 = BlockFormat("int8", "Q8_0", 8, 34, offset=0, has_min=False, nibbles=False, code_bits=8)
 Q4_0 = BlockFormat("int4", "Q4_0", 2, 18, offset=8, has_min=False, nibbles=True)
 Q4_1 = BlockFormat("int4_asym", "Q4_1", 3, 20, offset=0, has_min=True, nibbles=True)
 # llama.cpp's kvalues_iq4nl: 16 non-linear steps, denser near zero where weights are
@@ -106,8 +112,8 @@ Q4_K = BlockFormat("q4_k", "Q4_K", 12, 144, offset=0, has_min=True, nibbles=True
 IQ4_XS = BlockFormat(
     "iq4_xs", "IQ4_XS", 23, 136, offset=0, has_min=False, nibbles=True, codebook=IQ4_NL_VALUES, block=256
 )
-Q5_K = BlockFormat("q5_k", "Q5_K", 13, 176, offset=0, has_min=True, nibbles=True, block=256)
-Q6_K = BlockFormat("q6_k", "Q6_K", 14, 210, offset=32, has_min=False, nibbles=False, block=256)
+Q5_K = BlockFormat("q5_k", "Q5_K", 13, 176, offset=0, has_min=True, nibbles=True, block=256, code_bits=5)
+Q6_K = BlockFormat("q6_k", "Q6_K", 14, 210, offset=32, has_min=False, nibbles=False, block=256, code_bits=6)
 FORMATS: dict[str, BlockFormat] = {f.name: f for f in (Q8_0, Q4_0, Q4_1, IQ4_NL, Q4_K, Q5_K, IQ4_XS, Q6_K)}
 FORMATS_BY_GGML_TYPE: dict[int, BlockFormat] = {f.ggml_type: f for f in FORMATS.values()}
 # --quantization accepts ridge's names and llama.cpp's

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from ridge.quantization.formats import FORMAT_ALIASES, FORMATS
 from ridge.roofline.shapes import ModelShape, ceil_div
 
 # Bytes per element of the dtypes a single matmul (``--matmul``) or a peak can be quoted in.
@@ -51,22 +52,14 @@ NORM_FLOPS_PER_ELEMENT = 4  # square, sum, scale by rsqrt, scale by weight
 
 
 # Storage formats of weights: (bits the arithmetic sees, bits stored per weight incl. scales
-# and minimums). llama.cpp's blocks: Q8_0 34 bytes / 32, Q4_0 18 / 32, Q4_1 20 / 32, K-quants per 256.
+# and minimums). The block formats come from their one table (quantization/formats.py), under
+# ridge's names and llama.cpp's (q8_0, q4_0, q4_1).
 WEIGHT_FORMATS = {
     "fp32": (32, 32.0),
     "bf16": (16, 16.0),
     "fp16": (16, 16.0),
-    "int8": (8, 8.5),
-    "q8_0": (8, 8.5),
-    "int4": (4, 4.5),
-    "q4_0": (4, 4.5),
-    "int4_asym": (4, 5.0),
-    "q4_1": (4, 5.0),
-    "iq4_nl": (4, 4.5),
-    "iq4_xs": (4, 4.25),
-    "q4_k": (4, 4.5),
-    "q5_k": (8, 5.5),
-    "q6_k": (8, 6.5625),
+    **{name: (fmt.arithmetic_bits, fmt.bits_per_weight) for name, fmt in FORMATS.items()},
+    **{alias: (FORMATS[name].arithmetic_bits, FORMATS[name].bits_per_weight) for alias, name in FORMAT_ALIASES.items()},
 }
 
 
