@@ -58,8 +58,7 @@ class TorchKernels:
     def matmul_parts(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
         """A layer whose shards keep different formats (``ShardedLinearMethod``): one matmul per
         part, outputs side by side, then the layer's bias."""
-        y = torch.cat([self.matmul(x, part) for part in layer.parts], dim=-1)
-        return y if layer.bias is None else y + layer.bias.to(y.dtype)
+        return layer.method.join(layer, [self.matmul(x, part) for part in layer.parts])
 
     def grouped_matmul(self, x: torch.Tensor, layer, counts: list[int]) -> torch.Tensor:
         """A stacked-expert layer (``ExpertLinear``) on rows sorted by expert: the first
@@ -145,8 +144,8 @@ class CpuKernels(TorchKernels):
         self.ext = ext
 
     def matmul(self, x: torch.Tensor, layer: Linear, rows: slice | None = None) -> torch.Tensor:
-        if layer.parts is not None and rows is None:
-            return self.matmul_parts(x, layer)
+        # a layer held in parts has no packed weight of its own: the base class splits it, and
+        # each part comes back here
         packed, fmt = layer.packed, layer.method.format
         if packed is None or packed.device != x.device:
             return super().matmul(x, layer, rows)

@@ -193,7 +193,7 @@ class ShardedLinearMethod(LinearMethod):
     layer's bias (vLLM's GGUF linear method computes a mixed fused layer per shard too).
 
         qkv_proj (Q4_K_M): [ q_proj | k_proj ] q4_k  ->  parts[0]
-                           [ v_proj ]          int8  ->  parts[1]
+                           [ v_proj ]          q6_k  ->  parts[1]
     """
 
     def __init__(self, formats: tuple[BlockFormat, ...]) -> None:
@@ -231,9 +231,6 @@ class ShardedLinearMethod(LinearMethod):
             offset += part.out_features
         raise ValueError(f"rows {rows.start}:{rows.stop} cross the layer's formats ({self.name})")
 
-    def _whole(self, part, rows: slice) -> slice | None:
-        return None if rows.start == 0 and rows.stop == part.out_features else rows
-
     def load_weight(self, layer, tensor, rows):
         if rows is None:  # the whole layer: each part its rows
             offset = 0
@@ -242,18 +239,22 @@ class ShardedLinearMethod(LinearMethod):
                 offset += part.out_features
             return
         part, within = self._part_rows(layer, rows)
-        part.method.load_weight(part, tensor, self._whole(part, within))
+        part.method.load_weight(part, tensor, within)
 
     def load_blocks(self, layer, blocks, rows):
         part, within = self._part_rows(layer, rows)
-        part.method.load_blocks(part, blocks, self._whole(part, within))
+        part.method.load_blocks(part, blocks, within)
 
     def process_weights_after_loading(self, layer, kernels):
         for part in layer.parts:
             part.method.process_weights_after_loading(part, kernels)
 
     def apply(self, layer, x):
-        y = torch.cat([part.method.apply(part, x) for part in layer.parts], dim=-1)
+        return self.join(layer, [part.method.apply(part, x) for part in layer.parts])
+
+    def join(self, layer, outputs: list[torch.Tensor]) -> torch.Tensor:
+        """The parts' outputs side by side, then the layer's bias: the layer's output."""
+        y = torch.cat(outputs, dim=-1)
         return y if layer.bias is None else y + layer.bias.to(y.dtype)
 
     def dense_weight(self, layer):

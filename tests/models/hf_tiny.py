@@ -154,14 +154,19 @@ VARIANTS = {
 def build(variant: str, directory: Path, seed: int = 0):
     """Save a random model of ``variant`` in ``directory``; return the HF model (float32, eval)."""
     config_cls, model_cls, extra = VARIANTS[variant]
-    config = config_cls(**{**COMMON, **extra})
+    return save_spread(model_cls, config_cls(**{**COMMON, **extra}), directory, seed, jitter_norms=True)
+
+
+def save_spread(model_cls, config, directory: Path, seed: int = 0, jitter_norms: bool = False):
+    """A random ``model_cls(config)`` with weights drawn N(0, 0.08) (norms as initialised, or
+    jittered), saved in ``directory``; returns the HF model (float32, eval)."""
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     with torch.no_grad():  # larger-than-default weights make logits spread, so argmax ties are unlikely
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0, 0.08)
-            elif p.dim() == 1:
+            elif jitter_norms and p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(directory)
     return model

@@ -11,7 +11,7 @@ import transformers
 from ridge import LLM, SamplingParams
 from ridge.models.export import hf_state_dict, write_gguf
 
-from .hf_tiny import COMMON
+from .hf_tiny import COMMON, save_spread
 
 gguf = pytest.importorskip("gguf")
 
@@ -31,14 +31,8 @@ def qwen3moe_dir(tmp_path_factory):
             "tie_word_embeddings": False,
         }
     )
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.08)
     directory = tmp_path_factory.mktemp("qwen3moe")
-    model.save_pretrained(directory)
+    save_spread(transformers.Qwen3MoeForCausalLM, config, directory, seed=0)
     return directory
 
 
@@ -131,14 +125,8 @@ def qwen2moe_dir(tmp_path_factory):
             "tie_word_embeddings": False,
         }
     )
-    torch.manual_seed(1)
-    model = transformers.Qwen2MoeForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.08)
     directory = tmp_path_factory.mktemp("qwen2moe")
-    model.save_pretrained(directory)
+    save_spread(transformers.Qwen2MoeForCausalLM, config, directory, seed=1)
     return directory
 
 

@@ -18,7 +18,7 @@ from ridge import LLM, SamplingParams
 from ridge.layers.cpu_kernels import cpu_has_avx512_bf16
 from ridge.quantization.formats import FORMATS, QUANTIZATION_FORMATS
 
-from ..models.hf_tiny import COMMON
+from ..models.hf_tiny import COMMON, save_spread
 from ..models.test_parity import _prompts, _record_logits
 
 gguf = pytest.importorskip("gguf")
@@ -32,13 +32,7 @@ PER_32 = [name for name in QUANTIZATION_FORMATS if FORMATS[name].block == 32]
 def _build(directory, tied: bool) -> None:
     # every K a multiple of 32: every layer quantizes
     config = transformers.LlamaConfig(**{**COMMON, "intermediate_size": 96, "tie_word_embeddings": tied})
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.08)
-    model.save_pretrained(directory)
+    save_spread(transformers.LlamaForCausalLM, config, directory)
 
 
 def _reference(directory, fmt_name: str, tied: bool):
