@@ -16,7 +16,7 @@ from ridge.kv.cache import PagedKV
 from ridge.layers.attention import AttentionMetadata, decode_valid_mask, gather_values
 from ridge.layers.linear import Linear
 from ridge.layers.rotary import RotaryEmbedding, rotate_half
-from ridge.quantization.formats import IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, BlockFormat
+from ridge.quantization.formats import IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, BlockFormat
 from ridge.quantization.methods import PACKED_ROW_BLOCK
 
 # Query heads per KV head from which the generic decode-attention kernel gives way to GEMMs
@@ -33,6 +33,8 @@ QUANT_KERNEL_CODES = {
     IQ4_XS.name: 5,
     Q6_K.name: 6,
     Q5_K.name: 7,
+    Q3_K.name: 8,
+    Q2_K.name: 9,
 }
 
 

@@ -12,8 +12,8 @@ Tensor types and what each becomes (``plan_weights``):
 
     F32, F16, BF16            dense (the model's dtype, or --quantization's format)
     Q8_0, Q4_0, Q4_1, IQ4_NL, as they are: ridge's int8 / int4 / int4_asym / iq4_nl / q4_k /
-    Q4_K, Q5_K, Q6_K, IQ4_XS  q5_k / q6_k / iq4_xs hold GGUF's bytes (the kernels regroup them at
-                              load, same size)
+    Q4_K, Q5_K, Q6_K, IQ4_XS, q5_k / q6_k / iq4_xs / q3_k / q2_k hold GGUF's bytes (the kernels
+    Q3_K, Q2_K                regroup them at load, same size)
     Q5_0, Q5_1                int8 (dequantized, requantized per 32: a small added error)
 """
 
@@ -42,7 +42,7 @@ CONVERTED_TYPES = {"Q5_0": Q8_0, "Q5_1": Q8_0}
 SUPPORTED_TYPES = (*DENSE_TYPES, *NATIVE_TYPES, *CONVERTED_TYPES)
 # the formats a layer can take, widest first (a stacked expert layer whose shards differ takes the widest;
 # a packed one keeps each shard's: layer_formats)
-WIDTH_ORDER = ("int8", "q6_k", "q5_k", "int4_asym", "q4_k", "iq4_nl", "int4", "iq4_xs")
+WIDTH_ORDER = ("int8", "q6_k", "q5_k", "int4_asym", "q4_k", "iq4_nl", "int4", "iq4_xs", "q3_k", "q2_k")
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face module path
 LAYER_TENSORS = {

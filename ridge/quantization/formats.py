@@ -10,8 +10,8 @@ row by row exactly as a GGUF tensor stores them (``blocks``: uint8, (N, K/32 * t
 
     nibbles: byte j holds element j (low 4 bits) and element j + 16 (high 4 bits)
 
-and four in super-blocks of 256 (8 sub-blocks of 32, each with 6-bit codes for its
-scale and minimum under the super-block's two fp16 factors):
+and six in super-blocks of 256 (sub-blocks of 32 or 16 with small integer scales under the
+super-block's fp16 factors):
 
     Q4_K  [ d:f16 | dmin:f16 | 12 bytes: 8 x (sc, m) 6-bit | nibbles x 128 ]   144 bytes
           w = d * sc_j * q - dmin * m_j     (run c of 32 bytes: sub-block 2c low, 2c + 1 high)
@@ -21,13 +21,18 @@ scale and minimum under the super-block's two fp16 factors):
           w = d * (code_j - 32) * IQ4_NL_VALUES[q]   (sub-block j's 16 bytes as IQ4_NL's)
     Q6_K  [ 128 bytes: low 4 bits | 64 bytes: top 2 bits | 16 x int8 scale | d:f16 ]  210 bytes
           w = d * scale_i * (q - 32), a scale per 16 weights
+    Q3_K  [ hmask x 32 | 2-bit codes x 64 | 12 bytes: 16 x 6-bit scale | d:f16 ]   110 bytes
+          w = d * (sc_i - 32) * q, q = low 2 bits - (4 unless hmask's bit is set), per 16 weights
+    Q2_K  [ 16 bytes: 4-bit sc | 4-bit m << 4 | 2-bit codes x 64 | d:f16 | dmin:f16 ]  84 bytes
+          w = d * sc_i * q - dmin * m_i, per 16 weights
+          (both: sub-block j's element l is bits 2 (j % 4) of byte 32 (j / 4) + l of the codes)
 
 Quantization to Q8_0, Q4_0 and Q4_1 reproduces ``gguf.quants.quantize`` bit for bit (the same
 float32 arithmetic in the same order, llama.cpp's rounding), so a file quantized by llama.cpp
 and the same weights quantized by ridge at load hold identical bytes. Q4_K and Q6_K run
 llama.cpp's reference quantizers (``quantize_row_q4_K_ref`` / ``_q6_K_ref``: a search over
-candidate scales per sub-block, which ``gguf.quants`` lacks), vectorized; IQ4_NL, IQ4_XS and
-Q5_K are read from files only. Any device; no numpy.
+candidate scales per sub-block, which ``gguf.quants`` lacks), vectorized; IQ4_NL, IQ4_XS,
+Q5_K, Q3_K and Q2_K are read from files only. Any device; no numpy.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ class BlockFormat:
     nibbles: bool  # 4-bit codes (Q5_K: their low 4 bits), two per byte
     codebook: tuple[int, ...] | None = None  # IQ4_NL: each code indexes these values (not q - offset)
     block: int = BLOCK  # weights per block: 256 for a K-quant's super-block
-    code_bits: int = 4  # bits of a weight's code (8: Q8_0's bytes; 5, 6: Q5_K's and Q6_K's)
+    code_bits: int = 4  # bits of a weight's code (8: Q8_0's bytes; 2, 3, 5, 6: Q2_K's ... Q6_K's)
 
     @property
     def arithmetic_bits(self) -> int:
@@ -114,7 +119,9 @@ IQ4_XS = BlockFormat(
 )
 Q5_K = BlockFormat("q5_k", "Q5_K", 13, 176, offset=0, has_min=True, nibbles=True, block=256, code_bits=5)
 Q6_K = BlockFormat("q6_k", "Q6_K", 14, 210, offset=32, has_min=False, nibbles=False, block=256, code_bits=6)
-FORMATS: dict[str, BlockFormat] = {f.name: f for f in (Q8_0, Q4_0, Q4_1, IQ4_NL, Q4_K, Q5_K, IQ4_XS, Q6_K)}
+Q3_K = BlockFormat("q3_k", "Q3_K", 11, 110, offset=4, has_min=False, nibbles=False, block=256, code_bits=3)
+Q2_K = BlockFormat("q2_k", "Q2_K", 10, 84, offset=0, has_min=True, nibbles=False, block=256, code_bits=2)
+FORMATS: dict[str, BlockFormat] = {f.name: f for f in (Q8_0, Q4_0, Q4_1, IQ4_NL, Q4_K, Q5_K, IQ4_XS, Q6_K, Q3_K, Q2_K)}
 FORMATS_BY_GGML_TYPE: dict[int, BlockFormat] = {f.ggml_type: f for f in FORMATS.values()}
 # --quantization accepts ridge's names and llama.cpp's
 FORMAT_ALIASES = {"q8_0": "int8", "q4_0": "int4", "q4_1": "int4_asym"}
@@ -185,11 +192,41 @@ def _dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
     return (scale.unsqueeze(-1) * q).reshape(*lead, 256)
 
 
+def _two_bit_codes(qs: torch.Tensor) -> torch.Tensor:
+    """64 bytes of Q2_K/Q3_K codes -> (..., 16, 16) codes 0-3 per sub-block of 16: sub-block
+    j of 32 holds its element l in bits 2 (j % 4) of byte 32 (j / 4) + l."""
+    runs = qs.reshape(*qs.shape[:-1], 2, 1, 32).long()
+    return ((runs >> (2 * torch.arange(4, device=qs.device)).view(4, 1)) & 3).reshape(*qs.shape[:-1], 16, 16)
+
+
+def _dequantize_q3_k(b: torch.Tensor) -> torch.Tensor:
+    """(N, S, 110) uint8 super-blocks -> (N, S, 256) float32, as gguf.quants computes it."""
+    lead = b.shape[:-1]
+    high = (b[..., 0:32].long().unsqueeze(-2) >> torch.arange(8, device=b.device).view(8, 1)) & 1  # (8, 32)
+    q = _two_bit_codes(b[..., 32:96]) - 4 * (1 - high.reshape(*lead, 16, 16))
+    sc = b[..., 96:108].long()
+    i = torch.arange(16, device=b.device)
+    codes = ((sc[..., i % 8] >> (4 * (i // 8))) & 15) | (((sc[..., 8 + i % 4] >> (2 * (i // 4))) & 3) << 4)
+    scale = _f16(b[..., 108:110]).unsqueeze(-1) * (codes - 32).float()  # (N, S, 16)
+    return (scale.unsqueeze(-1) * q.float()).reshape(*lead, 256)
+
+
+def _dequantize_q2_k(b: torch.Tensor) -> torch.Tensor:
+    """(N, S, 84) uint8 super-blocks -> (N, S, 256) float32, as gguf.quants computes it."""
+    d, dmin = _f16(b[..., 80:82]).unsqueeze(-1), _f16(b[..., 82:84]).unsqueeze(-1)
+    sc = b[..., 0:16]
+    scale, minimum = d * (sc & 15).float(), dmin * (sc >> 4).float()  # (N, S, 16)
+    q = _two_bit_codes(b[..., 16:80]).float()
+    return (scale.unsqueeze(-1) * q - minimum.unsqueeze(-1)).reshape(*b.shape[:-1], 256)
+
+
 _DEQUANTIZE_SUPER = {
     "q4_k": _dequantize_q4_k,
     "q5_k": _dequantize_q5_k,
     "iq4_xs": _dequantize_iq4_xs,
     "q6_k": _dequantize_q6_k,
+    "q3_k": _dequantize_q3_k,
+    "q2_k": _dequantize_q2_k,
 }
 
 

@@ -14,7 +14,7 @@ import transformers
 
 from ridge import LLM, SamplingParams
 from ridge.models.gguf_file import GGUFModel, widest
-from ridge.quantization.formats import FORMATS
+from ridge.quantization.formats import FORMATS, FORMATS_BY_GGML_TYPE
 
 from .hf_tiny import COMMON
 from .test_parity import _record_logits
@@ -194,8 +194,16 @@ def test_a_q4_k_m_style_file_keeps_each_tensors_format(tmp_path, caplog):
 
 @pytest.mark.parametrize(
     "qtype,mixed",
-    [(T.Q4_K, False), (T.Q5_K, False), (T.Q6_K, False), (T.IQ4_XS, False), (T.Q4_K, True)],
-    ids=["Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "mix"],
+    [
+        (T.Q4_K, False),
+        (T.Q5_K, False),
+        (T.Q6_K, False),
+        (T.IQ4_XS, False),
+        (T.Q3_K, False),
+        (T.Q2_K, False),
+        (T.Q4_K, True),
+    ],
+    ids=["Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q3_K", "Q2_K", "mix"],
 )
 def test_a_k_quant_file_computes_what_transformers_computes_on_its_weights(tmp_path, qtype, mixed):
     """Every linear weight in one super-block format (K = 256): ridge reads the blocks as they
@@ -252,11 +260,19 @@ def test_a_k_quant_file_computes_what_transformers_computes_on_its_weights(tmp_p
     assert (fast_logits[0] - logits[0]).abs().max().item() <= 0.06 * logits[0].abs().max().item()
 
 
-def test_a_k_quant_file_serves_batched_prefix_cached_and_preempted(tmp_path):
-    """A Q4_K_M-like mix of every native K-quant (q/k/gate/up Q4_K, v Q6_K, o and down Q5_K),
-    on the CPU kernels: requests sharing a prefix, served together in chunks from the prefix
-    cache, give each one's tokens alone; a pool too small for them preempts and still finishes
-    every request and frees every block."""
+@pytest.mark.parametrize(
+    "types",
+    [
+        {"": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q5_K, "ffn_down": T.Q5_K},
+        {"": T.Q2_K, "attn_v": T.Q3_K, "attn_output": T.Q3_K, "ffn_down": T.Q3_K},
+    ],
+    ids=["Q4_K_M-like", "Q2_K-like"],
+)
+def test_a_k_quant_file_serves_batched_prefix_cached_and_preempted(tmp_path, types):
+    """Mixes of every native K-quant as llama.cpp's Q4_K_M and Q2_K files mix them (q/k/gate/up
+    in the file's type, v, o and down wider), on the CPU kernels: requests sharing a prefix,
+    served together in chunks from the prefix cache, give each one's tokens alone; a pool too
+    small for them preempts and still finishes every request and frees every block."""
     from ridge.models.export import write_gguf
 
     config = transformers.LlamaConfig(
@@ -266,12 +282,11 @@ def test_a_k_quant_file_serves_batched_prefix_cached_and_preempted(tmp_path):
     hf = transformers.LlamaForCausalLM(config).eval()
     hf.save_pretrained(tmp_path / "hf")
     dense = write_gguf(tmp_path / "hf", hf.config.to_dict(), tmp_path / "dense.gguf")
-    types = {"attn_v": T.Q6_K, "attn_output": T.Q5_K, "ffn_down": T.Q5_K}
 
     def fn(name, values):
         kind = name.rsplit(".", 2)[-2]
         if kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
-            fmt = next(f for f in FORMATS.values() if f.ggml_type == types.get(kind, T.Q4_K))
+            fmt = next(f for f in FORMATS.values() if f.ggml_type == types.get(kind, types[""]))
             return random_blocks(fmt, values.shape[0], values.shape[1], seed=len(name)).numpy(), fmt.ggml_type
         return None
 
@@ -282,8 +297,9 @@ def test_a_k_quant_file_serves_batched_prefix_cached_and_preempted(tmp_path):
     options = {"tokenizer": "bytes", "dtype": "float32", "block_size": 4, "device": "cpu"}
     served = LLM(path, num_kv_blocks=256, max_num_batched_tokens=24, **options)
     layer = served.engine.executor.worker.model.model.layers[0]
-    assert [p.method.name for p in layer.self_attn.qkv_proj.parts] == ["q4_k", "q6_k"]
-    assert layer.mlp.down_proj.method.name == "q5_k" and layer.mlp.down_proj.packed is not None
+    names = {kind: FORMATS_BY_GGML_TYPE[t].name for kind, t in types.items()}
+    assert [p.method.name for p in layer.self_attn.qkv_proj.parts] == [names[""], names["attn_v"]]
+    assert layer.mlp.down_proj.method.name == names["ffn_down"] and layer.mlp.down_proj.packed is not None
     served.generate(prompts[:1], params, use_tqdm=False)  # the shared prefix now cached
     together = served.generate(prompts, params, use_tqdm=False)
     assert served.engine.kv.prefix_hits >= 6 * 40  # each prompt's shared blocks came from the cache
@@ -325,13 +341,13 @@ def test_truncated_or_corrupt_files_are_one_clear_error(stories_gguf, tmp_path):
 
 
 def test_unsupported_types_and_architectures_name_what_is_supported(stories_gguf, tmp_path):
-    def q2_k(name, values):  # stories' K = 64 holds no 256-weight K-quant block: only the type is read
+    def iq2_xxs(name, values):  # stories' K = 64 holds no 256-weight block: only the type is read
         if name.endswith("attn_q.weight"):
-            return np.zeros((values.shape[0], 84), dtype=np.uint8), T.Q2_K
+            return np.zeros((values.shape[0], 66), dtype=np.uint8), T.IQ2_XXS
         return None
 
-    path = rewrite(stories_gguf, tmp_path / "q2_k.gguf", q2_k)
-    with pytest.raises(ValueError, match="type Q2_K, which ridge does not run; supported: F32, F16, BF16, Q8_0"):
+    path = rewrite(stories_gguf, tmp_path / "iq2_xxs.gguf", iq2_xxs)
+    with pytest.raises(ValueError, match="type IQ2_XXS, which ridge does not run; supported: F32, F16, BF16, Q8_0"):
         LLM(str(path))
     path = rewrite(stories_gguf, tmp_path / "gpt2.gguf", lambda n, v: None, arch="gpt2")
     with pytest.raises(ValueError, match="architecture 'gpt2' is not supported; ridge runs GGUF files of llama"):

@@ -1,5 +1,5 @@
 """Random but valid blocks of a GGUF block type, for formats ridge reads but does not produce
-(IQ4_NL, Q4_K): any bytes are valid codes; only the fp16 factors need finite, realistic values."""
+(IQ4_NL, the K-quants): any bytes are valid codes; only the fp16 factors need finite, realistic values."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ def random_blocks(fmt: BlockFormat, rows: int, k: int, seed: int, scale: float =
         d /= 16
     if fmt.ggml_name == "Q6_K":  # d at the end, after 16 int8 scales up to 127
         data[..., -2:] = (d[..., :1] / 4).astype(np.float16).view(np.uint8)
+    elif fmt.ggml_name == "Q3_K":  # d at the end; 6-bit scales - 32 times codes -4..3 reach 128
+        data[..., -2:] = (d[..., :1] * 16).astype(np.float16).view(np.uint8)
+    elif fmt.ggml_name == "Q2_K":  # d and dmin at the end; 4-bit scales times codes 0..3 reach 45
+        data[..., -4:] = (d * 48).astype(np.float16).view(np.uint8).reshape(*d.shape[:-1], 4)
     else:
-        data[..., 0 : 2 * factors] = d.view(np.uint8)
+        data[..., 0 : 2 * factors] = d.view(np.uint8).reshape(*d.shape[:-1], 2 * factors)
     return torch.from_numpy(data.reshape(rows, -1))

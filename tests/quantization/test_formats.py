@@ -69,6 +69,8 @@ def test_sizes_are_llama_cpps():
         "iq4_xs": (136, 4.25),
         "q5_k": (176, 5.5),
         "q6_k": (210, 6.5625),
+        "q3_k": (110, 3.4375),
+        "q2_k": (84, 2.625),
     }
     for fmt in FORMATS.values():
         assert quants.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(fmt.ggml_type)] == (fmt.block, fmt.type_size)

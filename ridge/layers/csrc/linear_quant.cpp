@@ -1,5 +1,5 @@
 // y = x @ w^T (+ bias) for weights in llama.cpp's block formats (Q8_0, Q4_0, Q4_1, IQ4_NL, IQ4_XS, Q4_K,
-// Q5_K, Q6_K), with
+// Q5_K, Q6_K, Q3_K, Q2_K), with
 // integer dot products (AVX-512 VNNI, vpdpbusd): x is quantized per row to int8 in blocks
 // of 32 (as llama.cpp quantizes activations to Q8_0), so one instruction does 64
 // multiply-adds (twice vdpbf16ps) and W is read in its own 4.5-8.5 bits per weight.
@@ -27,6 +27,9 @@
 //   64 codes looks them up as table + 128 (unsigned), and off = 128 takes the 128 back out;
 //   IQ4_XS: the same codes, each group scaled by its super-block's d times a 6-bit code - 32
 //   Q6_K: 6-bit codes (off = 32), each half group (16 k) scaled by its own int8 times d
+//   Q3_K: 3-bit codes (off = 4), each half group scaled by d times a 6-bit code - 32
+//   Q2_K: 2-bit codes, each half group's d sc q - dmin m with 4-bit sc and m: the minimum
+//   multiplies the half's sum of x
 //   (with x = dx * xq per block of 32: every sum above is an integer times dx)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -40,7 +43,9 @@
 
 namespace {
 
-enum Format : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, IQ4_NL = 3, Q4_K = 4, IQ4_XS = 5, Q6_K = 6, Q5_K = 7 };
+enum Format : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, IQ4_NL = 3, Q4_K = 4, IQ4_XS = 5, Q6_K = 6, Q5_K = 7, Q3_K = 8, Q2_K = 9 };
+
+constexpr bool is_super_block(int64_t fmt) { return fmt >= Q4_K; }  // K-quants and IQ4_XS: super-blocks of 256
 
 // IQ4_NL's table (llama.cpp's kvalues_iq4nl) plus 128: the unsigned bytes vpdpbusd multiplies
 alignas(16) constexpr uint8_t IQ4_NL_TABLE[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
@@ -74,6 +79,8 @@ Layout layout_of(int64_t fmt) {
     case Q5_K: return {176, 320, 320 + 32, 0, true, true};  // Q4_K's + a 64-byte bit plane per group
     case IQ4_XS: return {136, 256, 256 + 16, 128, true, false};  // per 256 k: 136 bytes
     case Q6_K: return {210, 384, 384 + 36, 32, true, false};  // per 256 k: 210 bytes
+    case Q3_K: return {110, 192, 192 + 28, 4, false, false};  // per 256 k: 110 bytes (3 bit planes per group)
+    case Q2_K: return {84, 128, 128 + 40, 0, false, true};    // per 256 k: 84 bytes (2 bit planes per group)
   }
   TORCH_CHECK(false, "unknown block format ", fmt);
 }
@@ -88,7 +95,8 @@ struct XTile {
   float* d;
   float* s;
   int32_t* qs;  // -off * sum of codes (symmetric formats)
-  int32_t* qsa;  // -off * sum of the first 16 codes (Q6_K: a scale per 16 k)
+  int32_t* qsa;  // -off * sum of the first 16 codes (Q6_K, Q3_K: a scale per 16 k)
+  float* sa;  // d * sum of the first 16 codes (Q2_K: a minimum per 16 k)
 };
 
 template <typename T>
@@ -119,7 +127,9 @@ void quantize_row(const T* x, int64_t G, int64_t off, const XTile& t, int64_t i)
     t.d[g * t.mr + i] = d;
     const int32_t code_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
     t.qs[g * t.mr + i] = static_cast<int32_t>(-off * code_sum);
-    t.qsa[g * t.mr + i] = static_cast<int32_t>(-off * _mm512_reduce_add_epi32(qa));
+    const int32_t first_sum = _mm512_reduce_add_epi32(qa);
+    t.qsa[g * t.mr + i] = static_cast<int32_t>(-off * first_sum);
+    t.sa[g * t.mr + i] = d * static_cast<float>(first_sum);
     // Q4_1's minimum multiplies the sum of the *quantized* x (as llama.cpp's Q8_1 does): the
     // error is then sum_k w_k e_k, not sum_k q_k d e_k, whose terms all share one sign
     t.s[g * t.mr + i] = d * static_cast<float>(code_sum);
@@ -168,6 +178,23 @@ inline void load_weights(const uint8_t* chunk, __m512i w[8]) {
       w[j] = _mm512_ternarylogic_epi32(v, top_j, low, 0xEC);  // (v & 0x0F) | top
       w[j + 4] = _mm512_or_si512(_mm512_gf2p8affine_epi64_epi8(v, high_nibble, 0), top_j4);
     }
+  } else if constexpr (FMT == Q3_K) {  // 3-bit codes in three planes (see q3_k_place): one GFNI op
+    // takes a quad's code out of its plane byte, two for quads 6 and 7, whose top bits lie apart
+    const __m512i p0 = _mm512_loadu_si512(chunk), p1 = _mm512_loadu_si512(chunk + 64), p2 = _mm512_loadu_si512(chunk + 128);
+    auto take = [](__m512i v, uint64_t a) { return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(static_cast<long long>(a)), 0); };
+    w[0] = take(p0, bit_move(0, 0, 3));
+    w[1] = take(p0, bit_move(3, 0, 3));
+    w[2] = take(p1, bit_move(0, 0, 3));
+    w[3] = take(p1, bit_move(3, 0, 3));
+    w[4] = take(p2, bit_move(0, 0, 3));
+    w[5] = take(p2, bit_move(3, 0, 3));
+    w[6] = _mm512_or_si512(take(p0, bit_move(6, 0, 2)), take(p2, bit_move(6, 2, 1)));
+    w[7] = _mm512_or_si512(take(p1, bit_move(6, 0, 2)), take(p2, bit_move(7, 2, 1)));
+  } else if constexpr (FMT == Q2_K) {  // 2-bit codes: plane P holds quads 4P .. 4P + 3 in bits 0-1 .. 6-7
+    const __m512i planes[2] = {_mm512_loadu_si512(chunk), _mm512_loadu_si512(chunk + 64)};
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j)
+      w[j] = _mm512_gf2p8affine_epi64_epi8(planes[j >> 2], _mm512_set1_epi64(static_cast<long long>(bit_move(2 * (j & 3), 0, 2))), 0);
   } else {
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int j = 0; j < 4; ++j) {
@@ -191,9 +218,8 @@ struct Q4KScales {
   __m512 d, dmin;
 };
 
-inline void q4_k_superblock(const uint8_t* scales, int64_t G, int64_t s, Q4KScales& out) {
-  const uint8_t* dd = scales + s * 64;
-  const uint8_t* codes = scales + (G >> 3) * 64 + s * 192;
+// 192 bytes of 6-bit codes (see pack_k_quant) -> out.sc, out.m
+inline void unpack_codes6(const uint8_t* codes, Q4KScales& out) {
   const __m512i nib = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3), twelve = _mm512_set1_epi8(12);
   const __m512i hv = _mm512_loadu_si512(codes + 128);
   const __m512i high[2] = {_mm512_and_si512(hv, nib), _mm512_and_si512(_mm512_srli_epi16(hv, 4), nib)};
@@ -205,8 +231,20 @@ inline void q4_k_superblock(const uint8_t* scales, int64_t G, int64_t s, Q4KScal
     _mm512_store_si512(out.sc + 64 * half, sc);
     _mm512_store_si512(out.m + 64 * half, m);
   }
+}
+
+inline void q4_k_superblock(const uint8_t* scales, int64_t G, int64_t s, Q4KScales& out) {
+  const uint8_t* dd = scales + s * 64;
+  unpack_codes6(scales + (G >> 3) * 64 + s * 192, out);
   out.d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd)));
   out.dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd + 32)));
+}
+
+// Q3_K: a super-block's 16 6-bit scale codes per row, in Q4_K's arrangement (group j's first
+// half in sc, its second in m), and its fp16 d
+inline void q3_k_superblock(const uint8_t* scales, int64_t G, int64_t s, Q4KScales& out) {
+  unpack_codes6(scales + (G >> 3) * 32 + s * 192, out);
+  out.d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + s * 32)));
 }
 
 // IQ4_XS: a super-block's 6-bit scale codes for its 8 groups x 16 rows as signed bytes (code
@@ -233,30 +271,36 @@ inline void iq4_xs_superblock(const uint8_t* scales, int64_t G, int64_t s, Q4KSc
 
 template <int FMT, int MR>
 inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* out) {
-  constexpr int64_t WB = FMT == Q8_0 ? 512 : FMT == Q6_K ? 384 : FMT == Q5_K ? 320 : 256;
+  constexpr int64_t WB = FMT == Q8_0 ? 512 : FMT == Q6_K ? 384 : FMT == Q5_K ? 320 : FMT == Q3_K ? 192 : FMT == Q2_K ? 128 : 256;
   constexpr bool KQ = FMT == Q4_K || FMT == Q5_K;  // Q4_K's super-block scales and minimums
   constexpr bool MIN = FMT == Q4_1 || KQ;
+  constexpr bool HALVES = FMT == Q6_K || FMT == Q3_K || FMT == Q2_K;  // a scale per 16 k
   constexpr int64_t CHUNK = FMT == Q8_0     ? 512 + 32
                             : FMT == Q4_1   ? 256 + 64
                             : FMT == IQ4_XS ? 256 + 16
                             : FMT == Q6_K   ? 384 + 36
                             : FMT == Q5_K   ? 320 + 32
+                            : FMT == Q3_K   ? 192 + 28
+                            : FMT == Q2_K   ? 128 + 40
                                             : 256 + 32;
-  [[maybe_unused]] __m512 d6;  // Q6_K: the super-block's d for the 16 rows
+  const int64_t S = G >> 3;  // super-blocks (K-quants)
+  [[maybe_unused]] __m512 dk, dmink;  // Q6_K's d, Q2_K's d and dmin for the 16 rows
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   const uint8_t* scales = block + G * WB;
   [[maybe_unused]] Q4KScales sb;
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* chunk = block + g * WB;
-    if constexpr (KQ) {
-      if ((g & 7) == 0) q4_k_superblock(scales, G, g >> 3, sb);
-    }
-    if constexpr (FMT == IQ4_XS) {
-      if ((g & 7) == 0) iq4_xs_superblock(scales, G, g >> 3, sb);
-    }
-    if constexpr (FMT == Q6_K) {
-      if ((g & 7) == 0) d6 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (g >> 3) * 32)));
+    if ((g & 7) == 0) {
+      if constexpr (KQ) q4_k_superblock(scales, G, g >> 3, sb);
+      if constexpr (FMT == IQ4_XS) iq4_xs_superblock(scales, G, g >> 3, sb);
+      if constexpr (FMT == Q3_K) q3_k_superblock(scales, G, g >> 3, sb);
+      if constexpr (FMT == Q6_K)
+        dk = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (g >> 3) * 32)));
+      if constexpr (FMT == Q2_K) {
+        dk = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (g >> 3) * 64)));
+        dmink = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (g >> 3) * 64 + 32)));
+      }
     }
     if constexpr (FMT != Q8_0) {  // far ahead, into L2
       for (int64_t line = 0; line < WB; line += 64)
@@ -268,18 +312,20 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
     }
     // the scales are a short second stream per block (2 KiB at K = 2048): the hardware
     // prefetcher hardly starts on it, so it is fetched ahead here (their misses stalled M = 1)
-    if constexpr (KQ) {  // the next super-block's d, dmin and codes
+    if constexpr (KQ || FMT == Q3_K) {  // the next super-block's d (, dmin) and codes
+      constexpr int64_t DD = KQ ? 64 : 32;
       if ((g & 7) == 2) {
-        const uint8_t* next = scales + (G >> 3) * 64 + ((g >> 3) + 1) * 192;
-        _mm_prefetch(reinterpret_cast<const char*>(scales + ((g >> 3) + 1) * 64), _MM_HINT_T0);
+        const uint8_t* next = scales + S * DD + ((g >> 3) + 1) * 192;
+        _mm_prefetch(reinterpret_cast<const char*>(scales + ((g >> 3) + 1) * DD), _MM_HINT_T0);
         for (int line = 0; line < 3; ++line) _mm_prefetch(reinterpret_cast<const char*>(next + 64 * line), _MM_HINT_T0);
       }
-    } else if constexpr (FMT == Q6_K) {
-      _mm_prefetch(reinterpret_cast<const char*>(scales + (G >> 3) * 32 + (g + 4) * 32), _MM_HINT_T0);
-      if ((g & 7) == 2) _mm_prefetch(reinterpret_cast<const char*>(scales + ((g >> 3) + 1) * 32), _MM_HINT_T0);
+    } else if constexpr (FMT == Q6_K || FMT == Q2_K) {  // per group 32 bytes of scales after the super-blocks' d
+      constexpr int64_t DD = FMT == Q6_K ? 32 : 64;
+      _mm_prefetch(reinterpret_cast<const char*>(scales + S * DD + (g + 4) * 32), _MM_HINT_T0);
+      if ((g & 7) == 2) _mm_prefetch(reinterpret_cast<const char*>(scales + ((g >> 3) + 1) * DD), _MM_HINT_T0);
     } else if constexpr (FMT == IQ4_XS) {
       if ((g & 7) == 2) {
-        const uint8_t* next = scales + (G >> 3) * 32 + ((g >> 3) + 1) * 96;
+        const uint8_t* next = scales + S * 32 + ((g >> 3) + 1) * 96;
         _mm_prefetch(reinterpret_cast<const char*>(scales + ((g >> 3) + 1) * 32), _MM_HINT_T0);
         for (int line = 0; line < 2; ++line) _mm_prefetch(reinterpret_cast<const char*>(next + 64 * line), _MM_HINT_T0);
       }
@@ -293,15 +339,33 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
     }
     __m512i w[8];
     load_weights<FMT>(chunk, w);
+    // dw: the 16 rows' weight scale (HALVES: of k 0-15, and mw of k 16-31); mw: minimum
     __m512 dw, mw;
+    [[maybe_unused]] __m512 dmw, dmw1;  // Q2_K: the halves' minimums
     if constexpr (KQ) {
       const int64_t j = (g & 7) * 16;
       dw = _mm512_mul_ps(sb.d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.sc + j)))));
       mw = _mm512_mul_ps(sb.dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.m + j)))));
-    } else if constexpr (FMT == Q6_K) {  // the two halves' int8 scales (times d below)
-      const uint8_t* sc = scales + (G >> 3) * 32 + g * 32;
-      dw = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))));
-      mw = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16))));
+    } else if constexpr (FMT == Q6_K) {  // the two halves' int8 scales times d
+      const uint8_t* sc = scales + S * 32 + g * 32;
+      dw = _mm512_mul_ps(dk, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)))));
+      mw = _mm512_mul_ps(dk, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)))));
+    } else if constexpr (FMT == Q3_K) {  // the two halves' 6-bit codes - 32, times d
+      const int64_t j = (g & 7) * 16;
+      const __m512i off = _mm512_set1_epi32(32);
+      dw = _mm512_mul_ps(sb.d, _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                                   _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.sc + j))), off)));
+      mw = _mm512_mul_ps(sb.d, _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                                   _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.m + j))), off)));
+    } else if constexpr (FMT == Q2_K) {  // a byte per row and half: 4-bit scale | 4-bit minimum << 4
+      const uint8_t* sc = scales + S * 64 + g * 32;
+      const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+      const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)));
+      const __m512i nib = _mm512_set1_epi32(15);
+      dw = _mm512_mul_ps(dk, _mm512_cvtepi32_ps(_mm512_and_si512(b0, nib)));
+      mw = _mm512_mul_ps(dk, _mm512_cvtepi32_ps(_mm512_and_si512(b1, nib)));
+      dmw = _mm512_mul_ps(dmink, _mm512_cvtepi32_ps(_mm512_srli_epi32(b0, 4)));
+      dmw1 = _mm512_mul_ps(dmink, _mm512_cvtepi32_ps(_mm512_srli_epi32(b1, 4)));
     } else if constexpr (FMT == IQ4_XS) {
       const int64_t j = (g & 7) * 16;
       dw = _mm512_mul_ps(sb.d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.sc + j)))));
@@ -311,7 +375,7 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
     if constexpr (FMT == Q4_1)
       mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (G + g) * 32)));
     const int32_t* xq = t.q + g * 8 * MR;
-    if constexpr (FMT == Q6_K) {  // a scale per 16 k: quads 0-3 and 4-7 sum apart (two chains anyway)
+    if constexpr (HALVES) {  // quads 0-3 and 4-7 sum apart (two chains anyway), each half its own scale
       for (int i = 0; i < MR; ++i) {
         const int32_t qsa = t.qsa[g * MR + i];
         __m512i s0 = _mm512_set1_epi32(qsa), s1 = _mm512_set1_epi32(t.qs[g * MR + i] - qsa);
@@ -320,7 +384,12 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
           s1 = _mm512_dpbusd_epi32(s1, w[j + 4], _mm512_set1_epi32(xq[(j + 4) * MR + i]));
         }
         const __m512 both = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), dw, _mm512_mul_ps(_mm512_cvtepi32_ps(s1), mw));
-        acc[i] = _mm512_fmadd_ps(both, _mm512_mul_ps(d6, _mm512_set1_ps(t.d[g * MR + i])), acc[i]);
+        acc[i] = _mm512_fmadd_ps(both, _mm512_set1_ps(t.d[g * MR + i]), acc[i]);
+        if constexpr (FMT == Q2_K) {  // - dmin m times each half's sum of x
+          const float sa = t.sa[g * MR + i];
+          acc[i] = _mm512_fnmadd_ps(dmw, _mm512_set1_ps(sa), acc[i]);
+          acc[i] = _mm512_fnmadd_ps(dmw1, _mm512_set1_ps(t.s[g * MR + i] - sa), acc[i]);
+        }
       }
       continue;
     }
@@ -382,11 +451,11 @@ void gemm_slab(const T* x, int64_t M, int64_t K, const uint8_t* wp, int64_t N, c
   for (int64_t r0 = 0; r0 < M; r0 += 16) {
     const int64_t rows = std::min<int64_t>(16, M - r0);
     const int64_t mr = rows <= 2 ? rows : rows <= 4 ? 4 : rows <= 8 ? 8 : rows <= 12 ? 12 : 16;
-    tiles.push_back({r0, rows, mr, nullptr, nullptr, nullptr, nullptr, nullptr});
+    tiles.push_back({r0, rows, mr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr});
     cells += mr;
   }
   std::vector<int32_t> qbuf(cells * G * 8, 0), qsbuf(cells * G, 0), qsabuf(cells * G, 0);
-  std::vector<float> dbuf(cells * G, 0.f), sbuf(cells * G, 0.f);
+  std::vector<float> dbuf(cells * G, 0.f), sbuf(cells * G, 0.f), sabuf(cells * G, 0.f);
   int64_t at = 0;
   for (XTile& t : tiles) {
     t.q = qbuf.data() + at * G * 8;
@@ -394,6 +463,7 @@ void gemm_slab(const T* x, int64_t M, int64_t K, const uint8_t* wp, int64_t N, c
     t.s = sbuf.data() + at * G;
     t.qs = qsbuf.data() + at * G;
     t.qsa = qsabuf.data() + at * G;
+    t.sa = sabuf.data() + at * G;
     at += t.mr;
   }
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
@@ -420,6 +490,8 @@ void gemm(int64_t fmt, const T* x, int64_t M, int64_t K, const uint8_t* wp, int6
       case Q5_K: gemm_slab<Q5_K, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
       case IQ4_XS: gemm_slab<IQ4_XS, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
       case Q6_K: gemm_slab<Q6_K, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
+      case Q3_K: gemm_slab<Q3_K, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
+      case Q2_K: gemm_slab<Q2_K, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
       default: gemm_slab<Q4_1, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N);
     }
   }
@@ -448,6 +520,19 @@ inline void q4_k_scale_min(const uint8_t* q, int j, uint8_t& sc, uint8_t& m) {  
     sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
     m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
   }
+}
+
+// Code c (16 j + r: group j, row r) of a super-block's 128 pairs of 6-bit codes, in the 192
+// bytes of pack_k_quant's arrangement (which unpack_codes6 reads)
+inline void put_codes6(uint8_t* codes, int64_t c, uint8_t sc, uint8_t m) {
+  codes[c] = static_cast<uint8_t>((sc & 15) | ((m & 15) << 4));
+  codes[128 + (c & 63)] |= static_cast<uint8_t>(((sc >> 4) | ((m >> 4) << 2)) << (c >= 64 ? 4 : 0));
+}
+
+inline void get_codes6(const uint8_t* codes, int64_t c, uint8_t& sc, uint8_t& m) {
+  const uint8_t high = (codes[128 + (c & 63)] >> (c >= 64 ? 4 : 0)) & 15;
+  sc = (codes[c] & 15) | ((high & 3) << 4);
+  m = (codes[c] >> 4) | ((high >> 2) << 4);
 }
 
 // The walk every super-block format's (un)packing shares. Packing checks the file's (N, K/256 *
@@ -503,9 +588,7 @@ torch::Tensor pack_k_quant(torch::Tensor blocks, int64_t N, int64_t K, int64_t s
     for (int j = 0; j < 8; ++j) {
       uint8_t sc, m;
       q4_k_scale_min(sb + 4, j, sc, m);
-      const int64_t c = 16 * j + r;
-      sbc[c] = static_cast<uint8_t>((sc & 15) | ((m & 15) << 4));
-      sbc[128 + (c & 63)] |= static_cast<uint8_t>(((sc >> 4) | ((m >> 4) << 2)) << (c >= 64 ? 4 : 0));
+      put_codes6(sbc, 16 * j + r, sc, m);
       const uint8_t* qs = sb + qs_at + 32 * (j / 2);
       const int shift = 4 * (j & 1);
       uint8_t* chunk = block + (s * 8 + j) * wb;
@@ -531,10 +614,7 @@ torch::Tensor unpack_k_quant(torch::Tensor packed, int64_t N, int64_t K, int64_t
     std::memcpy(sb + 2, dd + s * 64 + 32 + 2 * r, 2);
     uint8_t sc[8], m[8];
     for (int j = 0; j < 8; ++j) {
-      const int64_t c = 16 * j + r;
-      const uint8_t high = (sbc[128 + (c & 63)] >> (c >= 64 ? 4 : 0)) & 15;
-      sc[j] = (sbc[c] & 15) | ((high & 3) << 4);
-      m[j] = (sbc[c] >> 4) | ((high >> 2) << 4);
+      get_codes6(sbc, 16 * j + r, sc[j], m[j]);
       const uint8_t* chunk = block + (s * 8 + j) * wb;
       uint8_t* qs = sb + qs_at + 32 * (j / 2);
       const int shift = 4 * (j & 1);
@@ -679,11 +759,131 @@ torch::Tensor unpack_q6_k(torch::Tensor packed, int64_t N, int64_t K) {
   });
 }
 
+// Q3_K super-blocks (N, K/256 * 110 bytes: 32 of high bits, 64 of low 2 bits, 12 of 6-bit
+// scales, fp16 d) -> blocks of 16 rows, the same bytes regrouped:
+//
+//   [ G x 192 bytes: three planes of 64 ][ K/256 x 16 fp16 d ][ K/256 x 192 bytes of codes ]
+//
+// Planes: byte p (row p / 4, k 4 quad + p % 4) of plane P holds quad 2P's code in bits 0-2 and
+// 2P + 1's in bits 3-5 (P < 3); quads 6 and 7 keep their low 2 bits in bits 6-7 of planes 0
+// and 1, their top bit in bits 6 and 7 of plane 2. A code is q + 4, q in -4..3 (the file's low
+// 2 bits, plus 4 where its high bit is set). The codes: sub-block 2 j's scale code where
+// pack_k_quant has group j's sc, sub-block 2 j + 1's where it has m.
+// A file's element e (sub-block j = e / 32, l = e % 32) has its low bits at 2 (j % 4) of
+// qs[32 (j / 4) + l] and its high bit at bit j of hmask[l].
+inline void q3_k_place(uint8_t* chunk, int64_t quad, int64_t p, uint8_t code) {
+  if (quad < 6) {
+    chunk[64 * (quad / 2) + p] |= static_cast<uint8_t>(code << (3 * (quad & 1)));
+  } else {
+    chunk[64 * (quad - 6) + p] |= static_cast<uint8_t>((code & 3) << 6);
+    chunk[128 + p] |= static_cast<uint8_t>((code >> 2) << quad);
+  }
+}
+
+inline uint8_t q3_k_take(const uint8_t* chunk, int64_t quad, int64_t p) {
+  if (quad < 6) return (chunk[64 * (quad / 2) + p] >> (3 * (quad & 1))) & 7;
+  return static_cast<uint8_t>(((chunk[64 * (quad - 6) + p] >> 6) & 3) | (((chunk[128 + p] >> quad) & 1) << 2));
+}
+
+inline uint8_t q3_k_scale(const uint8_t* sc, int i) {  // scale code i (0-15) of the file's 12 bytes
+  return static_cast<uint8_t>(((sc[i % 8] >> (4 * (i / 8))) & 15) | (((sc[8 + i % 4] >> (2 * (i / 4))) & 3) << 4));
+}
+
+torch::Tensor pack_q3_k(torch::Tensor blocks, int64_t N, int64_t K) {
+  const int64_t G = K / QK, S = K / QK_K;
+  return pack_superblocks(blocks, N, K, 110, 192 + 28, "Q3_K", [&](uint8_t* block, int64_t r, int64_t s, const uint8_t* sb) {
+    uint8_t* dd = block + G * 192;
+    std::memcpy(dd + s * 32 + 2 * r, sb + 108, 2);
+    for (int j = 0; j < 8; ++j) {
+      put_codes6(dd + S * 32 + s * 192, 16 * j + r, q3_k_scale(sb + 96, 2 * j), q3_k_scale(sb + 96, 2 * j + 1));
+      uint8_t* chunk = block + (s * 8 + j) * 192;
+      for (int64_t l = 0; l < 32; ++l) {
+        const uint8_t low = (sb[32 + 32 * (j / 4) + l] >> (2 * (j % 4))) & 3, high = (sb[l] >> j) & 1;
+        q3_k_place(chunk, l / 4, 4 * r + l % 4, static_cast<uint8_t>(low | (high << 2)));
+      }
+    }
+  });
+}
+
+torch::Tensor unpack_q3_k(torch::Tensor packed, int64_t N, int64_t K) {
+  const int64_t G = K / QK, S = K / QK_K;
+  return unpack_superblocks(packed, N, K, 110, 192 + 28, [&](const uint8_t* block, int64_t r, int64_t s, uint8_t* sb) {
+    const uint8_t* dd = block + G * 192;
+    std::memcpy(sb + 108, dd + s * 32 + 2 * r, 2);
+    for (int j = 0; j < 8; ++j) {
+      uint8_t codes[2];
+      get_codes6(dd + S * 32 + s * 192, 16 * j + r, codes[0], codes[1]);
+      for (int h = 0; h < 2; ++h) {
+        const int i = 2 * j + h;
+        sb[96 + i % 8] |= static_cast<uint8_t>((codes[h] & 15) << (4 * (i / 8)));
+        sb[104 + i % 4] |= static_cast<uint8_t>((codes[h] >> 4) << (2 * (i / 4)));
+      }
+      const uint8_t* chunk = block + (s * 8 + j) * 192;
+      for (int64_t l = 0; l < 32; ++l) {
+        const uint8_t code = q3_k_take(chunk, l / 4, 4 * r + l % 4);
+        sb[32 + 32 * (j / 4) + l] |= static_cast<uint8_t>((code & 3) << (2 * (j % 4)));
+        sb[l] |= static_cast<uint8_t>((code >> 2) << j);
+      }
+    }
+  });
+}
+
+// Q2_K super-blocks (N, K/256 * 84 bytes: 16 bytes of 4-bit scale | 4-bit minimum << 4, 64 of
+// 2-bit codes, fp16 d, fp16 dmin) -> blocks of 16 rows, the same bytes regrouped:
+//
+//   [ G x 128 bytes: two planes of 64 ][ K/256 x (16 fp16 d, 16 fp16 dmin) ]
+//   [ G x 32 bytes: the 16 rows' scale byte of k 0-15, then of k 16-31 ]
+//
+// Byte p of plane P holds quad 4 P + i's code in bits 2 i .. 2 i + 1 at position p (row p / 4,
+// k 4 quad + p % 4). A file's element e (sub-block j = e / 32, l = e % 32) is bits 2 (j % 4) of
+// qs[32 (j / 4) + l], as Q3_K's low bits.
+torch::Tensor pack_q2_k(torch::Tensor blocks, int64_t N, int64_t K) {
+  const int64_t G = K / QK, S = K / QK_K;
+  return pack_superblocks(blocks, N, K, 84, 128 + 40, "Q2_K", [&](uint8_t* block, int64_t r, int64_t s, const uint8_t* sb) {
+    uint8_t* dd = block + G * 128;
+    std::memcpy(dd + s * 64 + 2 * r, sb + 80, 2);
+    std::memcpy(dd + s * 64 + 32 + 2 * r, sb + 82, 2);
+    for (int j = 0; j < 8; ++j) {
+      const int64_t g = s * 8 + j;
+      dd[S * 64 + g * 32 + r] = sb[2 * j];
+      dd[S * 64 + g * 32 + 16 + r] = sb[2 * j + 1];
+      uint8_t* chunk = block + g * 128;
+      for (int64_t l = 0; l < 32; ++l) {
+        const uint8_t code = (sb[16 + 32 * (j / 4) + l] >> (2 * (j % 4))) & 3;
+        const int64_t quad = l / 4;
+        chunk[64 * (quad / 4) + 4 * r + l % 4] |= static_cast<uint8_t>(code << (2 * (quad % 4)));
+      }
+    }
+  });
+}
+
+torch::Tensor unpack_q2_k(torch::Tensor packed, int64_t N, int64_t K) {
+  const int64_t G = K / QK, S = K / QK_K;
+  return unpack_superblocks(packed, N, K, 84, 128 + 40, [&](const uint8_t* block, int64_t r, int64_t s, uint8_t* sb) {
+    const uint8_t* dd = block + G * 128;
+    std::memcpy(sb + 80, dd + s * 64 + 2 * r, 2);
+    std::memcpy(sb + 82, dd + s * 64 + 32 + 2 * r, 2);
+    for (int j = 0; j < 8; ++j) {
+      const int64_t g = s * 8 + j;
+      sb[2 * j] = dd[S * 64 + g * 32 + r];
+      sb[2 * j + 1] = dd[S * 64 + g * 32 + 16 + r];
+      const uint8_t* chunk = block + g * 128;
+      for (int64_t l = 0; l < 32; ++l) {
+        const int64_t quad = l / 4;
+        const uint8_t code = (chunk[64 * (quad / 4) + 4 * r + l % 4] >> (2 * (quad % 4))) & 3;
+        sb[16 + 32 * (j / 4) + l] |= static_cast<uint8_t>(code << (2 * (j % 4)));
+      }
+    }
+  });
+}
+
 torch::Tensor pack_quant(torch::Tensor blocks, int64_t fmt, int64_t N, int64_t K) {
   if (fmt == Q4_K) return pack_k_quant(blocks, N, K, 144, 16, -1, "Q4_K");
   if (fmt == Q5_K) return pack_k_quant(blocks, N, K, 176, 48, 16, "Q5_K");
   if (fmt == IQ4_XS) return pack_iq4_xs(blocks, N, K);
   if (fmt == Q6_K) return pack_q6_k(blocks, N, K);
+  if (fmt == Q3_K) return pack_q3_k(blocks, N, K);
+  if (fmt == Q2_K) return pack_q2_k(blocks, N, K);
   const Layout L = layout_of(fmt);
   TORCH_CHECK(K % QK == 0, "pack_quant: K must be a multiple of 32");
   const int64_t G = K / QK, NB = (N + ROWS - 1) / ROWS;
@@ -724,6 +924,8 @@ torch::Tensor unpack_quant(torch::Tensor packed, int64_t fmt, int64_t N, int64_t
   if (fmt == Q5_K) return unpack_k_quant(packed, N, K, 176, 48, 16);
   if (fmt == IQ4_XS) return unpack_iq4_xs(packed, N, K);
   if (fmt == Q6_K) return unpack_q6_k(packed, N, K);
+  if (fmt == Q3_K) return unpack_q3_k(packed, N, K);
+  if (fmt == Q2_K) return unpack_q2_k(packed, N, K);
   const Layout L = layout_of(fmt);
   const int64_t G = K / QK, row_bytes = G * L.type_size, head = L.has_min ? 4 : 2;
   auto out = torch::empty({N, row_bytes}, packed.options());
@@ -754,7 +956,7 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t fmt, i
   const int64_t K = x.size(-1);
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear_quant: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "linear_quant: bf16 or f32 x");
-  TORCH_CHECK((fmt != Q4_K && fmt != Q5_K && fmt != IQ4_XS && fmt != Q6_K) || K % 256 == 0, "linear_quant: K-quants need K a multiple of 256");
+  TORCH_CHECK(!is_super_block(fmt) || K % 256 == 0, "linear_quant: K-quants need K a multiple of 256");
   TORCH_CHECK(K % QK == 0 && packed.dim() == 3 && packed.size(0) == (N + ROWS - 1) / ROWS &&
                   packed.size(1) == K / QK && packed.size(2) == L.chunk,
               "linear_quant: packed weight does not match (N, K)");
@@ -781,7 +983,7 @@ torch::Tensor linear_quant_grouped(torch::Tensor x, torch::Tensor packed, int64_
   TORCH_CHECK(N % ROWS == 0, "linear_quant_grouped: rows per expert must be a multiple of 16");
   auto x2 = x.contiguous();
   const int64_t R = x2.size(0), K = x2.size(1), E = static_cast<int64_t>(counts.size());
-  TORCH_CHECK((fmt != Q4_K && fmt != Q5_K && fmt != IQ4_XS && fmt != Q6_K) || K % 256 == 0, "linear_quant_grouped: K-quants need K a multiple of 256");
+  TORCH_CHECK(!is_super_block(fmt) || K % 256 == 0, "linear_quant_grouped: K-quants need K a multiple of 256");
   TORCH_CHECK(K % QK == 0 && packed.dim() == 3 && packed.size(0) == E * N / ROWS && packed.size(1) == K / QK &&
                   packed.size(2) == L.chunk,
               "linear_quant_grouped: packed weight does not match (E * N, K)");
