@@ -97,22 +97,23 @@ def paged_attention(
     v: torch.Tensor,
     cache: PagedKV,
     meta: AttentionMetadata,
-    decode_attention,
+    ops,
 ) -> torch.Tensor:
     """q: (T, Hq, D), k/v: (T, Hkv, D) of this step's tokens -> output (T, Hq, D).
 
-    ``decode_attention(q, cache, meta)`` is the kernels' decode path.
+    ``ops`` (the kernels) gives the two paths: ``decode_attention(q, cache, meta)`` and
+    ``prefill_attention(q, k, v, cache, chunk)``, called once the step's K/V are in the cache.
     """
     write_kv(cache, k, v, meta.slot_mapping)
     num_decodes = meta.num_decode_tokens
     if num_decodes == q.shape[0]:  # a pure decode step: no copy into a shared output
-        return decode_attention(q, cache, meta)
+        return ops.decode_attention(q, cache, meta)
     out = torch.empty_like(q)
     if num_decodes:
-        out[:num_decodes] = decode_attention(q[:num_decodes], cache, meta)
+        out[:num_decodes] = ops.decode_attention(q[:num_decodes], cache, meta)
     for chunk in meta.prefills:
         s, e = chunk.start, chunk.end
-        out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], cache, chunk)
+        out[s:e] = ops.prefill_attention(q[s:e], k[s:e], v[s:e], cache, chunk)
     return out
 
 
@@ -121,7 +122,9 @@ def decode_valid_mask(context_lens: torch.Tensor, max_len: int) -> torch.Tensor:
     return (torch.arange(max_len, device=context_lens.device)[None, :] < context_lens[:, None])[:, None, None, :]
 
 
-def _prefill_attention(q, k, v, cache: PagedKV, chunk: PrefillChunk) -> torch.Tensor:
+def prefill_attention(q, k, v, cache: PagedKV, chunk: PrefillChunk) -> torch.Tensor:
+    """One prefill chunk's queries (n, Hq, D) over its request's context (the cache holds the
+    chunk's K/V already; k/v are the chunk's own, used where nothing precedes it)."""
     n, ctx = chunk.num_tokens, chunk.context_len
     if ctx == n and not cache.quantized:
         # Nothing cached before this chunk: attend within the chunk, plain causal.
@@ -137,6 +140,9 @@ def _prefill_attention(q, k, v, cache: PagedKV, chunk: PrefillChunk) -> torch.Te
         q_pos = torch.arange(ctx - n, ctx, device=q.device)
         mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
         causal = False
+    # 3-D on purpose: on the CPU a 4-D call takes torch's flash kernel, whose sums run in blocks
+    # that depend on the chunk's length, so a prompt chunked differently would compute
+    # differently; the math path's each score and each weighted sum is its own
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1),  # (Hq, n, Dh)
         keys.transpose(0, 1),  # (Hkv, ctx, Dh)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ridge.kv.cache import PagedKV
-from ridge.layers.attention import AttentionMetadata, decode_valid_mask, gather_values
+from ridge.layers.attention import AttentionMetadata, PrefillChunk, decode_valid_mask, gather_values, prefill_attention
 from ridge.layers.linear import Linear
 from ridge.layers.rotary import RotaryEmbedding, rotate_half
 from ridge.quantization.formats import IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, BlockFormat
@@ -135,6 +135,11 @@ class TorchKernels:
         out = torch.matmul(probs, values.transpose(1, 2))  # (D, Hkv, G, Dh)
         return out.reshape(num_seqs, num_heads, head_dim)
 
+    def prefill_attention(self, q, k, v, cache: PagedKV, chunk: PrefillChunk) -> torch.Tensor:
+        """A prefill chunk's queries (n, Hq, Dh) over its request's context, the chunk's own K/V
+        already in the cache -> (n, Hq, Dh): torch's scaled_dot_product_attention."""
+        return prefill_attention(q, k, v, cache, chunk)
+
 
 class CpuKernels(TorchKernels):
     """ridge's extension on AVX-512 BF16 + VNNI CPUs: bf16 throughout, quantized weights in
@@ -220,6 +225,32 @@ class CpuKernels(TorchKernels):
         if logits.device.type != "cpu" or not logits.is_contiguous():
             return super().apply_token_bitmask_(logits, bitmask)
         self.ext.apply_token_bitmask_(logits, bitmask.contiguous())
+
+    def prefill_attention(self, q, k, v, cache, chunk):
+        """bf16: each query of the chunk runs as a decode of its own over the context up to its
+        position (the chunk's K/V are in the pool), through the decode kernel. A query's output
+        then depends on its position and the cached K/V only: a prompt in one chunk or several,
+        prefix-cached or recomputed after a preemption, computes what a decode of that token
+        computes. The kernel reads K/V from the pool without a gathered copy and without the math
+        path's (n, ctx) score tensors: a 512-token prompt of TinyLlama's shape (32 heads, 4 KV
+        heads, 2 threads) took 12.5 ms a layer, 54 through torch's math path, 16 through its flash
+        kernel (which sums in blocks that depend on the chunk's length, so chunking shows)."""
+        head_dim = q.shape[-1]
+        k_cache = cache.k
+        if (
+            q.dtype is not torch.bfloat16
+            or cache.quantized
+            or head_dim % 16
+            or head_dim > 256
+            or k_cache.numel() >= 2**32
+            or k_cache.dtype is not torch.bfloat16
+        ):
+            return super().prefill_attention(q, k, v, cache, chunk)
+        n, ctx = chunk.num_tokens, chunk.context_len
+        blocks = (ctx + k_cache.shape[1] - 1) // k_cache.shape[1]
+        tables = chunk.block_table[:blocks].expand(n, blocks)
+        lens = torch.arange(ctx - n + 1, ctx + 1)
+        return self.ext.paged_decode_attention_bf16(q, k_cache, cache.v, tables, lens, head_dim**-0.5)
 
     def decode_attention(self, q, cache, meta, scale=None):
         head_dim = q.shape[-1]

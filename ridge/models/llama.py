@@ -106,7 +106,7 @@ class LlamaAttention(nn.Module):
             # q and k heads side by side: one rotation for both
             qk = ops.rope(qkv[:, : q_size + kv_size].view(tokens, -1, self.head_dim), step.rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = paged_attention(q, k, v, kv_cache, meta, ops.decode_attention)
+        out = paged_attention(q, k, v, kv_cache, meta, ops)
         return ops.matmul(out.flatten(1), self.o_proj)
 
 

@@ -117,10 +117,25 @@ V1_ERRORS = (401, 422)
 GENERATION_ERRORS = _errors(400, 404, 413, 503, *V1_ERRORS)
 
 
+# One server-sent event as a client parses it (the OpenAPI specification's generic schema for
+# text/event-stream, which schema checkers such as schemathesis validate each event against):
+# here data holds a JSON chunk, or [DONE] last
+SSE_EVENT_SCHEMA = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {"type": "string"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer", "minimum": 0},
+    },
+}
+
+
 def _generation_reply(model: type) -> dict:
     """A JSON body, or server-sent events when the request streams."""
     return {
-        200: {"model": model, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+        200: {"model": model, "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}},
         **GENERATION_ERRORS,
     }
 

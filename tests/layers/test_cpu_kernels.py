@@ -266,6 +266,46 @@ def test_decode_attention_never_reads_slots_past_a_context(pair, dim):
         assert torch.equal(kernels.decode_attention(q, PagedKV(poisoned_k, poisoned_v), meta()), clean), kernels.name
 
 
+def test_prefill_attention_is_each_tokens_decode_whatever_the_chunking(pair):
+    """bf16 prefill on the kernels runs each query as a decode over the context up to it: against
+    the torch path (scaled_dot_product_attention) within bf16 rounding; a prompt in one chunk and
+    in three gives the same bytes; each row equals the decode of that token; slots past the
+    context (NaN here) are never read."""
+    from ridge.layers.attention import AttentionMetadata, PrefillChunk
+
+    ref, fast = pair
+    ctx, block_size, heads, kv_heads, dim = 45, 4, 8, 2, 64
+    blocks = -(-ctx // block_size)
+    k_cache, v_cache = (
+        torch.full((40, block_size, kv_heads, dim), float("nan"), dtype=torch.bfloat16) for _ in range(2)
+    )
+    table = torch.randperm(40, generator=torch.Generator().manual_seed(3))[:blocks]
+    slots = (table.repeat_interleave(block_size) * block_size + torch.arange(block_size).repeat(blocks))[:ctx]
+    k, v, q = _bf16(ctx, kv_heads, dim, seed=1), _bf16(ctx, kv_heads, dim, seed=2), _bf16(ctx, heads, dim, seed=4)
+    k_cache.view(-1, kv_heads, dim)[slots], v_cache.view(-1, kv_heads, dim)[slots] = k, v
+    cache = PagedKV(k_cache, v_cache)
+
+    def chunked(kernels, cuts):
+        return torch.cat(
+            [
+                kernels.prefill_attention(q[s:e], k[s:e], v[s:e], cache, PrefillChunk(s, e, e, table))
+                for s, e in zip(cuts, cuts[1:])
+            ]
+        )
+
+    whole = chunked(fast, [0, ctx])
+    want = chunked(ref, [0, ctx]).float()
+    assert (whole.float() - want).abs().max().item() <= 0.01 * want.abs().max().item()
+    assert torch.equal(chunked(fast, [0, 7, 30, ctx]), whole)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(3, dtype=torch.long),
+        num_decode_tokens=3,
+        decode_block_tables=table.expand(3, blocks),
+        decode_context_lens=torch.tensor([1, 20, ctx]),
+    )
+    assert torch.equal(fast.decode_attention(q[[0, 19, ctx - 1]], cache, meta), whole[[0, 19, ctx - 1]])
+
+
 @pytest.mark.parametrize("k", [64, 2048, 31])
 def test_a_rows_output_does_not_depend_on_its_batch(kernel, k):
     # batch invariance: the same row among 2, 20 (streaming tiles) or 100 (prefill tiles) gives

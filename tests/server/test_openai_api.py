@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 
 from ridge.engine.tokenizer import render_plain_chat
@@ -74,6 +75,11 @@ def test_stream_ends_with_done(http):
     assert all(e.startswith("data: ") for e in events)
     assert events[-1] == "data: [DONE]"
     assert [json.loads(e[6:])["object"] for e in events[:-1]] == ["text_completion"] * (len(events) - 1)
+    # the published schema describes one event as a client parses it (schemathesis checks each)
+    reply = http.get("/openapi.json").json()["paths"]["/v1/completions"]["post"]["responses"]["200"]
+    event_schema = reply["content"]["text/event-stream"]["schema"]
+    for e in events:
+        jsonschema.validate({"data": e[6:], "event": "message"}, event_schema)
 
 
 def test_n_and_several_prompts(client):
