@@ -1,16 +1,17 @@
 """The KV pool's tensors: one ``PagedKV`` per layer, in the model's dtype or quantized.
 
     k, v        (num_blocks, block_size, Hkv, D)   model dtype, or 1-byte codes
-    k_scale     (num_blocks, block_size, Hkv)       fp16, one per token and KV head
-    v_scale     (quantized caches only; None otherwise)
+    k_scale     (num_blocks, block_size, Hkv, D/32)  fp16, one per 32 values of a token's head
+    v_scale     (quantized caches only; None otherwise; one per head where D is not a multiple of 32)
 
 What a token stores is the model's to say (``model.kv_cache_spec()``, a ``KVCacheSpec``):
 K and V per KV head for standard attention; for DeepSeek's latent attention one vector per
 token (latent + rotary key, ``Hkv`` = 1) that serves as both, so ``v`` is ``k`` itself.
 
 ``--kv-cache-dtype`` (vLLM's flag): ``auto`` keeps the model's dtype; ``int8`` stores
-round(x / s) with s = amax / 127 per token and head; ``fp8`` stores x / s as float8 e4m3
-(s = amax / 448). The scale is rounded to fp16 before the codes are computed, so
+round(x / s) with s = amax / 127 per group of 32 values of a token's head (llama.cpp's q8_0
+cache: the granularity of its Q8_0 blocks); ``fp8`` stores x / s as float8 e4m3 (s = amax /
+448) per the same groups. The scale is rounded to fp16 before the codes are computed, so
 ``codes * scale`` is exactly what every read path sees. Writes quantize; the decode kernels
 read codes and scales straight from the pool; the prefill path dequantizes what it gathers.
 A block's bytes hold its tokens' scales too, so the block arithmetic, the prefix cache and
@@ -27,6 +28,7 @@ import torch
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANT_MAX = {"int8": 127.0, "fp8": 448.0}  # largest code: int8, float8 e4m3
 SCALE_DTYPE = torch.float16
+SCALE_GROUP = 32  # values per scale along a head (a whole head where head_dim is not a multiple)
 
 
 class PagedKV(NamedTuple):
@@ -68,11 +70,16 @@ def check_kv_cache_dtype(name: str) -> str:
     return name
 
 
+def scale_groups(head_dim: int) -> int:
+    """Scales per token and head of a quantized cache."""
+    return head_dim // SCALE_GROUP if head_dim % SCALE_GROUP == 0 else 1
+
+
 def bytes_per_token_head(kind: str, head_dim: int, dtype: torch.dtype) -> int:
-    """K or V bytes one token holds for one KV head (codes and scale)."""
+    """K or V bytes one token holds for one KV head (codes and scales)."""
     if kind == "auto":
         return head_dim * dtype.itemsize
-    return head_dim + SCALE_DTYPE.itemsize
+    return head_dim + scale_groups(head_dim) * SCALE_DTYPE.itemsize
 
 
 def allocate(
@@ -98,16 +105,18 @@ def allocate(
         v = k if spec.keys_only else torch.empty(shape, dtype=code_dtype, device=device)
         if kind == "auto":
             return PagedKV(k, v)
-        k_scale = torch.empty(shape[:-1], dtype=SCALE_DTYPE, device=device)
-        v_scale = k_scale if spec.keys_only else torch.empty(shape[:-1], dtype=SCALE_DTYPE, device=device)
+        scales = (*shape[:-1], scale_groups(spec.head_dim))
+        k_scale = torch.empty(scales, dtype=SCALE_DTYPE, device=device)
+        v_scale = k_scale if spec.keys_only else torch.empty(scales, dtype=SCALE_DTYPE, device=device)
         return PagedKV(k, v, k_scale, v_scale, kind)
 
     return [layer() for _ in range(spec.num_layers)]
 
 
 def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (T, H, D) -> codes (T, H, D) and fp16 scales (T, H), per token and head."""
-    xf = x.float()
+    """x (..., D) -> codes (..., D) and fp16 scales (..., groups), per group of a head."""
+    groups = scale_groups(x.shape[-1])
+    xf = x.float().unflatten(-1, (groups, -1))
     scale = (xf.abs().amax(dim=-1) / QUANT_MAX[kind]).to(SCALE_DTYPE)
     s = scale.float().unsqueeze(-1)
     inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
@@ -116,10 +125,10 @@ def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         codes = scaled.round().clamp_(-127, 127).to(torch.int8)
     else:
         codes = scaled.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
-    return codes, scale
+    return codes.flatten(-2), scale
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
-    """codes (..., H, D), scales (..., H) -> values (..., H, D) in ``dtype``."""
+    """codes (..., D), scales (..., groups) -> values (..., D) in ``dtype``."""
     values = codes.float() if kind == "int8" else codes.view(torch.float8_e4m3fn).float()
-    return (values * scale.float().unsqueeze(-1)).to(dtype)
+    return (values.unflatten(-1, (scale.shape[-1], -1)) * scale.float().unsqueeze(-1)).flatten(-2).to(dtype)

@@ -63,7 +63,7 @@ def write_slots(
     num_heads, head_dim = pool.shape[-2:]
     if scales is not None:
         x, scale = kv_cache.quantize(x, kind)
-        scales.view(-1, num_heads).index_copy_(0, slots, scale)
+        scales.view(-1, num_heads, scales.shape[-1]).index_copy_(0, slots, scale)
     pool.view(-1, num_heads, head_dim).index_copy_(0, slots, x)
 
 

@@ -228,7 +228,8 @@ class CpuKernels(TorchKernels):
 
     def prefill_attention(self, q, k, v, cache, chunk):
         """bf16: each query of the chunk runs as a decode of its own over the context up to its
-        position (the chunk's K/V are in the pool), through the decode kernel. A query's output
+        position (the chunk's K/V are in the pool), through the decode kernel of the cache's
+        kind (bf16, or int8/fp8 codes read as decode reads them). A query's output
         then depends on its position and the cached K/V only: a prompt in one chunk or several,
         prefix-cached or recomputed after a preemption, computes what a decode of that token
         computes. The kernel reads K/V from the pool without a gathered copy and without the math
@@ -237,20 +238,19 @@ class CpuKernels(TorchKernels):
         kernel (which sums in blocks that depend on the chunk's length, so chunking shows)."""
         head_dim = q.shape[-1]
         k_cache = cache.k
-        if (
-            q.dtype is not torch.bfloat16
-            or cache.quantized
-            or head_dim % 16
-            or head_dim > 256
-            or k_cache.numel() >= 2**32
-            or k_cache.dtype is not torch.bfloat16
-        ):
+        if q.dtype is not torch.bfloat16 or head_dim % 16:
+            return super().prefill_attention(q, k, v, cache, chunk)
+        if not cache.quantized and (head_dim > 256 or k_cache.numel() >= 2**32 or k_cache.dtype is not torch.bfloat16):
             return super().prefill_attention(q, k, v, cache, chunk)
         n, ctx = chunk.num_tokens, chunk.context_len
         blocks = (ctx + k_cache.shape[1] - 1) // k_cache.shape[1]
-        tables = chunk.block_table[:blocks].expand(n, blocks)
-        lens = torch.arange(ctx - n + 1, ctx + 1)
-        return self.ext.paged_decode_attention_bf16(q, k_cache, cache.v, tables, lens, head_dim**-0.5)
+        meta = AttentionMetadata(
+            slot_mapping=chunk.block_table[:0],
+            num_decode_tokens=n,
+            decode_block_tables=chunk.block_table[:blocks].expand(n, blocks),
+            decode_context_lens=torch.arange(ctx - n + 1, ctx + 1),
+        )
+        return self.decode_attention(q, cache, meta)
 
     def decode_attention(self, q, cache, meta, scale=None):
         head_dim = q.shape[-1]
