@@ -37,6 +37,8 @@ GGUF_ARCHITECTURES = {
     **dict.fromkeys(GGUF_LLAMA_ARCHITECTURES, "llama"),
     "Qwen3MoeForCausalLM": "qwen3moe",
     "Qwen2MoeForCausalLM": "qwen2moe",
+    "DeepseekV2ForCausalLM": "deepseek2",
+    "DeepseekV3ForCausalLM": "deepseek2",
 }
 
 # Hugging Face name (after "model.layers.{i}.") -> GGUF name (after "blk.{i}.").
@@ -81,6 +83,31 @@ _GGUF_QWEN2MOE_LAYER_NAMES = {
     "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
     "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+}
+# deepseek2 (DeepSeek V2 / V3, latent attention): a layer's tensors, dense MLP or MoE; kv_b_proj
+# is written split per head as llama.cpp's converter writes it (attn_k_b, attn_v_b)
+_GGUF_DEEPSEEK2_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.kv_b_proj.weight": None,  # -> attn_k_b.weight, attn_v_b.weight
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.experts.gate_proj.weight": "ffn_gate_exps.weight",
+    "mlp.experts.up_proj.weight": "ffn_up_exps.weight",
+    "mlp.experts.down_proj.weight": "ffn_down_exps.weight",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
 }
 _GGUF_GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -188,12 +215,15 @@ def write_gguf(directory_or_state: str | Path | Mapping[str, torch.Tensor], hf_c
     all_sparse = moe is not None and len(moe.sparse_layers) == cfg.num_layers
     qwen3moe = arch == "qwen3moe" and all_sparse and moe.norm_topk_prob and not moe.shared_intermediate_size
     qwen2moe = arch == "qwen2moe" and all_sparse and not moe.norm_topk_prob and moe.shared_expert_gate
-    if not (plain_llama or qwen3moe or qwen2moe):
+    deepseek2 = arch == "deepseek2" and cfg.mla is not None
+    if not (plain_llama or qwen3moe or qwen2moe or deepseek2):
         raise ValueError(
             "write_gguf writes plain Llama models (no biases, no q/k norm), Qwen3-MoE models with every "
-            "layer sparse and norm_topk_prob, and Qwen2-MoE models with every layer sparse, not this "
-            f"{cfg.architecture}"
+            "layer sparse and norm_topk_prob, Qwen2-MoE models with every layer sparse, and DeepSeek "
+            f"V2/V3, not this {cfg.architecture}"
         )
+    if deepseek2:
+        return _write_deepseek2(directory_or_state, hf_config, cfg, Path(path), gguf)
     qwen3moe = qwen3moe or qwen2moe  # what they share below: stacked experts, halves rotated
     state = dict(_read_state(directory_or_state))
     if qwen3moe:
@@ -286,9 +316,9 @@ class _ExpertStack:
 
 
 def _stack_experts(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict:
-    """experts.{e}.{proj}.weight of every layer -> one (E, rows, K) experts.{proj}.weight."""
+    """experts.{e}.{proj}.weight of every sparse layer -> one (E, rows, K) experts.{proj}.weight."""
     out: dict = {n: t for n, t in state.items() if ".mlp.experts." not in n}
-    for layer in range(cfg.num_layers):
+    for layer in cfg.moe.sparse_layers:
         for proj in ("gate_proj", "up_proj", "down_proj"):
             names = [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight" for e in range(cfg.moe.num_experts)]
             missing = [n for n in names if n not in state]
@@ -330,6 +360,113 @@ def _gguf_tensors(state: dict, cfg: ModelConfig) -> Iterator[_Entry]:
         if rest == "mlp.shared_expert_gate.weight":  # llama.cpp's (hidden,): 1-D, f32
             make, dtype, shape = (lambda t=tensor: t.float().reshape(-1)), torch.float32, (tensor.shape[-1],)
         yield _Entry(f"blk.{layer}.{layer_names[rest]}", shape, dtype, make)
+
+
+def _write_deepseek2(source, hf_config: dict, cfg: ModelConfig, path: Path, gguf) -> Path:
+    """deepseek2 as llama.cpp's converter writes it since its MLA support: head_count_kv 1 and
+    key/value lengths of the latent (r + rope, r), the per-head ones as key/value_length_mla,
+    kv_b_proj split into W_uk transposed (H, r, nope) and W_uv (H, v, r), RoPE dims as they are
+    (DeepSeek rotates interleaved pairs, llama.cpp's NORM RoPE)."""
+    mla, moe = cfg.mla, cfg.moe
+    state = dict(_read_state(source))
+    if moe is not None:
+        state = _stack_experts(state, cfg)
+    matrix_dtype = state["model.embed_tokens.weight"].dtype
+    if matrix_dtype not in _GGUF_FILE_TYPES:
+        raise ValueError(f"write_gguf: cannot store {matrix_dtype} tensors")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), "deepseek2")
+    writer.add_name(str(hf_config.get("_name_or_path") or "ridge-export"))
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(1)
+    writer.add_rope_dimension_count(mla.qk_rope_head_dim)
+    writer.add_key_length(mla.kv_lora_rank + mla.qk_rope_head_dim)
+    writer.add_value_length(mla.kv_lora_rank)
+    writer.add_key_length_mla(mla.qk_head_dim)
+    writer.add_value_length_mla(mla.v_head_dim)
+    writer.add_kv_lora_rank(mla.kv_lora_rank)
+    if mla.q_lora_rank:
+        writer.add_q_lora_rank(mla.q_lora_rank)
+    if moe is not None:
+        writer.add_leading_dense_block_count(min(moe.sparse_layers))
+        writer.add_expert_count(moe.num_experts)
+        writer.add_expert_used_count(moe.top_k)
+        writer.add_expert_feed_forward_length(moe.intermediate_size)
+        writer.add_expert_shared_count(moe.shared_intermediate_size // moe.intermediate_size)
+        writer.add_expert_weights_scale(moe.routed_scaling_factor)
+        writer.add_expert_weights_norm(moe.norm_topk_prob)
+        sigmoid = moe.scoring == "sigmoid"
+        writer.add_expert_gating_func(
+            gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX
+        )
+        if moe.topk_method != "greedy":
+            writer.add_expert_group_count(moe.n_group)
+            writer.add_expert_group_used_count(moe.topk_group)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_file_type(getattr(gguf.LlamaFileType, _GGUF_FILE_TYPES[matrix_dtype]))
+    scaling = cfg.rope_scaling or {}
+    kind = str(scaling.get("rope_type", scaling.get("type", "default"))).lower()
+    if kind == "yarn":
+        if scaling.get("mscale") is not None and scaling.get("mscale") != scaling.get("mscale_all_dim"):
+            raise ValueError("write_gguf: deepseek2 holds one YaRN mscale (mscale_all_dim); this model's differ")
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+        writer.add_rope_scaling_yarn_log_mul(0.1 * float(scaling.get("mscale_all_dim") or 0.0))
+        writer.add_rope_scaling_yarn_beta_fast(float(scaling.get("beta_fast") or 32))
+        writer.add_rope_scaling_yarn_beta_slow(float(scaling.get("beta_slow") or 1))
+    elif kind != "default":
+        raise ValueError(f"write_gguf: RoPE scaling {kind!r} is not supported for deepseek2 (yarn is)")
+    _add_placeholder_vocab(writer, gguf, cfg)
+    entries = list(_deepseek2_tensors(state, cfg))
+    for entry in entries:
+        shape, np_dtype, nbytes, raw_dtype = _tensor_info(entry, gguf)
+        writer.add_tensor_info(entry.name, shape, np_dtype, nbytes, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for entry in entries:
+        writer.write_tensor_data(_as_array(entry.make(), entry.dtype))
+    writer.close()
+    return path
+
+
+def _deepseek2_tensors(state: dict, cfg: ModelConfig) -> Iterator[_Entry]:
+    names = _GGUF_DEEPSEEK2_LAYER_NAMES
+    mla = cfg.mla
+    unknown = [
+        n
+        for n in state
+        if n not in _GGUF_GLOBAL_NAMES and not (n.startswith("model.layers.") and n.split(".", 3)[3] in names)
+    ]
+    if unknown:
+        raise ValueError(f"write_gguf: unexpected tensors {sorted(unknown)[:4]}")
+    for name in sorted(state, key=lambda n: _tensor_order(n, names)):
+        tensor = state[name]
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        make = tensor.materialize if isinstance(tensor, _ExpertStack) else (lambda t=tensor: t)
+        shape, dtype = tuple(tensor.shape), tensor.dtype
+        if name in _GGUF_GLOBAL_NAMES:
+            yield _Entry(_GGUF_GLOBAL_NAMES[name], shape, dtype, make)
+            continue
+        layer, rest = name[len("model.layers.") :].split(".", 1)
+        if rest == "self_attn.kv_b_proj.weight":
+            per_head = tensor.reshape(cfg.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
+            k_b = per_head[:, : mla.qk_nope_head_dim].transpose(1, 2).contiguous()  # (H, r, nope)
+            v_b = per_head[:, mla.qk_nope_head_dim :].contiguous()  # (H, v, r)
+            yield _Entry(f"blk.{layer}.attn_k_b.weight", tuple(k_b.shape), dtype, lambda t=k_b: t)
+            yield _Entry(f"blk.{layer}.attn_v_b.weight", tuple(v_b.shape), dtype, lambda t=v_b: t)
+            continue
+        if rest in ("mlp.gate.weight", "mlp.gate.e_score_correction_bias"):  # the router in f32
+            make, dtype = (lambda t=tensor: t.float()), torch.float32
+        yield _Entry(f"blk.{layer}.{names[rest]}", shape, dtype, make)
 
 
 def _tensor_order(name: str, layer_names: dict[str, str] = _GGUF_LAYER_NAMES) -> tuple:

@@ -34,6 +34,8 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
+    # DeepSeek V2 and V3 alike (latent attention): V3 where the router's scores are sigmoids
+    "deepseek2": "DeepseekV2ForCausalLM",
 }
 DENSE_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 NATIVE_TYPES = {f.ggml_name: f for f in FORMATS.values()}
@@ -63,7 +65,25 @@ LAYER_TENSORS = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    # deepseek2's latent attention (llama.cpp writes kv_b_proj split per head: attn_k_b, attn_v_b)
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
 }
+# Per architecture, names that differ: deepseek2's shared experts (one MLP of their summed width)
+ARCH_LAYER_TENSORS = {
+    "deepseek2": {
+        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+        "ffn_up_shexp": "mlp.shared_experts.up_proj",
+        "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    }
+}
+# deepseek2's kv_b_proj as llama.cpp writes it since its MLA support: per head, W_uk transposed
+# (H, r, nope) and W_uv (H, v, r); joined back into Hugging Face's (H (nope + v), r)
+SPLIT_KV_B = ("attn_k_b", "attn_v_b")
 # An MoE layer's experts, one 3-D tensor (E, rows, K) per projection: split into each
 # expert's (rows, K) (views of the mapped file) under Hugging Face's per-expert names, which
 # the loader stacks again into ridge's experts.gate_up_proj / experts.down_proj.
@@ -189,6 +209,8 @@ class GGUFModel:
             }
         if a == "qwen2moe":  # plus one shared expert for every token, under a sigmoid gate
             moe["shared_expert_intermediate_size"] = self._required(f"{a}.expert_shared_feed_forward_length")
+        if a == "deepseek2":
+            return self._deepseek2_config(hidden, heads, embed, tokens)
         config = {
             "architectures": [ARCHITECTURES[a]],
             "model_type": {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}.get(a, a),
@@ -209,13 +231,7 @@ class GGUFModel:
             # the dtype ridge computes in: float32 files stay float32, anything else runs bf16
             "torch_dtype": "float32" if embed.type_name == "F32" else "bfloat16",
         }
-        for key, name in (
-            ("bos_token_id", "tokenizer.ggml.bos_token_id"),
-            ("eos_token_id", "tokenizer.ggml.eos_token_id"),
-        ):
-            value = self._field(name)
-            if value is not None and 0 <= int(value) < config["vocab_size"]:
-                config[key] = int(value)
+        self._add_special_tokens(config)
         scaling = self._field(f"{a}.rope.scaling.type")
         if scaling == "linear":
             config["rope_scaling"] = {"rope_type": "linear", "factor": float(self._field(f"{a}.rope.scaling.factor"))}
@@ -226,6 +242,85 @@ class GGUFModel:
             config["rope_scaling"] = {"rope_type": "freq_factors", "factors": freqs.dense().float().tolist()}
         return config
 
+    def _deepseek2_config(self, hidden: int, heads: int, embed: GGUFTensor, tokens: list) -> dict:
+        """A DeepSeek-V2/V3 config.json from deepseek2 metadata. Files since llama.cpp's MLA
+        support give key/value lengths of the latent (head_count_kv 1) and the per-head ones as
+        key_length_mla / value_length_mla; older files give the per-head ones as key/value_length."""
+        a = self.arch
+        rope = self._required(f"{a}.rope.dimension_count")
+        per_head = self._field(f"{a}.attention.key_length_mla") is not None
+        key_length = self._required(f"{a}.attention.key_length_mla" if per_head else f"{a}.attention.key_length")
+        value_length = self._required(f"{a}.attention.value_length_mla" if per_head else f"{a}.attention.value_length")
+        sigmoid = int(self._field(f"{a}.expert_gating_func", 1)) == 2  # llama.cpp: 1 softmax, 2 sigmoid
+        v3 = (
+            sigmoid
+            or "model.layers.{}.mlp.gate.e_score_correction_bias".format(
+                self._field(f"{a}.leading_dense_block_count", 0)
+            )
+            in self.tensors
+        )
+        groups = int(self._field(f"{a}.expert_group_count", 1))
+        experts = int(self._field(f"{a}.expert_count", 0))
+        config = {
+            "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+            "model_type": "deepseek_v3" if v3 else "deepseek_v2",
+            "hidden_size": hidden,
+            "intermediate_size": self._required(f"{a}.feed_forward_length"),
+            "num_hidden_layers": self._required(f"{a}.block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": heads,
+            "kv_lora_rank": self._required(f"{a}.attention.kv_lora_rank"),
+            "q_lora_rank": int(self._field(f"{a}.attention.q_lora_rank", 0)) or None,
+            "qk_nope_head_dim": key_length - rope,
+            "qk_rope_head_dim": rope,
+            "v_head_dim": value_length,
+            "vocab_size": int(self._field(f"{a}.vocab_size", embed.shape[0] or len(tokens))),
+            "max_position_embeddings": int(self._field(f"{a}.context_length", 2048)),
+            "rms_norm_eps": float(self._field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self._field(f"{a}.rope.freq_base", 10000.0)),
+            "tie_word_embeddings": "lm_head.weight" not in self.tensors,
+            "attention_bias": False,
+            "torch_dtype": "float32" if embed.type_name == "F32" else "bfloat16",
+        }
+        if experts:
+            config |= {
+                "n_routed_experts": experts,
+                "num_experts_per_tok": self._required(f"{a}.expert_used_count"),
+                "moe_intermediate_size": self._required(f"{a}.expert_feed_forward_length"),
+                "n_shared_experts": int(self._field(f"{a}.expert_shared_count", 0)),
+                "first_k_dense_replace": int(self._field(f"{a}.leading_dense_block_count", 0)),
+                "moe_layer_freq": 1,
+                "routed_scaling_factor": float(self._field(f"{a}.expert_weights_scale", 1.0)),
+                "norm_topk_prob": bool(self._field(f"{a}.expert_weights_norm", False)),
+                "scoring_func": "sigmoid" if v3 else "softmax",
+                # without group metadata llama.cpp picks the top k of all experts; so does ridge
+                "topk_method": "noaux_tc" if v3 else "group_limited_greedy" if groups > 1 else "greedy",
+                "n_group": groups,
+                "topk_group": int(self._field(f"{a}.expert_group_used_count", groups)),
+            }
+        self._add_special_tokens(config)
+        scaling = self._field(f"{a}.rope.scaling.type")
+        if scaling == "yarn":  # llama.cpp's log multiplier is 0.1 * DeepSeek's mscale_all_dim
+            mscale = round(float(self._field(f"{a}.rope.scaling.yarn_log_multiplier", 0.1)) / 0.1, 6)  # float32
+            config["rope_scaling"] = {
+                "rope_type": "yarn",
+                "factor": float(self._field(f"{a}.rope.scaling.factor")),
+                "original_max_position_embeddings": self._required(f"{a}.rope.scaling.original_context_length"),
+                "beta_fast": float(self._field(f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
+                "beta_slow": float(self._field(f"{a}.rope.scaling.yarn_beta_slow", 1.0)),
+                "mscale": mscale,
+                "mscale_all_dim": mscale,
+            }
+        elif scaling not in (None, "none"):
+            raise ValueError(f"{self.path.name}: RoPE scaling {scaling!r} is not supported for deepseek2 (yarn is)")
+        return config
+
+    def _add_special_tokens(self, config: dict) -> None:
+        for key in ("bos_token_id", "eos_token_id"):
+            value = self._field(f"tokenizer.ggml.{key}")
+            if value is not None and 0 <= int(value) < config["vocab_size"]:
+                config[key] = int(value)
+
     def _required(self, key: str) -> int:
         value = self._field(key)
         if value is None:
@@ -235,6 +330,7 @@ class GGUFModel:
     # -- tensors ------------------------------------------------------------------------
     def _read_tensors(self) -> dict[str, GGUFTensor]:
         tensors: dict[str, GGUFTensor] = {}
+        split_kv_b: dict[int, dict] = {}
         heads = self._field(f"{self.arch}.attention.head_count")
         kv_heads = self._field(f"{self.arch}.attention.head_count_kv", heads)
         for t in self.reader.tensors:
@@ -243,7 +339,10 @@ class GGUFModel:
             if len(parts) == 4 and parts[0] == "blk" and parts[2] in EXPERT_TENSORS and type_name in SUPPORTED_TYPES:
                 tensors.update(self._split_experts(t, int(parts[1]), EXPERT_TENSORS[parts[2]]))
                 continue
-            hf_name = _hf_name(t.name)
+            if len(parts) == 4 and parts[2] in SPLIT_KV_B and self.arch == "deepseek2":
+                split_kv_b.setdefault(int(parts[1]), {})[parts[2]] = t
+                continue
+            hf_name = _hf_name(t.name, self.arch)
             if hf_name is None:
                 raise ValueError(f"{self.path.name}: unexpected tensor {t.name!r} for architecture {self.arch!r}")
             if type_name not in SUPPORTED_TYPES:
@@ -266,7 +365,46 @@ class GGUFModel:
                 n_heads = heads if ".q_proj." in hf_name else kv_heads
                 data = _unpermute_rows(data, int(n_heads))
             tensors[hf_name] = GGUFTensor(hf_name, type_name, shape, data)
+        for layer, pair in split_kv_b.items():
+            tensors.update(self._join_kv_b(layer, pair))
         return tensors
+
+    def _join_kv_b(self, layer: int, pair: dict) -> dict[str, GGUFTensor]:
+        """attn_k_b (H, r, nope) and attn_v_b (H, v, r) -> kv_b_proj (H (nope + v), r), dense
+        in float32 (a block format of k_b runs along nope, not along kv_b_proj's K = r)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        if set(pair) != set(SPLIT_KV_B):
+            raise ValueError(f"{self.path.name}: layer {layer} has {sorted(pair)} without its pair")
+        values = {}
+        for kind, t in pair.items():
+            type_name = t.tensor_type.name
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            if type_name not in SUPPORTED_TYPES:
+                raise ValueError(
+                    f"{self.path.name}: tensor {t.name!r} has type {type_name}, which ridge does not run; "
+                    f"supported: {', '.join(SUPPORTED_TYPES)}"
+                )
+            if len(shape) != 3 or t.data.nbytes != _nbytes(type_name, shape):
+                raise ValueError(f"{self.path.name}: tensor {t.name!r} is truncated or corrupt")
+            data = t.data
+            if type_name == "BF16":
+                data = data.view(np.uint16).astype(np.uint32) << 16
+                array = data.view(np.float32)
+            elif type_name in DENSE_TYPES:
+                array = data.astype(np.float32)
+            else:
+                array = dequantize(np.ascontiguousarray(data).reshape(-1), GGMLQuantizationType[type_name])
+            values[kind] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(shape)
+        k_b, v_b = values["attn_k_b"], values["attn_v_b"]
+        if k_b.shape[0] != v_b.shape[0] or k_b.shape[1] != v_b.shape[2]:
+            raise ValueError(
+                f"{self.path.name}: layer {layer}'s attn_k_b {tuple(k_b.shape)} and attn_v_b {tuple(v_b.shape)} differ"
+            )
+        kv_b = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
+        name = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
+        return {name: GGUFTensor(name, "F32", tuple(kv_b.shape), kv_b.numpy())}
 
     def _split_experts(self, t, layer: int, proj: str) -> dict[str, GGUFTensor]:
         type_name = t.tensor_type.name
@@ -285,7 +423,7 @@ class GGUFModel:
         return {name: t.type_name for name, t in self.tensors.items()}
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, arch: str = "llama") -> str | None:
     stem, _, leaf = name.rpartition(".")
     if leaf not in ("weight", "bias"):
         return None
@@ -294,8 +432,13 @@ def _hf_name(name: str) -> str | None:
     if stem in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[stem]}.{leaf}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{leaf}"
+    if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit():
+        return None
+    if parts[2] == "exp_probs_b" and leaf == "bias":  # DeepSeek-V3's router bias (noaux_tc)
+        return f"model.layers.{parts[1]}.mlp.gate.e_score_correction_bias"
+    names = {**LAYER_TENSORS, **ARCH_LAYER_TENSORS.get(arch, {})}
+    if parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{leaf}"
     return None
 
 

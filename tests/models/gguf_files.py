@@ -24,29 +24,37 @@ def rewrite(
     arch: str | None = None,
     skip_keys: tuple[str, ...] = (),
     bools: dict[str, bool] | None = None,
+    uints: dict[str, int] | None = None,
+    rename: dict[str, str] | None = None,
 ) -> Path:
-    """Copy ``src`` into ``dst``: metadata as is (less ``skip_keys``, plus ``bools``), each tensor
-    through ``tensor_fn(name, values)``, which returns (bytes or values, type) or None to keep
-    the tensor as it is."""
+    """Copy ``src`` into ``dst``: metadata as is (less ``skip_keys`` and the keys of ``uints``,
+    plus ``bools`` and ``uints``), each tensor through ``tensor_fn(name, values)``, which returns
+    (bytes or values, type), None to keep the tensor as it is, or "drop"; ``rename`` replaces
+    parts of tensor names."""
     reader = GGUFReader(src)
     arch = arch or reader.fields["general.architecture"].contents()
     writer = GGUFWriter(dst, arch)
     for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in skip_keys:
+        if key.startswith("GGUF.") or key == "general.architecture" or key in skip_keys or key in (uints or {}):
             continue
         vtype = field.types[0]
         sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
     for key, value in (bools or {}).items():
         writer.add_bool(key, value)
+    for key, value in (uints or {}).items():
+        writer.add_uint32(key, value)
     for t in reader.tensors:
         values = np.array(t.data)
         out = tensor_fn(t.name, values)
+        name = t.name
+        for old, new in (rename or {}).items():
+            name = name.replace(old, new)
         if out is None:
-            writer.add_tensor(t.name, values)
-        else:
+            writer.add_tensor(name, values)
+        elif out != "drop":
             data, qtype = out
-            writer.add_tensor(t.name, data, raw_dtype=qtype)
+            writer.add_tensor(name, data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,0 +1,129 @@
+"""DeepSeek V2 / V3 as llama.cpp's deepseek2 GGUF: ridge writes it as llama.cpp's converter does
+(latent attention as MQA of the latent, kv_b_proj split per head into attn_k_b / attn_v_b,
+leading dense layers, stacked experts, shared experts, V3's router bias, YaRN), reads it back
+(kv_b_proj joined again) and computes what the Hugging Face directory computes, whose greedy
+tokens transformers agrees with. Files from before llama.cpp's MLA support (one attn_kv_b,
+per-head key/value lengths) read the same."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from ridge import LLM, SamplingParams
+from ridge.models.export import write_gguf
+from ridge.models.gguf_file import GGUFModel
+
+from .gguf_files import rewrite
+from .hf_tiny import build
+
+gguf = pytest.importorskip("gguf")
+
+PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 250, 3, 3, 3, 17]]
+OPTIONS = dict(tokenizer="bytes", dtype="float32", num_kv_blocks=64)
+
+
+def _run(llm) -> tuple[list[list[int]], torch.Tensor]:
+    outs = llm.generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0), use_tqdm=False
+    )
+    return [o.outputs[0].token_ids for o in outs], torch.tensor([o.outputs[0].cumulative_logprob for o in outs])
+
+
+@pytest.mark.parametrize("variant", ["deepseek-v2-lite", "deepseek-v3-yarn"])
+def test_deepseek_round_trips_through_its_deepseek2_gguf(tmp_path, variant):
+    hf = build(variant, tmp_path / "hf", seed=4)
+    cfg = hf.config
+    path = write_gguf(tmp_path / "hf", cfg.to_dict(), tmp_path / "tiny.gguf")
+    reader = gguf.GGUFReader(path)
+    fields = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("tokenizer")}
+    assert fields["general.architecture"] == "deepseek2"
+    assert fields["deepseek2.attention.head_count_kv"] == 1  # MQA of the latent, as llama.cpp runs MLA
+    assert fields["deepseek2.attention.key_length"] == cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    assert fields["deepseek2.attention.key_length_mla"] == cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    assert fields["deepseek2.leading_dense_block_count"] == 1
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    heads = cfg.num_attention_heads
+    assert shapes["blk.0.attn_k_b.weight"] == (heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim)
+    assert shapes["blk.0.attn_v_b.weight"] == (heads, cfg.v_head_dim, cfg.kv_lora_rank)
+    assert "blk.0.ffn_gate.weight" in shapes and "blk.0.ffn_gate_exps.weight" not in shapes  # the dense layer
+    assert shapes["blk.1.ffn_gate_exps.weight"] == (cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size)
+    assert ("blk.1.exp_probs_b.bias" in shapes) == (variant == "deepseek-v3-yarn")
+
+    from_dir = LLM(str(tmp_path / "hf"), **OPTIONS)
+    from_file = LLM(str(path), **OPTIONS)
+    assert from_file.engine.model_config.mla == from_dir.engine.model_config.mla
+    assert from_file.engine.model_config.moe == from_dir.engine.model_config.moe
+    file_cfg, dir_cfg = from_file.engine.model_config, from_dir.engine.model_config
+    assert file_cfg.rope_theta == dir_cfg.rope_theta
+    if variant == "deepseek-v3-yarn":  # HF's dict also repeats rope_theta
+        assert file_cfg.rope_scaling.items() <= dir_cfg.rope_scaling.items()
+    tokens_dir, logprob_dir = _run(from_dir)
+    tokens_file, logprob_file = _run(from_file)
+    assert tokens_file == tokens_dir
+    torch.testing.assert_close(logprob_file, logprob_dir, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():  # the greedy tokens are transformers' too
+        ids = torch.tensor([PROMPTS[1] + tokens_file[1]])
+        ref = hf(ids).logits[0, len(PROMPTS[1]) - 1 : -1].argmax(-1).tolist()
+    assert ref == tokens_file[1]
+
+
+def test_a_file_from_before_llama_cpps_mla_reads_the_same(tmp_path):
+    """One attn_kv_b per layer and the per-head key/value lengths (head_count_kv = heads)."""
+    build("deepseek-v2-lite", tmp_path / "hf", seed=5)
+    hf_config = transformers.AutoConfig.from_pretrained(tmp_path / "hf").to_dict()
+    new = write_gguf(tmp_path / "hf", hf_config, tmp_path / "new.gguf")
+    model = GGUFModel(new)
+    joined = {n: t.dense() for n, t in model.tensors.items() if n.endswith("kv_b_proj.weight")}
+    heads, nope, v = hf_config["num_attention_heads"], hf_config["qk_nope_head_dim"], hf_config["v_head_dim"]
+
+    def old_layout(name, values):
+        if name.endswith("attn_k_b.weight"):  # its layer's kv_b_proj whole, under the old name
+            layer = name.split(".")[1]
+            return joined[f"model.layers.{layer}.self_attn.kv_b_proj.weight"].numpy(), gguf.GGMLQuantizationType.F32
+        if name.endswith("attn_v_b.weight"):
+            return "drop"
+        return None
+
+    old = rewrite(
+        new,
+        tmp_path / "old.gguf",
+        old_layout,
+        rename={"attn_k_b": "attn_kv_b"},
+        uints={
+            "deepseek2.attention.head_count_kv": heads,
+            "deepseek2.attention.key_length": nope + hf_config["qk_rope_head_dim"],
+            "deepseek2.attention.value_length": v,
+        },
+        skip_keys=("deepseek2.attention.key_length_mla", "deepseek2.attention.value_length_mla"),
+    )
+    old_model = GGUFModel(old)
+    for name, weight in joined.items():
+        assert np.array_equal(old_model.tensors[name].dense().numpy(), weight.numpy())
+    assert old_model.hf_config["qk_nope_head_dim"] == nope and old_model.hf_config["v_head_dim"] == v
+    assert _run(LLM(str(old), **OPTIONS))[0] == _run(LLM(str(new), **OPTIONS))[0]
+
+
+def test_a_quantized_deepseek2_file_keeps_its_blocks(tmp_path):
+    """Q8_0 matrices stay Q8_0 (stacked experts too); k_b / v_b, quantized along the head's
+    dims, come back dense as kv_b_proj within Q8_0's rounding."""
+    build("deepseek-v3-yarn", tmp_path / "hf", seed=6)
+    hf_config = transformers.AutoConfig.from_pretrained(tmp_path / "hf").to_dict()
+    dense = write_gguf(tmp_path / "hf", hf_config, tmp_path / "f32.gguf")
+
+    def q8(name, values):
+        if values.ndim >= 2 and values.shape[-1] % 32 == 0 and "norm" not in name and "gate_inp" not in name:
+            return gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+        return None
+
+    path = rewrite(dense, tmp_path / "q8.gguf", q8)
+    llm = LLM(str(path), **OPTIONS)
+    layer = llm.engine.executor.worker.model.model.layers[1]
+    assert layer.mlp.experts.gate_up_proj.method.format.name == "int8"
+    assert layer.self_attn.kv_b_proj.method.format is None  # joined from k_b / v_b: dense
+    reference = GGUFModel(dense).tensors["model.layers.1.self_attn.kv_b_proj.weight"].dense()
+    got = layer.self_attn.kv_b_proj.dense_weight().float()
+    assert (got - reference).abs().max().item() <= reference.abs().max().item() / 127
+    llm.generate(PROMPTS, SamplingParams(max_tokens=4), use_tqdm=False)  # runs
