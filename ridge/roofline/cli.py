@@ -17,6 +17,7 @@ from ridge.roofline.ops import (
     DTYPE_BYTES,
     EMBEDDING_CONVENTIONS,
     LINK_PRESETS,
+    WEIGHT_FORMATS,
     CostConventions,
     Link,
     Precision,
@@ -25,6 +26,9 @@ from ridge.roofline.ops import (
     matmul_cost,
 )
 from ridge.roofline.shapes import load_model_shape
+
+# the formats ridge's quantized CPU kernel runs (int8 activations): their ceiling is probed
+BLOCK_FORMAT_NAMES = frozenset(name for name in WEIGHT_FORMATS if name not in ("fp32", "bf16", "fp16"))
 
 EPILOG = """examples:
   ridge analyze --model llama-3.1-8b --hardware h100-sxm --prompt-len 2048 --output-len 256 --batch 1,8,64,256
@@ -101,8 +105,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument(
         "--weight-format",
         default=None,
-        help="weights in a storage format, scale bytes counted: bf16, fp32, int8 (=q8_0, 8.5 bits), "
-        "int4 (=q4_0, 4.5), int4_asym (=q4_1, 5), q4_k (4.5), q5_k (5.5), q6_k (6.56); overrides --weight-bits",
+        help="weights in a storage format, scale bytes counted (bits a weight): "
+        + ", ".join(f"{name} ({stored:g})" for name, (_, stored) in WEIGHT_FORMATS.items())
+        + "; overrides --weight-bits. A block format on --hardware local takes ridge's kernel for it as "
+        "the compute ceiling (measured now, in cache)",
     )
     load.add_argument("--act-bits", type=int, choices=(32, 16, 8, 4), default=16)
     load.add_argument("--kv-bits", type=int, choices=(32, 16, 8, 4), default=16)
@@ -203,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
         ),
         units=args.units,
     )
-    hardware = _hardware(args, workload.precision)
+    hardware, args.compute_dtype = _hardware(args, workload.precision)
     if args.disaggregated:
         return _run_disaggregated(args, console, model, hardware, workload, conventions)
     link = resolve_link(args.link) if args.tp > 1 else None
@@ -273,23 +279,37 @@ def _hardware_spec(args: argparse.Namespace) -> str | None:
     return args.hardware
 
 
-def _hardware(args: argparse.Namespace, precision: Precision) -> Hardware:
-    """Resolve --hardware, then apply the overrides to the dtype the analysis will use."""
+def _hardware(args: argparse.Namespace, precision: Precision) -> tuple[Hardware, str | None]:
+    """Resolve --hardware, then apply the overrides to the dtype the analysis will use; returns
+    the hardware and the compute dtype to analyze in (None: inferred from the precision)."""
     spec = _hardware_spec(args)
     if spec == "custom":
         dtype = args.compute_dtype or infer_compute_dtype(precision)
-        return resolve_hardware(
+        hardware = resolve_hardware(
             "custom",
             dtype=dtype,
             peak_tflops=args.peak_tflops,
             bandwidth_gbs=args.bandwidth_gbs,
             memory_gib=args.memory_gib,
         )
+        return hardware, args.compute_dtype
     base = resolve_hardware(spec, reprobe=args.reprobe)
     dtype = args.compute_dtype or infer_compute_dtype(precision, base)
+    compute_dtype = args.compute_dtype
+    block_kernel = args.weight_format and args.weight_format.lower() in BLOCK_FORMAT_NAMES
+    if block_kernel and base.name == "local" and args.compute_dtype is None and args.peak_tflops is None:
+        # ridge's CPU kernel for a block format multiplies int8 activations by the weights'
+        # codes (VNNI): its ceiling is that kernel's measured rate, not the ISA's int8 peak
+        from ridge.roofline.probe import probe_block_kernel
+
+        measured = probe_block_kernel(args.weight_format)
+        if measured is not None:
+            dtype = "int8"
+            base = base.with_kernel_peak(dtype, measured, f"ridge's {args.weight_format} kernel (64 rows, in cache)")
+            compute_dtype = dtype
     return base.with_overrides(
         dtype=dtype, peak_tflops=args.peak_tflops, bandwidth_gbs=args.bandwidth_gbs, memory_gib=args.memory_gib
-    )
+    ), compute_dtype
 
 
 def matmul_result(m: int, k: int, n: int, dtype: str, hardware: Hardware | None = None) -> dict:

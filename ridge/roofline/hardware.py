@@ -129,6 +129,16 @@ class Hardware:
             return self
         return replace(self, source=f"{self.source}; user-set: {', '.join(said)}", **changes)
 
+    def with_kernel_peak(self, dtype: str, measured: Measurement, kernel: str) -> Hardware:
+        """A copy whose ``dtype`` peak is one kernel's measured compute ceiling (ridge's
+        quantized GEMM for a block format: what its arithmetic, not the ISA's, can do)."""
+        return replace(
+            self,
+            peak_flops={**self.peak_flops, dtype: measured.high},
+            flops_probes={**self.flops_probes, dtype: measured},
+            source=f"{self.source}; {dtype} peak: {kernel}, {measured.high / 1e9:.0f} GFLOP/s",
+        )
+
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {
             "name": self.name,

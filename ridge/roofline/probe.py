@@ -190,6 +190,35 @@ def probe_matmul(dtype: str, settings: ProbeSettings, ext=None) -> Measurement |
     return max(found, key=lambda m: m.high) if found else None
 
 
+def probe_block_kernel(fmt_name: str, repeats: int = 30, rows: int = 64) -> Measurement | None:
+    """FLOP/s (2 per multiply-add) of ridge's quantized GEMM for one block format when the
+    arithmetic binds: ``rows`` activation rows (tiles of 16, each block of weights passing all
+    of them while in L1) against a (512 x 2048) weight that stays in cache, so no memory stream
+    limits it. The kernel's compute ceiling for ``ridge analyze --weight-format``; None where
+    the extension does not run here. Zero blocks: the integer and float work per block does
+    not depend on the values. On the 2-core EPYC (2 threads): int8 531, int4 546, q4_k 518, q5_k
+    494, iq4_xs 527, q6_k 461, q3_k 480, q2_k 410 GFLOP/s at 64 rows; one row reaches 28-42% of
+    that (the weights' unpacking is not shared), still above what a weight read from memory
+    leaves it at batch 1."""
+    from ridge.layers.kernels import QUANT_KERNEL_CODES
+    from ridge.quantization.formats import FORMAT_ALIASES, FORMATS
+
+    ext = _ridge_extension()
+    name = FORMAT_ALIASES.get(fmt_name.lower(), fmt_name.lower())
+    if ext is None or name not in QUANT_KERNEL_CODES:
+        return None
+    fmt, n, k = FORMATS[name], 512, 2048
+    packed = ext.pack_quant(torch.zeros(n, fmt.row_bytes(k), dtype=torch.uint8), QUANT_KERNEL_CODES[name], n, k)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+
+    def run():
+        for _ in range(8):
+            ext.linear_quant(x, packed, QUANT_KERNEL_CODES[name], n, None)
+
+    run()
+    return Measurement.of([2 * 8 * rows * n * k / _seconds(run) for _ in range(repeats)])
+
+
 def _probe_sizes(make_runner: Callable[[int], Callable[[], object]], settings: ProbeSettings) -> Measurement | None:
     best: Measurement | None = None
     spent = 0.0

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from ridge.cli import main as ridge_main
+from ridge.layers.cpu_kernels import cpu_has_avx512_bf16
 from ridge.models.presets import PRESETS
 from ridge.roofline import cli
 from ridge.roofline.probe import ProbeSettings, local_hardware
@@ -130,6 +131,27 @@ def test_local_hardware_from_the_cache(tmp_path, monkeypatch, capsys):
     assert "local:" in out and "probe spread: bandwidth" in out and "measured 20" in out
     code, out, _ = run(["--model", "tiny", "--hardware", "local", "--json", "--prompt-len", "64"], capsys)
     assert json.loads(out)["hardware"]["name"] == "local"
+
+
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="ridge's quantized kernel needs AVX-512 BF16 + VNNI")
+def test_a_block_format_on_local_hardware_takes_its_kernels_ceiling(tmp_path, monkeypatch, capsys):
+    """--weight-format q4_k on --hardware local: the compute ceiling is ridge's Q4_K kernel,
+    measured in cache (int8 activations), stated beside the probe; a bf16 model keeps bf16's."""
+    probed = local_hardware(  # a tiny probe (the extension stays where it is built: no RIDGE_CACHE_DIR)
+        cache_dir=tmp_path,
+        settings=ProbeSettings(
+            bandwidth_bytes=1 << 20, bandwidth_repeats=3, matmul_sizes=(32,), matmul_repeats=2, dtypes=("bf16",)
+        ),
+    )
+    monkeypatch.setattr(cli, "resolve_hardware", lambda spec, reprobe=False: probed)
+    argv = ["--model", "tiny", "--hardware", "local", "--batch", "1,64", "--prompt-len", "64", "--output-len", "8"]
+    code, out, _ = run([*argv, "--weight-format", "q4_k", "--json"], capsys)
+    hardware = json.loads(out)["hardware"]
+    assert code == 0 and hardware["compute_dtype"] == "int8"
+    assert hardware["peak_flops"] == hardware["peak_flops_by_dtype"]["int8"] > 1e9  # the kernel's, in FLOP/s
+    assert "int8 peak: ridge's q4_k kernel (64 rows, in cache)" in hardware["source"]
+    code, out, _ = run([*argv, "--json"], capsys)
+    assert json.loads(out)["hardware"]["compute_dtype"] == "bf16"
 
 
 def test_model_from_a_directory_and_workload_options(tmp_path, capsys):
