@@ -215,6 +215,9 @@ class TransformersRunner:
         del self.model
 
 
+_LLAMA_QUIET = None  # llama.cpp's log callback, set once per process (see LlamaCppRunner)
+
+
 class LlamaCppRunner:
     """llama.cpp through llama-cpp-python's C bindings: ``llama_batch`` + ``llama_decode``, greedy.
 
@@ -237,9 +240,12 @@ class LlamaCppRunner:
         self.threads, self.n_batch = threads, n_batch
         self.context_per_seq = -(-context_per_seq // 256) * 256
         lc.llama_backend_init()
-        # Keep the callback alive as long as the model: llama.cpp calls it from C.
-        self._quiet = lc.llama_log_callback(lambda level, text, data: None)
-        lc.llama_log_set(self._quiet, ctypes.c_void_p())
+        # The callback stays alive as long as the process: llama.cpp keeps calling it from C
+        # (one freed with a runner crashed the next llama_model_quantize)
+        global _LLAMA_QUIET
+        if _LLAMA_QUIET is None:
+            _LLAMA_QUIET = lc.llama_log_callback(lambda level, text, data: None)
+        lc.llama_log_set(_LLAMA_QUIET, ctypes.c_void_p())
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = 0
         self.model = lc.llama_model_load_from_file(str(gguf_path).encode(), mparams)
@@ -396,8 +402,13 @@ def prepare_exports(
 # llama.cpp's file types for --formats (llama_model_quantize's ftype names)
 LLAMA_FTYPES = {
     "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
+    "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
+    "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
     "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
     "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+    "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4_XS",
+    "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M",
+    "q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K",
 }
 # ridge's --quantization of the same block format, run beside the file (Q4_K_M has none)
 RIDGE_QUANTIZATION = {"q8_0": "int8", "q4_0": "int4"}

@@ -127,3 +127,23 @@ def test_a_quantized_deepseek2_file_keeps_its_blocks(tmp_path):
     got = layer.self_attn.kv_b_proj.dense_weight().float()
     assert (got - reference).abs().max().item() <= reference.abs().max().item() / 127
     llm.generate(PROMPTS, SamplingParams(max_tokens=4), use_tqdm=False)  # runs
+
+
+def test_llama_cpp_decodes_the_same_greedy_tokens(tmp_path):
+    """ridge's deepseek2 file of DeepSeek-V3 (q_lora_rank, sigmoid router with its bias, YaRN)
+    in llama.cpp (where llama-cpp-python is installed): the same greedy tokens as ridge."""
+    pytest.importorskip("llama_cpp")
+    import sys
+    from pathlib import Path
+
+    hf = build("deepseek-v3-yarn", tmp_path / "hf", seed=0)
+    path = write_gguf(tmp_path / "hf", hf.config.to_dict(), tmp_path / "tiny-v3.gguf")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from compare import LlamaCppRunner
+
+    runner = LlamaCppRunner(path, threads=2, context_per_seq=64)
+    try:
+        theirs = runner.run_batch([PROMPTS[1]], 10).tokens[0]
+    finally:
+        runner.close()
+    assert _run(LLM(str(path), **OPTIONS))[0][1] == theirs
