@@ -228,19 +228,8 @@ def write_gguf(directory_or_state: str | Path | Mapping[str, torch.Tensor], hf_c
     state = dict(_read_state(directory_or_state))
     if qwen3moe:
         state = _stack_experts(state, cfg)
-    matrix_dtype = state["model.embed_tokens.weight"].dtype
-    if matrix_dtype not in _GGUF_FILE_TYPES:
-        raise ValueError(f"write_gguf: cannot store {matrix_dtype} tensors")
-
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(str(hf_config.get("_name_or_path") or "ridge-export"))
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_heads)
+    writer = _open_writer(path, arch, hf_config, cfg, state, gguf)
     writer.add_head_count_kv(cfg.num_kv_heads)
     writer.add_rope_dimension_count(cfg.head_dim)
     if cfg.head_dim * cfg.num_heads != cfg.hidden_size and not qwen3moe:
@@ -254,18 +243,38 @@ def write_gguf(directory_or_state: str | Path | Mapping[str, torch.Tensor], hf_c
         writer.add_expert_feed_forward_length(moe.intermediate_size)
     if qwen2moe:
         writer.add_expert_shared_feed_forward_length(moe.shared_intermediate_size)
+    rope_factors = _add_rope_scaling(writer, gguf, cfg)
+    entries = list(_gguf_tensors(state, cfg))
+    if rope_factors is not None:
+        entries.append(_Entry("rope_freqs.weight", tuple(rope_factors.shape), torch.float32, lambda: rope_factors))
+    _write_entries(writer, entries, gguf)
+    return path
+
+
+def _open_writer(path: Path, arch: str, hf_config: dict, cfg: ModelConfig, state: dict, gguf):
+    """A GGUFWriter with what every architecture's metadata shares and the placeholder vocab."""
+    matrix_dtype = state["model.embed_tokens.weight"].dtype
+    if matrix_dtype not in _GGUF_FILE_TYPES:
+        raise ValueError(f"write_gguf: cannot store {matrix_dtype} tensors")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(str(hf_config.get("_name_or_path") or "ridge-export"))
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_file_type(getattr(gguf.LlamaFileType, _GGUF_FILE_TYPES[matrix_dtype]))
-    rope_factors = _add_rope_scaling(writer, gguf, cfg)
     _add_placeholder_vocab(writer, gguf, cfg)
+    return writer
 
-    # Tensor infos first, then each tensor made (an expert stack: copied) and written in turn,
-    # so at most one stacked tensor exists beside the model at a time.
-    entries = list(_gguf_tensors(state, cfg))
-    if rope_factors is not None:
-        entries.append(_Entry("rope_freqs.weight", tuple(rope_factors.shape), torch.float32, lambda: rope_factors))
+
+def _write_entries(writer, entries: list[_Entry], gguf) -> None:
+    """Tensor infos first, then each tensor made (an expert stack: copied) and written in turn,
+    so at most one stacked tensor exists beside the model at a time."""
     for entry in entries:
         shape, np_dtype, nbytes, raw_dtype = _tensor_info(entry, gguf)
         writer.add_tensor_info(entry.name, shape, np_dtype, nbytes, raw_dtype=raw_dtype)
@@ -275,7 +284,6 @@ def write_gguf(directory_or_state: str | Path | Mapping[str, torch.Tensor], hf_c
     for entry in entries:
         writer.write_tensor_data(_as_array(entry.make(), entry.dtype))
     writer.close()
-    return path
 
 
 def _read_state(source) -> Iterator[tuple[str, torch.Tensor]]:
@@ -345,8 +353,7 @@ def _gguf_tensors(state: dict, cfg: ModelConfig) -> Iterator[_Entry]:
         raise ValueError(f"write_gguf: unexpected tensors {extra[:4]}, missing {missing[:4]}")
     for name in sorted(names, key=lambda n: _tensor_order(n, layer_names)):
         tensor = state[name]
-        make = tensor.materialize if isinstance(tensor, _ExpertStack) else (lambda t=tensor: t)
-        shape, dtype = tuple(tensor.shape), tensor.dtype
+        make, shape, dtype = _as_written(tensor)
         if name in _GGUF_GLOBAL_NAMES:
             yield _Entry(_GGUF_GLOBAL_NAMES[name], shape, dtype, make)
             continue
@@ -371,17 +378,7 @@ def _write_deepseek2(source, hf_config: dict, cfg: ModelConfig, path: Path, gguf
     state = dict(_read_state(source))
     if moe is not None:
         state = _stack_experts(state, cfg)
-    matrix_dtype = state["model.embed_tokens.weight"].dtype
-    if matrix_dtype not in _GGUF_FILE_TYPES:
-        raise ValueError(f"write_gguf: cannot store {matrix_dtype} tensors")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(path), "deepseek2")
-    writer.add_name(str(hf_config.get("_name_or_path") or "ridge-export"))
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_heads)
+    writer = _open_writer(path, "deepseek2", hf_config, cfg, state, gguf)
     writer.add_head_count_kv(1)
     writer.add_rope_dimension_count(mla.qk_rope_head_dim)
     writer.add_key_length(mla.kv_lora_rank + mla.qk_rope_head_dim)
@@ -406,10 +403,6 @@ def _write_deepseek2(source, hf_config: dict, cfg: ModelConfig, path: Path, gguf
         if moe.topk_method != "greedy":
             writer.add_expert_group_count(moe.n_group)
             writer.add_expert_group_used_count(moe.topk_group)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_file_type(getattr(gguf.LlamaFileType, _GGUF_FILE_TYPES[matrix_dtype]))
     scaling = cfg.rope_scaling or {}
     kind = str(scaling.get("rope_type", scaling.get("type", "default"))).lower()
     if kind == "yarn":
@@ -423,17 +416,7 @@ def _write_deepseek2(source, hf_config: dict, cfg: ModelConfig, path: Path, gguf
         writer.add_rope_scaling_yarn_beta_slow(float(scaling.get("beta_slow") or 1))
     elif kind != "default":
         raise ValueError(f"write_gguf: RoPE scaling {kind!r} is not supported for deepseek2 (yarn is)")
-    _add_placeholder_vocab(writer, gguf, cfg)
-    entries = list(_deepseek2_tensors(state, cfg))
-    for entry in entries:
-        shape, np_dtype, nbytes, raw_dtype = _tensor_info(entry, gguf)
-        writer.add_tensor_info(entry.name, shape, np_dtype, nbytes, raw_dtype=raw_dtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for entry in entries:
-        writer.write_tensor_data(_as_array(entry.make(), entry.dtype))
-    writer.close()
+    _write_entries(writer, list(_deepseek2_tensors(state, cfg)), gguf)
     return path
 
 
@@ -448,11 +431,10 @@ def _deepseek2_tensors(state: dict, cfg: ModelConfig) -> Iterator[_Entry]:
     if unknown:
         raise ValueError(f"write_gguf: unexpected tensors {sorted(unknown)[:4]}")
     for name in sorted(state, key=lambda n: _tensor_order(n, names)):
-        tensor = state[name]
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
-        make = tensor.materialize if isinstance(tensor, _ExpertStack) else (lambda t=tensor: t)
-        shape, dtype = tuple(tensor.shape), tensor.dtype
+        tensor = state[name]
+        make, shape, dtype = _as_written(tensor)
         if name in _GGUF_GLOBAL_NAMES:
             yield _Entry(_GGUF_GLOBAL_NAMES[name], shape, dtype, make)
             continue
@@ -467,6 +449,12 @@ def _deepseek2_tensors(state: dict, cfg: ModelConfig) -> Iterator[_Entry]:
         if rest in ("mlp.gate.weight", "mlp.gate.e_score_correction_bias"):  # the router in f32
             make, dtype = (lambda t=tensor: t.float()), torch.float32
         yield _Entry(f"blk.{layer}.{names[rest]}", shape, dtype, make)
+
+
+def _as_written(tensor) -> tuple[Callable[[], torch.Tensor], tuple[int, ...], torch.dtype]:
+    """How a state tensor is made when written (an expert stack: copied then), its shape and dtype."""
+    make = tensor.materialize if isinstance(tensor, _ExpertStack) else (lambda t=tensor: t)
+    return make, tuple(tensor.shape), tensor.dtype
 
 
 def _tensor_order(name: str, layer_names: dict[str, str] = _GGUF_LAYER_NAMES) -> tuple:

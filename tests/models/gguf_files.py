@@ -88,3 +88,18 @@ def quantized(src: Path, dst: Path, qtype: GGMLQuantizationType) -> Path:
         return None
 
     return rewrite(src, dst, fn)
+
+
+def llama_cpp_greedy(path: Path, prompt: list[int], steps: int) -> list[int]:
+    """llama.cpp's greedy tokens for ``prompt`` (llama-cpp-python, through the comparison
+    benchmark's runner; callers skip where it is not installed)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from compare import LlamaCppRunner
+
+    runner = LlamaCppRunner(path, threads=2, context_per_seq=64)
+    try:
+        return runner.run_batch([prompt], steps).tokens[0]
+    finally:
+        runner.close()

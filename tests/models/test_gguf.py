@@ -25,7 +25,7 @@ from gguf.quants import dequantize  # noqa: E402
 
 from tests.quantization.random_blocks import random_blocks  # noqa: E402
 
-from .gguf_files import quantize_any, quantized, rewrite  # noqa: E402
+from .gguf_files import llama_cpp_greedy, quantize_any, quantized, rewrite  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -384,8 +384,6 @@ def test_llama_cpp_decodes_what_ridge_ranks_first_on_its_k_quant_files(tmp_path,
     of this random model, whose next-token entropy is ~5 nats (a misread tensor costs nats)."""
     lc = pytest.importorskip("llama_cpp")
     import ctypes
-    import sys
-    from pathlib import Path
 
     from ridge.models.export import write_gguf
 
@@ -400,15 +398,8 @@ def test_llama_cpp_decodes_what_ridge_ranks_first_on_its_k_quant_files(tmp_path,
     params.ftype = getattr(lc, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.nthread = 2
     assert lc.llama_model_quantize(str(dense).encode(), str(path).encode(), ctypes.byref(params)) == 0
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from compare import LlamaCppRunner
-
     prompt = [5, 6, 7, 8, 9, 40, 41, 250]
-    runner = LlamaCppRunner(path, threads=2, context_per_seq=64)
-    try:
-        theirs = runner.run_batch([prompt], 12).tokens[0]
-    finally:
-        runner.close()
+    theirs = llama_cpp_greedy(path, prompt, 12)
     llm = LLM(str(path), tokenizer="bytes", dtype="float32", num_kv_blocks=32, device="cpu")
     native = {t.type_name for t in GGUFModel(path).tensors.values()}
     layer = llm.engine.executor.worker.model.model.layers[1]

@@ -16,7 +16,7 @@ from ridge import LLM, SamplingParams
 from ridge.models.export import write_gguf
 from ridge.models.gguf_file import GGUFModel
 
-from .gguf_files import rewrite
+from .gguf_files import llama_cpp_greedy, rewrite
 from .hf_tiny import build
 
 gguf = pytest.importorskip("gguf")
@@ -133,17 +133,6 @@ def test_llama_cpp_decodes_the_same_greedy_tokens(tmp_path):
     """ridge's deepseek2 file of DeepSeek-V3 (q_lora_rank, sigmoid router with its bias, YaRN)
     in llama.cpp (where llama-cpp-python is installed): the same greedy tokens as ridge."""
     pytest.importorskip("llama_cpp")
-    import sys
-    from pathlib import Path
-
     hf = build("deepseek-v3-yarn", tmp_path / "hf", seed=0)
     path = write_gguf(tmp_path / "hf", hf.config.to_dict(), tmp_path / "tiny-v3.gguf")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from compare import LlamaCppRunner
-
-    runner = LlamaCppRunner(path, threads=2, context_per_seq=64)
-    try:
-        theirs = runner.run_batch([PROMPTS[1]], 10).tokens[0]
-    finally:
-        runner.close()
-    assert _run(LLM(str(path), **OPTIONS))[0][1] == theirs
+    assert _run(LLM(str(path), **OPTIONS))[0][1] == llama_cpp_greedy(path, PROMPTS[1], 10)

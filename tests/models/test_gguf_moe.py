@@ -11,6 +11,7 @@ import transformers
 from ridge import LLM, SamplingParams
 from ridge.models.export import hf_state_dict, write_gguf
 
+from .gguf_files import llama_cpp_greedy
 from .hf_tiny import COMMON, save_spread
 
 gguf = pytest.importorskip("gguf")
@@ -94,17 +95,7 @@ def test_a_q8_0_qwen3moe_file_loads_its_experts_as_int8_blocks(qwen3moe_dir, tmp
 
 def test_llama_cpp_decodes_the_same_greedy_tokens(qwen3moe_dir, qwen3moe_gguf):
     pytest.importorskip("llama_cpp")
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from compare import LlamaCppRunner
-
-    runner = LlamaCppRunner(qwen3moe_gguf, threads=2, context_per_seq=64)
-    try:
-        theirs = runner.run_batch([PROMPTS[0]], 12).tokens[0]
-    finally:
-        runner.close()
+    theirs = llama_cpp_greedy(qwen3moe_gguf, PROMPTS[0], 12)
     ours = LLM(str(qwen3moe_gguf), tokenizer="bytes", dtype="float32", num_kv_blocks=64)
     assert _run(ours)[0][0][:8] == theirs[:8]
 
