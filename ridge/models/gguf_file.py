@@ -222,14 +222,8 @@ class GGUFModel:
             "num_attention_heads": heads,
             "num_key_value_heads": int(self._field(f"{a}.attention.head_count_kv", heads)),
             "head_dim": int(self._field(f"{a}.attention.key_length", hidden // heads)),
-            "vocab_size": int(self._field(f"{a}.vocab_size", embed.shape[0] or len(tokens))),
-            "max_position_embeddings": int(self._field(f"{a}.context_length", 2048)),
-            "rms_norm_eps": float(self._field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-            "rope_theta": float(self._field(f"{a}.rope.freq_base", 10000.0)),
-            "tie_word_embeddings": "lm_head.weight" not in self.tensors,
+            **self._shared_config(embed, tokens),
             "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self.tensors and a == "llama",
-            # the dtype ridge computes in: float32 files stay float32, anything else runs bf16
-            "torch_dtype": "float32" if embed.type_name == "F32" else "bfloat16",
         }
         self._add_special_tokens(config)
         scaling = self._field(f"{a}.rope.scaling.type")
@@ -241,6 +235,19 @@ class GGUFModel:
         if freqs is not None:  # Llama 3.1+: llama.cpp stores the per-frequency divisors
             config["rope_scaling"] = {"rope_type": "freq_factors", "factors": freqs.dense().float().tolist()}
         return config
+
+    def _shared_config(self, embed: GGUFTensor, tokens: list) -> dict:
+        """The config keys every architecture's metadata gives the same way."""
+        a = self.arch
+        return {
+            "vocab_size": int(self._field(f"{a}.vocab_size", embed.shape[0] or len(tokens))),
+            "max_position_embeddings": int(self._field(f"{a}.context_length", 2048)),
+            "rms_norm_eps": float(self._field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self._field(f"{a}.rope.freq_base", 10000.0)),
+            "tie_word_embeddings": "lm_head.weight" not in self.tensors,
+            # the dtype ridge computes in: float32 files stay float32, anything else runs bf16
+            "torch_dtype": "float32" if embed.type_name == "F32" else "bfloat16",
+        }
 
     def _deepseek2_config(self, hidden: int, heads: int, embed: GGUFTensor, tokens: list) -> dict:
         """A DeepSeek-V2/V3 config.json from deepseek2 metadata. Files since llama.cpp's MLA
@@ -274,13 +281,8 @@ class GGUFModel:
             "qk_nope_head_dim": key_length - rope,
             "qk_rope_head_dim": rope,
             "v_head_dim": value_length,
-            "vocab_size": int(self._field(f"{a}.vocab_size", embed.shape[0] or len(tokens))),
-            "max_position_embeddings": int(self._field(f"{a}.context_length", 2048)),
-            "rms_norm_eps": float(self._field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-            "rope_theta": float(self._field(f"{a}.rope.freq_base", 10000.0)),
-            "tie_word_embeddings": "lm_head.weight" not in self.tensors,
+            **self._shared_config(embed, tokens),
             "attention_bias": False,
-            "torch_dtype": "float32" if embed.type_name == "F32" else "bfloat16",
         }
         if experts:
             config |= {
@@ -345,16 +347,8 @@ class GGUFModel:
             hf_name = _hf_name(t.name, self.arch)
             if hf_name is None:
                 raise ValueError(f"{self.path.name}: unexpected tensor {t.name!r} for architecture {self.arch!r}")
-            if type_name not in SUPPORTED_TYPES:
-                raise ValueError(
-                    f"{self.path.name}: tensor {t.name!r} has type {type_name}, which ridge does not run; "
-                    f"supported: {', '.join(SUPPORTED_TYPES)}"
-                )
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            shape = self._checked(t)
             data = t.data
-            expected_bytes = _nbytes(type_name, shape)
-            if data.nbytes != expected_bytes:
-                raise ValueError(f"{self.path.name}: tensor {t.name!r} is truncated or corrupt")
             if type_name not in DENSE_TYPES:
                 data = data.reshape(shape[0], -1)
             elif hf_name.endswith("shared_expert_gate.weight"):  # (hidden,) -> the gate's (1, hidden)
@@ -369,34 +363,29 @@ class GGUFModel:
             tensors.update(self._join_kv_b(layer, pair))
         return tensors
 
+    def _checked(self, t, dims: int | None = None) -> tuple[int, ...]:
+        """A tensor's torch-order shape, once its type is one ridge runs and its bytes (and
+        number of dimensions, where given) are what the shape needs."""
+        type_name = t.tensor_type.name
+        if type_name not in SUPPORTED_TYPES:
+            raise ValueError(
+                f"{self.path.name}: tensor {t.name!r} has type {type_name}, which ridge does not run; "
+                f"supported: {', '.join(SUPPORTED_TYPES)}"
+            )
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if (dims is not None and len(shape) != dims) or t.data.nbytes != _nbytes(type_name, shape):
+            raise ValueError(f"{self.path.name}: tensor {t.name!r} is truncated or corrupt")
+        return shape
+
     def _join_kv_b(self, layer: int, pair: dict) -> dict[str, GGUFTensor]:
         """attn_k_b (H, r, nope) and attn_v_b (H, v, r) -> kv_b_proj (H (nope + v), r), dense
         in float32 (a block format of k_b runs along nope, not along kv_b_proj's K = r)."""
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
         if set(pair) != set(SPLIT_KV_B):
             raise ValueError(f"{self.path.name}: layer {layer} has {sorted(pair)} without its pair")
-        values = {}
-        for kind, t in pair.items():
-            type_name = t.tensor_type.name
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            if type_name not in SUPPORTED_TYPES:
-                raise ValueError(
-                    f"{self.path.name}: tensor {t.name!r} has type {type_name}, which ridge does not run; "
-                    f"supported: {', '.join(SUPPORTED_TYPES)}"
-                )
-            if len(shape) != 3 or t.data.nbytes != _nbytes(type_name, shape):
-                raise ValueError(f"{self.path.name}: tensor {t.name!r} is truncated or corrupt")
-            data = t.data
-            if type_name == "BF16":
-                data = data.view(np.uint16).astype(np.uint32) << 16
-                array = data.view(np.float32)
-            elif type_name in DENSE_TYPES:
-                array = data.astype(np.float32)
-            else:
-                array = dequantize(np.ascontiguousarray(data).reshape(-1), GGMLQuantizationType[type_name])
-            values[kind] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(shape)
+        values = {
+            kind: GGUFTensor(t.name, t.tensor_type.name, self._checked(t, dims=3), t.data).dense().float()
+            for kind, t in pair.items()
+        }
         k_b, v_b = values["attn_k_b"], values["attn_v_b"]
         if k_b.shape[0] != v_b.shape[0] or k_b.shape[1] != v_b.shape[2]:
             raise ValueError(
@@ -408,9 +397,7 @@ class GGUFModel:
 
     def _split_experts(self, t, layer: int, proj: str) -> dict[str, GGUFTensor]:
         type_name = t.tensor_type.name
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # (E, rows, K)
-        if len(shape) != 3 or t.data.nbytes != _nbytes(type_name, shape):
-            raise ValueError(f"{self.path.name}: tensor {t.name!r} is truncated or corrupt")
+        shape = self._checked(t, dims=3)  # (E, rows, K)
         experts, rows = shape[0], shape[1]
         data = t.data.reshape(experts, rows, -1)
         return {

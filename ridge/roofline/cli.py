@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from ridge.quantization.formats import FORMAT_ALIASES, FORMATS
 from ridge.roofline.analyze import UNITS, Conventions, Workload, analyze, infer_compute_dtype
 from ridge.roofline.hardware import DEFAULT_HARDWARE, HARDWARE_PRESETS, Hardware, resolve_hardware
 from ridge.roofline.ops import (
@@ -28,7 +29,7 @@ from ridge.roofline.ops import (
 from ridge.roofline.shapes import load_model_shape
 
 # the formats ridge's quantized CPU kernel runs (int8 activations): their ceiling is probed
-BLOCK_FORMAT_NAMES = frozenset(name for name in WEIGHT_FORMATS if name not in ("fp32", "bf16", "fp16"))
+BLOCK_FORMAT_NAMES = frozenset({*FORMATS, *FORMAT_ALIASES})
 
 EPILOG = """examples:
   ridge analyze --model llama-3.1-8b --hardware h100-sxm --prompt-len 2048 --output-len 256 --batch 1,8,64,256
