@@ -4,7 +4,9 @@ The engine records each step's shape (prefill chunks, decode contexts) and wall 
 FLOPs and bytes come from the analyzer's operator model (``roofline.ops.step_cost``, the one
 source of truth) and are priced when read, not on the hot path. A report gives, per phase
 (prefill-only, decode-only, mixed steps), the achieved bandwidth and FLOP/s and the fraction
-of the roofline: ``sum(max(FLOPs / peak, bytes / bandwidth)) / sum(wall time)``.
+of the roofline: ``sum(max(FLOPs / peak, bytes / bandwidth)) / sum(wall time)``. On CPU the
+kernels also time their matmuls, so a report says what the steps spend outside them (norms,
+attention, routing, sampling, the engine): what no weight format can shrink.
 
 The roofline is a ceiling, so a step that runs faster than its floor proves it wrong; the
 ``Ceiling`` then re-probes the machine (once: the probe may have caught a busy moment) and,
@@ -40,6 +42,7 @@ class StepRecord:
     experts_touched: float | None = None  # an MoE model: distinct experts read per MoE layer (mean)
     comm_s: float = 0.0  # measured: seconds rank 0 spent in collectives (tensor parallelism)
     mask_s: float = 0.0  # measured: seconds filling structured output's token bitmasks
+    matmul_s: float | None = None  # measured: seconds in the linear kernels (CPU; None: not timed)
     cost: StepCost | None = None  # priced on first read
 
     @property
@@ -69,6 +72,11 @@ class PhaseStats:
     predicted_comm_s: float = 0.0  # the same steps' collectives priced on the link (once it is known)
     mask_s: float = 0.0  # measured time filling structured output's token bitmasks
     mask_steps: int = 0  # steps that filled one
+    # the linear kernels' measured time, over the steps that timed it (CPU): the rest of
+    # those steps' wall time is what a step spends outside its matmuls
+    matmul_s: float = 0.0
+    matmul_timed_wall_s: float = 0.0
+    matmul_steps: int = 0
 
     @property
     def achieved_bytes_per_s(self) -> float:
@@ -95,6 +103,9 @@ class PhaseStats:
             "predicted_comm_s": self.predicted_comm_s,
             "mask_s": self.mask_s,
             "mask_steps": self.mask_steps,
+            "matmul_s": self.matmul_s,
+            "matmul_timed_wall_s": self.matmul_timed_wall_s,
+            "matmul_steps": self.matmul_steps,
             "achieved_gb_per_s": self.achieved_bytes_per_s / 1e9,
             "achieved_gflop_per_s": self.achieved_flops_per_s / 1e9,
             "roofline_fraction": self.roofline_fraction,
@@ -214,6 +225,7 @@ class Telemetry:
         experts_touched=None,
         comm_s: float = 0.0,
         mask_s: float = 0.0,
+        matmul_s: float | None = None,
     ) -> None:
         """Hot path: keep the shape and the time; pricing happens on read."""
         rec = StepRecord(
@@ -225,6 +237,7 @@ class Telemetry:
             experts_touched,
             comm_s,
             mask_s,
+            matmul_s,
         )
         self.recent.append(rec)
         self._pending.append(rec)
@@ -293,6 +306,10 @@ class Telemetry:
             stats.comm_s += rec.comm_s
             stats.mask_s += rec.mask_s
             stats.mask_steps += rec.mask_s > 0
+            if rec.matmul_s is not None:
+                stats.matmul_s += rec.matmul_s
+                stats.matmul_timed_wall_s += rec.wall_s
+                stats.matmul_steps += 1
             if self._link is not None:
                 stats.predicted_comm_s += self._link.time_s(cost.comm)
             stats.flops += cost.flops
@@ -355,9 +372,19 @@ class Telemetry:
                     if s["mask_steps"]
                     else ""
                 )
+                + (_outside_matmuls(s) if s["matmul_timed_wall_s"] else "")
             )
         lines += [f"  note: {notice}" for notice in rep["notices"]]
         return "\n".join(lines)
+
+
+def _outside_matmuls(s: dict) -> str:
+    """A phase's measured time outside the linear kernels, per step and as a share of it."""
+    outside = s["matmul_timed_wall_s"] - s["matmul_s"]
+    return (
+        f"  outside matmuls {1e3 * outside / s['matmul_steps']:.2f} ms/step "
+        f"({100 * outside / s['matmul_timed_wall_s']:.0f}%)"
+    )
 
 
 def cuda_hardware(device, reprobe: bool = False) -> Hardware:

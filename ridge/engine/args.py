@@ -77,6 +77,12 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None =
         default="auto",
         help="matmuls: auto (ridge's AVX-512 BF16 kernel for bf16 decode on CPU), torch, ridge",
     )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every step op by op from Python: on CPU, no decode plan (a bf16 decode step's "
+        "layers in one call of ridge's kernels, the same results bit for bit)",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict:

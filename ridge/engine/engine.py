@@ -430,6 +430,7 @@ class LLMEngine:
             out.experts_touched,
             out.comm_s,
             mask_s,
+            out.matmul_s,
         )
         return result.outputs
 

@@ -146,4 +146,5 @@ class RunnerOutput:
     verified: dict[str, tuple[int, int]] = field(default_factory=dict)  # request id -> (proposed, accepted)
     experts_touched: float | None = None  # distinct experts read per MoE layer (mean); None: dense
     comm_s: float = 0.0  # seconds this step spent in collectives (tensor parallelism)
+    matmul_s: float | None = None  # seconds in the linear kernels (CPU; None where not timed)
     generator_states: dict[str, bytes] = field(default_factory=dict)  # export_generator requests, seeded

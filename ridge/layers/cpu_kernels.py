@@ -29,7 +29,14 @@ import torch
 from ridge.config import default_cache_dir
 
 CSRC_DIR = Path(__file__).with_name("csrc")
-SOURCES = ("linear_bf16.cpp", "linear_quant.cpp", "decode_ops.cpp", "decode_attention_quant.cpp", "bindings.cpp")
+SOURCES = (
+    "linear_bf16.cpp",
+    "linear_quant.cpp",
+    "decode_ops.cpp",
+    "decode_attention_quant.cpp",
+    "decode_layers.cpp",
+    "bindings.cpp",
+)
 HEADERS = ("linear_call.h", "paged_rows.h")
 EXTENSION_NAME = "ridge_cpu"
 # Progress lines while a build runs (it takes 1-2 minutes on 2 cores).

@@ -9,6 +9,8 @@ float32 the paged decode attention, read from the pool without a gathered copy.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -46,30 +48,52 @@ def _takes(x: torch.Tensor, fmt: BlockFormat | None) -> bool:
 
 class TorchKernels:
     name = "torch"
+    # Host seconds spent in matmul / grouped_matmul since the last take_matmul_s(): the
+    # telemetry's matmul share of a step (meaningful where kernels run synchronously: CPU).
+    matmul_s = 0.0
+
+    def take_matmul_s(self) -> float:
+        spent, self.matmul_s = self.matmul_s, 0.0
+        return spent
 
     def matmul(self, x: torch.Tensor, layer: Linear, rows: slice | None = None) -> torch.Tensor:
-        """x @ W^T (+ b) in whatever form the layer's method holds W: here its torch reference.
+        """x @ W^T (+ b) in whatever form the layer's method holds W (``linear``), timed.
 
         ``rows``: only those output rows (one expert of a stacked layer, which has no bias)."""
-        if layer.parts is not None and rows is None:
-            return self.matmul_parts(x, layer)
-        if rows is not None:
-            return layer.method.apply_rows(layer, x, rows)
-        return layer.method.apply(layer, x)
-
-    def matmul_parts(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
-        """A layer whose shards keep different formats (``ShardedLinearMethod``): one matmul per
-        part, outputs side by side, then the layer's bias."""
-        return layer.method.join(layer, [self.matmul(x, part) for part in layer.parts])
+        start = time.perf_counter()
+        y = self.linear(x, layer, rows)
+        self.matmul_s += time.perf_counter() - start
+        return y
 
     def grouped_matmul(self, x: torch.Tensor, layer, counts: list[int]) -> torch.Tensor:
         """A stacked-expert layer (``ExpertLinear``) on rows sorted by expert: the first
         counts[0] rows through expert 0's rows of W, the next counts[1] through expert 1's, ...
-        An expert with no rows is never read. Here: one ``matmul`` per expert."""
+        An expert with no rows is never read. Timed, as ``matmul``."""
+        start = time.perf_counter()
+        y = self.grouped_linear(x, layer, counts)
+        self.matmul_s += time.perf_counter() - start
+        return y
+
+    # What subclasses override: the untimed matmuls.
+    def linear(self, x: torch.Tensor, layer: Linear, rows: slice | None = None) -> torch.Tensor:
+        """``matmul``, here through the layer method's torch reference."""
+        if layer.parts is not None and rows is None:
+            return self.linear_parts(x, layer)
+        if rows is not None:
+            return layer.method.apply_rows(layer, x, rows)
+        return layer.method.apply(layer, x)
+
+    def linear_parts(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
+        """A layer whose shards keep different formats (``ShardedLinearMethod``): one matmul per
+        part, outputs side by side, then the layer's bias."""
+        return layer.method.join(layer, [self.linear(x, part) for part in layer.parts])
+
+    def grouped_linear(self, x: torch.Tensor, layer, counts: list[int]) -> torch.Tensor:
+        """``grouped_matmul``, here one ``linear`` per expert."""
         outputs, start = [], 0
         for expert, count in enumerate(counts):
             if count:
-                outputs.append(self.matmul(x[start : start + count], layer, layer.expert_rows(expert)))
+                outputs.append(self.linear(x[start : start + count], layer, layer.expert_rows(expert)))
                 start += count
         return torch.cat(outputs) if outputs else x.new_empty(0, layer.rows_per_expert)
 
@@ -140,6 +164,20 @@ class TorchKernels:
         already in the cache -> (n, Hq, Dh): torch's scaled_dot_product_attention."""
         return prefill_attention(q, k, v, cache, chunk)
 
+    # A decode step's layers in one call (``CpuKernels``): a model fills the plan once with
+    # what each layer holds; these kernels have none (None: run op by op).
+    def decode_plan(self):
+        return None
+
+    def plan_linear(self, layer: Linear) -> tuple[list, torch.Tensor | None] | None:
+        """``layer`` as a decode plan takes it: its packed parts (weight, format code, rows)
+        and its bias; None where this layer is not packed for these kernels."""
+        return None
+
+    def plan_experts(self, layer) -> tuple[torch.Tensor, int, int] | None:
+        """A stacked-expert layer as a decode plan takes it: (packed, format code, rows per expert)."""
+        return None
+
 
 class CpuKernels(TorchKernels):
     """ridge's extension on AVX-512 BF16 + VNNI CPUs: bf16 throughout, quantized weights in
@@ -150,30 +188,30 @@ class CpuKernels(TorchKernels):
     def __init__(self, ext) -> None:
         self.ext = ext
 
-    def matmul(self, x: torch.Tensor, layer: Linear, rows: slice | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, layer: Linear, rows: slice | None = None) -> torch.Tensor:
         # a layer held in parts has no packed weight of its own: the base class splits it, and
         # each part comes back here
         packed, fmt = layer.packed, layer.method.format
         if packed is None or packed.device != x.device:
-            return super().matmul(x, layer, rows)
+            return super().linear(x, layer, rows)
         if not _takes(x, fmt):
-            return super().matmul(x, layer, rows)
+            return super().linear(x, layer, rows)
         n, bias = layer.out_features, layer.bias
         if rows is not None:
             # one expert's rows of a stacked layer: a contiguous run of the packed row blocks
             if rows.start % PACKED_ROW_BLOCK or rows.stop % PACKED_ROW_BLOCK:
-                return super().matmul(x, layer, rows)
+                return super().linear(x, layer, rows)
             packed = packed[rows.start // PACKED_ROW_BLOCK : rows.stop // PACKED_ROW_BLOCK]
             n, bias = rows.stop - rows.start, None
         if fmt is None:
             return self.ext.linear_bf16(x, packed, n, bias)
         return self.ext.linear_quant(x, packed, QUANT_KERNEL_CODES[fmt.name], n, bias)
 
-    def grouped_matmul(self, x, layer, counts):
+    def grouped_linear(self, x, layer, counts):
         """All of a layer's experts in one C++ call (the packed stacked tensor sliced per expert)."""
         packed, fmt, n = layer.packed, layer.method.format, layer.rows_per_expert
         if packed is None or packed.device != x.device or n % PACKED_ROW_BLOCK or not _takes(x, fmt):
-            return super().grouped_matmul(x, layer, counts)
+            return super().grouped_linear(x, layer, counts)
         if fmt is None:
             return self.ext.linear_bf16_grouped(x, packed, n, counts)
         return self.ext.linear_quant_grouped(x, packed, QUANT_KERNEL_CODES[fmt.name], n, counts)
@@ -195,6 +233,32 @@ class CpuKernels(TorchKernels):
 
     def unpack_blocks(self, fmt, packed, n, k):
         return self.ext.unpack_quant(packed, QUANT_KERNEL_CODES[fmt.name], n, k)
+
+    def decode_plan(self):
+        """An empty ``DecodePlan`` (``csrc/decode_layers.cpp``): a bf16 decode step's layers
+        run in one call, through the kernels below, in the order and on the views the model's
+        Python forward uses (so with its results, bit for bit)."""
+        return self.ext.DecodePlan()
+
+    def plan_linear(self, layer):
+        parts = layer.parts if layer.parts is not None else (layer,)
+        planned = []
+        for part in parts:
+            packed, fmt = part.packed, part.method.format
+            if packed is None or packed.device.type != "cpu" or part.parts is not None:
+                return None
+            if fmt is not None and fmt.name not in QUANT_KERNEL_CODES:
+                return None
+            if layer.parts is not None and part.bias is not None:
+                return None
+            planned.append((packed, -1 if fmt is None else QUANT_KERNEL_CODES[fmt.name], part.out_features))
+        return planned, layer.bias
+
+    def plan_experts(self, layer):
+        packed, fmt, n = layer.packed, layer.method.format, layer.rows_per_expert
+        if packed is None or packed.device.type != "cpu" or n % PACKED_ROW_BLOCK:
+            return None
+        return packed, -1 if fmt is None else QUANT_KERNEL_CODES[fmt.name], n
 
     def rope_state(self, rotary, positions, dtype):
         return positions, rotary.cos, rotary.sin

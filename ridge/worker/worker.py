@@ -57,6 +57,7 @@ class WorkerConfig:
     max_model_len: int | None = None
     quantization: str | None = None
     kernels: str = "auto"
+    enforce_eager: bool = False
     kv_cache_dtype: str = "auto"
     kv_cache_memory: float | None = None  # GiB
     num_kv_blocks: int | None = None
@@ -127,6 +128,7 @@ class Worker:
         )
         self.model = loaded.model
         self.model.set_kernels(select_kernels(config.kernels, self.device, self.dtype))
+        self.model.eager = config.enforce_eager
         for line in quant.summary():
             logger.info("weights: %s", line)
         self.info = ModelInfo(
@@ -243,8 +245,11 @@ class Worker:
             connector.finish_recvs(plan.kv_loaded)
         out = self.runner.execute(plan)
         comm_s = self.tp.take_comm()
+        # a CUDA kernel returns at launch: only the CPU's matmuls are timed where they run
+        matmul_s = self.model.kernels.take_matmul_s()
         if out is not None:
             out.comm_s = comm_s
+            out.matmul_s = matmul_s if self.device.type == "cpu" else None
         return out
 
     @torch.inference_mode()

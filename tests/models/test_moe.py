@@ -60,11 +60,11 @@ class ExpertProbe(TorchKernels):
     def __init__(self) -> None:
         self.experts_read: list[int] = []
 
-    def matmul(self, x, layer, rows=None):
+    def linear(self, x, layer, rows=None):
         if isinstance(layer, ExpertLinear):
             assert rows is not None and rows.stop - rows.start == layer.rows_per_expert  # one expert's rows, no more
             self.experts_read.append(rows.start // layer.rows_per_expert)
-        return super().matmul(x, layer, rows)
+        return super().linear(x, layer, rows)
 
 
 def test_every_token_picking_one_expert_and_the_others_never_run():

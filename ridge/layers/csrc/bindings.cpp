@@ -24,6 +24,7 @@ torch::Tensor paged_decode_attention_quant(torch::Tensor q, torch::Tensor k_cach
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale);
 void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask);
+void bind_decode_plan(pybind11::module& m);  // decode_layers.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Each call releases the GIL while it computes (ATen needs none): a server's event loop
@@ -52,4 +53,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the same for any head size, float32 or bfloat16 (portable loops)");
   m.def("apply_token_bitmask_", &apply_token_bitmask_, py::call_guard<py::gil_scoped_release>(),
         "structured output: -inf in place for the tokens a row's int32 bitmask does not allow");
+  bind_decode_plan(m);
 }

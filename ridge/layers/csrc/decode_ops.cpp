@@ -250,7 +250,7 @@ torch::Tensor silu_mul_bf16(torch::Tensor gate_up) {
   const bf16* gp = g.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
   // silu in fp32, rounded to bf16, times up, rounded again: torch's F.silu(gate) * up in bf16
-  at::parallel_for(0, rows * I, 4096, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, rows * I, 16384, [&](int64_t b, int64_t e) {
     for (int64_t idx = b; idx < e;) {
       const int64_t r = idx / I, i = idx % I;
       const int64_t len = std::min<int64_t>({16, I - i, e - idx});

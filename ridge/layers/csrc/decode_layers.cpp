@@ -1,0 +1,323 @@
+// Every decoder layer of a bf16 decode step in one call (CPU).
+//
+// A decode step of a 1B model at 4 bits is ~20 ms of weight reads and, run op by op from
+// Python, ~1.5 ms of everything else: ten calls a layer, each a few microseconds of
+// interpreter and dispatch around a kernel that takes one. A plan built once at load holds
+// each layer's packed weights, norms and KV pools; run() walks the layers calling the very
+// kernels the Python forward calls (linear_*, rms_norm_bf16, rope_bf16_, the paged decode
+// attention, silu_mul_bf16), on the same views and in the same order, and the MoE's routing
+// and combine through the same ATen ops, so its results are the Python path's, bit for bit
+// (tests/models/test_decode_plan.py). What the plan does not cover (a quantized KV cache,
+// tensor parallelism, latent attention, grouped routers, a prefill) stays in Python.
+#include <torch/extension.h>
+
+#include <chrono>
+#include <cstring>
+#include <vector>
+
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias);
+torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_t N,
+                           c10::optional<torch::Tensor> bias);
+torch::Tensor linear_bf16_grouped(torch::Tensor x, torch::Tensor packed, int64_t N, std::vector<int64_t> counts);
+torch::Tensor linear_quant_grouped(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_t N,
+                                   std::vector<int64_t> counts);
+torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
+void rope_bf16_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor silu_mul_bf16(torch::Tensor gate_up);
+torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                          torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// One packed weight: fmt < 0 is bf16 (linear_bf16), else a linear_quant format code.
+struct Packed {
+  torch::Tensor weight;
+  int64_t fmt;
+  int64_t n;
+};
+
+// A linear layer: one packed weight, or parts side by side (a layer whose shards keep
+// different formats) with the layer's bias added after them, as ShardedLinearMethod.join.
+struct Lin {
+  std::vector<Packed> parts;
+  c10::optional<torch::Tensor> bias;
+
+  static torch::Tensor call(const Packed& p, const torch::Tensor& x, const c10::optional<torch::Tensor>& bias) {
+    return p.fmt < 0 ? linear_bf16(x, p.weight, p.n, bias) : linear_quant(x, p.weight, p.fmt, p.n, bias);
+  }
+
+  torch::Tensor run(const torch::Tensor& x) const {
+    if (parts.size() == 1) return call(parts[0], x, bias);
+    std::vector<torch::Tensor> ys;
+    for (const auto& p : parts) ys.push_back(call(p, x, c10::nullopt));
+    auto y = at::cat(ys, -1);
+    return bias.has_value() ? y + bias->to(y.scalar_type()) : y;
+  }
+};
+
+Lin make_lin(const std::vector<std::tuple<torch::Tensor, int64_t, int64_t>>& parts, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(!parts.empty(), "decode plan: a linear layer without weights");
+  Lin lin;
+  for (const auto& [w, fmt, n] : parts) lin.parts.push_back({w, fmt, n});
+  lin.bias = std::move(bias);
+  return lin;
+}
+
+struct Moe {
+  torch::Tensor router;  // (E, K) float32
+  int64_t top_k = 0;
+  bool softmax = true;
+  bool norm_topk = false;
+  double norm_eps = 0.0;
+  double scaling = 1.0;
+  Packed gate_up, down;  // stacked experts, rows per expert in n
+  bool shared = false;
+  Lin shared_gate_up, shared_down;
+  c10::optional<torch::Tensor> shared_gate;  // (1, K): sigmoid-gated shared expert (Qwen2-MoE)
+
+  static torch::Tensor grouped(const Packed& p, const torch::Tensor& x, const std::vector<int64_t>& counts) {
+    return p.fmt < 0 ? linear_bf16_grouped(x, p.weight, p.n, counts)
+                     : linear_quant_grouped(x, p.weight, p.fmt, p.n, counts);
+  }
+};
+
+struct Layer {
+  torch::Tensor in_norm, post_norm;
+  double eps = 0.0;
+  Lin qkv, o;
+  int64_t heads = 0, kv_heads = 0, head_dim = 0;
+  c10::optional<torch::Tensor> q_norm, k_norm;
+  double qk_eps = 0.0;
+  torch::Tensor k_pool, v_pool;
+  // the feed-forward: a dense MLP, or an MoE
+  Lin gate_up, down;
+  c10::optional<Moe> moe;
+};
+
+// write_kv for a bf16 pool: row t of x (T, H, D; rows may be strided, a view into qkv) into
+// slot slots[t] of the pool (blocks, block_size, H, D). A copy, as index_copy_, without its
+// dispatch (two calls a layer).
+void write_rows(const torch::Tensor& pool, const torch::Tensor& x, const int64_t* slots, int64_t T) {
+  const int64_t row = pool.size(2) * pool.size(3), num_slots = pool.size(0) * pool.size(1);
+  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2) && x.size(1) * x.size(2) == row,
+              "decode plan: K/V rows do not match the pool");
+  auto* dst = pool.data_ptr<at::BFloat16>();
+  const auto* src = x.data_ptr<at::BFloat16>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "decode plan: slot ", slots[t], " out of the pool");
+    std::memcpy(dst + slots[t] * row, src + t * x.stride(0), row * sizeof(at::BFloat16));
+  }
+}
+
+struct Timer {
+  double& total;
+  Clock::time_point start = Clock::now();
+  explicit Timer(double& t) : total(t) {}
+  ~Timer() { total += std::chrono::duration<double>(Clock::now() - start).count(); }
+};
+
+}  // namespace
+
+class DecodePlan {
+ public:
+  void add_layer(torch::Tensor in_norm, torch::Tensor post_norm, double eps,
+                 std::vector<std::tuple<torch::Tensor, int64_t, int64_t>> qkv, c10::optional<torch::Tensor> qkv_bias,
+                 std::vector<std::tuple<torch::Tensor, int64_t, int64_t>> o, c10::optional<torch::Tensor> o_bias,
+                 int64_t heads, int64_t kv_heads, int64_t head_dim, c10::optional<torch::Tensor> q_norm,
+                 c10::optional<torch::Tensor> k_norm, double qk_eps, torch::Tensor k_pool, torch::Tensor v_pool) {
+    TORCH_CHECK(k_pool.scalar_type() == at::kBFloat16 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                    k_pool.dim() == 4 && k_pool.size(2) == kv_heads && k_pool.size(3) == head_dim,
+                "decode plan: bf16 (blocks, block_size, kv_heads, head_dim) pools expected");
+    Layer l;
+    l.in_norm = in_norm;
+    l.post_norm = post_norm;
+    l.eps = eps;
+    l.qkv = make_lin(qkv, qkv_bias);
+    l.o = make_lin(o, o_bias);
+    l.heads = heads;
+    l.kv_heads = kv_heads;
+    l.head_dim = head_dim;
+    l.q_norm = q_norm;
+    l.k_norm = k_norm;
+    l.qk_eps = qk_eps;
+    l.k_pool = k_pool;
+    l.v_pool = v_pool;
+    layers_.push_back(std::move(l));
+  }
+
+  void set_mlp(std::vector<std::tuple<torch::Tensor, int64_t, int64_t>> gate_up, c10::optional<torch::Tensor> gate_up_bias,
+               std::vector<std::tuple<torch::Tensor, int64_t, int64_t>> down, c10::optional<torch::Tensor> down_bias) {
+    TORCH_CHECK(!layers_.empty(), "decode plan: set_mlp before add_layer");
+    layers_.back().gate_up = make_lin(gate_up, gate_up_bias);
+    layers_.back().down = make_lin(down, down_bias);
+  }
+
+  void set_moe(torch::Tensor router, int64_t top_k, bool softmax, bool norm_topk, double norm_eps, double scaling,
+               std::tuple<torch::Tensor, int64_t, int64_t> gate_up, std::tuple<torch::Tensor, int64_t, int64_t> down) {
+    TORCH_CHECK(!layers_.empty(), "decode plan: set_moe before add_layer");
+    TORCH_CHECK(router.scalar_type() == at::kFloat, "decode plan: a float32 router expected");
+    Moe m;
+    m.router = router;
+    m.top_k = top_k;
+    m.softmax = softmax;
+    m.norm_topk = norm_topk;
+    m.norm_eps = norm_eps;
+    m.scaling = scaling;
+    m.gate_up = {std::get<0>(gate_up), std::get<1>(gate_up), std::get<2>(gate_up)};
+    m.down = {std::get<0>(down), std::get<1>(down), std::get<2>(down)};
+    layers_.back().moe = std::move(m);
+  }
+
+  void set_shared_expert(std::vector<std::tuple<torch::Tensor, int64_t, int64_t>> gate_up,
+                         std::vector<std::tuple<torch::Tensor, int64_t, int64_t>> down,
+                         c10::optional<torch::Tensor> gate) {
+    TORCH_CHECK(!layers_.empty() && layers_.back().moe.has_value(), "decode plan: set_shared_expert before set_moe");
+    Moe& m = *layers_.back().moe;
+    m.shared = true;
+    m.shared_gate_up = make_lin(gate_up, c10::nullopt);
+    m.shared_down = make_lin(down, c10::nullopt);
+    m.shared_gate = gate;
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // h: (T, hidden) bf16, the residual stream, updated in place. Returns the seconds spent in
+  // the linear kernels and, per layer, the distinct experts its MoE ran (-1: a dense layer).
+  std::tuple<double, std::vector<int64_t>> run(torch::Tensor h, torch::Tensor slots, torch::Tensor block_tables,
+                                                torch::Tensor context_lens, torch::Tensor positions, torch::Tensor cos,
+                                                torch::Tensor sin, double scale) {
+    TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.is_contiguous() && h.dim() == 2, "decode plan: (T, hidden) bf16 h");
+    double matmul_s = 0.0;
+    std::vector<int64_t> touched;
+    touched.reserve(layers_.size());
+    const int64_t T = h.size(0);
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T,
+                "decode plan: one int64 slot per token");
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    torch::Tensor ffn_out;  // the last layer's feed-forward output, not yet in h
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& l = layers_[i];
+      // attention (LlamaAttention.forward); the previous layer's residual add fused into its
+      // norm (add_rms_norm_bf16 adds as h.add_ rounds: one bf16 rounding of the fp32 sum)
+      auto x = i == 0 ? rms_norm_bf16(h, l.in_norm, l.eps) : add_rms_norm_bf16(ffn_out, h, l.in_norm, l.eps);
+      torch::Tensor qkv;
+      {
+        Timer t(matmul_s);
+        qkv = l.qkv.run(x);
+      }
+      const int64_t q_size = l.heads * l.head_dim, kv_size = l.kv_heads * l.head_dim;
+      auto v = qkv.slice(1, q_size + kv_size).view({T, l.kv_heads, l.head_dim});
+      torch::Tensor q, k;
+      if (l.q_norm.has_value()) {
+        q = rms_norm_bf16(qkv.slice(1, 0, q_size).view({T, l.heads, l.head_dim}), *l.q_norm, l.qk_eps);
+        k = rms_norm_bf16(qkv.slice(1, q_size, q_size + kv_size).view({T, l.kv_heads, l.head_dim}), *l.k_norm,
+                          l.qk_eps);
+        rope_bf16_(q, positions, cos, sin);
+        rope_bf16_(k, positions, cos, sin);
+      } else {
+        auto qk = qkv.slice(1, 0, q_size + kv_size).view({T, -1, l.head_dim});
+        rope_bf16_(qk, positions, cos, sin);
+        q = qk.slice(1, 0, l.heads);
+        k = qk.slice(1, l.heads);
+      }
+      // write_kv, then the decode kernel over the pools
+      write_rows(l.k_pool, k, sp, T);
+      write_rows(l.v_pool, v, sp, T);
+      auto attn = paged_decode_attention_bf16(q, l.k_pool, l.v_pool, block_tables, context_lens, scale);
+      torch::Tensor attn_out;
+      {
+        Timer t(matmul_s);
+        attn_out = l.o.run(attn.flatten(1));
+      }
+      auto y = add_rms_norm_bf16(attn_out, h, l.post_norm, l.eps);
+      // feed-forward
+      if (l.moe.has_value()) {
+        int64_t used = 0;
+        ffn_out = run_moe(*l.moe, y, matmul_s, used);
+        touched.push_back(used);
+      } else {
+        torch::Tensor out;
+        {
+          Timer t(matmul_s);
+          out = l.gate_up.run(y);
+        }
+        auto act = silu_mul_bf16(out);
+        {
+          Timer t(matmul_s);
+          out = l.down.run(act);
+        }
+        ffn_out = out;
+        touched.push_back(-1);
+      }
+    }
+    if (ffn_out.defined()) h.add_(ffn_out);
+    return {matmul_s, touched};
+  }
+
+ private:
+  // SparseMoE.forward and Router.forward (greedy top-k), op for op.
+  static torch::Tensor run_moe(const Moe& m, const torch::Tensor& x, double& matmul_s, int64_t& used) {
+    const int64_t T = x.size(0), E = m.router.size(0);
+    auto logits = at::linear(x.to(at::kFloat), m.router);
+    auto scores = m.softmax ? at::softmax(logits, -1) : at::sigmoid(logits);
+    auto [weights, ids] = at::topk(scores, m.top_k, -1);
+    if (m.norm_topk) weights = weights / (weights.sum(-1, true) + m.norm_eps);
+    if (m.scaling != 1.0) weights = weights * m.scaling;
+    weights = weights.to(x.scalar_type());
+    auto flat = ids.flatten();
+    auto order = at::argsort(flat, /*stable=*/true, 0, false);
+    auto count_t = at::bincount(flat, c10::nullopt, E);
+    std::vector<int64_t> counts(count_t.data_ptr<int64_t>(), count_t.data_ptr<int64_t>() + E);
+    used = 0;
+    for (int64_t c : counts) used += c > 0;
+    auto token_of = at::floor_divide(order, m.top_k);
+    auto rows = x.index_select(0, token_of);
+    torch::Tensor ys;
+    {
+      Timer t(matmul_s);
+      ys = Moe::grouped(m.gate_up, rows, counts);
+    }
+    auto act = silu_mul_bf16(ys);
+    {
+      Timer t(matmul_s);
+      ys = Moe::grouped(m.down, act, counts);
+    }
+    ys = ys * weights.flatten().index_select(0, order).unsqueeze(1);
+    auto unsort = at::empty_like(order);
+    unsort.index_put_({order}, at::arange(order.numel(), order.options()));
+    auto by_token = ys.index_select(0, unsort).view({T, m.top_k, -1});
+    auto out = by_token.sum(1, false, at::kFloat).to(x.scalar_type());
+    if (m.shared) {
+      torch::Tensor y;
+      {
+        Timer t(matmul_s);
+        y = m.shared_gate_up.run(x);
+      }
+      y = silu_mul_bf16(y);
+      {
+        Timer t(matmul_s);
+        y = m.shared_down.run(y);
+      }
+      if (m.shared_gate.has_value()) y = at::sigmoid(at::linear(x, *m.shared_gate)) * y;
+      out.add_(y);
+    }
+    return out;
+  }
+
+  std::vector<Layer> layers_;
+};
+
+void bind_decode_plan(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<DecodePlan>(m, "DecodePlan", "every decoder layer of a bf16 decode step in one call")
+      .def(py::init<>())
+      .def("add_layer", &DecodePlan::add_layer)
+      .def("set_mlp", &DecodePlan::set_mlp)
+      .def("set_moe", &DecodePlan::set_moe)
+      .def("set_shared_expert", &DecodePlan::set_shared_expert)
+      .def("num_layers", &DecodePlan::num_layers)
+      .def("run", &DecodePlan::run, py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,111 @@
+"""The decode plan (``DecodePlanRun`` in models/llama.py, ``csrc/decode_layers.cpp``): a bf16
+decode step's layers in one call of the CPU kernels computes what the model's op-by-op forward
+computes, bit for bit, on every model shape it covers; what it does not cover runs op by op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from ridge import LLM, SamplingParams
+from ridge.layers.cpu_kernels import cpu_has_avx512_bf16
+
+from .hf_tiny import COMMON, build
+
+pytestmark = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="ridge's CPU kernels need AVX-512 BF16")
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25], [3]]
+
+
+def _generate(path, **options):
+    """Greedy tokens and their top-3 logprobs for a batch of three (decode steps of 3, then 1
+    row, with a prompt longer than a KV block); and the model."""
+    llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=64, seed=0, device="cpu", tokenizer="bytes", **options)
+    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=3, ignore_eos=True)
+    outs = llm.generate(PROMPTS, [params, params, SamplingParams(max_tokens=3, temperature=0.0, logprobs=3)])
+    got = [
+        (o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]) for o in outs
+    ]
+    return got, llm.engine.executor.worker.model
+
+
+@pytest.mark.parametrize(
+    "variant", ["llama-gqa", "qwen2-bias", "qwen3-qknorm", "mixtral-moe", "qwen2-moe-shared", "qwen3-moe-dense-mixed"]
+)
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_the_plan_computes_what_the_op_by_op_forward_computes(tmp_path, variant, quantization):
+    """Plain Llama, q/k/v biases, q/k norms, MoEs (softmax top-k, a sigmoid-gated shared expert,
+    dense layers between sparse ones), bf16 and int4 weights: the same tokens and logprobs."""
+    build(variant, tmp_path)
+    planned, model = _generate(tmp_path, quantization=quantization)
+    assert model._plan is not None and model._plan.plan.num_layers() == len(model.model.layers)
+    eager, eager_model = _generate(tmp_path, quantization=quantization, enforce_eager=True)
+    assert eager_model._plan is None  # --enforce-eager: never a plan
+    assert planned == eager
+
+
+def test_a_file_whose_qkv_keeps_two_formats_plans_each_part(tmp_path):
+    """A Q4_K_M-style layer: q/k in Q4_K and v in Q6_K, one packed part each, joined as the
+    Python forward joins them."""
+    from gguf import GGMLQuantizationType as T
+
+    from ridge.models.export import write_gguf
+    from ridge.quantization.formats import FORMATS_BY_GGML_TYPE
+    from tests.quantization.random_blocks import random_blocks
+
+    from .gguf_files import rewrite
+
+    config = transformers.LlamaConfig(
+        **{**COMMON, "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 2}
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    dense = write_gguf(tmp_path / "hf", config.to_dict(), tmp_path / "dense.gguf")
+
+    def fn(name, values):
+        kind = name.rsplit(".", 2)[-2]
+        qtype = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "ffn_down": T.Q6_K}.get(kind, T.Q4_K)
+        if kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+            blocks = random_blocks(FORMATS_BY_GGML_TYPE[qtype], values.shape[0], values.shape[1], seed=len(name))
+            return blocks.numpy(), qtype
+        return None
+
+    path = rewrite(dense, tmp_path / "mixed.gguf", fn)
+    planned, model = _generate(path)
+    assert len(model.model.layers[0].self_attn.qkv_proj.parts) == 2
+    assert model._plan is not None
+    eager, _ = _generate(path, enforce_eager=True)
+    assert planned == eager
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"kv_cache_dtype": "int8"}, {"kernels": "torch"}, {"dtype": "float32"}],
+    ids=["int8-kv", "torch-kernels", "float32"],
+)
+def test_what_the_plan_does_not_cover_runs_op_by_op(tmp_path, options):
+    build("llama-gqa", tmp_path)
+    llm = LLM(
+        str(tmp_path), **{"dtype": "bfloat16", "num_kv_blocks": 64, "device": "cpu", "tokenizer": "bytes", **options}
+    )
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    model = llm.engine.executor.worker.model
+    assert model._plan_key is not None and model._plan is None  # asked for, and declined
+
+
+def test_the_telemetry_times_the_matmuls_of_planned_and_eager_steps(tmp_path):
+    """On CPU each step records its matmul seconds; the report says what the steps spent
+    outside them."""
+    build("llama-gqa", tmp_path)
+    for eager in (False, True):
+        llm = LLM(
+            str(tmp_path), dtype="bfloat16", num_kv_blocks=64, device="cpu", tokenizer="bytes", enforce_eager=eager
+        )
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        records = list(llm.engine.telemetry.recent)
+        assert records and all(r.matmul_s is not None and 0 < r.matmul_s < r.wall_s for r in records)
+        decode = llm.engine.telemetry.report()["phases"]["decode"]
+        assert decode["matmul_steps"] == decode["steps"] == 5
+        assert "outside matmuls" in llm.engine.telemetry.format()
