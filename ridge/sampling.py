@@ -475,7 +475,10 @@ class Sampler:
             s.params.greedy and s.params.logprobs is None and not s.params.has_penalties and not s.min_tokens_active()
             for s in states
         ):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), none_list, list(none_list))
+            # argmax of float32 (bf16 widens exactly; first index on ties either way): torch's
+            # bf16 argmax of a 32k row takes ~115 us on CPU, float32's ~30
+            rows = logits if logits.dtype is torch.float32 else logits.float()
+            return SamplerOutput(rows.argmax(dim=-1).tolist(), none_list, list(none_list))
 
         device = logits.device
         x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)

@@ -5,11 +5,14 @@
 // interpreter and dispatch around a kernel that takes one. A plan built once at load holds
 // each layer's packed weights, norms and KV pools; run() walks the layers calling the very
 // kernels the Python forward calls (linear_*, rms_norm_bf16, rope_bf16_, the paged decode
-// attention, silu_mul_bf16), on the same views and in the same order, and the MoE's routing
-// and combine through the same ATen ops, so its results are the Python path's, bit for bit
+// attention, silu_mul_bf16), on the same views and in the same order, the MoE's router through
+// the same ATen ops and its sort and combine in loops that round where those ops round, so
+// its results are the Python path's, bit for bit
 // (tests/models/test_decode_plan.py). What the plan does not cover (a quantized KV cache,
 // tensor parallelism, latent attention, grouped routers, a prefill) stays in Python.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <chrono>
 #include <cstring>
@@ -266,15 +269,29 @@ class DecodePlan {
     auto [weights, ids] = at::topk(scores, m.top_k, -1);
     if (m.norm_topk) weights = weights / (weights.sum(-1, true) + m.norm_eps);
     if (m.scaling != 1.0) weights = weights * m.scaling;
-    weights = weights.to(x.scalar_type());
-    auto flat = ids.flatten();
-    auto order = at::argsort(flat, /*stable=*/true, 0, false);
-    auto count_t = at::bincount(flat, c10::nullopt, E);
-    std::vector<int64_t> counts(count_t.data_ptr<int64_t>(), count_t.data_ptr<int64_t>() + E);
+    weights = weights.to(x.scalar_type()).contiguous();
+    ids = ids.contiguous();
+    // The (token, choice) pairs sorted by expert, stably (a counting sort: argsort(stable) of
+    // the ids), each expert's tokens side by side; unsort[pair] = its place in that order.
+    const int64_t k = m.top_k, pairs = T * k, H = x.size(1);
+    const int64_t* idp = ids.data_ptr<int64_t>();
+    std::vector<int64_t> counts(E, 0), order(pairs), unsort(pairs), next(E, 0);
+    for (int64_t i = 0; i < pairs; ++i) {
+      TORCH_CHECK(idp[i] >= 0 && idp[i] < E, "decode plan: expert id out of range");
+      ++counts[idp[i]];
+    }
     used = 0;
-    for (int64_t c : counts) used += c > 0;
-    auto token_of = at::floor_divide(order, m.top_k);
-    auto rows = x.index_select(0, token_of);
+    for (int64_t e = 0, start = 0; e < E; start += counts[e], ++e) {
+      next[e] = start;
+      used += counts[e] > 0;
+    }
+    for (int64_t i = 0; i < pairs; ++i) order[next[idp[i]]++] = i;
+    for (int64_t j = 0; j < pairs; ++j) unsort[order[j]] = j;
+    auto xc = x.contiguous();
+    auto rows = at::empty({pairs, H}, x.options());
+    const auto* xp = xc.data_ptr<at::BFloat16>();
+    auto* rp = rows.data_ptr<at::BFloat16>();
+    for (int64_t j = 0; j < pairs; ++j) std::memcpy(rp + j * H, xp + (order[j] / k) * H, H * sizeof(at::BFloat16));
     torch::Tensor ys;
     {
       Timer t(matmul_s);
@@ -283,13 +300,9 @@ class DecodePlan {
     auto act = silu_mul_bf16(ys);
     {
       Timer t(matmul_s);
-      ys = Moe::grouped(m.down, act, counts);
+      ys = Moe::grouped(m.down, act, counts).contiguous();
     }
-    ys = ys * weights.flatten().index_select(0, order).unsqueeze(1);
-    auto unsort = at::empty_like(order);
-    unsort.index_put_({order}, at::arange(order.numel(), order.options()));
-    auto by_token = ys.index_select(0, unsort).view({T, m.top_k, -1});
-    auto out = by_token.sum(1, false, at::kFloat).to(x.scalar_type());
+    auto out = combine(ys, weights, unsort, T, k);
     if (m.shared) {
       torch::Tensor y;
       {
@@ -304,6 +317,35 @@ class DecodePlan {
       if (m.shared_gate.has_value()) y = at::sigmoid(at::linear(x, *m.shared_gate)) * y;
       out.add_(y);
     }
+    return out;
+  }
+
+  // Each token's k expert outputs, weighted and summed: out[t] = sum over j of
+  // bf16(ys[unsort[t k + j]] * w[t k + j]), in fp32 from 0 in order j = 0 .. k-1, rounded to
+  // bf16 once -- what SparseMoE.forward's multiply (a bf16 op), gather and
+  // sum(dim=1, dtype=float32) compute, without their six dispatches.
+  static torch::Tensor combine(const torch::Tensor& ys, const torch::Tensor& weights,
+                               const std::vector<int64_t>& unsort, int64_t T, int64_t k) {
+    const int64_t H = ys.size(1);
+    TORCH_CHECK(H % 16 == 0, "decode plan: the MoE's output width must be a multiple of 16");
+    auto out = at::empty({T, H}, ys.options());
+    const auto* yp = reinterpret_cast<const uint16_t*>(ys.data_ptr<at::BFloat16>());
+    const auto* wp = weights.data_ptr<at::BFloat16>();
+    auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    auto widen = [](__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); };
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t h = 0; h < H; h += 16) {
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t j = 0; j < k; ++j) {
+            const __m512 y = widen(_mm256_loadu_si256((const __m256i*)(yp + unsort[t * k + j] * H + h)));
+            const __m512 prod = _mm512_mul_ps(y, _mm512_set1_ps(static_cast<float>(wp[t * k + j])));
+            acc = _mm512_add_ps(acc, widen((__m256i)_mm512_cvtneps_pbh(prod)));
+          }
+          _mm256_storeu_si256((__m256i*)(op + t * H + h), (__m256i)_mm512_cvtneps_pbh(acc));
+        }
+      }
+    });
     return out;
   }
 
