@@ -320,8 +320,8 @@ class DecodePlanRun:
     (``csrc/decode_layers.cpp``): the kernels the Python forward calls, in its order and on its
     views, so the plan computes what op-by-op computes, bit for bit, without ~10 interpreted
     calls per layer (~1.5 ms of a 22-layer step). Built where every layer is what it covers:
-    bf16 on the CPU kernels, a bf16 KV cache, no tensor parallelism, Llama attention, dense
-    MLPs or greedy-routed MoEs with packed weights."""
+    bf16 on the CPU kernels, a bf16, int8 or fp8 KV cache, no tensor parallelism, Llama
+    attention, dense MLPs or greedy-routed MoEs with packed weights."""
 
     plan: object
     scale: float  # the attention's head_dim ** -0.5
@@ -341,9 +341,9 @@ class DecodePlanRun:
             attn, ffn = layer.self_attn, getattr(layer, layer.ffn_name)
             norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
             k = cache.k
-            if cache.quantized or k.dtype is not torch.bfloat16 or not (k.is_contiguous() and cache.v.is_contiguous()):
+            if not (k.is_contiguous() and cache.v.is_contiguous()) or attn.head_dim % 16 or norm.eps != post_norm.eps:
                 return None
-            if attn.head_dim % 16 or attn.head_dim > 256 or k.numel() >= 2**32 or norm.eps != post_norm.eps:
+            if not cache.quantized and (k.dtype is not torch.bfloat16 or attn.head_dim > 256 or k.numel() >= 2**32):
                 return None
             qkv, o = ops.plan_linear(attn.qkv_proj), ops.plan_linear(attn.o_proj)
             if qkv is None or o is None:
@@ -366,6 +366,9 @@ class DecodePlanRun:
                 0.0 if q_norm is None else q_norm.eps,
                 k,
                 cache.v,
+                cache.k_scale,
+                cache.v_scale,
+                cache.kind == "fp8",
             )
             if isinstance(ffn, SparseMoE):
                 if not _plan_moe(plan, ffn, ops):

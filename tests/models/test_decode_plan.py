@@ -79,10 +79,48 @@ def test_a_file_whose_qkv_keeps_two_formats_plans_each_part(tmp_path):
     assert planned == eager
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_the_quantized_kv_write_is_the_torch_write(kind, head_dim):
+    """write_kv_quant_ (the plan's write into an int8/fp8 pool) stores the codes and scales
+    kv/cache.py's quantize and index_copy_ store: groups of 32 (one group where the head is not
+    a multiple), rows strided as views into qkv are, a zero group, values far apart."""
+    from ridge.kv.cache import KVCacheSpec, allocate
+    from ridge.layers.attention import write_slots
+    from ridge.layers.cpu_kernels import load_extension
+
+    ext = load_extension()
+    torch.manual_seed(0)
+    heads, tokens = 3, 5
+    wide = torch.randn(tokens, 2 * heads * head_dim) * torch.logspace(-3, 2, tokens).unsqueeze(1)
+    wide[1, : head_dim // 2] = 0.0  # a zero group (its scale 0, its codes 0)
+    x = wide.bfloat16()[:, heads * head_dim :].view(tokens, heads, head_dim)  # strided rows
+    slots = torch.tensor([7, 0, 12, 3, 31])
+    spec = KVCacheSpec(1, heads, head_dim)
+    (want,) = allocate(spec, 2, 16, torch.bfloat16, torch.device("cpu"), kind)
+    (got,) = allocate(spec, 2, 16, torch.bfloat16, torch.device("cpu"), kind)
+    write_slots(want.k, want.k_scale, x, slots, kind)
+    ext.write_kv_quant_(got.k, got.k_scale, x, slots, kind == "fp8")
+    codes = lambda cache: cache.k.view(-1, heads, head_dim).view(torch.uint8)[slots]  # noqa: E731
+    scales = lambda cache: cache.k_scale.view(-1, heads, cache.k_scale.shape[-1])[slots]  # noqa: E731
+    assert torch.equal(codes(got), codes(want))
+    assert torch.equal(scales(got).view(torch.int16), scales(want).view(torch.int16))
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-moe-shared"])
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_the_plan_writes_and_reads_a_quantized_kv_cache_as_op_by_op_does(tmp_path, variant, kind):
+    build(variant, tmp_path)
+    planned, model = _generate(tmp_path, kv_cache_dtype=kind)
+    assert model._plan is not None
+    eager, _ = _generate(tmp_path, kv_cache_dtype=kind, enforce_eager=True)
+    assert planned == eager
+
+
 @pytest.mark.parametrize(
     "options",
-    [{"kv_cache_dtype": "int8"}, {"kernels": "torch"}, {"dtype": "float32"}],
-    ids=["int8-kv", "torch-kernels", "float32"],
+    [{"kernels": "torch"}, {"dtype": "float32"}],
+    ids=["torch-kernels", "float32"],
 )
 def test_what_the_plan_does_not_cover_runs_op_by_op(tmp_path, options):
     build("llama-gqa", tmp_path)

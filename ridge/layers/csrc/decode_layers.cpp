@@ -8,13 +8,15 @@
 // attention, silu_mul_bf16), on the same views and in the same order, the MoE's router through
 // the same ATen ops and its sort and combine in loops that round where those ops round, so
 // its results are the Python path's, bit for bit
-// (tests/models/test_decode_plan.py). What the plan does not cover (a quantized KV cache,
-// tensor parallelism, latent attention, grouped routers, a prefill) stays in Python.
+// (tests/models/test_decode_plan.py). What the plan does not cover (tensor parallelism,
+// latent attention, grouped routers, a prefill) stays in Python.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -30,6 +32,9 @@ void rope_bf16_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, tor
 torch::Tensor silu_mul_bf16(torch::Tensor gate_up);
 torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                           torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+torch::Tensor paged_decode_attention_quant(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                           torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_tables,
+                                           torch::Tensor context_lens, double scale, bool fp8);
 
 namespace {
 
@@ -95,6 +100,8 @@ struct Layer {
   c10::optional<torch::Tensor> q_norm, k_norm;
   double qk_eps = 0.0;
   torch::Tensor k_pool, v_pool;
+  c10::optional<torch::Tensor> k_scale, v_scale;  // an int8 / fp8 pool's scales
+  bool fp8 = false;
   // the feed-forward: a dense MLP, or an MoE
   Lin gate_up, down;
   c10::optional<Moe> moe;
@@ -115,6 +122,61 @@ void write_rows(const torch::Tensor& pool, const torch::Tensor& x, const int64_t
   }
 }
 
+}  // namespace
+
+// write_kv for an int8 / fp8 pool (kv/cache.py's quantize, then the two index_copy_s): row t
+// of x (T, H, D; rows may be strided) into slot slots[t], each group of D / G values as codes
+// and one fp16 scale (G groups of a head in the scales' last dimension). The arithmetic is
+// quantize's, op for op: amax / qmax rounded to fp16, 1 / scale in fp32 (0 where the scale
+// is 0), codes rounded half to even and clamped (int8) or clamped and rounded to e4m3 (fp8).
+void write_kv_quant_(torch::Tensor pool, torch::Tensor scales, torch::Tensor x, torch::Tensor slots, bool fp8) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "write_kv_quant_: (T, H, D) bf16 rows expected");
+  TORCH_CHECK(pool.element_size() == 1 && pool.is_contiguous() && pool.dim() == 4 && pool.size(2) == x.size(1) &&
+                  pool.size(3) == x.size(2),
+              "write_kv_quant_: a contiguous 1-byte (blocks, block_size, H, D) pool expected");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 4 &&
+                  scales.size(0) == pool.size(0) && scales.size(1) == pool.size(1) && scales.size(2) == pool.size(2),
+              "write_kv_quant_: contiguous fp16 (blocks, block_size, H, groups) scales expected");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == x.size(0),
+              "write_kv_quant_: one int64 slot per row");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), G = scales.size(3), gs = D / G;
+  TORCH_CHECK(G * gs == D, "write_kv_quant_: groups must divide the head");
+  const int64_t num_slots = pool.size(0) * pool.size(1);
+  const float qmax = fp8 ? 448.0f : 127.0f;
+  const auto* xp = x.data_ptr<at::BFloat16>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  auto* cp = static_cast<uint8_t*>(pool.data_ptr());
+  auto* scp = scales.data_ptr<at::Half>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "write_kv_quant_: slot ", sp[t], " out of the pool");
+    for (int64_t h = 0; h < H; ++h) {
+      const at::BFloat16* src = xp + t * x.stride(0) + h * D;
+      uint8_t* codes = cp + (sp[t] * H + h) * D;
+      at::Half* sc = scp + (sp[t] * H + h) * G;
+      for (int64_t g = 0; g < G; ++g) {
+        float amax = 0.f;
+        for (int64_t i = 0; i < gs; ++i) amax = std::max(amax, std::fabs(static_cast<float>(src[g * gs + i])));
+        const at::Half scale(amax / qmax);
+        const float s = static_cast<float>(scale);
+        const float inv = s > 0.f ? 1.0f / s : 0.f;
+        sc[g] = scale;
+        for (int64_t i = 0; i < gs; ++i) {
+          const float v = static_cast<float>(src[g * gs + i]) * inv;
+          if (fp8) {
+            codes[g * gs + i] = c10::Float8_e4m3fn(std::min(std::max(v, -448.0f), 448.0f)).x;
+          } else {
+            const float r = std::min(std::max(std::nearbyint(v), -127.0f), 127.0f);
+            codes[g * gs + i] = static_cast<uint8_t>(static_cast<int8_t>(r));
+          }
+        }
+      }
+    }
+  }
+}
+
+namespace {
+
 struct Timer {
   double& total;
   Clock::time_point start = Clock::now();
@@ -130,10 +192,13 @@ class DecodePlan {
                  std::vector<std::tuple<torch::Tensor, int64_t, int64_t>> qkv, c10::optional<torch::Tensor> qkv_bias,
                  std::vector<std::tuple<torch::Tensor, int64_t, int64_t>> o, c10::optional<torch::Tensor> o_bias,
                  int64_t heads, int64_t kv_heads, int64_t head_dim, c10::optional<torch::Tensor> q_norm,
-                 c10::optional<torch::Tensor> k_norm, double qk_eps, torch::Tensor k_pool, torch::Tensor v_pool) {
-    TORCH_CHECK(k_pool.scalar_type() == at::kBFloat16 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
-                    k_pool.dim() == 4 && k_pool.size(2) == kv_heads && k_pool.size(3) == head_dim,
-                "decode plan: bf16 (blocks, block_size, kv_heads, head_dim) pools expected");
+                 c10::optional<torch::Tensor> k_norm, double qk_eps, torch::Tensor k_pool, torch::Tensor v_pool,
+                 c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale, bool fp8) {
+    const bool quantized = k_scale.has_value();
+    TORCH_CHECK((quantized ? k_pool.element_size() == 1 && v_scale.has_value() : k_pool.scalar_type() == at::kBFloat16) &&
+                    k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 4 &&
+                    k_pool.size(2) == kv_heads && k_pool.size(3) == head_dim,
+                "decode plan: bf16 or 1-byte (blocks, block_size, kv_heads, head_dim) pools expected");
     Layer l;
     l.in_norm = in_norm;
     l.post_norm = post_norm;
@@ -148,6 +213,9 @@ class DecodePlan {
     l.qk_eps = qk_eps;
     l.k_pool = k_pool;
     l.v_pool = v_pool;
+    l.k_scale = k_scale;
+    l.v_scale = v_scale;
+    l.fp8 = fp8;
     layers_.push_back(std::move(l));
   }
 
@@ -227,9 +295,17 @@ class DecodePlan {
         k = qk.slice(1, l.heads);
       }
       // write_kv, then the decode kernel over the pools
-      write_rows(l.k_pool, k, sp, T);
-      write_rows(l.v_pool, v, sp, T);
-      auto attn = paged_decode_attention_bf16(q, l.k_pool, l.v_pool, block_tables, context_lens, scale);
+      torch::Tensor attn;
+      if (l.k_scale.has_value()) {
+        write_kv_quant_(l.k_pool, *l.k_scale, k, slots, l.fp8);
+        write_kv_quant_(l.v_pool, *l.v_scale, v, slots, l.fp8);
+        attn = paged_decode_attention_quant(q, l.k_pool, l.v_pool, *l.k_scale, *l.v_scale, block_tables, context_lens,
+                                            scale, l.fp8);
+      } else {
+        write_rows(l.k_pool, k, sp, T);
+        write_rows(l.v_pool, v, sp, T);
+        attn = paged_decode_attention_bf16(q, l.k_pool, l.v_pool, block_tables, context_lens, scale);
+      }
       torch::Tensor attn_out;
       {
         Timer t(matmul_s);
@@ -362,4 +438,6 @@ void bind_decode_plan(pybind11::module& m) {
       .def("set_shared_expert", &DecodePlan::set_shared_expert)
       .def("num_layers", &DecodePlan::num_layers)
       .def("run", &DecodePlan::run, py::call_guard<py::gil_scoped_release>());
+  m.def("write_kv_quant_", &write_kv_quant_, py::call_guard<py::gil_scoped_release>(),
+        "an int8 / fp8 pool's write_kv: rows quantized per group (kv/cache.py's arithmetic) into their slots");
 }
