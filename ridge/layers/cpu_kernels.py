@@ -37,7 +37,7 @@ SOURCES = (
     "decode_layers.cpp",
     "bindings.cpp",
 )
-HEADERS = ("linear_call.h", "paged_rows.h")
+HEADERS = ("kernels.h", "linear_call.h", "paged_rows.h")
 EXTENSION_NAME = "ridge_cpu"
 # Progress lines while a build runs (it takes 1-2 minutes on 2 cores).
 PROGRESS_EVERY_S = 15.0
