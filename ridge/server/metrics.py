@@ -183,6 +183,15 @@ def telemetry_samples(stats: EngineStats) -> list[Sample]:
             ),
             Sample("ridge_steps", "Engine steps by phase.", totals.steps, labels, kind="counter"),
         ]
+        if totals.matmul_timed_wall_s:  # CPU: the kernels timed their matmuls
+            samples.append(
+                Sample(
+                    "ridge_step_outside_matmul_fraction",
+                    "Share of the phase's wall time spent outside the linear kernels (CPU; measured).",
+                    1.0 - totals.matmul_s / totals.matmul_timed_wall_s,
+                    labels,
+                )
+            )
         if stats.roofline_resolved:
             samples.append(
                 Sample(
