@@ -269,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
     def decode_plan(self, kv_caches: list[PagedKV], dtype: torch.dtype) -> DecodePlanRun | None:
         """The kernels' plan for a decode step over these caches (built on first use), or
         None: this model runs op by op (eager, or a part the plan does not cover)."""
-        key = (id(kv_caches), len(kv_caches), kv_caches[0].k.data_ptr() if kv_caches else 0, dtype)
+        key = (id(kv_caches), len(kv_caches), kv_caches[0].k.data_ptr() if kv_caches else 0, dtype, self.eager)
         if key != self._plan_key:
             self._plan_key = key
             self._plan = None if self.eager else DecodePlanRun.build(self, kv_caches, dtype)
