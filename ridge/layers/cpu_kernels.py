@@ -37,7 +37,7 @@ SOURCES = (
     "decode_layers.cpp",
     "bindings.cpp",
 )
-HEADERS = ("kernels.h", "linear_call.h", "paged_rows.h")
+HEADERS = ("amx.h", "kernels.h", "linear_call.h", "paged_rows.h")
 EXTENSION_NAME = "ridge_cpu"
 # Progress lines while a build runs (it takes 1-2 minutes on 2 cores).
 PROGRESS_EVERY_S = 15.0
@@ -73,8 +73,20 @@ def load_extension(progress=sys.stderr):
     """Load ridge's CPU extension, compiling it first if needed; returns the module.
 
     A compile prints what it is doing to ``progress`` (a start line, a line every
-    ``PROGRESS_EVERY_S`` seconds, and the time it took); a load prints nothing.
+    ``PROGRESS_EVERY_S`` seconds, and the time it took); a load prints nothing. A process holds
+    one copy: later calls return the module loaded first, whatever ``$RIDGE_CACHE_DIR`` says
+    by then (a second copy from another build directory could not register its classes).
     """
+    global _LOADED
+    if _LOADED is None:
+        _LOADED = _load_extension(progress)
+    return _LOADED
+
+
+_LOADED = None  # the extension this process loaded
+
+
+def _load_extension(progress):
     from torch.utils.cpp_extension import load
 
     # The ninja that pip installs with ridge sits beside this interpreter, which may not be on PATH.
@@ -117,6 +129,7 @@ def load_extension(progress=sys.stderr):
                 "-mavx512vnni",
                 "-mamx-tile",  # AMX runs only where the CPU has it (linear_bf16.cpp asks at run time)
                 "-mamx-bf16",
+                "-mamx-int8",
                 "-mf16c",
                 "-mgfni",  # every AVX-512 BF16 CPU has it (Zen 4, Sapphire Rapids)
                 "-mfma",

@@ -237,15 +237,28 @@ def test_a_build_at_first_use_says_what_it_is_doing(monkeypatch):
     monkeypatch.setattr(torch.utils.cpp_extension, "load", slow_load)
     monkeypatch.setattr(cpu_kernels, "PROGRESS_EVERY_S", 0.05)
     monkeypatch.setattr(cpu_kernels, "extension_is_built", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "_LOADED", None)  # as in a fresh process
     out = io.StringIO()
     assert cpu_kernels.load_extension(progress=out) == "module"
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("ridge: compiling the CPU kernels") and "still compiling" in lines[1]
     assert lines[-1].startswith("ridge: CPU kernels compiled in")
     monkeypatch.setattr(cpu_kernels, "extension_is_built", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "_LOADED", None)
     quiet = io.StringIO()
     cpu_kernels.load_extension(progress=quiet)
     assert quiet.getvalue() == ""  # a cached build only loads
+
+
+def test_a_process_loads_the_extension_once(kernel, tmp_path, monkeypatch):
+    """Another $RIDGE_CACHE_DIR later in the process (a test's, a probe's) neither compiles a
+    second copy nor loads one (pybind11 could not register the DecodePlan class twice)."""
+    from ridge.layers import cpu_kernels
+
+    first = cpu_kernels.load_extension()
+    monkeypatch.setenv("RIDGE_CACHE_DIR", str(tmp_path))
+    assert cpu_kernels.load_extension() is first
+    assert not (tmp_path / "extensions").exists()
 
 
 @pytest.mark.parametrize("dim", [64, 24])  # the AVX-512 bf16 kernel (16k head sizes) and the portable one

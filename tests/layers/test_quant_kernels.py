@@ -4,6 +4,9 @@ kernel (as llama.cpp does), so the tolerance is that of an 8-bit activation, not
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -77,10 +80,18 @@ def test_exact_on_exactly_representable_inputs(ext):
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_a_rows_output_does_not_depend_on_its_batch(ext, name):
-    k = 64 if FORMATS[name].block == 32 else 256
+    """Also the AMX-INT8 path against the VNNI loop where the CPU has AMX (8+ rows take tiles,
+    one row never): the same integers and the same float ops, so the same bits. K = 96 gives
+    the per-32 formats an odd number of groups (the last pair of groups is half zeros)."""
+    k = 96 if FORMATS[name].block == 32 else 512
     blocks, packed = _packed(ext, name, 40, k, seed=5)
     code = QUANT_KERNEL_CODES[name]
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(1)).bfloat16()
     alone = torch.cat([ext.linear_quant(x[i : i + 1], packed, code, 40, None) for i in range(300)])
-    for m in (2, 3, 17, 64, 200, 300):  # streaming tiles, and slabs of 128 rows
+    for m in (2, 3, 8, 12, 17, 64, 200, 300):  # streaming tiles, and slabs of 128 rows
         assert torch.equal(ext.linear_quant(x[:m], packed, code, 40, None), alone[:m])
+
+
+def test_amx_int8_is_used_where_the_cpu_has_it(ext):
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    assert ext.amx_int8_ready() == ("amx_int8" in flags and os.environ.get("RIDGE_AMX") != "0")

@@ -14,6 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "stacked experts: x rows sorted by expert (counts per expert) times each expert's rows of W");
   m.def("linear_quant_grouped", &linear_quant_grouped, py::call_guard<py::gil_scoped_release>(), "linear_bf16_grouped for Q8_0 / Q4_0 / Q4_1 weights");
   m.def("linear_bf16_uses_amx", &linear_bf16_uses_amx, py::call_guard<py::gil_scoped_release>(), "whether linear_bf16 runs 2+ rows on AMX tiles for this K");
+  m.def("amx_int8_ready", &amx_int8_ready, py::call_guard<py::gil_scoped_release>(), "whether linear_quant runs 2+ rows on AMX-INT8 tiles");
   m.def("pack_quant", &pack_quant, py::call_guard<py::gil_scoped_release>(), "(N, K/32 * type_size) GGUF blocks -> blocks of 16 rows for linear_quant");
   m.def("unpack_quant", &unpack_quant, py::call_guard<py::gil_scoped_release>(), "the inverse of pack_quant");
   m.def("linear_quant", &linear_quant, py::call_guard<py::gil_scoped_release>(),

@@ -416,7 +416,7 @@ class DecodePlan {
 
 void bind_decode_plan(pybind11::module& m) {
   namespace py = pybind11;
-  py::class_<DecodePlan>(m, "DecodePlan", "every decoder layer of a bf16 decode step in one call")
+  py::class_<DecodePlan>(m, "DecodePlan", py::module_local(), "every decoder layer of a bf16 decode step in one call")
       .def(py::init<>())
       .def("add_layer", &DecodePlan::add_layer)
       .def("set_mlp", &DecodePlan::set_mlp)

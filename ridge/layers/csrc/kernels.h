@@ -10,6 +10,7 @@ torch::Tensor pack_vnni(torch::Tensor w);
 torch::Tensor unpack_vnni(torch::Tensor packed, int64_t N, int64_t K);
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias);
 bool linear_bf16_uses_amx(int64_t K);
+bool amx_int8_ready();  // AMX-INT8 tiles usable (linear_quant runs 2+ rows on them)
 torch::Tensor linear_bf16_grouped(torch::Tensor x, torch::Tensor packed, int64_t N, std::vector<int64_t> counts);
 torch::Tensor linear_quant_grouped(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_t N,
                                    std::vector<int64_t> counts);

@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "amx.h"
 #include "linear_call.h"
 #include <cpuid.h>
 #include <immintrin.h>
@@ -203,18 +204,12 @@ constexpr int ARCH_REQ_XCOMP_PERM = 0x1023;
 constexpr int64_t AMX_PREFETCH = 128;  // k values ahead (4 KiB of a block's stream)
 constexpr int XFEATURE_XTILEDATA = 18;
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // C tiles 0-1 (two blocks of 16 outputs), A tile 2 (x rows), B tiles 3-4 (the two blocks).
 inline void configure_tiles(int rows) {
   TileConfig cfg;
   for (int t : {0, 1, 2}) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;
   for (int t : {3, 4}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 // rows [0, mt) of x (stride K) times blocks wb0 (and wb1 if given) into buf0 / buf1 (16 x 16).
@@ -273,21 +268,25 @@ void gemm_amx(const bf16* x, int64_t M, int64_t K, const bf16* wp, int64_t N, co
   });
 }
 
-// AMX-BF16 on the CPU, granted by the OS (Linux hands tile state to a process that asks),
-// and not turned off with RIDGE_AMX=0. Decided once per process.
-bool amx_ready() {
-  static const bool ready = [] {
+// The CPU's AMX features (CPUID leaf 7, EDX bit 22 BF16, 24 TILE, 25 INT8) where the OS grants
+// tile state (Linux hands it to a process that asks) and RIDGE_AMX=0 does not turn them off;
+// none otherwise. Decided once per process.
+unsigned amx_features() {
+  static const unsigned features = [] {
     const char* env = std::getenv("RIDGE_AMX");
-    if (env && std::strcmp(env, "0") == 0) return false;
+    if (env && std::strcmp(env, "0") == 0) return 0u;
     unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool amx_bf16 = d & (1u << 22), amx_tile = d & (1u << 24);
-    return amx_bf16 && amx_tile && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24))) return 0u;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? d : 0u;
   }();
-  return ready;
+  return features;
 }
 
+bool amx_ready() { return amx_features() & (1u << 22); }
+
 }  // namespace
+
+bool amx_int8_ready() { return amx_features() & (1u << 25); }
 
 bool linear_bf16_uses_amx(int64_t K) { return K % 32 == 0 && amx_ready(); }  // for M >= 2
 
