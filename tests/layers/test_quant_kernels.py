@@ -13,7 +13,7 @@ import torch
 from ridge.layers.cpu_kernels import cpu_has_avx512_bf16, load_extension
 from ridge.layers.kernels import QUANT_KERNEL_CODES
 from ridge.quantization.formats import FORMATS
-from tests.quantization.random_blocks import random_blocks
+from ridge.quantization.random_blocks import random_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU has no AVX-512 BF16 + VNNI")
 

@@ -52,7 +52,7 @@ def test_a_file_whose_qkv_keeps_two_formats_plans_each_part(tmp_path):
 
     from ridge.models.export import write_gguf
     from ridge.quantization.formats import FORMATS_BY_GGML_TYPE
-    from tests.quantization.random_blocks import random_blocks
+    from ridge.quantization.random_blocks import random_blocks
 
     from .gguf_files import rewrite
 

@@ -23,7 +23,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
-from tests.quantization.random_blocks import random_blocks  # noqa: E402
+from ridge.quantization.random_blocks import random_blocks  # noqa: E402
 
 from .gguf_files import llama_cpp_greedy, quantize_any, quantized, rewrite  # noqa: E402
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ridge.quantization.formats import FORMATS, QUANTIZATION_FORMATS, get_format
-from tests.quantization.random_blocks import random_blocks
+from ridge.quantization.random_blocks import random_blocks
 
 gguf = pytest.importorskip("gguf")
 quants = pytest.importorskip("gguf.quants")

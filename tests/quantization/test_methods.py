@@ -11,8 +11,7 @@ from ridge.layers.kernels import TorchKernels
 from ridge.layers.linear import Linear, PackedLinear
 from ridge.quantization.formats import FORMATS
 from ridge.quantization.methods import BlockQuantLinearMethod, ShardedLinearMethod
-
-from .random_blocks import random_blocks
+from ridge.quantization.random_blocks import random_blocks
 
 SIZES = [64, 32, 32]  # q, k, v of a tiny attention layer
 K = 256

@@ -64,8 +64,8 @@ constexpr int64_t SLAB = 128;  // rows of x per pass over W for prefill (x slab 
 // int8 streams (30.4, which gains nothing: its loads were never held back); 8 rows: int4 0.91
 // -> 0.66 ms, Q6_K 1.61 -> 0.93; 16 and 64 rows: 4-15% faster.
 constexpr int64_t PF_DIST = 8, PF_MIN_MR = 8, PF_AHEAD = 64 * 1024;
-// Steps of at least this many rows take AMX-INT8 tiles where the CPU has them (see amx_pair_dots)
-constexpr int64_t AMX_INT8_MIN_M = 8;
+// Tiles of at least this many rows (12 or 16) take AMX-INT8 where the CPU has it (see amx_chunk_dots)
+constexpr int64_t AMX_INT8_MIN_MR = 12;
 
 struct Layout {
   int64_t type_size, wbytes, chunk, off;  // chunk: bytes per group of 32 k in a block of 16 rows
@@ -101,8 +101,7 @@ struct XTile {
   int32_t* qs;  // -off * sum of codes (symmetric formats)
   int32_t* qsa;  // -off * sum of the first 16 codes (Q6_K, Q3_K: a scale per 16 k)
   float* sa;  // d * sum of the first 16 codes (Q2_K: a minimum per 16 k)
-  int8_t* xa;  // AMX only: the codes as A tiles (see amx_x_offset), zeros between them
-  int64_t (*x_offset)(int64_t g, int64_t i);  // AMX: amx_x_offset for this tile's MR
+  int8_t* xa;  // AMX only: the codes row-major, xa[(g * mr + i) * 32 + k] (an A tile per group)
 };
 
 template <typename T>
@@ -130,7 +129,7 @@ void quantize_row(const T* x, int64_t G, int64_t off, const XTile& t, int64_t i)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtsepi32_epi8(qa));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16), _mm512_cvtsepi32_epi8(qb));
     for (int64_t j = 0; j < 8; ++j) std::memcpy(&t.q[(g * 8 + j) * t.mr + i], codes + 4 * j, 4);
-    if (t.xa) std::memcpy(t.xa + t.x_offset(g, i), codes, QK);  // AMX's A tiles
+    if (t.xa) std::memcpy(t.xa + (g * t.mr + i) * QK, codes, QK);
     t.d[g * t.mr + i] = d;
     const int32_t code_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
     t.qs[g * t.mr + i] = static_cast<int32_t>(-off * code_sum);
@@ -278,115 +277,81 @@ inline void iq4_xs_superblock(const uint8_t* scales, int64_t G, int64_t s, Q4KSc
 
 // ---- AMX-INT8 (Intel's tile unit: Sapphire Rapids and later) ------------------------------
 //
-// Two weight chunks of a block ([8 quads][16 rows][4 k] each, groups 2p and 2p + 1) are one
-// B tile as they lie: 16 rows of 64 bytes, 64 k x 16 outputs. tdpbsud (signed x, unsigned W)
-// multiplies it with an A tile whose rows each hold one row's codes of one group of the pair
-// and zeros over the other: C row s * MR + i is then row i's integer dot product over group
-// 2p + s alone, the integer the VNNI loop builds with 8 vpdpbusd. The integers are exact either
-// way, and the scales are applied to them by the same float ops in the same order, so the AMX
-// path gives the VNNI path's results bit for bit (a row's output does not depend on which path
-// or batch computed it).
+// A weight chunk's 8 quads of 64 bytes ([16 rows][4 k] each) are AMX's B-tile rows for 32 k x
+// 16 outputs as they lie, and the x codes of a group row-major (XTile::xa) an A tile of MR
+// rows x 32 bytes: one tdpbsud (signed x, unsigned W) gives all MR rows' integer dot products
+// of a group, what the VNNI loop builds with 8 vpdpbusd per row. The integers are exact
+// either way, and the scales are applied to them by the same float ops in the same order, so
+// the AMX path gives the VNNI path's results bit for bit (a row's output does not depend on
+// which path or batch computed it).
 //
-// The scales per 32 k make every group's integers leave the tile (a tile store, ~4.4 ns here
-// whatever its rows, against ~9 ns for 64 vpdpbusd), so a tile of 8 rows takes both groups of
-// a pair in one product and one store. A tile op waits for the one before it (weights
-// unpacked, stored, loaded, multiplied, the result stored and read back), so pair p + 1's tile
-// work is issued before pair p's results are scaled. Measured on a 2-core Intel Xeon with
-// AMX, interleaved, a 1.1B model's four matrices: 8-128 rows 1.1-1.2x the VNNI loop for
-// Q8_0, Q4_0, Q4_1, IQ4_NL, IQ4_XS, Q4_K, Q5_K; 2-4 rows slower (0.6-0.9x), and the formats
-// with a scale per 16 k (Q6_K, Q3_K, Q2_K: four stores per pair at 16 rows) 0.6-0.9x at any
-// rows: those keep the VNNI loop (AMX_INT8_MIN_M, amx_format).
-// Tiles: C 0 and 1 (a pair's products), A 4 and 5, B 6 and 7 (pairs in turn).
-template <int64_t MR>
-struct AmxShape {
-  static constexpr int64_t PER_DOT = std::min<int64_t>(2, 16 / MR);  // groups per product
-  static constexpr int64_t DOTS = 2 / PER_DOT;                       // products per pair
-  static constexpr int64_t ROWS = MR * PER_DOT;                      // A and C tile rows
-};
+// The scales per 32 k make every group's integers leave the tile before they are scaled (a
+// tile store, ~4.4 ns here whatever its rows, about what 30 vpdpbusd cost), and the scaling
+// per row is the VNNI loop's own: tiles pay only where a tile's rows are many. A tile op
+// waits for the one before it (weights unpacked, stored, loaded, multiplied, the result
+// stored and read back), so products come in chunks of 4 groups (C tiles 0-3; A tiles 4 and 5,
+// B tiles 6 and 7 in turn) and the next chunk's are issued before this chunk's are scaled.
+// Measured on a 2-core Intel Xeon with AMX (2026-11-25, a 1.1B layer's four matrices, rounds
+// alternated): 16-64 rows 1.05-1.28x the VNNI loop for the 4-bit formats; 8 rows (zero-padded
+// A tiles of two groups tried too) 0.96-1.0x; formats with a scale per 16 k (Q6_K, Q3_K,
+// Q2_K: two stores a group) 0.6-0.9x. Those keep the VNNI loop (AMX_INT8_MIN_M, amx_format).
+constexpr int64_t AMX_CHUNK = 4;  // groups per chunk of products
 
 constexpr bool amx_format(int64_t fmt) { return fmt != Q6_K && fmt != Q3_K && fmt != Q2_K; }
 
-inline int64_t amx_tile_rows(int64_t mr) { return mr * std::min<int64_t>(2, 16 / mr); }  // AmxShape::ROWS
-
 inline void configure_int8_tiles(int64_t rows) {
   TileConfig cfg;
-  for (int t : {0, 1, 4, 5}) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;
-  for (int t : {6, 7}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t = 0; t < 4; ++t) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;
+  for (int t : {4, 5}) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = QK;
+  for (int t : {6, 7}) cfg.rows[t] = 8, cfg.colsb[t] = 64;
   load_tile_config(cfg);
 }
 
-// Product d (0-1) of a pair: x (stride 64) times B tile 6 + b into C tile d. (The intrinsics
-// take tile numbers as literals; d and b are constants once the caller unrolls.)
-inline void amx_dot(int d, int b, const int8_t* x) {
-  switch (2 * d + b) {
-    case 0: _tile_loadd(4, x, 64); _tile_zero(0); _tile_dpbsud(0, 4, 6); break;
-    case 1: _tile_loadd(4, x, 64); _tile_zero(0); _tile_dpbsud(0, 4, 7); break;
-    case 2: _tile_loadd(5, x, 64); _tile_zero(1); _tile_dpbsud(1, 5, 6); break;
-    default: _tile_loadd(5, x, 64); _tile_zero(1); _tile_dpbsud(1, 5, 7);
+// Product d (0-3) of a chunk: x codes (stride 32) times a weight chunk (stride 64) into C tile
+// d. (The intrinsics take tile numbers as literals; d is a constant once the caller unrolls.)
+inline void amx_dot(int d, const int8_t* x, const uint8_t* w) {
+  switch (d) {
+    case 0: _tile_loadd(4, x, QK); _tile_loadd(6, w, 64); _tile_zero(0); _tile_dpbsud(0, 4, 6); break;
+    case 1: _tile_loadd(5, x, QK); _tile_loadd(7, w, 64); _tile_zero(1); _tile_dpbsud(1, 5, 7); break;
+    case 2: _tile_loadd(4, x, QK); _tile_loadd(6, w, 64); _tile_zero(2); _tile_dpbsud(2, 4, 6); break;
+    default: _tile_loadd(5, x, QK); _tile_loadd(7, w, 64); _tile_zero(3); _tile_dpbsud(3, 5, 7);
   }
 }
 
-// Pair p's products (groups 2p and 2p + 1; zeros for a second group past G): product d's C
-// tile at c + 256 d, group 2p + s of it (s < PER_DOT) for row i at row s * MR + i.
+inline void amx_store(int d, int32_t* c) {
+  switch (d) {
+    case 0: _tile_stored(0, c, 64); break;
+    case 1: _tile_stored(1, c, 64); break;
+    case 2: _tile_stored(2, c, 64); break;
+    default: _tile_stored(3, c, 64);
+  }
+}
+
+// The chunk of groups from g0 (4, fewer at the end of K): group g0 + d's integer products for
+// the tile's MR rows, row i at c + 256 d + 16 i.
 template <int FMT, int64_t WB, int64_t MR>
-inline void amx_pair_dots(const uint8_t* block, const int8_t* xa, int64_t p, int64_t G, int32_t* c) {
-  using S = AmxShape<MR>;
-  const int64_t g0 = 2 * p, n = std::min<int64_t>(2, G - g0);
-  alignas(64) uint8_t wbuf[1024];
-  const uint8_t* w = block + g0 * WB;  // Q8_0's two chunks are the B tile as they lie
-  if (FMT != Q8_0 || n < 2) {
-    for (int64_t j = 0; j < n; ++j) {
-      if constexpr (FMT == Q8_0) {
-        std::memcpy(wbuf + 512 * j, w + 512 * j, 512);
-      } else {
-        __m512i q[8];
-        load_weights<FMT>(block + (g0 + j) * WB, q);
-        for (int r = 0; r < 8; ++r) _mm512_store_si512(wbuf + 512 * j + 64 * r, q[r]);
-      }
+inline void amx_chunk_dots(const uint8_t* block, const int8_t* xa, int64_t g0, int64_t G, int32_t* c) {
+  const int64_t n = std::min<int64_t>(AMX_CHUNK, G - g0);
+  alignas(64) uint8_t wbuf[AMX_CHUNK][512];
+  const uint8_t* w[AMX_CHUNK];
+  for (int64_t j = 0; j < n; ++j) {
+    const uint8_t* chunk = block + (g0 + j) * WB;
+    if constexpr (FMT == Q8_0) {
+      w[j] = chunk;  // Q8_0's chunk is its B tile as it lies
+    } else {
+      __m512i q[8];
+      load_weights<FMT>(chunk, q);
+      for (int r = 0; r < 8; ++r) _mm512_store_si512(wbuf[j] + 64 * r, q[r]);
+      w[j] = wbuf[j];
     }
-    if (n < 2) std::memset(wbuf + 512, 0, 512);
-    w = wbuf;
-    memory_barrier();  // the tile load reads wbuf (see amx.h)
   }
-  const int b = static_cast<int>(p & 1);
-  if (b)
-    _tile_loadd(7, w, 64);
-  else
-    _tile_loadd(6, w, 64);
-  const int8_t* x = xa + p * S::DOTS * S::ROWS * 64;
-  amx_dot(0, b, x);
-  _tile_stored(0, c, 64);
-  if constexpr (S::DOTS == 2) {
-    amx_dot(1, b, x + S::ROWS * 64);
-    _tile_stored(1, c + 256, 64);
-  }
-}
-
-// Where quantize_row puts row i's codes of group g in the A tiles (XTile::xa, zeros elsewhere)
-template <int64_t MR>
-int64_t amx_x_offset(int64_t g, int64_t i) {
-  using S = AmxShape<MR>;
-  const int64_t s = g & 1, d = s / S::PER_DOT, slot = s % S::PER_DOT;
-  return (((g >> 1) * S::DOTS + d) * S::ROWS + slot * MR + i) * 64 + s * QK;
-}
-
-inline auto amx_x_offset_for(int64_t mr) {
-  switch (mr) {
-    case 1: return &amx_x_offset<1>;
-    case 2: return &amx_x_offset<2>;
-    case 4: return &amx_x_offset<4>;
-    case 8: return &amx_x_offset<8>;
-    case 12: return &amx_x_offset<12>;
-    default: return &amx_x_offset<16>;
-  }
-}
-
-// Row 0 of group g in its pair's products c (row i 16 int32 further)
-template <int64_t MR>
-inline const int32_t* amx_dots_of(const int32_t* c, int64_t g) {
-  using S = AmxShape<MR>;
-  const int64_t s = g & 1;
-  return c + (s / S::PER_DOT) * 256 + (s % S::PER_DOT) * MR * 16;
+  memory_barrier();  // the tile loads read wbuf and the x codes (see amx.h)
+#pragma GCC unroll 4
+  for (int d = 0; d < AMX_CHUNK; ++d)
+    if (d < n) amx_dot(d, xa + (g0 + d) * MR * QK, w[d]);
+#pragma GCC unroll 4
+  for (int d = 0; d < AMX_CHUNK; ++d)
+    if (d < n) amx_store(d, c + d * 256);
 }
 
 template <int FMT, int MR, bool AMX>
@@ -409,10 +374,9 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   const uint8_t* scales = block + G * WB;
   [[maybe_unused]] Q4KScales sb;
-  // AMX: two pairs' dot products (see amx_pair_dots), this pair's and the next one's
   static_assert(!AMX || amx_format(FMT));
-  [[maybe_unused]] alignas(64) int32_t cbuf[2][2 * 256];
-  if constexpr (AMX) amx_pair_dots<FMT, WB, MR>(block, t.xa, 0, G, cbuf[0]);
+  [[maybe_unused]] alignas(64) int32_t cbuf[2][AMX_CHUNK * 256];  // AMX: this chunk's products, the next one's
+  if constexpr (AMX) amx_chunk_dots<FMT, WB, MR>(block, t.xa, 0, G, cbuf[0]);
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* chunk = block + g * WB;
     if ((g & 7) == 0) {
@@ -464,10 +428,10 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
     __m512i w[8];
     [[maybe_unused]] const int32_t* dots = nullptr;  // AMX: this group's row i at dots + 16 i
     if constexpr (AMX) {
-      const int64_t p = g >> 1;
-      if (!(g & 1) && 2 * (p + 1) < G)  // the next pair's tile work, before this pair is scaled
-        amx_pair_dots<FMT, WB, MR>(block, t.xa, p + 1, G, cbuf[(p + 1) & 1]);
-      dots = amx_dots_of<MR>(cbuf[p & 1], g);
+      const int64_t k = g / AMX_CHUNK, j = g % AMX_CHUNK;
+      if (j == 0 && g + AMX_CHUNK < G)  // the next chunk's tile work, before this one is scaled
+        amx_chunk_dots<FMT, WB, MR>(block, t.xa, g + AMX_CHUNK, G, cbuf[(k + 1) & 1]);
+      dots = cbuf[k & 1] + j * 256;
     } else {
       load_weights<FMT>(chunk, w);
     }
@@ -562,15 +526,21 @@ inline void run_tile(const XTile& t, const uint8_t* block, int64_t G, int64_t nb
   }
 }
 
-template <int FMT, bool AMX, typename T>
+template <int FMT, typename T>
 void dispatch_tile(const XTile& t, const uint8_t* block, int64_t G, int64_t nb, int64_t N, const float* bias, T* y) {
+  if constexpr (amx_format(FMT)) {
+    if (t.xa) {  // a tile of AMX_INT8_MIN_MR+ rows on an AMX-INT8 CPU (gemm_slab)
+      if (t.mr == 12) return run_tile<FMT, 12, true>(t, block, G, nb, N, bias, y);
+      return run_tile<FMT, 16, true>(t, block, G, nb, N, bias, y);
+    }
+  }
   switch (t.mr) {
-    case 1: return run_tile<FMT, 1, AMX>(t, block, G, nb, N, bias, y);
-    case 2: return run_tile<FMT, 2, AMX>(t, block, G, nb, N, bias, y);
-    case 4: return run_tile<FMT, 4, AMX>(t, block, G, nb, N, bias, y);
-    case 8: return run_tile<FMT, 8, AMX>(t, block, G, nb, N, bias, y);
-    case 12: return run_tile<FMT, 12, AMX>(t, block, G, nb, N, bias, y);
-    default: return run_tile<FMT, 16, AMX>(t, block, G, nb, N, bias, y);
+    case 1: return run_tile<FMT, 1, false>(t, block, G, nb, N, bias, y);
+    case 2: return run_tile<FMT, 2, false>(t, block, G, nb, N, bias, y);
+    case 4: return run_tile<FMT, 4, false>(t, block, G, nb, N, bias, y);
+    case 8: return run_tile<FMT, 8, false>(t, block, G, nb, N, bias, y);
+    case 12: return run_tile<FMT, 12, false>(t, block, G, nb, N, bias, y);
+    default: return run_tile<FMT, 16, false>(t, block, G, nb, N, bias, y);
   }
 }
 
@@ -585,15 +555,14 @@ void gemm_slab(const T* x, int64_t M, int64_t K, const uint8_t* wp, int64_t N, c
   for (int64_t r0 = 0; r0 < M; r0 += 16) {
     const int64_t rows = std::min<int64_t>(16, M - r0);
     const int64_t mr = rows <= 2 ? rows : rows <= 4 ? 4 : rows <= 8 ? 8 : rows <= 12 ? 12 : 16;
-    tiles.push_back({r0, rows, mr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr});
+    tiles.push_back({r0, rows, mr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr});
     cells += mr;
   }
   std::vector<int32_t> qbuf(cells * G * 8, 0), qsbuf(cells * G, 0), qsabuf(cells * G, 0);
   std::vector<float> dbuf(cells * G, 0.f), sbuf(cells * G, 0.f), sabuf(cells * G, 0.f);
-  const bool amx = amx_format(FMT) && M >= AMX_INT8_MIN_M && amx_int8_ready();
-  // AMX: a pair of groups' A tiles hold 64 bytes per row and group (see AmxShape)
-  const int64_t xa_per_cell = (G + 1) / 2 * 2 * 64;
-  std::vector<int8_t> xabuf(amx ? cells * xa_per_cell : 0, 0);
+  // AMX: tiles of AMX_INT8_MIN_MR+ rows get their codes row-major too (XTile::xa)
+  const bool amx = amx_format(FMT) && M >= AMX_INT8_MIN_MR && amx_int8_ready();
+  std::vector<int8_t> xabuf(amx ? cells * G * QK : 0, 0);
   int64_t at = 0;
   for (XTile& t : tiles) {
     t.q = qbuf.data() + at * G * 8;
@@ -602,8 +571,7 @@ void gemm_slab(const T* x, int64_t M, int64_t K, const uint8_t* wp, int64_t N, c
     t.qs = qsbuf.data() + at * G;
     t.qsa = qsabuf.data() + at * G;
     t.sa = sabuf.data() + at * G;
-    t.xa = amx ? xabuf.data() + at * xa_per_cell : nullptr;
-    t.x_offset = amx_x_offset_for(t.mr);
+    t.xa = amx && t.mr >= AMX_INT8_MIN_MR ? xabuf.data() + at * G * QK : nullptr;
     at += t.mr;
   }
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
@@ -612,24 +580,15 @@ void gemm_slab(const T* x, int64_t M, int64_t K, const uint8_t* wp, int64_t N, c
       quantize_row<T>(x + r * K, G, L.off, t, r - t.row0);
     }
   });
-  if (!amx) {
-    at::parallel_for(0, NB, 1, [&](int64_t b_begin, int64_t b_end) {
-      for (int64_t nb = b_begin; nb < b_end; ++nb)
-        for (const XTile& t : tiles) dispatch_tile<FMT, false, T>(t, wp + nb * block_bytes, G, nb, N, bias, y);
-    });
-    return;
-  }
-  if constexpr (amx_format(FMT)) {
-    at::parallel_for(0, NB, 1, [&](int64_t b_begin, int64_t b_end) {
-      int64_t configured = 0;  // tiles are configured per thread, for the tile's rows
-      for (int64_t nb = b_begin; nb < b_end; ++nb)
-        for (const XTile& t : tiles) {
-          if (t.mr != configured) configure_int8_tiles(amx_tile_rows(t.mr)), configured = t.mr;
-          dispatch_tile<FMT, true, T>(t, wp + nb * block_bytes, G, nb, N, bias, y);
-        }
-      if (configured) _tile_release();
-    });
-  }
+  at::parallel_for(0, NB, 1, [&](int64_t b_begin, int64_t b_end) {
+    int64_t configured = 0;  // AMX tiles are configured per thread, for the tile's rows
+    for (int64_t nb = b_begin; nb < b_end; ++nb)
+      for (const XTile& t : tiles) {
+        if (t.xa && t.mr != configured) configure_int8_tiles(t.mr), configured = t.mr;
+        dispatch_tile<FMT, T>(t, wp + nb * block_bytes, G, nb, N, bias, y);
+      }
+    if (configured) _tile_release();
+  });
 }
 
 template <typename T>

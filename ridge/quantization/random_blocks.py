@@ -1,5 +1,7 @@
 """Random but valid blocks of a GGUF block type, for formats ridge reads but does not produce
-(IQ4_NL, the K-quants): any bytes are valid codes; only the fp16 factors need finite, realistic values."""
+(IQ4_NL, the K-quants): any bytes are valid codes; only the fp16 factors need finite, realistic
+values. The tests' weights for those formats, and benchmarks' (whose timings do not depend on
+the values)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,141 @@
+"""What a quantized decode step of several rows costs against one row, per block format, and
+what AMX-INT8 gives where the CPU has it.
+
+The kernel alone (``linear_quant``) over the four matrices of a TinyLlama-1.1B layer (qkv,
+o, gate_up, down: 2560x2048, 2048x2048, 11264x2048, 2048x5632), bf16 activations, at each
+row count. Each round runs one worker process per path, in turn: the path ridge dispatches
+(AMX tiles for 8+ rows where the CPU has AMX-INT8) and, on such CPUs, ``RIDGE_AMX=0`` (the
+VNNI loop everywhere). Reported per format and rows: the median over rounds of each worker's
+median, the cost against one row (the issue's target: 2-8 rows at most 1.3x one row), the
+one-row bandwidth (packed bytes / time), and AMX's speedup over the VNNI loop. Weights are
+random valid blocks (timings do not depend on the values). Writes
+``benchmarks/quant_rows.json`` (one entry per CPU; a rerun replaces its entry).
+
+    python benchmarks/quant_rows.py [--rounds 3] [--rows 1,2,4,8,16,64,128] [--formats int4,q4_k]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+OUT = Path(__file__).with_name("quant_rows.json")
+SHAPES = ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))  # (N, K) of one layer
+
+
+def run_layer(ext, layer, xs, code: int) -> None:
+    for (packed, n, _), x in zip(layer, xs):
+        ext.linear_quant(x, packed, code, n, None)
+
+
+def worker(formats: list[str], rows: list[int], threads: int) -> dict:
+    """{format: {rows: ms}} for this process's path, and the packed bytes per format."""
+    from ridge.layers.cpu_kernels import load_extension
+    from ridge.layers.kernels import QUANT_KERNEL_CODES
+    from ridge.quantization.formats import FORMATS
+    from ridge.quantization.random_blocks import random_blocks
+
+    torch.set_num_threads(threads)
+    ext = load_extension()
+    times, sizes = {}, {}
+    for name in formats:
+        code = QUANT_KERNEL_CODES[name]
+        layer = [
+            (ext.pack_quant(random_blocks(FORMATS[name], n, k, seed=i), code, n, k), n, k)
+            for i, (n, k) in enumerate(SHAPES)
+        ]
+        sizes[name] = sum(p.numel() for p, _, _ in layer)
+        times[name] = {}
+        for m in rows:
+            xs = [torch.randn(m, k).bfloat16() for _, _, k in layer]
+            run_layer(ext, layer, xs, code)
+            samples = []
+            for _ in range(max(5, int(40 / m**0.5))):
+                start = time.perf_counter()
+                run_layer(ext, layer, xs, code)
+                samples.append(time.perf_counter() - start)
+            times[name][str(m)] = statistics.median(samples) * 1e3
+    return {"ms": times, "bytes": sizes, "amx_int8": bool(ext.amx_int8_ready())}
+
+
+def run_worker(path: str, args) -> dict:
+    env = dict(os.environ, RIDGE_AMX="0" if path == "vnni" else os.environ.get("RIDGE_AMX", "1"))
+    cmd = [sys.executable, __file__, "--worker", "--formats", args.formats, "--rows", args.rows]
+    cmd += ["--threads", str(args.threads)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--formats", default="int8,int4,int4_asym,iq4_nl,iq4_xs,q4_k,q5_k,q6_k,q3_k,q2_k")
+    parser.add_argument("--rows", default="1,2,4,8,16,64,128")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    formats, rows = args.formats.split(","), [int(r) for r in args.rows.split(",")]
+    if args.worker:
+        print(json.dumps(worker(formats, rows, args.threads)))
+        return
+
+    from ridge.roofline.probe import cpu_model
+
+    first = run_worker("dispatched", args)
+    paths = ["dispatched", "vnni"] if first["amx_int8"] else ["dispatched"]
+    runs = {p: [] for p in paths}
+    runs["dispatched"].append(first["ms"])
+    for r in range(args.rounds):
+        for p in paths:
+            if r == 0 and p == "dispatched":
+                continue
+            runs[p].append(run_worker(p, args)["ms"])
+
+    def median(p: str, name: str, m: int) -> float:
+        return statistics.median(run[name][str(m)] for run in runs[p])
+
+    table = {}
+    print(f"{cpu_model()}, {args.threads} threads, AMX-INT8: {first['amx_int8']}")
+    head = "format     rows   ms    x one row" + ("   VNNI ms  AMX speedup" if len(paths) == 2 else "")
+    print(head)
+    for name in formats:
+        one = median("dispatched", name, rows[0])
+        entry = {"bytes": first["bytes"][name], "one_row_gb_per_s": first["bytes"][name] / one / 1e6, "rows": {}}
+        for m in rows:
+            ms = median("dispatched", name, m)
+            cell = {"ms": ms, "vs_one_row": ms / one}
+            line = f"{name:10s} {m:4d} {ms:7.2f}  {ms / one:5.2f}x"
+            if len(paths) == 2:
+                vnni = median("vnni", name, m)
+                cell |= {"vnni_ms": vnni, "amx_speedup": vnni / ms}
+                line += f"   {vnni:7.2f}  {vnni / ms:5.2f}x"
+            entry["rows"][str(m)] = cell
+            print(line)
+        table[name] = entry
+    record = {
+        "cpu": cpu_model(),
+        "machine": platform.machine(),
+        "threads": args.threads,
+        "amx_int8": first["amx_int8"],
+        "rounds": args.rounds,
+        "date": time.strftime("%Y-%m-%d"),
+        "shapes": SHAPES,
+        "formats": table,
+    }
+    old = json.loads(OUT.read_text()) if OUT.exists() else {}
+    old[cpu_model()] = record
+    OUT.write_text(json.dumps(old, indent=1) + "\n")
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
