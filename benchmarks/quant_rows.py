@@ -8,10 +8,15 @@ row count. Each round runs one worker process per path, in turn: the path ridge 
 VNNI loop everywhere). Reported per format and rows: the median over rounds of each worker's
 median, the cost against one row (the issue's target: 2-8 rows at most 1.3x one row), the
 one-row bandwidth (packed bytes / time), and AMX's speedup over the VNNI loop. Weights are
-random valid blocks (timings do not depend on the values). Writes
-``benchmarks/quant_rows.json`` (one entry per CPU; a rerun replaces its entry).
+random valid blocks (timings do not depend on the values).
+
+``--engine int4,int8`` adds whole steps of ``--model`` quantized at load, per path in the same
+rounds: the median decode step at batch 1, 8 and 16 (4-token prompts, 24 tokens each) and a
+512-token prefill. Writes ``benchmarks/quant_rows.json`` (one entry per CPU; a rerun replaces
+its entry).
 
     python benchmarks/quant_rows.py [--rounds 3] [--rows 1,2,4,8,16,64,128] [--formats int4,q4_k]
+    python benchmarks/quant_rows.py --engine int4,int8 --formats int4 --rows 1
 """
 
 from __future__ import annotations
@@ -67,10 +72,41 @@ def worker(formats: list[str], rows: list[int], threads: int) -> dict:
     return {"ms": times, "bytes": sizes, "amx_int8": bool(ext.amx_int8_ready())}
 
 
-def run_worker(path: str, args) -> dict:
+def engine_worker(model: str, quantization: str, threads: int) -> dict:
+    """Median decode step (ms) at batch 1, 8 and 16 and a 512-token prefill (ms), this path."""
+    from ridge import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    engine = LLM(model, dtype="bfloat16", quantization=quantization, max_num_seqs=16).engine
+
+    def decode(batch: int, tokens: int = 24) -> float:
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)
+        for i in range(batch):
+            engine.add_request(None, [10 + i, 11, 12, 13], params)
+        walls = []
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - start)
+        return statistics.median(walls[2:]) * 1e3  # past the prefill steps
+
+    def prefill(n: int) -> float:
+        engine.add_request(None, [(7 * i) % 30000 + 5 for i in range(n)], SamplingParams(max_tokens=1))
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        return (time.perf_counter() - start) * 1e3
+
+    decode(1, 4), prefill(64)  # warm
+    return {"b1": decode(1), "b8": decode(8), "b16": decode(16), "pp512": prefill(512)}
+
+
+def run_worker(path: str, args, engine: str | None = None) -> dict:
     env = dict(os.environ, RIDGE_AMX="0" if path == "vnni" else os.environ.get("RIDGE_AMX", "1"))
     cmd = [sys.executable, __file__, "--worker", "--formats", args.formats, "--rows", args.rows]
-    cmd += ["--threads", str(args.threads)]
+    cmd += ["--threads", str(args.threads), "--model", args.model]
+    if engine:
+        cmd += ["--engine", engine]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -81,11 +117,17 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8,16,64,128")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--engine", default="", help="quantizations whose whole steps to time too")
+    parser.add_argument("--model", default="random:tinyllama-1.1b")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     formats, rows = args.formats.split(","), [int(r) for r in args.rows.split(",")]
+    quantizations = [q for q in args.engine.split(",") if q]
     if args.worker:
-        print(json.dumps(worker(formats, rows, args.threads)))
+        if quantizations:
+            print(json.dumps(engine_worker(args.model, quantizations[0], args.threads)))
+        else:
+            print(json.dumps(worker(formats, rows, args.threads)))
         return
 
     from ridge.roofline.probe import cpu_model
@@ -99,6 +141,11 @@ def main() -> None:
             if r == 0 and p == "dispatched":
                 continue
             runs[p].append(run_worker(p, args)["ms"])
+    steps = {q: {p: [] for p in paths} for q in quantizations}
+    for _ in range(args.rounds):
+        for q in quantizations:
+            for p in paths:
+                steps[q][p].append(run_worker(p, args, engine=q))
 
     def median(p: str, name: str, m: int) -> float:
         return statistics.median(run[name][str(m)] for run in runs[p])
@@ -121,6 +168,12 @@ def main() -> None:
             entry["rows"][str(m)] = cell
             print(line)
         table[name] = entry
+    engine = {}
+    for q in quantizations:
+        engine[q] = {p: {k: [run[k] for run in steps[q][p]] for k in steps[q][p][0]} for p in paths}
+        for k in steps[q]["dispatched"][0]:
+            cells = "  ".join(f"{p} {statistics.median(engine[q][p][k]):7.1f} ms" for p in paths)
+            print(f"{args.model} {q} {k}: {cells}")
     record = {
         "cpu": cpu_model(),
         "machine": platform.machine(),
@@ -130,6 +183,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "shapes": SHAPES,
         "formats": table,
+        "engine": {"model": args.model, "runs": engine} if engine else None,
     }
     old = json.loads(OUT.read_text()) if OUT.exists() else {}
     old[cpu_model()] = record
