@@ -97,7 +97,8 @@ def engine_worker(model: str, quantization: str, threads: int) -> dict:
             engine.step()
         return (time.perf_counter() - start) * 1e3
 
-    decode(1, 4), prefill(64)  # warm
+    decode(1, 4)  # warm
+    prefill(64)
     return {"b1": decode(1), "b8": decode(8), "b16": decode(16), "pp512": prefill(512)}
 
 

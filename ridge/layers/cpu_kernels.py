@@ -46,13 +46,18 @@ PROGRESS_EVERY_S = 15.0
 STALE_LOCK_S = 600.0
 
 
-def cpu_has_avx512_bf16() -> bool:
-    """AVX-512 BF16 and VNNI (every CPU with the first has the second): what the kernels use."""
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo is not)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            return set(f.read().split())
     except OSError:
-        return False
+        return set()
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """AVX-512 BF16 and VNNI (every CPU with the first has the second): what the kernels use."""
+    flags = cpu_flags()
     return "avx512_bf16" in flags and "avx512_vnni" in flags
 
 

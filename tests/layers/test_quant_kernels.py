@@ -5,12 +5,11 @@ kernel (as llama.cpp does), so the tolerance is that of an 8-bit activation, not
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
-from ridge.layers.cpu_kernels import cpu_has_avx512_bf16, load_extension
+from ridge.layers.cpu_kernels import cpu_flags, cpu_has_avx512_bf16, load_extension
 from ridge.layers.kernels import QUANT_KERNEL_CODES
 from ridge.quantization.formats import FORMATS
 from ridge.quantization.random_blocks import random_blocks
@@ -80,9 +79,9 @@ def test_exact_on_exactly_representable_inputs(ext):
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_a_rows_output_does_not_depend_on_its_batch(ext, name):
-    """Also the AMX-INT8 path against the VNNI loop where the CPU has AMX (8+ rows take tiles,
-    one row never): the same integers and the same float ops, so the same bits. K = 96 gives
-    the per-32 formats an odd number of groups (the last pair of groups is half zeros)."""
+    """Also the AMX-INT8 path against the VNNI loop where the CPU has AMX (tiles of 12-16 rows
+    take it, one row never): the same integers and the same float ops, so the same bits. K = 96
+    gives the per-32 formats 3 groups (a partial chunk of tile products)."""
     k = 96 if FORMATS[name].block == 32 else 512
     blocks, packed = _packed(ext, name, 40, k, seed=5)
     code = QUANT_KERNEL_CODES[name]
@@ -93,5 +92,4 @@ def test_a_rows_output_does_not_depend_on_its_batch(ext, name):
 
 
 def test_amx_int8_is_used_where_the_cpu_has_it(ext):
-    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
-    assert ext.amx_int8_ready() == ("amx_int8" in flags and os.environ.get("RIDGE_AMX") != "0")
+    assert ext.amx_int8_ready() == ("amx_int8" in cpu_flags() and os.environ.get("RIDGE_AMX") != "0")

@@ -48,6 +48,7 @@ namespace {
 enum Format : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, IQ4_NL = 3, Q4_K = 4, IQ4_XS = 5, Q6_K = 6, Q5_K = 7, Q3_K = 8, Q2_K = 9 };
 
 constexpr bool is_super_block(int64_t fmt) { return fmt >= Q4_K; }  // K-quants and IQ4_XS: super-blocks of 256
+constexpr bool scale_per_16(int64_t fmt) { return fmt == Q6_K || fmt == Q3_K || fmt == Q2_K; }  // not per 32
 
 // IQ4_NL's table (llama.cpp's kvalues_iq4nl) plus 128: the unsigned bytes vpdpbusd multiplies
 alignas(16) constexpr uint8_t IQ4_NL_TABLE[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
@@ -291,13 +292,13 @@ inline void iq4_xs_superblock(const uint8_t* scales, int64_t G, int64_t s, Q4KSc
 // waits for the one before it (weights unpacked, stored, loaded, multiplied, the result
 // stored and read back), so products come in chunks of 4 groups (C tiles 0-3; A tiles 4 and 5,
 // B tiles 6 and 7 in turn) and the next chunk's are issued before this chunk's are scaled.
-// Measured on a 2-core Intel Xeon with AMX (2026-11-25, a 1.1B layer's four matrices, rounds
-// alternated): 16-64 rows 1.05-1.28x the VNNI loop for the 4-bit formats; 8 rows (zero-padded
-// A tiles of two groups tried too) 0.96-1.0x; formats with a scale per 16 k (Q6_K, Q3_K,
-// Q2_K: two stores a group) 0.6-0.9x. Those keep the VNNI loop (AMX_INT8_MIN_M, amx_format).
+// Measured on a 2-core Intel Xeon with AMX (2026-11-25, benchmarks/quant_rows.py): 16-128 rows
+// 1.28-1.39x the VNNI loop; 8 rows (zero-padded A tiles of two groups tried too) 0.96-1.04x;
+// formats with a scale per 16 k (Q6_K, Q3_K, Q2_K: two stores a group) 0.6-0.9x. Those keep
+// the VNNI loop (AMX_INT8_MIN_MR, amx_format).
 constexpr int64_t AMX_CHUNK = 4;  // groups per chunk of products
 
-constexpr bool amx_format(int64_t fmt) { return fmt != Q6_K && fmt != Q3_K && fmt != Q2_K; }
+constexpr bool amx_format(int64_t fmt) { return !scale_per_16(fmt); }
 
 inline void configure_int8_tiles(int64_t rows) {
   TileConfig cfg;
@@ -359,7 +360,7 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
   constexpr int64_t WB = FMT == Q8_0 ? 512 : FMT == Q6_K ? 384 : FMT == Q5_K ? 320 : FMT == Q3_K ? 192 : FMT == Q2_K ? 128 : 256;
   constexpr bool KQ = FMT == Q4_K || FMT == Q5_K;  // Q4_K's super-block scales and minimums
   constexpr bool MIN = FMT == Q4_1 || KQ;
-  constexpr bool HALVES = FMT == Q6_K || FMT == Q3_K || FMT == Q2_K;  // a scale per 16 k
+  constexpr bool HALVES = scale_per_16(FMT);
   constexpr int64_t CHUNK = FMT == Q8_0     ? 512 + 32
                             : FMT == Q4_1   ? 256 + 64
                             : FMT == IQ4_XS ? 256 + 16
