@@ -34,6 +34,7 @@ SOURCES = (
     "linear_quant.cpp",
     "decode_ops.cpp",
     "decode_attention_quant.cpp",
+    "decode_attention_shared.cpp",
     "decode_layers.cpp",
     "bindings.cpp",
 )

@@ -23,6 +23,9 @@ from ridge.quantization.methods import PACKED_ROW_BLOCK
 
 # Query heads per KV head from which the generic decode-attention kernel gives way to GEMMs
 MANY_HEADS_PER_KV_HEAD = 8
+# Query heads on one shared KV head (MLA) from which bf16 decode attention puts heads in a
+# vector's lanes (a full vector of 16)
+SHARED_KV_MIN_HEADS = 16
 # Each bit of an int32 word as an int32 (bit 31 is the sign): token bitmasks unpacked in one op
 _BIT_VALUES = torch.tensor([1 << j if j < 31 else -(1 << 31) for j in range(32)], dtype=torch.int32)
 # The extension's format codes (csrc/linear_quant.cpp)
@@ -137,8 +140,12 @@ class TorchKernels:
         logits[:, : allowed.shape[1]].masked_fill_(~allowed, float("-inf"))
         logits[:, allowed.shape[1] :] = float("-inf")
 
-    def decode_attention(self, q, cache: PagedKV, meta: AttentionMetadata, scale: float | None = None) -> torch.Tensor:
-        """q: (D, Hq, Dh), one query per sequence over its paged context -> (D, Hq, Dh).
+    def decode_attention(
+        self, q, cache: PagedKV, meta: AttentionMetadata, scale: float | None = None, value_dim: int | None = None
+    ) -> torch.Tensor:
+        """q: (D, Hq, Dh), one query per sequence over its paged context -> (D, Hq, Dh), or
+        (D, Hq, value_dim): the first ``value_dim`` dims of each value only (MLA's latent: r of
+        its r + p).
 
         ``scale`` multiplies the scores (default Dh ** -0.5)."""
         num_seqs, num_heads, head_dim = q.shape
@@ -155,9 +162,10 @@ class TorchKernels:
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         # Slots past a context were never written (the pool is not zero-filled): a weight of 0
         # times a stale NaN would still be NaN, so the gathered copy is zeroed there.
+        values = values[..., :value_dim]
         values.masked_fill_(~meta.decode_mask.view(num_seqs, -1, 1, 1), 0)
-        out = torch.matmul(probs, values.transpose(1, 2))  # (D, Hkv, G, Dh)
-        return out.reshape(num_seqs, num_heads, head_dim)
+        out = torch.matmul(probs, values.transpose(1, 2))  # (D, Hkv, G, Dv)
+        return out.reshape(num_seqs, num_heads, values.shape[-1])
 
     def prefill_attention(self, q, k, v, cache: PagedKV, chunk: PrefillChunk) -> torch.Tensor:
         """A prefill chunk's queries (n, Hq, Dh) over its request's context, the chunk's own K/V
@@ -316,25 +324,32 @@ class CpuKernels(TorchKernels):
         )
         return self.decode_attention(q, cache, meta)
 
-    def decode_attention(self, q, cache, meta, scale=None):
+    def decode_attention(self, q, cache, meta, scale=None, value_dim=None):
         head_dim = q.shape[-1]
         k_cache, v_cache = cache.k, cache.v
         if q.dtype not in (torch.bfloat16, torch.float32):
-            return super().decode_attention(q, cache, meta, scale)
+            return super().decode_attention(q, cache, meta, scale, value_dim)
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         scale = head_dim**-0.5 if scale is None else scale
+        dv = head_dim if value_dim is None else value_dim
         if cache.quantized:  # codes and scales read from the pool, dequantized in registers
             if head_dim % 16:
-                return super().decode_attention(q, cache, meta, scale)
-            return self.ext.paged_decode_attention_quant(
+                return super().decode_attention(q, cache, meta, scale, value_dim)
+            out = self.ext.paged_decode_attention_quant(
                 q, k_cache, v_cache, cache.k_scale, cache.v_scale, tables, lens, scale, cache.kind == "fp8"
             )
+            return out[..., :dv]
+        shared = k_cache.shape[2] == 1 and v_cache.data_ptr() == k_cache.data_ptr()
+        if shared and q.dtype is torch.bfloat16 and q.shape[1] >= SHARED_KV_MIN_HEADS and dv % 16 == 0:
+            # MLA's latent: every head on one cache vector, heads in a vector's lanes, the
+            # context split over the threads (csrc/decode_attention_shared.cpp)
+            return self.ext.paged_decode_attention_shared(q, k_cache, tables, lens, scale, dv)
         args = (q, k_cache, v_cache, tables, lens, scale)
         if q.dtype is torch.bfloat16 and head_dim % 16 == 0 and head_dim <= 256 and k_cache.numel() < 2**32:
-            return self.ext.paged_decode_attention_bf16(*args)  # AVX-512, 16 lanes of a head at a time
+            return self.ext.paged_decode_attention_bf16(*args)[..., :dv]  # AVX-512, 16 lanes of a head at a time
         if q.shape[1] // k_cache.shape[2] >= MANY_HEADS_PER_KV_HEAD:
-            # MLA's latent (all heads on one KV vector, 576 wide in DeepSeek-V3): the generic
-            # kernel runs one job per (sequence, KV head), a single thread at batch 1, while
-            # the torch path's gathered copy feeds batched GEMMs (heads x context) on every core
-            return super().decode_attention(q, cache, meta, scale)
-        return self.ext.paged_decode_attention(*args)
+            # many heads on one KV vector (float32; bf16 below 16 heads): the generic kernel
+            # runs one job per (sequence, KV head), a single thread at batch 1, while the torch
+            # path's gathered copy feeds batched GEMMs (heads x context) on every core
+            return super().decode_attention(q, cache, meta, scale, value_dim)
+        return self.ext.paged_decode_attention(*args)[..., :dv]

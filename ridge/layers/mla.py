@@ -89,7 +89,7 @@ def _absorbed_decode(q_nope, q_rope, cache, meta, w_uk, w_uv, scale, ops) -> tor
     # (H, D, nope) @ (H, nope, r) -> (H, D, r): each head's query moved into latent space
     q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
     q = torch.cat((q_latent, q_rope), dim=-1)  # (D, H, r + p) against the cached c
-    out_latent = ops.decode_attention(q, cache, meta, scale)[..., :rank]  # (D, H, r)
+    out_latent = ops.decode_attention(q, cache, meta, scale, value_dim=rank)  # (D, H, r)
     # (H, D, r) @ (H, r, v) -> (H, D, v): back out of latent space through W_uv
     return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 

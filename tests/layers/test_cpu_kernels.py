@@ -279,6 +279,61 @@ def test_decode_attention_never_reads_slots_past_a_context(pair, dim):
         assert torch.equal(kernels.decode_attention(q, PagedKV(poisoned_k, poisoned_v), meta()), clean), kernels.name
 
 
+def _shared_kv_case(lens: list[int], heads: int, dim: int, block_size: int = 16):
+    """MLA's decode: one bf16 pool that is both K and V (one KV head), ``heads`` queries on it."""
+    pool = _bf16(60, block_size, 1, dim, seed=11)
+    width = max(-(-n // block_size) for n in lens)
+    tables = torch.randperm(60, generator=torch.Generator().manual_seed(12))[: len(lens) * width].view(len(lens), width)
+
+    def meta(rows=None):
+        from ridge.layers.attention import AttentionMetadata
+
+        rows = list(range(len(lens))) if rows is None else rows
+        return AttentionMetadata(
+            slot_mapping=torch.zeros(len(rows), dtype=torch.long),
+            num_decode_tokens=len(rows),
+            decode_block_tables=tables[rows],
+            decode_context_lens=torch.tensor(lens)[rows],
+        )
+
+    return pool, tables, _bf16(len(lens), heads, dim, seed=13), meta
+
+
+@pytest.mark.parametrize(
+    "lens,heads,dim,value_dim",
+    [([1], 16, 40, 32), ([5, 300, 17], 16, 40, 32), ([129, 2], 20, 72, 64), ([700], 32, 288, 256)],
+)
+def test_shared_kv_decode_attention_matches_the_gathered_path(pair, lens, heads, dim, value_dim):
+    """Many heads on one KV head (MLA's latent, 16+ heads): heads in lanes, contexts split in
+    chunks over the threads; against the torch path within bf16 rounding, the first
+    ``value_dim`` dims of each value only; 20 heads leave lanes of a second vector empty."""
+    ref, fast = pair
+    pool, _, q, meta = _shared_kv_case(lens, heads, dim)
+    cache = PagedKV(pool, pool)
+    got = fast.decode_attention(q, cache, meta(), 0.2, value_dim)
+    want = ref.decode_attention(q, cache, meta(), 0.2, value_dim).float()
+    assert got.shape == (len(lens), heads, value_dim)
+    assert (got.float() - want).abs().max().item() <= 0.02 * want.abs().max().item()
+
+
+def test_shared_kv_decode_attention_is_batch_invariant_and_reads_only_the_context(pair):
+    """A sequence's output alone equals its output beside others (chunks never mix sequences),
+    and NaN in every slot no sequence wrote changes nothing."""
+    _, fast = pair
+    lens, block_size = [300, 7, 129], 16
+    pool, tables, q, meta = _shared_kv_case(lens, 16, 40, block_size)
+    whole = fast.decode_attention(q, PagedKV(pool, pool), meta(), 0.2, 32)
+    for i in range(len(lens)):
+        assert torch.equal(fast.decode_attention(q[[i]], PagedKV(pool, pool), meta([i]), 0.2, 32), whole[[i]])
+    written = torch.zeros(60 * block_size, dtype=torch.bool)
+    for row, n in zip(tables, lens):
+        slots = row.repeat_interleave(block_size) * block_size + torch.arange(block_size).repeat(tables.shape[1])
+        written[slots[:n]] = True
+    poisoned = pool.clone()
+    poisoned.view(-1, 40)[~written] = float("nan")
+    assert torch.equal(fast.decode_attention(q, PagedKV(poisoned, poisoned), meta(), 0.2, 32), whole)
+
+
 def test_prefill_attention_is_each_tokens_decode_whatever_the_chunking(pair):
     """bf16 prefill on the kernels runs each query as a decode over the context up to it: against
     the torch path (scaled_dot_product_attention) within bf16 rounding; a prompt in one chunk and

@@ -29,6 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one query per sequence over an int8 / fp8 paged K/V with per-token-head fp16 scales");
   m.def("paged_decode_attention", &paged_decode_attention, py::call_guard<py::gil_scoped_release>(),
         "the same for any head size, float32 or bfloat16 (portable loops)");
+  m.def("paged_decode_attention_shared", &paged_decode_attention_shared, py::call_guard<py::gil_scoped_release>(),
+        "bf16 decode attention of many heads on one KV head (MLA's latent): heads in lanes, the context split over threads");
   m.def("apply_token_bitmask_", &apply_token_bitmask_, py::call_guard<py::gil_scoped_release>(),
         "structured output: -inf in place for the tokens a row's int32 bitmask does not allow");
   bind_decode_plan(m);

@@ -1,0 +1,252 @@
+// Decode attention where every query head reads one shared KV head: DeepSeek's latent
+// attention (MLA) absorbed into multi-query attention, whose "key" per token is the cache
+// vector c = [latent (r) | k_rope (p)] and whose value is c's first r dims (layers/mla.py).
+//
+// The per-(sequence, KV head) kernels (decode_ops.cpp) run one job per sequence here, one
+// thread at batch 1, and put tokens in a vector's lanes (a gather per pair of dims). With 16+
+// heads on one key, heads go in the lanes instead, and a sequence's context is split into
+// chunks of CT tokens that the threads share:
+//
+//   pass 1, per (sequence, chunk):  s[t][h] = bf16(q_h . c_t) * scale    (16 heads a vector:
+//           one vdpbf16ps per pair of dims, the key's pair broadcast; 8 tokens in flight),
+//           the chunk's max m and sum l of exp(s - m) per head
+//   merge, per sequence:            M = max m, L = sum l e^(m - M)
+//   pass 2, per (sequence, chunk):  p = bf16(e^(s - M) / L) (torch's softmax, then its cast)
+//           o[h][d] += p[t][h] v[t][d] over the chunk (one vdpbf16ps per token pair and d: the
+//           two tokens' probabilities of 16 heads against their (v[t][d], v[t+1][d]) pair)
+//   reduce, per sequence:           out = bf16(sum over chunks of o)
+//
+// so it computes what the gathered torch path computes (bf16 scores, an fp32 softmax rounded
+// to bf16, fp32 sums, one bf16 rounding) up to the order of fp32 sums and exp's last bits,
+// and reads each cache vector twice from memory or cache, never a gathered copy.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+#include "paged_rows.h"
+
+namespace {
+
+using bf16 = at::BFloat16;
+constexpr int64_t LANES = 16;  // heads per vector
+constexpr int64_t CT = 128;    // tokens per chunk (a job): 32 jobs at a 4k context
+constexpr int TOKENS = 8;      // scores in flight (8 chains of vdpbf16ps, latency ~5)
+constexpr int DB = 16;         // output dims per pass over a chunk (16 accumulators)
+
+inline __m512 round16(__m512 v) {  // to bf16 precision, staying fp32 (round to nearest even)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// e^x for 16 lanes (Cephes' expf polynomial, rel. error ~1e-7; -inf -> 0)
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(y, n);
+}
+
+// Scores of n (<= TOKENS) tokens for one group of 16 heads: s[i][16] = bf16(q . c_i) * scale
+inline void score_tokens(const int32_t* qt, const int32_t* const* k32, int n, int64_t DP, __m512 scale, float* s) {
+  __m512 acc[TOKENS];
+  for (int i = 0; i < TOKENS; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < DP; ++p) {
+    const __m512bh qv = (__m512bh)_mm512_load_si512(qt + p * LANES);
+#pragma GCC unroll 8
+    for (int i = 0; i < TOKENS; ++i)
+      if (i < n) acc[i] = _mm512_dpbf16_ps(acc[i], qv, (__m512bh)_mm512_set1_epi32(k32[i][p]));
+  }
+  for (int i = 0; i < n; ++i) _mm512_store_ps(s + i * LANES, _mm512_mul_ps(round16(acc[i]), scale));
+}
+
+}  // namespace
+
+torch::Tensor paged_decode_attention_shared(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
+                                            torch::Tensor context_lens, double scale, int64_t value_dim) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && cache.scalar_type() == at::kBFloat16 && q.device().is_cpu(),
+              "decode_attention_shared: bf16 tensors on the CPU expected");
+  TORCH_CHECK(q.dim() == 3 && cache.dim() == 4 && cache.size(2) == 1 && cache.is_contiguous(),
+              "decode_attention_shared: q (B, H, D) and one contiguous KV head (blocks, BS, 1, D) expected");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), BS = cache.size(1);
+  TORCH_CHECK(cache.size(3) == D && D % 2 == 0, "decode_attention_shared: the cache's width must be q's (even)");
+  TORCH_CHECK(value_dim > 0 && value_dim <= D && value_dim % DB == 0,
+              "decode_attention_shared: value_dim must be a multiple of 16, at most the head size");
+  const int64_t HG = (H + LANES - 1) / LANES, DP = D / 2, DV = value_dim, NDB = DV / DB;
+  auto tables = block_tables.contiguous();
+  auto lens_t = context_lens.contiguous();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens_t.data_ptr<int64_t>();
+  const int64_t max_blocks = tables.size(1);
+  const int32_t* k32 = reinterpret_cast<const int32_t*>(cache.data_ptr<bf16>());
+  const bf16* kp = cache.data_ptr<bf16>();
+
+  // the jobs: (sequence, chunk of CT tokens); per sequence its first job
+  std::vector<int64_t> first(B + 1, 0);
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= max_blocks * BS, "decode_attention_shared: context length out of range");
+    first[b + 1] = first[b] + (lp[b] + CT - 1) / CT;
+    max_len = std::max(max_len, lp[b]);
+  }
+  const int64_t jobs = first[B];
+
+  // q as pairs with heads in lanes: qt[b][g][p][lane] = (q[h][2p], q[h][2p + 1]), h = 16 g + lane
+  auto qt_t = torch::zeros({B, HG, DP, LANES}, torch::dtype(torch::kInt32));
+  {
+    auto qc = q.contiguous();
+    const int32_t* q32 = reinterpret_cast<const int32_t*>(qc.data_ptr<bf16>());
+    int32_t* qt = qt_t.data_ptr<int32_t>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t p = 0; p < DP; ++p) qt[((b * HG + h / LANES) * DP + p) * LANES + h % LANES] = q32[(b * H + h) * DP + p];
+  }
+  const int32_t* qt = qt_t.data_ptr<int32_t>();
+  // scores[b][g][t][lane]; per job and group: its max and sum of exp(s - max); per job the
+  // partial outputs o[g][d][lane]
+  auto scores_t = torch::empty({B, HG, max_len, LANES}, torch::dtype(torch::kFloat32));
+  auto stats_t = torch::empty({jobs, HG, 2, LANES}, torch::dtype(torch::kFloat32));
+  auto part_t = torch::empty({jobs, HG, DV, LANES}, torch::dtype(torch::kFloat32));
+  float* scores = scores_t.data_ptr<float>();
+  float* stats = stats_t.data_ptr<float>();
+  float* part = part_t.data_ptr<float>();
+  auto job_of = [&](int64_t job, int64_t& b, int64_t& t0, int64_t& n) {
+    b = std::upper_bound(first.begin(), first.end(), job) - first.begin() - 1;
+    t0 = (job - first[b]) * CT;
+    n = std::min<int64_t>(CT, lp[b] - t0);
+  };
+  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+
+  // pass 1: scores, and each chunk's max and sum of exp per head
+  at::parallel_for(0, jobs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> rows;
+    for (int64_t job = begin; job < end; ++job) {
+      int64_t b, t0, n;
+      job_of(job, b, t0, n);
+      paged_rows(tp + b * max_blocks, t0 + n, BS, 1, 0, rows);
+      for (int64_t i = 0; i < n; i += TOKENS) {
+        const int cnt = static_cast<int>(std::min<int64_t>(TOKENS, n - i));
+        const int32_t* k[TOKENS];
+        for (int j = 0; j < TOKENS; ++j) k[j] = k32 + rows[t0 + i + std::min(j, cnt - 1)] * DP;
+        if (i + TOKENS < n)  // the next tokens' vectors (blocks lie anywhere in the pool)
+          for (int j = 0; j < std::min<int64_t>(TOKENS, n - i - TOKENS); ++j)
+            for (int64_t c = 0; c < 2 * D; c += 64) _mm_prefetch((const char*)(kp + rows[t0 + i + TOKENS + j] * D) + c, _MM_HINT_T0);
+        for (int64_t g = 0; g < HG; ++g)
+          score_tokens(qt + (b * HG + g) * DP * LANES, k, cnt, DP, vscale, scores + ((b * HG + g) * max_len + t0 + i) * LANES);
+      }
+      for (int64_t g = 0; g < HG; ++g) {
+        const float* s = scores + ((b * HG + g) * max_len + t0) * LANES;
+        __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; ++t) m = _mm512_max_ps(m, _mm512_load_ps(s + t * LANES));
+        for (int64_t t = 0; t < n; ++t) l = _mm512_add_ps(l, exp16(_mm512_sub_ps(_mm512_load_ps(s + t * LANES), m)));
+        _mm512_storeu_ps(stats + ((job * HG + g) * 2) * LANES, m);
+        _mm512_storeu_ps(stats + ((job * HG + g) * 2 + 1) * LANES, l);
+      }
+    }
+  });
+
+  // merge: per sequence and group the max over its chunks and the sum of exp against it,
+  // kept where its first chunk's stats were
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < HG; ++g) {
+      __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
+      for (int64_t job = first[b]; job < first[b + 1]; ++job) m = _mm512_max_ps(m, _mm512_loadu_ps(stats + ((job * HG + g) * 2) * LANES));
+      for (int64_t job = first[b]; job < first[b + 1]; ++job) {
+        const float* st = stats + ((job * HG + g) * 2) * LANES;
+        l = _mm512_fmadd_ps(_mm512_loadu_ps(st + LANES), exp16(_mm512_sub_ps(_mm512_loadu_ps(st), m)), l);
+      }
+      float* st = stats + ((first[b] * HG + g) * 2) * LANES;
+      _mm512_storeu_ps(st, m);
+      _mm512_storeu_ps(st + LANES, l);
+    }
+
+  // pass 2: probabilities, and each chunk's share of the output
+  at::parallel_for(0, jobs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> rows;
+    const int64_t T2 = (CT + 1) / 2;
+    std::vector<int32_t> vp2(NDB * T2 * DB);       // [d block][token pair][16 d]: (v[t][d], v[t + 1][d])
+    std::vector<int32_t> pp(T2 * LANES);           // [token pair][lane]: (p[t][h], p[t + 1][h])
+    // permutations interleaving two rows' 32 bf16: (a0 b0 a1 b1 .. a15 b15), then a16 ..
+    // and one vector's two halves the same way (pair)
+    alignas(64) int16_t lo_idx[32], hi_idx[32], pair_idx[32];
+    for (int i = 0; i < 16; ++i) {
+      lo_idx[2 * i] = i, lo_idx[2 * i + 1] = 32 + i, hi_idx[2 * i] = 16 + i, hi_idx[2 * i + 1] = 48 + i;
+      pair_idx[2 * i] = i, pair_idx[2 * i + 1] = 16 + i;
+    }
+    const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx), pair_perm = _mm512_load_si512(pair_idx);
+    for (int64_t job = begin; job < end; ++job) {
+      int64_t b, t0, n;
+      job_of(job, b, t0, n);
+      paged_rows(tp + b * max_blocks, t0 + n, BS, 1, 0, rows);
+      const int64_t n2 = (n + 1) / 2;
+      for (int64_t t2 = 0; t2 < n2; ++t2) {  // the chunk's values as pairs of tokens
+        const bf16* va = kp + rows[t0 + 2 * t2] * D;
+        const bool pair = 2 * t2 + 1 < n;
+        const bf16* vb = pair ? kp + rows[t0 + 2 * t2 + 1] * D : nullptr;
+        for (int64_t d = 0; d < DV; d += 32) {
+          const __mmask32 m = DV - d >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (DV - d)) - 1);
+          const __m512i a = _mm512_maskz_loadu_epi16(m, va + d);
+          const __m512i c = pair ? _mm512_maskz_loadu_epi16(m, vb + d) : _mm512_setzero_si512();
+          const __m512i x0 = _mm512_permutex2var_epi16(a, lo, c), x1 = _mm512_permutex2var_epi16(a, hi, c);
+          // d .. d + 15 are d block d / 16, d + 16 .. the next one
+          _mm512_storeu_si512(&vp2[((d / DB) * T2 + t2) * DB], x0);
+          if (d + 16 < DV) _mm512_storeu_si512(&vp2[((d / DB + 1) * T2 + t2) * DB], x1);
+        }
+      }
+      for (int64_t g = 0; g < HG; ++g) {
+        const float* st = stats + ((first[b] * HG + g) * 2) * LANES;
+        const __m512 m = _mm512_loadu_ps(st), inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_loadu_ps(st + LANES));
+        const float* s = scores + ((b * HG + g) * max_len + t0) * LANES;
+        for (int64_t t2 = 0; t2 < n2; ++t2) {
+          const __m512 p0 = _mm512_mul_ps(exp16(_mm512_sub_ps(_mm512_load_ps(s + 2 * t2 * LANES), m)), inv);
+          const __m512 p1 = 2 * t2 + 1 < n ? _mm512_mul_ps(exp16(_mm512_sub_ps(_mm512_load_ps(s + (2 * t2 + 1) * LANES), m)), inv)
+                                           : _mm512_setzero_ps();
+          // (p0[h], p1[h]) as one int32 lane: cvtne2ps puts p1 in the upper 16 bf16, p0 in the lower
+          const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+          _mm512_storeu_si512(&pp[t2 * LANES], _mm512_permutexvar_epi16(pair_perm, both));
+        }
+        float* o = part + (job * HG + g) * DV * LANES;
+        for (int64_t db = 0; db < NDB; ++db) {
+          __m512 acc[DB];
+          for (int j = 0; j < DB; ++j) acc[j] = _mm512_setzero_ps();
+          const int32_t* v = &vp2[db * T2 * DB];
+          for (int64_t t2 = 0; t2 < n2; ++t2) {
+            const __m512bh pv = (__m512bh)_mm512_loadu_si512(&pp[t2 * LANES]);
+#pragma GCC unroll 16
+            for (int j = 0; j < DB; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], pv, (__m512bh)_mm512_set1_epi32(v[t2 * DB + j]));
+          }
+          for (int j = 0; j < DB; ++j) _mm512_store_ps(o + (db * DB + j) * LANES, acc[j]);
+        }
+      }
+    }
+  });
+
+  // reduce: out[b][h][d] = bf16(sum over the sequence's chunks)
+  auto out = torch::empty({B, H, DV}, q.options());
+  bf16* op = out.data_ptr<bf16>();
+  at::parallel_for(0, B * HG, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float lanes[LANES];
+    for (int64_t bg = begin; bg < end; ++bg) {
+      const int64_t b = bg / HG, g = bg % HG;
+      for (int64_t d = 0; d < DV; ++d) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t job = first[b]; job < first[b + 1]; ++job) sum = _mm512_add_ps(sum, _mm512_load_ps(part + ((job * HG + g) * DV + d) * LANES));
+        _mm512_store_ps(lanes, sum);
+        for (int64_t i = 0; i < LANES && g * LANES + i < H; ++i) op[(b * H + g * LANES + i) * DV + d] = bf16(lanes[i]);
+      }
+    }
+  });
+  return out;
+}
