@@ -91,6 +91,11 @@ class TorchKernels:
         part, outputs side by side, then the layer's bias."""
         return layer.method.join(layer, [self.linear(x, part) for part in layer.parts])
 
+    def head_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x (D, H, K) through a matrix per head, w (H, K, N) -> (D, H, N): MLA's absorbed
+        W_uk (into the query) and W_uv^T (out of the latent)."""
+        return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
+
     def grouped_linear(self, x: torch.Tensor, layer, counts: list[int]) -> torch.Tensor:
         """``grouped_matmul``, here one ``linear`` per expert."""
         outputs, start = [], 0
@@ -214,6 +219,11 @@ class CpuKernels(TorchKernels):
         if fmt is None:
             return self.ext.linear_bf16(x, packed, n, bias)
         return self.ext.linear_quant(x, packed, QUANT_KERNEL_CODES[fmt.name], n, bias)
+
+    def head_matmul(self, x, w):
+        if x.dtype is torch.bfloat16 and w.dtype is torch.bfloat16 and w.shape[-1] % 16 == 0:
+            return self.ext.head_matmul_bf16(x, w)  # one call, each head's w read once
+        return super().head_matmul(x, w)
 
     def grouped_linear(self, x, layer, counts):
         """All of a layer's experts in one C++ call (the packed stacked tensor sliced per expert)."""

@@ -49,21 +49,21 @@ def mla_attention(
     """q_nope (T, H, nope), q_rope (T, H, p) rotated, entry (T, 1, r + p) this step's cache
     vectors (latent normalized, k_rope rotated) -> attention output (T, H, v).
 
-    ``absorbed``: (W_uk (H, nope, r), W_uv (H, v, r)), kv_b_proj's weight split per head.
+    ``absorbed``: (W_uk (H, nope, r), W_uv^T (H, r, v)), kv_b_proj's weight split per head.
     ``absorb_decode`` False runs decode rows the expanded way too (each sequence's whole
     context through kv_b_proj every step): the comparison the absorbed form is measured against.
     """
     write_slots(cache.k, cache.k_scale, entry, meta.slot_mapping, cache.kind)
-    w_uk, w_uv = absorbed
+    w_uk, w_uv_t = absorbed
     num_decodes, tokens = meta.num_decode_tokens, q_nope.shape[0]
     if num_decodes and not absorb_decode:
-        return _all_expanded(q_nope, q_rope, entry, cache, meta, kv_b_proj, scale, ops, w_uv.shape[1])
+        return _all_expanded(q_nope, q_rope, entry, cache, meta, kv_b_proj, scale, ops, w_uv_t.shape[2])
     if num_decodes == tokens:
-        return _absorbed_decode(q_nope, q_rope, cache, meta, w_uk, w_uv, scale, ops)
-    out = q_nope.new_empty(tokens, w_uv.shape[0], w_uv.shape[1])
+        return _absorbed_decode(q_nope, q_rope, cache, meta, w_uk, w_uv_t, scale, ops)
+    out = q_nope.new_empty(tokens, w_uv_t.shape[0], w_uv_t.shape[2])
     if num_decodes:
         out[:num_decodes] = _absorbed_decode(
-            q_nope[:num_decodes], q_rope[:num_decodes], cache, meta, w_uk, w_uv, scale, ops
+            q_nope[:num_decodes], q_rope[:num_decodes], cache, meta, w_uk, w_uv_t, scale, ops
         )
     for chunk in meta.prefills:
         s, e = chunk.start, chunk.end
@@ -84,14 +84,12 @@ def _all_expanded(q_nope, q_rope, entry, cache, meta, kv_b_proj, scale, ops, v_d
     return out
 
 
-def _absorbed_decode(q_nope, q_rope, cache, meta, w_uk, w_uv, scale, ops) -> torch.Tensor:
+def _absorbed_decode(q_nope, q_rope, cache, meta, w_uk, w_uv_t, scale, ops) -> torch.Tensor:
     rank = w_uk.shape[-1]
-    # (H, D, nope) @ (H, nope, r) -> (H, D, r): each head's query moved into latent space
-    q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+    q_latent = ops.head_matmul(q_nope, w_uk)  # (D, H, nope) -> (D, H, r): each head's query in latent space
     q = torch.cat((q_latent, q_rope), dim=-1)  # (D, H, r + p) against the cached c
     out_latent = ops.decode_attention(q, cache, meta, scale, value_dim=rank)  # (D, H, r)
-    # (H, D, r) @ (H, r, v) -> (H, D, v): back out of latent space through W_uv
-    return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+    return ops.head_matmul(out_latent, w_uv_t)  # (D, H, r) -> (D, H, v): back out through W_uv
 
 
 def _expanded_prefill(q_nope, q_rope, entry, cache: PagedKV, chunk: PrefillChunk, kv_b_proj, scale, ops):

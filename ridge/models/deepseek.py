@@ -105,11 +105,13 @@ class DeepseekAttention(nn.Module):
 
     def absorb(self) -> None:
         """kv_b_proj's weight split per head for the absorbed decode: W_uk (H, nope, r) and
-        W_uv (H, v, r), dense in the model's dtype (whatever format kv_b_proj holds)."""
+        W_uv^T (H, r, v), dense in the model's dtype (whatever format kv_b_proj holds), each
+        the (K, N) operand of a per-head matmul (``head_matmul``)."""
         mla = self.mla
         dtype = self.kv_a_layernorm.weight.dtype  # the model's (a packed or quantized weight unpacks to float32)
         w = self.kv_b_proj.dense_weight().to(dtype).view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, -1)
-        self.absorbed = (w[:, : mla.qk_nope_head_dim].contiguous(), w[:, mla.qk_nope_head_dim :].contiguous())
+        nope = mla.qk_nope_head_dim
+        self.absorbed = (w[:, :nope].contiguous(), w[:, nope:].transpose(1, 2).contiguous())
 
     def forward(self, x, kv_cache: PagedKV, meta: AttentionMetadata, step: StepInputs):
         ops, mla = step.kernels, self.mla

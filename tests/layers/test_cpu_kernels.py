@@ -334,6 +334,18 @@ def test_shared_kv_decode_attention_is_batch_invariant_and_reads_only_the_contex
     assert torch.equal(fast.decode_attention(q, PagedKV(poisoned, poisoned), meta(), 0.2, 32), whole)
 
 
+@pytest.mark.parametrize("rows,heads,k,n", [(1, 16, 64, 256), (3, 5, 40, 48), (9, 2, 256, 64)])
+def test_head_matmul_is_bmm_per_head(pair, rows, heads, k, n):
+    """MLA's absorbed W_uk / W_uv^T: one matrix per head, against torch.bmm within one bf16
+    rounding; strided x (a view into q) is read as it lies."""
+    ref, fast = pair
+    x = _bf16(heads, rows, k + 8, seed=14)[..., 4 : k + 4].transpose(0, 1)  # (rows, H, K), not contiguous
+    w = _bf16(heads, k, n, seed=15)
+    got, want = fast.head_matmul(x, w), ref.head_matmul(x, w)
+    assert got.shape == want.shape == (rows, heads, n)
+    assert (got.float() - want.float()).abs().max().item() <= 0.01 * want.float().abs().max().item()
+
+
 def test_prefill_attention_is_each_tokens_decode_whatever_the_chunking(pair):
     """bf16 prefill on the kernels runs each query as a decode over the context up to it: against
     the torch path (scaled_dot_product_attention) within bf16 rounding; a prompt in one chunk and

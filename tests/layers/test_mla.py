@@ -23,16 +23,16 @@ def _setup(seed: int = 0):
     with torch.no_grad():
         kv_b.weight.normal_(0, 0.2, generator=gen)
     w = kv_b.weight.detach().view(H, NOPE + V, RANK)
-    absorbed = (w[:, :NOPE].contiguous(), w[:, NOPE:].contiguous())
+    absorbed = (w[:, :NOPE].contiguous(), w[:, NOPE:].transpose(1, 2).contiguous())  # W_uk, W_uv^T
     return gen, kv_b, absorbed
 
 
 def _reference(q_nope, q_rope, entries, absorbed, scale):
     """Every query at the end of the context: the keys and values expanded per head."""
-    w_uk, w_uv = absorbed
+    w_uk, w_uv_t = absorbed
     latent, k_rope = entries[:, 0, :RANK], entries[:, 0, RANK:]
     keys = torch.cat((torch.einsum("lr,hnr->lhn", latent, w_uk), k_rope[:, None].expand(-1, H, -1)), -1)
-    values = torch.einsum("lr,hvr->lhv", latent, w_uv)
+    values = torch.einsum("lr,hrv->lhv", latent, w_uv_t)
     query = torch.cat((q_nope, q_rope), -1)  # (H, nope + p)
     probs = (torch.einsum("hd,lhd->hl", query, keys) * scale).softmax(-1)
     return torch.einsum("hl,lhv->hv", probs, values)

@@ -250,3 +250,55 @@ torch::Tensor paged_decode_attention_shared(torch::Tensor q, torch::Tensor cache
   });
   return out;
 }
+
+// MLA's absorption around that attention: y[d][h] = x[d][h] @ w[h] for each head h, x (D, H, K)
+// and w (H, K, N) bf16 -> y (D, H, N) bf16 (W_uk into the query, W_uv^T out of the latent).
+// What torch.bmm computes (bf16 products summed in fp32, one bf16 rounding) up to the order
+// of the sums, one call and no transposed copies; each head's w is read once for all rows
+// (a decode step is a few rows: the weights' bytes are its cost).
+torch::Tensor head_matmul_bf16(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && x.device().is_cpu() &&
+                  w.device().is_cpu(),
+              "head_matmul: bf16 tensors on the CPU expected");
+  TORCH_CHECK(x.dim() == 3 && w.dim() == 3 && x.size(1) == w.size(0) && x.size(2) == w.size(1),
+              "head_matmul: x (D, H, K) and w (H, K, N) expected");
+  const int64_t D = x.size(0), H = x.size(1), K = x.size(2), N = w.size(2);
+  TORCH_CHECK(N % 16 == 0, "head_matmul: N must be a multiple of 16");
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  auto y = torch::empty({D, H, N}, x.options());
+  const bf16* xp = xc.data_ptr<bf16>();
+  const bf16* wp = wc.data_ptr<bf16>();
+  bf16* yp = y.data_ptr<bf16>();
+  constexpr int64_t NV = 4, RB = 4;  // outputs a pass: 4 vectors of 16 for 4 rows (16 accumulators)
+  const int64_t NBLK = (N / 16 + NV - 1) / NV;
+  at::parallel_for(0, H * NBLK, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t h = job / NBLK, n0 = (job % NBLK) * NV * 16, nv = std::min<int64_t>(NV, (N - n0) / 16);
+      for (int64_t d0 = 0; d0 < D; d0 += RB) {
+        const int64_t rb = std::min<int64_t>(RB, D - d0);
+        __m512 acc[RB][NV];
+        for (int i = 0; i < RB; ++i)
+          for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; ++k) {
+          const bf16* wrow = wp + (h * K + k) * N + n0;
+          __m512 wv[NV];
+          for (int j = 0; j < NV; ++j)
+            wv[j] = j < nv ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                 _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + 16 * j))), 16))
+                           : _mm512_setzero_ps();
+          for (int i = 0; i < RB; ++i) {
+            if (i >= rb) break;
+            const __m512 xv = _mm512_set1_ps(static_cast<float>(xp[((d0 + i) * H + h) * K + k]));
+            for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+          }
+        }
+        for (int64_t i = 0; i < rb; ++i)
+          for (int64_t j = 0; j < nv; ++j)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + ((d0 + i) * H + h) * N + n0 + 16 * j),
+                                (__m256i)_mm512_cvtneps_pbh(acc[i][j]));
+      }
+    }
+  });
+  return y;
+}

@@ -33,6 +33,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // decode_attention_shared.cpp
 torch::Tensor paged_decode_attention_shared(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
                                             torch::Tensor context_lens, double scale, int64_t value_dim);
+torch::Tensor head_matmul_bf16(torch::Tensor x, torch::Tensor w);
 void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask);
 // decode_layers.cpp
 void write_kv_quant_(torch::Tensor pool, torch::Tensor scales, torch::Tensor x, torch::Tensor slots, bool fp8);
