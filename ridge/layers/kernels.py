@@ -77,6 +77,15 @@ class TorchKernels:
         self.matmul_s += time.perf_counter() - start
         return y
 
+    def head_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x (D, H, K) through a matrix per head, w (H, K, N) -> (D, H, N): MLA's absorbed
+        W_uk (into the query) and W_uv^T (out of the latent), kv_b_proj's bytes. Timed, as
+        ``matmul``."""
+        start = time.perf_counter()
+        y = self.head_linear(x, w)
+        self.matmul_s += time.perf_counter() - start
+        return y
+
     # What subclasses override: the untimed matmuls.
     def linear(self, x: torch.Tensor, layer: Linear, rows: slice | None = None) -> torch.Tensor:
         """``matmul``, here through the layer method's torch reference."""
@@ -86,15 +95,14 @@ class TorchKernels:
             return layer.method.apply_rows(layer, x, rows)
         return layer.method.apply(layer, x)
 
+    def head_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``head_matmul``, here torch's batched matmul."""
+        return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
+
     def linear_parts(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
         """A layer whose shards keep different formats (``ShardedLinearMethod``): one matmul per
         part, outputs side by side, then the layer's bias."""
         return layer.method.join(layer, [self.linear(x, part) for part in layer.parts])
-
-    def head_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x (D, H, K) through a matrix per head, w (H, K, N) -> (D, H, N): MLA's absorbed
-        W_uk (into the query) and W_uv^T (out of the latent)."""
-        return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
 
     def grouped_linear(self, x: torch.Tensor, layer, counts: list[int]) -> torch.Tensor:
         """``grouped_matmul``, here one ``linear`` per expert."""
@@ -220,10 +228,10 @@ class CpuKernels(TorchKernels):
             return self.ext.linear_bf16(x, packed, n, bias)
         return self.ext.linear_quant(x, packed, QUANT_KERNEL_CODES[fmt.name], n, bias)
 
-    def head_matmul(self, x, w):
+    def head_linear(self, x, w):
         if x.dtype is torch.bfloat16 and w.dtype is torch.bfloat16 and w.shape[-1] % 16 == 0:
             return self.ext.head_matmul_bf16(x, w)  # one call, each head's w read once
-        return super().head_matmul(x, w)
+        return super().head_linear(x, w)
 
     def grouped_linear(self, x, layer, counts):
         """All of a layer's experts in one C++ call (the packed stacked tensor sliced per expert)."""

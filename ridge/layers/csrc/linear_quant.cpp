@@ -505,9 +505,20 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
       }
       continue;
     }
-    // RB rows at a time, CH chains a row (AMX: the sums come from the tile)
-    constexpr int RB = AMX ? 1 : MR <= 2 ? MR : MR == 8 ? 8 : 4;
-    constexpr int CH = AMX || RB == 8 ? 1 : 2;
+    if constexpr (AMX) {  // the sums come from the tile (this loop as it was: 0.88-0.94x as the one below in int4)
+      for (int i = 0; i < MR; ++i) {
+        __m512i s = MIN ? _mm512_setzero_si512() : _mm512_set1_epi32(t.qs[g * MR + i]);
+        s = _mm512_add_epi32(s, _mm512_load_si512(dots + 16 * i));
+        const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(t.d[g * MR + i]));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[i]);
+        if constexpr (FMT == Q4_1) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(t.s[g * MR + i]), acc[i]);
+        if constexpr (KQ) acc[i] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(t.s[g * MR + i]), acc[i]);
+      }
+      continue;
+    }
+    // RB rows at a time, CH chains a row
+    constexpr int RB = MR <= 2 ? MR : MR == 8 ? 8 : 4;
+    constexpr int CH = RB == 8 ? 1 : 2;
     for (int i0 = 0; i0 < MR; i0 += RB) {
       __m512i s[RB][CH];
       for (int i = 0; i < RB; ++i) {
@@ -515,14 +526,10 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
         s[i][0] = MIN ? _mm512_setzero_si512() : _mm512_set1_epi32(t.qs[g * MR + i0 + i]);
         for (int c = 1; c < CH; ++c) s[i][c] = _mm512_setzero_si512();
       }
-      if constexpr (AMX) {
-        s[0][0] = _mm512_add_epi32(s[0][0], _mm512_load_si512(dots + 16 * i0));
-      } else {
-        for (int j = 0; j < 8; j += CH)
-          for (int c = 0; c < CH; ++c)
-            for (int i = 0; i < RB; ++i)
-              s[i][c] = _mm512_dpbusd_epi32(s[i][c], w[j + c], _mm512_set1_epi32(xq[(j + c) * MR + i0 + i]));
-      }
+      for (int j = 0; j < 8; j += CH)
+        for (int c = 0; c < CH; ++c)
+          for (int i = 0; i < RB; ++i)
+            s[i][c] = _mm512_dpbusd_epi32(s[i][c], w[j + c], _mm512_set1_epi32(xq[(j + c) * MR + i0 + i]));
       for (int i = 0; i < RB; ++i) {
         const int64_t r = g * MR + i0 + i;
         const __m512i sum = CH == 2 ? _mm512_add_epi32(s[i][0], s[i][CH - 1]) : s[i][0];
