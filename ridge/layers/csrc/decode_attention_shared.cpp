@@ -30,6 +30,7 @@
 
 #include "kernels.h"
 #include "paged_rows.h"
+#include "simd_math.h"
 
 namespace {
 
@@ -38,26 +39,6 @@ constexpr int64_t LANES = 16;  // heads per vector
 constexpr int64_t CT = 128;    // tokens per chunk (a job): 32 jobs at a 4k context
 constexpr int TOKENS = 8;      // scores in flight (8 chains of vdpbf16ps, latency ~5)
 constexpr int DB = 16;         // output dims per pass over a chunk (16 accumulators)
-
-inline __m512 round16(__m512 v) {  // to bf16 precision, staying fp32 (round to nearest even)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-
-// e^x for 16 lanes (Cephes' expf polynomial, rel. error ~1e-7; -inf -> 0)
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(y, n);
-}
 
 // Scores of n (<= TOKENS) tokens for one group of 16 heads: s[i][16] = bf16(q . c_i) * scale
 inline void score_tokens(const int32_t* qt, const int32_t* const* k32, int n, int64_t DP, __m512 scale, float* s) {
@@ -150,7 +131,7 @@ torch::Tensor paged_decode_attention_shared(torch::Tensor q, torch::Tensor cache
         const float* s = scores + ((b * HG + g) * max_len + t0) * LANES;
         __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
         for (int64_t t = 0; t < n; ++t) m = _mm512_max_ps(m, _mm512_load_ps(s + t * LANES));
-        for (int64_t t = 0; t < n; ++t) l = _mm512_add_ps(l, exp16(_mm512_sub_ps(_mm512_load_ps(s + t * LANES), m)));
+        for (int64_t t = 0; t < n; ++t) l = _mm512_add_ps(l, exp512(_mm512_sub_ps(_mm512_load_ps(s + t * LANES), m)));
         _mm512_storeu_ps(stats + ((job * HG + g) * 2) * LANES, m);
         _mm512_storeu_ps(stats + ((job * HG + g) * 2 + 1) * LANES, l);
       }
@@ -165,7 +146,7 @@ torch::Tensor paged_decode_attention_shared(torch::Tensor q, torch::Tensor cache
       for (int64_t job = first[b]; job < first[b + 1]; ++job) m = _mm512_max_ps(m, _mm512_loadu_ps(stats + ((job * HG + g) * 2) * LANES));
       for (int64_t job = first[b]; job < first[b + 1]; ++job) {
         const float* st = stats + ((job * HG + g) * 2) * LANES;
-        l = _mm512_fmadd_ps(_mm512_loadu_ps(st + LANES), exp16(_mm512_sub_ps(_mm512_loadu_ps(st), m)), l);
+        l = _mm512_fmadd_ps(_mm512_loadu_ps(st + LANES), exp512(_mm512_sub_ps(_mm512_loadu_ps(st), m)), l);
       }
       float* st = stats + ((first[b] * HG + g) * 2) * LANES;
       _mm512_storeu_ps(st, m);
@@ -210,8 +191,8 @@ torch::Tensor paged_decode_attention_shared(torch::Tensor q, torch::Tensor cache
         const __m512 m = _mm512_loadu_ps(st), inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_loadu_ps(st + LANES));
         const float* s = scores + ((b * HG + g) * max_len + t0) * LANES;
         for (int64_t t2 = 0; t2 < n2; ++t2) {
-          const __m512 p0 = _mm512_mul_ps(exp16(_mm512_sub_ps(_mm512_load_ps(s + 2 * t2 * LANES), m)), inv);
-          const __m512 p1 = 2 * t2 + 1 < n ? _mm512_mul_ps(exp16(_mm512_sub_ps(_mm512_load_ps(s + (2 * t2 + 1) * LANES), m)), inv)
+          const __m512 p0 = _mm512_mul_ps(exp512(_mm512_sub_ps(_mm512_load_ps(s + 2 * t2 * LANES), m)), inv);
+          const __m512 p1 = 2 * t2 + 1 < n ? _mm512_mul_ps(exp512(_mm512_sub_ps(_mm512_load_ps(s + (2 * t2 + 1) * LANES), m)), inv)
                                            : _mm512_setzero_ps();
           // (p0[h], p1[h]) as one int32 lane: cvtne2ps puts p1 in the upper 16 bf16, p0 in the lower
           const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
