@@ -300,15 +300,21 @@ def _shared_kv_case(lens: list[int], heads: int, dim: int, block_size: int = 16)
 
 
 @pytest.mark.parametrize(
-    "lens,heads,dim,value_dim",
-    [([1], 16, 40, 32), ([5, 300, 17], 16, 40, 32), ([129, 2], 20, 72, 64), ([700], 32, 288, 256)],
+    "lens,heads,dim,value_dim,block_size",
+    [
+        ([1], 16, 40, 32, 16),
+        ([5, 300, 17], 16, 40, 32, 16),
+        ([129, 2], 20, 72, 64, 16),
+        ([700], 32, 288, 256, 16),
+        ([130, 17], 16, 40, 32, 5),  # chunks of 128 tokens start inside a block
+    ],
 )
-def test_shared_kv_decode_attention_matches_the_gathered_path(pair, lens, heads, dim, value_dim):
+def test_shared_kv_decode_attention_matches_the_gathered_path(pair, lens, heads, dim, value_dim, block_size):
     """Many heads on one KV head (MLA's latent, 16+ heads): heads in lanes, contexts split in
     chunks over the threads; against the torch path within bf16 rounding, the first
     ``value_dim`` dims of each value only; 20 heads leave lanes of a second vector empty."""
     ref, fast = pair
-    pool, _, q, meta = _shared_kv_case(lens, heads, dim)
+    pool, _, q, meta = _shared_kv_case(lens, heads, dim, block_size)
     cache = PagedKV(pool, pool)
     got = fast.decode_attention(q, cache, meta(), 0.2, value_dim)
     want = ref.decode_attention(q, cache, meta(), 0.2, value_dim).float()

@@ -116,14 +116,14 @@ torch::Tensor paged_decode_attention_shared(torch::Tensor q, torch::Tensor cache
     for (int64_t job = begin; job < end; ++job) {
       int64_t b, t0, n;
       job_of(job, b, t0, n);
-      paged_rows(tp + b * max_blocks, t0 + n, BS, 1, 0, rows);
+      paged_rows_from(tp + b * max_blocks, t0, n, BS, 1, 0, rows);  // this chunk's
       for (int64_t i = 0; i < n; i += TOKENS) {
         const int cnt = static_cast<int>(std::min<int64_t>(TOKENS, n - i));
         const int32_t* k[TOKENS];
-        for (int j = 0; j < TOKENS; ++j) k[j] = k32 + rows[t0 + i + std::min(j, cnt - 1)] * DP;
+        for (int j = 0; j < TOKENS; ++j) k[j] = k32 + rows[i + std::min(j, cnt - 1)] * DP;
         if (i + TOKENS < n)  // the next tokens' vectors (blocks lie anywhere in the pool)
           for (int j = 0; j < std::min<int64_t>(TOKENS, n - i - TOKENS); ++j)
-            for (int64_t c = 0; c < 2 * D; c += 64) _mm_prefetch((const char*)(kp + rows[t0 + i + TOKENS + j] * D) + c, _MM_HINT_T0);
+            for (int64_t c = 0; c < 2 * D; c += 64) _mm_prefetch((const char*)(kp + rows[i + TOKENS + j] * D) + c, _MM_HINT_T0);
         for (int64_t g = 0; g < HG; ++g)
           score_tokens(qt + (b * HG + g) * DP * LANES, k, cnt, DP, vscale, scores + ((b * HG + g) * max_len + t0 + i) * LANES);
       }
@@ -170,12 +170,12 @@ torch::Tensor paged_decode_attention_shared(torch::Tensor q, torch::Tensor cache
     for (int64_t job = begin; job < end; ++job) {
       int64_t b, t0, n;
       job_of(job, b, t0, n);
-      paged_rows(tp + b * max_blocks, t0 + n, BS, 1, 0, rows);
+      paged_rows_from(tp + b * max_blocks, t0, n, BS, 1, 0, rows);  // this chunk's
       const int64_t n2 = (n + 1) / 2;
       for (int64_t t2 = 0; t2 < n2; ++t2) {  // the chunk's values as pairs of tokens
-        const bf16* va = kp + rows[t0 + 2 * t2] * D;
+        const bf16* va = kp + rows[2 * t2] * D;
         const bool pair = 2 * t2 + 1 < n;
-        const bf16* vb = pair ? kp + rows[t0 + 2 * t2 + 1] * D : nullptr;
+        const bf16* vb = pair ? kp + rows[2 * t2 + 1] * D : nullptr;
         for (int64_t d = 0; d < DV; d += 32) {
           const __mmask32 m = DV - d >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (DV - d)) - 1);
           const __m512i a = _mm512_maskz_loadu_epi16(m, va + d);

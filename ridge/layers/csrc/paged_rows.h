@@ -8,11 +8,17 @@
 #include <cstdint>
 #include <vector>
 
+// Tokens t0 .. t0 + n of a sequence (a chunk of its context): rows[i] for token t0 + i.
+inline void paged_rows_from(const int64_t* table, int64_t t0, int64_t n, int64_t BS, int64_t Hkv, int64_t h,
+                            std::vector<int64_t>& rows) {
+  rows.resize(n);
+  for (int64_t i = 0, b = t0 / BS, o = t0 % BS; i < n; ++b, o = 0) {
+    const int64_t slot0 = table[b] * BS;
+    for (; o < BS && i < n; ++o, ++i) rows[i] = (slot0 + o) * Hkv + h;
+  }
+}
+
 inline void paged_rows(const int64_t* table, int64_t L, int64_t BS, int64_t Hkv, int64_t h,
                        std::vector<int64_t>& rows) {
-  rows.resize(L);
-  for (int64_t t = 0, b = 0; t < L; ++b) {
-    const int64_t slot0 = table[b] * BS;
-    for (int64_t o = 0; o < BS && t < L; ++o, ++t) rows[t] = (slot0 + o) * Hkv + h;
-  }
+  paged_rows_from(table, 0, L, BS, Hkv, h, rows);
 }
