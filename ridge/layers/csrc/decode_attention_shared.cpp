@@ -76,11 +76,9 @@ torch::Tensor paged_decode_attention_shared(torch::Tensor q, torch::Tensor cache
 
   // the jobs: (sequence, chunk of CT tokens); per sequence its first job
   std::vector<int64_t> first(B + 1, 0);
-  int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= max_blocks * BS, "decode_attention_shared: context length out of range");
     first[b + 1] = first[b] + (lp[b] + CT - 1) / CT;
-    max_len = std::max(max_len, lp[b]);
   }
   const int64_t jobs = first[B];
 
@@ -95,9 +93,9 @@ torch::Tensor paged_decode_attention_shared(torch::Tensor q, torch::Tensor cache
         for (int64_t p = 0; p < DP; ++p) qt[((b * HG + h / LANES) * DP + p) * LANES + h % LANES] = q32[(b * H + h) * DP + p];
   }
   const int32_t* qt = qt_t.data_ptr<int32_t>();
-  // scores[b][g][t][lane]; per job and group: its max and sum of exp(s - max); per job the
-  // partial outputs o[g][d][lane]
-  auto scores_t = torch::empty({B, HG, max_len, LANES}, torch::dtype(torch::kFloat32));
+  // per job and group: its chunk's scores [t][lane], their max and sum of exp(s - max), and
+  // its partial outputs o[d][lane] (a batch of uneven contexts holds only its tokens' scores)
+  auto scores_t = torch::empty({jobs, HG, CT, LANES}, torch::dtype(torch::kFloat32));
   auto stats_t = torch::empty({jobs, HG, 2, LANES}, torch::dtype(torch::kFloat32));
   auto part_t = torch::empty({jobs, HG, DV, LANES}, torch::dtype(torch::kFloat32));
   float* scores = scores_t.data_ptr<float>();
@@ -125,10 +123,10 @@ torch::Tensor paged_decode_attention_shared(torch::Tensor q, torch::Tensor cache
           for (int j = 0; j < std::min<int64_t>(TOKENS, n - i - TOKENS); ++j)
             for (int64_t c = 0; c < 2 * D; c += 64) _mm_prefetch((const char*)(kp + rows[i + TOKENS + j] * D) + c, _MM_HINT_T0);
         for (int64_t g = 0; g < HG; ++g)
-          score_tokens(qt + (b * HG + g) * DP * LANES, k, cnt, DP, vscale, scores + ((b * HG + g) * max_len + t0 + i) * LANES);
+          score_tokens(qt + (b * HG + g) * DP * LANES, k, cnt, DP, vscale, scores + ((job * HG + g) * CT + i) * LANES);
       }
       for (int64_t g = 0; g < HG; ++g) {
-        const float* s = scores + ((b * HG + g) * max_len + t0) * LANES;
+        const float* s = scores + (job * HG + g) * CT * LANES;
         __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
         for (int64_t t = 0; t < n; ++t) m = _mm512_max_ps(m, _mm512_load_ps(s + t * LANES));
         for (int64_t t = 0; t < n; ++t) l = _mm512_add_ps(l, exp512(_mm512_sub_ps(_mm512_load_ps(s + t * LANES), m)));
@@ -189,7 +187,7 @@ torch::Tensor paged_decode_attention_shared(torch::Tensor q, torch::Tensor cache
       for (int64_t g = 0; g < HG; ++g) {
         const float* st = stats + ((first[b] * HG + g) * 2) * LANES;
         const __m512 m = _mm512_loadu_ps(st), inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_loadu_ps(st + LANES));
-        const float* s = scores + ((b * HG + g) * max_len + t0) * LANES;
+        const float* s = scores + (job * HG + g) * CT * LANES;
         for (int64_t t2 = 0; t2 < n2; ++t2) {
           const __m512 p0 = _mm512_mul_ps(exp512(_mm512_sub_ps(_mm512_load_ps(s + 2 * t2 * LANES), m)), inv);
           const __m512 p1 = 2 * t2 + 1 < n ? _mm512_mul_ps(exp512(_mm512_sub_ps(_mm512_load_ps(s + (2 * t2 + 1) * LANES), m)), inv)
