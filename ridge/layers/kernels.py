@@ -350,15 +350,20 @@ class CpuKernels(TorchKernels):
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         scale = head_dim**-0.5 if scale is None else scale
         dv = head_dim if value_dim is None else value_dim
+        shared = k_cache.shape[2] == 1 and v_cache.data_ptr() == k_cache.data_ptr()
+        many_on_shared = shared and q.shape[1] >= SHARED_KV_MIN_HEADS and dv % 16 == 0
         if cache.quantized:  # codes and scales read from the pool, dequantized in registers
             if head_dim % 16:
                 return super().decode_attention(q, cache, meta, scale, value_dim)
+            if many_on_shared:  # MLA's latent in int8/fp8: heads in lanes, as below
+                return self.ext.paged_decode_attention_shared_quant(
+                    q, k_cache, cache.k_scale, tables, lens, scale, dv, cache.kind == "fp8"
+                )
             out = self.ext.paged_decode_attention_quant(
                 q, k_cache, v_cache, cache.k_scale, cache.v_scale, tables, lens, scale, cache.kind == "fp8"
             )
             return out[..., :dv]
-        shared = k_cache.shape[2] == 1 and v_cache.data_ptr() == k_cache.data_ptr()
-        if shared and q.dtype is torch.bfloat16 and q.shape[1] >= SHARED_KV_MIN_HEADS and dv % 16 == 0:
+        if many_on_shared and q.dtype is torch.bfloat16:
             # MLA's latent: every head on one cache vector, heads in a vector's lanes, the
             # context split over the threads (csrc/decode_attention_shared.cpp)
             return self.ext.paged_decode_attention_shared(q, k_cache, tables, lens, scale, dv)

@@ -86,6 +86,85 @@ def test_cpu_kernel_reads_codes_and_scales_from_the_pool(kind, dim, heads, dtype
     assert (got.float() - want).abs().max().item() <= tol * want.abs().max().item()
 
 
+def _shared_cache_case(kind, dim, lens, block_size=16, num_blocks=60, seed=2):
+    """MLA's latent in int8/fp8: one KV head that is both K and V (``v is k``), as kv/cache.py
+    allocates it for ``keys_only`` specs."""
+    cache, meta, gen = _cache_case(kind, dim, lens, kv_heads=1, block_size=block_size, num_blocks=num_blocks, seed=seed)
+    return PagedKV(cache.k, cache.k, cache.k_scale, cache.k_scale, kind), meta, gen
+
+
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU has no AVX-512 BF16 + VNNI")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "lens,heads,dim,value_dim,block_size",
+    [
+        ([1], 16, 288, 256, 16),
+        ([5, 300, 17], 16, 48, 32, 16),  # 48 dims: one scale for the whole vector
+        ([129, 2], 20, 80, 64, 16),  # 20 heads: a second vector of lanes, mostly empty
+        ([700], 32, 576, 512, 16),
+        ([130, 17], 16, 64, 32, 5),  # chunks of 128 tokens start inside a block
+    ],
+)
+def test_shared_latent_kernel_computes_what_the_per_head_kernel_does(
+    kind, dtype, lens, heads, dim, value_dim, block_size
+):
+    """16+ heads on one quantized KV head (MLA): heads in a vector's lanes and the context in
+    chunks over the threads; the same scores as the per-(sequence, KV head) kernel (int8: the
+    same integers and float ops), the same fp32 softmax and values, summed in another order;
+    and within the per-head kernel's bounds of the dequantized reference."""
+    cache, meta, gen = _shared_cache_case(kind, dim, lens, block_size=block_size)
+    q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+    kernels = select_kernels("ridge", torch.device("cpu"), dtype)
+    got = kernels.decode_attention(q, cache, meta, 0.2, value_dim)
+    tables, context, fp8 = meta.decode_block_tables, meta.decode_context_lens, kind == "fp8"
+    per_head = kernels.ext.paged_decode_attention_quant(
+        q, cache.k, cache.v, cache.k_scale, cache.v_scale, tables, context, 0.2, fp8
+    )[..., :value_dim]
+    assert got.shape == (len(lens), heads, value_dim) and got.dtype == dtype
+    ext = kernels.ext
+    shared = ext.paged_decode_attention_shared_quant(q, cache.k, cache.k_scale, tables, context, 0.2, value_dim, fp8)
+    assert torch.equal(got, shared)  # the kernels route MLA's quantized latent there
+    scale = per_head.float().abs().max().item()
+    # float32: the order of fp32 sums; bf16: that, and so now and then the other side of a rounding
+    tol = 1e-5 if dtype is torch.float32 else 2**-7
+    assert (got.float() - per_head.float()).abs().max().item() <= tol * scale
+    k = kv_cache.dequantize(cache.k, cache.k_scale, kind, torch.float32)
+    want = TorchKernels().decode_attention(q.float(), PagedKV(k, k), meta, 0.2, value_dim)
+    # the int8 query (per 32 dims, or per 48 where one scale covers the vector) moves outputs ~1%
+    ref_tol = 0.02 if dtype is torch.bfloat16 or kind == "int8" else 1e-5
+    assert (got.float() - want).abs().max().item() <= ref_tol * want.abs().max().item()
+
+
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU has no AVX-512 BF16 + VNNI")
+@pytest.mark.parametrize("kind", KINDS)
+def test_shared_latent_kernel_is_batch_invariant_and_reads_only_the_context(kind):
+    """A sequence alone gives the bytes it gives beside others, and NaN scales in every slot no
+    sequence wrote change nothing (a NaN scale read would poison the sequence's output)."""
+    lens, block_size, dim = [300, 7, 129], 16, 64
+    cache, meta, gen = _shared_cache_case(kind, dim, lens, block_size=block_size)
+    q = torch.randn(len(lens), 16, dim, generator=gen).to(torch.bfloat16)
+    kernels = select_kernels("ridge", torch.device("cpu"), torch.bfloat16)
+    whole = kernels.decode_attention(q, cache, meta, 0.2, 32)
+    tables = meta.decode_block_tables
+    for i in range(len(lens)):
+        alone = AttentionMetadata(
+            slot_mapping=meta.slot_mapping[[i]],
+            num_decode_tokens=1,
+            decode_block_tables=tables[[i]],
+            decode_context_lens=meta.decode_context_lens[[i]],
+        )
+        assert torch.equal(kernels.decode_attention(q[[i]], cache, alone, 0.2, 32), whole[[i]])
+    written = torch.zeros(cache.k.shape[0] * block_size, dtype=torch.bool)
+    for row, n in zip(tables, lens):
+        slots = row.repeat_interleave(block_size) * block_size + torch.arange(block_size).repeat(tables.shape[1])
+        written[slots[:n]] = True
+    scales = cache.k_scale.clone()
+    scales.view(-1, scales.shape[-1])[~written] = float("nan")
+    poisoned = PagedKV(cache.k, cache.k, scales, scales, kind)
+    assert torch.equal(kernels.decode_attention(q, poisoned, meta, 0.2, 32), whole)
+
+
 def test_unknown_kv_cache_dtype_is_a_clear_error():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8, got 'int4'"):
         LLM("random:tiny", kv_cache_dtype="int4")

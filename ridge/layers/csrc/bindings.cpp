@@ -31,6 +31,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the same for any head size, float32 or bfloat16 (portable loops)");
   m.def("paged_decode_attention_shared", &paged_decode_attention_shared, py::call_guard<py::gil_scoped_release>(),
         "bf16 decode attention of many heads on one KV head (MLA's latent): heads in lanes, the context split over threads");
+  m.def("paged_decode_attention_shared_quant", &paged_decode_attention_shared_quant, py::call_guard<py::gil_scoped_release>(),
+        "the same over an int8 / fp8 latent cache (codes and fp16 scales per 32 dims), float32 or bfloat16 q");
   m.def("head_matmul_bf16", &head_matmul_bf16, py::call_guard<py::gil_scoped_release>(),
         "y[d][h] = x[d][h] @ w[h]: x (D, H, K), w (H, K, N) bf16 (MLA's absorbed W_uk and W_uv^T)");
   m.def("apply_token_bitmask_", &apply_token_bitmask_, py::call_guard<py::gil_scoped_release>(),

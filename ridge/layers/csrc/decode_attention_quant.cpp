@@ -14,8 +14,10 @@
 //
 // With one scale per head of 64 for both, the int8 query doubled the KL divergence of the
 // cache; per 32 it adds 5% (0.00133 against 0.00127 for a query kept to 15 bits in two int8
-// parts, which doubled the integer work: README, "KV cache in int8 or fp8"). An fp8 K is
-// dequantized row by row. V of either kind: each row's codes times its group scales, weighted
+// parts, which doubled the integer work: README, "KV cache in int8 or fp8"). An fp8 K: 16
+// tokens' rows decoded to fp32 and transposed in registers, so that each dim is a vector of 16
+// tokens that every head's fp32 query value multiplies (no reduction per token and head). V of
+// either kind: each row's codes times its group scales, weighted
 // by p_t, accumulated in fp32 registers. Work is split over
 // (sequence, KV head) as in decode_ops.cpp.
 #include <torch/extension.h>
@@ -27,6 +29,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kv_codes.h"
 #include "paged_rows.h"
 
 namespace ridge {
@@ -36,21 +39,6 @@ void softmax_row(float* scores, int64_t L, bool round_to_bf16);
 namespace {
 
 using bf16 = at::BFloat16;
-
-// 16 fp8 e4m3 codes -> 16 fp32 values / 256: e4m3's bits placed in an fp16 (sign to bit 15,
-// exponent and mantissa to bits 7-13) read as the same number divided by 2^8, subnormals too.
-inline __m512 fp8x16(const uint8_t* p) {
-  const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7);
-  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8);
-  return _mm512_cvtph_ps(_mm256_or_si256(mag, sign));
-}
-
-inline __m512 int8x16(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-
-inline float half_to_float(const at::Half* p) { return _cvtsh_ss(*reinterpret_cast<const uint16_t*>(p)); }
 
 // 16 rows of 16 int32 -> 16 columns (c[j] lane i = r[i] lane j), in 4 shuffle stages.
 inline void transpose16(const __m512i r[16], __m512i c[16]) {
@@ -99,6 +87,42 @@ inline void k_columns(const uint8_t* kp, const int64_t* rows16, int64_t D, __m51
   const int32_t* k32 = reinterpret_cast<const int32_t*>(kp);
   for (int64_t p = 0; p < D / 4; ++p)
     _mm512_store_si512(col + p, _mm512_xor_si512(_mm512_i32gather_epi32(_mm512_add_epi32(vbase, _mm512_set1_epi32(p)), k32, 4), flip));
+}
+
+// 16 tokens' fp8 K rows as fp32 columns: col[d] lane i = token i's value at dim d, / 256
+inline void k_columns_fp8(const uint8_t* kp, const int64_t* rows16, int64_t D, float* col) {
+  for (int64_t c0 = 0; c0 < D; c0 += 16) {
+    __m512i r[16], c[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(fp8x16(kp + rows16[i] * D + c0));
+    transpose16(r, c);
+    for (int j = 0; j < 16; ++j) _mm512_store_si512(col + (c0 + j) * 16, c[j]);
+  }
+}
+
+// Scores of NG query heads (fp32 queries qf[g][D]) against 16 tokens of an fp8 K: per group
+// of GS dims sum_d q[d] k_t[d] (two chains a head, even and odd dims), times the tokens' K
+// scales of the group; then times 256 (fp8x16's unit) and the attention scale.
+template <int NG>
+inline void qk_fp8(const float* col, const float* qf, int64_t D, int64_t GS, const float* ks, __m512 unit_scale,
+                   float* scores, int64_t L, int64_t n) {
+  const int64_t NGR = D / GS;
+  __m512 sacc[NG];
+  for (int g = 0; g < NG; ++g) sacc[g] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < NGR; ++gi) {
+    __m512 even[NG], odd[NG];
+    for (int g = 0; g < NG; ++g) even[g] = odd[g] = _mm512_setzero_ps();
+    for (int64_t d = gi * GS; d < (gi + 1) * GS; d += 2) {
+      const __m512 k0 = _mm512_load_ps(col + d * 16), k1 = _mm512_load_ps(col + (d + 1) * 16);
+      for (int g = 0; g < NG; ++g) {
+        even[g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * D + d]), k0, even[g]);
+        odd[g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * D + d + 1]), k1, odd[g]);
+      }
+    }
+    const __m512 k_scale = _mm512_load_ps(ks + gi * 16);
+    for (int g = 0; g < NG; ++g) sacc[g] = _mm512_fmadd_ps(_mm512_add_ps(even[g], odd[g]), k_scale, sacc[g]);
+  }
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  for (int g = 0; g < NG; ++g) _mm512_mask_storeu_ps(scores + g * L, valid, _mm512_mul_ps(sacc[g], unit_scale));
 }
 
 // Scores of NG query heads against 16 tokens of an int8 K (see the header): per group of GS
@@ -184,83 +208,63 @@ void pv(int64_t G, const uint8_t* vp, const int64_t* rows, int64_t D, const floa
     }
 }
 
-// The query of one head to int8 per group of GS dims (scale s = amax / 127 of the group), as
-// llama.cpp quantizes Q to q8_0 against a q8_0 cache. qsum holds -128 times each group's code
-// sum (the start of its dot products); qf the group's s times the attention scale.
-inline void quantize_query(const float* q, int64_t D, int64_t GS, float scale, int8_t* codes, int32_t* qsum, float* qf) {
-  for (int64_t gi = 0; gi < D / GS; ++gi) {
-    const float* x = q + gi * GS;
-    float amax = 0.f;
-    for (int64_t d = 0; d < GS; ++d) amax = std::max(amax, std::fabs(x[d]));
-    const float inv = amax > 0 ? 127.f / amax : 0.f;
-    int32_t sum = 0;
-    for (int64_t d = 0; d < GS; ++d) {
-      const int32_t c = static_cast<int32_t>(std::nearbyint(x[d] * inv));
-      codes[gi * GS + d] = static_cast<int8_t>(c);
-      sum += c;
-    }
-    qsum[gi] = -128 * sum;
-    qf[gi] = amax / 127.f * scale;
-  }
-}
-
 template <typename T, bool FP8>
 void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* ksp, const at::Half* vsp,
             const int64_t* tp, const int64_t* lp, T* op, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
             int64_t max_blocks, int64_t NGR, float scale) {
   const int64_t G = Hq / Hkv, GS = D / NGR;
-  const float code_unit = FP8 ? 256.f : 1.f;  // fp8x16 yields value / 256
+  const float code_unit = FP8 ? FP8_CODE_UNIT : 1.f;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), qscale(G * NGR), scores, vscale, acc(G * D);
     std::vector<int8_t> qq(G * D);
     std::vector<int32_t> qsum(G * NGR);
-    std::vector<__m512i> col(D / 4);
+    std::vector<__m512i> col(FP8 ? 0 : D / 4);
+    std::vector<__m512> colv(FP8 ? D : 0);  // fp8: [d][16 tokens] fp32
+    float* colf = reinterpret_cast<float*>(colv.data());
     std::vector<int64_t> rows;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / Hkv, h = job % Hkv, L = lp[b];
       paged_rows(tp + b * max_blocks, L, BS, Hkv, h, rows);
       for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(qp[(b * Hq + h * G) * D + i]);
       scores.assign(G * L, 0.f);
-      if constexpr (!FP8) {
+      if constexpr (!FP8)
         for (int64_t g = 0; g < G; ++g) quantize_query(&qf[g * D], D, GS, scale, &qq[g * D], &qsum[g * NGR], &qscale[g * NGR]);
-        for (int64_t t0 = 0; t0 < L; t0 += 16) {
-          const int64_t n = std::min<int64_t>(16, L - t0);
-          alignas(64) int64_t rows16[16];
-          alignas(64) float ks[16 * 64];  // [group][token], up to 64 groups
-          for (int64_t i = 0; i < 16; ++i) {
-            const int64_t row = rows[t0 + std::min<int64_t>(i, n - 1)];  // tail lanes repeat a valid token
-            rows16[i] = row;
-            for (int64_t gi = 0; gi < NGR; ++gi) ks[gi * 16 + i] = half_to_float(ksp + row * NGR + gi);
-          }
-          for (int64_t i = t0 + 16; i < std::min<int64_t>(L, t0 + 32); ++i)  // the next chunk's rows
-            for (int64_t c = 0; c < D; c += 64) _mm_prefetch(reinterpret_cast<const char*>(kp + rows[i] * D + c), _MM_HINT_T0);
+      const __m512 unit_scale = _mm512_set1_ps(code_unit * scale);
+      for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        const int64_t n = std::min<int64_t>(16, L - t0);
+        alignas(64) int64_t rows16[16];
+        alignas(64) float ks[16 * 64];  // [group][token], up to 64 groups
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t row = rows[t0 + std::min<int64_t>(i, n - 1)];  // tail lanes repeat a valid token
+          rows16[i] = row;
+          for (int64_t gi = 0; gi < NGR; ++gi) ks[gi * 16 + i] = half_to_float(ksp + row * NGR + gi);
+        }
+        for (int64_t i = t0 + 16; i < std::min<int64_t>(L, t0 + 32); ++i)  // the next chunk's rows
+          for (int64_t c = 0; c < D; c += 64) _mm_prefetch(reinterpret_cast<const char*>(kp + rows[i] * D + c), _MM_HINT_T0);
+        if constexpr (FP8)
+          k_columns_fp8(kp, rows16, D, colf);
+        else
           k_columns(kp, rows16, D, col.data());
-          for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+          float* s = &scores[g0 * L + t0];
+          if constexpr (FP8) {
+            const float* q = &qf[g0 * D];
+            switch (std::min<int64_t>(4, G - g0)) {
+              case 1: qk_fp8<1>(colf, q, D, GS, ks, unit_scale, s, L, n); break;
+              case 2: qk_fp8<2>(colf, q, D, GS, ks, unit_scale, s, L, n); break;
+              case 3: qk_fp8<3>(colf, q, D, GS, ks, unit_scale, s, L, n); break;
+              default: qk_fp8<4>(colf, q, D, GS, ks, unit_scale, s, L, n);
+            }
+          } else {
             const int8_t* q = &qq[g0 * D];
             const int32_t* qs = &qsum[g0 * NGR];
             const float* qfs = &qscale[g0 * NGR];
-            float* s = &scores[g0 * L + t0];
             switch (std::min<int64_t>(4, G - g0)) {
               case 1: qk_int8<1>(col.data(), q, qs, qfs, D, GS, ks, s, L, n); break;
               case 2: qk_int8<2>(col.data(), q, qs, qfs, D, GS, ks, s, L, n); break;
               case 3: qk_int8<3>(col.data(), q, qs, qfs, D, GS, ks, s, L, n); break;
               default: qk_int8<4>(col.data(), q, qs, qfs, D, GS, ks, s, L, n);
             }
-          }
-        }
-      } else {
-        for (int64_t t = 0; t < L; ++t) {
-          const int64_t row = rows[t];
-          const uint8_t* krow = kp + row * D;
-          for (int64_t g = 0; g < G; ++g) {
-            float total = 0.f;
-            for (int64_t gi = 0; gi < NGR; ++gi) {
-              __m512 dot = _mm512_setzero_ps();
-              for (int64_t d = gi * GS; d < (gi + 1) * GS; d += 16)
-                dot = _mm512_fmadd_ps(fp8x16(krow + d), _mm512_loadu_ps(&qf[g * D + d]), dot);
-              total += _mm512_reduce_add_ps(dot) * half_to_float(ksp + row * NGR + gi);
-            }
-            scores[g * L + t] = total * code_unit * scale;
           }
         }
       }

@@ -19,6 +19,17 @@
 // so it computes what the gathered torch path computes (bf16 scores, an fp32 softmax rounded
 // to bf16, fp32 sums, one bf16 rounding) up to the order of fp32 sums and exp's last bits,
 // and reads each cache vector twice from memory or cache, never a gathered copy.
+//
+// An int8 or fp8 latent cache (codes and fp16 scales per 32 dims, kv/cache.py) runs the same
+// chunks with the arithmetic of decode_attention_quant.cpp, heads in lanes instead of tokens:
+//
+//   int8:  each head's query in int8 per group of 32 (quantize_query); per token and group
+//          vpdpbusd of the token's codes (+ 128, broadcast) against 16 heads' codes, then
+//          s += int(dot) * (k scale * q scale): the scores decode_attention_quant.cpp computes,
+//          bit for bit (the same integers, the same float ops in the same order)
+//   fp8:   the token's codes decoded to fp32 and multiplied into 16 heads' fp32 queries
+//   both:  fp32 probabilities (that kernel's softmax: no bf16 rounding), values dequantized
+//          in fp32 (codes times their group's scale), o[h][d] += p[t][h] v[t][d] in fp32
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -29,6 +40,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "kv_codes.h"
 #include "paged_rows.h"
 #include "simd_math.h"
 
@@ -39,6 +51,73 @@ constexpr int64_t LANES = 16;  // heads per vector
 constexpr int64_t CT = 128;    // tokens per chunk (a job): 32 jobs at a 4k context
 constexpr int TOKENS = 8;      // scores in flight (8 chains of vdpbf16ps, latency ~5)
 constexpr int DB = 16;         // output dims per pass over a chunk (16 accumulators)
+
+// The jobs: (sequence, chunk of CT tokens), a sequence's chunks consecutive from first[b].
+struct ChunkJobs {
+  std::vector<int64_t> first;
+  const int64_t* lens;
+  int64_t count;
+
+  ChunkJobs(const int64_t* lp, int64_t B, int64_t capacity) : first(B + 1, 0), lens(lp) {
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(lp[b] >= 1 && lp[b] <= capacity, "decode_attention_shared: context length out of range");
+      first[b + 1] = first[b] + (lp[b] + CT - 1) / CT;
+    }
+    count = first[B];
+  }
+
+  // job -> its sequence b, its first token t0 and its n tokens
+  void at(int64_t job, int64_t& b, int64_t& t0, int64_t& n) const {
+    b = std::upper_bound(first.begin(), first.end(), job) - first.begin() - 1;
+    t0 = (job - first[b]) * CT;
+    n = std::min<int64_t>(CT, lens[b] - t0);
+  }
+};
+
+// One group's chunk statistics from its n scores s[t][lane]: st = (max m, sum of exp(s - m))
+inline void chunk_stats(const float* s, int64_t n, float* st) {
+  __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) m = _mm512_max_ps(m, _mm512_load_ps(s + t * LANES));
+  for (int64_t t = 0; t < n; ++t) l = _mm512_add_ps(l, exp512(_mm512_sub_ps(_mm512_load_ps(s + t * LANES), m)));
+  _mm512_storeu_ps(st, m);
+  _mm512_storeu_ps(st + LANES, l);
+}
+
+// Per sequence and group, the max over its chunks and the sum of exp against it, kept where
+// its first chunk's stats were (stats [job][group][2][lane])
+void merge_stats(const ChunkJobs& jobs, int64_t B, int64_t HG, float* stats) {
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < HG; ++g) {
+      const int64_t j0 = jobs.first[b], j1 = jobs.first[b + 1];
+      __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
+      for (int64_t job = j0; job < j1; ++job) m = _mm512_max_ps(m, _mm512_loadu_ps(stats + ((job * HG + g) * 2) * LANES));
+      for (int64_t job = j0; job < j1; ++job) {
+        const float* st = stats + ((job * HG + g) * 2) * LANES;
+        l = _mm512_fmadd_ps(_mm512_loadu_ps(st + LANES), exp512(_mm512_sub_ps(_mm512_loadu_ps(st), m)), l);
+      }
+      float* st = stats + ((j0 * HG + g) * 2) * LANES;
+      _mm512_storeu_ps(st, m);
+      _mm512_storeu_ps(st + LANES, l);
+    }
+}
+
+// out[b][h][d] = T(sum over the sequence's chunks of part[job][group][d][lane])
+template <typename T>
+void reduce_parts(const ChunkJobs& jobs, int64_t B, int64_t H, int64_t HG, int64_t DV, const float* part, T* op) {
+  at::parallel_for(0, B * HG, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float lanes[LANES];
+    for (int64_t bg = begin; bg < end; ++bg) {
+      const int64_t b = bg / HG, g = bg % HG;
+      for (int64_t d = 0; d < DV; ++d) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t job = jobs.first[b]; job < jobs.first[b + 1]; ++job)
+          sum = _mm512_add_ps(sum, _mm512_load_ps(part + ((job * HG + g) * DV + d) * LANES));
+        _mm512_store_ps(lanes, sum);
+        for (int64_t i = 0; i < LANES && g * LANES + i < H; ++i) op[(b * H + g * LANES + i) * DV + d] = static_cast<T>(lanes[i]);
+      }
+    }
+  });
+}
 
 // Scores of n (<= TOKENS) tokens for one group of 16 heads: s[i][16] = bf16(q . c_i) * scale
 inline void score_tokens(const int32_t* qt, const int32_t* const* k32, int n, int64_t DP, __m512 scale, float* s) {
@@ -51,6 +130,203 @@ inline void score_tokens(const int32_t* qt, const int32_t* const* k32, int n, in
       if (i < n) acc[i] = _mm512_dpbf16_ps(acc[i], qv, (__m512bh)_mm512_set1_epi32(k32[i][p]));
   }
   for (int i = 0; i < n; ++i) _mm512_store_ps(s + i * LANES, _mm512_mul_ps(round16(acc[i]), scale));
+}
+
+// int8 scores of TOKENS tokens (tail tokens repeat a valid one) for one group of 16 heads:
+// per group gi of GS dims, the heads' query codes qc[p][lane] (4 a lane) against each token's
+// codes + 128 (kb[i][p], 4 a word), started at qs[gi] (-128 times the heads' code sums), then
+// s += int * (token's k scale * the head's qf[gi]). s[i][16] for i < n.
+inline void score_tokens_int8(const int32_t* qc, const int32_t* qs, const float* qf, const int32_t* kb, const float* ks,
+                              int n, int64_t NGR, int64_t QG, float* s) {
+  const int64_t DQ = NGR * QG;
+  __m512 sacc[TOKENS];
+  for (int i = 0; i < TOKENS; ++i) sacc[i] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < NGR; ++gi) {
+    __m512i acc[TOKENS];
+    const __m512i start = _mm512_load_si512(qs + gi * LANES);
+    for (int i = 0; i < TOKENS; ++i) acc[i] = start;
+    for (int64_t p = gi * QG; p < (gi + 1) * QG; ++p) {
+      const __m512i qv = _mm512_load_si512(qc + p * LANES);
+#pragma GCC unroll 8
+      for (int i = 0; i < TOKENS; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(kb[i * DQ + p]), qv);
+    }
+    const __m512 qfv = _mm512_load_ps(qf + gi * LANES);
+    for (int i = 0; i < TOKENS; ++i)
+      sacc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]), _mm512_mul_ps(_mm512_set1_ps(ks[i * NGR + gi]), qfv), sacc[i]);
+  }
+  for (int i = 0; i < n; ++i) _mm512_store_ps(s + i * LANES, sacc[i]);
+}
+
+// fp8 scores, the same way: the tokens' decoded codes kf[i][d] (value / 256) against the heads'
+// fp32 query qv[d][lane], per group times the token's k scale; s = sum * 256 * scale.
+inline void score_tokens_fp8(const float* qv, const float* kf, const float* ks, int n, int64_t D, int64_t NGR,
+                             int64_t GS, __m512 unit_scale, float* s) {
+  __m512 sacc[TOKENS];
+  for (int i = 0; i < TOKENS; ++i) sacc[i] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < NGR; ++gi) {
+    __m512 dot[TOKENS];
+    for (int i = 0; i < TOKENS; ++i) dot[i] = _mm512_setzero_ps();
+    for (int64_t d = gi * GS; d < (gi + 1) * GS; ++d) {
+      const __m512 q = _mm512_load_ps(qv + d * LANES);
+#pragma GCC unroll 8
+      for (int i = 0; i < TOKENS; ++i) dot[i] = _mm512_fmadd_ps(q, _mm512_set1_ps(kf[i * D + d]), dot[i]);
+    }
+    for (int i = 0; i < TOKENS; ++i) sacc[i] = _mm512_fmadd_ps(dot[i], _mm512_set1_ps(ks[i * NGR + gi]), sacc[i]);
+  }
+  for (int i = 0; i < n; ++i) _mm512_store_ps(s + i * LANES, _mm512_mul_ps(sacc[i], unit_scale));
+}
+
+// The query of each sequence and head laid out with heads in lanes, as the scores read it.
+struct SharedQuery {
+  torch::Tensor codes, sums, scales, values;  // int8: [b][g][D/4][lane], [b][g][NGR][lane] x2; fp8: [b][g][D][lane]
+};
+
+template <typename T>
+SharedQuery query_lanes(const torch::Tensor& q, int64_t HG, int64_t NGR, float scale, bool fp8) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), GS = D / NGR;
+  auto qc = q.contiguous();
+  const T* qp = qc.data_ptr<T>();
+  SharedQuery out;
+  std::vector<float> x(D);
+  if (fp8) {
+    out.values = torch::zeros({B, HG, D, LANES}, torch::dtype(torch::kFloat32));
+    float* v = out.values.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t d = 0; d < D; ++d) v[((b * HG + h / LANES) * D + d) * LANES + h % LANES] = static_cast<float>(qp[(b * H + h) * D + d]);
+    return out;
+  }
+  out.codes = torch::zeros({B, HG, D / 4, LANES}, torch::dtype(torch::kInt32));
+  out.sums = torch::zeros({B, HG, NGR, LANES}, torch::dtype(torch::kInt32));
+  out.scales = torch::zeros({B, HG, NGR, LANES}, torch::dtype(torch::kFloat32));
+  int32_t* codes = out.codes.data_ptr<int32_t>();
+  int32_t* sums = out.sums.data_ptr<int32_t>();
+  float* scales = out.scales.data_ptr<float>();
+  std::vector<int8_t> qq(D);
+  std::vector<int32_t> qsum(NGR);
+  std::vector<float> qf(NGR);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t d = 0; d < D; ++d) x[d] = static_cast<float>(qp[(b * H + h) * D + d]);
+      quantize_query(x.data(), D, GS, scale, qq.data(), qsum.data(), qf.data());
+      const int64_t g = h / LANES, lane = h % LANES;
+      for (int64_t p = 0; p < D / 4; ++p) std::memcpy(&codes[((b * HG + g) * (D / 4) + p) * LANES + lane], &qq[4 * p], 4);
+      for (int64_t gi = 0; gi < NGR; ++gi) {
+        sums[((b * HG + g) * NGR + gi) * LANES + lane] = qsum[gi];
+        scales[((b * HG + g) * NGR + gi) * LANES + lane] = qf[gi];
+      }
+    }
+  return out;
+}
+
+template <typename T>
+torch::Tensor attend_shared_quant(const torch::Tensor& q, const uint8_t* kp, const at::Half* ksp, const int64_t* tp,
+                                  const int64_t* lp, int64_t max_blocks, int64_t BS, int64_t NGR, int64_t DV, float scale,
+                                  bool fp8) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), HG = (H + LANES - 1) / LANES;
+  const int64_t GS = D / NGR, QG = GS / 4, NDB = DV / DB;
+  const ChunkJobs jobs(lp, B, max_blocks * BS);
+  const SharedQuery query = query_lanes<T>(q, HG, NGR, scale, fp8);
+  auto scores_t = torch::empty({jobs.count, HG, CT, LANES}, torch::dtype(torch::kFloat32));
+  auto stats_t = torch::empty({jobs.count, HG, 2, LANES}, torch::dtype(torch::kFloat32));
+  auto part_t = torch::empty({jobs.count, HG, DV, LANES}, torch::dtype(torch::kFloat32));
+  float* scores = scores_t.data_ptr<float>();
+  float* stats = stats_t.data_ptr<float>();
+  float* part = part_t.data_ptr<float>();
+  const float code_unit = fp8 ? FP8_CODE_UNIT : 1.f;
+  const __m512 unit_scale = _mm512_set1_ps(code_unit * scale);
+
+  // pass 1: scores, and each chunk's max and sum of exp per head
+  at::parallel_for(0, jobs.count, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> rows;
+    // the TOKENS tokens' codes as the scores read them (int8: + 128; fp8: decoded), k scales
+    std::vector<float> kf(fp8 ? TOKENS * D : 0), ks(TOKENS * NGR);
+    std::vector<int32_t> kb(fp8 ? 0 : TOKENS * D / 4);
+    for (int64_t job = begin; job < end; ++job) {
+      int64_t b, t0, n;
+      jobs.at(job, b, t0, n);
+      paged_rows_from(tp + b * max_blocks, t0, n, BS, 1, 0, rows);
+      for (int64_t i = 0; i < n; i += TOKENS) {
+        const int cnt = static_cast<int>(std::min<int64_t>(TOKENS, n - i));
+        for (int j = 0; j < TOKENS; ++j) {
+          const int64_t row = rows[i + std::min(j, cnt - 1)];  // tail tokens repeat a valid one
+          const uint8_t* src = kp + row * D;
+          for (int64_t gi = 0; gi < NGR; ++gi) ks[j * NGR + gi] = half_to_float(ksp + row * NGR + gi);
+          if (fp8) {
+            for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(&kf[j * D + d], fp8x16(src + d));
+          } else {
+            const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
+            for (int64_t d = 0; d < D; d += 16)
+              _mm_storeu_si128(reinterpret_cast<__m128i*>(&kb[j * D / 4 + d / 4]),
+                               _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)), flip));
+          }
+        }
+        if (i + TOKENS < n)  // the next tokens' rows (blocks lie anywhere in the pool)
+          for (int j = 0; j < std::min<int64_t>(TOKENS, n - i - TOKENS); ++j)
+            for (int64_t c = 0; c < D; c += 64) _mm_prefetch((const char*)(kp + rows[i + TOKENS + j] * D) + c, _MM_HINT_T0);
+        for (int64_t g = 0; g < HG; ++g) {
+          float* s = scores + ((job * HG + g) * CT + i) * LANES;
+          if (fp8)
+            score_tokens_fp8(query.values.data_ptr<float>() + (b * HG + g) * D * LANES, kf.data(), ks.data(), cnt, D, NGR,
+                             GS, unit_scale, s);
+          else
+            score_tokens_int8(query.codes.data_ptr<int32_t>() + (b * HG + g) * (D / 4) * LANES,
+                              query.sums.data_ptr<int32_t>() + (b * HG + g) * NGR * LANES,
+                              query.scales.data_ptr<float>() + (b * HG + g) * NGR * LANES, kb.data(), ks.data(), cnt, NGR,
+                              QG, s);
+        }
+      }
+      for (int64_t g = 0; g < HG; ++g)
+        chunk_stats(scores + (job * HG + g) * CT * LANES, n, stats + (job * HG + g) * 2 * LANES);
+    }
+  });
+
+  merge_stats(jobs, B, HG, stats);
+
+  // pass 2: fp32 probabilities in place of the scores, values dequantized a block of 16 dims
+  // at a time, each chunk's share of the output
+  at::parallel_for(0, jobs.count, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> rows;
+    std::vector<float> unit(CT * NGR);  // [token][group]: the value of a code unit
+    alignas(64) float vb[CT * DB];       // [token][16 dims]: codes times their group's scale
+    for (int64_t job = begin; job < end; ++job) {
+      int64_t b, t0, n;
+      jobs.at(job, b, t0, n);
+      paged_rows_from(tp + b * max_blocks, t0, n, BS, 1, 0, rows);
+      for (int64_t g = 0; g < HG; ++g) {
+        const float* st = stats + ((jobs.first[b] * HG + g) * 2) * LANES;
+        const __m512 m = _mm512_loadu_ps(st), inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_loadu_ps(st + LANES));
+        float* s = scores + (job * HG + g) * CT * LANES;
+        for (int64_t t = 0; t < n; ++t)
+          _mm512_store_ps(s + t * LANES, _mm512_mul_ps(exp512(_mm512_sub_ps(_mm512_load_ps(s + t * LANES), m)), inv));
+      }
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t gi = 0; gi < NGR; ++gi) unit[t * NGR + gi] = half_to_float(ksp + rows[t] * NGR + gi) * code_unit;
+      for (int64_t d0 = 0; d0 < DV; d0 += DB) {
+        const int64_t gi = d0 / GS;
+        for (int64_t t = 0; t < n; ++t) {
+          const uint8_t* src = kp + rows[t] * D + d0;
+          _mm512_store_ps(vb + t * DB, _mm512_mul_ps(fp8 ? fp8x16(src) : int8x16(src), _mm512_set1_ps(unit[t * NGR + gi])));
+        }
+        for (int64_t g = 0; g < HG; ++g) {
+          const float* p = scores + (job * HG + g) * CT * LANES;
+          __m512 acc[DB];
+          for (int j = 0; j < DB; ++j) acc[j] = _mm512_setzero_ps();
+          for (int64_t t = 0; t < n; ++t) {
+            const __m512 pv = _mm512_load_ps(p + t * LANES);
+#pragma GCC unroll 16
+            for (int j = 0; j < DB; ++j) acc[j] = _mm512_fmadd_ps(pv, _mm512_set1_ps(vb[t * DB + j]), acc[j]);
+          }
+          float* o = part + ((job * HG + g) * DV + d0) * LANES;
+          for (int j = 0; j < DB; ++j) _mm512_store_ps(o + j * LANES, acc[j]);
+        }
+      }
+    }
+  });
+
+  auto out = torch::empty({B, H, DV}, q.options());
+  reduce_parts<T>(jobs, B, H, HG, DV, part, out.data_ptr<T>());
+  return out;
 }
 
 }  // namespace
@@ -73,14 +349,7 @@ torch::Tensor paged_decode_attention_shared(torch::Tensor q, torch::Tensor cache
   const int64_t max_blocks = tables.size(1);
   const int32_t* k32 = reinterpret_cast<const int32_t*>(cache.data_ptr<bf16>());
   const bf16* kp = cache.data_ptr<bf16>();
-
-  // the jobs: (sequence, chunk of CT tokens); per sequence its first job
-  std::vector<int64_t> first(B + 1, 0);
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= max_blocks * BS, "decode_attention_shared: context length out of range");
-    first[b + 1] = first[b] + (lp[b] + CT - 1) / CT;
-  }
-  const int64_t jobs = first[B];
+  const ChunkJobs jobs(lp, B, max_blocks * BS);
 
   // q as pairs with heads in lanes: qt[b][g][p][lane] = (q[h][2p], q[h][2p + 1]), h = 16 g + lane
   auto qt_t = torch::zeros({B, HG, DP, LANES}, torch::dtype(torch::kInt32));
@@ -95,25 +364,20 @@ torch::Tensor paged_decode_attention_shared(torch::Tensor q, torch::Tensor cache
   const int32_t* qt = qt_t.data_ptr<int32_t>();
   // per job and group: its chunk's scores [t][lane], their max and sum of exp(s - max), and
   // its partial outputs o[d][lane] (a batch of uneven contexts holds only its tokens' scores)
-  auto scores_t = torch::empty({jobs, HG, CT, LANES}, torch::dtype(torch::kFloat32));
-  auto stats_t = torch::empty({jobs, HG, 2, LANES}, torch::dtype(torch::kFloat32));
-  auto part_t = torch::empty({jobs, HG, DV, LANES}, torch::dtype(torch::kFloat32));
+  auto scores_t = torch::empty({jobs.count, HG, CT, LANES}, torch::dtype(torch::kFloat32));
+  auto stats_t = torch::empty({jobs.count, HG, 2, LANES}, torch::dtype(torch::kFloat32));
+  auto part_t = torch::empty({jobs.count, HG, DV, LANES}, torch::dtype(torch::kFloat32));
   float* scores = scores_t.data_ptr<float>();
   float* stats = stats_t.data_ptr<float>();
   float* part = part_t.data_ptr<float>();
-  auto job_of = [&](int64_t job, int64_t& b, int64_t& t0, int64_t& n) {
-    b = std::upper_bound(first.begin(), first.end(), job) - first.begin() - 1;
-    t0 = (job - first[b]) * CT;
-    n = std::min<int64_t>(CT, lp[b] - t0);
-  };
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
 
   // pass 1: scores, and each chunk's max and sum of exp per head
-  at::parallel_for(0, jobs, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, jobs.count, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> rows;
     for (int64_t job = begin; job < end; ++job) {
       int64_t b, t0, n;
-      job_of(job, b, t0, n);
+      jobs.at(job, b, t0, n);
       paged_rows_from(tp + b * max_blocks, t0, n, BS, 1, 0, rows);  // this chunk's
       for (int64_t i = 0; i < n; i += TOKENS) {
         const int cnt = static_cast<int>(std::min<int64_t>(TOKENS, n - i));
@@ -125,34 +389,15 @@ torch::Tensor paged_decode_attention_shared(torch::Tensor q, torch::Tensor cache
         for (int64_t g = 0; g < HG; ++g)
           score_tokens(qt + (b * HG + g) * DP * LANES, k, cnt, DP, vscale, scores + ((job * HG + g) * CT + i) * LANES);
       }
-      for (int64_t g = 0; g < HG; ++g) {
-        const float* s = scores + (job * HG + g) * CT * LANES;
-        __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
-        for (int64_t t = 0; t < n; ++t) m = _mm512_max_ps(m, _mm512_load_ps(s + t * LANES));
-        for (int64_t t = 0; t < n; ++t) l = _mm512_add_ps(l, exp512(_mm512_sub_ps(_mm512_load_ps(s + t * LANES), m)));
-        _mm512_storeu_ps(stats + ((job * HG + g) * 2) * LANES, m);
-        _mm512_storeu_ps(stats + ((job * HG + g) * 2 + 1) * LANES, l);
-      }
+      for (int64_t g = 0; g < HG; ++g)
+        chunk_stats(scores + (job * HG + g) * CT * LANES, n, stats + (job * HG + g) * 2 * LANES);
     }
   });
 
-  // merge: per sequence and group the max over its chunks and the sum of exp against it,
-  // kept where its first chunk's stats were
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t g = 0; g < HG; ++g) {
-      __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
-      for (int64_t job = first[b]; job < first[b + 1]; ++job) m = _mm512_max_ps(m, _mm512_loadu_ps(stats + ((job * HG + g) * 2) * LANES));
-      for (int64_t job = first[b]; job < first[b + 1]; ++job) {
-        const float* st = stats + ((job * HG + g) * 2) * LANES;
-        l = _mm512_fmadd_ps(_mm512_loadu_ps(st + LANES), exp512(_mm512_sub_ps(_mm512_loadu_ps(st), m)), l);
-      }
-      float* st = stats + ((first[b] * HG + g) * 2) * LANES;
-      _mm512_storeu_ps(st, m);
-      _mm512_storeu_ps(st + LANES, l);
-    }
+  merge_stats(jobs, B, HG, stats);
 
   // pass 2: probabilities, and each chunk's share of the output
-  at::parallel_for(0, jobs, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, jobs.count, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> rows;
     const int64_t T2 = (CT + 1) / 2;
     std::vector<int32_t> vp2(NDB * T2 * DB);       // [d block][token pair][16 d]: (v[t][d], v[t + 1][d])
@@ -167,7 +412,7 @@ torch::Tensor paged_decode_attention_shared(torch::Tensor q, torch::Tensor cache
     const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx), pair_perm = _mm512_load_si512(pair_idx);
     for (int64_t job = begin; job < end; ++job) {
       int64_t b, t0, n;
-      job_of(job, b, t0, n);
+      jobs.at(job, b, t0, n);
       paged_rows_from(tp + b * max_blocks, t0, n, BS, 1, 0, rows);  // this chunk's
       const int64_t n2 = (n + 1) / 2;
       for (int64_t t2 = 0; t2 < n2; ++t2) {  // the chunk's values as pairs of tokens
@@ -185,7 +430,7 @@ torch::Tensor paged_decode_attention_shared(torch::Tensor q, torch::Tensor cache
         }
       }
       for (int64_t g = 0; g < HG; ++g) {
-        const float* st = stats + ((first[b] * HG + g) * 2) * LANES;
+        const float* st = stats + ((jobs.first[b] * HG + g) * 2) * LANES;
         const __m512 m = _mm512_loadu_ps(st), inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_loadu_ps(st + LANES));
         const float* s = scores + (job * HG + g) * CT * LANES;
         for (int64_t t2 = 0; t2 < n2; ++t2) {
@@ -214,20 +459,38 @@ torch::Tensor paged_decode_attention_shared(torch::Tensor q, torch::Tensor cache
 
   // reduce: out[b][h][d] = bf16(sum over the sequence's chunks)
   auto out = torch::empty({B, H, DV}, q.options());
-  bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, B * HG, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float lanes[LANES];
-    for (int64_t bg = begin; bg < end; ++bg) {
-      const int64_t b = bg / HG, g = bg % HG;
-      for (int64_t d = 0; d < DV; ++d) {
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t job = first[b]; job < first[b + 1]; ++job) sum = _mm512_add_ps(sum, _mm512_load_ps(part + ((job * HG + g) * DV + d) * LANES));
-        _mm512_store_ps(lanes, sum);
-        for (int64_t i = 0; i < LANES && g * LANES + i < H; ++i) op[(b * H + g * LANES + i) * DV + d] = bf16(lanes[i]);
-      }
-    }
-  });
+  reduce_parts<bf16>(jobs, B, H, HG, DV, part, out.data_ptr<bf16>());
   return out;
+}
+
+torch::Tensor paged_decode_attention_shared_quant(torch::Tensor q, torch::Tensor cache, torch::Tensor scales,
+                                                  torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                                                  int64_t value_dim, bool fp8) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(q.device().is_cpu() && (dtype == at::kFloat || dtype == at::kBFloat16),
+              "decode_attention_shared_quant: float32 or bfloat16 CPU q");
+  TORCH_CHECK(q.dim() == 3 && cache.dim() == 4 && cache.size(2) == 1 && cache.element_size() == 1 && cache.is_contiguous(),
+              "decode_attention_shared_quant: q (B, H, D) and one contiguous KV head of 1-byte codes expected");
+  const int64_t D = q.size(2), BS = cache.size(1);
+  TORCH_CHECK(cache.size(3) == D && D % 16 == 0, "decode_attention_shared_quant: the cache's width must be q's (16k)");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 4 &&
+                  scales.size(0) == cache.size(0) && scales.size(1) == BS && scales.size(2) == 1,
+              "decode_attention_shared_quant: contiguous fp16 scales (blocks, block_size, 1, groups) expected");
+  const int64_t NGR = scales.size(3);
+  TORCH_CHECK(NGR >= 1 && D % NGR == 0 && (D / NGR) % 16 == 0,
+              "decode_attention_shared_quant: scale groups of 16k dims expected");
+  TORCH_CHECK(value_dim > 0 && value_dim <= D && value_dim % DB == 0,
+              "decode_attention_shared_quant: value_dim must be a multiple of 16, at most the head size");
+  auto tables = block_tables.to(at::kLong).contiguous();
+  auto lens = context_lens.to(at::kLong).contiguous();
+  const auto* kp = static_cast<const uint8_t*>(cache.data_ptr());
+  const auto* ksp = scales.data_ptr<at::Half>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const float s = static_cast<float>(scale);
+  if (dtype == at::kFloat)
+    return attend_shared_quant<float>(q, kp, ksp, tp, lp, tables.size(1), BS, NGR, value_dim, s, fp8);
+  return attend_shared_quant<bf16>(q, kp, ksp, tp, lp, tables.size(1), BS, NGR, value_dim, s, fp8);
 }
 
 // MLA's absorption around that attention: y[d][h] = x[d][h] @ w[h] for each head h, x (D, H, K)

@@ -33,6 +33,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // decode_attention_shared.cpp
 torch::Tensor paged_decode_attention_shared(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
                                             torch::Tensor context_lens, double scale, int64_t value_dim);
+torch::Tensor paged_decode_attention_shared_quant(torch::Tensor q, torch::Tensor cache, torch::Tensor scales,
+                                                  torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                                                  int64_t value_dim, bool fp8);
 torch::Tensor head_matmul_bf16(torch::Tensor x, torch::Tensor w);
 void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask);
 // decode_layers.cpp
