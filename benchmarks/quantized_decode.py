@@ -126,9 +126,11 @@ def main() -> int:
         "int4": make_engine(args.model, 256, quantization="int4"),
     }
     base = weights["bf16"]
-    kv = {"bf16": base.kv_caches}
+    kv = {"bf16": base.executor.worker.kv_caches}
     for kind in ("int8", "fp8"):
-        kv[kind] = kv_cache.allocate(base.kv_spec, blocks, block, torch.bfloat16, torch.device("cpu"), kind)
+        kv[kind] = kv_cache.allocate(
+            base.executor.worker.info.kv_spec, blocks, block, torch.bfloat16, torch.device("cpu"), kind
+        )
         fill_caches(kv[kind])
     peak = weights["bf16"].telemetry.ceiling.peak_flops
     probe = ProbeSettings(bandwidth_bytes=512 * 1024**2, bandwidth_repeats=3)
