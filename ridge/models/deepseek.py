@@ -21,6 +21,7 @@ from ridge.config import ModelConfig
 from ridge.distributed.parallel import Shard, TensorParallel
 from ridge.kv.cache import KVCacheSpec, PagedKV
 from ridge.layers.attention import AttentionMetadata
+from ridge.layers.kernels import SHARED_KV_MIN_HEADS
 from ridge.layers.linear import Linear, PackedLinear
 from ridge.layers.mla import mla_attention
 from ridge.layers.norm import RMSNorm
@@ -113,6 +114,54 @@ class DeepseekAttention(nn.Module):
         nope = mla.qk_nope_head_dim
         self.absorbed = (w[:, :nope].contiguous(), w[:, nope:].transpose(1, 2).contiguous())
 
+    def add_to_plan(self, plan, norm, post_norm, cache: PagedKV, ops) -> bool:
+        """This layer into the kernels' decode plan (``csrc/decode_layers.cpp``), absorbed as
+        forward() decodes, through the same kernels: False where forward() would take another
+        path (fewer than 16 heads, widths the shared-KV kernels and head_matmul do not take, a
+        cache they do not read)."""
+        mla = self.mla
+        if self.absorbed is None:
+            self.absorb()
+        w_uk, w_uv_t = self.absorbed
+        k = cache.k
+        one_vector = k.dim() == 4 and k.shape[2] == 1 and k.is_contiguous() and cache.v.data_ptr() == k.data_ptr()
+        widths = mla.kv_lora_rank % 16 == 0 and mla.v_head_dim % 16 == 0 and w_uk.dtype is torch.bfloat16
+        if not one_vector or not widths or self.num_heads < SHARED_KV_MIN_HEADS:
+            return False
+        if cache.quantized and mla.cache_dim % 16 or not cache.quantized and k.dtype is not torch.bfloat16:
+            return False
+        qkv_a, o = ops.plan_linear(self.fused_qkv_a_proj), ops.plan_linear(self.o_proj)
+        q_b = ops.plan_linear(self.q_b_proj) if mla.q_lora_rank else ([], None)
+        if qkv_a is None or o is None or q_b is None or any(p[1] is not None for p in (qkv_a, o, q_b)):
+            return False
+        q_norm = self.q_a_layernorm if mla.q_lora_rank else None
+        if q_norm is not None and q_norm.eps != self.kv_a_layernorm.eps:
+            return False
+        plan.add_mla_layer(
+            norm.weight,
+            post_norm.weight,
+            norm.eps,
+            qkv_a[0],
+            self.fused_qkv_a_proj.output_sizes[0],
+            None if q_norm is None else q_norm.weight,
+            q_b[0],
+            self.kv_a_layernorm.weight,
+            self.kv_a_layernorm.eps,
+            o[0],
+            self.num_heads,
+            mla.qk_nope_head_dim,
+            mla.qk_rope_head_dim,
+            mla.kv_lora_rank,
+            mla.rope_interleave,
+            w_uk,
+            w_uv_t,
+            self.scale,
+            k,
+            cache.k_scale,
+            cache.kind == "fp8",
+        )
+        return True
+
     def forward(self, x, kv_cache: PagedKV, meta: AttentionMetadata, step: StepInputs):
         ops, mla = step.kernels, self.mla
         tokens, rope = x.shape[0], mla.qk_rope_head_dim
@@ -153,6 +202,13 @@ class DeepseekForCausalLM(LlamaForCausalLM):
 
     packed_modules = PACKED_MODULES
     attention_cls = DeepseekAttention
+
+    def decode_plan(self, kv_caches, dtype):
+        """The plan decodes absorbed: none while a layer decodes expanded (``absorb_decode``
+        False, which benchmarks/mla_decode.py sets to compare)."""
+        if not all(layer.self_attn.absorb_decode for layer in self.model.layers):
+            return None
+        return super().decode_plan(kv_caches, dtype)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """One latent + rotary key per token and layer, shared by all heads."""

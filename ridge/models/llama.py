@@ -321,7 +321,8 @@ class DecodePlanRun:
     views, so the plan computes what op-by-op computes, bit for bit, without ~10 interpreted
     calls per layer (~1.5 ms of a 22-layer step). Built where every layer is what it covers:
     bf16 on the CPU kernels, a bf16, int8 or fp8 KV cache, no tensor parallelism, Llama
-    attention, dense MLPs or greedy-routed MoEs with packed weights."""
+    attention or an attention that adds itself (``add_to_plan``: DeepSeek's latent attention),
+    dense MLPs or MoEs (greedy, group-limited or noaux_tc routers) with packed weights."""
 
     plan: object
     scale: float  # the attention's head_dim ** -0.5
@@ -334,14 +335,25 @@ class DecodePlanRun:
         layers = model.model.layers
         if plan is None or dtype is not torch.bfloat16 or model.tp.enabled or len(kv_caches) != len(layers):
             return None
-        if model.attention_cls is not LlamaAttention or model.model.rotary.cos.dtype is not torch.float32:
+        if model.model.rotary.cos.dtype is not torch.float32:
             return None
-        moes = []
+        moes, scale = [], 1.0
         for layer, cache in zip(layers, kv_caches):
             attn, ffn = layer.self_attn, getattr(layer, layer.ffn_name)
             norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
+            if norm.eps != post_norm.eps:
+                return None
+            if not isinstance(attn, LlamaAttention):
+                # another family's attention adds itself (DeepSeek's latent attention), or is not covered
+                add_to_plan = getattr(attn, "add_to_plan", None)
+                if add_to_plan is None or not add_to_plan(plan, norm, post_norm, cache, ops):
+                    return None
+                if not _plan_ffn(plan, ffn, ops, moes):
+                    return None
+                continue
+            scale = attn.head_dim**-0.5
             k = cache.k
-            if not (k.is_contiguous() and cache.v.is_contiguous()) or attn.head_dim % 16 or norm.eps != post_norm.eps:
+            if not (k.is_contiguous() and cache.v.is_contiguous()) or attn.head_dim % 16:
                 return None
             if not cache.quantized and (k.dtype is not torch.bfloat16 or attn.head_dim > 256 or k.numel() >= 2**32):
                 return None
@@ -370,19 +382,9 @@ class DecodePlanRun:
                 cache.v_scale,
                 cache.kind == "fp8",
             )
-            if isinstance(ffn, SparseMoE):
-                if not _plan_moe(plan, ffn, ops):
-                    return None
-                moes.append(ffn)
-            elif isinstance(ffn, LlamaMLP):
-                gate_up, down = ops.plan_linear(ffn.gate_up_proj), ops.plan_linear(ffn.down_proj)
-                if gate_up is None or down is None:
-                    return None
-                plan.set_mlp(*gate_up, *down)
-                moes.append(None)
-            else:
+            if not _plan_ffn(plan, ffn, ops, moes):
                 return None
-        return cls(plan, layers[0].self_attn.head_dim ** -0.5, moes)
+        return cls(plan, scale, moes)
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rotary, kernels) -> None:
         """h (T, hidden): the residual stream after every layer, updated in place."""
@@ -402,11 +404,32 @@ class DecodePlanRun:
                 moe.experts_touched = used
 
 
+def _plan_ffn(plan, ffn, ops, moes: list) -> bool:
+    """The layer's feed-forward into the plan's last layer (False: not covered); its MoE, or
+    None, appended to ``moes``."""
+    if isinstance(ffn, SparseMoE):
+        moes.append(ffn)
+        return _plan_moe(plan, ffn, ops)
+    if not isinstance(ffn, LlamaMLP):
+        return False
+    gate_up, down = ops.plan_linear(ffn.gate_up_proj), ops.plan_linear(ffn.down_proj)
+    if gate_up is None or down is None:
+        return False
+    plan.set_mlp(*gate_up, *down)
+    moes.append(None)
+    return True
+
+
 def _plan_moe(plan, moe: SparseMoE, ops) -> bool:
     """The MoE's router, experts and shared expert into the plan's last layer (False: not covered)."""
     cfg = moe.gate.moe
     gate_up, down = ops.plan_experts(moe.experts.gate_up_proj), ops.plan_experts(moe.experts.down_proj)
-    if cfg.topk_method != "greedy" or gate_up is None or down is None or moe.gate.weight.dtype is not torch.float32:
+    if gate_up is None or down is None or moe.gate.weight.dtype is not torch.float32:
+        return False
+    if cfg.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        return False
+    bias = moe.gate.e_score_correction_bias if cfg.topk_method == "noaux_tc" else None
+    if bias is not None and bias.dtype is not torch.float32:
         return False
     shared = moe.shared_mlp
     if shared is not None:
@@ -422,6 +445,10 @@ def _plan_moe(plan, moe: SparseMoE, ops) -> bool:
         cfg.routed_scaling_factor,
         gate_up,
         down,
+        cfg.topk_method != "greedy",
+        cfg.n_group,
+        cfg.topk_group,
+        bias,
     )
     if shared is not None:
         gate = moe.shared_expert_gate

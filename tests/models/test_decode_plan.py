@@ -11,7 +11,7 @@ import transformers
 from ridge import LLM, SamplingParams
 from ridge.layers.cpu_kernels import cpu_has_avx512_bf16
 
-from .hf_tiny import COMMON, build
+from .hf_tiny import COMMON, VARIANTS, build, save_spread
 
 pytestmark = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="ridge's CPU kernels need AVX-512 BF16")
 
@@ -147,3 +147,27 @@ def test_the_telemetry_times_the_matmuls_of_planned_and_eager_steps(tmp_path):
         decode = llm.engine.telemetry.report()["phases"]["decode"]
         assert decode["matmul_steps"] == decode["steps"] == 5
         assert "outside matmuls" in llm.engine.telemetry.format()
+
+
+@pytest.mark.parametrize("variant", ["deepseek-v2-lite", "deepseek-v3-yarn"])
+@pytest.mark.parametrize("quantization,kv", [(None, "auto"), ("int4", "auto"), (None, "int8"), (None, "fp8")])
+def test_deepseek_latent_attention_and_grouped_routers_plan_as_they_run(tmp_path, variant, quantization, kv):
+    """DeepSeek's layers in the plan: latent attention absorbed (16 heads: the shared-KV decode
+    kernels; with and without q_lora_rank; rotary pairs interleaved, YaRN), a bf16, int8 or fp8
+    latent cache, group-limited (V2, softmax) and noaux_tc (V3, sigmoid + bias) routers, shared
+    experts and a dense first layer: the same tokens and logprobs as op by op."""
+    config_cls, model_cls, extra = VARIANTS[variant]
+    widths = {"num_attention_heads": 16, "v_head_dim": 32, "qk_rope_head_dim": 16}  # widths the kernels take
+    save_spread(model_cls, config_cls(**{**COMMON, **extra, **widths}), tmp_path, jitter_norms=True)
+    options = dict(quantization=quantization, kv_cache_dtype=kv)
+    planned, model = _generate(tmp_path, **options)
+    assert model._plan is not None and model._plan.plan.num_layers() == len(model.model.layers)
+    eager, _ = _generate(tmp_path, enforce_eager=True, **options)
+    assert planned == eager
+
+
+def test_deepseek_with_fewer_than_16_heads_runs_op_by_op(tmp_path):
+    """4 heads: forward() takes the per-head decode path, which the plan does not hold."""
+    build("deepseek-v2-lite", tmp_path)
+    _, model = _generate(tmp_path)
+    assert model._plan is None

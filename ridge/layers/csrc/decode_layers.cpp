@@ -8,8 +8,10 @@
 // attention, silu_mul_bf16), on the same views and in the same order, the MoE's router through
 // the same ATen ops and its sort and combine in loops that round where those ops round, so
 // its results are the Python path's, bit for bit
-// (tests/models/test_decode_plan.py). What the plan does not cover (tensor parallelism,
-// latent attention, grouped routers, a prefill) stays in Python.
+// (tests/models/test_decode_plan.py). DeepSeek's layers too: latent attention absorbed as
+// layers/mla.py runs it (with 16+ heads, the shared-KV decode kernels), group-limited and
+// noaux_tc routers through the same ATen ops as Router.forward. What the plan does not cover
+// (tensor parallelism, a prefill) stays in Python.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -63,6 +65,9 @@ Lin make_lin(const std::vector<std::tuple<torch::Tensor, int64_t, int64_t>>& par
 struct Moe {
   torch::Tensor router;  // (E, K) float32
   int64_t top_k = 0;
+  int64_t n_group = 1, topk_group = 1;  // grouped routing (DeepSeek): groups of experts, a bias
+  bool grouped_routing = false;
+  c10::optional<torch::Tensor> bias;  // noaux_tc's e_score_correction_bias (float32)
   bool softmax = true;
   bool norm_topk = false;
   double norm_eps = 0.0;
@@ -91,6 +96,15 @@ struct Layer {
   // the feed-forward: a dense MLP, or an MoE
   Lin gate_up, down;
   c10::optional<Moe> moe;
+  // DeepSeek's latent attention (DeepseekAttention.forward, decode absorbed): qkv holds
+  // fused_qkv_a_proj, o o_proj, k_pool the latent pool (also the values)
+  bool mla = false;
+  int64_t q_width = 0, nope = 0, rope = 0, rank = 0;
+  c10::optional<torch::Tensor> q_a_norm;
+  c10::optional<Lin> q_b;
+  torch::Tensor kv_a_norm, w_uk, w_uv_t;
+  double latent_eps = 0.0, mla_scale = 0.0;
+  bool interleave = false;
 };
 
 // write_kv for a bf16 pool: row t of x (T, H, D; rows may be strided, a view into qkv) into
@@ -205,6 +219,48 @@ class DecodePlan {
     layers_.push_back(std::move(l));
   }
 
+  // A DeepSeek layer's latent attention (the norms and the feed-forward as add_layer's).
+  void add_mla_layer(torch::Tensor in_norm, torch::Tensor post_norm, double eps,
+                     std::vector<std::tuple<torch::Tensor, int64_t, int64_t>> qkv_a, int64_t q_width,
+                     c10::optional<torch::Tensor> q_a_norm, std::vector<std::tuple<torch::Tensor, int64_t, int64_t>> q_b,
+                     torch::Tensor kv_a_norm, double latent_eps,
+                     std::vector<std::tuple<torch::Tensor, int64_t, int64_t>> o, int64_t heads, int64_t nope,
+                     int64_t rope, int64_t rank, bool interleave, torch::Tensor w_uk, torch::Tensor w_uv_t, double scale,
+                     torch::Tensor pool, c10::optional<torch::Tensor> scales, bool fp8) {
+    TORCH_CHECK(pool.is_contiguous() && pool.dim() == 4 && pool.size(2) == 1 && pool.size(3) == rank + rope &&
+                    (scales.has_value() ? pool.element_size() == 1 : pool.scalar_type() == at::kBFloat16),
+                "decode plan: one contiguous latent pool (blocks, block_size, 1, rank + rope) expected");
+    TORCH_CHECK(q_a_norm.has_value() == !q_b.empty(), "decode plan: q_a_layernorm and q_b_proj go together");
+    Layer l;
+    l.in_norm = in_norm;
+    l.post_norm = post_norm;
+    l.eps = eps;
+    l.qkv = make_lin(qkv_a, c10::nullopt);
+    l.o = make_lin(o, c10::nullopt);
+    l.heads = heads;
+    l.kv_heads = 1;
+    l.head_dim = rank + rope;
+    l.k_pool = pool;
+    l.v_pool = pool;
+    l.k_scale = scales;
+    l.v_scale = scales;
+    l.fp8 = fp8;
+    l.mla = true;
+    l.q_width = q_width;
+    l.nope = nope;
+    l.rope = rope;
+    l.rank = rank;
+    l.q_a_norm = q_a_norm;
+    if (!q_b.empty()) l.q_b = make_lin(q_b, c10::nullopt);
+    l.kv_a_norm = kv_a_norm;
+    l.latent_eps = latent_eps;
+    l.interleave = interleave;
+    l.w_uk = w_uk;
+    l.w_uv_t = w_uv_t;
+    l.mla_scale = scale;
+    layers_.push_back(std::move(l));
+  }
+
   void set_mlp(std::vector<std::tuple<torch::Tensor, int64_t, int64_t>> gate_up, c10::optional<torch::Tensor> gate_up_bias,
                std::vector<std::tuple<torch::Tensor, int64_t, int64_t>> down, c10::optional<torch::Tensor> down_bias) {
     TORCH_CHECK(!layers_.empty(), "decode plan: set_mlp before add_layer");
@@ -213,7 +269,8 @@ class DecodePlan {
   }
 
   void set_moe(torch::Tensor router, int64_t top_k, bool softmax, bool norm_topk, double norm_eps, double scaling,
-               std::tuple<torch::Tensor, int64_t, int64_t> gate_up, std::tuple<torch::Tensor, int64_t, int64_t> down) {
+               std::tuple<torch::Tensor, int64_t, int64_t> gate_up, std::tuple<torch::Tensor, int64_t, int64_t> down,
+               bool grouped, int64_t n_group, int64_t topk_group, c10::optional<torch::Tensor> bias) {
     TORCH_CHECK(!layers_.empty(), "decode plan: set_moe before add_layer");
     TORCH_CHECK(router.scalar_type() == at::kFloat, "decode plan: a float32 router expected");
     Moe m;
@@ -223,6 +280,12 @@ class DecodePlan {
     m.norm_topk = norm_topk;
     m.norm_eps = norm_eps;
     m.scaling = scaling;
+    m.grouped_routing = grouped;
+    m.n_group = n_group;
+    m.topk_group = topk_group;
+    TORCH_CHECK(!grouped || (n_group >= 1 && router.size(0) % n_group == 0), "decode plan: experts must split into groups");
+    TORCH_CHECK(!bias.has_value() || bias->scalar_type() == at::kFloat, "decode plan: a float32 router bias expected");
+    m.bias = bias;
     m.gate_up = {std::get<0>(gate_up), std::get<1>(gate_up), std::get<2>(gate_up)};
     m.down = {std::get<0>(down), std::get<1>(down), std::get<2>(down)};
     layers_.back().moe = std::move(m);
@@ -260,6 +323,12 @@ class DecodePlan {
       // attention (LlamaAttention.forward); the previous layer's residual add fused into its
       // norm (add_rms_norm_bf16 adds as h.add_ rounds: one bf16 rounding of the fp32 sum)
       auto x = i == 0 ? rms_norm_bf16(h, l.in_norm, l.eps) : add_rms_norm_bf16(ffn_out, h, l.in_norm, l.eps);
+      if (l.mla) {
+        auto attn_out = run_mla(l, x, slots, block_tables, context_lens, positions, cos, sin, matmul_s);
+        auto y = add_rms_norm_bf16(attn_out, h, l.post_norm, l.eps);
+        ffn_out = run_ffn(l, y, matmul_s, touched);
+        continue;
+      }
       torch::Tensor qkv;
       {
         Timer t(matmul_s);
@@ -298,37 +367,102 @@ class DecodePlan {
         attn_out = l.o.run(attn.flatten(1));
       }
       auto y = add_rms_norm_bf16(attn_out, h, l.post_norm, l.eps);
-      // feed-forward
-      if (l.moe.has_value()) {
-        int64_t used = 0;
-        ffn_out = run_moe(*l.moe, y, matmul_s, used);
-        touched.push_back(used);
-      } else {
-        torch::Tensor out;
-        {
-          Timer t(matmul_s);
-          out = l.gate_up.run(y);
-        }
-        auto act = silu_mul_bf16(out);
-        {
-          Timer t(matmul_s);
-          out = l.down.run(act);
-        }
-        ffn_out = out;
-        touched.push_back(-1);
-      }
+      ffn_out = run_ffn(l, y, matmul_s, touched);
     }
     if (ffn_out.defined()) h.add_(ffn_out);
     return {matmul_s, touched};
   }
 
  private:
+  // The feed-forward of a layer (LlamaMLP.forward or SparseMoE.forward) on y
+  static torch::Tensor run_ffn(const Layer& l, const torch::Tensor& y, double& matmul_s, std::vector<int64_t>& touched) {
+    if (l.moe.has_value()) {
+      int64_t used = 0;
+      auto out = run_moe(*l.moe, y, matmul_s, used);
+      touched.push_back(used);
+      return out;
+    }
+    torch::Tensor out;
+    {
+      Timer t(matmul_s);
+      out = l.gate_up.run(y);
+    }
+    auto act = silu_mul_bf16(out);
+    {
+      Timer t(matmul_s);
+      out = l.down.run(act);
+    }
+    touched.push_back(-1);
+    return out;
+  }
+
+  // DeepseekAttention.forward and layers/mla.py's absorbed decode, op for op: x (T, hidden)
+  // -> the attention's output through o_proj (T, hidden)
+  static torch::Tensor run_mla(const Layer& l, const torch::Tensor& x, const torch::Tensor& slots,
+                               const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                               const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin,
+                               double& matmul_s) {
+    const int64_t T = x.size(0);
+    torch::Tensor y;
+    {
+      Timer t(matmul_s);
+      y = l.qkv.run(x);
+    }
+    auto q = y.slice(1, 0, l.q_width);
+    auto kv_a = y.slice(1, l.q_width);
+    if (l.q_b.has_value()) {
+      q = rms_norm_bf16(q.contiguous(), *l.q_a_norm, l.latent_eps);
+      Timer t(matmul_s);
+      q = l.q_b->run(q);
+    }
+    q = q.reshape({T, l.heads, l.nope + l.rope});
+    auto latent = rms_norm_bf16(kv_a.slice(1, 0, l.rank).contiguous(), l.kv_a_norm, l.latent_eps);
+    // q's rotary part of every head and the shared rotary key, rotated in one call
+    auto qk_rope = at::cat({q.slice(2, l.nope), kv_a.slice(1, l.rank).unsqueeze(1)}, 1);
+    if (l.interleave) qk_rope = qk_rope.unflatten(-1, {l.rope / 2, 2}).transpose(-1, -2).flatten(-2).contiguous();
+    rope_bf16_(qk_rope, positions, cos, sin);
+    auto entry = at::cat({latent, qk_rope.select(1, -1)}, -1).unsqueeze(1);  // (T, 1, r + p): the cache's
+    if (l.k_scale.has_value())
+      write_kv_quant_(l.k_pool, *l.k_scale, entry, slots, l.fp8);
+    else
+      write_rows(l.k_pool, entry, slots.data_ptr<int64_t>(), T);
+    torch::Tensor q_latent, out;
+    {
+      Timer t(matmul_s);
+      q_latent = head_matmul_bf16(q.slice(2, 0, l.nope), l.w_uk);
+    }
+    auto query = at::cat({q_latent, qk_rope.slice(1, 0, l.heads)}, -1);
+    auto out_latent = l.k_scale.has_value()
+                          ? paged_decode_attention_shared_quant(query, l.k_pool, *l.k_scale, block_tables, context_lens,
+                                                                l.mla_scale, l.rank, l.fp8)
+                          : paged_decode_attention_shared(query, l.k_pool, block_tables, context_lens, l.mla_scale, l.rank);
+    {
+      Timer t(matmul_s);
+      out = head_matmul_bf16(out_latent, l.w_uv_t);
+      out = l.o.run(out.flatten(1));
+    }
+    return out;
+  }
+
   // SparseMoE.forward and Router.forward (greedy top-k), op for op.
   static torch::Tensor run_moe(const Moe& m, const torch::Tensor& x, double& matmul_s, int64_t& used) {
     const int64_t T = x.size(0), E = m.router.size(0);
     auto logits = at::linear(x.to(at::kFloat), m.router);
     auto scores = m.softmax ? at::softmax(logits, -1) : at::sigmoid(logits);
-    auto [weights, ids] = at::topk(scores, m.top_k, -1);
+    torch::Tensor weights, ids;
+    if (!m.grouped_routing) {
+      std::tie(weights, ids) = at::topk(scores, m.top_k, -1);
+    } else {  // Router.forward's group_limited_greedy / noaux_tc
+      const bool noaux = m.bias.has_value();
+      auto choice = noaux ? scores + *m.bias : scores;
+      auto grouped = choice.view({T, m.n_group, -1});
+      auto group_score = noaux ? std::get<0>(at::topk(grouped, 2, -1)).sum(-1) : at::amax(grouped, -1);
+      auto best_groups = std::get<1>(at::topk(group_score, m.topk_group, -1));
+      auto keep = at::zeros_like(group_score, group_score.options().dtype(at::kBool)).scatter_(1, best_groups, true);
+      keep = keep.repeat_interleave(E / m.n_group, 1);
+      ids = std::get<1>(at::topk(choice.masked_fill(keep.logical_not(), noaux ? -INFINITY : 0.0), m.top_k, -1));
+      weights = scores.gather(1, ids);
+    }
     if (m.norm_topk) weights = weights / (weights.sum(-1, true) + m.norm_eps);
     if (m.scaling != 1.0) weights = weights * m.scaling;
     weights = weights.to(x.scalar_type()).contiguous();
@@ -419,6 +553,7 @@ void bind_decode_plan(pybind11::module& m) {
   py::class_<DecodePlan>(m, "DecodePlan", py::module_local(), "every decoder layer of a bf16 decode step in one call")
       .def(py::init<>())
       .def("add_layer", &DecodePlan::add_layer)
+      .def("add_mla_layer", &DecodePlan::add_mla_layer)
       .def("set_mlp", &DecodePlan::set_mlp)
       .def("set_moe", &DecodePlan::set_moe)
       .def("set_shared_expert", &DecodePlan::set_shared_expert)
