@@ -74,6 +74,21 @@ struct ChunkJobs {
   }
 };
 
+// Per job and group: its chunk's scores [t][lane], their max and sum of exp(s - max), and its
+// partial outputs o[d][lane] (a batch of uneven contexts holds only its tokens' scores)
+struct ChunkBuffers {
+  torch::Tensor scores_t, stats_t, part_t;
+  float *scores, *stats, *part;
+
+  ChunkBuffers(int64_t jobs, int64_t HG, int64_t DV)
+      : scores_t(torch::empty({jobs, HG, CT, LANES}, torch::dtype(torch::kFloat32))),
+        stats_t(torch::empty({jobs, HG, 2, LANES}, torch::dtype(torch::kFloat32))),
+        part_t(torch::empty({jobs, HG, DV, LANES}, torch::dtype(torch::kFloat32))),
+        scores(scores_t.data_ptr<float>()),
+        stats(stats_t.data_ptr<float>()),
+        part(part_t.data_ptr<float>()) {}
+};
+
 // One group's chunk statistics from its n scores s[t][lane]: st = (max m, sum of exp(s - m))
 inline void chunk_stats(const float* s, int64_t n, float* st) {
   __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
@@ -227,12 +242,8 @@ torch::Tensor attend_shared_quant(const torch::Tensor& q, const uint8_t* kp, con
   const int64_t GS = D / NGR, QG = GS / 4, NDB = DV / DB;
   const ChunkJobs jobs(lp, B, max_blocks * BS);
   const SharedQuery query = query_lanes<T>(q, HG, NGR, scale, fp8);
-  auto scores_t = torch::empty({jobs.count, HG, CT, LANES}, torch::dtype(torch::kFloat32));
-  auto stats_t = torch::empty({jobs.count, HG, 2, LANES}, torch::dtype(torch::kFloat32));
-  auto part_t = torch::empty({jobs.count, HG, DV, LANES}, torch::dtype(torch::kFloat32));
-  float* scores = scores_t.data_ptr<float>();
-  float* stats = stats_t.data_ptr<float>();
-  float* part = part_t.data_ptr<float>();
+  const ChunkBuffers buf(jobs.count, HG, DV);
+  float *scores = buf.scores, *stats = buf.stats, *part = buf.part;
   const float code_unit = fp8 ? FP8_CODE_UNIT : 1.f;
   const __m512 unit_scale = _mm512_set1_ps(code_unit * scale);
 
@@ -362,14 +373,8 @@ torch::Tensor paged_decode_attention_shared(torch::Tensor q, torch::Tensor cache
         for (int64_t p = 0; p < DP; ++p) qt[((b * HG + h / LANES) * DP + p) * LANES + h % LANES] = q32[(b * H + h) * DP + p];
   }
   const int32_t* qt = qt_t.data_ptr<int32_t>();
-  // per job and group: its chunk's scores [t][lane], their max and sum of exp(s - max), and
-  // its partial outputs o[d][lane] (a batch of uneven contexts holds only its tokens' scores)
-  auto scores_t = torch::empty({jobs.count, HG, CT, LANES}, torch::dtype(torch::kFloat32));
-  auto stats_t = torch::empty({jobs.count, HG, 2, LANES}, torch::dtype(torch::kFloat32));
-  auto part_t = torch::empty({jobs.count, HG, DV, LANES}, torch::dtype(torch::kFloat32));
-  float* scores = scores_t.data_ptr<float>();
-  float* stats = stats_t.data_ptr<float>();
-  float* part = part_t.data_ptr<float>();
+  const ChunkBuffers buf(jobs.count, HG, DV);
+  float *scores = buf.scores, *stats = buf.stats, *part = buf.part;
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
 
   // pass 1: scores, and each chunk's max and sum of exp per head

@@ -199,23 +199,11 @@ class DecodePlan {
                     k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 4 &&
                     k_pool.size(2) == kv_heads && k_pool.size(3) == head_dim,
                 "decode plan: bf16 or 1-byte (blocks, block_size, kv_heads, head_dim) pools expected");
-    Layer l;
-    l.in_norm = in_norm;
-    l.post_norm = post_norm;
-    l.eps = eps;
-    l.qkv = make_lin(qkv, qkv_bias);
-    l.o = make_lin(o, o_bias);
-    l.heads = heads;
-    l.kv_heads = kv_heads;
-    l.head_dim = head_dim;
+    Layer l = attention_layer(in_norm, post_norm, eps, make_lin(qkv, qkv_bias), make_lin(o, o_bias), heads, kv_heads,
+                              head_dim, k_pool, v_pool, k_scale, v_scale, fp8);
     l.q_norm = q_norm;
     l.k_norm = k_norm;
     l.qk_eps = qk_eps;
-    l.k_pool = k_pool;
-    l.v_pool = v_pool;
-    l.k_scale = k_scale;
-    l.v_scale = v_scale;
-    l.fp8 = fp8;
     layers_.push_back(std::move(l));
   }
 
@@ -231,20 +219,8 @@ class DecodePlan {
                     (scales.has_value() ? pool.element_size() == 1 : pool.scalar_type() == at::kBFloat16),
                 "decode plan: one contiguous latent pool (blocks, block_size, 1, rank + rope) expected");
     TORCH_CHECK(q_a_norm.has_value() == !q_b.empty(), "decode plan: q_a_layernorm and q_b_proj go together");
-    Layer l;
-    l.in_norm = in_norm;
-    l.post_norm = post_norm;
-    l.eps = eps;
-    l.qkv = make_lin(qkv_a, c10::nullopt);
-    l.o = make_lin(o, c10::nullopt);
-    l.heads = heads;
-    l.kv_heads = 1;
-    l.head_dim = rank + rope;
-    l.k_pool = pool;
-    l.v_pool = pool;
-    l.k_scale = scales;
-    l.v_scale = scales;
-    l.fp8 = fp8;
+    Layer l = attention_layer(in_norm, post_norm, eps, make_lin(qkv_a, c10::nullopt), make_lin(o, c10::nullopt), heads,
+                              1, rank + rope, pool, pool, scales, scales, fp8);
     l.mla = true;
     l.q_width = q_width;
     l.nope = nope;
@@ -374,6 +350,27 @@ class DecodePlan {
   }
 
  private:
+  // What every layer's attention holds: its norms, projections in and out, heads and pools
+  static Layer attention_layer(torch::Tensor in_norm, torch::Tensor post_norm, double eps, Lin in, Lin out,
+                               int64_t heads, int64_t kv_heads, int64_t head_dim, torch::Tensor k_pool, torch::Tensor v_pool,
+                               c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale, bool fp8) {
+    Layer l;
+    l.in_norm = std::move(in_norm);
+    l.post_norm = std::move(post_norm);
+    l.eps = eps;
+    l.qkv = std::move(in);
+    l.o = std::move(out);
+    l.heads = heads;
+    l.kv_heads = kv_heads;
+    l.head_dim = head_dim;
+    l.k_pool = std::move(k_pool);
+    l.v_pool = std::move(v_pool);
+    l.k_scale = std::move(k_scale);
+    l.v_scale = std::move(v_scale);
+    l.fp8 = fp8;
+    return l;
+  }
+
   // The feed-forward of a layer (LlamaMLP.forward or SparseMoE.forward) on y
   static torch::Tensor run_ffn(const Layer& l, const torch::Tensor& y, double& matmul_s, std::vector<int64_t>& touched) {
     if (l.moe.has_value()) {
