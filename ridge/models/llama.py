@@ -86,6 +86,42 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
+    def add_to_plan(self, plan, norm, post_norm, cache: PagedKV, ops) -> bool:
+        """This layer into the kernels' decode plan (``csrc/decode_layers.cpp``), with its layer's
+        norms: False where forward() takes a path the plan does not hold."""
+        k = cache.k
+        if not (k.is_contiguous() and cache.v.is_contiguous()) or self.head_dim % 16:
+            return False
+        if not cache.quantized and (k.dtype is not torch.bfloat16 or self.head_dim > 256 or k.numel() >= 2**32):
+            return False
+        qkv, o = ops.plan_linear(self.qkv_proj), ops.plan_linear(self.o_proj)
+        if qkv is None or o is None:
+            return False
+        q_norm = self.q_norm if self.qk_norm else None
+        k_norm = self.k_norm if self.qk_norm else None
+        if q_norm is not None and q_norm.eps != k_norm.eps:
+            return False
+        plan.add_layer(
+            norm.weight,
+            post_norm.weight,
+            norm.eps,
+            *qkv,
+            *o,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.head_dim**-0.5,  # decode_attention's default scale, which forward() uses
+            None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,
+            0.0 if q_norm is None else q_norm.eps,
+            k,
+            cache.v,
+            cache.k_scale,
+            cache.v_scale,
+            cache.kind == "fp8",
+        )
+        return True
+
     def forward(self, x, kv_cache: PagedKV, meta: AttentionMetadata, step: StepInputs):
         ops = step.kernels
         tokens = x.shape[0]
@@ -321,11 +357,10 @@ class DecodePlanRun:
     views, so the plan computes what op-by-op computes, bit for bit, without ~10 interpreted
     calls per layer (~1.5 ms of a 22-layer step). Built where every layer is what it covers:
     bf16 on the CPU kernels, a bf16, int8 or fp8 KV cache, no tensor parallelism, Llama
-    attention or an attention that adds itself (``add_to_plan``: DeepSeek's latent attention),
+    attention or DeepSeek's latent attention (each adds itself: ``add_to_plan``),
     dense MLPs or MoEs (greedy, group-limited or noaux_tc routers) with packed weights."""
 
     plan: object
-    scale: float  # the attention's head_dim ** -0.5
     moes: list  # per layer, its SparseMoE (experts_touched is set from the run) or None
 
     @classmethod
@@ -337,54 +372,19 @@ class DecodePlanRun:
             return None
         if model.model.rotary.cos.dtype is not torch.float32:
             return None
-        moes, scale = [], 1.0
+        moes = []
         for layer, cache in zip(layers, kv_caches):
             attn, ffn = layer.self_attn, getattr(layer, layer.ffn_name)
             norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
             if norm.eps != post_norm.eps:
                 return None
-            if not isinstance(attn, LlamaAttention):
-                # another family's attention adds itself (DeepSeek's latent attention), or is not covered
-                add_to_plan = getattr(attn, "add_to_plan", None)
-                if add_to_plan is None or not add_to_plan(plan, norm, post_norm, cache, ops):
-                    return None
-                if not _plan_ffn(plan, ffn, ops, moes):
-                    return None
-                continue
-            scale = attn.head_dim**-0.5
-            k = cache.k
-            if not (k.is_contiguous() and cache.v.is_contiguous()) or attn.head_dim % 16:
+            # each attention adds itself (Llama's, DeepSeek's latent attention), or is not covered
+            add_to_plan = getattr(attn, "add_to_plan", None)
+            if add_to_plan is None or not add_to_plan(plan, norm, post_norm, cache, ops):
                 return None
-            if not cache.quantized and (k.dtype is not torch.bfloat16 or attn.head_dim > 256 or k.numel() >= 2**32):
-                return None
-            qkv, o = ops.plan_linear(attn.qkv_proj), ops.plan_linear(attn.o_proj)
-            if qkv is None or o is None:
-                return None
-            q_norm = attn.q_norm if attn.qk_norm else None
-            k_norm = attn.k_norm if attn.qk_norm else None
-            if q_norm is not None and q_norm.eps != k_norm.eps:
-                return None
-            plan.add_layer(
-                norm.weight,
-                post_norm.weight,
-                norm.eps,
-                *qkv,
-                *o,
-                attn.num_heads,
-                attn.num_kv_heads,
-                attn.head_dim,
-                None if q_norm is None else q_norm.weight,
-                None if k_norm is None else k_norm.weight,
-                0.0 if q_norm is None else q_norm.eps,
-                k,
-                cache.v,
-                cache.k_scale,
-                cache.v_scale,
-                cache.kind == "fp8",
-            )
             if not _plan_ffn(plan, ffn, ops, moes):
                 return None
-        return cls(plan, scale, moes)
+        return cls(plan, moes)
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rotary, kernels) -> None:
         """h (T, hidden): the residual stream after every layer, updated in place."""
@@ -396,7 +396,6 @@ class DecodePlanRun:
             positions,
             rotary.cos,
             rotary.sin,
-            self.scale,
         )
         kernels.matmul_s += matmul_s
         for moe, used in zip(self.moes, touched):

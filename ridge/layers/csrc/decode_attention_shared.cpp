@@ -242,6 +242,10 @@ torch::Tensor attend_shared_quant(const torch::Tensor& q, const uint8_t* kp, con
   const int64_t GS = D / NGR, QG = GS / 4, NDB = DV / DB;
   const ChunkJobs jobs(lp, B, max_blocks * BS);
   const SharedQuery query = query_lanes<T>(q, HG, NGR, scale, fp8);
+  const float* q_values = fp8 ? query.values.data_ptr<float>() : nullptr;
+  const int32_t* q_codes = fp8 ? nullptr : query.codes.data_ptr<int32_t>();
+  const int32_t* q_sums = fp8 ? nullptr : query.sums.data_ptr<int32_t>();
+  const float* q_scales = fp8 ? nullptr : query.scales.data_ptr<float>();
   const ChunkBuffers buf(jobs.count, HG, DV);
   float *scores = buf.scores, *stats = buf.stats, *part = buf.part;
   const float code_unit = fp8 ? FP8_CODE_UNIT : 1.f;
@@ -278,13 +282,10 @@ torch::Tensor attend_shared_quant(const torch::Tensor& q, const uint8_t* kp, con
         for (int64_t g = 0; g < HG; ++g) {
           float* s = scores + ((job * HG + g) * CT + i) * LANES;
           if (fp8)
-            score_tokens_fp8(query.values.data_ptr<float>() + (b * HG + g) * D * LANES, kf.data(), ks.data(), cnt, D, NGR,
-                             GS, unit_scale, s);
+            score_tokens_fp8(q_values + (b * HG + g) * D * LANES, kf.data(), ks.data(), cnt, D, NGR, GS, unit_scale, s);
           else
-            score_tokens_int8(query.codes.data_ptr<int32_t>() + (b * HG + g) * (D / 4) * LANES,
-                              query.sums.data_ptr<int32_t>() + (b * HG + g) * NGR * LANES,
-                              query.scales.data_ptr<float>() + (b * HG + g) * NGR * LANES, kb.data(), ks.data(), cnt, NGR,
-                              QG, s);
+            score_tokens_int8(q_codes + (b * HG + g) * (D / 4) * LANES, q_sums + (b * HG + g) * NGR * LANES,
+                              q_scales + (b * HG + g) * NGR * LANES, kb.data(), ks.data(), cnt, NGR, QG, s);
         }
       }
       for (int64_t g = 0; g < HG; ++g)

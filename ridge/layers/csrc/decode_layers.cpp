@@ -88,6 +88,7 @@ struct Layer {
   double eps = 0.0;
   Lin qkv, o;
   int64_t heads = 0, kv_heads = 0, head_dim = 0;
+  double scale = 0.0;  // the attention's score scale
   c10::optional<torch::Tensor> q_norm, k_norm;
   double qk_eps = 0.0;
   torch::Tensor k_pool, v_pool;
@@ -103,7 +104,7 @@ struct Layer {
   c10::optional<torch::Tensor> q_a_norm;
   c10::optional<Lin> q_b;
   torch::Tensor kv_a_norm, w_uk, w_uv_t;
-  double latent_eps = 0.0, mla_scale = 0.0;
+  double latent_eps = 0.0;
   bool interleave = false;
 };
 
@@ -191,7 +192,7 @@ class DecodePlan {
   void add_layer(torch::Tensor in_norm, torch::Tensor post_norm, double eps,
                  std::vector<std::tuple<torch::Tensor, int64_t, int64_t>> qkv, c10::optional<torch::Tensor> qkv_bias,
                  std::vector<std::tuple<torch::Tensor, int64_t, int64_t>> o, c10::optional<torch::Tensor> o_bias,
-                 int64_t heads, int64_t kv_heads, int64_t head_dim, c10::optional<torch::Tensor> q_norm,
+                 int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, c10::optional<torch::Tensor> q_norm,
                  c10::optional<torch::Tensor> k_norm, double qk_eps, torch::Tensor k_pool, torch::Tensor v_pool,
                  c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale, bool fp8) {
     const bool quantized = k_scale.has_value();
@@ -200,7 +201,7 @@ class DecodePlan {
                     k_pool.size(2) == kv_heads && k_pool.size(3) == head_dim,
                 "decode plan: bf16 or 1-byte (blocks, block_size, kv_heads, head_dim) pools expected");
     Layer l = attention_layer(in_norm, post_norm, eps, make_lin(qkv, qkv_bias), make_lin(o, o_bias), heads, kv_heads,
-                              head_dim, k_pool, v_pool, k_scale, v_scale, fp8);
+                              head_dim, scale, k_pool, v_pool, k_scale, v_scale, fp8);
     l.q_norm = q_norm;
     l.k_norm = k_norm;
     l.qk_eps = qk_eps;
@@ -220,7 +221,7 @@ class DecodePlan {
                 "decode plan: one contiguous latent pool (blocks, block_size, 1, rank + rope) expected");
     TORCH_CHECK(q_a_norm.has_value() == !q_b.empty(), "decode plan: q_a_layernorm and q_b_proj go together");
     Layer l = attention_layer(in_norm, post_norm, eps, make_lin(qkv_a, c10::nullopt), make_lin(o, c10::nullopt), heads,
-                              1, rank + rope, pool, pool, scales, scales, fp8);
+                              1, rank + rope, scale, pool, pool, scales, scales, fp8);
     l.mla = true;
     l.q_width = q_width;
     l.nope = nope;
@@ -233,7 +234,6 @@ class DecodePlan {
     l.interleave = interleave;
     l.w_uk = w_uk;
     l.w_uv_t = w_uv_t;
-    l.mla_scale = scale;
     layers_.push_back(std::move(l));
   }
 
@@ -284,7 +284,7 @@ class DecodePlan {
   // the linear kernels and, per layer, the distinct experts its MoE ran (-1: a dense layer).
   std::tuple<double, std::vector<int64_t>> run(torch::Tensor h, torch::Tensor slots, torch::Tensor block_tables,
                                                 torch::Tensor context_lens, torch::Tensor positions, torch::Tensor cos,
-                                                torch::Tensor sin, double scale) {
+                                                torch::Tensor sin) {
     TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.is_contiguous() && h.dim() == 2, "decode plan: (T, hidden) bf16 h");
     double matmul_s = 0.0;
     std::vector<int64_t> touched;
@@ -331,11 +331,11 @@ class DecodePlan {
         write_kv_quant_(l.k_pool, *l.k_scale, k, slots, l.fp8);
         write_kv_quant_(l.v_pool, *l.v_scale, v, slots, l.fp8);
         attn = paged_decode_attention_quant(q, l.k_pool, l.v_pool, *l.k_scale, *l.v_scale, block_tables, context_lens,
-                                            scale, l.fp8);
+                                            l.scale, l.fp8);
       } else {
         write_rows(l.k_pool, k, sp, T);
         write_rows(l.v_pool, v, sp, T);
-        attn = paged_decode_attention_bf16(q, l.k_pool, l.v_pool, block_tables, context_lens, scale);
+        attn = paged_decode_attention_bf16(q, l.k_pool, l.v_pool, block_tables, context_lens, l.scale);
       }
       torch::Tensor attn_out;
       {
@@ -352,7 +352,8 @@ class DecodePlan {
  private:
   // What every layer's attention holds: its norms, projections in and out, heads and pools
   static Layer attention_layer(torch::Tensor in_norm, torch::Tensor post_norm, double eps, Lin in, Lin out,
-                               int64_t heads, int64_t kv_heads, int64_t head_dim, torch::Tensor k_pool, torch::Tensor v_pool,
+                               int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, torch::Tensor k_pool,
+                               torch::Tensor v_pool,
                                c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale, bool fp8) {
     Layer l;
     l.in_norm = std::move(in_norm);
@@ -363,6 +364,7 @@ class DecodePlan {
     l.heads = heads;
     l.kv_heads = kv_heads;
     l.head_dim = head_dim;
+    l.scale = scale;
     l.k_pool = std::move(k_pool);
     l.v_pool = std::move(v_pool);
     l.k_scale = std::move(k_scale);
@@ -431,8 +433,8 @@ class DecodePlan {
     auto query = at::cat({q_latent, qk_rope.slice(1, 0, l.heads)}, -1);
     auto out_latent = l.k_scale.has_value()
                           ? paged_decode_attention_shared_quant(query, l.k_pool, *l.k_scale, block_tables, context_lens,
-                                                                l.mla_scale, l.rank, l.fp8)
-                          : paged_decode_attention_shared(query, l.k_pool, block_tables, context_lens, l.mla_scale, l.rank);
+                                                                l.scale, l.rank, l.fp8)
+                          : paged_decode_attention_shared(query, l.k_pool, block_tables, context_lens, l.scale, l.rank);
     {
       Timer t(matmul_s);
       out = head_matmul_bf16(out_latent, l.w_uv_t);
