@@ -77,10 +77,11 @@ class TorchKernels:
         self.matmul_s += time.perf_counter() - start
         return y
 
-    def head_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x (D, H, K) through a matrix per head, w (H, K, N) -> (D, H, N): MLA's absorbed
-        W_uk (into the query) and W_uv^T (out of the latent), kv_b_proj's bytes. Timed, as
-        ``matmul``."""
+    def head_matmul(self, x: torch.Tensor, w: torch.Tensor | Linear) -> torch.Tensor:
+        """x (D, H, K) through a matrix per head -> (D, H, N): MLA's absorbed W_uk (into the
+        query) and W_uv^T (out of the latent). ``w`` is dense (H, K, N), or a stacked per-head
+        layer (``ExpertLinear``: head h's N x K matrix at ``expert_rows(h)``) in its format.
+        Timed, as ``matmul``."""
         start = time.perf_counter()
         y = self.head_linear(x, w)
         self.matmul_s += time.perf_counter() - start
@@ -95,8 +96,13 @@ class TorchKernels:
             return layer.method.apply_rows(layer, x, rows)
         return layer.method.apply(layer, x)
 
-    def head_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """``head_matmul``, here torch's batched matmul."""
+    def head_linear(self, x: torch.Tensor, w: torch.Tensor | Linear) -> torch.Tensor:
+        """``head_matmul``, here torch's batched matmul; a stacked per-head layer through
+        ``grouped_linear``, each head's rows its "expert's"."""
+        if isinstance(w, Linear):
+            rows, heads, k = x.shape
+            y = self.grouped_linear(x.transpose(0, 1).reshape(heads * rows, k), w, [rows] * heads)
+            return y.view(heads, rows, -1).transpose(0, 1)
         return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
 
     def linear_parts(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
@@ -199,6 +205,12 @@ class TorchKernels:
         """A stacked-expert layer as a decode plan takes it: (packed, format code, rows per expert)."""
         return None
 
+    def plan_heads(self, w: torch.Tensor | Linear) -> tuple[torch.Tensor, int, int] | None:
+        """``head_matmul``'s per-head matrices as a decode plan takes them: (the dense bf16 (H,
+        K, N), -1, N) or (a stacked layer's packed blocks, format code, N); None where
+        head_linear would not run them in one call."""
+        return None
+
 
 class CpuKernels(TorchKernels):
     """ridge's extension on AVX-512 BF16 + VNNI CPUs: bf16 throughout, quantized weights in
@@ -229,6 +241,12 @@ class CpuKernels(TorchKernels):
         return self.ext.linear_quant(x, packed, QUANT_KERNEL_CODES[fmt.name], n, bias)
 
     def head_linear(self, x, w):
+        if isinstance(w, Linear):
+            fmt, n = w.method.format, w.rows_per_expert
+            if w.packed is not None and fmt is not None and _takes(x, fmt) and n % PACKED_ROW_BLOCK == 0:
+                # one call for every head, each head's blocks read once
+                return self.ext.head_matmul_quant(x, w.packed, QUANT_KERNEL_CODES[fmt.name], n)
+            return super().head_linear(x, w)
         if x.dtype is torch.bfloat16 and w.dtype is torch.bfloat16 and w.shape[-1] % 16 == 0:
             return self.ext.head_matmul_bf16(x, w)  # one call, each head's w read once
         return super().head_linear(x, w)
@@ -285,6 +303,16 @@ class CpuKernels(TorchKernels):
         if packed is None or packed.device.type != "cpu" or n % PACKED_ROW_BLOCK:
             return None
         return packed, -1 if fmt is None else QUANT_KERNEL_CODES[fmt.name], n
+
+    def plan_heads(self, w):
+        if isinstance(w, Linear):
+            fmt, n = w.method.format, w.rows_per_expert
+            if w.packed is None or w.packed.device.type != "cpu" or fmt is None or n % PACKED_ROW_BLOCK:
+                return None
+            return w.packed, QUANT_KERNEL_CODES[fmt.name], n
+        if w.dtype is not torch.bfloat16 or w.device.type != "cpu" or w.shape[-1] % 16:
+            return None
+        return w, -1, w.shape[-1]
 
     def rope_state(self, rotary, positions, dtype):
         return positions, rotary.cos, rotary.sin

@@ -40,7 +40,7 @@ def mla_attention(
     entry: torch.Tensor,
     cache: PagedKV,
     meta: AttentionMetadata,
-    absorbed: tuple[torch.Tensor, torch.Tensor],
+    absorbed: tuple[torch.Tensor | Linear, torch.Tensor | Linear],
     kv_b_proj: Linear,
     scale: float,
     ops,
@@ -49,7 +49,8 @@ def mla_attention(
     """q_nope (T, H, nope), q_rope (T, H, p) rotated, entry (T, 1, r + p) this step's cache
     vectors (latent normalized, k_rope rotated) -> attention output (T, H, v).
 
-    ``absorbed``: (W_uk (H, nope, r), W_uv^T (H, r, v)), kv_b_proj's weight split per head.
+    ``absorbed``: W_uk and W_uv^T as ``ops.head_matmul`` takes them (dense (H, nope, r) and
+    (H, r, v), or stacked per-head layers of r and v rows: ``DeepseekAttention.absorb``).
     ``absorb_decode`` False runs decode rows the expanded way too (each sequence's whole
     context through kv_b_proj every step): the comparison the absorbed form is measured against.
     """
@@ -57,10 +58,10 @@ def mla_attention(
     w_uk, w_uv_t = absorbed
     num_decodes, tokens = meta.num_decode_tokens, q_nope.shape[0]
     if num_decodes and not absorb_decode:
-        return _all_expanded(q_nope, q_rope, entry, cache, meta, kv_b_proj, scale, ops, w_uv_t.shape[2])
+        return _all_expanded(q_nope, q_rope, entry, cache, meta, kv_b_proj, scale, ops, head_outputs(w_uv_t))
     if num_decodes == tokens:
         return _absorbed_decode(q_nope, q_rope, cache, meta, w_uk, w_uv_t, scale, ops)
-    out = q_nope.new_empty(tokens, w_uv_t.shape[0], w_uv_t.shape[2])
+    out = q_nope.new_empty(tokens, q_nope.shape[1], head_outputs(w_uv_t))
     if num_decodes:
         out[:num_decodes] = _absorbed_decode(
             q_nope[:num_decodes], q_rope[:num_decodes], cache, meta, w_uk, w_uv_t, scale, ops
@@ -69,6 +70,11 @@ def mla_attention(
         s, e = chunk.start, chunk.end
         out[s:e] = _expanded_prefill(q_nope[s:e], q_rope[s:e], entry[s:e], cache, chunk, kv_b_proj, scale, ops)
     return out
+
+
+def head_outputs(w: torch.Tensor | Linear) -> int:
+    """N of ``head_matmul``'s per-head matrices: dense (H, K, N), or a stacked layer of N rows a head."""
+    return w.shape[2] if isinstance(w, torch.Tensor) else w.rows_per_expert
 
 
 def _all_expanded(q_nope, q_rope, entry, cache, meta, kv_b_proj, scale, ops, v_dim) -> torch.Tensor:
@@ -85,7 +91,7 @@ def _all_expanded(q_nope, q_rope, entry, cache, meta, kv_b_proj, scale, ops, v_d
 
 
 def _absorbed_decode(q_nope, q_rope, cache, meta, w_uk, w_uv_t, scale, ops) -> torch.Tensor:
-    rank = w_uk.shape[-1]
+    rank = head_outputs(w_uk)
     q_latent = ops.head_matmul(q_nope, w_uk)  # (D, H, nope) -> (D, H, r): each head's query in latent space
     q = torch.cat((q_latent, q_rope), dim=-1)  # (D, H, r + p) against the cached c
     out_latent = ops.decode_attention(q, cache, meta, scale, value_dim=rank)  # (D, H, r)

@@ -22,12 +22,14 @@ from ridge.distributed.parallel import Shard, TensorParallel
 from ridge.kv.cache import KVCacheSpec, PagedKV
 from ridge.layers.attention import AttentionMetadata
 from ridge.layers.kernels import SHARED_KV_MIN_HEADS
-from ridge.layers.linear import Linear, PackedLinear
+from ridge.layers.linear import ExpertLinear, Linear, PackedLinear
 from ridge.layers.mla import mla_attention
 from ridge.layers.norm import RMSNorm
 from ridge.layers.rotary import yarn_mscale
 from ridge.models.llama import LlamaForCausalLM, StepInputs, rows_of
 from ridge.quantization.config import QuantizationConfig
+from ridge.quantization.formats import Q8_0
+from ridge.quantization.methods import PACKED_ROW_BLOCK, BlockQuantLinearMethod
 
 PACKED_MODULES: dict[str, tuple[str, int]] = {
     "q_a_proj": ("fused_qkv_a_proj", 0),
@@ -100,18 +102,54 @@ class DeepseekAttention(nn.Module):
             tp_cols=o_cols if split else None,
             full=([d], cfg.num_heads * mla.v_head_dim) if split else None,
         )
+        # The absorbed decode's per-head matrices as a deepseek2 file holds them (attn_k_b:
+        # W_uk^T, r x nope per head; attn_v_b: W_uv, v x r), in the file's own blocks; a rank
+        # holds its heads' matrices
+        self.k_b_proj = self.v_b_proj = None
+        if f"{prefix}.k_b_proj" in quant.file_formats:
+            nope, rank, v = mla.qk_nope_head_dim, mla.kv_lora_rank, mla.v_head_dim
+            self.k_b_proj = _head_stack(f"{prefix}.k_b_proj", nope, rank, heads, cfg.num_heads, quant, split)
+            self.v_b_proj = _head_stack(f"{prefix}.v_b_proj", rank, v, heads, cfg.num_heads, quant, split)
         self.scale = mla_softmax_scale(cfg)
-        self.absorbed: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the first forward (absorb())
+        # (W_uk^T, W_uv) as head_matmul takes them, for the kernels that absorb() ran with
+        self.absorbed: tuple[torch.Tensor | ExpertLinear, torch.Tensor | ExpertLinear] | None = None
         self.absorb_decode = True  # False: decode expanded too (benchmarks/mla_decode.py compares)
 
-    def absorb(self) -> None:
-        """kv_b_proj's weight split per head for the absorbed decode: W_uk (H, nope, r) and
-        W_uv^T (H, r, v), dense in the model's dtype (whatever format kv_b_proj holds), each
-        the (K, N) operand of a per-head matmul (``head_matmul``)."""
-        mla = self.mla
+    def absorb(self, ops) -> None:
+        """The absorbed decode's per-head matrices, W_uk^T (r x nope a head: q_nope into the
+        latent space) and W_uv (v x r: the attended latent out to the head's values), each as
+        ``head_matmul`` takes it: a stacked per-head layer in a block format that ``ops``
+        packed, or dense (H, K, N) in the model's dtype.
+
+        - A deepseek2 file's attn_k_b and attn_v_b (k_b_proj, v_b_proj): the file's blocks.
+        - kv_b_proj in a block format: W_uv is its own rows' blocks (the same bytes). W_uk^T
+          runs along nope where kv_b_proj's blocks run along r, so it is requantized to int8
+          (Q8_0, llama.cpp's format for it) from kv_b_proj's values; an 8-bit code adds far
+          less error than the weight's own 4-6 bits already hold.
+        - Otherwise (or where ``ops`` does not pack blocks): dense, from kv_b_proj's values.
+        """
+        mla, heads = self.mla, self.num_heads
+        nope, v, rank = mla.qk_nope_head_dim, mla.v_head_dim, mla.kv_lora_rank
         dtype = self.kv_a_layernorm.weight.dtype  # the model's (a packed or quantized weight unpacks to float32)
-        w = self.kv_b_proj.dense_weight().to(dtype).view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, -1)
-        nope = mla.qk_nope_head_dim
+        kv_b = self.kv_b_proj
+        if self.k_b_proj is not None:
+            self.absorbed = (_per_head(self.k_b_proj, heads, dtype), _per_head(self.v_b_proj, heads, dtype))
+            return
+        fmt = kv_b.method.format
+        if fmt is not None and kv_b.packed is not None and nope % PACKED_ROW_BLOCK == 0 and v % PACKED_ROW_BLOCK == 0:
+            blocks = kv_b.method.blocks_of(kv_b).view(heads, nope + v, -1)
+            w_uv = ExpertLinear(heads, rank, [v], method=BlockQuantLinearMethod(fmt))
+            w_uv.method.load_blocks(w_uv, blocks[:, nope:].reshape(heads * v, -1), None)
+            w_uv.method.process_weights_after_loading(w_uv, ops)
+            w_uk = kv_b.dense_weight().float().view(heads, nope + v, rank)[:, :nope]  # (H, nope, r)
+            if nope % Q8_0.block == 0:
+                k_b = ExpertLinear(heads, nope, [rank], method=BlockQuantLinearMethod(Q8_0))
+                k_b.method.load_weight(k_b, w_uk.transpose(1, 2).reshape(heads * rank, nope), None)
+                k_b.method.process_weights_after_loading(k_b, ops)
+                w_uk = k_b
+            self.absorbed = (_per_head(w_uk, heads, dtype), _per_head(w_uv, heads, dtype))
+            return
+        w = kv_b.dense_weight().to(dtype).view(heads, nope + v, -1)
         self.absorbed = (w[:, :nope].contiguous(), w[:, nope:].transpose(1, 2).contiguous())
 
     def add_to_plan(self, plan, norm, post_norm, cache: PagedKV, ops) -> bool:
@@ -121,11 +159,11 @@ class DeepseekAttention(nn.Module):
         cache they do not read)."""
         mla = self.mla
         if self.absorbed is None:
-            self.absorb()
-        w_uk, w_uv_t = self.absorbed
+            self.absorb(ops)
+        w_uk, w_uv_t = ops.plan_heads(self.absorbed[0]), ops.plan_heads(self.absorbed[1])
         k = cache.k
         one_vector = k.dim() == 4 and k.shape[2] == 1 and k.is_contiguous() and cache.v.data_ptr() == k.data_ptr()
-        widths = mla.kv_lora_rank % 16 == 0 and mla.v_head_dim % 16 == 0 and w_uk.dtype is torch.bfloat16
+        widths = mla.kv_lora_rank % 16 == 0 and mla.v_head_dim % 16 == 0 and w_uk is not None and w_uv_t is not None
         if not one_vector or not widths or self.num_heads < SHARED_KV_MIN_HEADS:
             return False
         if cache.quantized and mla.cache_dim % 16 or not cache.quantized and k.dtype is not torch.bfloat16:
@@ -167,7 +205,7 @@ class DeepseekAttention(nn.Module):
         tokens, rope = x.shape[0], mla.qk_rope_head_dim
         q, kv_a = ops.matmul(x, self.fused_qkv_a_proj).split(self.fused_qkv_a_proj.output_sizes, dim=-1)
         if self.absorbed is None:
-            self.absorb()
+            self.absorb(ops)
         if mla.q_lora_rank:
             q = ops.rms_norm(q.contiguous(), self.q_a_layernorm.weight, self.q_a_layernorm.eps)
             q = ops.matmul(q, self.q_b_proj)
@@ -197,11 +235,42 @@ class DeepseekAttention(nn.Module):
         return ops.matmul(out.flatten(1), self.o_proj)
 
 
+def _head_stack(name: str, k: int, n: int, heads: Shard, num_heads: int, quant, split: bool) -> ExpertLinear:
+    """Per-head matrices of n rows over k, stacked (H n, k) as a file holds them: this rank's
+    heads, a contiguous run of the file's rows, under tensor parallelism."""
+    layer = ExpertLinear(heads.length, k, [n], method=quant.method_for(name, k))
+    if split:
+        layer.tp_rows, layer.full = [rows_of(heads, n)], ([num_heads * n], k)
+    return layer
+
+
+def _per_head(w: torch.Tensor | ExpertLinear, heads: int, dtype: torch.dtype) -> torch.Tensor | ExpertLinear:
+    """Per-head matrices as head_matmul takes them: a stacked layer (H matrices of N rows
+    over K) as it is where the kernels packed it in a block format, else dense (H, K, N) in
+    ``dtype`` (from the layer's values, or ``w`` already (H, K, N))."""
+    if isinstance(w, torch.Tensor):
+        return w.to(dtype).contiguous()
+    if w.method.format is not None and w.packed is not None and w.rows_per_expert % PACKED_ROW_BLOCK == 0:
+        return w
+    dense = w.dense_weight().to(dtype)
+    return dense.view(heads, w.rows_per_expert, w.in_features).transpose(1, 2).contiguous()
+
+
 class DeepseekForCausalLM(LlamaForCausalLM):
     """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM (the differences are in ModelConfig)."""
 
     packed_modules = PACKED_MODULES
     attention_cls = DeepseekAttention
+    # a deepseek2 file's per-head copies of kv_b_proj's rows (attn_k_b, attn_v_b), which Hugging
+    # Face checkpoints do not hold: hf_state_dict leaves them out (kv_b_proj holds the same values)
+    file_copies = ("k_b_proj", "v_b_proj")
+
+    def __init__(self, cfg: ModelConfig, *args, **kwargs) -> None:
+        super().__init__(cfg, *args, **kwargs)
+        # q's a-projection is q_a_proj (with q_lora_rank) or q_proj, never both: the map back to
+        # checkpoint names (export.hf_state_dict) names the one this model has
+        other = "q_proj" if cfg.mla.q_lora_rank else "q_a_proj"
+        self.packed_modules = {name: where for name, where in PACKED_MODULES.items() if name != other}
 
     def decode_plan(self, kv_caches, dtype):
         """The plan decodes absorbed: none while a layer decodes expanded (``absorb_decode``
@@ -209,6 +278,13 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         if not all(layer.self_attn.absorb_decode for layer in self.model.layers):
             return None
         return super().decode_plan(kv_caches, dtype)
+
+    def set_kernels(self, kernels) -> None:
+        """As the Llama models', and each attention's absorbed matrices are made again for the
+        new kernels (a block format only where these kernels packed it)."""
+        super().set_kernels(kernels)
+        for layer in self.model.layers:
+            layer.self_attn.absorbed = None
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """One latent + rotary key per token and layer, shared by all heads."""

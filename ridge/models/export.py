@@ -133,7 +133,8 @@ def hf_state_dict(engine_or_model) -> dict[str, torch.Tensor]:
     """ridge parameters under Hugging Face checkpoint names (views, no copies).
 
     Packed parameters are split into their shards (``qkv_proj.weight`` -> q/k/v_proj.weight,
-    biases likewise); ``lm_head.weight`` is omitted when the embeddings are tied.
+    biases likewise); ``lm_head.weight`` is omitted when the embeddings are tied, and so are a
+    model's ``file_copies`` (a GGUF file's copies of another layer's rows).
     """
     model = _as_model(engine_or_model)
     unpacked: dict[str, list[tuple[int, str]]] = {}
@@ -151,6 +152,8 @@ def hf_state_dict(engine_or_model) -> dict[str, torch.Tensor]:
         if leaf == "weight" and hasattr(modules[module_name], "dense_weight"):
             param = modules[module_name].dense_weight()  # kernels may hold it repacked
         module = modules[module_name]
+        if short in model.file_copies:
+            continue
         if isinstance(module, ExpertLinear) and short in unstacked:
             for expert in range(module.num_experts):
                 for index, per_expert, checkpoint_name in unstacked[short]:

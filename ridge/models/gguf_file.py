@@ -82,8 +82,11 @@ ARCH_LAYER_TENSORS = {
     }
 }
 # deepseek2's kv_b_proj as llama.cpp writes it since its MLA support: per head, W_uk transposed
-# (H, r, nope) and W_uv (H, v, r); joined back into Hugging Face's (H (nope + v), r)
-SPLIT_KV_B = ("attn_k_b", "attn_v_b")
+# (H, r, nope) and W_uv (H, v, r). Each is also kept as it is, the absorbed decode's per-head
+# matrices in the file's own blocks (DeepseekAttention's k_b_proj and v_b_proj: H stacked
+# matrices of r and v rows); joined back into Hugging Face's (H (nope + v), r) for prefill
+# unless the file also holds attn_kv_b (ik_llama.cpp's files can).
+SPLIT_KV_B = {"attn_k_b": "self_attn.k_b_proj", "attn_v_b": "self_attn.v_b_proj"}
 # An MoE layer's experts, one 3-D tensor (E, rows, K) per projection: split into each
 # expert's (rows, K) (views of the mapped file) under Hugging Face's per-expert names, which
 # the loader stacks again into ridge's experts.gate_up_proj / experts.down_proj.
@@ -343,6 +346,11 @@ class GGUFModel:
                 continue
             if len(parts) == 4 and parts[2] in SPLIT_KV_B and self.arch == "deepseek2":
                 split_kv_b.setdefault(int(parts[1]), {})[parts[2]] = t
+                shape = self._checked(t, dims=3)  # (H, rows, K): H matrices stacked along the rows
+                name = f"model.layers.{parts[1]}.{SPLIT_KV_B[parts[2]]}.weight"
+                rows = (shape[0] * shape[1], shape[2])
+                data = t.data.reshape(rows[0], -1)
+                tensors[name] = GGUFTensor(name, type_name, rows, data)
                 continue
             hf_name = _hf_name(t.name, self.arch)
             if hf_name is None:
@@ -360,7 +368,9 @@ class GGUFModel:
                 data = _unpermute_rows(data, int(n_heads))
             tensors[hf_name] = GGUFTensor(hf_name, type_name, shape, data)
         for layer, pair in split_kv_b.items():
-            tensors.update(self._join_kv_b(layer, pair))
+            joined = self._join_kv_b(layer, pair)
+            for name, tensor in joined.items():
+                tensors.setdefault(name, tensor)  # a file's own attn_kv_b wins
         return tensors
 
     def _checked(self, t, dims: int | None = None) -> tuple[int, ...]:
@@ -461,7 +471,23 @@ def widest(formats: list[BlockFormat | None]) -> BlockFormat | None:
     return wide
 
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+PROJECTIONS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "lm_head",
+    # deepseek2's latent attention
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+    "k_b_proj",
+    "v_b_proj",
+)
 
 
 def _layer_of(name: str, packed_modules: dict[str, tuple[str, int]], stacking: dict | None = None) -> str | None:

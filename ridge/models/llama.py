@@ -223,6 +223,7 @@ class LlamaForCausalLM(nn.Module):
     packed_modules = PACKED_MODULES
     expert_stacking = EXPERT_STACKING
     attention_cls = LlamaAttention
+    file_copies: tuple[str, ...] = ()  # layers that are no Hugging Face checkpoint tensor (DeepSeek's)
 
     def __init__(
         self,

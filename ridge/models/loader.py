@@ -347,7 +347,8 @@ def _check_complete(model: torch.nn.Module, loaded: set[str]) -> None:
             continue
         module = modules[name.rsplit(".", 1)[0]]
         shards = len(getattr(module, "output_sizes", [])) or None
-        wanted = [name] if shards is None else [f"{name}#{i}" for i in range(shards)]
+        # a packed layer's shards one by one, or all of it from one tensor (a GGUF file's stacked heads)
+        wanted = [name] if shards is None or name in loaded else [f"{name}#{i}" for i in range(shards)]
         missing += [w for w in wanted if w not in loaded]
     if missing:
         raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")

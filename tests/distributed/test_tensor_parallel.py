@@ -164,3 +164,30 @@ def test_a_block_format_that_cannot_split_k_is_a_clear_error(tmp_path):
     LLM(str(path), tokenizer="bytes", dtype="float32", device="cpu").close()  # one process: fine
     with pytest.raises(ValueError, match="divisible by 32"):
         LLM(str(path), tokenizer="bytes", dtype="float32", device="cpu", tensor_parallel_size=2)
+
+
+def test_tp2_on_a_quantized_deepseek2_file_splits_its_per_head_blocks(tmp_path):
+    """A deepseek2 file in Q8_0: each rank holds its heads' rows of attn_k_b / attn_v_b as the
+    file's blocks (the absorbed decode's matrices) and decodes exactly what one process does."""
+    from ridge.models.export import write_gguf
+
+    from ..models.gguf_files import rewrite
+    from ..models.hf_tiny import save_spread
+    from ..models.test_gguf_deepseek import _q8
+
+    config_cls, model_cls, extra = VARIANTS["deepseek-v3-yarn"]
+    widths = {"qk_nope_head_dim": 32, "q_lora_rank": 32, "v_head_dim": 16, "moe_intermediate_size": 64}
+    hf = save_spread(model_cls, config_cls(**{**COMMON_TINY, **extra, **widths}), tmp_path / "hf", seed=2)
+    plain = write_gguf(tmp_path / "hf", hf.config.to_dict(), tmp_path / "tiny.gguf")
+    path = rewrite(plain, tmp_path / "tiny-q8.gguf", _q8)
+    prompts, params = _workload(6)
+    options = dict(CROWDED)
+    single = LLM(str(path), **options)
+    ref = single.generate(prompts, params, use_tqdm=False)
+    whole = single.engine.executor.worker.model.model.layers[1].self_attn.k_b_proj
+    with LLM(str(path), tensor_parallel_size=2, **options) as tp:
+        k_b = tp.engine.executor.worker.model.model.layers[1].self_attn.k_b_proj
+        assert k_b.method.format.name == "int8" and k_b.num_experts == 2  # this rank's 2 of 4 heads
+        assert torch.equal(k_b.method.blocks_of(k_b), whole.method.blocks_of(whole)[: 2 * k_b.rows_per_expert])
+        got = tp.generate(prompts, params, use_tqdm=False)
+    _assert_same(ref, got)

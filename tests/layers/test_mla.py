@@ -9,6 +9,7 @@ import torch
 from ridge.kv import cache as kv_cache
 from ridge.kv.cache import KVCacheSpec
 from ridge.layers.attention import AttentionMetadata, PrefillChunk
+from ridge.layers.cpu_kernels import cpu_has_avx512_bf16
 from ridge.layers.kernels import TorchKernels
 from ridge.layers.linear import Linear
 from ridge.layers.mla import mla_attention
@@ -113,3 +114,56 @@ def test_the_expanded_decode_form_generates_what_the_absorbed_one_does():
     for a, e in zip(absorbed, expanded):
         assert a.outputs[0].token_ids == e.outputs[0].token_ids
         assert abs(a.outputs[0].cumulative_logprob - e.outputs[0].cumulative_logprob) < 1e-4
+
+
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="ridge's CPU kernels need AVX-512 BF16")
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_quantized_kv_b_proj_is_absorbed_in_block_formats(tmp_path, quantization):
+    """kv_b_proj in a block format, on the CPU kernels: W_uv is kv_b_proj's own v rows, byte
+    for byte; W_uk^T is int8 (Q8_0) blocks of kv_b_proj's values (its blocks run along r,
+    W_uk^T's along nope), within Q8_0's rounding. The absorbed decode through them is the one
+    through dense matrices of the same values within the int8 rounding of the activations."""
+    from ridge import LLM, SamplingParams
+    from ridge.layers.linear import ExpertLinear
+    from ridge.quantization.formats import Q8_0
+
+    from ..models.hf_tiny import COMMON, VARIANTS, save_spread
+
+    nope, v, rank, rope = 32, 16, 64, 8
+    config_cls, model_cls, extra = VARIANTS["deepseek-v2-lite"]
+    widths = {"qk_nope_head_dim": nope, "v_head_dim": v, "kv_lora_rank": rank, "qk_rope_head_dim": rope}
+    save_spread(model_cls, config_cls(**{**COMMON, **extra, **widths}), tmp_path, seed=3)
+    llm = LLM(str(tmp_path), tokenizer="bytes", dtype="float32", num_kv_blocks=64, quantization=quantization)
+    llm.generate([[5, 6, 7, 8, 9, 10]], SamplingParams(max_tokens=4), use_tqdm=False)  # decodes absorbed
+    model = llm.engine.executor.worker.model
+    attention = model.model.layers[1].self_attn
+    w_uk, w_uv = attention.absorbed
+    assert isinstance(w_uk, ExpertLinear) and w_uk.method.format is Q8_0
+    assert isinstance(w_uv, ExpertLinear) and w_uv.method.format is attention.kv_b_proj.method.format
+    kv_b = attention.kv_b_proj
+    own = kv_b.method.blocks_of(kv_b).view(H, nope + v, -1)[:, nope:].reshape(H * v, -1)
+    assert torch.equal(w_uv.method.blocks_of(w_uv), own)
+    values = kv_b.dense_weight().view(H, nope + v, rank)
+    w_uk_t = values[:, :nope].transpose(1, 2).reshape(H * rank, nope)
+    assert (w_uk.dense_weight() - w_uk_t).abs().max() <= w_uk_t.abs().max() / 127
+
+    gen = torch.Generator().manual_seed(1)
+    context = 11
+    entries = torch.randn(context, 1, rank + rope, generator=gen)
+    q_nope, q_rope = torch.randn(1, H, nope, generator=gen), torch.randn(1, H, rope, generator=gen)
+    cache = kv_cache.allocate(
+        KVCacheSpec(1, 1, rank + rope, keys_only=True), 8, BLOCK, torch.float32, torch.device("cpu")
+    )[0]
+    table = torch.tensor([5, 2, 7, 0])
+    slots = table[torch.arange(context) // BLOCK] * BLOCK + torch.arange(context) % BLOCK
+    cache.k.view(-1, rank + rope)[slots] = entries[:, 0]
+    meta = AttentionMetadata(
+        slot_mapping=slots[-1:],
+        num_decode_tokens=1,
+        decode_block_tables=table[None],
+        decode_context_lens=torch.tensor([context]),
+    )
+    got = mla_attention(q_nope, q_rope, entries[-1:], cache, meta, (w_uk, w_uv), kv_b, 0.3, model.kernels)
+    dense = (values[:, :nope].contiguous(), values[:, nope:].transpose(1, 2).contiguous())
+    want = mla_attention(q_nope, q_rope, entries[-1:], cache, meta, dense, kv_b, 0.3, TorchKernels())
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()

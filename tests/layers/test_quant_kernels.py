@@ -93,3 +93,34 @@ def test_a_rows_output_does_not_depend_on_its_batch(ext, name):
 
 def test_amx_int8_is_used_where_the_cpu_has_it(ext):
     assert ext.amx_int8_ready() == ("amx_int8" in cpu_flags() and os.environ.get("RIDGE_AMX") != "0")
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("rows,heads,n", [(1, 16, 32), (3, 5, 16), (14, 3, 48), (130, 2, 16)])
+def test_head_matmul_is_each_heads_linear(ext, name, rows, heads, n):
+    """MLA's absorbed matrices in a block format: head h of a stacked (H N, K) weight on x[:, h]
+    gives exactly linear_quant of that head's rows (the same integers and float ops, whatever
+    the heads beside it and the rows' strides), and so the dequantized product within an int8
+    activation's error. 130 rows: two slabs; 14: a tile of AMX rows where the CPU has AMX-INT8."""
+    k = 64 if FORMATS[name].block == 32 else 256
+    blocks, packed = _packed(ext, name, heads * n, k, seed=rows + heads + n)
+    code = QUANT_KERNEL_CODES[name]
+    gen = torch.Generator().manual_seed(rows)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(heads, rows, k + 8, generator=gen).to(dtype)[..., 4 : k + 4].transpose(0, 1)  # strided
+        got = ext.head_matmul_quant(x, packed, code, n)
+        assert got.dtype == dtype and got.shape == (rows, heads, n)
+        for h in range(heads):
+            head = packed[h * n // 16 : (h + 1) * n // 16]
+            assert torch.equal(got[:, h], ext.linear_quant(x[:, h].contiguous(), head, code, n, None))
+    w = FORMATS[name].dequantize(blocks, k).view(heads, n, k)
+    want = torch.einsum("dhk,hnk->dhn", x.float(), w)
+    assert (got.float() - want).abs().max().item() <= 0.05 * want.abs().max().item()
+
+
+def test_head_matmul_checks_its_weight(ext):
+    blocks, packed = _packed(ext, "int8", 32, 64, seed=0)
+    with pytest.raises(RuntimeError, match="does not match"):
+        ext.head_matmul_quant(torch.randn(1, 3, 64), packed, QUANT_KERNEL_CODES["int8"], 16)  # 3 heads, 2 held
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ext.head_matmul_quant(torch.randn(1, 4, 64), packed, QUANT_KERNEL_CODES["int8"], 8)

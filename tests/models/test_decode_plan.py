@@ -155,13 +155,17 @@ def test_deepseek_latent_attention_and_grouped_routers_plan_as_they_run(tmp_path
     """DeepSeek's layers in the plan: latent attention absorbed (16 heads: the shared-KV decode
     kernels; with and without q_lora_rank; rotary pairs interleaved, YaRN), a bf16, int8 or fp8
     latent cache, group-limited (V2, softmax) and noaux_tc (V3, sigmoid + bias) routers, shared
-    experts and a dense first layer: the same tokens and logprobs as op by op."""
+    experts and a dense first layer: the same tokens and logprobs as op by op. int4 weights
+    absorb W_uk and W_uv in block formats (head_matmul_quant)."""
     config_cls, model_cls, extra = VARIANTS[variant]
-    widths = {"num_attention_heads": 16, "v_head_dim": 32, "qk_rope_head_dim": 16}  # widths the kernels take
+    # widths the kernels take (nope 32: W_uk in Q8_0 blocks where kv_b_proj is quantized)
+    widths = {"num_attention_heads": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "qk_rope_head_dim": 16}
     save_spread(model_cls, config_cls(**{**COMMON, **extra, **widths}), tmp_path, jitter_norms=True)
     options = dict(quantization=quantization, kv_cache_dtype=kv)
     planned, model = _generate(tmp_path, **options)
     assert model._plan is not None and model._plan.plan.num_layers() == len(model.model.layers)
+    absorbed = model.model.layers[0].self_attn.absorbed
+    assert all(isinstance(w, torch.Tensor) != (quantization == "int4") for w in absorbed)
     eager, _ = _generate(tmp_path, enforce_eager=True, **options)
     assert planned == eager
 

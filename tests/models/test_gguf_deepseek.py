@@ -17,7 +17,7 @@ from ridge.models.export import write_gguf
 from ridge.models.gguf_file import GGUFModel
 
 from .gguf_files import llama_cpp_greedy, rewrite
-from .hf_tiny import build
+from .hf_tiny import COMMON, VARIANTS, build, save_spread
 
 gguf = pytest.importorskip("gguf")
 
@@ -106,27 +106,46 @@ def test_a_file_from_before_llama_cpps_mla_reads_the_same(tmp_path):
     assert _run(LLM(str(old), **OPTIONS))[0] == _run(LLM(str(new), **OPTIONS))[0]
 
 
+def _q8(name, values):
+    if values.ndim >= 2 and values.shape[-1] % 32 == 0 and "norm" not in name and "gate_inp" not in name:
+        return gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+    return None
+
+
 def test_a_quantized_deepseek2_file_keeps_its_blocks(tmp_path):
-    """Q8_0 matrices stay Q8_0 (stacked experts too); k_b / v_b, quantized along the head's
-    dims, come back dense as kv_b_proj within Q8_0's rounding."""
-    build("deepseek-v3-yarn", tmp_path / "hf", seed=6)
+    """Q8_0 matrices stay Q8_0: the latent attention's projections (q_a, kv_a, q_b: the fused
+    a-projection and q_b_proj, o_proj), stacked experts too. attn_k_b and attn_v_b are the
+    absorbed decode's per-head matrices, the file's bytes as they are (k_b_proj, v_b_proj);
+    joined, dense, within Q8_0's rounding, they are kv_b_proj for prefill."""
+    config_cls, model_cls, extra = VARIANTS["deepseek-v3-yarn"]
+    widths = {"qk_nope_head_dim": 32, "q_lora_rank": 32}  # k_b's and q_b's K: whole Q8_0 blocks
+    save_spread(model_cls, config_cls(**{**COMMON, **extra, **widths}), tmp_path / "hf", seed=6)
     hf_config = transformers.AutoConfig.from_pretrained(tmp_path / "hf").to_dict()
     dense = write_gguf(tmp_path / "hf", hf_config, tmp_path / "f32.gguf")
-
-    def q8(name, values):
-        if values.ndim >= 2 and values.shape[-1] % 32 == 0 and "norm" not in name and "gate_inp" not in name:
-            return gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
-        return None
-
-    path = rewrite(dense, tmp_path / "q8.gguf", q8)
+    path = rewrite(dense, tmp_path / "q8.gguf", _q8)
     llm = LLM(str(path), **OPTIONS)
     layer = llm.engine.executor.worker.model.model.layers[1]
-    assert layer.mlp.experts.gate_up_proj.method.format.name == "int8"
-    assert layer.self_attn.kv_b_proj.method.format is None  # joined from k_b / v_b: dense
+    attention = layer.self_attn
+    for linear in (attention.fused_qkv_a_proj, attention.q_b_proj, attention.o_proj, layer.mlp.experts.gate_up_proj):
+        assert linear.method.format.name == "int8"
+    file = GGUFModel(path)
+    for name in ("k_b_proj", "v_b_proj"):
+        stack = getattr(attention, name)
+        assert stack.method.format.name == "int8"
+        assert torch.equal(
+            stack.method.blocks_of(stack), file.tensors[f"model.layers.1.self_attn.{name}.weight"].blocks()
+        )
+    assert attention.kv_b_proj.method.format is None  # joined from k_b / v_b: dense
     reference = GGUFModel(dense).tensors["model.layers.1.self_attn.kv_b_proj.weight"].dense()
-    got = layer.self_attn.kv_b_proj.dense_weight().float()
+    got = attention.kv_b_proj.dense_weight().float()
     assert (got - reference).abs().max().item() <= reference.abs().max().item() / 127
-    llm.generate(PROMPTS, SamplingParams(max_tokens=4), use_tqdm=False)  # runs
+    # the torch kernels on the same file (its blocks dequantized, x not quantized): the same
+    # greedy tokens, summed logprobs of 10 tokens within the int8 rounding of the activations
+    tokens, logprobs = _run(llm)
+    assert attention.absorbed == (attention.k_b_proj, attention.v_b_proj)  # decode reads the file's blocks
+    torch_tokens, torch_logprobs = _run(LLM(str(path), kernels="torch", **OPTIONS))
+    assert tokens == torch_tokens
+    assert (logprobs - torch_logprobs).abs().max().item() < 0.2
 
 
 def test_llama_cpp_decodes_the_same_greedy_tokens(tmp_path):
@@ -136,3 +155,20 @@ def test_llama_cpp_decodes_the_same_greedy_tokens(tmp_path):
     hf = build("deepseek-v3-yarn", tmp_path / "hf", seed=0)
     path = write_gguf(tmp_path / "hf", hf.config.to_dict(), tmp_path / "tiny-v3.gguf")
     assert _run(LLM(str(path), **OPTIONS))[0][1] == llama_cpp_greedy(path, PROMPTS[1], 10)
+
+
+def test_a_deepseek2_model_exports_hugging_faces_tensors_only(tmp_path):
+    """hf_state_dict of a model read from a deepseek2 file: kv_b_proj, not the file's per-head
+    copies of its rows (k_b_proj, v_b_proj); q's a-projection under the one name the model
+    has (q_a_proj with q_lora_rank). Written again, the file computes the same tokens."""
+    from ridge.models.export import hf_state_dict
+
+    hf = build("deepseek-v3-yarn", tmp_path / "hf", seed=7)
+    path = write_gguf(tmp_path / "hf", hf.config.to_dict(), tmp_path / "tiny.gguf")
+    llm = LLM(str(path), **OPTIONS)
+    state = hf_state_dict(llm)
+    assert not [name for name in state if name.endswith((".k_b_proj.weight", ".v_b_proj.weight", ".q_proj.weight"))]
+    assert "model.layers.0.self_attn.q_a_proj.weight" in state and "model.layers.0.self_attn.kv_b_proj.weight" in state
+    again = write_gguf(state, llm.engine.hf_config, tmp_path / "again.gguf")
+    assert not [t.name for t in gguf.GGUFReader(again).tensors if t.name.endswith("attn_q.weight")]
+    assert _run(LLM(str(again), **OPTIONS))[0] == _run(llm)[0]

@@ -35,6 +35,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the same over an int8 / fp8 latent cache (codes and fp16 scales per 32 dims), float32 or bfloat16 q");
   m.def("head_matmul_bf16", &head_matmul_bf16, py::call_guard<py::gil_scoped_release>(),
         "y[d][h] = x[d][h] @ w[h]: x (D, H, K), w (H, K, N) bf16 (MLA's absorbed W_uk and W_uv^T)");
+  m.def("head_matmul_quant", &head_matmul_quant, py::call_guard<py::gil_scoped_release>(),
+        "the same with head h's N x K matrix in a block format: a stacked (H N, K) weight's packed blocks");
   m.def("apply_token_bitmask_", &apply_token_bitmask_, py::call_guard<py::gil_scoped_release>(),
         "structured output: -inf in place for the tokens a row's int32 bitmask does not allow");
   bind_decode_plan(m);

@@ -54,6 +54,11 @@ struct Lin {
   }
 };
 
+// ops.head_matmul: x (D, H, K) through each head's matrix, dense bf16 or in a block format
+torch::Tensor head_matmul(const torch::Tensor& x, const Packed& w) {
+  return w.fmt < 0 ? head_matmul_bf16(x, w.weight) : head_matmul_quant(x, w.weight, w.fmt, w.n);
+}
+
 Lin make_lin(const std::vector<std::tuple<torch::Tensor, int64_t, int64_t>>& parts, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(!parts.empty(), "decode plan: a linear layer without weights");
   Lin lin;
@@ -103,7 +108,8 @@ struct Layer {
   int64_t q_width = 0, nope = 0, rope = 0, rank = 0;
   c10::optional<torch::Tensor> q_a_norm;
   c10::optional<Lin> q_b;
-  torch::Tensor kv_a_norm, w_uk, w_uv_t;
+  torch::Tensor kv_a_norm;
+  Packed w_uk, w_uv_t;  // head_matmul's per-head matrices: fmt < 0 dense bf16 (H, K, N), else packed blocks
   double latent_eps = 0.0;
   bool interleave = false;
 };
@@ -214,7 +220,8 @@ class DecodePlan {
                      c10::optional<torch::Tensor> q_a_norm, std::vector<std::tuple<torch::Tensor, int64_t, int64_t>> q_b,
                      torch::Tensor kv_a_norm, double latent_eps,
                      std::vector<std::tuple<torch::Tensor, int64_t, int64_t>> o, int64_t heads, int64_t nope,
-                     int64_t rope, int64_t rank, bool interleave, torch::Tensor w_uk, torch::Tensor w_uv_t, double scale,
+                     int64_t rope, int64_t rank, bool interleave, std::tuple<torch::Tensor, int64_t, int64_t> w_uk,
+                     std::tuple<torch::Tensor, int64_t, int64_t> w_uv_t, double scale,
                      torch::Tensor pool, c10::optional<torch::Tensor> scales, bool fp8) {
     TORCH_CHECK(pool.is_contiguous() && pool.dim() == 4 && pool.size(2) == 1 && pool.size(3) == rank + rope &&
                     (scales.has_value() ? pool.element_size() == 1 : pool.scalar_type() == at::kBFloat16),
@@ -232,8 +239,8 @@ class DecodePlan {
     l.kv_a_norm = kv_a_norm;
     l.latent_eps = latent_eps;
     l.interleave = interleave;
-    l.w_uk = w_uk;
-    l.w_uv_t = w_uv_t;
+    l.w_uk = {std::get<0>(w_uk), std::get<1>(w_uk), std::get<2>(w_uk)};
+    l.w_uv_t = {std::get<0>(w_uv_t), std::get<1>(w_uv_t), std::get<2>(w_uv_t)};
     layers_.push_back(std::move(l));
   }
 
@@ -428,7 +435,7 @@ class DecodePlan {
     torch::Tensor q_latent, out;
     {
       Timer t(matmul_s);
-      q_latent = head_matmul_bf16(q.slice(2, 0, l.nope), l.w_uk);
+      q_latent = head_matmul(q.slice(2, 0, l.nope), l.w_uk);
     }
     auto query = at::cat({q_latent, qk_rope.slice(1, 0, l.heads)}, -1);
     auto out_latent = l.k_scale.has_value()
@@ -437,7 +444,7 @@ class DecodePlan {
                           : paged_decode_attention_shared(query, l.k_pool, block_tables, context_lens, l.scale, l.rank);
     {
       Timer t(matmul_s);
-      out = head_matmul_bf16(out_latent, l.w_uv_t);
+      out = head_matmul(out_latent, l.w_uv_t);
       out = l.o.run(out.flatten(1));
     }
     return out;

@@ -18,6 +18,7 @@ torch::Tensor pack_quant(torch::Tensor blocks, int64_t fmt, int64_t N, int64_t K
 torch::Tensor unpack_quant(torch::Tensor packed, int64_t fmt, int64_t N, int64_t K);
 torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_t N,
                            c10::optional<torch::Tensor> bias);
+torch::Tensor head_matmul_quant(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_t N);
 // decode_ops.cpp, decode_attention_quant.cpp
 torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);

@@ -543,43 +543,49 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
   for (int i = 0; i < MR; ++i) _mm512_storeu_ps(out + i * 16, acc[i]);
 }
 
+// y's rows are ldy apart (N, or H N for one head's outputs among H heads')
 template <int FMT, int MR, bool AMX, typename T>
-inline void run_tile(const XTile& t, const uint8_t* block, int64_t G, int64_t nb, int64_t N, const float* bias,
-                     T* y) {
+inline void run_tile(const XTile& t, const uint8_t* block, int64_t G, int64_t nb, int64_t N, int64_t ldy,
+                     const float* bias, T* y) {
   alignas(64) float buf[MR * 16];
   tile_block<FMT, MR, AMX>(block, G, t, buf);
   const int64_t n0 = nb * ROWS, n_end = std::min<int64_t>(N, n0 + ROWS);
   for (int64_t i = 0; i < t.rows; ++i) {
-    T* yrow = y + (t.row0 + i) * N;
+    T* yrow = y + (t.row0 + i) * ldy;
     for (int64_t n = n0; n < n_end; ++n) yrow[n] = T(buf[i * 16 + n - n0] + (bias ? bias[n] : 0.f));
   }
 }
 
 template <int FMT, typename T>
-void dispatch_tile(const XTile& t, const uint8_t* block, int64_t G, int64_t nb, int64_t N, const float* bias, T* y) {
+void dispatch_tile(const XTile& t, const uint8_t* block, int64_t G, int64_t nb, int64_t N, int64_t ldy,
+                   const float* bias, T* y) {
   if constexpr (amx_format(FMT)) {
-    if (t.xa) {  // a tile of AMX_INT8_MIN_MR+ rows on an AMX-INT8 CPU (gemm_slab)
-      if (t.mr == 12) return run_tile<FMT, 12, true>(t, block, G, nb, N, bias, y);
-      return run_tile<FMT, 16, true>(t, block, G, nb, N, bias, y);
+    if (t.xa) {  // a tile of AMX_INT8_MIN_MR+ rows on an AMX-INT8 CPU (heads_slab)
+      if (t.mr == 12) return run_tile<FMT, 12, true>(t, block, G, nb, N, ldy, bias, y);
+      return run_tile<FMT, 16, true>(t, block, G, nb, N, ldy, bias, y);
     }
   }
   switch (t.mr) {
-    case 1: return run_tile<FMT, 1, false>(t, block, G, nb, N, bias, y);
-    case 2: return run_tile<FMT, 2, false>(t, block, G, nb, N, bias, y);
-    case 4: return run_tile<FMT, 4, false>(t, block, G, nb, N, bias, y);
-    case 8: return run_tile<FMT, 8, false>(t, block, G, nb, N, bias, y);
-    case 12: return run_tile<FMT, 12, false>(t, block, G, nb, N, bias, y);
-    default: return run_tile<FMT, 16, false>(t, block, G, nb, N, bias, y);
+    case 1: return run_tile<FMT, 1, false>(t, block, G, nb, N, ldy, bias, y);
+    case 2: return run_tile<FMT, 2, false>(t, block, G, nb, N, ldy, bias, y);
+    case 4: return run_tile<FMT, 4, false>(t, block, G, nb, N, ldy, bias, y);
+    case 8: return run_tile<FMT, 8, false>(t, block, G, nb, N, ldy, bias, y);
+    case 12: return run_tile<FMT, 12, false>(t, block, G, nb, N, ldy, bias, y);
+    default: return run_tile<FMT, 16, false>(t, block, G, nb, N, ldy, bias, y);
   }
 }
 
-// Rows [0, M) of x (at most SLAB): quantize into tiles of up to 16 rows, then every block of
-// W passes every tile while it is in cache; threads take contiguous runs of blocks.
+// H products of one shape at once (H = 1: a plain matmul): head h multiplies rows [0, M) of
+// its x (row r at x + r * sxr + h * sxh; at most SLAB rows) by its W (wp + h * head_bytes, N
+// rows) into y + h * N, rows H N apart. Each head's rows are quantized into tiles of up to 16
+// rows, then every block of W passes its head's tiles while it is in cache; threads take
+// contiguous runs of the H x N / 16 blocks, so a head's small matrix does not leave a thread idle.
 template <int FMT, typename T>
-void gemm_slab(const T* x, int64_t M, int64_t K, const uint8_t* wp, int64_t N, const float* bias, T* y) {
+void heads_slab(const T* x, int64_t sxr, int64_t sxh, int64_t M, int64_t H, int64_t K, const uint8_t* wp, int64_t N,
+                const float* bias, T* y) {
   const Layout L = layout_of(FMT);
-  const int64_t G = K / QK, NB = (N + ROWS - 1) / ROWS, block_bytes = G * L.chunk;
-  std::vector<XTile> tiles;
+  const int64_t G = K / QK, NB = (N + ROWS - 1) / ROWS, block_bytes = G * L.chunk, ldy = H * N;
+  std::vector<XTile> tiles;  // one head's; head h's cells follow head h - 1's
   int64_t cells = 0;
   for (int64_t r0 = 0; r0 < M; r0 += 16) {
     const int64_t rows = std::min<int64_t>(16, M - r0);
@@ -587,56 +593,75 @@ void gemm_slab(const T* x, int64_t M, int64_t K, const uint8_t* wp, int64_t N, c
     tiles.push_back({r0, rows, mr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr});
     cells += mr;
   }
-  std::vector<int32_t> qbuf(cells * G * 8, 0), qsbuf(cells * G, 0), qsabuf(cells * G, 0);
-  std::vector<float> dbuf(cells * G, 0.f), sbuf(cells * G, 0.f), sabuf(cells * G, 0.f);
+  const int64_t all = cells * H;
+  std::vector<int32_t> qbuf(all * G * 8, 0), qsbuf(all * G, 0), qsabuf(all * G, 0);
+  std::vector<float> dbuf(all * G, 0.f), sbuf(all * G, 0.f), sabuf(all * G, 0.f);
   // AMX: tiles of AMX_INT8_MIN_MR+ rows get their codes row-major too (XTile::xa)
   const bool amx = amx_format(FMT) && M >= AMX_INT8_MIN_MR && amx_int8_ready();
-  std::vector<int8_t> xabuf(amx ? cells * G * QK : 0, 0);
+  std::vector<int8_t> xabuf(amx ? all * G * QK : 0, 0);
+  std::vector<XTile> head_tiles;
+  head_tiles.reserve(tiles.size() * H);
   int64_t at = 0;
-  for (XTile& t : tiles) {
-    t.q = qbuf.data() + at * G * 8;
-    t.d = dbuf.data() + at * G;
-    t.s = sbuf.data() + at * G;
-    t.qs = qsbuf.data() + at * G;
-    t.qsa = qsabuf.data() + at * G;
-    t.sa = sabuf.data() + at * G;
-    t.xa = amx && t.mr >= AMX_INT8_MIN_MR ? xabuf.data() + at * G * QK : nullptr;
-    at += t.mr;
-  }
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const XTile& t = tiles[r / 16];
-      quantize_row<T>(x + r * K, G, L.off, t, r - t.row0);
+  for (int64_t h = 0; h < H; ++h)
+    for (XTile t : tiles) {
+      t.q = qbuf.data() + at * G * 8;
+      t.d = dbuf.data() + at * G;
+      t.s = sbuf.data() + at * G;
+      t.qs = qsbuf.data() + at * G;
+      t.qsa = qsabuf.data() + at * G;
+      t.sa = sabuf.data() + at * G;
+      t.xa = amx && t.mr >= AMX_INT8_MIN_MR ? xabuf.data() + at * G * QK : nullptr;
+      at += t.mr;
+      head_tiles.push_back(t);
+    }
+  const int64_t per_head = static_cast<int64_t>(tiles.size());
+  at::parallel_for(0, H * M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t h = j / M, r = j % M;
+      const XTile& t = head_tiles[h * per_head + r / 16];
+      quantize_row<T>(x + r * sxr + h * sxh, G, L.off, t, r - t.row0);
     }
   });
-  at::parallel_for(0, NB, 1, [&](int64_t b_begin, int64_t b_end) {
+  at::parallel_for(0, H * NB, 1, [&](int64_t b_begin, int64_t b_end) {
     int64_t configured = 0;  // AMX tiles are configured per thread, for the tile's rows
-    for (int64_t nb = b_begin; nb < b_end; ++nb)
-      for (const XTile& t : tiles) {
+    for (int64_t j = b_begin; j < b_end; ++j) {
+      const int64_t h = j / NB, nb = j % NB;
+      for (int64_t i = 0; i < per_head; ++i) {
+        const XTile& t = head_tiles[h * per_head + i];
         if (t.xa && t.mr != configured) configure_int8_tiles(t.mr), configured = t.mr;
-        dispatch_tile<FMT, T>(t, wp + nb * block_bytes, G, nb, N, bias, y);
+        dispatch_tile<FMT, T>(t, wp + j * block_bytes, G, nb, N, ldy, bias, y + h * N);
       }
+    }
     if (configured) _tile_release();
   });
 }
 
+// heads_slab over x's rows in slabs of SLAB, for the format code fmt
 template <typename T>
-void gemm(int64_t fmt, const T* x, int64_t M, int64_t K, const uint8_t* wp, int64_t N, const float* bias, T* y) {
+void gemm_heads(int64_t fmt, const T* x, int64_t sxr, int64_t sxh, int64_t M, int64_t H, int64_t K, const uint8_t* wp,
+                int64_t N, const float* bias, T* y) {
   for (int64_t r0 = 0; r0 < M; r0 += SLAB) {
     const int64_t rows = std::min<int64_t>(SLAB, M - r0);
+    const T* xs = x + r0 * sxr;
+    T* ys = y + r0 * H * N;
     switch (fmt) {
-      case Q8_0: gemm_slab<Q8_0, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
-      case Q4_0: gemm_slab<Q4_0, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
-      case IQ4_NL: gemm_slab<IQ4_NL, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
-      case Q4_K: gemm_slab<Q4_K, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
-      case Q5_K: gemm_slab<Q5_K, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
-      case IQ4_XS: gemm_slab<IQ4_XS, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
-      case Q6_K: gemm_slab<Q6_K, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
-      case Q3_K: gemm_slab<Q3_K, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
-      case Q2_K: gemm_slab<Q2_K, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N); break;
-      default: gemm_slab<Q4_1, T>(x + r0 * K, rows, K, wp, N, bias, y + r0 * N);
+      case Q8_0: heads_slab<Q8_0, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys); break;
+      case Q4_0: heads_slab<Q4_0, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys); break;
+      case IQ4_NL: heads_slab<IQ4_NL, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys); break;
+      case Q4_K: heads_slab<Q4_K, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys); break;
+      case Q5_K: heads_slab<Q5_K, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys); break;
+      case IQ4_XS: heads_slab<IQ4_XS, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys); break;
+      case Q6_K: heads_slab<Q6_K, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys); break;
+      case Q3_K: heads_slab<Q3_K, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys); break;
+      case Q2_K: heads_slab<Q2_K, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys); break;
+      default: heads_slab<Q4_1, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys);
     }
   }
+}
+
+template <typename T>
+void gemm(int64_t fmt, const T* x, int64_t M, int64_t K, const uint8_t* wp, int64_t N, const float* bias, T* y) {
+  gemm_heads<T>(fmt, x, K, 0, M, 1, K, wp, N, bias, y);
 }
 
 }  // namespace
@@ -1146,5 +1171,33 @@ torch::Tensor linear_quant_grouped(torch::Tensor x, torch::Tensor packed, int64_
     row += c;
   }
   TORCH_CHECK(row == R, "linear_quant_grouped: counts do not add up to x's rows");
+  return y;
+}
+
+// MLA's absorbed per-head matrices in a block format: x (D, H, K) (rows and heads may be
+// strided; K contiguous) through head h's N x K matrix, the stacked weight's packed blocks
+// [h N/16, (h+1) N/16) -> (D, H, N). One call for all the heads: each head's matrix is read
+// once for the step's rows, and the heads' blocks are shared out over the threads together.
+// The same arithmetic as linear_quant per head (a row's output is its linear_quant output).
+torch::Tensor head_matmul_quant(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_t N) {
+  const Layout L = layout_of(fmt);
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && x.dim() == 3, "head_matmul_quant: (D, H, K) on CPU");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "head_matmul_quant: bf16 or f32 x");
+  TORCH_CHECK(x.stride(2) == 1, "head_matmul_quant: x's last dimension must be contiguous");
+  TORCH_CHECK(N % ROWS == 0, "head_matmul_quant: rows per head must be a multiple of 16");
+  const int64_t D = x.size(0), H = x.size(1), K = x.size(2);
+  TORCH_CHECK(!is_super_block(fmt) || K % 256 == 0, "head_matmul_quant: K-quants need K a multiple of 256");
+  TORCH_CHECK(K % QK == 0 && packed.dim() == 3 && packed.size(0) == H * N / ROWS && packed.size(1) == K / QK &&
+                  packed.size(2) == L.chunk,
+              "head_matmul_quant: packed weight does not match (H * N, K)");
+  auto y = torch::empty({D, H, N}, x.options());
+  if (D == 0 || H == 0) return y;
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  if (x.scalar_type() == at::kFloat)
+    gemm_heads<float>(fmt, x.data_ptr<float>(), x.stride(0), x.stride(1), D, H, K, wp, N, nullptr,
+                      y.data_ptr<float>());
+  else
+    gemm_heads<at::BFloat16>(fmt, x.data_ptr<at::BFloat16>(), x.stride(0), x.stride(1), D, H, K, wp, N, nullptr,
+                             y.data_ptr<at::BFloat16>());
   return y;
 }
