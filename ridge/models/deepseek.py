@@ -124,8 +124,7 @@ class DeepseekAttention(nn.Module):
         - A deepseek2 file's attn_k_b and attn_v_b (k_b_proj, v_b_proj): the file's blocks.
         - kv_b_proj in a block format: W_uv is its own rows' blocks (the same bytes). W_uk^T
           runs along nope where kv_b_proj's blocks run along r, so it is requantized to int8
-          (Q8_0, llama.cpp's format for it) from kv_b_proj's values; an 8-bit code adds far
-          less error than the weight's own 4-6 bits already hold.
+          (Q8_0) from kv_b_proj's values, adding at most 1/254 of each block's largest value.
         - Otherwise (or where ``ops`` does not pack blocks): dense, from kv_b_proj's values.
         """
         mla, heads = self.mla, self.num_heads
