@@ -241,14 +241,12 @@ class CpuKernels(TorchKernels):
         return self.ext.linear_quant(x, packed, QUANT_KERNEL_CODES[fmt.name], n, bias)
 
     def head_linear(self, x, w):
-        if isinstance(w, Linear):
-            fmt, n = w.method.format, w.rows_per_expert
-            if w.packed is not None and fmt is not None and _takes(x, fmt) and n % PACKED_ROW_BLOCK == 0:
-                # one call for every head, each head's blocks read once
-                return self.ext.head_matmul_quant(x, w.packed, QUANT_KERNEL_CODES[fmt.name], n)
-            return super().head_linear(x, w)
-        if x.dtype is torch.bfloat16 and w.dtype is torch.bfloat16 and w.shape[-1] % 16 == 0:
-            return self.ext.head_matmul_bf16(x, w)  # one call, each head's w read once
+        """Where the decode plan would take ``w`` (``plan_heads``), the same call: one for every
+        head, each head's matrix read once."""
+        planned = self.plan_heads(w)
+        if planned is not None and _takes(x, w.method.format if isinstance(w, Linear) else None):
+            weight, code, n = planned
+            return self.ext.head_matmul_bf16(x, weight) if code < 0 else self.ext.head_matmul_quant(x, weight, code, n)
         return super().head_linear(x, w)
 
     def grouped_linear(self, x, layer, counts):

@@ -132,7 +132,7 @@ class DeepseekAttention(nn.Module):
         dtype = self.kv_a_layernorm.weight.dtype  # the model's (a packed or quantized weight unpacks to float32)
         kv_b = self.kv_b_proj
         if self.k_b_proj is not None:
-            self.absorbed = (_per_head(self.k_b_proj, heads, dtype), _per_head(self.v_b_proj, heads, dtype))
+            self.absorbed = (_per_head(self.k_b_proj, heads, dtype, ops), _per_head(self.v_b_proj, heads, dtype, ops))
             return
         fmt = kv_b.method.format
         if fmt is not None and kv_b.packed is not None and nope % PACKED_ROW_BLOCK == 0 and v % PACKED_ROW_BLOCK == 0:
@@ -146,7 +146,7 @@ class DeepseekAttention(nn.Module):
                 k_b.method.load_weight(k_b, w_uk.transpose(1, 2).reshape(heads * rank, nope), None)
                 k_b.method.process_weights_after_loading(k_b, ops)
                 w_uk = k_b
-            self.absorbed = (_per_head(w_uk, heads, dtype), _per_head(w_uv, heads, dtype))
+            self.absorbed = (_per_head(w_uk, heads, dtype, ops), _per_head(w_uv, heads, dtype, ops))
             return
         w = kv_b.dense_weight().to(dtype).view(heads, nope + v, -1)
         self.absorbed = (w[:, :nope].contiguous(), w[:, nope:].transpose(1, 2).contiguous())
@@ -243,13 +243,13 @@ def _head_stack(name: str, k: int, n: int, heads: Shard, num_heads: int, quant, 
     return layer
 
 
-def _per_head(w: torch.Tensor | ExpertLinear, heads: int, dtype: torch.dtype) -> torch.Tensor | ExpertLinear:
+def _per_head(w: torch.Tensor | ExpertLinear, heads: int, dtype: torch.dtype, ops) -> torch.Tensor | ExpertLinear:
     """Per-head matrices as head_matmul takes them: a stacked layer (H matrices of N rows
-    over K) as it is where the kernels packed it in a block format, else dense (H, K, N) in
-    ``dtype`` (from the layer's values, or ``w`` already (H, K, N))."""
+    over K) in a block format as it is where ``ops`` runs it in one call (``plan_heads``),
+    else dense (H, K, N) in ``dtype`` (from the layer's values, or ``w`` already (H, K, N))."""
     if isinstance(w, torch.Tensor):
         return w.to(dtype).contiguous()
-    if w.method.format is not None and w.packed is not None and w.rows_per_expert % PACKED_ROW_BLOCK == 0:
+    if w.method.format is not None and ops.plan_heads(w) is not None:
         return w
     dense = w.dense_weight().to(dtype)
     return dense.view(heads, w.rows_per_expert, w.in_features).transpose(1, 2).contiguous()

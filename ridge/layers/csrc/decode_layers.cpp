@@ -59,10 +59,15 @@ torch::Tensor head_matmul(const torch::Tensor& x, const Packed& w) {
   return w.fmt < 0 ? head_matmul_bf16(x, w.weight) : head_matmul_quant(x, w.weight, w.fmt, w.n);
 }
 
+// (weight, format code, rows) as kernels.plan_linear / plan_experts / plan_heads give it
+Packed make_packed(const std::tuple<torch::Tensor, int64_t, int64_t>& p) {
+  return {std::get<0>(p), std::get<1>(p), std::get<2>(p)};
+}
+
 Lin make_lin(const std::vector<std::tuple<torch::Tensor, int64_t, int64_t>>& parts, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(!parts.empty(), "decode plan: a linear layer without weights");
   Lin lin;
-  for (const auto& [w, fmt, n] : parts) lin.parts.push_back({w, fmt, n});
+  for (const auto& part : parts) lin.parts.push_back(make_packed(part));
   lin.bias = std::move(bias);
   return lin;
 }
@@ -239,8 +244,8 @@ class DecodePlan {
     l.kv_a_norm = kv_a_norm;
     l.latent_eps = latent_eps;
     l.interleave = interleave;
-    l.w_uk = {std::get<0>(w_uk), std::get<1>(w_uk), std::get<2>(w_uk)};
-    l.w_uv_t = {std::get<0>(w_uv_t), std::get<1>(w_uv_t), std::get<2>(w_uv_t)};
+    l.w_uk = make_packed(w_uk);
+    l.w_uv_t = make_packed(w_uv_t);
     layers_.push_back(std::move(l));
   }
 
@@ -269,8 +274,8 @@ class DecodePlan {
     TORCH_CHECK(!grouped || (n_group >= 1 && router.size(0) % n_group == 0), "decode plan: experts must split into groups");
     TORCH_CHECK(!bias.has_value() || bias->scalar_type() == at::kFloat, "decode plan: a float32 router bias expected");
     m.bias = bias;
-    m.gate_up = {std::get<0>(gate_up), std::get<1>(gate_up), std::get<2>(gate_up)};
-    m.down = {std::get<0>(down), std::get<1>(down), std::get<2>(down)};
+    m.gate_up = make_packed(gate_up);
+    m.down = make_packed(down);
     layers_.back().moe = std::move(m);
   }
 
