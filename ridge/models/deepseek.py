@@ -115,6 +115,12 @@ class DeepseekAttention(nn.Module):
         self.absorbed: tuple[torch.Tensor | ExpertLinear, torch.Tensor | ExpertLinear] | None = None
         self.absorb_decode = True  # False: decode expanded too (benchmarks/mla_decode.py compares)
 
+    def prefill_only(self) -> tuple[Linear, ...]:
+        """With the file's per-head matrices, decode never reads kv_b_proj (the same
+        parameters, joined dense for prefill): the weight pricing counts them once, as decode
+        reads them."""
+        return (self.kv_b_proj,) if self.k_b_proj is not None else ()
+
     def absorb(self, ops) -> None:
         """The absorbed decode's per-head matrices, W_uk^T (r x nope a head: q_nope into the
         latent space) and W_uv (v x r: the attended latent out to the head's values), each as

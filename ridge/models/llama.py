@@ -334,12 +334,20 @@ class LlamaForCausalLM(nn.Module):
     def linear_layers(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
 
+    def decode_read_layers(self) -> list[Linear]:
+        """The linear layers a decode step reads: all of them, less those a module names as
+        prefill's only (``prefill_only()``: a deepseek2 file's kv_b_proj, whose rows the
+        file's per-head copies hold for decode). Each parameter is then counted once."""
+        skip = {id(m) for module in self.modules() if hasattr(module, "prefill_only") for m in module.prefill_only()}
+        return [m for m in self.linear_layers() if id(m) not in skip]
+
     def linear_weight_bytes(self) -> int:
-        """Bytes the linear layers' weights occupy as held now (one read per step)."""
-        return sum(m.weight_nbytes() for m in self.modules() if isinstance(m, Linear))
+        """Bytes of the linear layers' weights, as held now, that a decode step reads once."""
+        return sum(m.weight_nbytes() for m in self.decode_read_layers())
 
     def linear_weight_params(self) -> int:
-        return sum(m.in_features * m.out_features for m in self.modules() if isinstance(m, Linear))
+        """The parameters behind ``linear_weight_bytes``."""
+        return sum(m.in_features * m.out_features for m in self.decode_read_layers())
 
     def set_kernels(self, kernels) -> None:
         """Run on ``kernels`` (``layers/kernels.py``): its matmul for every linear layer, its ops

@@ -136,6 +136,15 @@ def test_a_quantized_deepseek2_file_keeps_its_blocks(tmp_path):
             stack.method.blocks_of(stack), file.tensors[f"model.layers.1.self_attn.{name}.weight"].blocks()
         )
     assert attention.kv_b_proj.method.format is None  # joined from k_b / v_b: dense
+    # the weight pricing counts kv_b_proj's parameters once, as decode reads them (the file's
+    # Q8_0 copies), not also as prefill's dense join
+    model = llm.engine.executor.worker.model
+    read = model.decode_read_layers()
+    assert attention.kv_b_proj not in read and attention.k_b_proj in read and attention.v_b_proj in read
+    assert model.linear_weight_params() == sum(m.in_features * m.out_features for m in model.linear_layers()) - sum(
+        layer.self_attn.kv_b_proj.in_features * layer.self_attn.kv_b_proj.out_features for layer in model.model.layers
+    )
+    assert llm.engine.model_info.weight_bytes == model.linear_weight_bytes()
     reference = GGUFModel(dense).tensors["model.layers.1.self_attn.kv_b_proj.weight"].dense()
     got = attention.kv_b_proj.dense_weight().float()
     assert (got - reference).abs().max().item() <= reference.abs().max().item() / 127
