@@ -58,6 +58,9 @@ class BlockFormat:
     codebook: tuple[int, ...] | None = None  # IQ4_NL: each code indexes these values (not q - offset)
     block: int = BLOCK  # weights per block: 256 for a K-quant's super-block
     code_bits: int = 4  # bits of a weight's code (8: Q8_0's bytes; 2, 3, 5, 6: Q2_K's ... Q6_K's)
+    # the CPU kernel quantizes x to int8 per this many k: 32 (llama.cpp's Q8_0), or a
+    # super-block (Q8_K's 256), where the sums of a super-block's groups then add as integers
+    activation_block: int = BLOCK
 
     @property
     def arithmetic_bits(self) -> int:
@@ -119,8 +122,12 @@ IQ4_XS = BlockFormat(
 )
 Q5_K = BlockFormat("q5_k", "Q5_K", 13, 176, offset=0, has_min=True, nibbles=True, block=256, code_bits=5)
 Q6_K = BlockFormat("q6_k", "Q6_K", 14, 210, offset=32, has_min=False, nibbles=False, block=256, code_bits=6)
-Q3_K = BlockFormat("q3_k", "Q3_K", 11, 110, offset=4, has_min=False, nibbles=False, block=256, code_bits=3)
-Q2_K = BlockFormat("q2_k", "Q2_K", 10, 84, offset=0, has_min=True, nibbles=False, block=256, code_bits=2)
+Q3_K = BlockFormat(
+    "q3_k", "Q3_K", 11, 110, offset=4, has_min=False, nibbles=False, block=256, code_bits=3, activation_block=256
+)
+Q2_K = BlockFormat(
+    "q2_k", "Q2_K", 10, 84, offset=0, has_min=True, nibbles=False, block=256, code_bits=2, activation_block=256
+)
 FORMATS: dict[str, BlockFormat] = {f.name: f for f in (Q8_0, Q4_0, Q4_1, IQ4_NL, Q4_K, Q5_K, IQ4_XS, Q6_K, Q3_K, Q2_K)}
 FORMATS_BY_GGML_TYPE: dict[int, BlockFormat] = {f.ggml_type: f for f in FORMATS.values()}
 # --quantization accepts ridge's names and llama.cpp's

@@ -1,6 +1,7 @@
 """ridge's quantized linear kernel (integer dot products on AVX-512 VNNI) against a float32
-matmul of the dequantized weights. x is quantized to int8 per block of 32 inside the
-kernel (as llama.cpp does), so the tolerance is that of an 8-bit activation, not bf16's."""
+matmul of the dequantized weights. x is quantized to int8 per block of 32 (Q2_K, Q3_K: per
+super-block of 256) inside the kernel (as llama.cpp does), so the tolerance is that of an
+8-bit activation, not bf16's."""
 
 from __future__ import annotations
 
@@ -48,9 +49,10 @@ def test_matches_dequantized_fp32_reference(ext, name, m, n, k):
             got = ext.linear_quant(x, packed, QUANT_KERNEL_CODES[name], n, b)
             want = x.float() @ w.T + (b if b is not None else 0)
             assert got.dtype == dtype and got.shape == (m, n)
-            # per element: int8 activations (|error| <= scale / 2 per x) summed over k, plus
-            # the output's rounding to bf16
-            x_err = (x.float().reshape(m, -1, 32).abs().amax(-1) / 127 / 2).repeat_interleave(32, -1)
+            # per element: int8 activations (|error| <= scale / 2 per x, a scale per
+            # activation block) summed over k, plus the output's rounding to bf16
+            span = FORMATS[name].activation_block
+            x_err = (x.float().reshape(m, -1, span).abs().amax(-1) / 127 / 2).repeat_interleave(span, -1)
             bound = x_err @ w.abs().T * 1.01 + want.abs() * (2**-8 if dtype is torch.bfloat16 else 1e-6) + 1e-5
             assert ((got.float() - want).abs() <= bound).all()
 
@@ -75,6 +77,33 @@ def test_exact_on_exactly_representable_inputs(ext):
     x[:, ::32] = 127  # each block's scale is exactly 1
     want = x @ FORMATS["int8"].dequantize(blocks, k).T
     assert torch.allclose(ext.linear_quant(x, packed, QUANT_KERNEL_CODES["int8"], n, None), want, rtol=1e-5)
+
+
+def _quantized_x(x: torch.Tensor, span: int) -> torch.Tensor:
+    """x as the kernel rounds it: int8 codes per ``span`` k, scale amax / 127 (float32 ops)."""
+    blocks = x.reshape(x.shape[0], -1, span)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inverse) * (amax / 127)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_exactly_the_dequantized_product_of_x_as_the_format_rounds_it(ext, name, m):
+    """x rounded to int8 per the format's activation block (per 32, or per super-block for
+    Q2_K and Q3_K), times the dequantized weights: what is left is the float rounding of the
+    scales and sums, far below one code's step (a wrong scale, minimum, offset, or x's block
+    is not). Rows scaled apart so that a block of 32 and a super-block round differently."""
+    n, k = 37, 512
+    blocks, packed = _packed(ext, name, n, k, seed=m)
+    w = FORMATS[name].dequantize(blocks, k).double()
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen) * torch.logspace(-2, 0, k // 32).repeat_interleave(32)
+    got = ext.linear_quant(x, packed, QUANT_KERNEL_CODES[name], n, None).double()
+    xq = _quantized_x(x, FORMATS[name].activation_block).double()
+    assert ((got - xq @ w.T).abs() <= (xq.abs() @ w.abs().T) * 1e-5 + 1e-30).all()
+    other = _quantized_x(x, 256 if FORMATS[name].activation_block == 32 else 32).double()
+    assert not ((got - other @ w.T).abs() <= (other.abs() @ w.abs().T) * 1e-5).all()
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))

@@ -1,8 +1,9 @@
 // y = x @ w^T (+ bias) for weights in llama.cpp's block formats (Q8_0, Q4_0, Q4_1, IQ4_NL, IQ4_XS, Q4_K,
 // Q5_K, Q6_K, Q3_K, Q2_K), with
 // integer dot products (AVX-512 VNNI, vpdpbusd): x is quantized per row to int8 in blocks
-// of 32 (as llama.cpp quantizes activations to Q8_0), so one instruction does 64
-// multiply-adds (twice vdpbf16ps) and W is read in its own 4.5-8.5 bits per weight.
+// of 32 (as llama.cpp quantizes activations to Q8_0; for Q3_K and Q2_K per super-block of
+// 256, as its Q8_K), so one instruction does 64 multiply-adds (twice vdpbf16ps) and W is read
+// in its own 2.6-8.5 bits per weight.
 //
 // Packing (once, at load) regroups a GGUF tensor's blocks into blocks of 16 output rows so
 // that one 64-byte load holds 4 consecutive k of 16 rows, what vpdpbusd takes:
@@ -30,7 +31,9 @@
 //   Q3_K: 3-bit codes (off = 4), each half group scaled by d times a 6-bit code - 32
 //   Q2_K: 2-bit codes, each half group's d sc q - dmin m with 4-bit sc and m: the minimum
 //   multiplies the half's sum of x
-//   (with x = dx * xq per block of 32: every sum above is an integer times dx)
+//   (with x = dx * xq per block of x: every sum above is an integer times dx; where x's
+//   block is a super-block, Q3_K's and Q2_K's half sums times their integer scales add up as
+//   integers over it)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -49,6 +52,12 @@ enum Format : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, IQ4_NL = 3, Q4_K = 4, IQ4_
 
 constexpr bool is_super_block(int64_t fmt) { return fmt >= Q4_K; }  // K-quants and IQ4_XS: super-blocks of 256
 constexpr bool scale_per_16(int64_t fmt) { return fmt == Q6_K || fmt == Q3_K || fmt == Q2_K; }  // not per 32
+// x quantized per super-block of 256 (one scale a row and super-block, as llama.cpp's Q8_K
+// for the K-quants), not per 32: a super-block's integer sums then add up, each half group's
+// scaled by its integer scale with one vpdpwssd (its sum of 16 products fits int16 at 2-3
+// bits a code), and leave the integers once per super-block instead of a float op chain per
+// half group. Q6_K's half sums reach 16 x 63 x 127, past int16: it keeps x per 32.
+constexpr bool x_per_superblock(int64_t fmt) { return fmt == Q3_K || fmt == Q2_K; }
 
 // IQ4_NL's table (llama.cpp's kvalues_iq4nl) plus 128: the unsigned bytes vpdpbusd multiplies
 alignas(16) constexpr uint8_t IQ4_NL_TABLE[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
@@ -101,7 +110,7 @@ struct XTile {
   float* s;
   int32_t* qs;  // -off * sum of codes (symmetric formats)
   int32_t* qsa;  // -off * sum of the first 16 codes (Q6_K, Q3_K: a scale per 16 k)
-  float* sa;  // d * sum of the first 16 codes (Q2_K: a minimum per 16 k)
+  int32_t* hs;  // the sums of the first and last 16 codes as int16 (low, high) (Q2_K: a minimum per 16 k)
   int8_t* xa;  // AMX only: the codes row-major, xa[(g * mr + i) * 32 + k] (an A tile per group)
 };
 
@@ -117,13 +126,20 @@ inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// One row of x -> int8 codes per group of 32 (scale amax / 127, round to nearest).
+// One row of x -> int8 codes per block of ``span`` groups of 32 (1, or 8: a super-block), scale
+// amax / 127, round to nearest. Each group's entries hold its block's scale.
 template <typename T>
-void quantize_row(const T* x, int64_t G, int64_t off, const XTile& t, int64_t i) {
+void quantize_row(const T* x, int64_t G, int64_t span, int64_t off, const XTile& t, int64_t i) {
+  float d = 0.f, id = 0.f;
   for (int64_t g = 0; g < G; ++g) {
     const __m512 a = load16(x + g * QK), b = load16(x + g * QK + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const float d = amax / 127.f, id = amax > 0 ? 127.f / amax : 0.f;
+    if (g % span == 0) {
+      __m512 m = _mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b));
+      for (int64_t j = 1; j < span; ++j)
+        m = _mm512_max_ps(m, _mm512_max_ps(_mm512_abs_ps(load16(x + (g + j) * QK)), _mm512_abs_ps(load16(x + (g + j) * QK + 16))));
+      const float amax = _mm512_reduce_max_ps(m);
+      d = amax / 127.f, id = amax > 0 ? 127.f / amax : 0.f;
+    }
     const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
     const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
     alignas(32) int8_t codes[32];
@@ -136,7 +152,8 @@ void quantize_row(const T* x, int64_t G, int64_t off, const XTile& t, int64_t i)
     t.qs[g * t.mr + i] = static_cast<int32_t>(-off * code_sum);
     const int32_t first_sum = _mm512_reduce_add_epi32(qa);
     t.qsa[g * t.mr + i] = static_cast<int32_t>(-off * first_sum);
-    t.sa[g * t.mr + i] = d * static_cast<float>(first_sum);
+    t.hs[g * t.mr + i] = static_cast<int32_t>(static_cast<uint16_t>(first_sum) |
+                                              (static_cast<uint32_t>(static_cast<uint16_t>(code_sum - first_sum)) << 16));
     // Q4_1's minimum multiplies the sum of the *quantized* x (as llama.cpp's Q8_1 does): the
     // error is then sum_k w_k e_k, not sum_k q_k d e_k, whose terms all share one sign
     t.s[g * t.mr + i] = d * static_cast<float>(code_sum);
@@ -360,7 +377,8 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
   constexpr int64_t WB = FMT == Q8_0 ? 512 : FMT == Q6_K ? 384 : FMT == Q5_K ? 320 : FMT == Q3_K ? 192 : FMT == Q2_K ? 128 : 256;
   constexpr bool KQ = FMT == Q4_K || FMT == Q5_K;  // Q4_K's super-block scales and minimums
   constexpr bool MIN = FMT == Q4_1 || KQ;
-  constexpr bool HALVES = scale_per_16(FMT);
+  constexpr bool X256 = x_per_superblock(FMT);
+  constexpr bool HALVES = scale_per_16(FMT) && !X256;  // Q6_K: a float scale per half group
   constexpr int64_t CHUNK = FMT == Q8_0     ? 512 + 32
                             : FMT == Q4_1   ? 256 + 64
                             : FMT == IQ4_XS ? 256 + 16
@@ -373,6 +391,10 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
   [[maybe_unused]] __m512 dk, dmink;  // Q6_K's d, Q2_K's d and dmin for the 16 rows
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  [[maybe_unused]] __m512i isum[X256 ? MR : 1];  // X256: the super-block's integer sums
+  [[maybe_unused]] alignas(64) int32_t mins[X256 ? 8 * 16 : 1];  // Q2_K: its groups' minimums, int16 pairs
+  if constexpr (X256)
+    for (int i = 0; i < MR; ++i) isum[i] = _mm512_setzero_si512();
   const uint8_t* scales = block + G * WB;
   [[maybe_unused]] Q4KScales sb;
   static_assert(!AMX || amx_format(FMT));
@@ -436,9 +458,59 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
     } else {
       load_weights<FMT>(chunk, w);
     }
+    if constexpr (X256) {  // Q3_K, Q2_K: integer sums over the super-block (see x_per_superblock)
+      // sc01: the 16 rows' scales of k 0-15 (low int16) and 16-31 (high)
+      __m512i sc01;
+      if constexpr (FMT == Q2_K) {  // a byte per row and half: 4-bit scale | 4-bit minimum << 4
+        const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + S * 64 + g * 32)));
+        sc01 = _mm512_and_si512(b, _mm512_set1_epi16(15));
+        _mm512_store_si512(mins + 16 * (g & 7), _mm512_srli_epi16(b, 4));
+      } else {  // Q3_K: 6-bit codes - 32 (sb.sc: k 0-15's, sb.m: k 16-31's)
+        const int64_t j = (g & 7) * 16;
+        const __m128i lo = _mm_load_si128(reinterpret_cast<const __m128i*>(sb.sc + j));
+        const __m128i hi = _mm_load_si128(reinterpret_cast<const __m128i*>(sb.m + j));
+        const __m256i both = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+        sc01 = _mm512_sub_epi16(_mm512_cvtepu8_epi16(both), _mm512_set1_epi16(32));
+      }
+      const int32_t* xq = t.q + g * 8 * MR;
+      constexpr int RB = MR >= 4 ? 4 : MR;  // 2 chains a row (the halves), RB rows interleaved
+      for (int i0 = 0; i0 < MR; i0 += RB) {
+        __m512i s0[RB], s1[RB];
+        for (int i = 0; i < RB; ++i) {
+          if constexpr (FMT == Q3_K) {  // the offset (-4 times the half's sum of x) starts each half's sum
+            const int32_t qsa = t.qsa[g * MR + i0 + i];
+            s0[i] = _mm512_set1_epi32(qsa), s1[i] = _mm512_set1_epi32(t.qs[g * MR + i0 + i] - qsa);
+          } else {
+            s0[i] = s1[i] = _mm512_setzero_si512();
+          }
+        }
+        for (int j = 0; j < 4; ++j)
+          for (int i = 0; i < RB; ++i) {
+            s0[i] = _mm512_dpbusd_epi32(s0[i], w[j], _mm512_set1_epi32(xq[j * MR + i0 + i]));
+            s1[i] = _mm512_dpbusd_epi32(s1[i], w[j + 4], _mm512_set1_epi32(xq[(j + 4) * MR + i0 + i]));
+          }
+        for (int i = 0; i < RB; ++i)  // each half's sum fits int16: pair them, times their scales
+          isum[i0 + i] = _mm512_dpwssd_epi32(
+              isum[i0 + i], _mm512_mask_blend_epi16(0xAAAAAAAA, s0[i], _mm512_slli_epi32(s1[i], 16)), sc01);
+      }
+      if ((g & 7) == 7) {  // the super-block's end: its sums leave the integers, once
+        const __m512 d = FMT == Q2_K ? dk : sb.d;
+        for (int i = 0; i < MR; ++i) {
+          __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(isum[i]), d);
+          if constexpr (FMT == Q2_K) {  // - dmin times each half's minimum times its sum of x
+            __m512i imin = _mm512_setzero_si512();
+            for (int j = 0; j < 8; ++j)
+              imin = _mm512_dpwssd_epi32(imin, _mm512_set1_epi32(t.hs[(g - 7 + j) * MR + i]), _mm512_load_si512(mins + 16 * j));
+            v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin), dmink, v);
+          }
+          acc[i] = _mm512_fmadd_ps(v, _mm512_set1_ps(t.d[g * MR + i]), acc[i]);
+          isum[i] = _mm512_setzero_si512();
+        }
+      }
+      continue;
+    }
     // dw: the 16 rows' weight scale (HALVES: of k 0-15, and mw of k 16-31); mw: minimum
     __m512 dw, mw;
-    [[maybe_unused]] __m512 dmw, dmw1;  // Q2_K: the halves' minimums
     if constexpr (KQ) {
       const int64_t j = (g & 7) * 16;
       dw = _mm512_mul_ps(sb.d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.sc + j)))));
@@ -447,22 +519,6 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
       const uint8_t* sc = scales + S * 32 + g * 32;
       dw = _mm512_mul_ps(dk, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)))));
       mw = _mm512_mul_ps(dk, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)))));
-    } else if constexpr (FMT == Q3_K) {  // the two halves' 6-bit codes - 32, times d
-      const int64_t j = (g & 7) * 16;
-      const __m512i off = _mm512_set1_epi32(32);
-      dw = _mm512_mul_ps(sb.d, _mm512_cvtepi32_ps(_mm512_sub_epi32(
-                                   _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.sc + j))), off)));
-      mw = _mm512_mul_ps(sb.d, _mm512_cvtepi32_ps(_mm512_sub_epi32(
-                                   _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.m + j))), off)));
-    } else if constexpr (FMT == Q2_K) {  // a byte per row and half: 4-bit scale | 4-bit minimum << 4
-      const uint8_t* sc = scales + S * 64 + g * 32;
-      const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-      const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)));
-      const __m512i nib = _mm512_set1_epi32(15);
-      dw = _mm512_mul_ps(dk, _mm512_cvtepi32_ps(_mm512_and_si512(b0, nib)));
-      mw = _mm512_mul_ps(dk, _mm512_cvtepi32_ps(_mm512_and_si512(b1, nib)));
-      dmw = _mm512_mul_ps(dmink, _mm512_cvtepi32_ps(_mm512_srli_epi32(b0, 4)));
-      dmw1 = _mm512_mul_ps(dmink, _mm512_cvtepi32_ps(_mm512_srli_epi32(b1, 4)));
     } else if constexpr (FMT == IQ4_XS) {
       const int64_t j = (g & 7) * 16;
       dw = _mm512_mul_ps(sb.d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.sc + j)))));
@@ -497,10 +553,6 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
           const int64_t r = g * MR + i0 + i;
           const __m512 both = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[i]), dw, _mm512_mul_ps(_mm512_cvtepi32_ps(s1[i]), mw));
           acc[i0 + i] = _mm512_fmadd_ps(both, _mm512_set1_ps(t.d[r]), acc[i0 + i]);
-          if constexpr (FMT == Q2_K) {  // - dmin m times each half's sum of x
-            acc[i0 + i] = _mm512_fnmadd_ps(dmw, _mm512_set1_ps(t.sa[r]), acc[i0 + i]);
-            acc[i0 + i] = _mm512_fnmadd_ps(dmw1, _mm512_set1_ps(t.s[r] - t.sa[r]), acc[i0 + i]);
-          }
         }
       }
       continue;
@@ -594,8 +646,8 @@ void heads_slab(const T* x, int64_t sxr, int64_t sxh, int64_t M, int64_t H, int6
     cells += mr;
   }
   const int64_t all = cells * H;
-  std::vector<int32_t> qbuf(all * G * 8, 0), qsbuf(all * G, 0), qsabuf(all * G, 0);
-  std::vector<float> dbuf(all * G, 0.f), sbuf(all * G, 0.f), sabuf(all * G, 0.f);
+  std::vector<int32_t> qbuf(all * G * 8, 0), qsbuf(all * G, 0), qsabuf(all * G, 0), hsbuf(all * G, 0);
+  std::vector<float> dbuf(all * G, 0.f), sbuf(all * G, 0.f);
   // AMX: tiles of AMX_INT8_MIN_MR+ rows get their codes row-major too (XTile::xa)
   const bool amx = amx_format(FMT) && M >= AMX_INT8_MIN_MR && amx_int8_ready();
   std::vector<int8_t> xabuf(amx ? all * G * QK : 0, 0);
@@ -609,7 +661,7 @@ void heads_slab(const T* x, int64_t sxr, int64_t sxh, int64_t M, int64_t H, int6
       t.s = sbuf.data() + at * G;
       t.qs = qsbuf.data() + at * G;
       t.qsa = qsabuf.data() + at * G;
-      t.sa = sabuf.data() + at * G;
+      t.hs = hsbuf.data() + at * G;
       t.xa = amx && t.mr >= AMX_INT8_MIN_MR ? xabuf.data() + at * G * QK : nullptr;
       at += t.mr;
       head_tiles.push_back(t);
@@ -619,7 +671,7 @@ void heads_slab(const T* x, int64_t sxr, int64_t sxh, int64_t M, int64_t H, int6
     for (int64_t j = begin; j < end; ++j) {
       const int64_t h = j / M, r = j % M;
       const XTile& t = head_tiles[h * per_head + r / 16];
-      quantize_row<T>(x + r * sxr + h * sxh, G, L.off, t, r - t.row0);
+      quantize_row<T>(x + r * sxr + h * sxh, G, x_per_superblock(FMT) ? 8 : 1, L.off, t, r - t.row0);
     }
   });
   at::parallel_for(0, H * NB, 1, [&](int64_t b_begin, int64_t b_end) {
@@ -999,7 +1051,7 @@ torch::Tensor unpack_q3_k(torch::Tensor packed, int64_t N, int64_t K) {
 // 2-bit codes, fp16 d, fp16 dmin) -> blocks of 16 rows, the same bytes regrouped:
 //
 //   [ G x 128 bytes: two planes of 64 ][ K/256 x (16 fp16 d, 16 fp16 dmin) ]
-//   [ G x 32 bytes: the 16 rows' scale byte of k 0-15, then of k 16-31 ]
+//   [ G x 32 bytes: per row, its scale byte of k 0-15 and of k 16-31 (one int16 each, unpacked) ]
 //
 // Byte p of plane P holds quad 4 P + i's code in bits 2 i .. 2 i + 1 at position p (row p / 4,
 // k 4 quad + p % 4). A file's element e (sub-block j = e / 32, l = e % 32) is bits 2 (j % 4) of
@@ -1012,8 +1064,8 @@ torch::Tensor pack_q2_k(torch::Tensor blocks, int64_t N, int64_t K) {
     std::memcpy(dd + s * 64 + 32 + 2 * r, sb + 82, 2);
     for (int j = 0; j < 8; ++j) {
       const int64_t g = s * 8 + j;
-      dd[S * 64 + g * 32 + r] = sb[2 * j];
-      dd[S * 64 + g * 32 + 16 + r] = sb[2 * j + 1];
+      dd[S * 64 + g * 32 + 2 * r] = sb[2 * j];
+      dd[S * 64 + g * 32 + 2 * r + 1] = sb[2 * j + 1];
       uint8_t* chunk = block + g * 128;
       for (int64_t l = 0; l < 32; ++l) {
         const uint8_t code = (sb[16 + 32 * (j / 4) + l] >> (2 * (j % 4))) & 3;
@@ -1032,8 +1084,8 @@ torch::Tensor unpack_q2_k(torch::Tensor packed, int64_t N, int64_t K) {
     std::memcpy(sb + 82, dd + s * 64 + 32 + 2 * r, 2);
     for (int j = 0; j < 8; ++j) {
       const int64_t g = s * 8 + j;
-      sb[2 * j] = dd[S * 64 + g * 32 + r];
-      sb[2 * j + 1] = dd[S * 64 + g * 32 + 16 + r];
+      sb[2 * j] = dd[S * 64 + g * 32 + 2 * r];
+      sb[2 * j + 1] = dd[S * 64 + g * 32 + 2 * r + 1];
       const uint8_t* chunk = block + g * 128;
       for (int64_t l = 0; l < 32; ++l) {
         const int64_t quad = l / 4;
