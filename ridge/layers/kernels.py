@@ -45,7 +45,7 @@ QUANT_KERNEL_CODES = {
 
 def _takes(x: torch.Tensor, fmt: BlockFormat | None) -> bool:
     """Whether ridge's GEMMs take these activations: bf16 for bf16 weights; bf16 or float32
-    for the block formats (x is quantized per 32 anyway)."""
+    for the block formats (x is quantized to int8 anyway, per its activation block)."""
     return x.dtype is torch.bfloat16 if fmt is None else x.dtype in (torch.bfloat16, torch.float32)
 
 
