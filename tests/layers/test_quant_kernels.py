@@ -93,7 +93,8 @@ def test_exactly_the_dequantized_product_of_x_as_the_format_rounds_it(ext, name,
     """x rounded to int8 per the format's activation block (per 32, or per super-block for
     Q2_K and Q3_K), times the dequantized weights: what is left is the float rounding of the
     scales and sums, far below one code's step (a wrong scale, minimum, offset, or x's block
-    is not). Rows scaled apart so that a block of 32 and a super-block round differently."""
+    is not). x's blocks of 32 are scaled apart (1/100 to 1) so that rounding per 32 and per
+    super-block give different answers."""
     n, k = 37, 512
     blocks, packed = _packed(ext, name, n, k, seed=m)
     w = FORMATS[name].dequantize(blocks, k).double()
