@@ -120,14 +120,15 @@ def test_rms_norm_and_fused_add(pair):
     assert _ulps(y_fast, y_ref) <= 2
 
 
-def test_rope_in_place_equals_torch(pair):
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 24])  # 80 and 24: a half that 16 lanes do not divide
+def test_rope_in_place_equals_torch(pair, head_dim):
     from ridge.layers.rotary import RotaryEmbedding
 
     ref, fast = pair
-    rotary = RotaryEmbedding(64, 512, 10000.0, None)
+    rotary = RotaryEmbedding(head_dim, 512, 10000.0, None)
     positions = torch.tensor([0, 7, 300, 511])
-    qkv = _bf16(4, 6 * 64 + 64, seed=4)
-    view = qkv[:, : 6 * 64].view(4, 6, 64)  # strided rows, like q|k inside the packed qkv
+    qkv = _bf16(4, 6 * head_dim + 64, seed=4) * 8
+    view = qkv[:, : 6 * head_dim].view(4, 6, head_dim)  # strided rows, like q|k inside the packed qkv
     want = ref.rope(view, ref.rope_state(rotary, positions, torch.bfloat16))
     got = fast.rope(view, fast.rope_state(rotary, positions, torch.bfloat16))
     assert got.data_ptr() == view.data_ptr()  # in place

@@ -200,19 +200,34 @@ void rope_bf16_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, tor
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   bf16* xp = x.data_ptr<bf16>();
+  // 16 lanes at a time (a mask for the last of a half that is not a multiple of 16): the same
+  // roundings as torch's bf16 ops, one pair of lanes each, so the results are the scalar loop's
+  auto lanes = [](int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1); };
+  auto load = [](const bf16* p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+  };
   at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> cr(D), sr(D);  // this position's cos and sin, rounded to bf16 (as torch's bf16 tables)
     for (int64_t t = b; t < e; ++t) {
       const float* c = cp + pp[t] * D;
       const float* s = sp + pp[t] * D;
+      for (int64_t i = 0; i < D; i += 16) {
+        const __mmask16 m = lanes(D - i);
+        _mm512_mask_storeu_ps(cr.data() + i, m, round16(_mm512_maskz_loadu_ps(m, c + i)));
+        _mm512_mask_storeu_ps(sr.data() + i, m, round16(_mm512_maskz_loadu_ps(m, s + i)));
+      }
       for (int64_t h = 0; h < H; ++h) {
         bf16* v = xp + t * row_stride + h * D;
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = v[i], x2 = v[i + half];
-          const float c1 = round_bf16(c[i]), s1 = round_bf16(s[i]);
-          const float c2 = round_bf16(c[i + half]), s2 = round_bf16(s[i + half]);
+        for (int64_t i = 0; i < half; i += 16) {
+          const __mmask16 m = lanes(half - i);
+          const __m512 x1 = load(v + i, m), x2 = load(v + half + i, m);
+          const __m512 c1 = _mm512_maskz_loadu_ps(m, cr.data() + i), s1 = _mm512_maskz_loadu_ps(m, sr.data() + i);
+          const __m512 c2 = _mm512_maskz_loadu_ps(m, cr.data() + half + i), s2 = _mm512_maskz_loadu_ps(m, sr.data() + half + i);
           // torch: x * cos + cat(-x2, x1) * sin, each product and the sum rounded to bf16
-          v[i] = bf16(round_bf16(x1 * c1) + round_bf16(-x2 * s1));
-          v[i + half] = bf16(round_bf16(x2 * c2) + round_bf16(x1 * s2));
+          const __m512 y1 = _mm512_add_ps(round16(_mm512_mul_ps(x1, c1)), round16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), s1)));
+          const __m512 y2 = _mm512_add_ps(round16(_mm512_mul_ps(x2, c2)), round16(_mm512_mul_ps(x1, s2)));
+          _mm256_mask_storeu_epi16(v + i, m, to_bf16(y1));
+          _mm256_mask_storeu_epi16(v + half + i, m, to_bf16(y2));
         }
       }
     }

@@ -219,12 +219,13 @@ inline void load_weights(const uint8_t* chunk, __m512i w[8]) {
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j)
       w[j] = _mm512_gf2p8affine_epi64_epi8(planes[j >> 2], _mm512_set1_epi64(static_cast<long long>(bit_move(2 * (j & 3), 0, 2))), 0);
-  } else {
+  } else {  // nibbles: the low ones masked, the high ones moved down by one GFNI op (not shift + mask)
     const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i high_nibble = _mm512_set1_epi64(static_cast<long long>(bit_move(4, 0, 4)));
     for (int j = 0; j < 4; ++j) {
       const __m512i v = _mm512_loadu_si512(chunk + 64 * j);
       w[j] = _mm512_and_si512(v, low);
-      w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      w[j + 4] = _mm512_gf2p8affine_epi64_epi8(v, high_nibble, 0);
     }
     if constexpr (FMT == IQ4_NL || FMT == IQ4_XS) {  // codes -> table values (+ 128), 16 bytes per 128-bit lane
       const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_TABLE)));
