@@ -40,6 +40,8 @@ def test_the_plan_computes_what_the_op_by_op_forward_computes(tmp_path, variant,
     build(variant, tmp_path)
     planned, model = _generate(tmp_path, quantization=quantization)
     assert model._plan is not None and model._plan.plan.num_layers() == len(model.model.layers)
+    # plain Llama layers run on raw rows (run_rows: no allocation or dispatcher between matmuls)
+    assert model._plan.plan.runs_on_rows() == (variant == "llama-gqa")
     eager, eager_model = _generate(tmp_path, quantization=quantization, enforce_eager=True)
     assert eager_model._plan is None  # --enforce-eager: never a plan
     assert planned == eager
@@ -47,7 +49,7 @@ def test_the_plan_computes_what_the_op_by_op_forward_computes(tmp_path, variant,
 
 def test_a_file_whose_qkv_keeps_two_formats_plans_each_part(tmp_path):
     """A Q4_K_M-style layer: q/k in Q4_K and v in Q6_K, one packed part each, joined as the
-    Python forward joins them."""
+    Python forward joins them (batches of 3 rows and 1: each part's columns of a wider output)."""
     from gguf import GGMLQuantizationType as T
 
     from ridge.models.export import write_gguf
@@ -75,6 +77,7 @@ def test_a_file_whose_qkv_keeps_two_formats_plans_each_part(tmp_path):
     planned, model = _generate(path)
     assert len(model.model.layers[0].self_attn.qkv_proj.parts) == 2
     assert model._plan is not None
+    assert model._plan.plan.runs_on_rows()  # each part writes its columns of the step's qkv rows
     eager, _ = _generate(path, enforce_eager=True)
     assert planned == eager
 

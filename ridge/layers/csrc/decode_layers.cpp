@@ -45,6 +45,34 @@ struct Lin {
     return p.fmt < 0 ? linear_bf16(x, p.weight, p.n, bias) : linear_quant(x, p.weight, p.fmt, p.n, bias);
   }
 
+  // no bias, and one packed part or block-format parts (each writes its columns of y): what
+  // run_rows calls on raw rows
+  bool plain() const {
+    if (bias.has_value()) return false;
+    if (parts.size() == 1) return true;
+    for (const auto& p : parts)
+      if (p.fmt < 0) return false;
+    return true;
+  }
+
+  int64_t width() const {
+    int64_t n = 0;
+    for (const auto& p : parts) n += p.n;
+    return n;
+  }
+
+  // y (M, width()) = x (M, K) through the parts side by side (as run's cat)
+  void into(const at::BFloat16* x, int64_t M, int64_t K, at::BFloat16* y) const {
+    if (parts.size() == 1 && parts[0].fmt < 0)
+      return linear_bf16_into(x, M, K, parts[0].weight.data_ptr<at::BFloat16>(), parts[0].n, y);
+    const int64_t ldy = width();
+    int64_t col = 0;
+    for (const auto& p : parts) {
+      linear_quant_into(x, M, K, p.weight.data_ptr<uint8_t>(), p.fmt, p.n, y + col, ldy);
+      col += p.n;
+    }
+  }
+
   torch::Tensor run(const torch::Tensor& x) const {
     if (parts.size() == 1) return call(parts[0], x, bias);
     std::vector<torch::Tensor> ys;
@@ -217,6 +245,7 @@ class DecodePlan {
     l.k_norm = k_norm;
     l.qk_eps = qk_eps;
     layers_.push_back(std::move(l));
+    rows_state_ = -1;
   }
 
   // A DeepSeek layer's latent attention (the norms and the feed-forward as add_layer's).
@@ -247,6 +276,7 @@ class DecodePlan {
     l.w_uk = make_packed(w_uk);
     l.w_uv_t = make_packed(w_uv_t);
     layers_.push_back(std::move(l));
+    rows_state_ = -1;
   }
 
   void set_mlp(std::vector<std::tuple<torch::Tensor, int64_t, int64_t>> gate_up, c10::optional<torch::Tensor> gate_up_bias,
@@ -254,6 +284,7 @@ class DecodePlan {
     TORCH_CHECK(!layers_.empty(), "decode plan: set_mlp before add_layer");
     layers_.back().gate_up = make_lin(gate_up, gate_up_bias);
     layers_.back().down = make_lin(down, down_bias);
+    rows_state_ = -1;
   }
 
   void set_moe(torch::Tensor router, int64_t top_k, bool softmax, bool norm_topk, double norm_eps, double scaling,
@@ -277,6 +308,7 @@ class DecodePlan {
     m.gate_up = make_packed(gate_up);
     m.down = make_packed(down);
     layers_.back().moe = std::move(m);
+    rows_state_ = -1;
   }
 
   void set_shared_expert(std::vector<std::tuple<torch::Tensor, int64_t, int64_t>> gate_up,
@@ -291,6 +323,7 @@ class DecodePlan {
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  bool runs_on_rows() { return rows_path(); }
 
   // h: (T, hidden) bf16, the residual stream, updated in place. Returns the seconds spent in
   // the linear kernels and, per layer, the distinct experts its MoE ran (-1: a dense layer).
@@ -298,6 +331,7 @@ class DecodePlan {
                                                 torch::Tensor context_lens, torch::Tensor positions, torch::Tensor cos,
                                                 torch::Tensor sin) {
     TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.is_contiguous() && h.dim() == 2, "decode plan: (T, hidden) bf16 h");
+    if (rows_path()) return run_rows(h, slots, block_tables, context_lens, positions, cos, sin);
     double matmul_s = 0.0;
     std::vector<int64_t> touched;
     touched.reserve(layers_.size());
@@ -361,7 +395,123 @@ class DecodePlan {
     return {matmul_s, touched};
   }
 
+  // The step above on raw rows where every layer allows it (rows_path): the same kernels in
+  // the same order through their *_into entry points, into buffers the plan keeps, so nothing
+  // between two matmuls allocates or goes through ATen's dispatcher. A matmul streams megabytes
+  // of weights, which pushes that code out of the caches: on the 2-core Xeon the first tensor
+  // op after a (2048 x 5632) Q4_K matmul took 13-28 us instead of 2-3, four times a layer.
+  std::tuple<double, std::vector<int64_t>> run_rows(const torch::Tensor& h, const torch::Tensor& slots,
+                                                     const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                                                     const torch::Tensor& positions, const torch::Tensor& cos,
+                                                     const torch::Tensor& sin) {
+    using bf16 = at::BFloat16;
+    const int64_t T = h.size(0), hidden = h.size(1);
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T,
+                "decode plan: one int64 slot per token");
+    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == T,
+                "decode plan: one int64 position per token");
+    TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
+                    block_tables.size(0) == T && context_lens.scalar_type() == at::kLong &&
+                    context_lens.is_contiguous() && context_lens.numel() == T,
+                "decode plan: (T, blocks) int64 block tables and T int64 context lengths");
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                    sin.is_contiguous(), "decode plan: float32 rotary tables");
+    ensure_rows(T, hidden);
+    bf16* hp = h.data_ptr<bf16>();
+    bf16 *x = ws_x_.data_ptr<bf16>(), *qkv = ws_qkv_.data_ptr<bf16>(), *attn = ws_attn_.data_ptr<bf16>();
+    bf16 *o = ws_o_.data_ptr<bf16>(), *gu = ws_gu_.data_ptr<bf16>(), *act = ws_act_.data_ptr<bf16>();
+    bf16* ffn = ws_ffn_.data_ptr<bf16>();
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* tables = block_tables.data_ptr<int64_t>();
+    const int64_t* lens = context_lens.data_ptr<int64_t>();
+    const float* cp = cos.data_ptr<float>();
+    const float* snp = sin.data_ptr<float>();
+    double matmul_s = 0.0;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& l = layers_[i];
+      const bf16* in_norm = l.in_norm.data_ptr<bf16>();
+      if (i == 0)
+        rms_norm_into(hp, in_norm, x, T, hidden, l.eps);
+      else
+        add_rms_norm_into(ffn, hp, in_norm, x, T, hidden, l.eps);
+      const int64_t D = l.head_dim, q_size = l.heads * D, kv_size = l.kv_heads * D, qkv_n = q_size + 2 * kv_size;
+      {
+        Timer t(matmul_s);
+        l.qkv.into(x, T, hidden, qkv);
+      }
+      rope_into(qkv, T, l.heads + l.kv_heads, D, qkv_n, pos, cp, snp);
+      bf16* kp = l.k_pool.data_ptr<bf16>();
+      bf16* vp = l.v_pool.data_ptr<bf16>();
+      const int64_t num_slots = l.k_pool.size(0) * l.k_pool.size(1);
+      for (int64_t t = 0; t < T; ++t) {  // write_kv (write_rows's check and copies)
+        TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "decode plan: slot ", sp[t], " out of the pool");
+        std::memcpy(kp + sp[t] * kv_size, qkv + t * qkv_n + q_size, kv_size * sizeof(bf16));
+        std::memcpy(vp + sp[t] * kv_size, qkv + t * qkv_n + q_size + kv_size, kv_size * sizeof(bf16));
+      }
+      paged_decode_attention_bf16_into(qkv, qkv_n, T, l.heads, D, kp, vp, l.k_pool.size(1), l.kv_heads, tables,
+                                       block_tables.size(1), lens, l.scale, attn);
+      {
+        Timer t(matmul_s);
+        l.o.into(attn, T, q_size, o);
+      }
+      add_rms_norm_into(o, hp, l.post_norm.data_ptr<bf16>(), x, T, hidden, l.eps);
+      const int64_t I = l.gate_up.width() / 2;
+      {
+        Timer t(matmul_s);
+        l.gate_up.into(x, T, hidden, gu);
+      }
+      silu_mul_into(gu, T, I, act);
+      {
+        Timer t(matmul_s);
+        l.down.into(act, T, I, ffn);
+      }
+    }
+    add_rows_into(hp, ffn, T * hidden);  // the last layer's feed-forward into h (h.add_'s rounding)
+    return {matmul_s, std::vector<int64_t>(layers_.size(), -1)};
+  }
+
  private:
+  // Every layer a Llama attention over bf16 pools (head_dim a multiple of 16 up to 256, no
+  // q/k norms) and a dense MLP, each linear one packed part without a bias: run_rows covers it
+  bool rows_path() {
+    if (rows_state_ < 0) {
+      rows_state_ = !layers_.empty();
+      for (const Layer& l : layers_)
+        if (l.mla || l.moe.has_value() || l.q_norm.has_value() || l.k_scale.has_value() || !l.qkv.plain() ||
+            !l.o.plain() || !l.gate_up.plain() || !l.down.plain() || l.head_dim % 16 != 0 || l.head_dim > 256 ||
+            l.qkv.width() != (l.heads + 2 * l.kv_heads) * l.head_dim || l.gate_up.width() % 2 != 0 ||
+            l.k_pool.numel() / 2 >= (int64_t{1} << 31))
+          rows_state_ = 0;
+    }
+    return rows_state_ == 1;
+  }
+
+  // run_rows's buffers: rows for at least T tokens (grown, never shrunk), widths the largest any layer needs
+  void ensure_rows(int64_t T, int64_t hidden) {
+    if (T <= ws_rows_ && hidden == ws_hidden_) return;
+    int64_t qkv_n = 0, attn_n = 0, gu_n = 0;
+    for (const Layer& l : layers_) {
+      qkv_n = std::max(qkv_n, l.qkv.width());
+      attn_n = std::max(attn_n, l.heads * l.head_dim);
+      gu_n = std::max(gu_n, l.gate_up.width());
+    }
+    const auto opts = torch::TensorOptions().dtype(at::kBFloat16);
+    ws_x_ = torch::empty({T, hidden}, opts);
+    ws_qkv_ = torch::empty({T, qkv_n}, opts);
+    ws_attn_ = torch::empty({T, attn_n}, opts);
+    ws_o_ = torch::empty({T, hidden}, opts);
+    ws_gu_ = torch::empty({T, gu_n}, opts);
+    ws_act_ = torch::empty({T, gu_n / 2}, opts);
+    ws_ffn_ = torch::empty({T, hidden}, opts);
+    ws_rows_ = T;
+    ws_hidden_ = hidden;
+  }
+
+  int rows_state_ = -1;  // rows_path(): -1 not yet asked (layers may still be added), then 0 or 1
+  int64_t ws_rows_ = 0, ws_hidden_ = 0;
+  torch::Tensor ws_x_, ws_qkv_, ws_attn_, ws_o_, ws_gu_, ws_act_, ws_ffn_;
+
   // What every layer's attention holds: its norms, projections in and out, heads and pools
   static Layer attention_layer(torch::Tensor in_norm, torch::Tensor post_norm, double eps, Lin in, Lin out,
                                int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, torch::Tensor k_pool,
@@ -569,6 +719,7 @@ void bind_decode_plan(pybind11::module& m) {
       .def("set_moe", &DecodePlan::set_moe)
       .def("set_shared_expert", &DecodePlan::set_shared_expert)
       .def("num_layers", &DecodePlan::num_layers)
+      .def("runs_on_rows", &DecodePlan::runs_on_rows, "whether run() takes run_rows (every layer plain Llama over bf16 pools)")
       .def("run", &DecodePlan::run, py::call_guard<py::gil_scoped_release>());
   m.def("write_kv_quant_", &write_kv_quant_, py::call_guard<py::gil_scoped_release>(),
         "an int8 / fp8 pool's write_kv: rows quantized per group (kv/cache.py's arithmetic) into their slots");

@@ -151,19 +151,30 @@ inline void pv_any_dn(int64_t dn, const bf16* vp, const int64_t* rows, int64_t D
 
 }  // namespace
 
+void rms_norm_into(const bf16* x, const bf16* w, bf16* y, int64_t rows, int64_t n, double eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) rms_row(x + r * n, w, y + r * n, n, (float)eps);
+  });
+}
+
+void add_rms_norm_into(const bf16* x, bf16* residual, const bf16* w, bf16* y, int64_t rows, int64_t n, double eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      add_row(residual + r * n, x + r * n, n);
+      rms_row(residual + r * n, w, y + r * n, n, (float)eps);
+    }
+  });
+}
+
+void add_rows_into(bf16* residual, const bf16* x, int64_t n) { add_row(residual, x, n); }
+
 torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor w, double eps) {
   check_bf16_cpu(x, "rms_norm");
   check_bf16_cpu(w, "rms_norm weight");
   const int64_t n = x.size(-1);
   auto xc = x.contiguous();
   auto y = torch::empty_like(xc);
-  const int64_t rows = xc.numel() / n;
-  const bf16* xp = xc.data_ptr<bf16>();
-  const bf16* wp = w.data_ptr<bf16>();
-  bf16* yp = y.data_ptr<bf16>();
-  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) rms_row(xp + r * n, wp, yp + r * n, n, (float)eps);
-  });
+  rms_norm_into(xc.data_ptr<bf16>(), w.data_ptr<bf16>(), y.data_ptr<bf16>(), xc.numel() / n, n, eps);
   return y;
 }
 
@@ -174,32 +185,16 @@ torch::Tensor add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::
   const int64_t n = x.size(-1);
   auto xc = x.contiguous();
   auto y = torch::empty_like(residual);
-  const int64_t rows = xc.numel() / n;
-  const bf16* xp = xc.data_ptr<bf16>();
-  bf16* rp = residual.data_ptr<bf16>();
-  const bf16* wp = w.data_ptr<bf16>();
-  bf16* yp = y.data_ptr<bf16>();
-  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      add_row(rp + r * n, xp + r * n, n);
-      rms_row(rp + r * n, wp, yp + r * n, n, (float)eps);
-    }
-  });
+  add_rms_norm_into(xc.data_ptr<bf16>(), residual.data_ptr<bf16>(), w.data_ptr<bf16>(), y.data_ptr<bf16>(),
+                    xc.numel() / n, n, eps);
   return y;
 }
 
 // x: (T, H, D) with unit stride in D and H (rows may be strided: a view into qkv).
 // cos/sin: fp32 tables (max_positions, D); rotate-half layout, bf16 roundings as torch's.
-void rope_bf16_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
-  check_bf16_cpu(x, "rope");
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope: (T, H, D) rows expected");
-  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
-  const int64_t row_stride = x.stride(0);
-  auto pos = positions.contiguous();
-  const int64_t* pp = pos.data_ptr<int64_t>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  bf16* xp = x.data_ptr<bf16>();
+void rope_into(bf16* xp, int64_t T, int64_t H, int64_t D, int64_t row_stride, const int64_t* pp, const float* cp,
+               const float* sp) {
+  const int64_t half = D / 2;
   // 16 lanes at a time (a mask for the last of a half that is not a multiple of 16): the same
   // roundings as torch's bf16 ops, one pair of lanes each, so the results are the scalar loop's
   auto lanes = [](int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1); };
@@ -234,16 +229,15 @@ void rope_bf16_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, tor
   });
 }
 
-torch::Tensor silu_mul_bf16(torch::Tensor gate_up) {
-  check_bf16_cpu(gate_up, "silu_mul");
-  auto g = gate_up.contiguous();
-  const int64_t I = g.size(-1) / 2;
-  const int64_t rows = g.numel() / (2 * I);
-  auto out_shape = g.sizes().vec();
-  out_shape.back() = I;
-  auto y = torch::empty(out_shape, g.options());
-  const bf16* gp = g.data_ptr<bf16>();
-  bf16* yp = y.data_ptr<bf16>();
+void rope_bf16_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
+  check_bf16_cpu(x, "rope");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope: (T, H, D) rows expected");
+  auto pos = positions.contiguous();
+  rope_into(x.data_ptr<bf16>(), x.size(0), x.size(1), x.size(2), x.stride(0), pos.data_ptr<int64_t>(),
+            cos.data_ptr<float>(), sin.data_ptr<float>());
+}
+
+void silu_mul_into(const bf16* gp, int64_t rows, int64_t I, bf16* yp) {
   // silu in fp32, rounded to bf16, times up, rounded again: torch's F.silu(gate) * up in bf16
   at::parallel_for(0, rows * I, 16384, [&](int64_t b, int64_t e) {
     for (int64_t idx = b; idx < e;) {
@@ -265,33 +259,24 @@ torch::Tensor silu_mul_bf16(torch::Tensor gate_up) {
       idx += len;
     }
   });
+}
+
+torch::Tensor silu_mul_bf16(torch::Tensor gate_up) {
+  check_bf16_cpu(gate_up, "silu_mul");
+  auto g = gate_up.contiguous();
+  const int64_t I = g.size(-1) / 2;
+  auto out_shape = g.sizes().vec();
+  out_shape.back() = I;
+  auto y = torch::empty(out_shape, g.options());
+  silu_mul_into(g.data_ptr<bf16>(), g.numel() / (2 * I), I, y.data_ptr<bf16>());
   return y;
 }
 
-torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                          torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
-  check_bf16_cpu(q, "decode_attention q");
-  check_bf16_cpu(k_cache, "decode_attention k_cache");
-  check_bf16_cpu(v_cache, "decode_attention v_cache");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: contiguous caches expected");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
-  TORCH_CHECK(D % 16 == 0 && D <= 256 && k_cache.size(3) == D, "decode_attention: head_dim must be a multiple of 16, <= 256");
+void paged_decode_attention_bf16_into(const bf16* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D,
+                                      const bf16* kp, const bf16* vp, int64_t BS, int64_t Hkv, const int64_t* tp,
+                                      int64_t max_blocks, const int64_t* lp, double scale, bf16* op) {
   const int64_t G = Hq / Hkv;
-  auto qc = q.contiguous();
-  auto tables = block_tables.contiguous();
-  auto lens = context_lens.contiguous();
-  auto out = torch::empty_like(qc);
-  const bf16* qp = qc.data_ptr<bf16>();
-  const bf16* kp = k_cache.data_ptr<bf16>();
-  const bf16* vp = v_cache.data_ptr<bf16>();
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  const int64_t max_blocks = tables.size(1);
-  bf16* op = out.data_ptr<bf16>();
   const float fscale = static_cast<float>(scale);
-  TORCH_CHECK(k_cache.numel() / 2 < (int64_t{1} << 31), "decode_attention: cache too large for 32-bit gathers");
-
   // Scores, 16 tokens at a time: lane i of a gathered vector holds token i's (k[2p], k[2p+1])
   // pair, so one vdpbf16ps with a broadcast (q[2p], q[2p+1]) adds two products to all 16
   // scores -- no horizontal sums. Products of bf16 are exact in fp32, as in torch's matmul.
@@ -308,7 +293,7 @@ torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache
       const int64_t L = lp[b];
       paged_rows(tp + b * max_blocks, L, BS, Hkv, h, rows);
       const int32_t* k32 = reinterpret_cast<const int32_t*>(kp);
-      std::memcpy(qpairs.data(), qp + (b * Hq + h * G) * D, G * D * sizeof(bf16));
+      std::memcpy(qpairs.data(), qp + b * q_stride + h * G * D, G * D * sizeof(bf16));
       scores.assign(G * L, 0.f);
       for (int64_t t0 = 0; t0 < L; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, L - t0);
@@ -354,8 +339,28 @@ torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache
       }
     }
   });
+}
+
+torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                          torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  check_bf16_cpu(q, "decode_attention q");
+  check_bf16_cpu(k_cache, "decode_attention k_cache");
+  check_bf16_cpu(v_cache, "decode_attention v_cache");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: contiguous caches expected");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(D % 16 == 0 && D <= 256 && k_cache.size(3) == D, "decode_attention: head_dim must be a multiple of 16, <= 256");
+  auto qc = q.contiguous();
+  auto tables = block_tables.contiguous();
+  auto lens = context_lens.contiguous();
+  auto out = torch::empty_like(qc);
+  TORCH_CHECK(k_cache.numel() / 2 < (int64_t{1} << 31), "decode_attention: cache too large for 32-bit gathers");
+  paged_decode_attention_bf16_into(qc.data_ptr<bf16>(), Hq * D, B, Hq, D, k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(),
+                                   BS, Hkv, tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(), scale,
+                                   out.data_ptr<bf16>());
   return out;
 }
+
 
 // Any head size, float32 or bfloat16 (the AVX-512 kernel above takes multiples of 16 in
 // bf16): plain loops the compiler vectorizes, same order of operations and roundings.

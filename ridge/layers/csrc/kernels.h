@@ -39,6 +39,25 @@ torch::Tensor paged_decode_attention_shared_quant(torch::Tensor q, torch::Tensor
                                                   int64_t value_dim, bool fp8);
 torch::Tensor head_matmul_bf16(torch::Tensor x, torch::Tensor w);
 void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask);
+// The same kernels on raw rows, writing into y (no allocation, no dispatcher: the decode plan
+// calls these between its matmuls, where a weight stream has just pushed libtorch's code out
+// of the caches). x (M, K) and y (M, N) contiguous unless said; bf16 = at::BFloat16.
+void linear_quant_into(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* packed, int64_t fmt, int64_t N,
+                       at::BFloat16* y, int64_t ldy);  // y's rows ldy apart (a column slice of a wider y)
+void linear_bf16_into(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* packed, int64_t N,
+                      at::BFloat16* y);
+void rms_norm_into(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* y, int64_t rows, int64_t n, double eps);
+void add_rms_norm_into(const at::BFloat16* x, at::BFloat16* residual, const at::BFloat16* w, at::BFloat16* y,
+                       int64_t rows, int64_t n, double eps);
+void add_rows_into(at::BFloat16* residual, const at::BFloat16* x, int64_t n);  // residual += x, rounded to bf16
+void rope_into(at::BFloat16* x, int64_t T, int64_t H, int64_t D, int64_t row_stride, const int64_t* positions,
+               const float* cos, const float* sin);
+void silu_mul_into(const at::BFloat16* gate_up, int64_t rows, int64_t I, at::BFloat16* y);
+// q: B rows of Hq x D, q_stride apart; out (B, Hq, D) contiguous; pools (slots / BS, BS, Hkv, D)
+void paged_decode_attention_bf16_into(const at::BFloat16* q, int64_t q_stride, int64_t B, int64_t Hq, int64_t D,
+                                      const at::BFloat16* k_pool, const at::BFloat16* v_pool, int64_t BS, int64_t Hkv,
+                                      const int64_t* block_tables, int64_t max_blocks, const int64_t* context_lens,
+                                      double scale, at::BFloat16* out);
 // decode_layers.cpp
 void write_kv_quant_(torch::Tensor pool, torch::Tensor scales, torch::Tensor x, torch::Tensor slots, bool fp8);
 void bind_decode_plan(pybind11::module& m);

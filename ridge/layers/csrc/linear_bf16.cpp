@@ -387,6 +387,10 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
   return call.result();
 }
 
+void linear_bf16_into(const bf16* x, int64_t M, int64_t K, const bf16* packed, int64_t N, bf16* y) {
+  if (M > 0) linear_bf16_rows(x, M, K, packed, N, nullptr, y);
+}
+
 // Stacked experts (ExpertLinear): x's rows sorted by expert, counts[e] rows for expert e; each
 // run of rows times expert e's N rows of the stacked packed weight, which are its blocks
 // [e N/16, (e+1) N/16): one call per projection per layer, an expert with no rows never read.

@@ -635,9 +635,9 @@ void dispatch_tile(const XTile& t, const uint8_t* block, int64_t G, int64_t nb, 
 // contiguous runs of the H x N / 16 blocks, so a head's small matrix does not leave a thread idle.
 template <int FMT, typename T>
 void heads_slab(const T* x, int64_t sxr, int64_t sxh, int64_t M, int64_t H, int64_t K, const uint8_t* wp, int64_t N,
-                const float* bias, T* y) {
+                const float* bias, T* y, int64_t ldy) {
   const Layout L = layout_of(FMT);
-  const int64_t G = K / QK, NB = (N + ROWS - 1) / ROWS, block_bytes = G * L.chunk, ldy = H * N;
+  const int64_t G = K / QK, NB = (N + ROWS - 1) / ROWS, block_bytes = G * L.chunk;
   std::vector<XTile> tiles;  // one head's; head h's cells follow head h - 1's
   int64_t cells = 0;
   for (int64_t r0 = 0; r0 < M; r0 += 16) {
@@ -689,32 +689,34 @@ void heads_slab(const T* x, int64_t sxr, int64_t sxh, int64_t M, int64_t H, int6
   });
 }
 
-// heads_slab over x's rows in slabs of SLAB, for the format code fmt
+// heads_slab over x's rows in slabs of SLAB, for the format code fmt; y's rows ldy apart
+// (H N where the heads' outputs fill them; more where y is a column slice of a wider output)
 template <typename T>
 void gemm_heads(int64_t fmt, const T* x, int64_t sxr, int64_t sxh, int64_t M, int64_t H, int64_t K, const uint8_t* wp,
-                int64_t N, const float* bias, T* y) {
+                int64_t N, const float* bias, T* y, int64_t ldy) {
   for (int64_t r0 = 0; r0 < M; r0 += SLAB) {
     const int64_t rows = std::min<int64_t>(SLAB, M - r0);
     const T* xs = x + r0 * sxr;
-    T* ys = y + r0 * H * N;
+    T* ys = y + r0 * ldy;
     switch (fmt) {
-      case Q8_0: heads_slab<Q8_0, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys); break;
-      case Q4_0: heads_slab<Q4_0, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys); break;
-      case IQ4_NL: heads_slab<IQ4_NL, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys); break;
-      case Q4_K: heads_slab<Q4_K, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys); break;
-      case Q5_K: heads_slab<Q5_K, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys); break;
-      case IQ4_XS: heads_slab<IQ4_XS, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys); break;
-      case Q6_K: heads_slab<Q6_K, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys); break;
-      case Q3_K: heads_slab<Q3_K, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys); break;
-      case Q2_K: heads_slab<Q2_K, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys); break;
-      default: heads_slab<Q4_1, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys);
+      case Q8_0: heads_slab<Q8_0, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys, ldy); break;
+      case Q4_0: heads_slab<Q4_0, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys, ldy); break;
+      case IQ4_NL: heads_slab<IQ4_NL, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys, ldy); break;
+      case Q4_K: heads_slab<Q4_K, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys, ldy); break;
+      case Q5_K: heads_slab<Q5_K, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys, ldy); break;
+      case IQ4_XS: heads_slab<IQ4_XS, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys, ldy); break;
+      case Q6_K: heads_slab<Q6_K, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys, ldy); break;
+      case Q3_K: heads_slab<Q3_K, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys, ldy); break;
+      case Q2_K: heads_slab<Q2_K, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys, ldy); break;
+      default: heads_slab<Q4_1, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys, ldy);
     }
   }
 }
 
 template <typename T>
-void gemm(int64_t fmt, const T* x, int64_t M, int64_t K, const uint8_t* wp, int64_t N, const float* bias, T* y) {
-  gemm_heads<T>(fmt, x, K, 0, M, 1, K, wp, N, bias, y);
+void gemm(int64_t fmt, const T* x, int64_t M, int64_t K, const uint8_t* wp, int64_t N, const float* bias, T* y,
+          int64_t ldy = -1) {
+  gemm_heads<T>(fmt, x, K, 0, M, 1, K, wp, N, bias, y, ldy < 0 ? N : ldy);
 }
 
 }  // namespace
@@ -1193,6 +1195,11 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t fmt, i
   return call.result();
 }
 
+void linear_quant_into(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* packed, int64_t fmt, int64_t N,
+                       at::BFloat16* y, int64_t ldy) {
+  if (M > 0) gemm<at::BFloat16>(fmt, x, M, K, packed, N, nullptr, y, ldy);
+}
+
 // Stacked experts in a block format: as linear_bf16_grouped (expert e's rows of the stacked
 // weight are its packed blocks [e N/16, (e+1) N/16)).
 torch::Tensor linear_quant_grouped(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_t N,
@@ -1248,9 +1255,9 @@ torch::Tensor head_matmul_quant(torch::Tensor x, torch::Tensor packed, int64_t f
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   if (x.scalar_type() == at::kFloat)
     gemm_heads<float>(fmt, x.data_ptr<float>(), x.stride(0), x.stride(1), D, H, K, wp, N, nullptr,
-                      y.data_ptr<float>());
+                      y.data_ptr<float>(), H * N);
   else
     gemm_heads<at::BFloat16>(fmt, x.data_ptr<at::BFloat16>(), x.stride(0), x.stride(1), D, H, K, wp, N, nullptr,
-                             y.data_ptr<at::BFloat16>());
+                             y.data_ptr<at::BFloat16>(), H * N);
   return y;
 }
