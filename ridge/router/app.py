@@ -315,7 +315,15 @@ class Router:
                 failed = ", ".join(sorted(tried))
                 raise RouterError(502, f"the prefill instance {failed} failed, and no other is healthy") from None
             decode = self.pick("decode", text)
-            await self.ensure_paired(prefill, decode)
+            try:
+                await self.ensure_paired(prefill, decode)
+            except RouterError:
+                # a prefill instance that died before the health loop saw it fails its pairing
+                # (the first request a new pair carries): it took nothing, so another may
+                if prefill.healthy:
+                    raise
+                tried.add(prefill.url)
+                continue
             start = time.monotonic()
             prefill.in_flight += 1
             prefill.requests += 1
