@@ -116,6 +116,7 @@ def test_the_plan_writes_and_reads_a_quantized_kv_cache_as_op_by_op_does(tmp_pat
     build(variant, tmp_path)
     planned, model = _generate(tmp_path, kv_cache_dtype=kind)
     assert model._plan is not None
+    assert model._plan.plan.runs_on_rows() == (variant == "llama-gqa")  # raw rows over the 1-byte pools too
     eager, _ = _generate(tmp_path, kv_cache_dtype=kind, enforce_eager=True)
     assert planned == eager
 

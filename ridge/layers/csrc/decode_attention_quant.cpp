@@ -211,7 +211,7 @@ void pv(int64_t G, const uint8_t* vp, const int64_t* rows, int64_t D, const floa
 template <typename T, bool FP8>
 void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* ksp, const at::Half* vsp,
             const int64_t* tp, const int64_t* lp, T* op, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
-            int64_t max_blocks, int64_t NGR, float scale) {
+            int64_t max_blocks, int64_t NGR, float scale, int64_t q_stride) {
   const int64_t G = Hq / Hkv, GS = D / NGR;
   const float code_unit = FP8 ? FP8_CODE_UNIT : 1.f;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
@@ -225,7 +225,7 @@ void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* k
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / Hkv, h = job % Hkv, L = lp[b];
       paged_rows(tp + b * max_blocks, L, BS, Hkv, h, rows);
-      for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(qp[(b * Hq + h * G) * D + i]);
+      for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(qp[b * q_stride + h * G * D + i]);
       scores.assign(G * L, 0.f);
       if constexpr (!FP8)
         for (int64_t g = 0; g < G; ++g) quantize_query(&qf[g * D], D, GS, scale, &qq[g * D], &qsum[g * NGR], &qscale[g * NGR]);
@@ -281,6 +281,20 @@ void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* k
 
 }  // namespace
 
+void paged_decode_attention_quant_into(const at::BFloat16* q, int64_t q_stride, int64_t B, int64_t Hq, int64_t D,
+                                       const uint8_t* k_pool, const uint8_t* v_pool, const at::Half* k_scale,
+                                       const at::Half* v_scale, int64_t BS, int64_t Hkv, int64_t groups,
+                                       const int64_t* block_tables, int64_t max_blocks, const int64_t* context_lens,
+                                       double scale, bool fp8, at::BFloat16* out) {
+  const float s = static_cast<float>(scale);
+  if (fp8)
+    attend<bf16, true>(q, k_pool, v_pool, k_scale, v_scale, block_tables, context_lens, out, B, Hq, Hkv, D, BS, max_blocks,
+                       groups, s, q_stride);
+  else
+    attend<bf16, false>(q, k_pool, v_pool, k_scale, v_scale, block_tables, context_lens, out, B, Hq, Hkv, D, BS,
+                        max_blocks, groups, s, q_stride);
+}
+
 torch::Tensor paged_decode_attention_quant(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                            torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_tables,
                                            torch::Tensor context_lens, double scale, bool fp8) {
@@ -314,14 +328,14 @@ torch::Tensor paged_decode_attention_quant(torch::Tensor q, torch::Tensor k_cach
   const int64_t* lp = lens.data_ptr<int64_t>();
   if (dtype == at::kFloat) {
     if (fp8)
-      attend<float, true>(qc.data_ptr<float>(), kp, vp, ksp, vsp, tp, lp, out.data_ptr<float>(), B, Hq, Hkv, D, BS, mb, NGR, s);
+      attend<float, true>(qc.data_ptr<float>(), kp, vp, ksp, vsp, tp, lp, out.data_ptr<float>(), B, Hq, Hkv, D, BS, mb, NGR, s, Hq * D);
     else
-      attend<float, false>(qc.data_ptr<float>(), kp, vp, ksp, vsp, tp, lp, out.data_ptr<float>(), B, Hq, Hkv, D, BS, mb, NGR, s);
+      attend<float, false>(qc.data_ptr<float>(), kp, vp, ksp, vsp, tp, lp, out.data_ptr<float>(), B, Hq, Hkv, D, BS, mb, NGR, s, Hq * D);
   } else {
     if (fp8)
-      attend<bf16, true>(qc.data_ptr<bf16>(), kp, vp, ksp, vsp, tp, lp, out.data_ptr<bf16>(), B, Hq, Hkv, D, BS, mb, NGR, s);
+      attend<bf16, true>(qc.data_ptr<bf16>(), kp, vp, ksp, vsp, tp, lp, out.data_ptr<bf16>(), B, Hq, Hkv, D, BS, mb, NGR, s, Hq * D);
     else
-      attend<bf16, false>(qc.data_ptr<bf16>(), kp, vp, ksp, vsp, tp, lp, out.data_ptr<bf16>(), B, Hq, Hkv, D, BS, mb, NGR, s);
+      attend<bf16, false>(qc.data_ptr<bf16>(), kp, vp, ksp, vsp, tp, lp, out.data_ptr<bf16>(), B, Hq, Hkv, D, BS, mb, NGR, s, Hq * D);
   }
   return out;
 }

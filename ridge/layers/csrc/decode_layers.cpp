@@ -169,29 +169,16 @@ void write_rows(const torch::Tensor& pool, const torch::Tensor& x, const int64_t
 // and one fp16 scale (G groups of a head in the scales' last dimension). The arithmetic is
 // quantize's, op for op: amax / qmax rounded to fp16, 1 / scale in fp32 (0 where the scale
 // is 0), codes rounded half to even and clamped (int8) or clamped and rounded to e4m3 (fp8).
-void write_kv_quant_(torch::Tensor pool, torch::Tensor scales, torch::Tensor x, torch::Tensor slots, bool fp8) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
-              "write_kv_quant_: (T, H, D) bf16 rows expected");
-  TORCH_CHECK(pool.element_size() == 1 && pool.is_contiguous() && pool.dim() == 4 && pool.size(2) == x.size(1) &&
-                  pool.size(3) == x.size(2),
-              "write_kv_quant_: a contiguous 1-byte (blocks, block_size, H, D) pool expected");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 4 &&
-                  scales.size(0) == pool.size(0) && scales.size(1) == pool.size(1) && scales.size(2) == pool.size(2),
-              "write_kv_quant_: contiguous fp16 (blocks, block_size, H, groups) scales expected");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == x.size(0),
-              "write_kv_quant_: one int64 slot per row");
-  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), G = scales.size(3), gs = D / G;
-  TORCH_CHECK(G * gs == D, "write_kv_quant_: groups must divide the head");
-  const int64_t num_slots = pool.size(0) * pool.size(1);
+// Rows t of x (T, H, D; rows x_stride apart) into slots[t] of an int8 / fp8 pool: each group
+// of D / G values as codes under one fp16 scale (kv/cache.py's quantize, op for op)
+static void write_kv_quant_into(uint8_t* cp, at::Half* scp, int64_t num_slots, int64_t H, int64_t D, int64_t G,
+                                const at::BFloat16* xp, int64_t x_stride, const int64_t* sp, int64_t T, bool fp8) {
+  const int64_t gs = D / G;
   const float qmax = fp8 ? 448.0f : 127.0f;
-  const auto* xp = x.data_ptr<at::BFloat16>();
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  auto* cp = static_cast<uint8_t*>(pool.data_ptr());
-  auto* scp = scales.data_ptr<at::Half>();
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "write_kv_quant_: slot ", sp[t], " out of the pool");
     for (int64_t h = 0; h < H; ++h) {
-      const at::BFloat16* src = xp + t * x.stride(0) + h * D;
+      const at::BFloat16* src = xp + t * x_stride + h * D;
       uint8_t* codes = cp + (sp[t] * H + h) * D;
       at::Half* sc = scp + (sp[t] * H + h) * G;
       for (int64_t g = 0; g < G; ++g) {
@@ -213,6 +200,24 @@ void write_kv_quant_(torch::Tensor pool, torch::Tensor scales, torch::Tensor x, 
       }
     }
   }
+}
+
+void write_kv_quant_(torch::Tensor pool, torch::Tensor scales, torch::Tensor x, torch::Tensor slots, bool fp8) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "write_kv_quant_: (T, H, D) bf16 rows expected");
+  TORCH_CHECK(pool.element_size() == 1 && pool.is_contiguous() && pool.dim() == 4 && pool.size(2) == x.size(1) &&
+                  pool.size(3) == x.size(2),
+              "write_kv_quant_: a contiguous 1-byte (blocks, block_size, H, D) pool expected");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 4 &&
+                  scales.size(0) == pool.size(0) && scales.size(1) == pool.size(1) && scales.size(2) == pool.size(2),
+              "write_kv_quant_: contiguous fp16 (blocks, block_size, H, groups) scales expected");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == x.size(0),
+              "write_kv_quant_: one int64 slot per row");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), G = scales.size(3), gs = D / G;
+  TORCH_CHECK(G * gs == D, "write_kv_quant_: groups must divide the head");
+  const int64_t num_slots = pool.size(0) * pool.size(1);
+  write_kv_quant_into(static_cast<uint8_t*>(pool.data_ptr()), scales.data_ptr<at::Half>(), num_slots, H, D, G,
+                      x.data_ptr<at::BFloat16>(), x.stride(0), slots.data_ptr<int64_t>(), T, fp8);
 }
 
 namespace {
@@ -441,16 +446,28 @@ class DecodePlan {
         l.qkv.into(x, T, hidden, qkv);
       }
       rope_into(qkv, T, l.heads + l.kv_heads, D, qkv_n, pos, cp, snp);
-      bf16* kp = l.k_pool.data_ptr<bf16>();
-      bf16* vp = l.v_pool.data_ptr<bf16>();
-      const int64_t num_slots = l.k_pool.size(0) * l.k_pool.size(1);
-      for (int64_t t = 0; t < T; ++t) {  // write_kv (write_rows's check and copies)
-        TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "decode plan: slot ", sp[t], " out of the pool");
-        std::memcpy(kp + sp[t] * kv_size, qkv + t * qkv_n + q_size, kv_size * sizeof(bf16));
-        std::memcpy(vp + sp[t] * kv_size, qkv + t * qkv_n + q_size + kv_size, kv_size * sizeof(bf16));
+      const int64_t num_slots = l.k_pool.size(0) * l.k_pool.size(1), BS = l.k_pool.size(1);
+      if (l.k_scale.has_value()) {  // write_kv_quant_ twice, then the int8 / fp8 decode kernel
+        auto* kp = static_cast<uint8_t*>(l.k_pool.data_ptr());
+        auto* vp = static_cast<uint8_t*>(l.v_pool.data_ptr());
+        at::Half* ks = l.k_scale->data_ptr<at::Half>();
+        at::Half* vs = l.v_scale->data_ptr<at::Half>();
+        const int64_t groups = l.k_scale->size(-1);
+        write_kv_quant_into(kp, ks, num_slots, l.kv_heads, D, groups, qkv + q_size, qkv_n, sp, T, l.fp8);
+        write_kv_quant_into(vp, vs, num_slots, l.kv_heads, D, groups, qkv + q_size + kv_size, qkv_n, sp, T, l.fp8);
+        paged_decode_attention_quant_into(qkv, qkv_n, T, l.heads, D, kp, vp, ks, vs, BS, l.kv_heads, groups, tables,
+                                          block_tables.size(1), lens, l.scale, l.fp8, attn);
+      } else {
+        bf16* kp = l.k_pool.data_ptr<bf16>();
+        bf16* vp = l.v_pool.data_ptr<bf16>();
+        for (int64_t t = 0; t < T; ++t) {  // write_kv (write_rows's check and copies)
+          TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "decode plan: slot ", sp[t], " out of the pool");
+          std::memcpy(kp + sp[t] * kv_size, qkv + t * qkv_n + q_size, kv_size * sizeof(bf16));
+          std::memcpy(vp + sp[t] * kv_size, qkv + t * qkv_n + q_size + kv_size, kv_size * sizeof(bf16));
+        }
+        paged_decode_attention_bf16_into(qkv, qkv_n, T, l.heads, D, kp, vp, BS, l.kv_heads, tables,
+                                         block_tables.size(1), lens, l.scale, attn);
       }
-      paged_decode_attention_bf16_into(qkv, qkv_n, T, l.heads, D, kp, vp, l.k_pool.size(1), l.kv_heads, tables,
-                                       block_tables.size(1), lens, l.scale, attn);
       {
         Timer t(matmul_s);
         l.o.into(attn, T, q_size, o);
@@ -472,16 +489,24 @@ class DecodePlan {
   }
 
  private:
-  // Every layer a Llama attention over bf16 pools (head_dim a multiple of 16 up to 256, no
-  // q/k norms) and a dense MLP, each linear one packed part without a bias: run_rows covers it
+  // an int8 / fp8 pool's scales as paged_decode_attention_quant takes them (or a bf16 pool)
+  static bool quant_pools_fit(const Layer& l) {
+    if (!l.k_scale.has_value()) return true;
+    const int64_t D = l.head_dim, groups = l.k_scale->size(-1);
+    return l.k_scale->dim() == 4 && l.v_scale->size(-1) == groups && groups <= 64 && D % groups == 0 &&
+           (D / groups) % 16 == 0 && l.k_pool.numel() / 4 < (int64_t{1} << 31);
+  }
+
+  // Every layer a Llama attention over bf16, int8 or fp8 pools (head_dim a multiple of 16 up
+  // to 256, no q/k norms) and a dense MLP, each linear without a bias: run_rows covers it
   bool rows_path() {
     if (rows_state_ < 0) {
       rows_state_ = !layers_.empty();
       for (const Layer& l : layers_)
-        if (l.mla || l.moe.has_value() || l.q_norm.has_value() || l.k_scale.has_value() || !l.qkv.plain() ||
-            !l.o.plain() || !l.gate_up.plain() || !l.down.plain() || l.head_dim % 16 != 0 || l.head_dim > 256 ||
+        if (l.mla || l.moe.has_value() || l.q_norm.has_value() || !l.qkv.plain() || !l.o.plain() ||
+            !l.gate_up.plain() || !l.down.plain() || l.head_dim % 16 != 0 || l.head_dim > 256 ||
             l.qkv.width() != (l.heads + 2 * l.kv_heads) * l.head_dim || l.gate_up.width() % 2 != 0 ||
-            l.k_pool.numel() / 2 >= (int64_t{1} << 31))
+            l.k_pool.numel() / 2 >= (int64_t{1} << 31) || !(quant_pools_fit(l)))
           rows_state_ = 0;
     }
     return rows_state_ == 1;
@@ -719,7 +744,7 @@ void bind_decode_plan(pybind11::module& m) {
       .def("set_moe", &DecodePlan::set_moe)
       .def("set_shared_expert", &DecodePlan::set_shared_expert)
       .def("num_layers", &DecodePlan::num_layers)
-      .def("runs_on_rows", &DecodePlan::runs_on_rows, "whether run() takes run_rows (every layer plain Llama over bf16 pools)")
+      .def("runs_on_rows", &DecodePlan::runs_on_rows, "whether run() takes run_rows (every layer plain Llama, dense MLPs)")
       .def("run", &DecodePlan::run, py::call_guard<py::gil_scoped_release>());
   m.def("write_kv_quant_", &write_kv_quant_, py::call_guard<py::gil_scoped_release>(),
         "an int8 / fp8 pool's write_kv: rows quantized per group (kv/cache.py's arithmetic) into their slots");

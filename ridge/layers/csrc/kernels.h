@@ -58,6 +58,12 @@ void paged_decode_attention_bf16_into(const at::BFloat16* q, int64_t q_stride, i
                                       const at::BFloat16* k_pool, const at::BFloat16* v_pool, int64_t BS, int64_t Hkv,
                                       const int64_t* block_tables, int64_t max_blocks, const int64_t* context_lens,
                                       double scale, at::BFloat16* out);
+// the same over int8 / fp8 pools with fp16 scales per (slot, KV head, group of D / groups)
+void paged_decode_attention_quant_into(const at::BFloat16* q, int64_t q_stride, int64_t B, int64_t Hq, int64_t D,
+                                       const uint8_t* k_pool, const uint8_t* v_pool, const at::Half* k_scale,
+                                       const at::Half* v_scale, int64_t BS, int64_t Hkv, int64_t groups,
+                                       const int64_t* block_tables, int64_t max_blocks, const int64_t* context_lens,
+                                       double scale, bool fp8, at::BFloat16* out);
 // decode_layers.cpp
 void write_kv_quant_(torch::Tensor pool, torch::Tensor scales, torch::Tensor x, torch::Tensor slots, bool fp8);
 void bind_decode_plan(pybind11::module& m);
