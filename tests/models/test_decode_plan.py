@@ -40,8 +40,8 @@ def test_the_plan_computes_what_the_op_by_op_forward_computes(tmp_path, variant,
     build(variant, tmp_path)
     planned, model = _generate(tmp_path, quantization=quantization)
     assert model._plan is not None and model._plan.plan.num_layers() == len(model.model.layers)
-    # plain Llama layers run on raw rows (run_rows: no allocation or dispatcher between matmuls)
-    assert model._plan.plan.runs_on_rows() == (variant == "llama-gqa")
+    # dense layers run on raw rows (run_rows: no allocation or dispatcher between matmuls)
+    assert model._plan.plan.runs_on_rows() == (variant in ("llama-gqa", "qwen2-bias", "qwen3-qknorm"))
     eager, eager_model = _generate(tmp_path, quantization=quantization, enforce_eager=True)
     assert eager_model._plan is None  # --enforce-eager: never a plan
     assert planned == eager

@@ -40,16 +40,17 @@ struct Packed {
 struct Lin {
   std::vector<Packed> parts;
   c10::optional<torch::Tensor> bias;
+  torch::Tensor bias_f;  // the bias as float32 (what the kernels add before rounding), for into()
 
   static torch::Tensor call(const Packed& p, const torch::Tensor& x, const c10::optional<torch::Tensor>& bias) {
     return p.fmt < 0 ? linear_bf16(x, p.weight, p.n, bias) : linear_quant(x, p.weight, p.fmt, p.n, bias);
   }
 
-  // no bias, and one packed part or block-format parts (each writes its columns of y): what
-  // run_rows calls on raw rows
+  // one packed part (with or without a bias), or block-format parts without one (each writes
+  // its columns of y): what run_rows calls on raw rows
   bool plain() const {
-    if (bias.has_value()) return false;
     if (parts.size() == 1) return true;
+    if (bias.has_value()) return false;
     for (const auto& p : parts)
       if (p.fmt < 0) return false;
     return true;
@@ -63,12 +64,13 @@ struct Lin {
 
   // y (M, width()) = x (M, K) through the parts side by side (as run's cat)
   void into(const at::BFloat16* x, int64_t M, int64_t K, at::BFloat16* y) const {
+    const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;  // one part only (plain)
     if (parts.size() == 1 && parts[0].fmt < 0)
-      return linear_bf16_into(x, M, K, parts[0].weight.data_ptr<at::BFloat16>(), parts[0].n, y);
+      return linear_bf16_into(x, M, K, parts[0].weight.data_ptr<at::BFloat16>(), parts[0].n, b, y);
     const int64_t ldy = width();
     int64_t col = 0;
     for (const auto& p : parts) {
-      linear_quant_into(x, M, K, p.weight.data_ptr<uint8_t>(), p.fmt, p.n, y + col, ldy);
+      linear_quant_into(x, M, K, p.weight.data_ptr<uint8_t>(), p.fmt, p.n, b, y + col, ldy);
       col += p.n;
     }
   }
@@ -97,6 +99,7 @@ Lin make_lin(const std::vector<std::tuple<torch::Tensor, int64_t, int64_t>>& par
   Lin lin;
   for (const auto& part : parts) lin.parts.push_back(make_packed(part));
   lin.bias = std::move(bias);
+  if (lin.bias.has_value() && lin.bias->defined()) lin.bias_f = lin.bias->to(at::kFloat).contiguous();
   return lin;
 }
 
@@ -445,6 +448,15 @@ class DecodePlan {
         Timer t(matmul_s);
         l.qkv.into(x, T, hidden, qkv);
       }
+      if (l.q_norm.has_value()) {  // each head's q and k normed in place (rms_row reads a row before writing it)
+        const bf16* qn = l.q_norm->data_ptr<bf16>();
+        const bf16* kn = l.k_norm->data_ptr<bf16>();
+        for (int64_t t = 0; t < T; ++t) {
+          bf16* row = qkv + t * qkv_n;
+          rms_norm_into(row, qn, row, l.heads, D, l.qk_eps);
+          rms_norm_into(row + q_size, kn, row + q_size, l.kv_heads, D, l.qk_eps);
+        }
+      }
       rope_into(qkv, T, l.heads + l.kv_heads, D, qkv_n, pos, cp, snp);
       const int64_t num_slots = l.k_pool.size(0) * l.k_pool.size(1), BS = l.k_pool.size(1);
       if (l.k_scale.has_value()) {  // write_kv_quant_ twice, then the int8 / fp8 decode kernel
@@ -498,12 +510,12 @@ class DecodePlan {
   }
 
   // Every layer a Llama attention over bf16, int8 or fp8 pools (head_dim a multiple of 16 up
-  // to 256, no q/k norms) and a dense MLP, each linear without a bias: run_rows covers it
+  // to 256; q/k norms and biases allowed) and a dense MLP: run_rows covers it
   bool rows_path() {
     if (rows_state_ < 0) {
       rows_state_ = !layers_.empty();
       for (const Layer& l : layers_)
-        if (l.mla || l.moe.has_value() || l.q_norm.has_value() || !l.qkv.plain() || !l.o.plain() ||
+        if (l.mla || l.moe.has_value() || !l.qkv.plain() || !l.o.plain() ||
             !l.gate_up.plain() || !l.down.plain() || l.head_dim % 16 != 0 || l.head_dim > 256 ||
             l.qkv.width() != (l.heads + 2 * l.kv_heads) * l.head_dim || l.gate_up.width() % 2 != 0 ||
             l.k_pool.numel() / 2 >= (int64_t{1} << 31) || !(quant_pools_fit(l)))

@@ -42,10 +42,12 @@ void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask);
 // The same kernels on raw rows, writing into y (no allocation, no dispatcher: the decode plan
 // calls these between its matmuls, where a weight stream has just pushed libtorch's code out
 // of the caches). x (M, K) and y (M, N) contiguous unless said; bf16 = at::BFloat16.
+// (bias: N floats added before the rounding, or null; linear_quant_into's y rows ldy apart, a
+// column slice of a wider y)
 void linear_quant_into(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* packed, int64_t fmt, int64_t N,
-                       at::BFloat16* y, int64_t ldy);  // y's rows ldy apart (a column slice of a wider y)
+                       const float* bias, at::BFloat16* y, int64_t ldy);
 void linear_bf16_into(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* packed, int64_t N,
-                      at::BFloat16* y);
+                      const float* bias, at::BFloat16* y);
 void rms_norm_into(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* y, int64_t rows, int64_t n, double eps);
 void add_rms_norm_into(const at::BFloat16* x, at::BFloat16* residual, const at::BFloat16* w, at::BFloat16* y,
                        int64_t rows, int64_t n, double eps);

@@ -387,8 +387,8 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
   return call.result();
 }
 
-void linear_bf16_into(const bf16* x, int64_t M, int64_t K, const bf16* packed, int64_t N, bf16* y) {
-  if (M > 0) linear_bf16_rows(x, M, K, packed, N, nullptr, y);
+void linear_bf16_into(const bf16* x, int64_t M, int64_t K, const bf16* packed, int64_t N, const float* bias, bf16* y) {
+  if (M > 0) linear_bf16_rows(x, M, K, packed, N, bias, y);
 }
 
 // Stacked experts (ExpertLinear): x's rows sorted by expert, counts[e] rows for expert e; each

@@ -1196,8 +1196,8 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t fmt, i
 }
 
 void linear_quant_into(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* packed, int64_t fmt, int64_t N,
-                       at::BFloat16* y, int64_t ldy) {
-  if (M > 0) gemm<at::BFloat16>(fmt, x, M, K, packed, N, nullptr, y, ldy);
+                       const float* bias, at::BFloat16* y, int64_t ldy) {
+  if (M > 0) gemm<at::BFloat16>(fmt, x, M, K, packed, N, bias, y, ldy);
 }
 
 // Stacked experts in a block format: as linear_bf16_grouped (expert e's rows of the stacked
