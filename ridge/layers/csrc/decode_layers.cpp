@@ -153,16 +153,20 @@ struct Layer {
 // write_kv for a bf16 pool: row t of x (T, H, D; rows may be strided, a view into qkv) into
 // slot slots[t] of the pool (blocks, block_size, H, D). A copy, as index_copy_, without its
 // dispatch (two calls a layer).
+// rows t of src (row values each, x_stride apart) into slots[t] of a bf16 pool of num_slots
+void write_rows_into(at::BFloat16* dst, int64_t row, int64_t num_slots, const at::BFloat16* src, int64_t x_stride,
+                     const int64_t* slots, int64_t T) {
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "decode plan: slot ", slots[t], " out of the pool");
+    std::memcpy(dst + slots[t] * row, src + t * x_stride, row * sizeof(at::BFloat16));
+  }
+}
+
 void write_rows(const torch::Tensor& pool, const torch::Tensor& x, const int64_t* slots, int64_t T) {
   const int64_t row = pool.size(2) * pool.size(3), num_slots = pool.size(0) * pool.size(1);
   TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2) && x.size(1) * x.size(2) == row,
               "decode plan: K/V rows do not match the pool");
-  auto* dst = pool.data_ptr<at::BFloat16>();
-  const auto* src = x.data_ptr<at::BFloat16>();
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "decode plan: slot ", slots[t], " out of the pool");
-    std::memcpy(dst + slots[t] * row, src + t * x.stride(0), row * sizeof(at::BFloat16));
-  }
+  write_rows_into(pool.data_ptr<at::BFloat16>(), row, num_slots, x.data_ptr<at::BFloat16>(), x.stride(0), slots, T);
 }
 
 }  // namespace
@@ -472,11 +476,8 @@ class DecodePlan {
       } else {
         bf16* kp = l.k_pool.data_ptr<bf16>();
         bf16* vp = l.v_pool.data_ptr<bf16>();
-        for (int64_t t = 0; t < T; ++t) {  // write_kv (write_rows's check and copies)
-          TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "decode plan: slot ", sp[t], " out of the pool");
-          std::memcpy(kp + sp[t] * kv_size, qkv + t * qkv_n + q_size, kv_size * sizeof(bf16));
-          std::memcpy(vp + sp[t] * kv_size, qkv + t * qkv_n + q_size + kv_size, kv_size * sizeof(bf16));
-        }
+        write_rows_into(kp, kv_size, num_slots, qkv + q_size, qkv_n, sp, T);
+        write_rows_into(vp, kv_size, num_slots, qkv + q_size + kv_size, qkv_n, sp, T);
         paged_decode_attention_bf16_into(qkv, qkv_n, T, l.heads, D, kp, vp, BS, l.kv_heads, tables,
                                          block_tables.size(1), lens, l.scale, attn);
       }
@@ -518,7 +519,7 @@ class DecodePlan {
         if (l.mla || l.moe.has_value() || !l.qkv.plain() || !l.o.plain() ||
             !l.gate_up.plain() || !l.down.plain() || l.head_dim % 16 != 0 || l.head_dim > 256 ||
             l.qkv.width() != (l.heads + 2 * l.kv_heads) * l.head_dim || l.gate_up.width() % 2 != 0 ||
-            l.k_pool.numel() / 2 >= (int64_t{1} << 31) || !(quant_pools_fit(l)))
+            l.k_pool.numel() / 2 >= (int64_t{1} << 31) || !quant_pools_fit(l))
           rows_state_ = 0;
     }
     return rows_state_ == 1;
