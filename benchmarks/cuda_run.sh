@@ -5,6 +5,7 @@
 #   bash benchmarks/cuda_run.sh coldstart bench     # cold starts, then bench latency
 #   bash benchmarks/cuda_run.sh quant               # weight and KV formats: latency and quality
 #   bash benchmarks/cuda_run.sh tests spec          # the suite, then speculative decoding
+#   bash benchmarks/cuda_run.sh graphs              # Triton kernels + CUDA graphs: checks, then latency
 #
 # Expects, carried beside the working tree: .whl/ (wheels the GPU image lacks: the server's
 # and the test tools') and .gpu/shared/ (a copy of ../shared/models and tools). Writes logs
@@ -52,6 +53,23 @@ for step in "$@"; do
     python3 .gpu/shared/tools/inflate_stories.py /tmp/stories-1.1b-noise0.05 --noise 0.05 > /dev/null
     timeout 500 python3 benchmarks/spec_decode.py --device cuda --rounds 3 \
       --out "$OUT/spec_decode_cuda.json" 2>&1 | grep -v "^ridge:" | grep "^round\|ratio_median"
+    ;;
+  graphs)  # the decode step: Triton kernels and CUDA graphs, then each mode's latency, interleaved
+    timeout 150 python3 -m pytest -q --timeout 120 -p no:cacheprovider -o addopts="-ra" \
+      tests/layers/test_triton_kernels.py tests/worker/test_cuda_graphs.py tests/models/test_parity.py \
+      > "$OUT/graphs-tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/graphs-tests.log" | tail -n 12
+    for model in ${GRAPH_MODELS:-random:tinyllama-1.1b random:llama-3.1-8b}; do
+      name=${model#random:}
+      for mode in "--kernels torch --enforce-eager" "--enforce-eager" ""; do
+        tag=$(echo "${mode:-graphs}" | tr -d '-' | tr ' ' '_')
+        timeout 240 python3 -m ridge.cli bench latency --model "$model" --dtype bfloat16 $mode --max-model-len 4096 \
+          --batch 1 --batch 32 --input-len 128 --output-len 64 --rounds ${GRAPH_ROUNDS:-2} \
+          > "$OUT/graphs-$name-$tag.txt" 2> "$OUT/graphs-$name-$tag.err" \
+          && { echo "== $name $tag"; cat "$OUT/graphs-$name-$tag.txt"; grep "CUDA graphs" "$OUT/graphs-$name-$tag.err"; } \
+          || tail -n 20 "$OUT/graphs-$name-$tag.err"
+      done
+    done
     ;;
   quant)  # the formats through the torch fallback (CUDA has no ridge kernel): latency, then quality
     for fmt in "" "--quantization int8" "--quantization int4" "--kv-cache-dtype int8" "--kv-cache-dtype fp8"; do

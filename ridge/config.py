@@ -489,7 +489,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     num_threads: int | None = None
     kernels: str = "auto"
-    # vLLM's --enforce-eager: every step op by op from Python (no decode plan on CPU)
+    # vLLM's --enforce-eager: every step op by op from Python (no decode plan on CPU, no CUDA graphs)
     enforce_eager: bool = False
     quantization: str | None = None  # int8 | int4 | int4_asym (or q8_0 | q4_0 | q4_1): weights quantized at load
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8 (e4m3), scales per token and KV head

@@ -19,6 +19,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.enviro
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Without a GPU the Triton kernels (layers/triton_kernels.py) run in Triton's interpreter on CPU
+# tensors. Triton reads this when it is first imported, which a test module's import of
+# transformers can do, so it is set here, before any test module is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # ../shared beside the checkout; RIDGE_SHARED_DIR points elsewhere (a copy carried to a GPU box).
 SHARED = Path(os.environ.get("RIDGE_SHARED_DIR") or Path(__file__).resolve().parents[1].parent / "shared")

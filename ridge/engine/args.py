@@ -75,13 +75,14 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None =
         "--kernels",
         choices=KERNEL_CHOICES,
         default="auto",
-        help="matmuls: auto (ridge's AVX-512 BF16 kernel for bf16 decode on CPU), torch, ridge",
+        help="auto (ridge's AVX-512 kernels on CPU, its Triton kernels on CUDA), torch (the reference "
+        "ops), ridge (the CPU kernels or an error)",
     )
     g.add_argument(
         "--enforce-eager",
         action="store_true",
         help="run every step op by op from Python: on CPU, no decode plan (a bf16 decode step's "
-        "layers in one call of ridge's kernels, the same results bit for bit)",
+        "layers in one call of ridge's kernels, the same results bit for bit); on CUDA, no CUDA graphs",
     )
 
 

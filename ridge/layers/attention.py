@@ -101,10 +101,11 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: (T, Hq, D), k/v: (T, Hkv, D) of this step's tokens -> output (T, Hq, D).
 
-    ``ops`` (the kernels) gives the two paths: ``decode_attention(q, cache, meta)`` and
-    ``prefill_attention(q, k, v, cache, chunk)``, called once the step's K/V are in the cache.
+    ``ops`` (the kernels) writes the step's K/V (``write_kv``) and gives the two paths:
+    ``decode_attention(q, cache, meta)`` and ``prefill_attention(q, k, v, cache, chunk)``,
+    called once the step's K/V are in the cache.
     """
-    write_kv(cache, k, v, meta.slot_mapping)
+    ops.write_kv(cache, k, v, meta.slot_mapping)
     num_decodes = meta.num_decode_tokens
     if num_decodes == q.shape[0]:  # a pure decode step: no copy into a shared output
         return ops.decode_attention(q, cache, meta)

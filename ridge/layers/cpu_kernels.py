@@ -167,9 +167,17 @@ def _remove_stale_lock(lock: Path, progress) -> None:
 
 
 def select_kernels(kind: str, device: torch.device, dtype: torch.dtype):
-    """'torch' -> TorchKernels; 'auto' -> ridge's CPU extension where it applies and builds."""
+    """'torch' -> TorchKernels; 'auto' -> ridge's CPU extension where it applies and builds,
+    and on CUDA the Triton kernels (``CudaKernels``) where Triton is installed (CUDA torch ships it)."""
     from ridge.layers.kernels import CpuKernels, TorchKernels
 
+    if kind == "auto" and device.type == "cuda":
+        try:
+            from ridge.layers.cuda_kernels import CudaKernels
+        except ImportError as exc:  # a CUDA torch without Triton: the reference ops, loudly
+            warnings.warn(f"ridge: Triton unavailable ({exc}); using torch ops on CUDA", stacklevel=2)
+            return TorchKernels()
+        return CudaKernels(device)
     if kind == "torch" or device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         if kind == "ridge":
             raise ValueError("kernels='ridge' runs bfloat16 or float32 on CPU only")

@@ -15,7 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from ridge.kv.cache import PagedKV
-from ridge.layers.attention import AttentionMetadata, PrefillChunk, decode_valid_mask, gather_values, prefill_attention
+from ridge.layers.attention import (
+    AttentionMetadata,
+    PrefillChunk,
+    decode_valid_mask,
+    gather_values,
+    prefill_attention,
+    write_kv,
+)
 from ridge.layers.linear import Linear
 from ridge.layers.rotary import RotaryEmbedding, rotate_half
 from ridge.quantization.formats import IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, BlockFormat
@@ -158,6 +165,10 @@ class TorchKernels:
         allowed = allowed.view(rows, -1)[:, :vocab]
         logits[:, : allowed.shape[1]].masked_fill_(~allowed, float("-inf"))
         logits[:, allowed.shape[1] :] = float("-inf")
+
+    def write_kv(self, cache: PagedKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """k/v (T, Hkv, Dh) of this step's tokens into the pools at flat ``slots``."""
+        write_kv(cache, k, v, slots)
 
     def decode_attention(
         self, q, cache: PagedKV, meta: AttentionMetadata, scale: float | None = None, value_dim: int | None = None

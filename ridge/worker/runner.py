@@ -91,6 +91,7 @@ class ModelRunner:
         self.sampler = sampler  # None: not the driver (tensor-parallel ranks > 0)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, RunnerRequest] = {}
+        self.graphs = None  # a DecodeGraphs (worker/cuda_graphs.py) once captured: decode steps replay it
 
     # -- per-request state ----------------------------------------------------------------
     def update_states(self, plan: SchedulerOutput) -> None:
@@ -212,7 +213,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        graphs, rows = self.graphs, batch.input_ids.shape[0]
+        if graphs is not None and graphs.takes(batch.meta, rows):  # a decode step: a CUDA graph's replay
+            hidden = graphs.run(batch.input_ids, batch.positions, batch.meta)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         return self.model.compute_logits(hidden[batch.sample_rows])
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput | None:

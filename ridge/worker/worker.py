@@ -36,6 +36,7 @@ from ridge.models.registry import model_class
 from ridge.quantization.config import QuantizationConfig
 from ridge.roofline.probe import probe_linear_flops
 from ridge.sampling import Sampler
+from ridge.worker import cuda_graphs
 from ridge.worker.runner import ModelRunner
 
 # Without --kv-cache-memory the pool takes this share of free memory, but never more than
@@ -57,7 +58,8 @@ class WorkerConfig:
     max_model_len: int | None = None
     quantization: str | None = None
     kernels: str = "auto"
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # no decode plan on CPU, no CUDA graphs
+    max_num_seqs: int = 256  # sizes the CUDA graphs' ladder
     kv_cache_dtype: str = "auto"
     kv_cache_memory: float | None = None  # GiB
     num_kv_blocks: int | None = None
@@ -187,10 +189,34 @@ class Worker:
         )
         sampler = Sampler(cfg.seed) if self.tp.rank == 0 else None
         self.runner = ModelRunner(self.model, self.kv_caches, cfg.block_size, self.device, sampler, eos_token_ids)
+        self.graph_report = None
+        if self.device.type == "cuda" and not cfg.enforce_eager:
+            self._capture_graphs()
         if cfg.kv_transfer_config is not None:
             self.kv_connector = make_connector(
                 cfg.kv_transfer_config, cfg.engine_id, self.kv_layout(), self.kv_caches, self.tp.rank, self.device
             )
+
+    def _capture_graphs(self) -> None:
+        """The decode step's CUDA graphs (``worker/cuda_graphs.py``), or a line saying why not."""
+        reason = cuda_graphs.unsupported_reason(self.model, self.model.kernels)
+        if reason is not None:
+            logger.info("CUDA graphs: off (%s); decode steps run eagerly", reason)
+            return
+        graphs = cuda_graphs.DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            self.config.block_size,
+            self.info.max_model_len,
+            cuda_graphs.capture_sizes(self.config.max_num_seqs),
+            self.device,
+        )
+        try:
+            self.graph_report = graphs.capture()
+        except RuntimeError as exc:  # a kernel that cannot be captured: eager steps, loudly
+            logger.warning("CUDA graphs: capture failed (%s); decode steps run eagerly", exc)
+            return
+        self.runner.graphs = graphs
 
     # -- KV transfer between instances ----------------------------------------------------
     def kv_layout(self) -> KVLayout:

@@ -1,0 +1,69 @@
+"""Where a GPU decode step's time goes: the captured forward pass alone (a CUDA graph's replay,
+timed with device events) against the whole engine step (scheduler, inputs, replay, logits,
+sampling, outputs), and the engine's Python functions that take the rest.
+
+    python benchmarks/cuda_step.py --model random:tinyllama-1.1b --batch 1 --batch 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+
+import torch
+
+from ridge import LLM, SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="random:tinyllama-1.1b")
+    ap.add_argument("--batch", type=int, action="append")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--profile-lines", type=int, default=18)
+    args = ap.parse_args()
+    llm = LLM(args.model, dtype="bfloat16", device="cuda", max_model_len=args.max_model_len, seed=0)
+    runner = llm.engine.executor.worker.runner
+    results = []
+    for batch in args.batch or [1]:
+        prompts = [[(17 * i + j) % 1000 + 10 for j in range(128)] for i in range(batch)]
+        params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+        short = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        llm.generate(prompts, params)  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate(prompts, short)
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        step_ms = (time.perf_counter() - start - prefill) / (args.new_tokens - 1) * 1e3
+        replay_ms = None
+        if runner.graphs is not None:
+            graph, _ = runner.graphs.graphs[runner.graphs.size_for(batch)]
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            graph.replay()
+            begin.record()
+            for _ in range(100):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            replay_ms = begin.elapsed_time(end) / 100
+        profiler = cProfile.Profile()
+        profiler.enable()
+        llm.generate(prompts, params)
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile_lines)
+        print(f"== batch {batch}: engine step {step_ms:.3f} ms, graph replay {replay_ms} ms")
+        print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[-4000:])
+        results.append({"batch": batch, "step_ms": step_ms, "replay_ms": replay_ms})
+    print(json.dumps({"model": args.model, "device": torch.cuda.get_device_name(), "results": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""``CudaKernels``: the GPU's ops, the fused Triton kernels of ``layers/triton_kernels.py``
+where they apply and the torch reference (``TorchKernels``) elsewhere.
+
+What it changes against the reference, op for op:
+  * the KV write is one launch per pool that skips negative slots (a CUDA graph's padding rows);
+  * decode attention reads the pool through the block tables (no gathered copy), for the
+    model dtype and int8/fp8 caches; DeepSeek's latent attention (``value_dim``) and shapes the
+    kernel does not take stay on the reference;
+  * RMSNorm, the residual add with its norm, RoPE and SiLU-gating are one launch each.
+
+Every op here is a fixed sequence of launches with no host synchronization, so a decode step
+over these kernels can be captured in a CUDA graph (``worker/cuda_graphs.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ridge.kv import cache as kv_cache
+from ridge.kv.cache import PagedKV
+from ridge.layers import triton_kernels as tk
+from ridge.layers.attention import AttentionMetadata
+from ridge.layers.kernels import TorchKernels
+
+
+class RopeState:
+    """A step's RoPE inputs: the float32 tables and the positions, read in the kernel; the
+    gathered rows the reference needs are made only if an op falls back to it."""
+
+    def __init__(self, rotary, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        self.rotary, self.positions, self.dtype = rotary, positions, dtype
+        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._gathered is None:
+            self._gathered = self.rotary(self.positions, self.dtype)
+        return self._gathered
+
+
+class CudaKernels(TorchKernels):
+    name = "cuda"
+
+    def __init__(self, device: torch.device) -> None:
+        # decode attention splits a row's context until about two programs per multiprocessor
+        # run (a handful where there is no GPU: the interpreter's tests)
+        if device.type == "cuda":
+            self.programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        else:
+            self.programs = 8
+
+    def write_kv(self, cache: PagedKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        if cache.quantized:  # quantized as the reference quantizes (kv/cache.py), then written
+            k_codes, k_scale = kv_cache.quantize(k, cache.kind)
+            v_codes, v_scale = kv_cache.quantize(v, cache.kind)
+            tk.write_rows(cache.k, k_codes, slots)
+            tk.write_rows(cache.k_scale, k_scale, slots)
+            tk.write_rows(cache.v, v_codes, slots)
+            tk.write_rows(cache.v_scale, v_scale, slots)
+            return
+        tk.write_rows(cache.k, k, slots)
+        if cache.v is not cache.k:
+            tk.write_rows(cache.v, v, slots)
+
+    def decode_attention(
+        self, q, cache: PagedKV, meta: AttentionMetadata, scale: float | None = None, value_dim: int | None = None
+    ) -> torch.Tensor:
+        if value_dim is not None or cache.v is cache.k or not tk.decode_attention_supported(q, cache.k):
+            return super().decode_attention(q, cache, meta, scale, value_dim)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return tk.paged_decode_attention(
+            q,
+            cache.k,
+            cache.v,
+            cache.k_scale,
+            cache.v_scale,
+            cache.kind,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            scale,
+            self.programs,
+        )
+
+    def rope_state(self, rotary, positions, dtype):
+        return RopeState(rotary, positions, dtype)
+
+    def rope(self, x, state: RopeState):
+        rotary = state.rotary
+        if tk.rope_(x, state.positions, rotary.cos, rotary.sin):
+            return x
+        return super().rope(x, state.gathered())
+
+    def rms_norm(self, x, weight, eps):
+        out = tk.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps) if out is None else out
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        out = tk.add_rms_norm(x, residual, weight, eps)
+        return super().add_rms_norm(x, residual, weight, eps) if out is None else out
+
+    def silu_mul(self, gate_up):
+        out = tk.silu_mul(gate_up)
+        return super().silu_mul(gate_up) if out is None else out

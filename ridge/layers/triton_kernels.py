@@ -1,0 +1,397 @@
+"""The GPU's fused ops, in Triton (it ships with CUDA torch): what ``CudaKernels`` runs.
+
+Each op is one launch where eager torch takes several, and reads its inputs where they lie
+(strided views into the qkv projection, the paged pool through the block tables), so a decode
+step is a short, fixed sequence of kernels that a CUDA graph can replay:
+
+  * ``write_kv_rows``      rows into their pool slots; a negative slot (a CUDA graph's padding
+                           row) is skipped
+  * ``paged_decode_attention``  one query per row over its paged context, straight from the
+                           pool (bf16/fp16/fp32, or int8/fp8 codes with their per-32 scales);
+                           the context split over programs (flash-decoding) when the batch
+                           is too small to fill the GPU, then one combine
+  * ``rms_norm``, ``add_rms_norm``  (residual += x, then the norm: one pass)
+  * ``rope_``              rotary embedding in place, cos/sin read at each row's position
+  * ``silu_mul``           SiLU(gate) * up
+
+Every kernel computes in float32 and rounds once on store. ``TRITON_INTERPRET=1`` runs them
+on CPU tensors (float32 and float16: the interpreter has no bfloat16), which is how the
+test suite checks them where there is no GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Integer views for a plain copy of rows (the copy kernel moves bits, whatever they encode)
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+# -- KV write ------------------------------------------------------------------------------
+@triton.jit
+def _write_rows_kernel(src, src_stride, dst, slots, row_elems, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slots + t)
+    if slot >= 0:
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < row_elems
+        vals = tl.load(src + t * src_stride + offs, mask=mask)
+        tl.store(dst + slot.to(tl.int64) * row_elems + offs, vals, mask=mask)
+
+
+def write_rows(pool: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
+    """x (T, ...) into ``pool`` (num_blocks, block_size, ...) at flat slots; a row whose slot
+    is negative is not written. Each row of x must be contiguous (rows may be strided apart)."""
+    tokens = x.shape[0]
+    if tokens == 0:
+        return
+    row_elems = pool[0, 0].numel()
+    rows = x.reshape(tokens, -1) if not x.is_contiguous() else x.view(tokens, -1)
+    if rows.shape[1] != row_elems or rows.stride(1) != 1:
+        rows = rows.contiguous()
+    bits = _BITS[pool.element_size()]
+    block = min(_pow2(row_elems), 1024)
+    grid = (tokens, triton.cdiv(row_elems, block))
+    _write_rows_kernel[grid](rows.view(bits), rows.stride(0), pool.view(bits), slots, row_elems, BLOCK=block)
+
+
+# -- paged decode attention ----------------------------------------------------------------
+@triton.jit
+def _decode_attention_kernel(
+    q,
+    q_s0,
+    q_s1,
+    k_pool,
+    v_pool,
+    k_scale,
+    v_scale,
+    pool_s0,
+    pool_s1,
+    pool_s2,
+    sc_s0,
+    sc_s1,
+    sc_s2,
+    tables,
+    tables_s0,
+    context_lens,
+    out,
+    out_s0,
+    out_s1,
+    ws_m,
+    ws_l,
+    ws_acc,
+    sm_scale,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # the pool's tokens per block
+    SCALE_GROUP: tl.constexpr,  # values per scale (quantized pools)
+    KIND: tl.constexpr,  # 0: model dtype, 1: int8 codes, 2: fp8 e4m3 codes (stored as bytes)
+    SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,  # float32: exact dots (no tf32)
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens + seq).to(tl.int32)
+    num_blocks = tl.cdiv(ctx, BLOCK_SIZE)
+    per_split = tl.cdiv(num_blocks, SPLITS)
+    first = split * per_split
+    last = tl.minimum(first + per_split, num_blocks)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_t = tl.arange(0, BLOCK_SIZE)
+    heads = kvh * GROUP + offs_g
+    g_ok = offs_g < GROUP
+    d_ok = offs_d < HEAD_DIM
+    qv = tl.load(
+        q + seq * q_s0 + heads[:, None] * q_s1 + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0
+    )
+
+    m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    denom = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+    for b in range(first, last):
+        block = tl.load(tables + seq * tables_s0 + b).to(tl.int64)
+        tok = b * BLOCK_SIZE + offs_t
+        t_ok = tok < ctx
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        off = block * pool_s0 + offs_t[:, None] * pool_s1 + kvh * pool_s2 + offs_d[None, :]
+        kt = tl.load(k_pool + off, mask=kv_mask, other=0)
+        vt = tl.load(v_pool + off, mask=kv_mask, other=0)
+        if KIND != 0:
+            s_off = block * sc_s0 + offs_t[:, None] * sc_s1 + kvh * sc_s2 + (offs_d // SCALE_GROUP)[None, :]
+            ks = tl.load(k_scale + s_off, mask=kv_mask, other=0.0).to(tl.float32)
+            vs = tl.load(v_scale + s_off, mask=kv_mask, other=0.0).to(tl.float32)
+            if KIND == 1:
+                kt = (kt.to(tl.float32) * ks).to(qv.dtype)
+                vt = (vt.to(tl.float32) * vs).to(qv.dtype)
+            else:
+                kt = (kt.to(tl.float8e4nv, bitcast=True).to(tl.float32) * ks).to(qv.dtype)
+                vt = (vt.to(tl.float8e4nv, bitcast=True).to(tl.float32) * vs).to(qv.dtype)
+        if IEEE:
+            s = tl.dot(qv, tl.trans(kt), input_precision="ieee")
+        else:
+            s = tl.dot(qv, tl.trans(kt))
+        s = tl.where(t_ok[None, :], s * sm_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        m = m_new
+
+    out_mask = g_ok[:, None] & d_ok[None, :]
+    if SPLITS == 1:
+        result = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+        tl.store(
+            out + seq * out_s0 + heads[:, None] * out_s1 + offs_d[None, :],
+            result.to(out.dtype.element_ty),
+            mask=out_mask,
+        )
+    else:
+        # partials per (row, head, split): the running max, the sum and the unnormalized output
+        part = (seq * (GROUP * tl.num_programs(1)) + heads) * SPLITS + split
+        tl.store(ws_m + part, m, mask=g_ok)
+        tl.store(ws_l + part, denom, mask=g_ok)
+        tl.store(ws_acc + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    ws_m, ws_l, ws_acc, out, out_s0, out_s1, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    base = (seq * tl.num_programs(1) + head) * SPLITS
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    m = tl.load(ws_m + base + offs_s)
+    denom = tl.load(ws_l + base + offs_s)
+    acc = tl.load(ws_acc + (base + offs_s)[:, None] * BLOCK_D + offs_d[None, :])
+    m_all = tl.max(m, 0)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)  # an empty split weighs nothing
+    total = tl.sum(denom * w, 0)
+    result = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out + seq * out_s0 + head * out_s1 + offs_d, result.to(out.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+KV_KINDS = {"auto": 0, "int8": 1, "fp8": 2}
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, programs: int) -> int:
+    """How many programs share one row's context: enough that ``num_seqs * num_kv_heads *
+    splits`` fills about ``programs`` (two per multiprocessor), never more than the table's
+    blocks, a power of two up to 16. Depends on shapes only (a CUDA graph fixes them)."""
+    want = max(1, programs // max(num_seqs * num_kv_heads, 1))
+    return min(_pow2(want) if want > 1 else 1, 16, _pow2(max_blocks))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    kind: str,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    programs: int,
+) -> torch.Tensor:
+    """q (D, Hq, Dh), each head's last dim contiguous -> (D, Hq, Dh): row i's query against
+    the first ``context_lens[i]`` tokens its block table maps (a row of length 0 gives 0)."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_pool.shape
+    out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_d = max(_pow2(head_dim), 16)
+    splits = decode_splits(num_seqs, num_kv_heads, block_tables.shape[1], programs)
+    quantized = k_scale is not None
+    scale_group = head_dim // k_scale.shape[-1] if quantized else 1
+    if splits > 1:
+        ws_m = torch.empty((num_seqs * num_heads * splits,), dtype=torch.float32, device=q.device)
+        ws_l = torch.empty_like(ws_m)
+        ws_acc = torch.empty((num_seqs * num_heads * splits, block_d), dtype=torch.float32, device=q.device)
+    else:
+        ws_m = ws_l = ws_acc = out  # not touched
+    sc = k_scale if quantized else k_pool
+    _decode_attention_kernel[(num_seqs, num_kv_heads, splits)](
+        q,
+        q.stride(0),
+        q.stride(1),
+        k_pool,
+        v_pool,
+        sc,
+        v_scale if quantized else v_pool,
+        k_pool.stride(0),
+        k_pool.stride(1),
+        k_pool.stride(2),
+        sc.stride(0),
+        sc.stride(1),
+        sc.stride(2),
+        block_tables,
+        block_tables.stride(0),
+        context_lens,
+        out,
+        out.stride(0),
+        out.stride(1),
+        ws_m,
+        ws_l,
+        ws_acc,
+        scale,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_G=max(_pow2(group), 16),
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        SCALE_GROUP=scale_group,
+        KIND=KV_KINDS[kind],
+        SPLITS=splits,
+        IEEE=q.dtype is torch.float32,
+    )
+    if splits > 1:
+        _decode_combine_kernel[(num_seqs, num_heads)](
+            ws_m, ws_l, ws_acc, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=splits
+        )
+    return out
+
+
+def decode_attention_supported(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
+    """Shapes the kernel takes: a block size that is a power of two of at least 16 (its dots),
+    whole groups of query heads per KV head, a contiguous pool."""
+    block_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
+    return (
+        block_size >= 16
+        and block_size & (block_size - 1) == 0
+        and q.shape[1] % num_kv_heads == 0
+        and q.shape[2] == k_pool.shape[3]
+        and q.stride(2) == 1
+        and k_pool.is_contiguous()
+    )
+
+
+# -- norms, rotary, gating -------------------------------------------------------------------
+@triton.jit
+def _rms_norm_kernel(
+    x, x_s0, x_s1, inner, residual, res_s0, out, weight, n, eps, BLOCK: tl.constexpr, ADD: tl.constexpr
+):
+    row = tl.program_id(0)
+    x_off = (row // inner) * x_s0 + (row % inner) * x_s1
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    v = tl.load(x + x_off + offs, mask=mask, other=0.0).to(tl.float32)
+    if ADD:  # residual += x, rounded to the stream's dtype as torch's in-place add rounds
+        r = tl.load(residual + row * res_s0 + offs, mask=mask, other=0.0).to(tl.float32)
+        summed = (r + v).to(residual.dtype.element_ty)
+        tl.store(residual + row * res_s0 + offs, summed, mask=mask)
+        v = summed.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(v * v, 0) / n + eps)
+    w = tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + row * n + offs, (v * rstd * w).to(out.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """(rows, stride between outer rows, stride between inner rows, inner rows) of x (..., N)
+    seen as rows of N, where one (T, N) or (T, H, N) stride pattern covers it; None otherwise."""
+    if x.stride(-1) != 1:
+        return None
+    if x.dim() == 2:
+        return x.shape[0], x.stride(0), 0, 1
+    if x.dim() == 3:
+        return x.shape[0] * x.shape[1], x.stride(0), x.stride(1), x.shape[1]
+    return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """F.rms_norm over the last dim into a new contiguous tensor; None where x's layout is not
+    taken (the caller runs torch's)."""
+    layout = _rows(x)
+    if layout is None:
+        return None
+    rows, s0, s1, inner = layout
+    n = x.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows:
+        _rms_norm_kernel[(rows,)](x, s0, s1, inner, x, 0, out, weight, n, eps, BLOCK=_pow2(n), ADD=False)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """residual += x (in place), then rms_norm(residual); None where the layouts are not taken."""
+    if x.dim() != 2 or x.stride(-1) != 1 or not residual.is_contiguous() or x.shape != residual.shape:
+        return None
+    rows, n = residual.shape
+    out = torch.empty_like(residual)
+    if rows:
+        _rms_norm_kernel[(rows,)](
+            x, x.stride(0), 0, 1, residual, residual.stride(0), out, weight, n, eps, BLOCK=_pow2(n), ADD=True
+        )
+    return out
+
+
+@triton.jit
+def _rope_kernel(x, x_s0, x_s1, positions, cos, sin, table_s0, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    pos = tl.load(positions + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HALF
+    c1 = tl.load(cos + pos * table_s0 + offs, mask=mask, other=0.0)
+    c2 = tl.load(cos + pos * table_s0 + HALF + offs, mask=mask, other=0.0)
+    s1 = tl.load(sin + pos * table_s0 + offs, mask=mask, other=0.0)
+    s2 = tl.load(sin + pos * table_s0 + HALF + offs, mask=mask, other=0.0)
+    base = x + t * x_s0 + tl.program_id(1) * x_s1
+    a = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(base + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    # x * cos + rotate_half(x) * sin, rotate_half(x) = (-b, a)
+    tl.store(base + offs, (a * c1 - b * s1).to(x.dtype.element_ty), mask=mask)
+    tl.store(base + HALF + offs, (b * c2 + a * s2).to(x.dtype.element_ty), mask=mask)
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """x (T, H, D) rotated in place at ``positions`` with float32 tables (max_positions, D),
+    one program per token and head; False (x untouched) where the layout is not taken."""
+    if x.dim() != 3 or x.stride(-1) != 1 or x.shape[-1] % 2 or cos.shape[-1] != x.shape[-1] or not cos.is_contiguous():
+        return False
+    tokens, heads, dim = x.shape
+    if tokens and heads:
+        half = dim // 2
+        _rope_kernel[(tokens, heads)](
+            x, x.stride(0), x.stride(1), positions, cos, sin, cos.stride(0), HALF=half, BLOCK=_pow2(half)
+        )
+    return True
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up, gu_s0, out, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(gate_up + row * gu_s0 + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate_up + row * gu_s0 + n + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + row * n + offs, (g / (1.0 + tl.exp(-g)) * u).to(out.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """(T, 2I) -> SiLU(first half) * second half, (T, I); None where the layout is not taken."""
+    if gate_up.dim() != 2 or gate_up.stride(-1) != 1 or gate_up.shape[1] % 2:
+        return None
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        block = min(_pow2(n), 1024)
+        _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, gate_up.stride(0), out, n, BLOCK=block)
+    return out

@@ -1,0 +1,136 @@
+"""The GPU's Triton kernels (``layers/triton_kernels.py``) against the torch reference
+(``TorchKernels``, ``kv/cache.py``). On a GPU they run compiled; elsewhere through Triton's
+interpreter on CPU tensors (float32 and float16: the interpreter has no bfloat16), which is
+how CI checks their indexing, masks, splits and padding rows without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")  # without a GPU, in its interpreter (tests/conftest.py sets it)
+
+from ridge.kv import cache as kv_cache
+from ridge.layers import triton_kernels as tk
+from ridge.layers.attention import AttentionMetadata, write_kv
+from ridge.layers.kernels import TorchKernels
+from ridge.layers.rotary import RotaryEmbedding
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# The interpreter takes the model dtypes numpy has; a GPU takes bfloat16 too
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    err = (got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12)
+    assert err < tol, f"relative error {err:.2e}"
+
+
+def _pool(num_blocks, block_size, heads, dim, dtype, kind):
+    """A pool of random K/V (quantized for int8/fp8), written through the reference, and its
+    poison: slots nobody wrote hold NaN (or the largest code), which no read may use."""
+    caches = kv_cache.allocate(kv_cache.KVCacheSpec(1, heads, dim), num_blocks, block_size, dtype, DEVICE, kind)
+    cache = caches[0]
+    for t in (cache.k, cache.v):
+        t.fill_(float("nan") if kind == "auto" else 127)
+    if cache.quantized:
+        cache.k_scale.fill_(float("nan"))
+        cache.v_scale.fill_(float("nan"))
+    return cache
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_rows_writes_each_row_at_its_slot_and_skips_negative_slots(dtype):
+    pool = torch.zeros(4, 16, 2, 8, dtype=dtype, device=DEVICE)
+    qkv = torch.randn(3, 40, dtype=dtype, device=DEVICE)  # rows of a wider tensor: k is a strided view
+    k = qkv[:, 8:24].view(3, 2, 8)
+    slots = torch.tensor([17, -1, 63], device=DEVICE)
+    tk.write_rows(pool, k, slots)
+    flat = pool.view(-1, 2, 8)
+    assert torch.equal(flat[17], k[0]) and torch.equal(flat[63], k[2])
+    written = torch.zeros(64, dtype=torch.bool)
+    written[[17, 63]] = True
+    assert not flat[~written.to(DEVICE)].any()  # the padding row (slot -1) wrote nothing
+
+
+@pytest.mark.parametrize("kind", ["auto", "int8"] + (["fp8"] if DEVICE.type == "cuda" else []))
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"),
+    [(4, 2, 16), (8, 1, 32), (2, 2, 24)],  # GQA, one shared head, a head of no power of two
+)
+@pytest.mark.parametrize("programs", [1, 64])  # one program per row and KV head; the context split
+def test_paged_decode_attention_matches_the_reference(kind, heads, kv_heads, dim, programs):
+    dtype = torch.float32
+    torch.manual_seed(heads * 100 + dim)
+    block_size, num_blocks = 16, 12
+    cache = _pool(num_blocks, block_size, kv_heads, dim, dtype, kind)
+    lens = [37, 1, 16, 0, 70]  # a row of length 0: a CUDA graph's padding
+    tables = torch.zeros(len(lens), 6, dtype=torch.long)
+    free = list(torch.randperm(num_blocks).tolist())
+    slots = []
+    for row, n in enumerate(lens):
+        for b in range(-(-n // block_size)):
+            tables[row, b] = free.pop() if free else 0
+        slots += [int(tables[row, p // block_size]) * block_size + p % block_size for p in range(n)]
+    # each (block, offset) written once: rows share no block here
+    assert len(set(slots)) == len(slots) or num_blocks < sum(-(-n // block_size) for n in lens)
+    slots_t = torch.tensor(slots, device=DEVICE)
+    write_kv(
+        cache,
+        torch.randn(len(slots), kv_heads, dim, device=DEVICE),
+        torch.randn(len(slots), kv_heads, dim, device=DEVICE),
+        slots_t,
+    )
+    q = torch.randn(len(lens), heads, dim, device=DEVICE)
+    meta = AttentionMetadata(
+        slot_mapping=slots_t,
+        num_decode_tokens=len(lens),
+        decode_block_tables=tables.to(DEVICE),
+        decode_context_lens=torch.tensor(lens, device=DEVICE),
+    )
+    got = tk.paged_decode_attention(
+        q, cache.k, cache.v, cache.k_scale, cache.v_scale, kind, meta.decode_block_tables, meta.decode_context_lens,
+        dim**-0.5, programs,
+    )  # fmt: skip
+    want = TorchKernels().decode_attention(q, cache, meta)
+    live = [i for i, n in enumerate(lens) if n]
+    _close(got[live], want[live], dtype)
+    assert not got[lens.index(0)].any()  # nothing to attend to: zeros, not NaN
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_rope_and_gating_match_the_reference(dtype):
+    torch.manual_seed(0)
+    ref = TorchKernels()
+    x = torch.randn(5, 48, dtype=dtype, device=DEVICE)
+    w = torch.randn(48, dtype=dtype, device=DEVICE)
+    _close(tk.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5), dtype)
+    # per head, on a strided view (Qwen3's q/k norms read qkv's columns)
+    qkv = torch.randn(5, 3 * 32, dtype=dtype, device=DEVICE)
+    heads = qkv[:, :64].view(5, 4, 16)
+    hw = torch.randn(16, dtype=dtype, device=DEVICE)
+    _close(tk.rms_norm(heads, hw, 1e-6), ref.rms_norm(heads, hw, 1e-6), dtype)
+
+    residual = torch.randn(5, 48, dtype=dtype, device=DEVICE)
+    want_residual = residual.clone()
+    want = ref.add_rms_norm(x, want_residual, w, 1e-5)
+    got = tk.add_rms_norm(x, residual, w, 1e-5)
+    assert torch.equal(residual, want_residual)  # the in-place add rounds as torch's does
+    _close(got, want, dtype)
+
+    rotary = RotaryEmbedding(16, 64, 10000.0, None).to(DEVICE)
+    positions = torch.tensor([0, 3, 17, 63, 5], device=DEVICE)
+    view = qkv[:, : 6 * 16].view(5, 6, 16)  # q and k heads side by side, strided rows
+    want = ref.rope(view.clone(), rotary(positions, dtype))
+    assert tk.rope_(view, positions, rotary.cos, rotary.sin)
+    _close(view, want, dtype)
+
+    gate_up = torch.randn(5, 2 * 40, dtype=dtype, device=DEVICE)
+    _close(tk.silu_mul(gate_up), ref.silu_mul(gate_up), dtype)
+
+
+def test_decode_splits_depend_on_shapes_only():
+    assert tk.decode_splits(1, 4, 128, 264) == 16  # one sequence: its context over many programs
+    assert tk.decode_splits(64, 8, 128, 264) == 1  # a full batch fills the GPU by itself
+    assert tk.decode_splits(1, 4, 2, 264) == 2  # never more splits than the table has blocks

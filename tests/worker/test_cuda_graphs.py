@@ -1,0 +1,72 @@
+"""CUDA graphs for decode steps (``worker/cuda_graphs.py``). Where there is no GPU the same
+padded forward runs from the same persistent buffers without a graph (``capture=False``) on
+``CudaKernels`` through Triton's interpreter: padding rows must leave every real row's tokens,
+logprobs and KV cache as an unpadded step leaves them. On a GPU the graphs are captured and
+replayed for real."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")  # without a GPU, in its interpreter (tests/conftest.py sets it)
+
+from ridge import LLM, SamplingParams
+from ridge.layers.cuda_kernels import CudaKernels
+from ridge.worker.cuda_graphs import DecodeGraphs, capture_sizes, unsupported_reason
+
+from ..models.hf_tiny import build
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25], [3]]
+
+
+def test_the_ladder_is_vllms():
+    assert capture_sizes(256) == [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]
+    assert capture_sizes(4) == [1, 2, 4, 8]
+    assert capture_sizes(1) == [1, 2]
+
+
+def _run(path, graphs: bool, **options):
+    """Greedy tokens and top-3 logprobs of three prompts (decode steps of 3 rows, padded to
+    4, then of 1), on CudaKernels with or without the graphs' padded buffers."""
+    llm = LLM(
+        str(path), dtype="float32", num_kv_blocks=64, seed=0, device=str(DEVICE), tokenizer="bytes", kernels="torch",
+        enforce_eager=True, max_num_seqs=4, **options,
+    )  # fmt: skip
+    worker = llm.engine.executor.worker
+    worker.model.set_kernels(CudaKernels(DEVICE))
+    assert unsupported_reason(worker.model, worker.model.kernels) is None
+    if graphs:
+        runner = worker.runner
+        runner.graphs = DecodeGraphs(
+            worker.model, runner.kv_caches, 16, 256, capture_sizes(4), DEVICE, capture=DEVICE.type == "cuda"
+        )
+        runner.graphs.capture()
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True)
+    outs = llm.generate(PROMPTS, [params, params, SamplingParams(max_tokens=3, temperature=0.0, logprobs=3)])
+    if graphs:  # every decode step went through the buffers, the 3-row ones padded to 4
+        assert worker.runner.graphs.replays >= 7 and worker.runner.graphs.padding_rows >= 2
+    return [
+        (o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]) for o in outs
+    ]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_padded_graph_steps_compute_what_eager_steps_compute(tmp_path, kv_cache_dtype):
+    build("llama-gqa", tmp_path)
+    eager = _run(tmp_path, graphs=False, kv_cache_dtype=kv_cache_dtype)
+    padded = _run(tmp_path, graphs=True, kv_cache_dtype=kv_cache_dtype)
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(padded, eager):
+        assert tokens == want_tokens
+        for got, want in zip(logprobs, want_logprobs):
+            assert got.keys() == want.keys()
+            assert all(abs(got[t] - want[t]) < 1e-4 for t in want)
+
+
+def test_moe_and_other_kernels_are_not_captured(tmp_path):
+    build("mixtral-moe", tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=16, device="cpu", tokenizer="bytes", kernels="torch")
+    model = llm.engine.executor.worker.model
+    assert "kernels" in unsupported_reason(model, model.kernels)
+    assert "MoE" in unsupported_reason(model, CudaKernels(torch.device("cpu")))
