@@ -98,7 +98,12 @@ class DecodeGraphs:
             decode_block_tables=self.block_tables[:size],
             decode_context_lens=self.context_lens[:size],
         )
-        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
+        kernels = self.model.kernels
+        kernels.graph_mode = True  # the fused kernels, and the KV write that skips padding rows
+        try:
+            return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
+        finally:
+            kernels.graph_mode = False
 
     @torch.inference_mode()
     def capture(self) -> CaptureReport:
