@@ -54,22 +54,33 @@ for step in "$@"; do
     timeout 500 python3 benchmarks/spec_decode.py --device cuda --rounds 3 \
       --out "$OUT/spec_decode_cuda.json" 2>&1 | grep -v "^ridge:" | grep "^round\|ratio_median"
     ;;
-  graphs)  # the decode step: Triton kernels and CUDA graphs, then each mode's latency, interleaved
+  graphs)  # the GPU decode step (Triton kernels, CUDA graphs): checks, then old path vs new, same call
     timeout 150 python3 -m pytest -q --timeout 120 -p no:cacheprovider -o addopts="-ra" \
-      tests/layers/test_triton_kernels.py tests/worker/test_cuda_graphs.py tests/models/test_parity.py \
+      tests/layers/test_triton_kernels.py tests/worker tests/models/test_parity.py \
       > "$OUT/graphs-tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/graphs-tests.log" | tail -n 12
-    for model in ${GRAPH_MODELS:-random:tinyllama-1.1b random:llama-3.1-8b}; do
-      name=${model#random:}
-      for mode in "--kernels torch --enforce-eager" "--enforce-eager" ""; do
-        tag=$(echo "${mode:-graphs}" | tr -d '-' | tr ' ' '_')
-        timeout 240 python3 -m ridge.cli bench latency --model "$model" --dtype bfloat16 $mode --max-model-len 4096 \
-          --batch 1 --batch 32 --input-len 128 --output-len 64 --rounds ${GRAPH_ROUNDS:-2} \
-          > "$OUT/graphs-$name-$tag.txt" 2> "$OUT/graphs-$name-$tag.err" \
-          && { echo "== $name $tag"; cat "$OUT/graphs-$name-$tag.txt"; grep "CUDA graphs" "$OUT/graphs-$name-$tag.err"; } \
-          || tail -n 20 "$OUT/graphs-$name-$tag.err"
+    common="--dtype bfloat16 --max-model-len 2048 --input-len 128 --output-len 64 --rounds ${GRAPH_ROUNDS:-2}"
+    for model in random:tinyllama-1.1b random:llama-3.1-8b; do
+      for mode in "--kernels torch --enforce-eager" ""; do  # the path before CUDA graphs, then the default
+        echo "== ${model#random:} ${mode:-graphs}"
+        timeout 120 python3 -m ridge.cli bench latency --model "$model" $common --batch 1 --batch 32 $mode \
+          2> "$OUT/graphs.err" | grep -E "decode|floor|prefill" || tail -n 5 "$OUT/graphs.err"
+        grep "CUDA graphs" "$OUT/graphs.err"
       done
     done
+    for fmt in "" "--quantization int4" "--quantization int8" "--kv-cache-dtype int8" "--kv-cache-dtype fp8"; do
+      for mode in "--kernels torch --enforce-eager" ""; do
+        echo "== tinyllama-1.1b ${fmt:-bf16} ${mode:-graphs}"
+        timeout 90 python3 -m ridge.cli bench latency --model random:tinyllama-1.1b $common --batch 1 $fmt $mode \
+          2> "$OUT/graphs.err" | grep -E "decode" || tail -n 5 "$OUT/graphs.err"
+      done
+    done
+    timeout 90 python3 benchmarks/cuda_step.py --model random:tinyllama-1.1b --batch 1 --batch 32 \
+      > "$OUT/cuda_step.txt" 2>&1; grep "^==" "$OUT/cuda_step.txt"
+    python3 .gpu/shared/tools/inflate_stories.py /tmp/stories-1.1b > /dev/null
+    python3 .gpu/shared/tools/inflate_stories.py /tmp/stories-1.1b-noise0.05 --noise 0.05 > /dev/null
+    timeout 240 python3 benchmarks/spec_decode.py --device cuda --rounds 2 --only batch-32-ngram,batch-32-draft \
+      --out "$OUT/spec_decode_cuda.json" 2>&1 | grep -v "^ridge:" | grep "^round"
     ;;
   quant)  # the formats through the torch fallback (CUDA has no ridge kernel): latency, then quality
     for fmt in "" "--quantization int8" "--quantization int4" "--kv-cache-dtype int8" "--kv-cache-dtype fp8"; do

@@ -58,6 +58,10 @@ def _takes(x: torch.Tensor, fmt: BlockFormat | None) -> bool:
 
 class TorchKernels:
     name = "torch"
+    # Prompt chunks of at most this many tokens run as decode rows (each row a query over its
+    # context up to itself), batched in the step's one decode-attention call, instead of
+    # through prefill attention per chunk (0: never; the runner asks, ``worker/runner.py``).
+    short_chunk_rows = 0
     # Host seconds spent in matmul / grouped_matmul since the last take_matmul_s(): the
     # telemetry's matmul share of a step (meaningful where kernels run synchronously: CPU).
     matmul_s = 0.0

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ridge.quantization.methods import PACKED_ROW_BLOCK
+
 # Integer views for a plain copy of rows (the copy kernel moves bits, whatever they encode)
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -395,3 +397,124 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         block = min(_pow2(n), 1024)
         _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, gate_up.stride(0), out, n, BLOCK=block)
     return out
+
+
+# -- block-format matmul (Q8_0, Q4_0) --------------------------------------------------------
+# ``pack_blocks`` moves each row's scales behind its codes (the same bytes, so the same size):
+#     row n: [ codes: K bytes (Q8_0) or K/2 (Q4_0, byte j of block b holds elements 16 and 0
+#              apart, low nibble first, as GGUF has them) | scales: K/32 fp16 ]
+# rows grouped 16 to a leading index, as the CPU kernels group theirs (a row range of 16-row
+# blocks is a slice: one expert's rows of a stacked layer).
+PACKED_ROWS = PACKED_ROW_BLOCK
+BLOCK_FORMATS = {"int8": (34, False), "int4": (18, True)}  # ridge's name -> (GGUF bytes per block, nibbles)
+
+
+def pack_blocks(name: str, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
+    """GGUF blocks (n, k/32 * type_size) -> the kernel's rows (n/16, 16 * row bytes); None where
+    the format or shape is not taken."""
+    if name not in BLOCK_FORMATS or n % PACKED_ROWS or k % 32:
+        return None
+    type_size, _ = BLOCK_FORMATS[name]
+    b = blocks.reshape(n, k // 32, type_size)
+    packed = torch.cat([b[..., 2:].reshape(n, -1), b[..., :2].reshape(n, -1)], dim=1)
+    return packed.reshape(n // PACKED_ROWS, -1).contiguous()
+
+
+def unpack_blocks(name: str, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The kernel's rows back to GGUF blocks (n, k/32 * type_size)."""
+    type_size, _ = BLOCK_FORMATS[name]
+    rows = packed.reshape(n, -1)
+    codes, scales = rows[:, : k // 32 * (type_size - 2)], rows[:, k // 32 * (type_size - 2) :]
+    blocks = torch.cat([scales.reshape(n, k // 32, 2), codes.reshape(n, k // 32, type_size - 2)], dim=2)
+    return blocks.reshape(n, -1)
+
+
+@triton.jit
+def _block_matmul_kernel(
+    x,
+    x_s0,
+    packed,
+    scales,  # the same bytes as fp16
+    bias,
+    out,
+    out_s0,
+    M,
+    N,
+    K,
+    ROW_BYTES: tl.constexpr,
+    CODE_BYTES: tl.constexpr,
+    NIBBLES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    m_ok = rm < M
+    row = rn.to(tl.int64) * ROW_BYTES
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        k_ok = kk < K
+        xv = tl.load(x + rm[:, None] * x_s0 + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        if NIBBLES:
+            j = kk % 32
+            byte = tl.load(packed + row[:, None] + ((kk // 32) * 16 + j % 16)[None, :], mask=w_mask, other=0)
+            code = ((byte >> (4 * (j // 16))[None, :]) & 15).to(tl.float32) - 8.0
+        else:
+            code = tl.load(packed + row[:, None] + kk[None, :], mask=w_mask, other=0).to(tl.int8, bitcast=True)
+            code = code.to(tl.float32)
+        scale = tl.load(scales + (row[:, None] + CODE_BYTES) // 2 + (kk // 32)[None, :], mask=w_mask, other=0.0)
+        w = (code * scale.to(tl.float32)).to(xv.dtype)  # the reference's dense weight, value for value
+        if IEEE:
+            acc += tl.dot(xv, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(xv, tl.trans(w))
+    if HAS_BIAS:
+        acc += tl.load(bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out + rm[:, None] * out_s0 + rn[None, :], acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def block_matmul(
+    x: torch.Tensor, packed: torch.Tensor, name: str, n: int, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """x (..., K) @ W^T (+ bias) with W in ``pack_blocks``' rows: each tile of W dequantized in
+    registers (the reference's dense weight in x's dtype, value for value) and never written;
+    None where x's layout is not taken."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        return None
+    m = rows.shape[0]
+    type_size, nibbles = BLOCK_FORMATS[name]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m:
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        block_n = 16 if m <= 16 else 64  # a decode step's few rows: many programs over N
+        flat = packed.view(-1)
+        _block_matmul_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+            rows,
+            rows.stride(0),
+            flat,
+            flat.view(torch.float16),
+            bias if bias is not None else out,
+            out,
+            out.stride(0),
+            m,
+            n,
+            k,
+            ROW_BYTES=k // 32 * type_size,
+            CODE_BYTES=k // 32 * (type_size - 2),
+            NIBBLES=nibbles,
+            HAS_BIAS=bias is not None,
+            IEEE=x.dtype is torch.float32,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=128 if k % 128 == 0 else 32,
+        )
+    return out.reshape(*x.shape[:-1], n)

@@ -136,34 +136,38 @@ class ModelRunner:
 
     # -- the forward pass -----------------------------------------------------------------
     def prepare(self, chunks: list[ChunkInput]) -> ForwardBatch:
-        """Decode-row chunks (one token, or a verify run) must come first."""
+        """The step's flat batch: decode rows first (one-token chunks, verify runs, and prompt
+        chunks of at most ``kernels.short_chunk_rows`` tokens where the kernels run those as
+        decode rows), then prefill chunks. Logit rows follow the chunks' order."""
         bs = self.block_size
+        short = getattr(self.model.kernels, "short_chunk_rows", 0)
+
+        def as_decode_rows(chunk: ChunkInput) -> bool:
+            n = len(chunk.token_ids)
+            return n == 1 or chunk.verify or (n <= short and chunk.prompt_logprobs is None)
+
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
-        sample_rows: list[int] = []
-        sample_ids: list[str] = []
-        verify_rows: list[int] = []
-        verify_runs: list[tuple[str, list[int]]] = []
-        prompt_rows: list[int] = []
-        prompt_spans: list[tuple[str, int, int]] = []
-        for chunk in chunks:
+        first_row: dict[int, int] = {}  # id(chunk) -> its first flat row
+        for chunk in [c for c in chunks if as_decode_rows(c)] + [c for c in chunks if not as_decode_rows(c)]:
             table = chunk.block_table
             start, end = chunk.start, chunk.end
+            first_row[id(chunk)] = len(tokens)
             if len(chunk.token_ids) == 1:  # a decode (or one prompt token): the common case, kept lean
                 tokens.append(chunk.token_ids[0])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
                 decode_tables.append(table)
                 decode_lens.append(end)
-            elif chunk.verify:
-                # 1 + k decode rows of one sequence: row j sees the context up to its own
-                # position (the step writes every row's K/V before attention), so the decode
-                # kernel is causal across the run and each row computes what a plain decode
-                # at that position computes.
+            elif as_decode_rows(chunk):
+                # A verify run (1 + k rows of one sequence), or a short prompt chunk: row j sees
+                # the context up to its own position (the step writes every row's K/V before
+                # attention), so the decode kernel is causal across the run and each row
+                # computes what a plain decode at that position computes.
                 tokens.extend(chunk.token_ids)
                 for pos in range(start, end):
                     positions.append(pos)
@@ -178,17 +182,24 @@ class ModelRunner:
                 prefills.append(
                     PrefillChunk(row, len(tokens), end, torch.tensor(table, dtype=torch.long, device=self.device))
                 )
+        sample_rows: list[int] = []
+        sample_ids: list[str] = []
+        verify_rows: list[int] = []
+        verify_runs: list[tuple[str, list[int]]] = []
+        prompt_rows: list[int] = []
+        prompt_spans: list[tuple[str, int, int]] = []
+        for chunk in chunks:
+            first, count = first_row[id(chunk)], len(chunk.token_ids)
             if chunk.verify:
-                verify_rows.extend(range(len(tokens) - (end - start), len(tokens)))
+                verify_rows.extend(range(first, first + count))
                 verify_runs.append((chunk.req_id, chunk.token_ids[1:]))
             elif chunk.samples:
-                sample_rows.append(len(tokens) - 1)
+                sample_rows.append(first + count - 1)
                 sample_ids.append(chunk.req_id)
             if chunk.prompt_logprobs is not None:
-                first, count = chunk.prompt_logprobs
-                first_row = len(tokens) - (end - start)
-                prompt_spans.append((chunk.req_id, first, count))
-                prompt_rows.extend(range(first_row, first_row + count))
+                predicted, rows = chunk.prompt_logprobs
+                prompt_spans.append((chunk.req_id, predicted, rows))
+                prompt_rows.extend(range(first, first + rows))
 
         def as_tensor(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -134,3 +134,26 @@ def test_decode_splits_depend_on_shapes_only():
     assert tk.decode_splits(1, 4, 128, 264) == 16  # one sequence: its context over many programs
     assert tk.decode_splits(64, 8, 128, 264) == 1  # a full batch fills the GPU by itself
     assert tk.decode_splits(1, 4, 2, 264) == 2  # never more splits than the table has blocks
+
+
+@pytest.mark.parametrize("fmt_name", ["int8", "int4"])  # Q8_0, Q4_0
+@pytest.mark.parametrize(("m", "k"), [(1, 96), (5, 256), (40, 128)])
+def test_block_matmul_matches_the_reference_dense_weight(fmt_name, m, k):
+    from ridge.quantization.formats import FORMATS
+
+    fmt = FORMATS[fmt_name]
+    torch.manual_seed(m + k)
+    n = 48
+    blocks = fmt.quantize(torch.randn(n, k)).to(DEVICE)
+    packed = tk.pack_blocks(fmt.name, blocks, n, k)
+    assert packed.numel() == blocks.numel()  # the same bytes, rearranged
+    assert torch.equal(tk.unpack_blocks(fmt.name, packed, n, k), blocks)
+    dense = fmt.dequantize(blocks, k)
+    for dtype in DTYPES:
+        x = torch.randn(m, k, dtype=dtype, device=DEVICE)
+        bias = torch.randn(n, dtype=dtype, device=DEVICE)
+        want = torch.nn.functional.linear(x, dense.to(dtype), bias)
+        _close(tk.block_matmul(x, packed, fmt.name, n, bias), want, dtype)
+        # rows 16-31 alone (one expert's rows of a stacked layer): their 16-row block
+        want_rows = torch.nn.functional.linear(x, dense[16:32].to(dtype))
+        _close(tk.block_matmul(x, packed[1:2], fmt.name, 16, None), want_rows, dtype)

@@ -27,16 +27,20 @@ def test_the_ladder_is_vllms():
     assert capture_sizes(1) == [1, 2]
 
 
-def _run(path, graphs: bool, **options):
+def _run(path, graphs: bool, cuda_kernels: bool = True, **options):
     """Greedy tokens and top-3 logprobs of three prompts (decode steps of 3 rows, padded to
-    4, then of 1), on CudaKernels with or without the graphs' padded buffers."""
+    4, then of 1), on CudaKernels with or without the graphs' padded buffers (or on the
+    reference kernels: ``cuda_kernels`` False)."""
     llm = LLM(
         str(path), dtype="float32", num_kv_blocks=64, seed=0, device=str(DEVICE), tokenizer="bytes", kernels="torch",
         enforce_eager=True, max_num_seqs=4, **options,
     )  # fmt: skip
     worker = llm.engine.executor.worker
-    worker.model.set_kernels(CudaKernels(DEVICE))
-    assert unsupported_reason(worker.model, worker.model.kernels) is None
+    if cuda_kernels:
+        worker.model.set_kernels(CudaKernels(DEVICE))
+        assert unsupported_reason(worker.model, worker.model.kernels) is None
+        if options.get("quantization"):  # the block-format kernel holds the layers' weights
+            assert worker.model.model.layers[0].mlp.gate_up_proj.packed is not None
     if graphs:
         runner = worker.runner
         runner.graphs = DecodeGraphs(
@@ -52,16 +56,24 @@ def _run(path, graphs: bool, **options):
     ]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_padded_graph_steps_compute_what_eager_steps_compute(tmp_path, kv_cache_dtype):
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "quantization"), [("auto", None), ("int8", None), ("auto", "int4"), ("auto", "int8")]
+)
+def test_padded_graph_steps_compute_what_eager_steps_compute(tmp_path, kv_cache_dtype, quantization):
     build("llama-gqa", tmp_path)
-    eager = _run(tmp_path, graphs=False, kv_cache_dtype=kv_cache_dtype)
-    padded = _run(tmp_path, graphs=True, kv_cache_dtype=kv_cache_dtype)
-    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(padded, eager):
-        assert tokens == want_tokens
-        for got, want in zip(logprobs, want_logprobs):
-            assert got.keys() == want.keys()
-            assert all(abs(got[t] - want[t]) < 1e-4 for t in want)
+    """... and both what the reference kernels compute (where the 3-token prompt runs as
+    decode rows, and the 17-token one through prefill attention; Q4_0/Q8_0 weights through the
+    block-format kernel)."""
+    options = dict(kv_cache_dtype=kv_cache_dtype, quantization=quantization)
+    reference = _run(tmp_path, graphs=False, cuda_kernels=False, **options)
+    eager = _run(tmp_path, graphs=False, **options)
+    padded = _run(tmp_path, graphs=True, **options)
+    for run in (eager, padded):
+        for (tokens, logprobs), (want_tokens, want_logprobs) in zip(run, reference):
+            assert tokens == want_tokens
+            for got, want in zip(logprobs, want_logprobs):
+                assert got.keys() == want.keys()
+                assert all(abs(got[t] - want[t]) < 1e-4 for t in want)
 
 
 def test_moe_and_other_kernels_are_not_captured(tmp_path):
