@@ -53,6 +53,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # (D,) long
     decode_mask: torch.Tensor | None = None  # (D, 1, 1, L) bool: slot l < context_len (torch path; built once per step)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    prefill_index: tuple | None = None  # the kernels' view of the prefills, built by the first layer that asks
 
 
 def write_slots(
@@ -103,7 +104,8 @@ def paged_attention(
 
     ``ops`` (the kernels) writes the step's K/V (``write_kv``) and gives the two paths:
     ``decode_attention(q, cache, meta)`` and ``prefill_attention(q, k, v, cache, chunk)``,
-    called once the step's K/V are in the cache.
+    called once the step's K/V are in the cache; ``prefill_attention_all`` takes every prefill
+    chunk of the step at once where the kernels can (False: one call per chunk).
     """
     ops.write_kv(cache, k, v, meta.slot_mapping)
     num_decodes = meta.num_decode_tokens
@@ -112,9 +114,10 @@ def paged_attention(
     out = torch.empty_like(q)
     if num_decodes:
         out[:num_decodes] = ops.decode_attention(q[:num_decodes], cache, meta)
-    for chunk in meta.prefills:
-        s, e = chunk.start, chunk.end
-        out[s:e] = ops.prefill_attention(q[s:e], k[s:e], v[s:e], cache, chunk)
+    if meta.prefills and not ops.prefill_attention_all(q, cache, meta, out):
+        for chunk in meta.prefills:
+            s, e = chunk.start, chunk.end
+            out[s:e] = ops.prefill_attention(q[s:e], k[s:e], v[s:e], cache, chunk)
     return out
 
 

@@ -115,6 +115,41 @@ class CudaKernels(TorchKernels):
                 return out
         return super().linear(x, layer, rows)
 
+    # Prefill chunks run in one launch when a step has several of at most this many tokens: then
+    # a scaled_dot_product_attention per chunk costs more host time than its work; one long
+    # chunk is flash attention's (torch's kernel), where this simple kernel would be slower.
+    batched_prefill_max_tokens = 256
+
+    def prefill_attention_all(self, q, cache, meta, out):
+        """The step's prefill chunks in one launch (``paged_prefill_attention``), not one
+        ``scaled_dot_product_attention`` with its mask per chunk and layer."""
+        chunks = meta.prefills
+        if len(chunks) < 2 or max(c.num_tokens for c in chunks) > self.batched_prefill_max_tokens:
+            return False
+        if cache.v is cache.k or not tk.decode_attention_supported(q, cache.k) or not out.is_contiguous():
+            return False
+        if meta.prefill_index is None:  # built once per step, shared by every layer
+            tiles, index = tk.prefill_index(
+                [c.start for c in chunks], [c.num_tokens for c in chunks], [c.context_len for c in chunks], q.device
+            )
+            tables = torch.nn.utils.rnn.pad_sequence([c.block_table for c in chunks], batch_first=True)
+            meta.prefill_index = (tiles, index, tables)
+        tiles, index, tables = meta.prefill_index
+        tk.paged_prefill_attention(
+            q,
+            out,
+            cache.k,
+            cache.v,
+            cache.k_scale,
+            cache.v_scale,
+            cache.kind,
+            tables,
+            tiles,
+            index,
+            q.shape[-1] ** -0.5,
+        )
+        return True
+
     def rope_state(self, rotary, positions, dtype):
         return RopeState(rotary, positions, dtype)
 

@@ -206,6 +206,11 @@ class TorchKernels:
         already in the cache -> (n, Hq, Dh): torch's scaled_dot_product_attention."""
         return prefill_attention(q, k, v, cache, chunk)
 
+    def prefill_attention_all(self, q, cache: PagedKV, meta: AttentionMetadata, out: torch.Tensor) -> bool:
+        """Every prefill chunk of the step in one call, into ``out``'s rows of each chunk (q, out:
+        the step's flat (T, Hq, Dh)); False where these kernels run them one by one."""
+        return False
+
     # A decode step's layers in one call (``CpuKernels``): a model fills the plan once with
     # what each layer holds; these kernels have none (None: run op by op).
     def decode_plan(self):

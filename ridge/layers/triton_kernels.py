@@ -272,6 +272,169 @@ def paged_decode_attention(
     return out
 
 
+@triton.jit
+def _prefill_attention_kernel(
+    q,
+    q_s0,
+    q_s1,
+    k_pool,
+    v_pool,
+    k_scale,
+    v_scale,
+    pool_s0,
+    pool_s1,
+    pool_s2,
+    sc_s0,
+    sc_s1,
+    sc_s2,
+    tables,
+    tables_s0,
+    tiles,  # (num_tiles, 2): each tile's chunk and first row within it
+    chunks,  # (num_chunks, 3): first flat row, rows, context length after the chunk
+    out,
+    out_s0,
+    out_s1,
+    sm_scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SCALE_GROUP: tl.constexpr,
+    KIND: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kvh = head // GROUP
+    chunk = tl.load(tiles + tile * 2)
+    row0 = tl.load(tiles + tile * 2 + 1)
+    first = tl.load(chunks + chunk * 3)
+    count = tl.load(chunks + chunk * 3 + 1)
+    ctx = tl.load(chunks + chunk * 3 + 2)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    r_ok = rows < count
+    q_pos = ctx - count + rows  # each query's absolute position: it sees keys 0 ..= q_pos
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_t = tl.arange(0, BLOCK_SIZE)
+    d_ok = offs_d < HEAD_DIM
+    flat = (first + rows).to(tl.int64)
+    qv = tl.load(
+        q + flat[:, None] * q_s0 + head * q_s1 + offs_d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0
+    )
+
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    denom = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    last_key = tl.minimum(ctx, ctx - count + row0 + BLOCK_M)  # the tile's last query sees up to here
+    for b in range(0, tl.cdiv(last_key, BLOCK_SIZE)):
+        block = tl.load(tables + chunk * tables_s0 + b).to(tl.int64)
+        key = b * BLOCK_SIZE + offs_t
+        t_ok = key < ctx
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        off = block * pool_s0 + offs_t[:, None] * pool_s1 + kvh * pool_s2 + offs_d[None, :]
+        kt = tl.load(k_pool + off, mask=kv_mask, other=0)
+        vt = tl.load(v_pool + off, mask=kv_mask, other=0)
+        if KIND != 0:
+            s_off = block * sc_s0 + offs_t[:, None] * sc_s1 + kvh * sc_s2 + (offs_d // SCALE_GROUP)[None, :]
+            ks = tl.load(k_scale + s_off, mask=kv_mask, other=0.0).to(tl.float32)
+            vs = tl.load(v_scale + s_off, mask=kv_mask, other=0.0).to(tl.float32)
+            if KIND == 1:
+                kt = (kt.to(tl.float32) * ks).to(qv.dtype)
+                vt = (vt.to(tl.float32) * vs).to(qv.dtype)
+            else:
+                kt = (kt.to(tl.float8e4nv, bitcast=True).to(tl.float32) * ks).to(qv.dtype)
+                vt = (vt.to(tl.float8e4nv, bitcast=True).to(tl.float32) * vs).to(qv.dtype)
+        if IEEE:
+            s = tl.dot(qv, tl.trans(kt), input_precision="ieee")
+        else:
+            s = tl.dot(qv, tl.trans(kt))
+        seen = t_ok[None, :] & (key[None, :] <= q_pos[:, None])
+        s = tl.where(seen, s * sm_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a padding row sees nothing
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        denom = denom * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        m = m_new
+    result = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(
+        out + flat[:, None] * out_s0 + head * out_s1 + offs_d[None, :],
+        result.to(out.dtype.element_ty),
+        mask=r_ok[:, None] & d_ok[None, :],
+    )
+
+
+PREFILL_BLOCK_M = 32
+
+
+def prefill_index(starts: list[int], lengths: list[int], contexts: list[int], device: torch.device):
+    """A step's prefill chunks as the kernel reads them: (tiles (num_tiles, 2): chunk and first
+    row of each tile of ``PREFILL_BLOCK_M`` query rows; chunks (num_chunks, 3): first flat row,
+    rows, context length), one host-to-device copy."""
+    tiles = [(c, row) for c, n in enumerate(lengths) for row in range(0, n, PREFILL_BLOCK_M)]
+    values = [v for tile in tiles for v in tile] + [v for chunk in zip(starts, lengths, contexts) for v in chunk]
+    index = torch.tensor(values, dtype=torch.int32).to(device)
+    return index[: 2 * len(tiles)].view(-1, 2), index[2 * len(tiles) :].view(-1, 3)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    kind: str,
+    tables: torch.Tensor,
+    tiles: torch.Tensor,
+    chunks: torch.Tensor,
+    scale: float,
+) -> None:
+    """Every prefill chunk of a step in one launch: chunk c's rows (q's flat rows ``chunks[c,
+    0]`` on, ``chunks[c, 1]`` of them) attend causally over the first ``chunks[c, 2]`` tokens
+    its row of ``tables`` maps (the chunk's own K/V already in the pool); into ``out``'s rows."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    _, block_size, num_kv_heads, _ = k_pool.shape
+    quantized = k_scale is not None
+    sc = k_scale if quantized else k_pool
+    _prefill_attention_kernel[(tiles.shape[0], num_heads)](
+        q,
+        q.stride(0),
+        q.stride(1),
+        k_pool,
+        v_pool,
+        sc,
+        v_scale if quantized else v_pool,
+        k_pool.stride(0),
+        k_pool.stride(1),
+        k_pool.stride(2),
+        sc.stride(0),
+        sc.stride(1),
+        sc.stride(2),
+        tables,
+        tables.stride(0),
+        tiles,
+        chunks,
+        out,
+        out.stride(0),
+        out.stride(1),
+        scale,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_M=PREFILL_BLOCK_M,
+        BLOCK_D=max(_pow2(head_dim), 16),
+        BLOCK_SIZE=block_size,
+        SCALE_GROUP=head_dim // k_scale.shape[-1] if quantized else 1,
+        KIND=KV_KINDS[kind],
+        IEEE=q.dtype is torch.float32,
+    )
+
+
 def decode_attention_supported(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
     """Shapes the kernel takes: a block size that is a power of two of at least 16 (its dots),
     whole groups of query heads per KV head, a contiguous pool."""

@@ -157,3 +157,49 @@ def test_block_matmul_matches_the_reference_dense_weight(fmt_name, m, k):
         # rows 16-31 alone (one expert's rows of a stacked layer): their 16-row block
         want_rows = torch.nn.functional.linear(x, dense[16:32].to(dtype))
         _close(tk.block_matmul(x, packed[1:2], fmt.name, 16, None), want_rows, dtype)
+
+
+@pytest.mark.parametrize("kind", ["auto", "int8"] + (["fp8"] if DEVICE.type == "cuda" else []))
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 16), (2, 2, 24)])
+def test_paged_prefill_attention_matches_the_reference_per_chunk(kind, heads, kv_heads, dim):
+    """Several chunks in one launch: a whole prompt, a chunk after a cached prefix, one longer
+    than a tile (33 rows), one token."""
+    from ridge.layers.attention import PrefillChunk, prefill_attention
+
+    torch.manual_seed(heads + dim)
+    block_size, num_blocks = 16, 16
+    cache = _pool(num_blocks, block_size, kv_heads, dim, torch.float32, kind)
+    specs = [(5, 5), (7, 20), (33, 40), (1, 9)]  # (rows, context after the chunk)
+    free = torch.randperm(num_blocks).tolist()
+    chunks, slots, row = [], [], 0
+    for n, ctx in specs:
+        table = torch.tensor([free.pop() for _ in range(-(-ctx // block_size))], device=DEVICE)
+        prefix = list(range(ctx - n))  # the cached tokens: written first, as an earlier step did
+        write_kv(
+            cache,
+            torch.randn(len(prefix), kv_heads, dim, device=DEVICE),
+            torch.randn(len(prefix), kv_heads, dim, device=DEVICE),
+            torch.tensor(
+                [int(table[p // block_size]) * block_size + p % block_size for p in prefix],
+                dtype=torch.long,
+                device=DEVICE,
+            ),
+        )
+        slots += [int(table[p // block_size]) * block_size + p % block_size for p in range(ctx - n, ctx)]
+        chunks.append(PrefillChunk(row, row + n, ctx, table))
+        row += n
+    k = torch.randn(row, kv_heads, dim, device=DEVICE)
+    v = torch.randn(row, kv_heads, dim, device=DEVICE)
+    write_kv(cache, k, v, torch.tensor(slots, device=DEVICE))
+    q = torch.randn(row, heads, dim, device=DEVICE)
+    tiles, index = tk.prefill_index(
+        [c.start for c in chunks], [c.num_tokens for c in chunks], [c.context_len for c in chunks], DEVICE
+    )
+    tables = torch.nn.utils.rnn.pad_sequence([c.block_table for c in chunks], batch_first=True)
+    out = torch.full_like(q, float("nan"))
+    tk.paged_prefill_attention(
+        q, out, cache.k, cache.v, cache.k_scale, cache.v_scale, kind, tables, tiles, index, dim**-0.5
+    )
+    for c in chunks:
+        want = prefill_attention(q[c.start : c.end], k[c.start : c.end], v[c.start : c.end], cache, c)
+        _close(out[c.start : c.end], want, torch.float32)

@@ -12,13 +12,16 @@ import torch
 pytest.importorskip("triton")  # without a GPU, in its interpreter (tests/conftest.py sets it)
 
 from ridge import LLM, SamplingParams
+from ridge.layers import triton_kernels as tk
 from ridge.layers.cuda_kernels import CudaKernels
 from ridge.worker.cuda_graphs import DecodeGraphs, capture_sizes, unsupported_reason
 
 from ..models.hf_tiny import build
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25], [3]]
+# a short prompt (decode rows on CudaKernels), two longer than a block (one prefill launch
+# for both), one token
+PROMPTS = [[5, 6, 7], list(range(9, 26)), [3], list(range(40, 60))]
 
 
 def test_the_ladder_is_vllms():
@@ -28,8 +31,8 @@ def test_the_ladder_is_vllms():
 
 
 def _run(path, graphs: bool, cuda_kernels: bool = True, **options):
-    """Greedy tokens and top-3 logprobs of three prompts (decode steps of 3 rows, padded to
-    4, then of 1), on CudaKernels with or without the graphs' padded buffers (or on the
+    """Greedy tokens and top-3 logprobs of four prompts (decode steps of 4 rows, then 3,
+    padded to 4), on CudaKernels with or without the graphs' padded buffers (or on the
     reference kernels: ``cuda_kernels`` False)."""
     llm = LLM(
         str(path), dtype="float32", num_kv_blocks=64, seed=0, device=str(DEVICE), tokenizer="bytes", kernels="torch",
@@ -48,9 +51,10 @@ def _run(path, graphs: bool, cuda_kernels: bool = True, **options):
         )
         runner.graphs.capture()
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True)
-    outs = llm.generate(PROMPTS, [params, params, SamplingParams(max_tokens=3, temperature=0.0, logprobs=3)])
+    short = SamplingParams(max_tokens=3, temperature=0.0, logprobs=3)
+    outs = llm.generate(PROMPTS, [params, params, short, params])
     if graphs:  # every decode step went through the buffers, the 3-row ones padded to 4
-        assert worker.runner.graphs.replays >= 7 and worker.runner.graphs.padding_rows >= 2
+        assert worker.runner.graphs.replays >= 7 and worker.runner.graphs.padding_rows >= 5
     return [
         (o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]) for o in outs
     ]
@@ -59,15 +63,19 @@ def _run(path, graphs: bool, cuda_kernels: bool = True, **options):
 @pytest.mark.parametrize(
     ("kv_cache_dtype", "quantization"), [("auto", None), ("int8", None), ("auto", "int4"), ("auto", "int8")]
 )
-def test_padded_graph_steps_compute_what_eager_steps_compute(tmp_path, kv_cache_dtype, quantization):
+def test_padded_graph_steps_compute_what_eager_steps_compute(tmp_path, monkeypatch, kv_cache_dtype, quantization):
     build("llama-gqa", tmp_path)
     """... and both what the reference kernels compute (where the 3-token prompt runs as
     decode rows, and the 17-token one through prefill attention; Q4_0/Q8_0 weights through the
     block-format kernel)."""
     options = dict(kv_cache_dtype=kv_cache_dtype, quantization=quantization)
     reference = _run(tmp_path, graphs=False, cuda_kernels=False, **options)
+    launches = []  # the two long prompts' prefill: one launch per layer for both
+    batched = tk.paged_prefill_attention
+    monkeypatch.setattr(tk, "paged_prefill_attention", lambda *a, **kw: launches.append(1) or batched(*a, **kw))
     eager = _run(tmp_path, graphs=False, **options)
     padded = _run(tmp_path, graphs=True, **options)
+    assert len(launches) == 2 * 2  # two runs, two layers
     for run in (eager, padded):
         for (tokens, logprobs), (want_tokens, want_logprobs) in zip(run, reference):
             assert tokens == want_tokens
