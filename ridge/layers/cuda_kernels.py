@@ -17,7 +17,11 @@ over these kernels can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
 
 from ridge.kv import cache as kv_cache
 from ridge.kv.cache import PagedKV
@@ -47,7 +51,21 @@ class CudaKernels(TorchKernels):
     # a short prompt joins the step's one decode-attention launch, and a CUDA graph.
     short_chunk_rows = 16
 
+    # Kernels that have passed in Triton's interpreter but not yet run on a GPU (the block-format
+    # matmul, the batched prefill attention): one that fails to compile on this GPU warns once
+    # and leaves its op to the reference from then on.
+    def _guarded(self, name: str, fn, *args):
+        if name in self.failed:
+            return None
+        try:
+            return fn(*args)
+        except (CompilationError, OutOfResources) as exc:
+            self.failed.add(name)
+            warnings.warn(f"ridge: the Triton kernel {name} failed on this GPU ({exc}); using torch ops", stacklevel=3)
+            return None
+
     def __init__(self, device: torch.device) -> None:
+        self.failed: set[str] = set()
         # decode attention splits a row's context until about two programs per multiprocessor
         # run (a handful where there is no GPU: the interpreter's tests)
         if device.type == "cuda":
@@ -110,7 +128,7 @@ class CudaKernels(TorchKernels):
                     return super().linear(x, layer, rows)
                 packed = packed[rows.start // tk.PACKED_ROWS : rows.stop // tk.PACKED_ROWS]
                 n, bias = rows.stop - rows.start, None
-            out = tk.block_matmul(x, packed, fmt.name, n, bias)
+            out = self._guarded("block_matmul", tk.block_matmul, x, packed, fmt.name, n, bias)
             if out is not None:
                 return out
         return super().linear(x, layer, rows)
@@ -135,20 +153,8 @@ class CudaKernels(TorchKernels):
             tables = torch.nn.utils.rnn.pad_sequence([c.block_table for c in chunks], batch_first=True)
             meta.prefill_index = (tiles, index, tables)
         tiles, index, tables = meta.prefill_index
-        tk.paged_prefill_attention(
-            q,
-            out,
-            cache.k,
-            cache.v,
-            cache.k_scale,
-            cache.v_scale,
-            cache.kind,
-            tables,
-            tiles,
-            index,
-            q.shape[-1] ** -0.5,
-        )
-        return True
+        args = (q, out, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.kind, tables, tiles, index)
+        return self._guarded("paged_prefill_attention", _launch_prefill, *args) is not None
 
     def rope_state(self, rotary, positions, dtype):
         return RopeState(rotary, positions, dtype)
@@ -170,3 +176,9 @@ class CudaKernels(TorchKernels):
     def silu_mul(self, gate_up):
         out = tk.silu_mul(gate_up) if self.graph_mode else None
         return super().silu_mul(gate_up) if out is None else out
+
+
+def _launch_prefill(*args) -> bool:
+    """``paged_prefill_attention`` at the default scale (Dh ** -0.5); True once launched."""
+    tk.paged_prefill_attention(*args, args[0].shape[-1] ** -0.5)
+    return True

@@ -65,6 +65,67 @@ def write_rows(pool: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None
 
 # -- paged decode attention ----------------------------------------------------------------
 @triton.jit
+def _attend_block(
+    qv,
+    m,
+    denom,
+    acc,
+    k_pool,
+    v_pool,
+    k_scale,
+    v_scale,
+    block,
+    kvh,
+    offs_t,
+    offs_d,
+    t_ok,
+    d_ok,
+    seen,
+    pool_s0,
+    pool_s1,
+    pool_s2,
+    sc_s0,
+    sc_s1,
+    sc_s2,
+    sm_scale,
+    SCALE_GROUP: tl.constexpr,
+    KIND: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One pool block's keys and values (dequantized in registers for an int8 / fp8 pool) into
+    the queries' running softmax (m, denom, acc); ``seen`` masks the scores (query, key)."""
+    kv_mask = t_ok[:, None] & d_ok[None, :]
+    off = block * pool_s0 + offs_t[:, None] * pool_s1 + kvh * pool_s2 + offs_d[None, :]
+    kt = tl.load(k_pool + off, mask=kv_mask, other=0)
+    vt = tl.load(v_pool + off, mask=kv_mask, other=0)
+    if KIND != 0:
+        s_off = block * sc_s0 + offs_t[:, None] * sc_s1 + kvh * sc_s2 + (offs_d // SCALE_GROUP)[None, :]
+        ks = tl.load(k_scale + s_off, mask=kv_mask, other=0.0).to(tl.float32)
+        vs = tl.load(v_scale + s_off, mask=kv_mask, other=0.0).to(tl.float32)
+        if KIND == 1:
+            kt = (kt.to(tl.float32) * ks).to(qv.dtype)
+            vt = (vt.to(tl.float32) * vs).to(qv.dtype)
+        else:
+            kt = (kt.to(tl.float8e4nv, bitcast=True).to(tl.float32) * ks).to(qv.dtype)
+            vt = (vt.to(tl.float8e4nv, bitcast=True).to(tl.float32) * vs).to(qv.dtype)
+    if IEEE:
+        s = tl.dot(qv, tl.trans(kt), input_precision="ieee")
+    else:
+        s = tl.dot(qv, tl.trans(kt))
+    s = tl.where(seen, s * sm_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row that sees nothing yet
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    denom = denom * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+    return m_new, denom, acc
+
+
+@triton.jit
 def _decode_attention_kernel(
     q,
     q_s0,
@@ -123,36 +184,11 @@ def _decode_attention_kernel(
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
     for b in range(first, last):
         block = tl.load(tables + seq * tables_s0 + b).to(tl.int64)
-        tok = b * BLOCK_SIZE + offs_t
-        t_ok = tok < ctx
-        kv_mask = t_ok[:, None] & d_ok[None, :]
-        off = block * pool_s0 + offs_t[:, None] * pool_s1 + kvh * pool_s2 + offs_d[None, :]
-        kt = tl.load(k_pool + off, mask=kv_mask, other=0)
-        vt = tl.load(v_pool + off, mask=kv_mask, other=0)
-        if KIND != 0:
-            s_off = block * sc_s0 + offs_t[:, None] * sc_s1 + kvh * sc_s2 + (offs_d // SCALE_GROUP)[None, :]
-            ks = tl.load(k_scale + s_off, mask=kv_mask, other=0.0).to(tl.float32)
-            vs = tl.load(v_scale + s_off, mask=kv_mask, other=0.0).to(tl.float32)
-            if KIND == 1:
-                kt = (kt.to(tl.float32) * ks).to(qv.dtype)
-                vt = (vt.to(tl.float32) * vs).to(qv.dtype)
-            else:
-                kt = (kt.to(tl.float8e4nv, bitcast=True).to(tl.float32) * ks).to(qv.dtype)
-                vt = (vt.to(tl.float8e4nv, bitcast=True).to(tl.float32) * vs).to(qv.dtype)
-        if IEEE:
-            s = tl.dot(qv, tl.trans(kt), input_precision="ieee")
-        else:
-            s = tl.dot(qv, tl.trans(kt))
-        s = tl.where(t_ok[None, :], s * sm_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-        m = m_new
+        t_ok = b * BLOCK_SIZE + offs_t < ctx
+        m, denom, acc = _attend_block(
+            qv, m, denom, acc, k_pool, v_pool, k_scale, v_scale, block, kvh, offs_t, offs_d, t_ok, d_ok, t_ok[None, :],
+            pool_s0, pool_s1, pool_s2, sc_s0, sc_s1, sc_s2, sm_scale, SCALE_GROUP, KIND, IEEE,
+        )  # fmt: skip
 
     out_mask = g_ok[:, None] & d_ok[None, :]
     if SPLITS == 1:
@@ -331,36 +367,11 @@ def _prefill_attention_kernel(
         block = tl.load(tables + chunk * tables_s0 + b).to(tl.int64)
         key = b * BLOCK_SIZE + offs_t
         t_ok = key < ctx
-        kv_mask = t_ok[:, None] & d_ok[None, :]
-        off = block * pool_s0 + offs_t[:, None] * pool_s1 + kvh * pool_s2 + offs_d[None, :]
-        kt = tl.load(k_pool + off, mask=kv_mask, other=0)
-        vt = tl.load(v_pool + off, mask=kv_mask, other=0)
-        if KIND != 0:
-            s_off = block * sc_s0 + offs_t[:, None] * sc_s1 + kvh * sc_s2 + (offs_d // SCALE_GROUP)[None, :]
-            ks = tl.load(k_scale + s_off, mask=kv_mask, other=0.0).to(tl.float32)
-            vs = tl.load(v_scale + s_off, mask=kv_mask, other=0.0).to(tl.float32)
-            if KIND == 1:
-                kt = (kt.to(tl.float32) * ks).to(qv.dtype)
-                vt = (vt.to(tl.float32) * vs).to(qv.dtype)
-            else:
-                kt = (kt.to(tl.float8e4nv, bitcast=True).to(tl.float32) * ks).to(qv.dtype)
-                vt = (vt.to(tl.float8e4nv, bitcast=True).to(tl.float32) * vs).to(qv.dtype)
-        if IEEE:
-            s = tl.dot(qv, tl.trans(kt), input_precision="ieee")
-        else:
-            s = tl.dot(qv, tl.trans(kt))
         seen = t_ok[None, :] & (key[None, :] <= q_pos[:, None])
-        s = tl.where(seen, s * sm_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a padding row sees nothing
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        denom = denom * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-        m = m_new
+        m, denom, acc = _attend_block(
+            qv, m, denom, acc, k_pool, v_pool, k_scale, v_scale, block, kvh, offs_t, offs_d, t_ok, d_ok, seen,
+            pool_s0, pool_s1, pool_s2, sc_s0, sc_s1, sc_s2, sm_scale, SCALE_GROUP, KIND, IEEE,
+        )  # fmt: skip
     result = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(
         out + flat[:, None] * out_s0 + head * out_s1 + offs_d[None, :],
@@ -628,7 +639,7 @@ def _block_matmul_kernel(
         if NIBBLES:
             j = kk % 32
             byte = tl.load(packed + row[:, None] + ((kk // 32) * 16 + j % 16)[None, :], mask=w_mask, other=0)
-            code = ((byte >> (4 * (j // 16))[None, :]) & 15).to(tl.float32) - 8.0
+            code = ((byte.to(tl.int32) >> (4 * (j // 16))[None, :]) & 15).to(tl.float32) - 8.0
         else:
             code = tl.load(packed + row[:, None] + kk[None, :], mask=w_mask, other=0).to(tl.int8, bitcast=True)
             code = code.to(tl.float32)

@@ -160,6 +160,16 @@ def test_killed_instances_give_clean_errors_and_leave_the_rotation(stories_dir):
         r_url = f"http://127.0.0.1:{r_port}"
         for proc, url in [(p1, p1_url), (p2, p2_url), (d1, d1_url), (d2, d2_url), (router, r_url)]:
             wait_up(proc, url)
+        # the router's /health is up with one instance of each role: wait until its health loop
+        # has every instance in rotation, or all the streams below could go to one decode instance
+        roles = [(p1_url, "prefill"), (p2_url, "prefill"), (d1_url, "decode"), (d2_url, "decode")]
+        deadline = time.monotonic() + 30
+        while True:
+            text = httpx.get(f"{r_url}/metrics", timeout=10).text
+            if all(f'ridge_router_instance_healthy{{instance="{u}",role="{r}"}} 1.0' in text for u, r in roles):
+                break
+            assert time.monotonic() < deadline, text
+            time.sleep(0.1)
 
         # a pairing that cannot be: one clear line, 502
         wait_up(bad, f"http://127.0.0.1:{bad_port}", timeout_s=30)

@@ -1,0 +1,38 @@
+"""``CudaKernels`` (layers/cuda_kernels.py): which ops take the Triton kernels, and what a
+kernel that fails to compile on the GPU leaves behind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")  # without a GPU, in its interpreter (tests/conftest.py sets it)
+
+from triton.runtime.errors import OutOfResources
+
+from ridge.layers.cuda_kernels import CudaKernels
+
+
+def test_a_kernel_that_fails_to_compile_warns_once_and_is_not_tried_again():
+    kernels = CudaKernels(torch.device("cpu"))
+    calls = []
+
+    def broken(*args):
+        calls.append(args)
+        raise OutOfResources(300000, 232448, "shared memory")
+
+    with pytest.warns(UserWarning, match="block_matmul failed on this GPU"):
+        assert kernels._guarded("block_matmul", broken, 1) is None
+    assert kernels._guarded("block_matmul", broken, 2) is None  # the reference from now on
+    assert len(calls) == 1
+    assert kernels._guarded("other", lambda x: x + 1, 1) == 2
+
+
+def test_small_ops_are_fused_only_inside_a_graphs_forward():
+    kernels = CudaKernels(torch.device("cpu"))
+    gate_up = torch.randn(3, 8)
+    reference = torch.nn.functional.silu(gate_up[:, :4]) * gate_up[:, 4:]
+    assert torch.equal(kernels.silu_mul(gate_up), reference)  # eager: torch's ops, bit for bit
+    kernels.graph_mode = True
+    fused = kernels.silu_mul(gate_up)
+    assert torch.allclose(fused, reference, atol=1e-6)
