@@ -236,6 +236,28 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, programs: i
     return min(_pow2(want) if want > 1 else 1, 16, _pow2(max_blocks))
 
 
+def _pool_args(q: torch.Tensor, k_pool, v_pool, k_scale, v_scale) -> tuple:
+    """The arguments both attention kernels start with: the queries, the pools and their scales
+    (a model-dtype pool passes itself for the scales it does not read), with their strides."""
+    quantized = k_scale is not None
+    sc, v_sc = (k_scale, v_scale) if quantized else (k_pool, v_pool)
+    return (q, q.stride(0), q.stride(1), k_pool, v_pool, sc, v_sc, *k_pool.stride()[:3], *sc.stride()[:3])
+
+
+def _pool_constants(q: torch.Tensor, k_pool, k_scale, kind: str) -> dict:
+    """The compile-time shapes both attention kernels take."""
+    head_dim = q.shape[2]
+    return dict(
+        GROUP=q.shape[1] // k_pool.shape[2],
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(_pow2(head_dim), 16),
+        BLOCK_SIZE=k_pool.shape[1],
+        SCALE_GROUP=head_dim // k_scale.shape[-1] if k_scale is not None else 1,
+        KIND=KV_KINDS[kind],
+        IEEE=q.dtype is torch.float32,
+    )
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -251,36 +273,21 @@ def paged_decode_attention(
     """q (D, Hq, Dh), each head's last dim contiguous -> (D, Hq, Dh): row i's query against
     the first ``context_lens[i]`` tokens its block table maps (a row of length 0 gives 0)."""
     num_seqs, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_pool.shape
+    num_kv_heads = k_pool.shape[2]
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
-    group = num_heads // num_kv_heads
-    block_d = max(_pow2(head_dim), 16)
+    const = _pool_constants(q, k_pool, k_scale, kind)
+    block_d = const["BLOCK_D"]
     splits = decode_splits(num_seqs, num_kv_heads, block_tables.shape[1], programs)
-    quantized = k_scale is not None
-    scale_group = head_dim // k_scale.shape[-1] if quantized else 1
     if splits > 1:
         ws_m = torch.empty((num_seqs * num_heads * splits,), dtype=torch.float32, device=q.device)
         ws_l = torch.empty_like(ws_m)
         ws_acc = torch.empty((num_seqs * num_heads * splits, block_d), dtype=torch.float32, device=q.device)
     else:
         ws_m = ws_l = ws_acc = out  # not touched
-    sc = k_scale if quantized else k_pool
     _decode_attention_kernel[(num_seqs, num_kv_heads, splits)](
-        q,
-        q.stride(0),
-        q.stride(1),
-        k_pool,
-        v_pool,
-        sc,
-        v_scale if quantized else v_pool,
-        k_pool.stride(0),
-        k_pool.stride(1),
-        k_pool.stride(2),
-        sc.stride(0),
-        sc.stride(1),
-        sc.stride(2),
+        *_pool_args(q, k_pool, v_pool, k_scale, v_scale),
         block_tables,
         block_tables.stride(0),
         context_lens,
@@ -291,15 +298,9 @@ def paged_decode_attention(
         ws_l,
         ws_acc,
         scale,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_G=max(_pow2(group), 16),
-        BLOCK_D=block_d,
-        BLOCK_SIZE=block_size,
-        SCALE_GROUP=scale_group,
-        KIND=KV_KINDS[kind],
+        BLOCK_G=max(_pow2(const["GROUP"]), 16),
         SPLITS=splits,
-        IEEE=q.dtype is torch.float32,
+        **const,
     )
     if splits > 1:
         _decode_combine_kernel[(num_seqs, num_heads)](
@@ -409,24 +410,8 @@ def paged_prefill_attention(
     """Every prefill chunk of a step in one launch: chunk c's rows (q's flat rows ``chunks[c,
     0]`` on, ``chunks[c, 1]`` of them) attend causally over the first ``chunks[c, 2]`` tokens
     its row of ``tables`` maps (the chunk's own K/V already in the pool); into ``out``'s rows."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    _, block_size, num_kv_heads, _ = k_pool.shape
-    quantized = k_scale is not None
-    sc = k_scale if quantized else k_pool
-    _prefill_attention_kernel[(tiles.shape[0], num_heads)](
-        q,
-        q.stride(0),
-        q.stride(1),
-        k_pool,
-        v_pool,
-        sc,
-        v_scale if quantized else v_pool,
-        k_pool.stride(0),
-        k_pool.stride(1),
-        k_pool.stride(2),
-        sc.stride(0),
-        sc.stride(1),
-        sc.stride(2),
+    _prefill_attention_kernel[(tiles.shape[0], q.shape[1])](
+        *_pool_args(q, k_pool, v_pool, k_scale, v_scale),
         tables,
         tables.stride(0),
         tiles,
@@ -435,14 +420,8 @@ def paged_prefill_attention(
         out.stride(0),
         out.stride(1),
         scale,
-        GROUP=num_heads // num_kv_heads,
-        HEAD_DIM=head_dim,
         BLOCK_M=PREFILL_BLOCK_M,
-        BLOCK_D=max(_pow2(head_dim), 16),
-        BLOCK_SIZE=block_size,
-        SCALE_GROUP=head_dim // k_scale.shape[-1] if quantized else 1,
-        KIND=KV_KINDS[kind],
-        IEEE=q.dtype is torch.float32,
+        **_pool_constants(q, k_pool, k_scale, kind),
     )
 
 
