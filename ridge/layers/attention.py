@@ -56,22 +56,32 @@ class AttentionMetadata:
     prefill_index: tuple | None = None  # the kernels' view of the prefills, built by the first layer that asks
 
 
+def index_copy_rows(pool: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
+    """x (T, ...) into ``pool`` (num_blocks, block_size, ...) at flat slots."""
+    pool.view(-1, *pool.shape[2:]).index_copy_(0, slots, x)
+
+
 def write_slots(
-    pool: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor, slots: torch.Tensor, kind: str
+    pool: torch.Tensor,
+    scales: torch.Tensor | None,
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    kind: str,
+    write_rows=index_copy_rows,
 ) -> None:
     """x: (T, H, D) into ``pool`` (num_blocks, block_size, H, D) at flat slots (quantized
-    first, with their scales, for an int8/fp8 cache)."""
-    num_heads, head_dim = pool.shape[-2:]
+    first, with their scales, for an int8/fp8 cache); ``write_rows(pool, rows, slots)`` moves
+    the rows (the GPU's skips negative slots: a CUDA graph's padding)."""
     if scales is not None:
         x, scale = kv_cache.quantize(x, kind)
-        scales.view(-1, num_heads, scales.shape[-1]).index_copy_(0, slots, scale)
-    pool.view(-1, num_heads, head_dim).index_copy_(0, slots, x)
+        write_rows(scales, scale, slots)
+    write_rows(pool, x, slots)
 
 
-def write_kv(cache: PagedKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+def write_kv(cache: PagedKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, write_rows=index_copy_rows) -> None:
     """k/v: (T, Hkv, D) into their pools at flat slots."""
-    write_slots(cache.k, cache.k_scale, k, slots, cache.kind)
-    write_slots(cache.v, cache.v_scale, v, slots, cache.kind)
+    write_slots(cache.k, cache.k_scale, k, slots, cache.kind, write_rows)
+    write_slots(cache.v, cache.v_scale, v, slots, cache.kind, write_rows)
 
 
 def gather_context(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:

@@ -23,10 +23,9 @@ import torch
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
-from ridge.kv import cache as kv_cache
 from ridge.kv.cache import PagedKV
 from ridge.layers import triton_kernels as tk
-from ridge.layers.attention import AttentionMetadata
+from ridge.layers.attention import AttentionMetadata, index_copy_rows, write_kv
 from ridge.layers.kernels import TorchKernels
 
 
@@ -51,6 +50,18 @@ class CudaKernels(TorchKernels):
     # a short prompt joins the step's one decode-attention launch, and a CUDA graph.
     short_chunk_rows = 16
 
+    # True while a CUDA graph's forward runs (captured, or its padded buffers run eagerly)
+    graph_mode = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.failed: set[str] = set()
+        # decode attention splits a row's context until about two programs per multiprocessor
+        # run (a handful where there is no GPU: the interpreter's tests)
+        if device.type == "cuda":
+            self.programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        else:
+            self.programs = 8
+
     # Kernels that have passed in Triton's interpreter but not yet run on a GPU (the block-format
     # matmul, the batched prefill attention): one that fails to compile on this GPU warns once
     # and leaves its op to the reference from then on.
@@ -64,37 +75,13 @@ class CudaKernels(TorchKernels):
             warnings.warn(f"ridge: the Triton kernel {name} failed on this GPU ({exc}); using torch ops", stacklevel=3)
             return None
 
-    def __init__(self, device: torch.device) -> None:
-        self.failed: set[str] = set()
-        # decode attention splits a row's context until about two programs per multiprocessor
-        # run (a handful where there is no GPU: the interpreter's tests)
-        if device.type == "cuda":
-            self.programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-        else:
-            self.programs = 8
-
-    # True while a CUDA graph's forward runs (captured, or its padded buffers run eagerly)
-    graph_mode = False
-
     def write_kv(self, cache: PagedKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        if not self.graph_mode:
-            return super().write_kv(cache, k, v, slots)
-        if cache.quantized:  # quantized as the reference quantizes (kv/cache.py), then written
-            k_codes, k_scale = kv_cache.quantize(k, cache.kind)
-            v_codes, v_scale = kv_cache.quantize(v, cache.kind)
-            tk.write_rows(cache.k, k_codes, slots)
-            tk.write_rows(cache.k_scale, k_scale, slots)
-            tk.write_rows(cache.v, v_codes, slots)
-            tk.write_rows(cache.v_scale, v_scale, slots)
-            return
-        tk.write_rows(cache.k, k, slots)
-        if cache.v is not cache.k:
-            tk.write_rows(cache.v, v, slots)
+        write_kv(cache, k, v, slots, tk.write_rows if self.graph_mode else index_copy_rows)
 
     def decode_attention(
         self, q, cache: PagedKV, meta: AttentionMetadata, scale: float | None = None, value_dim: int | None = None
     ) -> torch.Tensor:
-        if value_dim is not None or cache.v is cache.k or not tk.decode_attention_supported(q, cache.k):
+        if value_dim is not None or cache.v is cache.k or not tk.pool_attention_supported(q, cache.k):
             return super().decode_attention(q, cache, meta, scale, value_dim)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return tk.paged_decode_attention(
@@ -144,7 +131,7 @@ class CudaKernels(TorchKernels):
         chunks = meta.prefills
         if len(chunks) < 2 or max(c.num_tokens for c in chunks) > self.batched_prefill_max_tokens:
             return False
-        if cache.v is cache.k or not tk.decode_attention_supported(q, cache.k) or not out.is_contiguous():
+        if cache.v is cache.k or not tk.pool_attention_supported(q, cache.k) or not out.is_contiguous():
             return False
         if meta.prefill_index is None:  # built once per step, shared by every layer
             tiles, index = tk.prefill_index(
@@ -154,7 +141,7 @@ class CudaKernels(TorchKernels):
             meta.prefill_index = (tiles, index, tables)
         tiles, index, tables = meta.prefill_index
         args = (q, out, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.kind, tables, tiles, index)
-        return self._guarded("paged_prefill_attention", _launch_prefill, *args) is not None
+        return self._guarded("paged_prefill_attention", tk.paged_prefill_attention, *args) is not None
 
     def rope_state(self, rotary, positions, dtype):
         return RopeState(rotary, positions, dtype)
@@ -176,9 +163,3 @@ class CudaKernels(TorchKernels):
     def silu_mul(self, gate_up):
         out = tk.silu_mul(gate_up) if self.graph_mode else None
         return super().silu_mul(gate_up) if out is None else out
-
-
-def _launch_prefill(*args) -> bool:
-    """``paged_prefill_attention`` at the default scale (Dh ** -0.5); True once launched."""
-    tk.paged_prefill_attention(*args, args[0].shape[-1] ** -0.5)
-    return True

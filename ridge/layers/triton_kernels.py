@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ridge.quantization.formats import FORMATS, Q4_0, Q8_0
 from ridge.quantization.methods import PACKED_ROW_BLOCK
 
 # Integer views for a plain copy of rows (the copy kernel moves bits, whatever they encode)
@@ -54,7 +55,7 @@ def write_rows(pool: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None
     if tokens == 0:
         return
     row_elems = pool[0, 0].numel()
-    rows = x.reshape(tokens, -1) if not x.is_contiguous() else x.view(tokens, -1)
+    rows = x.reshape(tokens, -1)
     if rows.shape[1] != row_elems or rows.stride(1) != 1:
         rows = rows.contiguous()
     bits = _BITS[pool.element_size()]
@@ -405,11 +406,12 @@ def paged_prefill_attention(
     tables: torch.Tensor,
     tiles: torch.Tensor,
     chunks: torch.Tensor,
-    scale: float,
-) -> None:
+    scale: float | None = None,
+) -> torch.Tensor:
     """Every prefill chunk of a step in one launch: chunk c's rows (q's flat rows ``chunks[c,
     0]`` on, ``chunks[c, 1]`` of them) attend causally over the first ``chunks[c, 2]`` tokens
-    its row of ``tables`` maps (the chunk's own K/V already in the pool); into ``out``'s rows."""
+    its row of ``tables`` maps (the chunk's own K/V already in the pool); into ``out``'s rows
+    (returned). ``scale`` multiplies the scores (default Dh ** -0.5)."""
     _prefill_attention_kernel[(tiles.shape[0], q.shape[1])](
         *_pool_args(q, k_pool, v_pool, k_scale, v_scale),
         tables,
@@ -419,13 +421,14 @@ def paged_prefill_attention(
         out,
         out.stride(0),
         out.stride(1),
-        scale,
+        q.shape[-1] ** -0.5 if scale is None else scale,
         BLOCK_M=PREFILL_BLOCK_M,
         **_pool_constants(q, k_pool, k_scale, kind),
     )
+    return out
 
 
-def decode_attention_supported(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
+def pool_attention_supported(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
     """Shapes the kernel takes: a block size that is a power of two of at least 16 (its dots),
     whole groups of query heads per KV head, a contiguous pool."""
     block_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
@@ -559,7 +562,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 # rows grouped 16 to a leading index, as the CPU kernels group theirs (a row range of 16-row
 # blocks is a slice: one expert's rows of a stacked layer).
 PACKED_ROWS = PACKED_ROW_BLOCK
-BLOCK_FORMATS = {"int8": (34, False), "int4": (18, True)}  # ridge's name -> (GGUF bytes per block, nibbles)
+BLOCK_FORMATS = (Q8_0.name, Q4_0.name)  # the formats this kernel takes (sizes from formats.py)
 
 
 def pack_blocks(name: str, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
@@ -567,7 +570,7 @@ def pack_blocks(name: str, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor
     the format or shape is not taken."""
     if name not in BLOCK_FORMATS or n % PACKED_ROWS or k % 32:
         return None
-    type_size, _ = BLOCK_FORMATS[name]
+    type_size = FORMATS[name].type_size
     b = blocks.reshape(n, k // 32, type_size)
     packed = torch.cat([b[..., 2:].reshape(n, -1), b[..., :2].reshape(n, -1)], dim=1)
     return packed.reshape(n // PACKED_ROWS, -1).contiguous()
@@ -575,7 +578,7 @@ def pack_blocks(name: str, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor
 
 def unpack_blocks(name: str, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The kernel's rows back to GGUF blocks (n, k/32 * type_size)."""
-    type_size, _ = BLOCK_FORMATS[name]
+    type_size = FORMATS[name].type_size
     rows = packed.reshape(n, -1)
     codes, scales = rows[:, : k // 32 * (type_size - 2)], rows[:, k // 32 * (type_size - 2) :]
     blocks = torch.cat([scales.reshape(n, k // 32, 2), codes.reshape(n, k // 32, type_size - 2)], dim=2)
@@ -644,7 +647,7 @@ def block_matmul(
     if rows.stride(-1) != 1:
         return None
     m = rows.shape[0]
-    type_size, nibbles = BLOCK_FORMATS[name]
+    type_size, nibbles = FORMATS[name].type_size, FORMATS[name].nibbles
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
