@@ -48,6 +48,7 @@ inline void tile_block(const int32_t* xt, int64_t KP, const bf16* wp, float* out
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < KP; ++kp) {
     const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void*)(wp + kp * 32));
+    _mm_prefetch((const char*)(wp + kp * 32) + L2_PREFETCH_AHEAD, _MM_HINT_T2);  // far ahead (linear_call.h)
     if constexpr (MR >= 8)  // FMA-heavy tiles: loads must be in flight early (see plan_tiles)
       _mm_prefetch((const char*)(wp + (kp + PREFETCH_PAIRS) * 32), _MM_HINT_T0);
     for (int i = 0; i < MR; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(xt[kp * MR + i]), wv);
@@ -62,9 +63,10 @@ struct Tile {
 
 // Tiles of 16 rows and one smaller last tile: the fewest zero rows, measured fastest at every M
 // from 1 to 64 here.
-// Software prefetch only for tiles of 8+ rows, whose FMAs would otherwise hold the loads back
-// (without it 16 rows ran 30-40% slower); for 1-4 rows the hardware prefetcher does better
-// alone (measured 5-13% faster at 1-2 rows, more in the high bandwidth level).
+// Software prefetch into L1 only for tiles of 8+ rows, whose FMAs would otherwise hold the loads
+// back (without it 16 rows ran 30-40% slower); for 1-4 rows the hardware prefetcher does better
+// (measured 5-13% faster at 1-2 rows, more in the high bandwidth level), given the L2 prefetch
+// far ahead that every tile issues (linear_call.h).
 std::vector<Tile> plan_tiles(int64_t M, int64_t KP) {
   std::vector<Tile> tiles;
   int64_t offset = 0;

@@ -66,14 +66,10 @@ constexpr int64_t QK = 32;     // weights per block
 constexpr int64_t ROWS = 16;   // output rows per packed block
 constexpr int64_t SLAB = 128;  // rows of x per pass over W for prefill (x slab stays in L2)
 // Software prefetch: tiles of 8+ rows also fetch 8 groups ahead into L1, since their
-// arithmetic would otherwise hold the loads back. Every tile fetches each line of the weights
-// PF_AHEAD bytes ahead into L2 (prefetcht2): alone, the hardware prefetcher keeps too few lines
-// in flight once a format spends more than int8's few ops per byte (unpacking nibbles,
-// super-block scales), so loads and arithmetic stop overlapping. On 2 Zen 4 cores a batch-1
-// (11264 x 2048) matmul streamed 26.0 GB/s as int4, 23.2 as Q4_K; 30.5 and 31.1 with it, what
-// int8 streams (30.4, which gains nothing: its loads were never held back); 8 rows: int4 0.91
-// -> 0.66 ms, Q6_K 1.61 -> 0.93; 16 and 64 rows: 4-15% faster.
-constexpr int64_t PF_DIST = 8, PF_MIN_MR = 8, PF_AHEAD = 64 * 1024;
+// arithmetic would otherwise hold the loads back; every tile fetches the weights
+// L2_PREFETCH_AHEAD bytes ahead into L2 (linear_call.h). On 2 Zen 4 cores, 8 rows: int4 0.91 ->
+// 0.66 ms, Q6_K 1.61 -> 0.93; 16 and 64 rows: 4-15% faster.
+constexpr int64_t PF_DIST = 8, PF_MIN_MR = 8;
 // Tiles of at least this many rows (12 or 16) take AMX-INT8 where the CPU has it (see amx_chunk_dots)
 constexpr int64_t AMX_INT8_MIN_MR = 12;
 
@@ -414,10 +410,8 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
         dmink = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (g >> 3) * 64 + 32)));
       }
     }
-    if constexpr (FMT != Q8_0) {  // far ahead, into L2
-      for (int64_t line = 0; line < WB; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(chunk + PF_AHEAD + line), _MM_HINT_T2);
-    }
+    for (int64_t line = 0; line < WB; line += 64)  // far ahead, into L2
+      _mm_prefetch(reinterpret_cast<const char*>(chunk + L2_PREFETCH_AHEAD + line), _MM_HINT_T2);
     if constexpr (MR >= PF_MIN_MR) {
       _mm_prefetch(reinterpret_cast<const char*>(chunk + PF_DIST * WB), _MM_HINT_T0);
       if constexpr (WB > 256) _mm_prefetch(reinterpret_cast<const char*>(chunk + PF_DIST * WB + 256), _MM_HINT_T0);
