@@ -43,12 +43,13 @@ constexpr int64_t SMALL_M = 64;  // decode-sized batches stream; larger ones (pr
 // it is in (batch invariance; splitting the sum over several accumulators for 1-2 rows was
 // measured no faster here).
 template <int MR>
-inline void tile_block(const int32_t* xt, int64_t KP, const bf16* wp, float* out) {
+inline void tile_block(const int32_t* xt, int64_t KP, const bf16* wp, const char* pf_end, float* out) {
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < KP; ++kp) {
     const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void*)(wp + kp * 32));
-    _mm_prefetch((const char*)(wp + kp * 32) + L2_PREFETCH_AHEAD, _MM_HINT_T2);  // far ahead (linear_call.h)
+    const char* ahead = (const char*)(wp + kp * 32) + L2_PREFETCH_AHEAD;  // far ahead (linear_call.h)
+    if (ahead < pf_end) _mm_prefetch(ahead, _MM_HINT_T2);
     if constexpr (MR >= 8)  // FMA-heavy tiles: loads must be in flight early (see plan_tiles)
       _mm_prefetch((const char*)(wp + (kp + PREFETCH_PAIRS) * 32), _MM_HINT_T0);
     for (int i = 0; i < MR; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(xt[kp * MR + i]), wv);
@@ -80,10 +81,10 @@ std::vector<Tile> plan_tiles(int64_t M, int64_t KP) {
 }
 
 template <int MR>
-inline void run_tile(const Tile& t, const int32_t* xt, int64_t KP, const bf16* block, int64_t b, int64_t N,
-                     const float* bias, bf16* y) {
+inline void run_tile(const Tile& t, const int32_t* xt, int64_t KP, const bf16* block, const char* pf_end, int64_t b,
+                     int64_t N, const float* bias, bf16* y) {
   alignas(64) float buf[MR * 16];
-  tile_block<MR>(xt + t.offset, KP, block, buf);
+  tile_block<MR>(xt + t.offset, KP, block, pf_end, buf);
   const int64_t n0 = b * 16, n_end = std::min<int64_t>(N, n0 + 16);
   for (int64_t i = 0; i < t.rows; ++i) {
     bf16* yrow = y + (t.row0 + i) * N;
@@ -108,16 +109,17 @@ void gemm(const bf16* x, int64_t M, int64_t K, const bf16* wp, int64_t N, const 
       }
     }
   at::parallel_for(0, blocks, 1, [&](int64_t b_begin, int64_t b_end) {
+    const char* pf_end = reinterpret_cast<const char*>(wp + b_end * KP * 32);  // this thread's run of W ends
     for (int64_t b = b_begin; b < b_end; ++b) {
       const bf16* block = wp + b * KP * 32;
       for (const Tile& t : tiles) {
         switch (t.mr) {
-          case 1: run_tile<1>(t, xt.data(), KP, block, b, N, bias, y); break;
-          case 2: run_tile<2>(t, xt.data(), KP, block, b, N, bias, y); break;
-          case 4: run_tile<4>(t, xt.data(), KP, block, b, N, bias, y); break;
-          case 8: run_tile<8>(t, xt.data(), KP, block, b, N, bias, y); break;
-          case 12: run_tile<12>(t, xt.data(), KP, block, b, N, bias, y); break;
-          default: run_tile<16>(t, xt.data(), KP, block, b, N, bias, y);
+          case 1: run_tile<1>(t, xt.data(), KP, block, pf_end, b, N, bias, y); break;
+          case 2: run_tile<2>(t, xt.data(), KP, block, pf_end, b, N, bias, y); break;
+          case 4: run_tile<4>(t, xt.data(), KP, block, pf_end, b, N, bias, y); break;
+          case 8: run_tile<8>(t, xt.data(), KP, block, pf_end, b, N, bias, y); break;
+          case 12: run_tile<12>(t, xt.data(), KP, block, pf_end, b, N, bias, y); break;
+          default: run_tile<16>(t, xt.data(), KP, block, pf_end, b, N, bias, y);
         }
       }
     }

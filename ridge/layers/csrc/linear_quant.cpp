@@ -370,7 +370,7 @@ inline void amx_chunk_dots(const uint8_t* block, const int8_t* xa, int64_t g0, i
 }
 
 template <int FMT, int MR, bool AMX>
-inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* out) {
+inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const uint8_t* pf_end, float* out) {
   constexpr int64_t WB = FMT == Q8_0 ? 512 : FMT == Q6_K ? 384 : FMT == Q5_K ? 320 : FMT == Q3_K ? 192 : FMT == Q2_K ? 128 : 256;
   constexpr bool KQ = FMT == Q4_K || FMT == Q5_K;  // Q4_K's super-block scales and minimums
   constexpr bool MIN = FMT == Q4_1 || KQ;
@@ -410,8 +410,9 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
         dmink = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (g >> 3) * 64 + 32)));
       }
     }
-    for (int64_t line = 0; line < WB; line += 64)  // far ahead, into L2
-      _mm_prefetch(reinterpret_cast<const char*>(chunk + L2_PREFETCH_AHEAD + line), _MM_HINT_T2);
+    if (chunk + L2_PREFETCH_AHEAD < pf_end)  // far ahead, into L2, within this thread's run of W
+      for (int64_t line = 0; line < WB; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(chunk + L2_PREFETCH_AHEAD + line), _MM_HINT_T2);
     if constexpr (MR >= PF_MIN_MR) {
       _mm_prefetch(reinterpret_cast<const char*>(chunk + PF_DIST * WB), _MM_HINT_T0);
       if constexpr (WB > 256) _mm_prefetch(reinterpret_cast<const char*>(chunk + PF_DIST * WB + 256), _MM_HINT_T0);
@@ -592,10 +593,10 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, float* o
 
 // y's rows are ldy apart (N, or H N for one head's outputs among H heads')
 template <int FMT, int MR, bool AMX, typename T>
-inline void run_tile(const XTile& t, const uint8_t* block, int64_t G, int64_t nb, int64_t N, int64_t ldy,
-                     const float* bias, T* y) {
+inline void run_tile(const XTile& t, const uint8_t* block, const uint8_t* pf_end, int64_t G, int64_t nb, int64_t N,
+                     int64_t ldy, const float* bias, T* y) {
   alignas(64) float buf[MR * 16];
-  tile_block<FMT, MR, AMX>(block, G, t, buf);
+  tile_block<FMT, MR, AMX>(block, G, t, pf_end, buf);
   const int64_t n0 = nb * ROWS, n_end = std::min<int64_t>(N, n0 + ROWS);
   for (int64_t i = 0; i < t.rows; ++i) {
     T* yrow = y + (t.row0 + i) * ldy;
@@ -604,21 +605,21 @@ inline void run_tile(const XTile& t, const uint8_t* block, int64_t G, int64_t nb
 }
 
 template <int FMT, typename T>
-void dispatch_tile(const XTile& t, const uint8_t* block, int64_t G, int64_t nb, int64_t N, int64_t ldy,
-                   const float* bias, T* y) {
+void dispatch_tile(const XTile& t, const uint8_t* block, const uint8_t* pf_end, int64_t G, int64_t nb, int64_t N,
+                   int64_t ldy, const float* bias, T* y) {
   if constexpr (amx_format(FMT)) {
     if (t.xa) {  // a tile of AMX_INT8_MIN_MR+ rows on an AMX-INT8 CPU (heads_slab)
-      if (t.mr == 12) return run_tile<FMT, 12, true>(t, block, G, nb, N, ldy, bias, y);
-      return run_tile<FMT, 16, true>(t, block, G, nb, N, ldy, bias, y);
+      if (t.mr == 12) return run_tile<FMT, 12, true>(t, block, pf_end, G, nb, N, ldy, bias, y);
+      return run_tile<FMT, 16, true>(t, block, pf_end, G, nb, N, ldy, bias, y);
     }
   }
   switch (t.mr) {
-    case 1: return run_tile<FMT, 1, false>(t, block, G, nb, N, ldy, bias, y);
-    case 2: return run_tile<FMT, 2, false>(t, block, G, nb, N, ldy, bias, y);
-    case 4: return run_tile<FMT, 4, false>(t, block, G, nb, N, ldy, bias, y);
-    case 8: return run_tile<FMT, 8, false>(t, block, G, nb, N, ldy, bias, y);
-    case 12: return run_tile<FMT, 12, false>(t, block, G, nb, N, ldy, bias, y);
-    default: return run_tile<FMT, 16, false>(t, block, G, nb, N, ldy, bias, y);
+    case 1: return run_tile<FMT, 1, false>(t, block, pf_end, G, nb, N, ldy, bias, y);
+    case 2: return run_tile<FMT, 2, false>(t, block, pf_end, G, nb, N, ldy, bias, y);
+    case 4: return run_tile<FMT, 4, false>(t, block, pf_end, G, nb, N, ldy, bias, y);
+    case 8: return run_tile<FMT, 8, false>(t, block, pf_end, G, nb, N, ldy, bias, y);
+    case 12: return run_tile<FMT, 12, false>(t, block, pf_end, G, nb, N, ldy, bias, y);
+    default: return run_tile<FMT, 16, false>(t, block, pf_end, G, nb, N, ldy, bias, y);
   }
 }
 
@@ -671,12 +672,13 @@ void heads_slab(const T* x, int64_t sxr, int64_t sxh, int64_t M, int64_t H, int6
   });
   at::parallel_for(0, H * NB, 1, [&](int64_t b_begin, int64_t b_end) {
     int64_t configured = 0;  // AMX tiles are configured per thread, for the tile's rows
+    const uint8_t* pf_end = wp + b_end * block_bytes;  // this thread's run of W ends
     for (int64_t j = b_begin; j < b_end; ++j) {
       const int64_t h = j / NB, nb = j % NB;
       for (int64_t i = 0; i < per_head; ++i) {
         const XTile& t = head_tiles[h * per_head + i];
         if (t.xa && t.mr != configured) configure_int8_tiles(t.mr), configured = t.mr;
-        dispatch_tile<FMT, T>(t, wp + j * block_bytes, G, nb, N, ldy, bias, y + h * N);
+        dispatch_tile<FMT, T>(t, wp + j * block_bytes, pf_end, G, nb, N, ldy, bias, y + h * N);
       }
     }
     if (configured) _tile_release();
