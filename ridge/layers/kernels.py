@@ -56,6 +56,22 @@ def _takes(x: torch.Tensor, fmt: BlockFormat | None) -> bool:
     return x.dtype is torch.bfloat16 if fmt is None else x.dtype in (torch.bfloat16, torch.float32)
 
 
+def greedy_route(
+    x: torch.Tensor, router: torch.Tensor, top_k: int, softmax: bool, norm_topk: bool, norm_eps: float, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy top-k routing, as Hugging Face's MoEs route: each token's scores against the
+    router's rows in float32, softmax (or sigmoid), the top_k best first, renormalized over the
+    k (their sum + ``norm_eps``) where asked, times ``scaling``; (T, k) ids and weights in x's dtype."""
+    logits = F.linear(x.float(), router.float())  # (a no-op conversion for a float32 router)
+    scores = logits.softmax(dim=-1) if softmax else logits.sigmoid()
+    weights, ids = scores.topk(top_k, dim=-1)
+    if norm_topk:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + norm_eps)
+    if scaling != 1.0:
+        weights = weights * scaling
+    return ids, weights.to(x.dtype)
+
+
 class TorchKernels:
     name = "torch"
     # Prompt chunks of at most this many tokens run as decode rows (each row a query over its
@@ -158,6 +174,20 @@ class TorchKernels:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def route_topk(
+        self,
+        x: torch.Tensor,
+        router: torch.Tensor,
+        top_k: int,
+        softmax: bool,
+        norm_topk: bool,
+        norm_eps: float,
+        scaling: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """An MoE's greedy routing (``greedy_route``): (T, k) expert ids, best first, and their
+        weights in x's dtype."""
+        return greedy_route(x, router, top_k, softmax, norm_topk, norm_eps, scaling)
 
     def apply_token_bitmask_(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         """Structured output: the tokens a row's grammar does not allow get -inf, in place.
@@ -356,6 +386,12 @@ class CpuKernels(TorchKernels):
         if gate_up.dtype is not torch.bfloat16:
             return super().silu_mul(gate_up)
         return self.ext.silu_mul_bf16(gate_up)
+
+    def route_topk(self, x, router, top_k, softmax, norm_topk, norm_eps, scaling):
+        if x.dtype is not torch.bfloat16 or router.dtype is not torch.float32 or x.dim() != 2:
+            return super().route_topk(x, router, top_k, softmax, norm_topk, norm_eps, scaling)
+        ids, weights = self.ext.route_topk(x, router, top_k, softmax, norm_topk, norm_eps, scaling)
+        return ids, weights
 
     def apply_token_bitmask_(self, logits, bitmask):
         if logits.device.type != "cpu" or not logits.is_contiguous():

@@ -449,7 +449,7 @@ def _plan_moe(plan, moe: SparseMoE, ops) -> bool:
         moe.top_k,
         cfg.scoring == "softmax",
         cfg.norm_topk_prob,
-        1e-20 if cfg.scoring == "sigmoid" else 0.0,  # Router.forward's guard of the division
+        moe.gate.norm_eps(),
         cfg.routed_scaling_factor,
         gate_up,
         down,

@@ -23,6 +23,7 @@ from torch import nn
 
 from ridge.config import ModelConfig, MoEConfig
 from ridge.distributed.parallel import TensorParallel
+from ridge.layers.kernels import greedy_route
 from ridge.layers.linear import ExpertLinear, Linear, PackedLinear
 from ridge.quantization.config import QuantizationConfig
 
@@ -125,26 +126,34 @@ class Router(nn.Module):
             bias = self.e_score_correction_bias
             self.e_score_correction_bias = nn.Parameter(bias.detach().float(), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T, k) expert ids and their weights (in x's dtype)."""
+    def norm_eps(self) -> float:
+        """What renormalizing the top-k weights adds to their sum: sigmoid scores can all be ~0,
+        and V3 guards the division as transformers does."""
+        return 1e-20 if self.moe.scoring == "sigmoid" else 0.0
+
+    def forward(self, x: torch.Tensor, ops=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, k) expert ids and their weights (in x's dtype). Greedy routing goes through
+        ``ops.route_topk`` where ops are given (a fused kernel on CPU)."""
         moe = self.moe
+        if moe.topk_method == "greedy":
+            route = ops.route_topk if ops is not None else greedy_route
+            softmax = moe.scoring == "softmax"
+            return route(
+                x, self.weight, moe.top_k, softmax, moe.norm_topk_prob, self.norm_eps(), moe.routed_scaling_factor
+            )
         logits = F.linear(x.float(), self.weight.float())  # (a no-op conversion once keep_float32 ran)
         scores = logits.softmax(dim=-1) if moe.scoring == "softmax" else logits.sigmoid()
-        if moe.topk_method == "greedy":
-            weights, ids = scores.topk(moe.top_k, dim=-1)
-        else:
-            noaux = moe.topk_method == "noaux_tc"
-            choice = scores + self.e_score_correction_bias.float() if noaux else scores
-            grouped = choice.view(x.shape[0], moe.n_group, -1)
-            group_score = grouped.topk(2, dim=-1).values.sum(-1) if noaux else grouped.amax(dim=-1)
-            best_groups = group_score.topk(moe.topk_group, dim=-1).indices
-            keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best_groups, True)
-            keep = keep.repeat_interleave(moe.num_experts // moe.n_group, dim=1)
-            ids = choice.masked_fill(~keep, float("-inf") if noaux else 0.0).topk(moe.top_k, dim=-1).indices
-            weights = scores.gather(1, ids)
+        noaux = moe.topk_method == "noaux_tc"
+        choice = scores + self.e_score_correction_bias.float() if noaux else scores
+        grouped = choice.view(x.shape[0], moe.n_group, -1)
+        group_score = grouped.topk(2, dim=-1).values.sum(-1) if noaux else grouped.amax(dim=-1)
+        best_groups = group_score.topk(moe.topk_group, dim=-1).indices
+        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best_groups, True)
+        keep = keep.repeat_interleave(moe.num_experts // moe.n_group, dim=1)
+        ids = choice.masked_fill(~keep, float("-inf") if noaux else 0.0).topk(moe.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
         if moe.norm_topk_prob:
-            # sigmoid scores can all be ~0; V3 guards the division as transformers does
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if moe.scoring == "sigmoid" else 0.0))
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + self.norm_eps())
         if moe.routed_scaling_factor != 1.0:
             weights = weights * moe.routed_scaling_factor
         return ids, weights.to(x.dtype)
@@ -182,12 +191,12 @@ class SparseMoE(nn.Module):
         """The shared expert(s), whatever the checkpoint calls them."""
         return getattr(self, self.shared_name) if self.shared_name else None
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, ops=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(T, k) expert ids and their weights (in x's dtype), as Hugging Face computes them."""
-        return self.gate(x)
+        return self.gate(x, ops)
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
-        ids, weights = self.route(x)
+        ids, weights = self.route(x, ops)
         flat = ids.flatten()
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.experts.num_experts).tolist()

@@ -141,6 +141,27 @@ def test_silu_mul(pair):
     assert _ulps(fast.silu_mul(gate_up), ref.silu_mul(gate_up)) <= 1
 
 
+@pytest.mark.parametrize(
+    "softmax,norm_topk,scaling", [(True, False, 1.0), (True, True, 1.0), (False, True, 2.5)]
+)  # Mixtral / Qwen3-MoE / a sigmoid router renormalized and scaled
+@pytest.mark.parametrize("k_width", [64, 200])  # 200: a tail that 16 lanes do not divide
+def test_greedy_routing_picks_what_torch_picks(pair, softmax, norm_topk, scaling, k_width):
+    """The MoE router kernel: the same experts best first, and their weights within a bf16
+    rounding of torch's; a token's choice does not depend on its batch."""
+    ref, fast = pair
+    experts, top_k = 24, 4
+    x = _bf16(9, k_width, seed=11)
+    router = torch.randn(experts, k_width, generator=torch.Generator().manual_seed(12)) * 0.2
+    eps = 1e-20 if not softmax else 0.0
+    want_ids, want_w = ref.route_topk(x, router, top_k, softmax, norm_topk, eps, scaling)
+    got_ids, got_w = fast.route_topk(x, router, top_k, softmax, norm_topk, eps, scaling)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == torch.bfloat16 and got_w.shape == (9, top_k)
+    assert torch.equal(got_ids, want_ids)
+    assert _ulps(got_w, want_w) <= 1
+    alone_ids, alone_w = fast.route_topk(x[4:5], router, top_k, softmax, norm_topk, eps, scaling)
+    assert torch.equal(alone_ids, got_ids[4:5]) and torch.equal(alone_w, got_w[4:5])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab,words", [(100, 4), (96, 3), (130, 4)])  # 130 > 4 * 32: the tail is disallowed
 def test_token_bitmask_matches_llguidance_and_the_torch_path(pair, dtype, vocab, words):

@@ -148,6 +148,29 @@ def test_head_matmul_is_each_heads_linear(ext, name, rows, heads, n):
     assert (got.float() - want).abs().max().item() <= 0.05 * want.abs().max().item()
 
 
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_grouped_experts_are_each_experts_linear(ext, name):
+    """An MoE's stacked experts in one call (every expert's blocks shared out over the threads
+    together): each run of rows equals linear_quant of that expert's own rows of W, bit for bit,
+    with experts of no rows, one row, an AMX-sized tile (14) and two slabs (130)."""
+    k, n = (64 if FORMATS[name].block == 32 else 256), 32
+    counts = [1, 0, 14, 3, 0, 130, 1]
+    _, packed = _packed(ext, name, len(counts) * n, k, seed=len(name))
+    code = QUANT_KERNEL_CODES[name]
+    gen = torch.Generator().manual_seed(2)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(sum(counts), k, generator=gen).to(dtype)
+        got = ext.linear_quant_grouped(x, packed, code, n, counts)
+        row = 0
+        for e, c in enumerate(counts):
+            expert = packed[e * n // 16 : (e + 1) * n // 16]
+            if c:
+                assert torch.equal(got[row : row + c], ext.linear_quant(x[row : row + c], expert, code, n, None))
+            row += c
+    with pytest.raises(RuntimeError, match="counts do not add up"):
+        ext.linear_quant_grouped(x[:-1], packed, code, n, counts)
+
+
 def test_head_matmul_checks_its_weight(ext):
     blocks, packed = _packed(ext, "int8", 32, 64, seed=0)
     with pytest.raises(RuntimeError, match="does not match"):

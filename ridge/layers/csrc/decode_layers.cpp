@@ -122,6 +122,21 @@ struct Moe {
     return p.fmt < 0 ? linear_bf16_grouped(x, p.weight, p.n, counts)
                      : linear_quant_grouped(x, p.weight, p.fmt, p.n, counts);
   }
+
+  // grouped() on raw rows: x's rows sorted by expert (counts[e] of them for expert e, K wide)
+  // through expert e's n rows of the stacked weight, into y (n wide); the same kernel calls
+  static void grouped_into(const Packed& p, const at::BFloat16* x, int64_t K, const std::vector<int64_t>& counts,
+                           at::BFloat16* y) {
+    if (p.fmt >= 0) return linear_quant_grouped_into(x, counts, K, p.weight.data_ptr<uint8_t>(), p.fmt, p.n, y);
+    const int64_t expert_elems = p.weight.numel() / static_cast<int64_t>(counts.size());
+    int64_t row = 0;
+    for (size_t e = 0; e < counts.size(); ++e) {  // as linear_bf16_grouped: a call per expert used
+      if (counts[e] > 0)
+        linear_bf16_into(x + row * K, counts[e], K, p.weight.data_ptr<at::BFloat16>() + e * expert_elems, p.n,
+                         nullptr, y + row * p.n);
+      row += counts[e];
+    }
+  }
 };
 
 struct Layer {
@@ -440,6 +455,7 @@ class DecodePlan {
     const float* cp = cos.data_ptr<float>();
     const float* snp = sin.data_ptr<float>();
     double matmul_s = 0.0;
+    std::vector<int64_t> touched(layers_.size(), -1);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       const bf16* in_norm = l.in_norm.data_ptr<bf16>();
@@ -486,6 +502,10 @@ class DecodePlan {
         l.o.into(attn, T, q_size, o);
       }
       add_rms_norm_into(o, hp, l.post_norm.data_ptr<bf16>(), x, T, hidden, l.eps);
+      if (l.moe.has_value()) {
+        run_moe_rows(*l.moe, x, T, hidden, ffn, matmul_s, touched[i]);
+        continue;
+      }
       const int64_t I = l.gate_up.width() / 2;
       {
         Timer t(matmul_s);
@@ -498,7 +518,7 @@ class DecodePlan {
       }
     }
     add_rows_into(hp, ffn, T * hidden);  // the last layer's feed-forward into h (h.add_'s rounding)
-    return {matmul_s, std::vector<int64_t>(layers_.size(), -1)};
+    return {matmul_s, touched};
   }
 
  private:
@@ -511,12 +531,13 @@ class DecodePlan {
   }
 
   // Every layer a Llama attention over bf16, int8 or fp8 pools (head_dim a multiple of 16 up
-  // to 256; q/k norms and biases allowed) and a dense MLP: run_rows covers it
+  // to 256; q/k norms and biases allowed) and a dense MLP or an MoE: run_rows covers it (an
+  // MoE's routing and experts run on tensors there too, between raw-row attention and norms)
   bool rows_path() {
     if (rows_state_ < 0) {
       rows_state_ = !layers_.empty();
       for (const Layer& l : layers_)
-        if (l.mla || l.moe.has_value() || !l.qkv.plain() || !l.o.plain() ||
+        if (l.mla || !l.qkv.plain() || !l.o.plain() || (l.moe.has_value() && !moe_fits(*l.moe, l.in_norm.numel())) ||
             !l.gate_up.plain() || !l.down.plain() || l.head_dim % 16 != 0 || l.head_dim > 256 ||
             l.qkv.width() != (l.heads + 2 * l.kv_heads) * l.head_dim || l.gate_up.width() % 2 != 0 ||
             l.k_pool.numel() / 2 >= (int64_t{1} << 31) || !quant_pools_fit(l))
@@ -525,14 +546,26 @@ class DecodePlan {
     return rows_state_ == 1;
   }
 
-  // run_rows's buffers: rows for at least T tokens (grown, never shrunk), widths the largest any layer needs
+  // an MoE run_moe_rows takes: its output a multiple of 16 wide (combine_into), plain shared projections
+  static bool moe_fits(const Moe& m, int64_t hidden) {
+    return hidden % 16 == 0 && m.down.n == hidden && m.gate_up.n % 2 == 0 &&
+           (!m.shared || (m.shared_gate_up.plain() && m.shared_down.plain() && m.shared_gate_up.width() % 2 == 0));
+  }
+
+  // run_rows's buffers: rows for at least T tokens (grown, never shrunk), widths the largest any
+  // layer needs (an MoE's: T top_k rows, one per token and choice)
   void ensure_rows(int64_t T, int64_t hidden) {
     if (T <= ws_rows_ && hidden == ws_hidden_) return;
-    int64_t qkv_n = 0, attn_n = 0, gu_n = 0;
+    int64_t qkv_n = 0, attn_n = 0, gu_n = 0, top_k = 0, moe_gu_n = 0;
     for (const Layer& l : layers_) {
       qkv_n = std::max(qkv_n, l.qkv.width());
       attn_n = std::max(attn_n, l.heads * l.head_dim);
       gu_n = std::max(gu_n, l.gate_up.width());
+      if (l.moe.has_value()) {
+        top_k = std::max(top_k, l.moe->top_k);
+        moe_gu_n = std::max(moe_gu_n, l.moe->gate_up.n);
+        if (l.moe->shared) gu_n = std::max(gu_n, l.moe->shared_gate_up.width());
+      }
     }
     const auto opts = torch::TensorOptions().dtype(at::kBFloat16);
     ws_x_ = torch::empty({T, hidden}, opts);
@@ -542,6 +575,10 @@ class DecodePlan {
     ws_gu_ = torch::empty({T, gu_n}, opts);
     ws_act_ = torch::empty({T, gu_n / 2}, opts);
     ws_ffn_ = torch::empty({T, hidden}, opts);
+    ws_moe_x_ = torch::empty({T * top_k, hidden}, opts);
+    ws_moe_gu_ = torch::empty({T * top_k, moe_gu_n}, opts);
+    ws_moe_act_ = torch::empty({T * top_k, moe_gu_n / 2}, opts);
+    ws_moe_ys_ = torch::empty({T * top_k, hidden}, opts);
     ws_rows_ = T;
     ws_hidden_ = hidden;
   }
@@ -549,6 +586,9 @@ class DecodePlan {
   int rows_state_ = -1;  // rows_path(): -1 not yet asked (layers may still be added), then 0 or 1
   int64_t ws_rows_ = 0, ws_hidden_ = 0;
   torch::Tensor ws_x_, ws_qkv_, ws_attn_, ws_o_, ws_gu_, ws_act_, ws_ffn_;
+  torch::Tensor ws_moe_x_, ws_moe_gu_, ws_moe_act_, ws_moe_ys_;  // an MoE's rows, sorted by expert
+  std::vector<int64_t> moe_ids_, moe_counts_, moe_order_, moe_unsort_;  // routing's and sort_by_expert's, kept
+  std::vector<at::BFloat16> moe_weights_;
 
   // What every layer's attention holds: its norms, projections in and out, heads and pools
   static Layer attention_layer(torch::Tensor in_norm, torch::Tensor post_norm, double eps, Lin in, Lin out,
@@ -643,15 +683,18 @@ class DecodePlan {
     return out;
   }
 
-  // SparseMoE.forward and Router.forward (greedy top-k), op for op.
-  static torch::Tensor run_moe(const Moe& m, const torch::Tensor& x, double& matmul_s, int64_t& used) {
+  // Router.forward on tensors: each token's top_k weights (in x's dtype) and expert ids,
+  // (T, top_k) each; greedy routing through the kernel CpuKernels.route_topk calls
+  static std::pair<torch::Tensor, torch::Tensor> route(const Moe& m, const torch::Tensor& x) {
+    if (!m.grouped_routing) {
+      auto r = route_topk(x, m.router, m.top_k, m.softmax, m.norm_topk, m.norm_eps, m.scaling);
+      return {r[1], r[0]};
+    }
     const int64_t T = x.size(0), E = m.router.size(0);
     auto logits = at::linear(x.to(at::kFloat), m.router);
     auto scores = m.softmax ? at::softmax(logits, -1) : at::sigmoid(logits);
     torch::Tensor weights, ids;
-    if (!m.grouped_routing) {
-      std::tie(weights, ids) = at::topk(scores, m.top_k, -1);
-    } else {  // Router.forward's group_limited_greedy / noaux_tc
+    {  // Router.forward's group_limited_greedy / noaux_tc
       const bool noaux = m.bias.has_value();
       auto choice = noaux ? scores + *m.bias : scores;
       auto grouped = choice.view({T, m.n_group, -1});
@@ -664,24 +707,39 @@ class DecodePlan {
     }
     if (m.norm_topk) weights = weights / (weights.sum(-1, true) + m.norm_eps);
     if (m.scaling != 1.0) weights = weights * m.scaling;
-    weights = weights.to(x.scalar_type()).contiguous();
-    ids = ids.contiguous();
-    // The (token, choice) pairs sorted by expert, stably (a counting sort: argsort(stable) of
-    // the ids), each expert's tokens side by side; unsort[pair] = its place in that order.
-    const int64_t k = m.top_k, pairs = T * k, H = x.size(1);
-    const int64_t* idp = ids.data_ptr<int64_t>();
-    std::vector<int64_t> counts(E, 0), order(pairs), unsort(pairs), next(E, 0);
+    return {weights.to(x.scalar_type()).contiguous(), ids.contiguous()};
+  }
+
+  // The (token, choice) pairs of ids (T x k, row-major) sorted by expert, stably (a counting
+  // sort: argsort(stable) of the ids), each expert's tokens side by side: counts per expert,
+  // order[j] = the pair at place j, unsort[pair] = its place. Returns the experts used.
+  static int64_t sort_by_expert(const int64_t* idp, int64_t pairs, int64_t E, std::vector<int64_t>& counts,
+                                std::vector<int64_t>& order, std::vector<int64_t>& unsort) {
+    counts.assign(E, 0);
+    order.resize(pairs);
+    unsort.resize(pairs);
     for (int64_t i = 0; i < pairs; ++i) {
       TORCH_CHECK(idp[i] >= 0 && idp[i] < E, "decode plan: expert id out of range");
       ++counts[idp[i]];
     }
-    used = 0;
+    std::vector<int64_t> next(E, 0);
+    int64_t used = 0;
     for (int64_t e = 0, start = 0; e < E; start += counts[e], ++e) {
       next[e] = start;
       used += counts[e] > 0;
     }
     for (int64_t i = 0; i < pairs; ++i) order[next[idp[i]]++] = i;
     for (int64_t j = 0; j < pairs; ++j) unsort[order[j]] = j;
+    return used;
+  }
+
+  // SparseMoE.forward, op for op, on tensors.
+  static torch::Tensor run_moe(const Moe& m, const torch::Tensor& x, double& matmul_s, int64_t& used) {
+    const int64_t T = x.size(0), E = m.router.size(0), k = m.top_k, H = x.size(1);
+    const auto [weights, ids] = route(m, x);
+    std::vector<int64_t> counts, order, unsort;
+    used = sort_by_expert(ids.data_ptr<int64_t>(), ids.numel(), E, counts, order, unsort);
+    const int64_t pairs = T * k;
     auto xc = x.contiguous();
     auto rows = at::empty({pairs, H}, x.options());
     const auto* xp = xc.data_ptr<at::BFloat16>();
@@ -697,7 +755,10 @@ class DecodePlan {
       Timer t(matmul_s);
       ys = Moe::grouped(m.down, act, counts).contiguous();
     }
-    auto out = combine(ys, weights, unsort, T, k);
+    TORCH_CHECK(H % 16 == 0, "decode plan: the MoE's output width must be a multiple of 16");
+    auto out = at::empty({T, H}, ys.options());
+    combine_into(ys.data_ptr<at::BFloat16>(), weights.data_ptr<at::BFloat16>(), unsort, T, k, H,
+                 out.data_ptr<at::BFloat16>());
     if (m.shared) {
       torch::Tensor y;
       {
@@ -715,18 +776,71 @@ class DecodePlan {
     return out;
   }
 
+  // run_moe on raw rows (run_rows): x (T, H) -> out (T, H), its routing on tensors (route),
+  // the rest into the plan's buffers, the same kernels and roundings in the same order
+  void run_moe_rows(const Moe& m, const at::BFloat16* x, int64_t T, int64_t H, at::BFloat16* out, double& matmul_s,
+                    int64_t& used) {
+    using bf16 = at::BFloat16;
+    const int64_t E = m.router.size(0), k = m.top_k, pairs = T * k, I = m.gate_up.n / 2;
+    const auto xt = at::from_blob(const_cast<bf16*>(x), {T, H}, torch::TensorOptions().dtype(at::kBFloat16));
+    const bf16* weights;
+    torch::Tensor routed;  // grouped routing's weights, on tensors
+    if (m.grouped_routing) {
+      auto [w, ids] = route(m, xt);
+      routed = w;
+      weights = routed.data_ptr<bf16>();
+      moe_ids_.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + pairs);
+    } else {
+      moe_ids_.resize(pairs);
+      moe_weights_.resize(pairs);
+      route_topk_into(x, T, H, m.router.data_ptr<float>(), E, k, m.softmax, m.norm_topk, m.norm_eps, m.scaling,
+                      moe_ids_.data(), moe_weights_.data());
+      weights = moe_weights_.data();
+    }
+    used = sort_by_expert(moe_ids_.data(), pairs, E, moe_counts_, moe_order_, moe_unsort_);
+    bf16 *rows = ws_moe_x_.data_ptr<bf16>(), *gu = ws_moe_gu_.data_ptr<bf16>();
+    bf16 *act = ws_moe_act_.data_ptr<bf16>(), *ys = ws_moe_ys_.data_ptr<bf16>();
+    for (int64_t j = 0; j < pairs; ++j) std::memcpy(rows + j * H, x + (moe_order_[j] / k) * H, H * sizeof(bf16));
+    {
+      Timer t(matmul_s);
+      Moe::grouped_into(m.gate_up, rows, H, moe_counts_, gu);
+    }
+    silu_mul_into(gu, pairs, I, act);
+    {
+      Timer t(matmul_s);
+      Moe::grouped_into(m.down, act, I, moe_counts_, ys);
+    }
+    combine_into(ys, weights, moe_unsort_, T, k, H, out);
+    if (!m.shared) return;
+    const int64_t SI = m.shared_gate_up.width() / 2;  // the shared expert into the step's MLP buffers
+    bf16 *sgu = ws_gu_.data_ptr<bf16>(), *sact = ws_act_.data_ptr<bf16>(), *sy = ws_o_.data_ptr<bf16>();
+    {
+      Timer t(matmul_s);
+      m.shared_gate_up.into(x, T, H, sgu);
+    }
+    silu_mul_into(sgu, T, SI, sact);
+    {
+      Timer t(matmul_s);
+      m.shared_down.into(sact, T, SI, sy);
+    }
+    if (m.shared_gate.has_value()) {  // sigmoid(x gate^T) * y: a bf16 product, rounded once
+      const auto gate = at::sigmoid(at::linear(xt, *m.shared_gate)).contiguous();
+      const bf16* g = gate.data_ptr<bf16>();
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t c = 0; c < H; ++c)
+          sy[t * H + c] = bf16(static_cast<float>(g[t]) * static_cast<float>(sy[t * H + c]));
+    }
+    add_rows_into(out, sy, T * H);  // out.add_(y)
+  }
+
   // Each token's k expert outputs, weighted and summed: out[t] = sum over j of
   // bf16(ys[unsort[t k + j]] * w[t k + j]), in fp32 from 0 in order j = 0 .. k-1, rounded to
   // bf16 once -- what SparseMoE.forward's multiply (a bf16 op), gather and
-  // sum(dim=1, dtype=float32) compute, without their six dispatches.
-  static torch::Tensor combine(const torch::Tensor& ys, const torch::Tensor& weights,
-                               const std::vector<int64_t>& unsort, int64_t T, int64_t k) {
-    const int64_t H = ys.size(1);
-    TORCH_CHECK(H % 16 == 0, "decode plan: the MoE's output width must be a multiple of 16");
-    auto out = at::empty({T, H}, ys.options());
-    const auto* yp = reinterpret_cast<const uint16_t*>(ys.data_ptr<at::BFloat16>());
-    const auto* wp = weights.data_ptr<at::BFloat16>();
-    auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  // sum(dim=1, dtype=float32) compute, without their six dispatches. ys (T k, H), H a multiple of 16.
+  static void combine_into(const at::BFloat16* ys, const at::BFloat16* w, const std::vector<int64_t>& unsort,
+                           int64_t T, int64_t k, int64_t H, at::BFloat16* out) {
+    const auto* yp = reinterpret_cast<const uint16_t*>(ys);
+    auto* op = reinterpret_cast<uint16_t*>(out);
     auto widen = [](__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); };
     at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
@@ -734,14 +848,13 @@ class DecodePlan {
           __m512 acc = _mm512_setzero_ps();
           for (int64_t j = 0; j < k; ++j) {
             const __m512 y = widen(_mm256_loadu_si256((const __m256i*)(yp + unsort[t * k + j] * H + h)));
-            const __m512 prod = _mm512_mul_ps(y, _mm512_set1_ps(static_cast<float>(wp[t * k + j])));
+            const __m512 prod = _mm512_mul_ps(y, _mm512_set1_ps(static_cast<float>(w[t * k + j])));
             acc = _mm512_add_ps(acc, widen((__m256i)_mm512_cvtneps_pbh(prod)));
           }
           _mm256_storeu_si256((__m256i*)(op + t * H + h), (__m256i)_mm512_cvtneps_pbh(acc));
         }
       }
     });
-    return out;
   }
 
   std::vector<Layer> layers_;
@@ -757,7 +870,7 @@ void bind_decode_plan(pybind11::module& m) {
       .def("set_moe", &DecodePlan::set_moe)
       .def("set_shared_expert", &DecodePlan::set_shared_expert)
       .def("num_layers", &DecodePlan::num_layers)
-      .def("runs_on_rows", &DecodePlan::runs_on_rows, "whether run() takes run_rows (every layer plain Llama, dense MLPs)")
+      .def("runs_on_rows", &DecodePlan::runs_on_rows, "whether run() takes run_rows (every layer a plain Llama attention; dense MLPs or MoEs)")
       .def("run", &DecodePlan::run, py::call_guard<py::gil_scoped_release>());
   m.def("write_kv_quant_", &write_kv_quant_, py::call_guard<py::gil_scoped_release>(),
         "an int8 / fp8 pool's write_kv: rows quantized per group (kv/cache.py's arithmetic) into their slots");

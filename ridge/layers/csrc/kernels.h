@@ -24,6 +24,9 @@ torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
 void rope_bf16_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_mul_bf16(torch::Tensor gate_up);
+// an MoE's greedy routing: (ids (T, k) int64 best first, weights (T, k) bf16); route_topk_into on raw rows
+std::vector<torch::Tensor> route_topk(torch::Tensor x, torch::Tensor router, int64_t top_k, bool softmax, bool norm_topk,
+                                      double norm_eps, double scaling);
 torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                           torch::Tensor block_tables, torch::Tensor context_lens, double scale);
 torch::Tensor paged_decode_attention_quant(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -48,6 +51,10 @@ void linear_quant_into(const at::BFloat16* x, int64_t M, int64_t K, const uint8_
                        const float* bias, at::BFloat16* y, int64_t ldy);
 void linear_bf16_into(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* packed, int64_t N,
                       const float* bias, at::BFloat16* y);
+// linear_quant_grouped on raw rows: x's rows sorted by expert (counts[e] for expert e), each
+// run through its expert's N rows of the stacked weight into the same rows of y (N wide)
+void linear_quant_grouped_into(const at::BFloat16* x, const std::vector<int64_t>& counts, int64_t K,
+                               const uint8_t* packed, int64_t fmt, int64_t N, at::BFloat16* y);
 void rms_norm_into(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* y, int64_t rows, int64_t n, double eps);
 void add_rms_norm_into(const at::BFloat16* x, at::BFloat16* residual, const at::BFloat16* w, at::BFloat16* y,
                        int64_t rows, int64_t n, double eps);
@@ -55,6 +62,8 @@ void add_rows_into(at::BFloat16* residual, const at::BFloat16* x, int64_t n);  /
 void rope_into(at::BFloat16* x, int64_t T, int64_t H, int64_t D, int64_t row_stride, const int64_t* positions,
                const float* cos, const float* sin);
 void silu_mul_into(const at::BFloat16* gate_up, int64_t rows, int64_t I, at::BFloat16* y);
+void route_topk_into(const at::BFloat16* x, int64_t T, int64_t K, const float* router, int64_t E, int64_t top_k,
+                     bool softmax, bool norm_topk, double norm_eps, double scaling, int64_t* ids, at::BFloat16* weights);
 // q: B rows of Hq x D, q_stride apart; out (B, Hq, D) contiguous; pools (slots / BS, BS, Hkv, D)
 void paged_decode_attention_bf16_into(const at::BFloat16* q, int64_t q_stride, int64_t B, int64_t Hq, int64_t D,
                                       const at::BFloat16* k_pool, const at::BFloat16* v_pool, int64_t BS, int64_t Hkv,

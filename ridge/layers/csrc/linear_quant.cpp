@@ -623,89 +623,131 @@ void dispatch_tile(const XTile& t, const uint8_t* block, const uint8_t* pf_end, 
   }
 }
 
-// H products of one shape at once (H = 1: a plain matmul): head h multiplies rows [0, M) of
-// its x (row r at x + r * sxr + h * sxh; at most SLAB rows) by its W (wp + h * head_bytes, N
-// rows) into y + h * N, rows H N apart. Each head's rows are quantized into tiles of up to 16
-// rows, then every block of W passes its head's tiles while it is in cache; threads take
-// contiguous runs of the H x N / 16 blocks, so a head's small matrix does not leave a thread idle.
+// One product of a segments_slab call: rows [0, M) of x (row r at x + r * sxr; at most SLAB
+// rows) times a W of the call's shape (N x K, packed) into y (row r at y + r * ldy)
+template <typename T>
+struct Segment {
+  const T* x;
+  int64_t sxr, M;
+  const uint8_t* w;
+  T* y;
+};
+
+// Several products of one shape in one pass of the threads: MLA's heads (each its x columns
+// and matrix), an MoE's experts (each its rows of x and its matrix), or one plain matmul. Each
+// segment's rows are quantized into tiles of up to 16 rows, then every block of a segment's W
+// passes that segment's tiles while it is in cache. Threads take contiguous runs of all the
+// segments' blocks together, so a small matrix does not leave a thread idle, and the call
+// costs one fork and join of the threads whatever the number of segments (an MoE step's 8
+// experts' calls each paid one: at batch 1 a (1536 x 2048) int4 expert is ~60 us of weights).
 template <int FMT, typename T>
-void heads_slab(const T* x, int64_t sxr, int64_t sxh, int64_t M, int64_t H, int64_t K, const uint8_t* wp, int64_t N,
-                const float* bias, T* y, int64_t ldy) {
+void segments_slab(const std::vector<Segment<T>>& segs, int64_t K, int64_t N, const float* bias, int64_t ldy) {
   const Layout L = layout_of(FMT);
   const int64_t G = K / QK, NB = (N + ROWS - 1) / ROWS, block_bytes = G * L.chunk;
-  std::vector<XTile> tiles;  // one head's; head h's cells follow head h - 1's
-  int64_t cells = 0;
-  for (int64_t r0 = 0; r0 < M; r0 += 16) {
-    const int64_t rows = std::min<int64_t>(16, M - r0);
-    const int64_t mr = rows <= 2 ? rows : rows <= 4 ? 4 : rows <= 8 ? 8 : rows <= 12 ? 12 : 16;
-    tiles.push_back({r0, rows, mr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr});
-    cells += mr;
-  }
-  const int64_t all = cells * H;
-  std::vector<int32_t> qbuf(all * G * 8, 0), qsbuf(all * G, 0), qsabuf(all * G, 0), hsbuf(all * G, 0);
-  std::vector<float> dbuf(all * G, 0.f), sbuf(all * G, 0.f);
-  // AMX: tiles of AMX_INT8_MIN_MR+ rows get their codes row-major too (XTile::xa)
-  const bool amx = amx_format(FMT) && M >= AMX_INT8_MIN_MR && amx_int8_ready();
-  std::vector<int8_t> xabuf(amx ? all * G * QK : 0, 0);
-  std::vector<XTile> head_tiles;
-  head_tiles.reserve(tiles.size() * H);
-  int64_t at = 0;
-  for (int64_t h = 0; h < H; ++h)
-    for (XTile t : tiles) {
-      t.q = qbuf.data() + at * G * 8;
-      t.d = dbuf.data() + at * G;
-      t.s = sbuf.data() + at * G;
-      t.qs = qsbuf.data() + at * G;
-      t.qsa = qsabuf.data() + at * G;
-      t.hs = hsbuf.data() + at * G;
-      t.xa = amx && t.mr >= AMX_INT8_MIN_MR ? xabuf.data() + at * G * QK : nullptr;
-      at += t.mr;
-      head_tiles.push_back(t);
+  const int64_t S = static_cast<int64_t>(segs.size());
+  // segment s's tiles are tiles[first[s] .. first[s + 1]); each row's (tile, row in tile) in quantize order
+  std::vector<XTile> tiles;
+  std::vector<int64_t> first(S + 1, 0);
+  std::vector<std::pair<int64_t, int64_t>> rows;
+  int64_t cells = 0, amx_rows = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    first[s] = static_cast<int64_t>(tiles.size());
+    for (int64_t r0 = 0; r0 < segs[s].M; r0 += 16) {
+      const int64_t n = std::min<int64_t>(16, segs[s].M - r0);
+      const int64_t mr = n <= 2 ? n : n <= 4 ? 4 : n <= 8 ? 8 : n <= 12 ? 12 : 16;
+      for (int64_t i = 0; i < n; ++i) rows.emplace_back(static_cast<int64_t>(tiles.size()), i);
+      tiles.push_back({r0, n, mr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr});
+      cells += mr;
+      if (mr >= AMX_INT8_MIN_MR) amx_rows += mr;
     }
-  const int64_t per_head = static_cast<int64_t>(tiles.size());
-  at::parallel_for(0, H * M, 16, [&](int64_t begin, int64_t end) {
+  }
+  first[S] = static_cast<int64_t>(tiles.size());
+  std::vector<int32_t> qbuf(cells * G * 8, 0), qsbuf(cells * G, 0), qsabuf(cells * G, 0), hsbuf(cells * G, 0);
+  std::vector<float> dbuf(cells * G, 0.f), sbuf(cells * G, 0.f);
+  // AMX: tiles of AMX_INT8_MIN_MR+ rows get their codes row-major too (XTile::xa)
+  const bool amx = amx_format(FMT) && amx_rows > 0 && amx_int8_ready();
+  std::vector<int8_t> xabuf(amx ? amx_rows * G * QK : 0, 0);
+  int64_t at = 0, at_amx = 0;
+  for (XTile& t : tiles) {
+    t.q = qbuf.data() + at * G * 8;
+    t.d = dbuf.data() + at * G;
+    t.s = sbuf.data() + at * G;
+    t.qs = qsbuf.data() + at * G;
+    t.qsa = qsabuf.data() + at * G;
+    t.hs = hsbuf.data() + at * G;
+    if (amx && t.mr >= AMX_INT8_MIN_MR) t.xa = xabuf.data() + at_amx * G * QK, at_amx += t.mr;
+    at += t.mr;
+  }
+  std::vector<int64_t> seg_of(tiles.size());
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t i = first[s]; i < first[s + 1]; ++i) seg_of[i] = s;
+  at::parallel_for(0, static_cast<int64_t>(rows.size()), 16, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
-      const int64_t h = j / M, r = j % M;
-      const XTile& t = head_tiles[h * per_head + r / 16];
-      quantize_row<T>(x + r * sxr + h * sxh, G, x_per_superblock(FMT) ? 8 : 1, L.off, t, r - t.row0);
+      const auto [ti, i] = rows[j];
+      const XTile& t = tiles[ti];
+      const Segment<T>& sg = segs[seg_of[ti]];
+      quantize_row<T>(sg.x + (t.row0 + i) * sg.sxr, G, x_per_superblock(FMT) ? 8 : 1, L.off, t, i);
     }
   });
-  at::parallel_for(0, H * NB, 1, [&](int64_t b_begin, int64_t b_end) {
+  // The end of the bytes of W a thread reads in one stream from block j on (its last block
+  // j_end - 1): the far prefetch stops there (tile_block). Segments whose Ws lie end to end
+  // (heads of one stacked weight) are one stream.
+  auto stream_end = [&](int64_t j, int64_t j_end) {
+    int64_t s = j / NB;
+    const int64_t last = (j_end - 1) / NB;
+    while (s < last && segs[s + 1].w == segs[s].w + NB * block_bytes) ++s;
+    return s < last ? segs[s].w + NB * block_bytes : segs[s].w + ((j_end - 1) % NB + 1) * block_bytes;
+  };
+  at::parallel_for(0, S * NB, 1, [&](int64_t b_begin, int64_t b_end) {
     int64_t configured = 0;  // AMX tiles are configured per thread, for the tile's rows
-    const uint8_t* pf_end = wp + b_end * block_bytes;  // this thread's run of W ends
+    const uint8_t* pf_end = nullptr;
     for (int64_t j = b_begin; j < b_end; ++j) {
-      const int64_t h = j / NB, nb = j % NB;
-      for (int64_t i = 0; i < per_head; ++i) {
-        const XTile& t = head_tiles[h * per_head + i];
+      const int64_t s = j / NB, nb = j % NB;
+      const Segment<T>& sg = segs[s];
+      const uint8_t* block = sg.w + nb * block_bytes;
+      if (j == b_begin || nb == 0) pf_end = stream_end(j, b_end);
+      for (int64_t i = first[s]; i < first[s + 1]; ++i) {
+        const XTile& t = tiles[i];
         if (t.xa && t.mr != configured) configure_int8_tiles(t.mr), configured = t.mr;
-        dispatch_tile<FMT, T>(t, wp + j * block_bytes, pf_end, G, nb, N, ldy, bias, y + h * N);
+        dispatch_tile<FMT, T>(t, block, pf_end, G, nb, N, ldy, bias, sg.y);
       }
     }
     if (configured) _tile_release();
   });
 }
 
-// heads_slab over x's rows in slabs of SLAB, for the format code fmt; y's rows ldy apart
-// (H N where the heads' outputs fill them; more where y is a column slice of a wider output)
+// segments_slab for the format code fmt (every segment at most SLAB rows)
+template <typename T>
+void segments_call(int64_t fmt, const std::vector<Segment<T>>& segs, int64_t K, int64_t N, const float* bias,
+                   int64_t ldy) {
+  if (segs.empty()) return;
+  switch (fmt) {
+    case Q8_0: return segments_slab<Q8_0, T>(segs, K, N, bias, ldy);
+    case Q4_0: return segments_slab<Q4_0, T>(segs, K, N, bias, ldy);
+    case IQ4_NL: return segments_slab<IQ4_NL, T>(segs, K, N, bias, ldy);
+    case Q4_K: return segments_slab<Q4_K, T>(segs, K, N, bias, ldy);
+    case Q5_K: return segments_slab<Q5_K, T>(segs, K, N, bias, ldy);
+    case IQ4_XS: return segments_slab<IQ4_XS, T>(segs, K, N, bias, ldy);
+    case Q6_K: return segments_slab<Q6_K, T>(segs, K, N, bias, ldy);
+    case Q3_K: return segments_slab<Q3_K, T>(segs, K, N, bias, ldy);
+    case Q2_K: return segments_slab<Q2_K, T>(segs, K, N, bias, ldy);
+    default: return segments_slab<Q4_1, T>(segs, K, N, bias, ldy);
+  }
+}
+
+// H products of one shape (H = 1: a plain matmul): head h multiplies rows [0, M) of its x (row
+// r at x + r * sxr + h * sxh) by its W (the packed blocks [h N/16, (h+1) N/16) of wp) into
+// y + h * N, y's rows ldy apart (H N where the heads' outputs fill them; more where y is a
+// column slice of a wider output); x's rows in slabs of SLAB, one segments_slab each
 template <typename T>
 void gemm_heads(int64_t fmt, const T* x, int64_t sxr, int64_t sxh, int64_t M, int64_t H, int64_t K, const uint8_t* wp,
                 int64_t N, const float* bias, T* y, int64_t ldy) {
+  const int64_t head_bytes = (N + ROWS - 1) / ROWS * (K / QK) * layout_of(fmt).chunk;
   for (int64_t r0 = 0; r0 < M; r0 += SLAB) {
     const int64_t rows = std::min<int64_t>(SLAB, M - r0);
-    const T* xs = x + r0 * sxr;
-    T* ys = y + r0 * ldy;
-    switch (fmt) {
-      case Q8_0: heads_slab<Q8_0, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys, ldy); break;
-      case Q4_0: heads_slab<Q4_0, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys, ldy); break;
-      case IQ4_NL: heads_slab<IQ4_NL, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys, ldy); break;
-      case Q4_K: heads_slab<Q4_K, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys, ldy); break;
-      case Q5_K: heads_slab<Q5_K, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys, ldy); break;
-      case IQ4_XS: heads_slab<IQ4_XS, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys, ldy); break;
-      case Q6_K: heads_slab<Q6_K, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys, ldy); break;
-      case Q3_K: heads_slab<Q3_K, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys, ldy); break;
-      case Q2_K: heads_slab<Q2_K, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys, ldy); break;
-      default: heads_slab<Q4_1, T>(xs, sxr, sxh, rows, H, K, wp, N, bias, ys, ldy);
-    }
+    std::vector<Segment<T>> segs;
+    for (int64_t h = 0; h < H; ++h) segs.push_back({x + r0 * sxr + h * sxh, sxr, rows, wp + h * head_bytes, y + r0 * ldy + h * N});
+    segments_call<T>(fmt, segs, K, N, bias, ldy);
   }
 }
 
@@ -713,6 +755,25 @@ template <typename T>
 void gemm(int64_t fmt, const T* x, int64_t M, int64_t K, const uint8_t* wp, int64_t N, const float* bias, T* y,
           int64_t ldy = -1) {
   gemm_heads<T>(fmt, x, K, 0, M, 1, K, wp, N, bias, y, ldy < 0 ? N : ldy);
+}
+
+// Stacked experts: x's rows sorted by expert (counts[e] of them for expert e), each run of rows
+// through expert e's N rows of the stacked weight (its packed blocks [e N/16, (e+1) N/16)) into
+// the same rows of y (N wide); an expert with no rows is never read. All the experts' rows, in
+// slabs of SLAB per expert, go in one segments_slab call.
+template <typename T>
+void gemm_grouped(int64_t fmt, const T* x, const std::vector<int64_t>& counts, int64_t K, const uint8_t* wp, int64_t N,
+                  T* y) {
+  const int64_t expert_bytes = N / ROWS * (K / QK) * layout_of(fmt).chunk;
+  std::vector<Segment<T>> segs;
+  int64_t row = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    for (int64_t r0 = 0; r0 < counts[e]; r0 += SLAB)
+      segs.push_back({x + (row + r0) * K, K, std::min<int64_t>(SLAB, counts[e] - r0), wp + e * expert_bytes,
+                      y + (row + r0) * N});
+    row += counts[e];
+  }
+  segments_call<T>(fmt, segs, K, N, nullptr, N);
 }
 
 }  // namespace
@@ -1196,6 +1257,11 @@ void linear_quant_into(const at::BFloat16* x, int64_t M, int64_t K, const uint8_
   if (M > 0) gemm<at::BFloat16>(fmt, x, M, K, packed, N, bias, y, ldy);
 }
 
+void linear_quant_grouped_into(const at::BFloat16* x, const std::vector<int64_t>& counts, int64_t K,
+                               const uint8_t* packed, int64_t fmt, int64_t N, at::BFloat16* y) {
+  gemm_grouped<at::BFloat16>(fmt, x, counts, K, packed, N, y);
+}
+
 // Stacked experts in a block format: as linear_bf16_grouped (expert e's rows of the stacked
 // weight are its packed blocks [e N/16, (e+1) N/16)).
 torch::Tensor linear_quant_grouped(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_t N,
@@ -1211,22 +1277,17 @@ torch::Tensor linear_quant_grouped(torch::Tensor x, torch::Tensor packed, int64_
                   packed.size(2) == L.chunk,
               "linear_quant_grouped: packed weight does not match (E * N, K)");
   auto y = torch::empty({R, N}, x2.options());
-  const int64_t expert_bytes = (N / ROWS) * (K / QK) * L.chunk;
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
   int64_t row = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t c = counts[e];
+  for (const int64_t c : counts) {
     TORCH_CHECK(c >= 0 && row + c <= R, "linear_quant_grouped: counts do not add up to x's rows");
-    if (c == 0) continue;
-    if (x2.scalar_type() == at::kFloat)
-      gemm<float>(fmt, x2.data_ptr<float>() + row * K, c, K, wp + e * expert_bytes, N, nullptr,
-                  y.data_ptr<float>() + row * N);
-    else
-      gemm<at::BFloat16>(fmt, x2.data_ptr<at::BFloat16>() + row * K, c, K, wp + e * expert_bytes, N, nullptr,
-                         y.data_ptr<at::BFloat16>() + row * N);
     row += c;
   }
   TORCH_CHECK(row == R, "linear_quant_grouped: counts do not add up to x's rows");
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  if (x2.scalar_type() == at::kFloat)
+    gemm_grouped<float>(fmt, x2.data_ptr<float>(), counts, K, wp, N, y.data_ptr<float>());
+  else
+    gemm_grouped<at::BFloat16>(fmt, x2.data_ptr<at::BFloat16>(), counts, K, wp, N, y.data_ptr<at::BFloat16>());
   return y;
 }
 
