@@ -31,7 +31,7 @@ import torch
 from ridge import LLM
 from ridge.bench.common import machine, random_prompts
 from ridge.models.deepseek import DeepseekAttention
-from ridge.roofline.probe import ProbeSettings, probe_bandwidth
+from ridge.roofline.probe import ProbeSettings, probe_read_bandwidth
 from ridge.sampling import SamplingParams
 
 
@@ -49,7 +49,7 @@ def decode_steps(llm, prompts, output_len: int) -> tuple[list[float], list[float
     """Wall time and floor (analyzer bytes / probed bandwidth) of each full-batch decode step."""
     telemetry = llm.engine.telemetry
     telemetry.reset()
-    bw = probe_bandwidth(ProbeSettings(bandwidth_bytes=512 * 1024**2, bandwidth_repeats=3)).high
+    bw = probe_read_bandwidth(ProbeSettings(bandwidth_bytes=512 * 1024**2, bandwidth_repeats=3)).high
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True), use_tqdm=False)
     steps = [r for r in telemetry.recent if r.phase == "decode" and len(r.decode_contexts) == len(prompts)]
     return [r.wall_s for r in steps], [telemetry.price(r).bytes / bw for r in steps]

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ridge import LLM  # noqa: E402
 from ridge.bench.common import machine, random_prompts  # noqa: E402
 from ridge.roofline.ops import step_cost  # noqa: E402
-from ridge.roofline.probe import ProbeSettings, probe_bandwidth  # noqa: E402
+from ridge.roofline.probe import ProbeSettings, probe_read_bandwidth  # noqa: E402
 from ridge.sampling import SamplingParams  # noqa: E402
 
 QUANTIZATION = {"bf16": None, "int4": "int4", "int8": "int8"}
@@ -48,7 +48,7 @@ def log(message: str) -> None:
 
 
 def bandwidth() -> float:
-    return probe_bandwidth(ProbeSettings(bandwidth_bytes=512 * 1024**2, bandwidth_repeats=3)).high
+    return probe_read_bandwidth(ProbeSettings(bandwidth_bytes=512 * 1024**2, bandwidth_repeats=3)).high
 
 
 def sweep_point(llm, batch: int, args, seed: int) -> dict:

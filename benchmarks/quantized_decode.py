@@ -32,7 +32,7 @@ from ridge.engine.engine import LLMEngine
 from ridge.kv import cache as kv_cache
 from ridge.layers.attention import AttentionMetadata
 from ridge.roofline.ops import step_cost
-from ridge.roofline.probe import ProbeSettings, probe_bandwidth
+from ridge.roofline.probe import ProbeSettings, probe_read_bandwidth
 
 OUT = Path(__file__).with_name("quantized_decode.json")
 
@@ -139,7 +139,7 @@ def main() -> int:
     for engine in weights.values():  # warm-up
         step_seconds(engine, 1, short_context)
     for r in range(args.rounds):
-        bw_before = probe_bandwidth(probe).high
+        bw_before = probe_read_bandwidth(probe).high
         round_rows = []
         for name, engine in weights.items():
             for b in batches:
@@ -151,7 +151,7 @@ def main() -> int:
             round_rows.append({"what": "kv_attention", "format": name, "batch": kv_batch, "s": attention})
             step = step_seconds(base, kv_batch, kv_context, caches)
             round_rows.append({"what": "kv_step", "format": name, "batch": kv_batch, "s": step})
-        bw = min(bw_before, probe_bandwidth(probe).high)
+        bw = min(bw_before, probe_read_bandwidth(probe).high)
         for row in round_rows:
             if row["what"] == "weights":
                 floors = floor_seconds(weights[row["format"]], row["batch"], short_context, bw, peak)

@@ -43,7 +43,7 @@ def no_probes(monkeypatch):
         calls.append(settings)
         return Measurement(FAKE_BW, FAKE_BW, FAKE_BW, settings.bandwidth_repeats)
 
-    monkeypatch.setattr(probe, "probe_bandwidth", fake_probe)
+    monkeypatch.setattr(probe, "probe_read_bandwidth", fake_probe)
     return calls
 
 
@@ -124,7 +124,7 @@ def test_no_fraction_above_100_percent_when_steps_beat_the_roofline(stories_dir,
         return slow
 
     monkeypatch.setattr(engine_module, "local_hardware", local_hardware)
-    monkeypatch.setattr(probe, "probe_bandwidth", lambda settings, ext=None: Measurement(1e6, 1e6, 1e6, 1))
+    monkeypatch.setattr(probe, "probe_read_bandwidth", lambda settings: Measurement(1e6, 1e6, 1e6, 1))
     out = bench(
         capsys,
         "latency",

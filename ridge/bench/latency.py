@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
 def bench_latency(llm, batch: int, input_len: int, output_len: int, rounds: int, warmup_rounds: int = 1) -> dict:
     """Run warm-up + timed rounds at one batch size; medians and spreads with floors per round."""
-    from ridge.roofline.probe import ProbeSettings, probe_bandwidth
+    from ridge.roofline.probe import ProbeSettings, probe_read_bandwidth
     from ridge.sampling import SamplingParams
 
     engine, telemetry = llm.engine, llm.engine.telemetry
@@ -68,7 +68,7 @@ def bench_latency(llm, batch: int, input_len: int, output_len: int, rounds: int,
     on_cpu = engine.device.type == "cpu"
 
     def probe_round_bandwidth() -> float:
-        return probe_bandwidth(probe).high if on_cpu else telemetry.hardware.bandwidth_bytes_per_s
+        return probe_read_bandwidth(probe).high if on_cpu else telemetry.hardware.bandwidth_bytes_per_s
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     notices: list[str] = []
