@@ -638,8 +638,8 @@ struct Segment {
 // segment's rows are quantized into tiles of up to 16 rows, then every block of a segment's W
 // passes that segment's tiles while it is in cache. Threads take contiguous runs of all the
 // segments' blocks together, so a small matrix does not leave a thread idle, and the call
-// costs one fork and join of the threads whatever the number of segments (an MoE step's 8
-// experts' calls each paid one: at batch 1 a (1536 x 2048) int4 expert is ~60 us of weights).
+// costs one fork and join of the threads whatever the number of segments (an MoE's experts
+// each paid one before: at batch 1 a (1536 x 2048) int4 expert is ~60 us of weights).
 template <int FMT, typename T>
 void segments_slab(const std::vector<Segment<T>>& segs, int64_t K, int64_t N, const float* bias, int64_t ldy) {
   const Layout L = layout_of(FMT);
