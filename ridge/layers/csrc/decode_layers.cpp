@@ -128,14 +128,7 @@ struct Moe {
   static void grouped_into(const Packed& p, const at::BFloat16* x, int64_t K, const std::vector<int64_t>& counts,
                            at::BFloat16* y) {
     if (p.fmt >= 0) return linear_quant_grouped_into(x, counts, K, p.weight.data_ptr<uint8_t>(), p.fmt, p.n, y);
-    const int64_t expert_elems = p.weight.numel() / static_cast<int64_t>(counts.size());
-    int64_t row = 0;
-    for (size_t e = 0; e < counts.size(); ++e) {  // as linear_bf16_grouped: a call per expert used
-      if (counts[e] > 0)
-        linear_bf16_into(x + row * K, counts[e], K, p.weight.data_ptr<at::BFloat16>() + e * expert_elems, p.n,
-                         nullptr, y + row * p.n);
-      row += counts[e];
-    }
+    linear_bf16_grouped_into(x, counts, K, p.weight.data_ptr<at::BFloat16>(), p.n, y);
   }
 };
 
@@ -546,10 +539,10 @@ class DecodePlan {
     return rows_state_ == 1;
   }
 
-  // an MoE run_moe_rows takes: its output a multiple of 16 wide (combine_into), plain shared projections
+  // an MoE run_moe_rows takes: its output a multiple of 16 wide (combine_into)
   static bool moe_fits(const Moe& m, int64_t hidden) {
     return hidden % 16 == 0 && m.down.n == hidden && m.gate_up.n % 2 == 0 &&
-           (!m.shared || (m.shared_gate_up.plain() && m.shared_down.plain() && m.shared_gate_up.width() % 2 == 0));
+           (!m.shared || m.shared_gate_up.width() % 2 == 0);
   }
 
   // run_rows's buffers: rows for at least T tokens (grown, never shrunk), widths the largest any
@@ -614,10 +607,14 @@ class DecodePlan {
   }
 
   // The feed-forward of a layer (LlamaMLP.forward or SparseMoE.forward) on y
-  static torch::Tensor run_ffn(const Layer& l, const torch::Tensor& y, double& matmul_s, std::vector<int64_t>& touched) {
-    if (l.moe.has_value()) {
+  torch::Tensor run_ffn(const Layer& l, const torch::Tensor& y, double& matmul_s, std::vector<int64_t>& touched) {
+    if (l.moe.has_value()) {  // run_moe_rows, into a tensor (its buffers sized for y's rows)
+      const auto x = y.contiguous();
+      const int64_t T = x.size(0), H = x.size(1);
+      ensure_rows(T, H);
+      auto out = at::empty({T, H}, x.options());
       int64_t used = 0;
-      auto out = run_moe(*l.moe, y, matmul_s, used);
+      run_moe_rows(*l.moe, x.data_ptr<at::BFloat16>(), T, H, out.data_ptr<at::BFloat16>(), matmul_s, used);
       touched.push_back(used);
       return out;
     }
@@ -733,54 +730,13 @@ class DecodePlan {
     return used;
   }
 
-  // SparseMoE.forward, op for op, on tensors.
-  static torch::Tensor run_moe(const Moe& m, const torch::Tensor& x, double& matmul_s, int64_t& used) {
-    const int64_t T = x.size(0), E = m.router.size(0), k = m.top_k, H = x.size(1);
-    const auto [weights, ids] = route(m, x);
-    std::vector<int64_t> counts, order, unsort;
-    used = sort_by_expert(ids.data_ptr<int64_t>(), ids.numel(), E, counts, order, unsort);
-    const int64_t pairs = T * k;
-    auto xc = x.contiguous();
-    auto rows = at::empty({pairs, H}, x.options());
-    const auto* xp = xc.data_ptr<at::BFloat16>();
-    auto* rp = rows.data_ptr<at::BFloat16>();
-    for (int64_t j = 0; j < pairs; ++j) std::memcpy(rp + j * H, xp + (order[j] / k) * H, H * sizeof(at::BFloat16));
-    torch::Tensor ys;
-    {
-      Timer t(matmul_s);
-      ys = Moe::grouped(m.gate_up, rows, counts);
-    }
-    auto act = silu_mul_bf16(ys);
-    {
-      Timer t(matmul_s);
-      ys = Moe::grouped(m.down, act, counts).contiguous();
-    }
-    TORCH_CHECK(H % 16 == 0, "decode plan: the MoE's output width must be a multiple of 16");
-    auto out = at::empty({T, H}, ys.options());
-    combine_into(ys.data_ptr<at::BFloat16>(), weights.data_ptr<at::BFloat16>(), unsort, T, k, H,
-                 out.data_ptr<at::BFloat16>());
-    if (m.shared) {
-      torch::Tensor y;
-      {
-        Timer t(matmul_s);
-        y = m.shared_gate_up.run(x);
-      }
-      y = silu_mul_bf16(y);
-      {
-        Timer t(matmul_s);
-        y = m.shared_down.run(y);
-      }
-      if (m.shared_gate.has_value()) y = at::sigmoid(at::linear(x, *m.shared_gate)) * y;
-      out.add_(y);
-    }
-    return out;
-  }
-
-  // run_moe on raw rows (run_rows): x (T, H) -> out (T, H), its routing on tensors (route),
-  // the rest into the plan's buffers, the same kernels and roundings in the same order
+  // SparseMoE.forward on raw rows: x (T, H) -> out (T, H). Greedy routing by route_topk_into
+  // (grouped routers on tensors, route), the rest into the plan's buffers (ensure_rows for T
+  // rows), the same kernels and roundings as the Python forward, in its order
   void run_moe_rows(const Moe& m, const at::BFloat16* x, int64_t T, int64_t H, at::BFloat16* out, double& matmul_s,
                     int64_t& used) {
     using bf16 = at::BFloat16;
+    TORCH_CHECK(H % 16 == 0, "decode plan: the MoE's output width must be a multiple of 16");
     const int64_t E = m.router.size(0), k = m.top_k, pairs = T * k, I = m.gate_up.n / 2;
     const auto xt = at::from_blob(const_cast<bf16*>(x), {T, H}, torch::TensorOptions().dtype(at::kBFloat16));
     const bf16* weights;
@@ -814,14 +770,19 @@ class DecodePlan {
     if (!m.shared) return;
     const int64_t SI = m.shared_gate_up.width() / 2;  // the shared expert into the step's MLP buffers
     bf16 *sgu = ws_gu_.data_ptr<bf16>(), *sact = ws_act_.data_ptr<bf16>(), *sy = ws_o_.data_ptr<bf16>();
-    {
-      Timer t(matmul_s);
-      m.shared_gate_up.into(x, T, H, sgu);
-    }
-    silu_mul_into(sgu, T, SI, sact);
-    {
+    torch::Tensor sy_t;  // its output on tensors, where a projection is not plain (run's join)
+    if (m.shared_gate_up.plain() && m.shared_down.plain()) {
+      {
+        Timer t(matmul_s);
+        m.shared_gate_up.into(x, T, H, sgu);
+      }
+      silu_mul_into(sgu, T, SI, sact);
       Timer t(matmul_s);
       m.shared_down.into(sact, T, SI, sy);
+    } else {
+      Timer t(matmul_s);
+      sy_t = m.shared_down.run(silu_mul_bf16(m.shared_gate_up.run(xt))).contiguous();
+      sy = sy_t.data_ptr<bf16>();
     }
     if (m.shared_gate.has_value()) {  // sigmoid(x gate^T) * y: a bf16 product, rounded once
       const auto gate = at::sigmoid(at::linear(xt, *m.shared_gate)).contiguous();

@@ -51,10 +51,12 @@ void linear_quant_into(const at::BFloat16* x, int64_t M, int64_t K, const uint8_
                        const float* bias, at::BFloat16* y, int64_t ldy);
 void linear_bf16_into(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* packed, int64_t N,
                       const float* bias, at::BFloat16* y);
-// linear_quant_grouped on raw rows: x's rows sorted by expert (counts[e] for expert e), each
+// linear_bf16_grouped / linear_quant_grouped on raw rows: x's rows sorted by expert (counts[e] for expert e), each
 // run through its expert's N rows of the stacked weight into the same rows of y (N wide)
 void linear_quant_grouped_into(const at::BFloat16* x, const std::vector<int64_t>& counts, int64_t K,
                                const uint8_t* packed, int64_t fmt, int64_t N, at::BFloat16* y);
+void linear_bf16_grouped_into(const at::BFloat16* x, const std::vector<int64_t>& counts, int64_t K,
+                              const at::BFloat16* packed, int64_t N, at::BFloat16* y);
 void rms_norm_into(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* y, int64_t rows, int64_t n, double eps);
 void add_rms_norm_into(const at::BFloat16* x, at::BFloat16* residual, const at::BFloat16* w, at::BFloat16* y,
                        int64_t rows, int64_t n, double eps);

@@ -395,6 +395,16 @@ void linear_bf16_into(const bf16* x, int64_t M, int64_t K, const bf16* packed, i
   if (M > 0) linear_bf16_rows(x, M, K, packed, N, bias, y);
 }
 
+void linear_bf16_grouped_into(const bf16* x, const std::vector<int64_t>& counts, int64_t K, const bf16* packed,
+                              int64_t N, bf16* y) {
+  const int64_t expert_elems = (N / 16) * ((K + 1) / 2) * 32;
+  int64_t row = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    if (counts[e] > 0) linear_bf16_rows(x + row * K, counts[e], K, packed + e * expert_elems, N, nullptr, y + row * N);
+    row += counts[e];
+  }
+}
+
 // Stacked experts (ExpertLinear): x's rows sorted by expert, counts[e] rows for expert e; each
 // run of rows times expert e's N rows of the stacked packed weight, which are its blocks
 // [e N/16, (e+1) N/16): one call per projection per layer, an expert with no rows never read.
@@ -407,16 +417,12 @@ torch::Tensor linear_bf16_grouped(torch::Tensor x, torch::Tensor packed, int64_t
   TORCH_CHECK(packed.dim() == 4 && packed.size(0) == E * N / 16 && packed.size(1) == (K + 1) / 2,
               "linear_bf16_grouped: packed weight does not match (E * N, K)");
   auto y = torch::empty({R, N}, x2.options());
-  const int64_t expert_elems = (N / 16) * packed.size(1) * 32;
   int64_t row = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t c = counts[e];
+  for (const int64_t c : counts) {
     TORCH_CHECK(c >= 0 && row + c <= R, "linear_bf16_grouped: counts do not add up to x's rows");
-    if (c == 0) continue;
-    linear_bf16_rows(x2.data_ptr<bf16>() + row * K, c, K, packed.data_ptr<bf16>() + e * expert_elems, N, nullptr,
-                     y.data_ptr<bf16>() + row * N);
     row += c;
   }
   TORCH_CHECK(row == R, "linear_bf16_grouped: counts do not add up to x's rows");
+  linear_bf16_grouped_into(x2.data_ptr<bf16>(), counts, K, packed.data_ptr<bf16>(), N, y.data_ptr<bf16>());
   return y;
 }
