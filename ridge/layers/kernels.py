@@ -56,15 +56,44 @@ def _takes(x: torch.Tensor, fmt: BlockFormat | None) -> bool:
     return x.dtype is torch.bfloat16 if fmt is None else x.dtype in (torch.bfloat16, torch.float32)
 
 
-def greedy_route(
-    x: torch.Tensor, router: torch.Tensor, top_k: int, softmax: bool, norm_topk: bool, norm_eps: float, scaling: float
+def topk_route(
+    x: torch.Tensor,
+    router: torch.Tensor,
+    top_k: int,
+    softmax: bool,
+    norm_topk: bool,
+    norm_eps: float,
+    scaling: float,
+    n_group: int = 1,
+    topk_group: int = 1,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy top-k routing, as Hugging Face's MoEs route: each token's scores against the
-    router's rows in float32, softmax (or sigmoid), the top_k best first, renormalized over the
-    k (their sum + ``norm_eps``) where asked, times ``scaling``; (T, k) ids and weights in x's dtype."""
+    """Top-k routing, as Hugging Face's MoEs route: each token's scores against the router's
+    rows in float32, softmax (or sigmoid), the top_k best first, renormalized over the k (their
+    sum + ``norm_eps``) where asked, times ``scaling``; (T, k) ids and weights in x's dtype.
+
+    Group-limited (DeepSeek; greedy where n_group is 1 and there is no bias): the experts sit
+    in n_group groups and only the topk_group groups with the best group score compete: their
+    best score (group_limited_greedy) or, with ``bias`` (noaux_tc's e_score_correction_bias,
+    added to the scores for the choice only), the sum of their two best. The weights are the
+    uncorrected scores.
+
+        scores (T, E) -> view (T, n_group, E / n_group) -> group score -> keep topk_group groups
+                      -> mask the other groups' experts -> top_k of what is left
+    """
     logits = F.linear(x.float(), router.float())  # (a no-op conversion for a float32 router)
     scores = logits.softmax(dim=-1) if softmax else logits.sigmoid()
-    weights, ids = scores.topk(top_k, dim=-1)
+    if n_group == 1 and bias is None:
+        weights, ids = scores.topk(top_k, dim=-1)
+    else:
+        choice = scores + bias.float() if bias is not None else scores
+        grouped = choice.view(x.shape[0], n_group, -1)
+        group_score = grouped.topk(2, dim=-1).values.sum(-1) if bias is not None else grouped.amax(dim=-1)
+        best_groups = group_score.topk(topk_group, dim=-1).indices
+        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best_groups, True)
+        keep = keep.repeat_interleave(router.shape[0] // n_group, dim=1)
+        ids = choice.masked_fill(~keep, float("-inf") if bias is not None else 0.0).topk(top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
     if norm_topk:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + norm_eps)
     if scaling != 1.0:
@@ -184,10 +213,13 @@ class TorchKernels:
         norm_topk: bool,
         norm_eps: float,
         scaling: float,
+        n_group: int = 1,
+        topk_group: int = 1,
+        bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """An MoE's greedy routing (``greedy_route``): (T, k) expert ids, best first, and their
-        weights in x's dtype."""
-        return greedy_route(x, router, top_k, softmax, norm_topk, norm_eps, scaling)
+        """An MoE's routing, greedy or group-limited (``topk_route``): (T, k) expert ids, best
+        first, and their weights in x's dtype."""
+        return topk_route(x, router, top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group, bias)
 
     def apply_token_bitmask_(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         """Structured output: the tokens a row's grammar does not allow get -inf, in place.
@@ -387,11 +419,16 @@ class CpuKernels(TorchKernels):
             return super().silu_mul(gate_up)
         return self.ext.silu_mul_bf16(gate_up)
 
-    def route_topk(self, x, router, top_k, softmax, norm_topk, norm_eps, scaling):
-        if x.dtype is not torch.bfloat16 or router.dtype is not torch.float32 or x.dim() != 2:
-            return super().route_topk(x, router, top_k, softmax, norm_topk, norm_eps, scaling)
-        ids, weights = self.ext.route_topk(x, router, top_k, softmax, norm_topk, norm_eps, scaling)
-        return ids, weights
+    def route_topk(self, x, router, top_k, softmax, norm_topk, norm_eps, scaling, n_group=1, topk_group=1, bias=None):
+        args = (top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group, bias)
+        if (
+            x.dtype is not torch.bfloat16
+            or router.dtype is not torch.float32
+            or x.dim() != 2
+            or (bias is not None and bias.dtype is not torch.float32)
+        ):
+            return super().route_topk(x, router, *args)
+        return tuple(self.ext.route_topk(x, router, *args))
 
     def apply_token_bitmask_(self, logits, bitmask):
         if logits.device.type != "cpu" or not logits.is_contiguous():

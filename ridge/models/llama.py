@@ -453,9 +453,8 @@ def _plan_moe(plan, moe: SparseMoE, ops) -> bool:
         cfg.routed_scaling_factor,
         gate_up,
         down,
-        cfg.topk_method != "greedy",
-        cfg.n_group,
-        cfg.topk_group,
+        cfg.n_group if cfg.topk_method != "greedy" else 1,
+        cfg.topk_group if cfg.topk_method != "greedy" else 1,
         bias,
     )
     if shared is not None:

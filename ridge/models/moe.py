@@ -23,7 +23,7 @@ from torch import nn
 
 from ridge.config import ModelConfig, MoEConfig
 from ridge.distributed.parallel import TensorParallel
-from ridge.layers.kernels import greedy_route
+from ridge.layers.kernels import topk_route
 from ridge.layers.linear import ExpertLinear, Linear, PackedLinear
 from ridge.quantization.config import QuantizationConfig
 
@@ -99,15 +99,12 @@ class StackedExperts(nn.Module):
 
 
 class Router(nn.Module):
-    """Scores every expert for each token and picks ``top_k``, in float32, as Hugging Face does.
-
-    greedy: the top_k scores. group_limited_greedy (DeepSeek-V2): experts sit in n_group
-    groups; only the topk_group groups with the best single score compete. noaux_tc
-    (DeepSeek-V3): the choice ranks scores + e_score_correction_bias, groups by the sum of
-    their two best; the weights are the uncorrected scores.
-
-        scores (T, E) -> view (T, n_group, E / n_group) -> group score -> keep topk_group groups
-                      -> mask the other groups' experts -> top_k of what is left
+    """Scores every expert for each token and picks ``top_k``, in float32, as Hugging Face does
+    (``topk_route`` in ``layers/kernels.py``). greedy: the top_k scores. group_limited_greedy
+    (DeepSeek-V2): experts sit in n_group groups; only the topk_group groups with the best
+    single score compete. noaux_tc (DeepSeek-V3): the choice ranks scores +
+    e_score_correction_bias, groups by the sum of their two best; the weights are the
+    uncorrected scores.
     """
 
     def __init__(self, hidden: int, moe: MoEConfig) -> None:
@@ -132,31 +129,23 @@ class Router(nn.Module):
         return 1e-20 if self.moe.scoring == "sigmoid" else 0.0
 
     def forward(self, x: torch.Tensor, ops=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T, k) expert ids and their weights (in x's dtype). Greedy routing goes through
-        ``ops.route_topk`` where ops are given (a fused kernel on CPU)."""
+        """(T, k) expert ids and their weights (in x's dtype): ``topk_route``, through
+        ``ops.route_topk`` where ops are given (one kernel on CPU, which the decode plan calls too)."""
         moe = self.moe
-        if moe.topk_method == "greedy":
-            route = ops.route_topk if ops is not None else greedy_route
-            softmax = moe.scoring == "softmax"
-            return route(
-                x, self.weight, moe.top_k, softmax, moe.norm_topk_prob, self.norm_eps(), moe.routed_scaling_factor
-            )
-        logits = F.linear(x.float(), self.weight.float())  # (a no-op conversion once keep_float32 ran)
-        scores = logits.softmax(dim=-1) if moe.scoring == "softmax" else logits.sigmoid()
-        noaux = moe.topk_method == "noaux_tc"
-        choice = scores + self.e_score_correction_bias.float() if noaux else scores
-        grouped = choice.view(x.shape[0], moe.n_group, -1)
-        group_score = grouped.topk(2, dim=-1).values.sum(-1) if noaux else grouped.amax(dim=-1)
-        best_groups = group_score.topk(moe.topk_group, dim=-1).indices
-        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best_groups, True)
-        keep = keep.repeat_interleave(moe.num_experts // moe.n_group, dim=1)
-        ids = choice.masked_fill(~keep, float("-inf") if noaux else 0.0).topk(moe.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if moe.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + self.norm_eps())
-        if moe.routed_scaling_factor != 1.0:
-            weights = weights * moe.routed_scaling_factor
-        return ids, weights.to(x.dtype)
+        route = ops.route_topk if ops is not None else topk_route
+        grouped = moe.topk_method != "greedy"
+        return route(
+            x,
+            self.weight,
+            moe.top_k,
+            moe.scoring == "softmax",
+            moe.norm_topk_prob,
+            self.norm_eps(),
+            moe.routed_scaling_factor,
+            moe.n_group if grouped else 1,
+            moe.topk_group if grouped else 1,
+            self.e_score_correction_bias if moe.topk_method == "noaux_tc" else None,
+        )
 
 
 class SparseMoE(nn.Module):

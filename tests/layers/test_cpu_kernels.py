@@ -162,6 +162,40 @@ def test_greedy_routing_picks_what_torch_picks(pair, softmax, norm_topk, scaling
     assert torch.equal(alone_ids, got_ids[4:5]) and torch.equal(alone_w, got_w[4:5])
 
 
+@pytest.mark.parametrize(
+    "softmax,n_group,topk_group,biased",
+    [(True, 4, 2, False), (False, 8, 3, True), (False, 1, 1, True), (True, 4, 1, False)],
+)  # DeepSeek-V2's group_limited_greedy; V3's noaux_tc (sigmoid, bias); a bias without groups; one group kept
+def test_grouped_routing_picks_what_torch_picks(pair, softmax, n_group, topk_group, biased):
+    """Group-limited routing in the router kernel: only the best groups' experts, chosen by
+    the bias-corrected scores where there is a bias, weighted by the uncorrected ones, as
+    topk_route computes them; a token's choice does not depend on its batch."""
+    ref, fast = pair
+    experts, top_k, width = 32, 6 if topk_group > 1 else 4, 96
+    x = _bf16(9, width, seed=21)
+    router = torch.randn(experts, width, generator=torch.Generator().manual_seed(22)) * 0.3
+    bias = torch.randn(experts, generator=torch.Generator().manual_seed(23)) * 0.5 if biased else None
+    args = (top_k, softmax, True, 0.0 if softmax else 1e-20, 2.5, n_group, topk_group, bias)
+    want_ids, want_w = ref.route_topk(x, router, *args)
+    got_ids, got_w = fast.route_topk(x, router, *args)
+    assert torch.equal(got_ids, want_ids)
+    assert _ulps(got_w, want_w) <= 1
+    per = experts // n_group
+    assert all(len({int(e) // per for e in row}) <= topk_group for row in got_ids)  # only kept groups' experts
+    if biased:  # the bias moves the choice: without it some token picks differently
+        plain_ids, _ = fast.route_topk(x, router, *args[:-1], None)
+        assert not torch.equal(plain_ids, got_ids)
+    alone_ids, alone_w = fast.route_topk(x[4:5], router, *args)
+    assert torch.equal(alone_ids, got_ids[4:5]) and torch.equal(alone_w, got_w[4:5])
+
+
+def test_routing_rejects_groups_that_do_not_divide_the_experts(pair):
+    _, fast = pair
+    x, router = _bf16(2, 32, seed=1), torch.randn(12, 32)
+    with pytest.raises(RuntimeError, match="groups"):
+        fast.route_topk(x, router, 2, True, False, 0.0, 1.0, 5, 2, None)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab,words", [(100, 4), (96, 3), (130, 4)])  # 130 > 4 * 32: the tail is disallowed
 def test_token_bitmask_matches_llguidance_and_the_torch_path(pair, dtype, vocab, words):

@@ -24,7 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_bf16_", &rope_bf16_, py::call_guard<py::gil_scoped_release>(), "rotate-half RoPE in place on (T, H, D) rows");
   m.def("silu_mul_bf16", &silu_mul_bf16, py::call_guard<py::gil_scoped_release>(), "silu(gate) * up for (T, 2I) -> (T, I)");
   m.def("route_topk", &route_topk, py::call_guard<py::gil_scoped_release>(),
-        "an MoE's greedy top-k routing: (ids, bf16 weights), best first");
+        "an MoE's top-k routing, greedy or group-limited (n_group, topk_group, bias): (ids, bf16 weights), best first");
   m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16, py::call_guard<py::gil_scoped_release>(),
         "one query per sequence over its paged K/V, no gather");
   m.def("paged_decode_attention_quant", &paged_decode_attention_quant, py::call_guard<py::gil_scoped_release>(),

@@ -106,8 +106,7 @@ Lin make_lin(const std::vector<std::tuple<torch::Tensor, int64_t, int64_t>>& par
 struct Moe {
   torch::Tensor router;  // (E, K) float32
   int64_t top_k = 0;
-  int64_t n_group = 1, topk_group = 1;  // grouped routing (DeepSeek): groups of experts, a bias
-  bool grouped_routing = false;
+  int64_t n_group = 1, topk_group = 1;  // group-limited routing (DeepSeek; 1, 1: greedy)
   c10::optional<torch::Tensor> bias;  // noaux_tc's e_score_correction_bias (float32)
   bool softmax = true;
   bool norm_topk = false;
@@ -309,7 +308,7 @@ class DecodePlan {
 
   void set_moe(torch::Tensor router, int64_t top_k, bool softmax, bool norm_topk, double norm_eps, double scaling,
                std::tuple<torch::Tensor, int64_t, int64_t> gate_up, std::tuple<torch::Tensor, int64_t, int64_t> down,
-               bool grouped, int64_t n_group, int64_t topk_group, c10::optional<torch::Tensor> bias) {
+               int64_t n_group, int64_t topk_group, c10::optional<torch::Tensor> bias) {
     TORCH_CHECK(!layers_.empty(), "decode plan: set_moe before add_layer");
     TORCH_CHECK(router.scalar_type() == at::kFloat, "decode plan: a float32 router expected");
     Moe m;
@@ -319,11 +318,13 @@ class DecodePlan {
     m.norm_topk = norm_topk;
     m.norm_eps = norm_eps;
     m.scaling = scaling;
-    m.grouped_routing = grouped;
     m.n_group = n_group;
     m.topk_group = topk_group;
-    TORCH_CHECK(!grouped || (n_group >= 1 && router.size(0) % n_group == 0), "decode plan: experts must split into groups");
-    TORCH_CHECK(!bias.has_value() || bias->scalar_type() == at::kFloat, "decode plan: a float32 router bias expected");
+    TORCH_CHECK(n_group >= 1 && router.size(0) % n_group == 0 && topk_group >= 1 && topk_group <= n_group,
+                "decode plan: experts must split into groups");
+    TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                                      bias->numel() == router.size(0)),
+                "decode plan: a float32 router bias of one value an expert expected");
     m.bias = bias;
     m.gate_up = make_packed(gate_up);
     m.down = make_packed(down);
@@ -680,33 +681,6 @@ class DecodePlan {
     return out;
   }
 
-  // Router.forward on tensors: each token's top_k weights (in x's dtype) and expert ids,
-  // (T, top_k) each; greedy routing through the kernel CpuKernels.route_topk calls
-  static std::pair<torch::Tensor, torch::Tensor> route(const Moe& m, const torch::Tensor& x) {
-    if (!m.grouped_routing) {
-      auto r = route_topk(x, m.router, m.top_k, m.softmax, m.norm_topk, m.norm_eps, m.scaling);
-      return {r[1], r[0]};
-    }
-    const int64_t T = x.size(0), E = m.router.size(0);
-    auto logits = at::linear(x.to(at::kFloat), m.router);
-    auto scores = m.softmax ? at::softmax(logits, -1) : at::sigmoid(logits);
-    torch::Tensor weights, ids;
-    {  // Router.forward's group_limited_greedy / noaux_tc
-      const bool noaux = m.bias.has_value();
-      auto choice = noaux ? scores + *m.bias : scores;
-      auto grouped = choice.view({T, m.n_group, -1});
-      auto group_score = noaux ? std::get<0>(at::topk(grouped, 2, -1)).sum(-1) : at::amax(grouped, -1);
-      auto best_groups = std::get<1>(at::topk(group_score, m.topk_group, -1));
-      auto keep = at::zeros_like(group_score, group_score.options().dtype(at::kBool)).scatter_(1, best_groups, true);
-      keep = keep.repeat_interleave(E / m.n_group, 1);
-      ids = std::get<1>(at::topk(choice.masked_fill(keep.logical_not(), noaux ? -INFINITY : 0.0), m.top_k, -1));
-      weights = scores.gather(1, ids);
-    }
-    if (m.norm_topk) weights = weights / (weights.sum(-1, true) + m.norm_eps);
-    if (m.scaling != 1.0) weights = weights * m.scaling;
-    return {weights.to(x.scalar_type()).contiguous(), ids.contiguous()};
-  }
-
   // The (token, choice) pairs of ids (T x k, row-major) sorted by expert, stably (a counting
   // sort: argsort(stable) of the ids), each expert's tokens side by side: counts per expert,
   // order[j] = the pair at place j, unsort[pair] = its place. Returns the experts used.
@@ -730,8 +704,8 @@ class DecodePlan {
     return used;
   }
 
-  // SparseMoE.forward on raw rows: x (T, H) -> out (T, H). Greedy routing by route_topk_into
-  // (grouped routers on tensors, route), the rest into the plan's buffers (ensure_rows for T
+  // SparseMoE.forward on raw rows: x (T, H) -> out (T, H). Routing by route_topk_into (greedy or
+  // group-limited, as CpuKernels.route_topk), the rest into the plan's buffers (ensure_rows for T
   // rows), the same kernels and roundings as the Python forward, in its order
   void run_moe_rows(const Moe& m, const at::BFloat16* x, int64_t T, int64_t H, at::BFloat16* out, double& matmul_s,
                     int64_t& used) {
@@ -739,20 +713,12 @@ class DecodePlan {
     TORCH_CHECK(H % 16 == 0, "decode plan: the MoE's output width must be a multiple of 16");
     const int64_t E = m.router.size(0), k = m.top_k, pairs = T * k, I = m.gate_up.n / 2;
     const auto xt = at::from_blob(const_cast<bf16*>(x), {T, H}, torch::TensorOptions().dtype(at::kBFloat16));
-    const bf16* weights;
-    torch::Tensor routed;  // grouped routing's weights, on tensors
-    if (m.grouped_routing) {
-      auto [w, ids] = route(m, xt);
-      routed = w;
-      weights = routed.data_ptr<bf16>();
-      moe_ids_.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + pairs);
-    } else {
-      moe_ids_.resize(pairs);
-      moe_weights_.resize(pairs);
-      route_topk_into(x, T, H, m.router.data_ptr<float>(), E, k, m.softmax, m.norm_topk, m.norm_eps, m.scaling,
-                      moe_ids_.data(), moe_weights_.data());
-      weights = moe_weights_.data();
-    }
+    moe_ids_.resize(pairs);
+    moe_weights_.resize(pairs);
+    route_topk_into(x, T, H, m.router.data_ptr<float>(), E, k, m.softmax, m.norm_topk, m.norm_eps, m.scaling, m.n_group,
+                    m.topk_group, m.bias.has_value() ? m.bias->data_ptr<float>() : nullptr, moe_ids_.data(),
+                    moe_weights_.data());
+    const bf16* weights = moe_weights_.data();
     used = sort_by_expert(moe_ids_.data(), pairs, E, moe_counts_, moe_order_, moe_unsort_);
     bf16 *rows = ws_moe_x_.data_ptr<bf16>(), *gu = ws_moe_gu_.data_ptr<bf16>();
     bf16 *act = ws_moe_act_.data_ptr<bf16>(), *ys = ws_moe_ys_.data_ptr<bf16>();

@@ -24,9 +24,11 @@ torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
 void rope_bf16_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_mul_bf16(torch::Tensor gate_up);
-// an MoE's greedy routing: (ids (T, k) int64 best first, weights (T, k) bf16); route_topk_into on raw rows
+// an MoE's routing, greedy or group-limited (DeepSeek): (ids (T, k) int64 best first, weights (T, k) bf16);
+// route_topk_into on raw rows (bias: E floats or null)
 std::vector<torch::Tensor> route_topk(torch::Tensor x, torch::Tensor router, int64_t top_k, bool softmax, bool norm_topk,
-                                      double norm_eps, double scaling);
+                                      double norm_eps, double scaling, int64_t n_group, int64_t topk_group,
+                                      c10::optional<torch::Tensor> bias);
 torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                           torch::Tensor block_tables, torch::Tensor context_lens, double scale);
 torch::Tensor paged_decode_attention_quant(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -65,7 +67,8 @@ void rope_into(at::BFloat16* x, int64_t T, int64_t H, int64_t D, int64_t row_str
                const float* cos, const float* sin);
 void silu_mul_into(const at::BFloat16* gate_up, int64_t rows, int64_t I, at::BFloat16* y);
 void route_topk_into(const at::BFloat16* x, int64_t T, int64_t K, const float* router, int64_t E, int64_t top_k,
-                     bool softmax, bool norm_topk, double norm_eps, double scaling, int64_t* ids, at::BFloat16* weights);
+                     bool softmax, bool norm_topk, double norm_eps, double scaling, int64_t n_group, int64_t topk_group,
+                     const float* bias, int64_t* ids, at::BFloat16* weights);
 // q: B rows of Hq x D, q_stride apart; out (B, Hq, D) contiguous; pools (slots / BS, BS, Hkv, D)
 void paged_decode_attention_bf16_into(const at::BFloat16* q, int64_t q_stride, int64_t B, int64_t Hq, int64_t D,
                                       const at::BFloat16* k_pool, const at::BFloat16* v_pool, int64_t BS, int64_t Hkv,
