@@ -157,7 +157,7 @@ def test_the_telemetry_times_the_matmuls_of_planned_and_eager_steps(tmp_path):
 @pytest.mark.parametrize("variant", ["deepseek-v2-lite", "deepseek-v3-yarn"])
 @pytest.mark.parametrize("quantization,kv", [(None, "auto"), ("int4", "auto"), (None, "int8"), (None, "fp8")])
 def test_deepseek_latent_attention_and_grouped_routers_plan_as_they_run(tmp_path, variant, quantization, kv):
-    """DeepSeek's layers in the plan: latent attention absorbed (16 heads: the shared-KV decode
+    """DeepSeek's layers in the plan, on raw rows: latent attention absorbed (16 heads: the shared-KV decode
     kernels; with and without q_lora_rank; rotary pairs interleaved, YaRN), a bf16, int8 or fp8
     latent cache, group-limited (V2, softmax) and noaux_tc (V3, sigmoid + bias) routers, shared
     experts and a dense first layer: the same tokens and logprobs as op by op. int4 weights
@@ -169,6 +169,7 @@ def test_deepseek_latent_attention_and_grouped_routers_plan_as_they_run(tmp_path
     options = dict(quantization=quantization, kv_cache_dtype=kv)
     planned, model = _generate(tmp_path, **options)
     assert model._plan is not None and model._plan.plan.num_layers() == len(model.model.layers)
+    assert model._plan.plan.runs_on_rows()  # latent attention and grouped routing on raw rows too
     absorbed = model.model.layers[0].self_attn.absorbed
     assert all(isinstance(w, torch.Tensor) != (quantization == "int4") for w in absorbed)
     eager, _ = _generate(tmp_path, enforce_eager=True, **options)

@@ -197,10 +197,8 @@ struct SharedQuery {
 };
 
 template <typename T>
-SharedQuery query_lanes(const torch::Tensor& q, int64_t HG, int64_t NGR, float scale, bool fp8) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), GS = D / NGR;
-  auto qc = q.contiguous();
-  const T* qp = qc.data_ptr<T>();
+SharedQuery query_lanes(const T* qp, int64_t B, int64_t H, int64_t D, int64_t HG, int64_t NGR, float scale, bool fp8) {
+  const int64_t GS = D / NGR;
   SharedQuery out;
   std::vector<float> x(D);
   if (fp8) {
@@ -234,14 +232,15 @@ SharedQuery query_lanes(const torch::Tensor& q, int64_t HG, int64_t NGR, float s
   return out;
 }
 
+// q (B, H, D) contiguous -> out (B, H, DV)
 template <typename T>
-torch::Tensor attend_shared_quant(const torch::Tensor& q, const uint8_t* kp, const at::Half* ksp, const int64_t* tp,
-                                  const int64_t* lp, int64_t max_blocks, int64_t BS, int64_t NGR, int64_t DV, float scale,
-                                  bool fp8) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), HG = (H + LANES - 1) / LANES;
+void attend_shared_quant(const T* qp, int64_t B, int64_t H, int64_t D, const uint8_t* kp, const at::Half* ksp,
+                         const int64_t* tp, const int64_t* lp, int64_t max_blocks, int64_t BS, int64_t NGR, int64_t DV,
+                         float scale, bool fp8, T* op) {
+  const int64_t HG = (H + LANES - 1) / LANES;
   const int64_t GS = D / NGR, QG = GS / 4, NDB = DV / DB;
   const ChunkJobs jobs(lp, B, max_blocks * BS);
-  const SharedQuery query = query_lanes<T>(q, HG, NGR, scale, fp8);
+  const SharedQuery query = query_lanes<T>(qp, B, H, D, HG, NGR, scale, fp8);
   const float* q_values = fp8 ? query.values.data_ptr<float>() : nullptr;
   const int32_t* q_codes = fp8 ? nullptr : query.codes.data_ptr<int32_t>();
   const int32_t* q_sums = fp8 ? nullptr : query.sums.data_ptr<int32_t>();
@@ -336,9 +335,7 @@ torch::Tensor attend_shared_quant(const torch::Tensor& q, const uint8_t* kp, con
     }
   });
 
-  auto out = torch::empty({B, H, DV}, q.options());
-  reduce_parts<T>(jobs, B, H, HG, DV, part, out.data_ptr<T>());
-  return out;
+  reduce_parts<T>(jobs, B, H, HG, DV, part, op);
 }
 
 }  // namespace
@@ -353,21 +350,26 @@ torch::Tensor paged_decode_attention_shared(torch::Tensor q, torch::Tensor cache
   TORCH_CHECK(cache.size(3) == D && D % 2 == 0, "decode_attention_shared: the cache's width must be q's (even)");
   TORCH_CHECK(value_dim > 0 && value_dim <= D && value_dim % DB == 0,
               "decode_attention_shared: value_dim must be a multiple of 16, at most the head size");
-  const int64_t HG = (H + LANES - 1) / LANES, DP = D / 2, DV = value_dim, NDB = DV / DB;
   auto tables = block_tables.contiguous();
   auto lens_t = context_lens.contiguous();
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = lens_t.data_ptr<int64_t>();
-  const int64_t max_blocks = tables.size(1);
-  const int32_t* k32 = reinterpret_cast<const int32_t*>(cache.data_ptr<bf16>());
-  const bf16* kp = cache.data_ptr<bf16>();
+  auto qc = q.contiguous();
+  auto out = torch::empty({B, H, value_dim}, q.options());
+  paged_decode_attention_shared_into(qc.data_ptr<bf16>(), B, H, D, cache.data_ptr<bf16>(), BS, tables.data_ptr<int64_t>(),
+                                     tables.size(1), lens_t.data_ptr<int64_t>(), scale, value_dim, out.data_ptr<bf16>());
+  return out;
+}
+
+void paged_decode_attention_shared_into(const bf16* q, int64_t B, int64_t H, int64_t D, const bf16* kp, int64_t BS,
+                                        const int64_t* tp, int64_t max_blocks, const int64_t* lp, double scale,
+                                        int64_t value_dim, bf16* op) {
+  const int64_t HG = (H + LANES - 1) / LANES, DP = D / 2, DV = value_dim, NDB = DV / DB;
+  const int32_t* k32 = reinterpret_cast<const int32_t*>(kp);
   const ChunkJobs jobs(lp, B, max_blocks * BS);
 
   // q as pairs with heads in lanes: qt[b][g][p][lane] = (q[h][2p], q[h][2p + 1]), h = 16 g + lane
   auto qt_t = torch::zeros({B, HG, DP, LANES}, torch::dtype(torch::kInt32));
   {
-    auto qc = q.contiguous();
-    const int32_t* q32 = reinterpret_cast<const int32_t*>(qc.data_ptr<bf16>());
+    const int32_t* q32 = reinterpret_cast<const int32_t*>(q);
     int32_t* qt = qt_t.data_ptr<int32_t>();
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < H; ++h)
@@ -464,9 +466,7 @@ torch::Tensor paged_decode_attention_shared(torch::Tensor q, torch::Tensor cache
   });
 
   // reduce: out[b][h][d] = bf16(sum over the sequence's chunks)
-  auto out = torch::empty({B, H, DV}, q.options());
-  reduce_parts<bf16>(jobs, B, H, HG, DV, part, out.data_ptr<bf16>());
-  return out;
+  reduce_parts<bf16>(jobs, B, H, HG, DV, part, op);
 }
 
 torch::Tensor paged_decode_attention_shared_quant(torch::Tensor q, torch::Tensor cache, torch::Tensor scales,
@@ -494,9 +494,25 @@ torch::Tensor paged_decode_attention_shared_quant(torch::Tensor q, torch::Tensor
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   const float s = static_cast<float>(scale);
+  auto qc = q.contiguous();
+  const int64_t B = q.size(0), H = q.size(1);
+  auto out = torch::empty({B, H, value_dim}, q.options());
   if (dtype == at::kFloat)
-    return attend_shared_quant<float>(q, kp, ksp, tp, lp, tables.size(1), BS, NGR, value_dim, s, fp8);
-  return attend_shared_quant<bf16>(q, kp, ksp, tp, lp, tables.size(1), BS, NGR, value_dim, s, fp8);
+    attend_shared_quant<float>(qc.data_ptr<float>(), B, H, D, kp, ksp, tp, lp, tables.size(1), BS, NGR, value_dim, s,
+                               fp8, out.data_ptr<float>());
+  else
+    attend_shared_quant<bf16>(qc.data_ptr<bf16>(), B, H, D, kp, ksp, tp, lp, tables.size(1), BS, NGR, value_dim, s, fp8,
+                              out.data_ptr<bf16>());
+  return out;
+}
+
+void paged_decode_attention_shared_quant_into(const bf16* q, int64_t B, int64_t H, int64_t D, const uint8_t* cache,
+                                              const at::Half* scales, int64_t groups, int64_t BS,
+                                              const int64_t* block_tables, int64_t max_blocks,
+                                              const int64_t* context_lens, double scale, int64_t value_dim, bool fp8,
+                                              bf16* out) {
+  attend_shared_quant<bf16>(q, B, H, D, cache, scales, block_tables, context_lens, max_blocks, BS, groups, value_dim,
+                            static_cast<float>(scale), fp8, out);
 }
 
 // MLA's absorption around that attention: y[d][h] = x[d][h] @ w[h] for each head h, x (D, H, K)
@@ -512,12 +528,16 @@ torch::Tensor head_matmul_bf16(torch::Tensor x, torch::Tensor w) {
               "head_matmul: x (D, H, K) and w (H, K, N) expected");
   const int64_t D = x.size(0), H = x.size(1), K = x.size(2), N = w.size(2);
   TORCH_CHECK(N % 16 == 0, "head_matmul: N must be a multiple of 16");
-  auto xc = x.contiguous();
+  auto xc = x.stride(2) == 1 ? x : x.contiguous();  // rows and heads may be strided (MLA's q slices)
   auto wc = w.contiguous();
   auto y = torch::empty({D, H, N}, x.options());
-  const bf16* xp = xc.data_ptr<bf16>();
-  const bf16* wp = wc.data_ptr<bf16>();
-  bf16* yp = y.data_ptr<bf16>();
+  head_matmul_bf16_into(xc.data_ptr<bf16>(), xc.stride(0), xc.stride(1), D, H, K, wc.data_ptr<bf16>(), N,
+                        y.data_ptr<bf16>());
+  return y;
+}
+
+void head_matmul_bf16_into(const bf16* xp, int64_t sxr, int64_t sxh, int64_t D, int64_t H, int64_t K, const bf16* wp,
+                           int64_t N, bf16* yp) {
   constexpr int64_t NV = 4, RB = 4;  // outputs a pass: 4 vectors of 16 for 4 rows (16 accumulators)
   const int64_t NBLK = (N / 16 + NV - 1) / NV;
   at::parallel_for(0, H * NBLK, 1, [&](int64_t begin, int64_t end) {
@@ -537,7 +557,7 @@ torch::Tensor head_matmul_bf16(torch::Tensor x, torch::Tensor w) {
                            : _mm512_setzero_ps();
           for (int i = 0; i < RB; ++i) {
             if (i >= rb) break;
-            const __m512 xv = _mm512_set1_ps(static_cast<float>(xp[((d0 + i) * H + h) * K + k]));
+            const __m512 xv = _mm512_set1_ps(static_cast<float>(xp[(d0 + i) * sxr + h * sxh + k]));
             for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
           }
         }
@@ -548,5 +568,4 @@ torch::Tensor head_matmul_bf16(torch::Tensor x, torch::Tensor w) {
       }
     }
   });
-  return y;
 }

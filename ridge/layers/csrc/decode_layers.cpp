@@ -89,6 +89,28 @@ torch::Tensor head_matmul(const torch::Tensor& x, const Packed& w) {
   return w.fmt < 0 ? head_matmul_bf16(x, w.weight) : head_matmul_quant(x, w.weight, w.fmt, w.n);
 }
 
+// its outputs a head (N)
+static int64_t head_width(const Packed& w) { return w.fmt < 0 ? w.weight.size(2) : w.n; }
+
+// head_matmul on raw rows: x[d][h] (K values) at x + d * sxr + h * sxh -> y (D, H, N) contiguous
+static void head_matmul_into(const Packed& w, const at::BFloat16* x, int64_t sxr, int64_t sxh, int64_t D, int64_t H, int64_t K,
+                      at::BFloat16* y) {
+  if (w.fmt < 0)
+    head_matmul_bf16_into(x, sxr, sxh, D, H, K, w.weight.data_ptr<at::BFloat16>(), w.weight.size(2), y);
+  else
+    head_matmul_quant_into(x, sxr, sxh, D, H, K, w.weight.data_ptr<uint8_t>(), w.fmt, w.n, y);
+}
+
+// p rotary values from src to dst, de-interleaved where asked ((x0, x1, x2, ..) -> (x0, x2, .., x1, x3, ..),
+// what run_mla's unflatten / transpose / flatten does before the rotation)
+static void place_rope(const at::BFloat16* src, at::BFloat16* dst, int64_t p, bool interleave) {
+  if (!interleave) {
+    std::memcpy(dst, src, p * sizeof(at::BFloat16));
+    return;
+  }
+  for (int64_t j = 0; j < p / 2; ++j) dst[j] = src[2 * j], dst[p / 2 + j] = src[2 * j + 1];
+}
+
 // (weight, format code, rows) as kernels.plan_linear / plan_experts / plan_heads give it
 Packed make_packed(const std::tuple<torch::Tensor, int64_t, int64_t>& p) {
   return {std::get<0>(p), std::get<1>(p), std::get<2>(p)};
@@ -439,7 +461,7 @@ class DecodePlan {
                     sin.is_contiguous(), "decode plan: float32 rotary tables");
     ensure_rows(T, hidden);
     bf16* hp = h.data_ptr<bf16>();
-    bf16 *x = ws_x_.data_ptr<bf16>(), *qkv = ws_qkv_.data_ptr<bf16>(), *attn = ws_attn_.data_ptr<bf16>();
+    bf16* x = ws_x_.data_ptr<bf16>();
     bf16 *o = ws_o_.data_ptr<bf16>(), *gu = ws_gu_.data_ptr<bf16>(), *act = ws_act_.data_ptr<bf16>();
     bf16* ffn = ws_ffn_.data_ptr<bf16>();
     const int64_t* sp = slots.data_ptr<int64_t>();
@@ -457,44 +479,10 @@ class DecodePlan {
         rms_norm_into(hp, in_norm, x, T, hidden, l.eps);
       else
         add_rms_norm_into(ffn, hp, in_norm, x, T, hidden, l.eps);
-      const int64_t D = l.head_dim, q_size = l.heads * D, kv_size = l.kv_heads * D, qkv_n = q_size + 2 * kv_size;
-      {
-        Timer t(matmul_s);
-        l.qkv.into(x, T, hidden, qkv);
-      }
-      if (l.q_norm.has_value()) {  // each head's q and k normed in place (rms_row reads a row before writing it)
-        const bf16* qn = l.q_norm->data_ptr<bf16>();
-        const bf16* kn = l.k_norm->data_ptr<bf16>();
-        for (int64_t t = 0; t < T; ++t) {
-          bf16* row = qkv + t * qkv_n;
-          rms_norm_into(row, qn, row, l.heads, D, l.qk_eps);
-          rms_norm_into(row + q_size, kn, row + q_size, l.kv_heads, D, l.qk_eps);
-        }
-      }
-      rope_into(qkv, T, l.heads + l.kv_heads, D, qkv_n, pos, cp, snp);
-      const int64_t num_slots = l.k_pool.size(0) * l.k_pool.size(1), BS = l.k_pool.size(1);
-      if (l.k_scale.has_value()) {  // write_kv_quant_ twice, then the int8 / fp8 decode kernel
-        auto* kp = static_cast<uint8_t*>(l.k_pool.data_ptr());
-        auto* vp = static_cast<uint8_t*>(l.v_pool.data_ptr());
-        at::Half* ks = l.k_scale->data_ptr<at::Half>();
-        at::Half* vs = l.v_scale->data_ptr<at::Half>();
-        const int64_t groups = l.k_scale->size(-1);
-        write_kv_quant_into(kp, ks, num_slots, l.kv_heads, D, groups, qkv + q_size, qkv_n, sp, T, l.fp8);
-        write_kv_quant_into(vp, vs, num_slots, l.kv_heads, D, groups, qkv + q_size + kv_size, qkv_n, sp, T, l.fp8);
-        paged_decode_attention_quant_into(qkv, qkv_n, T, l.heads, D, kp, vp, ks, vs, BS, l.kv_heads, groups, tables,
-                                          block_tables.size(1), lens, l.scale, l.fp8, attn);
-      } else {
-        bf16* kp = l.k_pool.data_ptr<bf16>();
-        bf16* vp = l.v_pool.data_ptr<bf16>();
-        write_rows_into(kp, kv_size, num_slots, qkv + q_size, qkv_n, sp, T);
-        write_rows_into(vp, kv_size, num_slots, qkv + q_size + kv_size, qkv_n, sp, T);
-        paged_decode_attention_bf16_into(qkv, qkv_n, T, l.heads, D, kp, vp, BS, l.kv_heads, tables,
-                                         block_tables.size(1), lens, l.scale, attn);
-      }
-      {
-        Timer t(matmul_s);
-        l.o.into(attn, T, q_size, o);
-      }
+      if (l.mla)
+        run_mla_rows(l, x, T, hidden, sp, tables, block_tables.size(1), lens, pos, cp, snp, o, matmul_s);
+      else
+        run_attention_rows(l, x, T, hidden, sp, tables, block_tables.size(1), lens, pos, cp, snp, o, matmul_s);
       add_rms_norm_into(o, hp, l.post_norm.data_ptr<bf16>(), x, T, hidden, l.eps);
       if (l.moe.has_value()) {
         run_moe_rows(*l.moe, x, T, hidden, ffn, matmul_s, touched[i]);
@@ -516,6 +504,112 @@ class DecodePlan {
   }
 
  private:
+  // A Llama attention on raw rows: x (T, hidden) -> out (T, hidden) through o_proj
+  void run_attention_rows(const Layer& l, const at::BFloat16* x, int64_t T, int64_t hidden, const int64_t* sp,
+                          const int64_t* tables, int64_t max_blocks, const int64_t* lens, const int64_t* pos,
+                          const float* cp, const float* snp, at::BFloat16* o, double& matmul_s) {
+    using bf16 = at::BFloat16;
+    bf16 *qkv = ws_qkv_.data_ptr<bf16>(), *attn = ws_attn_.data_ptr<bf16>();
+    const int64_t D = l.head_dim, q_size = l.heads * D, kv_size = l.kv_heads * D, qkv_n = q_size + 2 * kv_size;
+    {
+      Timer t(matmul_s);
+      l.qkv.into(x, T, hidden, qkv);
+    }
+    if (l.q_norm.has_value()) {  // each head's q and k normed in place (rms_row reads a row before writing it)
+      const bf16* qn = l.q_norm->data_ptr<bf16>();
+      const bf16* kn = l.k_norm->data_ptr<bf16>();
+      for (int64_t t = 0; t < T; ++t) {
+        bf16* row = qkv + t * qkv_n;
+        rms_norm_into(row, qn, row, l.heads, D, l.qk_eps);
+        rms_norm_into(row + q_size, kn, row + q_size, l.kv_heads, D, l.qk_eps);
+      }
+    }
+    rope_into(qkv, T, l.heads + l.kv_heads, D, qkv_n, pos, cp, snp);
+    const int64_t num_slots = l.k_pool.size(0) * l.k_pool.size(1), BS = l.k_pool.size(1);
+    if (l.k_scale.has_value()) {  // write_kv_quant_ twice, then the int8 / fp8 decode kernel
+      auto* kp = static_cast<uint8_t*>(l.k_pool.data_ptr());
+      auto* vp = static_cast<uint8_t*>(l.v_pool.data_ptr());
+      at::Half* ks = l.k_scale->data_ptr<at::Half>();
+      at::Half* vs = l.v_scale->data_ptr<at::Half>();
+      const int64_t groups = l.k_scale->size(-1);
+      write_kv_quant_into(kp, ks, num_slots, l.kv_heads, D, groups, qkv + q_size, qkv_n, sp, T, l.fp8);
+      write_kv_quant_into(vp, vs, num_slots, l.kv_heads, D, groups, qkv + q_size + kv_size, qkv_n, sp, T, l.fp8);
+      paged_decode_attention_quant_into(qkv, qkv_n, T, l.heads, D, kp, vp, ks, vs, BS, l.kv_heads, groups, tables,
+                                        max_blocks, lens, l.scale, l.fp8, attn);
+    } else {
+      bf16* kp = l.k_pool.data_ptr<bf16>();
+      bf16* vp = l.v_pool.data_ptr<bf16>();
+      write_rows_into(kp, kv_size, num_slots, qkv + q_size, qkv_n, sp, T);
+      write_rows_into(vp, kv_size, num_slots, qkv + q_size + kv_size, qkv_n, sp, T);
+      paged_decode_attention_bf16_into(qkv, qkv_n, T, l.heads, D, kp, vp, BS, l.kv_heads, tables, max_blocks, lens,
+                                       l.scale, attn);
+    }
+    Timer t(matmul_s);
+    l.o.into(attn, T, q_size, o);
+  }
+
+  // run_mla on raw rows, op for op: x (T, hidden) -> out (T, hidden) through o_proj
+  void run_mla_rows(const Layer& l, const at::BFloat16* x, int64_t T, int64_t hidden, const int64_t* sp,
+                    const int64_t* tables, int64_t max_blocks, const int64_t* lens, const int64_t* pos, const float* cp,
+                    const float* snp, at::BFloat16* out, double& matmul_s) {
+    using bf16 = at::BFloat16;
+    const int64_t H = l.heads, QH = l.nope + l.rope, E = l.rank + l.rope, yw = l.qkv.width();
+    bf16 *y = ws_qkv_.data_ptr<bf16>(), *entry = ws_mla_entry_.data_ptr<bf16>();
+    bf16 *query = ws_mla_query_.data_ptr<bf16>(), *lat = ws_mla_latent_.data_ptr<bf16>();
+    bf16* attn = ws_attn_.data_ptr<bf16>();
+    {
+      Timer t(matmul_s);
+      l.qkv.into(x, T, hidden, y);  // (T, q | latent | rotary key)
+    }
+    const bf16* q = y;  // (T, H, nope + rope) rows qs apart
+    int64_t qs = yw;
+    if (l.q_b.has_value()) {
+      bf16 *qa = ws_mla_qa_.data_ptr<bf16>(), *qb = ws_mla_q_.data_ptr<bf16>();
+      const bf16* w = l.q_a_norm->data_ptr<bf16>();
+      for (int64_t t = 0; t < T; ++t) rms_norm_into(y + t * yw, w, qa + t * l.q_width, 1, l.q_width, l.latent_eps);
+      {
+        Timer t(matmul_s);
+        l.q_b->into(qa, T, l.q_width, qb);
+      }
+      q = qb;
+      qs = l.q_b->width();
+    }
+    // the cache entry (the normed latent, the rotary key) and each head's rotary query after
+    // its latent query's place, both rotated
+    const bf16* kv_norm = l.kv_a_norm.data_ptr<bf16>();
+    for (int64_t t = 0; t < T; ++t) {
+      const bf16* kv_a = y + t * yw + l.q_width;
+      rms_norm_into(kv_a, kv_norm, entry + t * E, 1, l.rank, l.latent_eps);
+      place_rope(kv_a + l.rank, entry + t * E + l.rank, l.rope, l.interleave);
+      for (int64_t h = 0; h < H; ++h)
+        place_rope(q + t * qs + h * QH + l.nope, query + (t * H + h) * E + l.rank, l.rope, l.interleave);
+    }
+    rope_into(query + l.rank, T, H, l.rope, H * E, pos, cp, snp, E);
+    rope_into(entry + l.rank, T, 1, l.rope, E, pos, cp, snp);
+    const int64_t num_slots = l.k_pool.size(0) * l.k_pool.size(1), BS = l.k_pool.size(1);
+    const int64_t groups = l.k_scale.has_value() ? l.k_scale->size(-1) : 0;
+    if (l.k_scale.has_value())
+      write_kv_quant_into(static_cast<uint8_t*>(l.k_pool.data_ptr()), l.k_scale->data_ptr<at::Half>(), num_slots, 1, E,
+                          groups, entry, E, sp, T, l.fp8);
+    else
+      write_rows_into(l.k_pool.data_ptr<bf16>(), E, num_slots, entry, E, sp, T);
+    {
+      Timer t(matmul_s);
+      head_matmul_into(l.w_uk, q, qs, QH, T, H, l.nope, lat);  // the latent queries (T, H, rank)
+    }
+    for (int64_t r = 0; r < T * H; ++r) std::memcpy(query + r * E, lat + r * l.rank, l.rank * sizeof(bf16));
+    if (l.k_scale.has_value())
+      paged_decode_attention_shared_quant_into(query, T, H, E, static_cast<const uint8_t*>(l.k_pool.data_ptr()),
+                                               l.k_scale->data_ptr<at::Half>(), groups, BS, tables, max_blocks, lens,
+                                               l.scale, l.rank, l.fp8, lat);
+    else
+      paged_decode_attention_shared_into(query, T, H, E, l.k_pool.data_ptr<bf16>(), BS, tables, max_blocks, lens, l.scale,
+                                         l.rank, lat);
+    Timer t(matmul_s);
+    head_matmul_into(l.w_uv_t, lat, H * l.rank, l.rank, T, H, l.rank, attn);  // (T, H, v)
+    l.o.into(attn, T, H * head_width(l.w_uv_t), out);
+  }
+
   // an int8 / fp8 pool's scales as paged_decode_attention_quant takes them (or a bf16 pool)
   static bool quant_pools_fit(const Layer& l) {
     if (!l.k_scale.has_value()) return true;
@@ -530,14 +624,34 @@ class DecodePlan {
   bool rows_path() {
     if (rows_state_ < 0) {
       rows_state_ = !layers_.empty();
-      for (const Layer& l : layers_)
-        if (l.mla || !l.qkv.plain() || !l.o.plain() || (l.moe.has_value() && !moe_fits(*l.moe, l.in_norm.numel())) ||
-            !l.gate_up.plain() || !l.down.plain() || l.head_dim % 16 != 0 || l.head_dim > 256 ||
-            l.qkv.width() != (l.heads + 2 * l.kv_heads) * l.head_dim || l.gate_up.width() % 2 != 0 ||
-            l.k_pool.numel() / 2 >= (int64_t{1} << 31) || !quant_pools_fit(l))
-          rows_state_ = 0;
+      for (const Layer& l : layers_) {
+        const bool attention_fits = l.mla ? mla_fits(l)
+                                          : l.qkv.plain() && l.o.plain() && l.head_dim % 16 == 0 && l.head_dim <= 256 &&
+                                                l.qkv.width() == (l.heads + 2 * l.kv_heads) * l.head_dim &&
+                                                l.k_pool.numel() / 2 < (int64_t{1} << 31) && quant_pools_fit(l);
+        const bool ffn_fits = l.moe.has_value() ? moe_fits(*l.moe, l.in_norm.numel())
+                                                : l.gate_up.plain() && l.down.plain() && l.gate_up.width() % 2 == 0;
+        if (!attention_fits || !ffn_fits) rows_state_ = 0;
+      }
     }
     return rows_state_ == 1;
+  }
+
+  // a latent attention run_mla_rows takes: plain projections, per-head matrices of whole
+  // vectors, and a latent pool whose scale groups the shared-KV kernels read
+  static bool mla_fits(const Layer& l) {
+    const int64_t E = l.rank + l.rope;
+    const auto dense_fits = [](const Packed& w) { return w.fmt >= 0 || (w.weight.dim() == 3 && w.weight.is_contiguous()); };
+    bool fits = l.qkv.plain() && l.o.plain() && (!l.q_b.has_value() || l.q_b->plain()) && l.rope % 2 == 0 &&
+                l.rank % 16 == 0 && head_width(l.w_uk) == l.rank && head_width(l.w_uv_t) % 16 == 0 &&
+                dense_fits(l.w_uk) && dense_fits(l.w_uv_t) && l.qkv.width() == l.q_width + E &&
+                (!l.q_b.has_value() || l.q_b->width() == l.heads * (l.nope + l.rope)) &&
+                (l.q_b.has_value() || l.q_width == l.heads * (l.nope + l.rope));
+    if (l.k_scale.has_value()) {
+      const int64_t groups = l.k_scale->size(-1);
+      fits = fits && l.k_scale->dim() == 4 && groups >= 1 && E % groups == 0 && (E / groups) % 16 == 0;
+    }
+    return fits;
   }
 
   // an MoE run_moe_rows takes: its output a multiple of 16 wide (combine_into)
@@ -550,10 +664,16 @@ class DecodePlan {
   // layer needs (an MoE's: T top_k rows, one per token and choice)
   void ensure_rows(int64_t T, int64_t hidden) {
     if (T <= ws_rows_ && hidden == ws_hidden_) return;
-    int64_t qkv_n = 0, attn_n = 0, gu_n = 0, top_k = 0, moe_gu_n = 0;
+    int64_t qkv_n = 0, attn_n = 0, gu_n = 0, top_k = 0, moe_gu_n = 0, qa_n = 0, q_n = 0, entry_n = 0, latent_n = 0;
     for (const Layer& l : layers_) {
       qkv_n = std::max(qkv_n, l.qkv.width());
       attn_n = std::max(attn_n, l.heads * l.head_dim);
+      if (l.mla) {
+        attn_n = std::max(attn_n, l.heads * head_width(l.w_uv_t));
+        if (l.q_b.has_value()) qa_n = std::max(qa_n, l.q_width), q_n = std::max(q_n, l.q_b->width());
+        entry_n = std::max(entry_n, l.rank + l.rope);
+        latent_n = std::max(latent_n, l.heads * l.rank);
+      }
       gu_n = std::max(gu_n, l.gate_up.width());
       if (l.moe.has_value()) {
         top_k = std::max(top_k, l.moe->top_k);
@@ -573,6 +693,11 @@ class DecodePlan {
     ws_moe_gu_ = torch::empty({T * top_k, moe_gu_n}, opts);
     ws_moe_act_ = torch::empty({T * top_k, moe_gu_n / 2}, opts);
     ws_moe_ys_ = torch::empty({T * top_k, hidden}, opts);
+    ws_mla_qa_ = torch::empty({T, qa_n}, opts);
+    ws_mla_q_ = torch::empty({T, q_n}, opts);
+    ws_mla_entry_ = torch::empty({T, entry_n}, opts);
+    ws_mla_query_ = torch::empty({T, attn_n}, opts);  // (T, H, rank + rope): attn_n covers it (head_dim = rank + rope)
+    ws_mla_latent_ = torch::empty({T, latent_n}, opts);
     ws_rows_ = T;
     ws_hidden_ = hidden;
   }
@@ -581,6 +706,7 @@ class DecodePlan {
   int64_t ws_rows_ = 0, ws_hidden_ = 0;
   torch::Tensor ws_x_, ws_qkv_, ws_attn_, ws_o_, ws_gu_, ws_act_, ws_ffn_;
   torch::Tensor ws_moe_x_, ws_moe_gu_, ws_moe_act_, ws_moe_ys_;  // an MoE's rows, sorted by expert
+  torch::Tensor ws_mla_qa_, ws_mla_q_, ws_mla_entry_, ws_mla_query_, ws_mla_latent_;  // a latent attention's
   std::vector<int64_t> moe_ids_, moe_counts_, moe_order_, moe_unsort_;  // routing's and sort_by_expert's, kept
   std::vector<at::BFloat16> moe_weights_;
 
@@ -797,7 +923,7 @@ void bind_decode_plan(pybind11::module& m) {
       .def("set_moe", &DecodePlan::set_moe)
       .def("set_shared_expert", &DecodePlan::set_shared_expert)
       .def("num_layers", &DecodePlan::num_layers)
-      .def("runs_on_rows", &DecodePlan::runs_on_rows, "whether run() takes run_rows (every layer a plain Llama attention; dense MLPs or MoEs)")
+      .def("runs_on_rows", &DecodePlan::runs_on_rows, "whether run() takes run_rows (every layer a plain Llama or latent attention; dense MLPs or MoEs)")
       .def("run", &DecodePlan::run, py::call_guard<py::gil_scoped_release>());
   m.def("write_kv_quant_", &write_kv_quant_, py::call_guard<py::gil_scoped_release>(),
         "an int8 / fp8 pool's write_kv: rows quantized per group (kv/cache.py's arithmetic) into their slots");

@@ -193,8 +193,8 @@ torch::Tensor add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::
 // x: (T, H, D) with unit stride in D and H (rows may be strided: a view into qkv).
 // cos/sin: fp32 tables (max_positions, D); rotate-half layout, bf16 roundings as torch's.
 void rope_into(bf16* xp, int64_t T, int64_t H, int64_t D, int64_t row_stride, const int64_t* pp, const float* cp,
-               const float* sp) {
-  const int64_t half = D / 2;
+               const float* sp, int64_t head_stride) {
+  const int64_t half = D / 2, hs = head_stride > 0 ? head_stride : D;
   // 16 lanes at a time (a mask for the last of a half that is not a multiple of 16): the same
   // roundings as torch's bf16 ops, one pair of lanes each, so the results are the scalar loop's
   auto lanes = [](int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1); };
@@ -212,7 +212,7 @@ void rope_into(bf16* xp, int64_t T, int64_t H, int64_t D, int64_t row_stride, co
         _mm512_mask_storeu_ps(sr.data() + i, m, round16(_mm512_maskz_loadu_ps(m, s + i)));
       }
       for (int64_t h = 0; h < H; ++h) {
-        bf16* v = xp + t * row_stride + h * D;
+        bf16* v = xp + t * row_stride + h * hs;
         for (int64_t i = 0; i < half; i += 16) {
           const __mmask16 m = lanes(half - i);
           const __m512 x1 = load(v + i, m), x2 = load(v + half + i, m);
@@ -234,7 +234,7 @@ void rope_bf16_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, tor
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope: (T, H, D) rows expected");
   auto pos = positions.contiguous();
   rope_into(x.data_ptr<bf16>(), x.size(0), x.size(1), x.size(2), x.stride(0), pos.data_ptr<int64_t>(),
-            cos.data_ptr<float>(), sin.data_ptr<float>());
+            cos.data_ptr<float>(), sin.data_ptr<float>(), x.size(2));
 }
 
 void silu_mul_into(const bf16* gp, int64_t rows, int64_t I, bf16* yp) {

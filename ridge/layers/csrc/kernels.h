@@ -63,8 +63,9 @@ void rms_norm_into(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* y
 void add_rms_norm_into(const at::BFloat16* x, at::BFloat16* residual, const at::BFloat16* w, at::BFloat16* y,
                        int64_t rows, int64_t n, double eps);
 void add_rows_into(at::BFloat16* residual, const at::BFloat16* x, int64_t n);  // residual += x, rounded to bf16
+// rope on H heads of D a token, head h of token t at x + t * row_stride + h * head_stride (0: D)
 void rope_into(at::BFloat16* x, int64_t T, int64_t H, int64_t D, int64_t row_stride, const int64_t* positions,
-               const float* cos, const float* sin);
+               const float* cos, const float* sin, int64_t head_stride = 0);
 void silu_mul_into(const at::BFloat16* gate_up, int64_t rows, int64_t I, at::BFloat16* y);
 void route_topk_into(const at::BFloat16* x, int64_t T, int64_t K, const float* router, int64_t E, int64_t top_k,
                      bool softmax, bool norm_topk, double norm_eps, double scaling, int64_t n_group, int64_t topk_group,
@@ -80,6 +81,23 @@ void paged_decode_attention_quant_into(const at::BFloat16* q, int64_t q_stride, 
                                        const at::Half* v_scale, int64_t BS, int64_t Hkv, int64_t groups,
                                        const int64_t* block_tables, int64_t max_blocks, const int64_t* context_lens,
                                        double scale, bool fp8, at::BFloat16* out);
+// decode_attention_shared.cpp (latent attention): q (B, H, D) contiguous, one KV head (slots / BS, BS, 1, D) shared
+// by every query head, whose first value_dim dims are its value; out (B, H, value_dim)
+void paged_decode_attention_shared_into(const at::BFloat16* q, int64_t B, int64_t H, int64_t D, const at::BFloat16* cache,
+                                        int64_t BS, const int64_t* block_tables, int64_t max_blocks,
+                                        const int64_t* context_lens, double scale, int64_t value_dim, at::BFloat16* out);
+// the same over an int8 / fp8 cache with fp16 scales per (slot, group of D / groups)
+void paged_decode_attention_shared_quant_into(const at::BFloat16* q, int64_t B, int64_t H, int64_t D, const uint8_t* cache,
+                                              const at::Half* scales, int64_t groups, int64_t BS,
+                                              const int64_t* block_tables, int64_t max_blocks,
+                                              const int64_t* context_lens, double scale, int64_t value_dim, bool fp8,
+                                              at::BFloat16* out);
+// head_matmul: x[d][h] (K values) at x + d * sxr + h * sxh through head h's (K, N) matrix (bf16 (H, K, N), or
+// packed blocks of H * N rows) into y (D, H, N) contiguous
+void head_matmul_bf16_into(const at::BFloat16* x, int64_t sxr, int64_t sxh, int64_t D, int64_t H, int64_t K,
+                           const at::BFloat16* w, int64_t N, at::BFloat16* y);
+void head_matmul_quant_into(const at::BFloat16* x, int64_t sxr, int64_t sxh, int64_t D, int64_t H, int64_t K,
+                            const uint8_t* packed, int64_t fmt, int64_t N, at::BFloat16* y);
 // decode_layers.cpp
 void write_kv_quant_(torch::Tensor pool, torch::Tensor scales, torch::Tensor x, torch::Tensor slots, bool fp8);
 void bind_decode_plan(pybind11::module& m);

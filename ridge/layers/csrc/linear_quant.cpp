@@ -1296,6 +1296,11 @@ torch::Tensor linear_quant_grouped(torch::Tensor x, torch::Tensor packed, int64_
 // [h N/16, (h+1) N/16) -> (D, H, N). One call for all the heads: each head's matrix is read
 // once for the step's rows, and the heads' blocks are shared out over the threads together.
 // The same arithmetic as linear_quant per head (a row's output is its linear_quant output).
+void head_matmul_quant_into(const at::BFloat16* x, int64_t sxr, int64_t sxh, int64_t D, int64_t H, int64_t K,
+                            const uint8_t* packed, int64_t fmt, int64_t N, at::BFloat16* y) {
+  if (D > 0 && H > 0) gemm_heads<at::BFloat16>(fmt, x, sxr, sxh, D, H, K, packed, N, nullptr, y, H * N);
+}
+
 torch::Tensor head_matmul_quant(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_t N) {
   const Layout L = layout_of(fmt);
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && x.dim() == 3, "head_matmul_quant: (D, H, K) on CPU");
