@@ -171,6 +171,25 @@ def test_grouped_experts_are_each_experts_linear(ext, name):
         ext.linear_quant_grouped(x[:-1], packed, code, n, counts)
 
 
+def test_grouped_bf16_experts_are_each_experts_linear(ext):
+    """bf16 stacked experts in one call (the streaming kernel's experts in one pass of the
+    threads, others one call each): each run of rows equals linear_bf16 on that expert's own
+    packed rows, bit for bit; experts of no rows, one row, a few (AMX's on Intel) and 70 (the
+    prefill kernel)."""
+    k, n = 96, 48
+    counts = [1, 0, 3, 1, 0, 70, 1, 2]
+    gen = torch.Generator().manual_seed(5)
+    packed = ext.pack_vnni((torch.randn(len(counts) * n, k, generator=gen) * 0.1).bfloat16())
+    x = torch.randn(sum(counts), k, generator=gen).bfloat16()
+    got = ext.linear_bf16_grouped(x, packed, n, counts)
+    row = 0
+    for e, c in enumerate(counts):
+        if c:
+            expert = packed[e * n // 16 : (e + 1) * n // 16]
+            assert torch.equal(got[row : row + c], ext.linear_bf16(x[row : row + c], expert, n, None)), e
+        row += c
+
+
 def test_head_matmul_checks_its_weight(ext):
     blocks, packed = _packed(ext, "int8", 32, 64, seed=0)
     with pytest.raises(RuntimeError, match="does not match"):

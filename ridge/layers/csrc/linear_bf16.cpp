@@ -92,36 +92,72 @@ inline void run_tile(const Tile& t, const int32_t* xt, int64_t KP, const bf16* b
   }
 }
 
+// M rows of x as the streaming kernel reads them: their tiles and pair-major rows
+struct StreamRows {
+  std::vector<Tile> tiles;
+  std::vector<int32_t> xt;
+
+  StreamRows(const bf16* x, int64_t M, int64_t K) {
+    const int64_t KP = (K + 1) / 2;
+    tiles = plan_tiles(M, KP);
+    xt.assign(tiles.back().offset + KP * tiles.back().mr, 0);
+    for (const Tile& t : tiles)
+      for (int64_t i = 0; i < t.rows; ++i) {
+        const uint16_t* row = reinterpret_cast<const uint16_t*>(x + (t.row0 + i) * K);
+        int32_t* dst = xt.data() + t.offset + i;
+        for (int64_t kp = 0; kp < KP; ++kp) {  // odd K: the last pair is (x[K-1], 0), as is the packed W
+          const uint32_t lo = row[2 * kp], hi = 2 * kp + 1 < K ? row[2 * kp + 1] : 0;
+          dst[kp * t.mr] = static_cast<int32_t>(lo | (hi << 16));
+        }
+      }
+  }
+
+  // every tile over block b (its 16 outputs of y's N)
+  void run_block(const bf16* block, const char* pf_end, int64_t b, int64_t KP, int64_t N, const float* bias,
+                 bf16* y) const {
+    for (const Tile& t : tiles) {
+      switch (t.mr) {
+        case 1: run_tile<1>(t, xt.data(), KP, block, pf_end, b, N, bias, y); break;
+        case 2: run_tile<2>(t, xt.data(), KP, block, pf_end, b, N, bias, y); break;
+        case 4: run_tile<4>(t, xt.data(), KP, block, pf_end, b, N, bias, y); break;
+        case 8: run_tile<8>(t, xt.data(), KP, block, pf_end, b, N, bias, y); break;
+        case 12: run_tile<12>(t, xt.data(), KP, block, pf_end, b, N, bias, y); break;
+        default: run_tile<16>(t, xt.data(), KP, block, pf_end, b, N, bias, y);
+      }
+    }
+  }
+};
+
 // Threads take contiguous runs of blocks, so each reads one contiguous stream of W (the
 // pattern DRAM and the hardware prefetcher serve best); every tile of x passes over a block
 // while it is in cache, so W is read from memory once whatever M is.
 void gemm(const bf16* x, int64_t M, int64_t K, const bf16* wp, int64_t N, const float* bias, bf16* y) {
   const int64_t blocks = (N + 15) / 16, KP = (K + 1) / 2;
-  const std::vector<Tile> tiles = plan_tiles(M, KP);
-  std::vector<int32_t> xt(tiles.back().offset + KP * tiles.back().mr, 0);
-  for (const Tile& t : tiles)
-    for (int64_t i = 0; i < t.rows; ++i) {
-      const uint16_t* row = reinterpret_cast<const uint16_t*>(x + (t.row0 + i) * K);
-      int32_t* dst = xt.data() + t.offset + i;
-      for (int64_t kp = 0; kp < KP; ++kp) {  // odd K: the last pair is (x[K-1], 0), as is the packed W
-        const uint32_t lo = row[2 * kp], hi = 2 * kp + 1 < K ? row[2 * kp + 1] : 0;
-        dst[kp * t.mr] = static_cast<int32_t>(lo | (hi << 16));
-      }
-    }
+  const StreamRows rows(x, M, K);
   at::parallel_for(0, blocks, 1, [&](int64_t b_begin, int64_t b_end) {
     const char* pf_end = reinterpret_cast<const char*>(wp + b_end * KP * 32);  // this thread's run of W ends
-    for (int64_t b = b_begin; b < b_end; ++b) {
-      const bf16* block = wp + b * KP * 32;
-      for (const Tile& t : tiles) {
-        switch (t.mr) {
-          case 1: run_tile<1>(t, xt.data(), KP, block, pf_end, b, N, bias, y); break;
-          case 2: run_tile<2>(t, xt.data(), KP, block, pf_end, b, N, bias, y); break;
-          case 4: run_tile<4>(t, xt.data(), KP, block, pf_end, b, N, bias, y); break;
-          case 8: run_tile<8>(t, xt.data(), KP, block, pf_end, b, N, bias, y); break;
-          case 12: run_tile<12>(t, xt.data(), KP, block, pf_end, b, N, bias, y); break;
-          default: run_tile<16>(t, xt.data(), KP, block, pf_end, b, N, bias, y);
-        }
-      }
+    for (int64_t b = b_begin; b < b_end; ++b) rows.run_block(wp + b * KP * 32, pf_end, b, KP, N, bias, y);
+  });
+}
+
+// Stacked experts on the streaming kernel in one pass of the threads: expert experts[i]'s
+// rows (counts of them from row first[i] of x and y) through its N rows of the stacked W.
+// Threads take contiguous runs of all the experts' blocks together (one fork and join, not
+// one per expert), and each tile computes what gemm computes for that expert's rows alone.
+void gemm_experts(const bf16* x, const std::vector<int64_t>& experts, const std::vector<int64_t>& first,
+                  const std::vector<int64_t>& counts, int64_t K, const bf16* wp, int64_t N, bf16* y) {
+  const int64_t blocks = N / 16, KP = (K + 1) / 2, expert_elems = blocks * KP * 32;
+  const int64_t n = static_cast<int64_t>(experts.size());
+  std::vector<StreamRows> rows;
+  rows.reserve(n);
+  for (int64_t i = 0; i < n; ++i) rows.emplace_back(x + first[i] * K, counts[i], K);
+  at::parallel_for(0, n * blocks, 1, [&](int64_t j_begin, int64_t j_end) {
+    for (int64_t j = j_begin; j < j_end; ++j) {
+      const int64_t i = j / blocks, b = j % blocks;
+      const bf16* w = wp + experts[i] * expert_elems;
+      // this thread's run of this expert's blocks ends (the next expert's W lies elsewhere)
+      const char* pf_end = reinterpret_cast<const char*>(w + std::min(blocks, j_end - i * blocks) * KP * 32);
+      rows[i].run_block(w + b * KP * 32, pf_end, b, KP, N, nullptr, y + first[i] * N);
     }
   });
 }
@@ -395,14 +431,23 @@ void linear_bf16_into(const bf16* x, int64_t M, int64_t K, const bf16* packed, i
   if (M > 0) linear_bf16_rows(x, M, K, packed, N, bias, y);
 }
 
+// Experts whose rows the streaming kernel takes (decode-sized, and one row on an AMX CPU) go
+// in one gemm_experts pass; the others (prefill-sized, or AMX's 2+ rows) one call each.
 void linear_bf16_grouped_into(const bf16* x, const std::vector<int64_t>& counts, int64_t K, const bf16* packed,
                               int64_t N, bf16* y) {
   const int64_t expert_elems = (N / 16) * ((K + 1) / 2) * 32;
+  std::vector<int64_t> streamed, first, rows;
   int64_t row = 0;
   for (size_t e = 0; e < counts.size(); ++e) {
-    if (counts[e] > 0) linear_bf16_rows(x + row * K, counts[e], K, packed + e * expert_elems, N, nullptr, y + row * N);
-    row += counts[e];
+    const int64_t c = counts[e];
+    if (c > 0 && c <= SMALL_M && !(c > 1 && linear_bf16_uses_amx(K))) {
+      streamed.push_back(static_cast<int64_t>(e)), first.push_back(row), rows.push_back(c);
+    } else if (c > 0) {
+      linear_bf16_rows(x + row * K, c, K, packed + e * expert_elems, N, nullptr, y + row * N);
+    }
+    row += c;
   }
+  if (!streamed.empty()) gemm_experts(x, streamed, first, rows, K, packed, N, y);
 }
 
 // Stacked experts (ExpertLinear): x's rows sorted by expert, counts[e] rows for expert e; each
