@@ -38,7 +38,7 @@ SOURCES = (
     "decode_layers.cpp",
     "bindings.cpp",
 )
-HEADERS = ("amx.h", "kernels.h", "kv_codes.h", "linear_call.h", "paged_rows.h", "simd_math.h")
+HEADERS = ("amx.h", "block_runs.h", "kernels.h", "kv_codes.h", "linear_call.h", "paged_rows.h", "simd_math.h")
 EXTENSION_NAME = "ridge_cpu"
 # Progress lines while a build runs (it takes 1-2 minutes on 2 cores).
 PROGRESS_EVERY_S = 15.0

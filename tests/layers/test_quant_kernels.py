@@ -190,6 +190,25 @@ def test_grouped_bf16_experts_are_each_experts_linear(ext):
         row += c
 
 
+def test_blocks_shared_out_by_stealing_give_the_same_bits(ext):
+    """The threads share a matmul's blocks with work stealing (block_runs.h): whichever thread
+    takes a block, and however the runs split, every block is computed once, as one thread
+    computes it."""
+    n, k = 1024, 256
+    _, packed = _packed(ext, "int4", n, k, seed=9)
+    code = QUANT_KERNEL_CODES["int4"]
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(10)).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = ext.linear_quant(x, packed, code, n, None)
+        torch.set_num_threads(max(2, threads))
+        for _ in range(200):
+            assert torch.equal(ext.linear_quant(x, packed, code, n, None), want)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_head_matmul_checks_its_weight(ext):
     blocks, packed = _packed(ext, "int8", 32, 64, seed=0)
     with pytest.raises(RuntimeError, match="does not match"):

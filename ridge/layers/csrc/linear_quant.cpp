@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "block_runs.h"
 #include "kernels.h"
 #include "linear_call.h"
 
@@ -698,20 +699,27 @@ void segments_slab(const std::vector<Segment<T>>& segs, int64_t K, int64_t N, co
     while (s < last && segs[s + 1].w == segs[s].w + NB * block_bytes) ++s;
     return s < last ? segs[s].w + NB * block_bytes : segs[s].w + ((j_end - 1) % NB + 1) * block_bytes;
   };
-  at::parallel_for(0, S * NB, 1, [&](int64_t b_begin, int64_t b_end) {
+  // the blocks over the threads: a contiguous run each, the slower one's tail taken by the
+  // other (block_runs.h)
+  const int64_t slots = std::min<int64_t>(at::get_num_threads(), S * NB);
+  BlockRuns runs(S * NB, slots);
+  at::parallel_for(0, slots, 1, [&](int64_t t_begin, int64_t t_end) {
     int64_t configured = 0;  // AMX tiles are configured per thread, for the tile's rows
     const uint8_t* pf_end = nullptr;
-    for (int64_t j = b_begin; j < b_end; ++j) {
-      const int64_t s = j / NB, nb = j % NB;
-      const Segment<T>& sg = segs[s];
-      const uint8_t* block = sg.w + nb * block_bytes;
-      if (j == b_begin || nb == 0) pf_end = stream_end(j, b_end);
-      for (int64_t i = first[s]; i < first[s + 1]; ++i) {
-        const XTile& t = tiles[i];
-        if (t.xa && t.mr != configured) configure_int8_tiles(t.mr), configured = t.mr;
-        dispatch_tile<FMT, T>(t, block, pf_end, G, nb, N, ldy, bias, sg.y);
+    int64_t j, run_end, prev = -2;
+    for (int64_t slot = t_begin; slot < t_end; ++slot)
+      while (runs.next(slot, j, run_end)) {
+        const int64_t s = j / NB, nb = j % NB;
+        const Segment<T>& sg = segs[s];
+        const uint8_t* block = sg.w + nb * block_bytes;
+        if (j != prev + 1 || nb == 0) pf_end = stream_end(j, run_end);
+        prev = j;
+        for (int64_t i = first[s]; i < first[s + 1]; ++i) {
+          const XTile& t = tiles[i];
+          if (t.xa && t.mr != configured) configure_int8_tiles(t.mr), configured = t.mr;
+          dispatch_tile<FMT, T>(t, block, pf_end, G, nb, N, ldy, bias, sg.y);
+        }
       }
-    }
     if (configured) _tile_release();
   });
 }
