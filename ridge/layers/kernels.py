@@ -204,22 +204,9 @@ class TorchKernels:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def route_topk(
-        self,
-        x: torch.Tensor,
-        router: torch.Tensor,
-        top_k: int,
-        softmax: bool,
-        norm_topk: bool,
-        norm_eps: float,
-        scaling: float,
-        n_group: int = 1,
-        topk_group: int = 1,
-        bias: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """An MoE's routing, greedy or group-limited (``topk_route``): (T, k) expert ids, best
-        first, and their weights in x's dtype."""
-        return topk_route(x, router, top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group, bias)
+    # An MoE's routing, greedy or group-limited: (T, k) expert ids, best first, and their
+    # weights in x's dtype (the torch reference; the CPU kernels fuse it)
+    route_topk = staticmethod(topk_route)
 
     def apply_token_bitmask_(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         """Structured output: the tokens a row's grammar does not allow get -inf, in place.
