@@ -295,6 +295,7 @@ void route_topk_into(const bf16* x, int64_t T, int64_t K, const float* router, i
   at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(E), choice(E), group_score(n_group);
     std::vector<int64_t> order(E), groups(n_group);
+    std::vector<char> keep(n_group);
     auto best_first = [](const std::vector<float>& v) {
       return [&v](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); };
     };
@@ -335,8 +336,8 @@ void route_topk_into(const bf16* x, int64_t T, int64_t K, const float* router, i
           groups[gi] = gi;
         }
         std::partial_sort(groups.begin(), groups.begin() + topk_group, groups.end(), best_first(group_score));
-        std::vector<bool> keep(n_group, false);
-        for (int64_t j = 0; j < topk_group; ++j) keep[groups[j]] = true;
+        std::fill(keep.begin(), keep.end(), 0);
+        for (int64_t j = 0; j < topk_group; ++j) keep[groups[j]] = 1;
         for (int64_t e = 0; e < E; ++e)
           if (!keep[e / per]) choice[e] = bias ? -INFINITY : 0.f;
       }
