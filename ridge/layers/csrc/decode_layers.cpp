@@ -75,6 +75,13 @@ struct Lin {
     }
   }
 
+  // into() for any layer: one that is not plain goes through run() on tensors, copied into y
+  void into_any(const at::BFloat16* x, int64_t M, int64_t K, at::BFloat16* y) const {
+    if (plain()) return into(x, M, K, y);
+    const auto opts = torch::TensorOptions().dtype(at::kBFloat16);
+    at::from_blob(y, {M, width()}, opts).copy_(run(at::from_blob(const_cast<at::BFloat16*>(x), {M, K}, opts)));
+  }
+
   torch::Tensor run(const torch::Tensor& x) const {
     if (parts.size() == 1) return call(parts[0], x, bias);
     std::vector<torch::Tensor> ys;
@@ -84,15 +91,11 @@ struct Lin {
   }
 };
 
-// ops.head_matmul: x (D, H, K) through each head's matrix, dense bf16 or in a block format
-torch::Tensor head_matmul(const torch::Tensor& x, const Packed& w) {
-  return w.fmt < 0 ? head_matmul_bf16(x, w.weight) : head_matmul_quant(x, w.weight, w.fmt, w.n);
-}
-
 // its outputs a head (N)
 static int64_t head_width(const Packed& w) { return w.fmt < 0 ? w.weight.size(2) : w.n; }
 
-// head_matmul on raw rows: x[d][h] (K values) at x + d * sxr + h * sxh -> y (D, H, N) contiguous
+// ops.head_matmul on raw rows: x[d][h] (K values) at x + d * sxr + h * sxh through each head's
+// matrix, dense bf16 or in a block format -> y (D, H, N) contiguous
 static void head_matmul_into(const Packed& w, const at::BFloat16* x, int64_t sxr, int64_t sxh, int64_t D, int64_t H, int64_t K,
                       at::BFloat16* y) {
   if (w.fmt < 0)
@@ -102,7 +105,7 @@ static void head_matmul_into(const Packed& w, const at::BFloat16* x, int64_t sxr
 }
 
 // p rotary values from src to dst, de-interleaved where asked ((x0, x1, x2, ..) -> (x0, x2, .., x1, x3, ..),
-// what run_mla's unflatten / transpose / flatten does before the rotation)
+// what DeepseekAttention's unflatten / transpose / flatten does before the rotation)
 static void place_rope(const at::BFloat16* src, at::BFloat16* dst, int64_t p, bool interleave) {
   if (!interleave) {
     std::memcpy(dst, src, p * sizeof(at::BFloat16));
@@ -374,13 +377,21 @@ class DecodePlan {
                                                 torch::Tensor context_lens, torch::Tensor positions, torch::Tensor cos,
                                                 torch::Tensor sin) {
     TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.is_contiguous() && h.dim() == 2, "decode plan: (T, hidden) bf16 h");
+    const int64_t T = h.size(0), hidden = h.size(1);
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T,
+                "decode plan: one int64 slot per token");
+    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == T,
+                "decode plan: one int64 position per token");
+    TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
+                    block_tables.size(0) == T && context_lens.scalar_type() == at::kLong &&
+                    context_lens.is_contiguous() && context_lens.numel() == T,
+                "decode plan: (T, blocks) int64 block tables and T int64 context lengths");
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                    sin.is_contiguous(), "decode plan: float32 rotary tables");
     if (rows_path()) return run_rows(h, slots, block_tables, context_lens, positions, cos, sin);
     double matmul_s = 0.0;
     std::vector<int64_t> touched;
     touched.reserve(layers_.size());
-    const int64_t T = h.size(0);
-    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T,
-                "decode plan: one int64 slot per token");
     const int64_t* sp = slots.data_ptr<int64_t>();
     torch::Tensor ffn_out;  // the last layer's feed-forward output, not yet in h
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -388,8 +399,12 @@ class DecodePlan {
       // attention (LlamaAttention.forward); the previous layer's residual add fused into its
       // norm (add_rms_norm_bf16 adds as h.add_ rounds: one bf16 rounding of the fp32 sum)
       auto x = i == 0 ? rms_norm_bf16(h, l.in_norm, l.eps) : add_rms_norm_bf16(ffn_out, h, l.in_norm, l.eps);
-      if (l.mla) {
-        auto attn_out = run_mla(l, x, slots, block_tables, context_lens, positions, cos, sin, matmul_s);
+      if (l.mla) {  // run_mla_rows, into a tensor (its buffers sized for x's rows)
+        ensure_rows(T, hidden);
+        auto attn_out = at::empty_like(x);
+        run_mla_rows(l, x.data_ptr<at::BFloat16>(), T, hidden, sp, block_tables.data_ptr<int64_t>(),
+                     block_tables.size(1), context_lens.data_ptr<int64_t>(), positions.data_ptr<int64_t>(),
+                     cos.data_ptr<float>(), sin.data_ptr<float>(), attn_out.data_ptr<at::BFloat16>(), matmul_s);
         auto y = add_rms_norm_bf16(attn_out, h, l.post_norm, l.eps);
         ffn_out = run_ffn(l, y, matmul_s, touched);
         continue;
@@ -448,17 +463,7 @@ class DecodePlan {
                                                      const torch::Tensor& positions, const torch::Tensor& cos,
                                                      const torch::Tensor& sin) {
     using bf16 = at::BFloat16;
-    const int64_t T = h.size(0), hidden = h.size(1);
-    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T,
-                "decode plan: one int64 slot per token");
-    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == T,
-                "decode plan: one int64 position per token");
-    TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
-                    block_tables.size(0) == T && context_lens.scalar_type() == at::kLong &&
-                    context_lens.is_contiguous() && context_lens.numel() == T,
-                "decode plan: (T, blocks) int64 block tables and T int64 context lengths");
-    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                    sin.is_contiguous(), "decode plan: float32 rotary tables");
+    const int64_t T = h.size(0), hidden = h.size(1);  // the inputs as run() checked them
     ensure_rows(T, hidden);
     bf16* hp = h.data_ptr<bf16>();
     bf16* x = ws_x_.data_ptr<bf16>();
@@ -548,7 +553,8 @@ class DecodePlan {
     l.o.into(attn, T, q_size, o);
   }
 
-  // run_mla on raw rows, op for op: x (T, hidden) -> out (T, hidden) through o_proj
+  // DeepseekAttention.forward and layers/mla.py's absorbed decode, op for op, on raw rows (run
+  // and run_rows both take it): x (T, hidden) -> out (T, hidden) through o_proj
   void run_mla_rows(const Layer& l, const at::BFloat16* x, int64_t T, int64_t hidden, const int64_t* sp,
                     const int64_t* tables, int64_t max_blocks, const int64_t* lens, const int64_t* pos, const float* cp,
                     const float* snp, at::BFloat16* out, double& matmul_s) {
@@ -559,7 +565,7 @@ class DecodePlan {
     bf16* attn = ws_attn_.data_ptr<bf16>();
     {
       Timer t(matmul_s);
-      l.qkv.into(x, T, hidden, y);  // (T, q | latent | rotary key)
+      l.qkv.into_any(x, T, hidden, y);  // (T, q | latent | rotary key)
     }
     const bf16* q = y;  // (T, H, nope + rope) rows qs apart
     int64_t qs = yw;
@@ -569,7 +575,7 @@ class DecodePlan {
       for (int64_t t = 0; t < T; ++t) rms_norm_into(y + t * yw, w, qa + t * l.q_width, 1, l.q_width, l.latent_eps);
       {
         Timer t(matmul_s);
-        l.q_b->into(qa, T, l.q_width, qb);
+        l.q_b->into_any(qa, T, l.q_width, qb);
       }
       q = qb;
       qs = l.q_b->width();
@@ -607,7 +613,7 @@ class DecodePlan {
                                          l.rank, lat);
     Timer t(matmul_s);
     head_matmul_into(l.w_uv_t, lat, H * l.rank, l.rank, T, H, l.rank, attn);  // (T, H, v)
-    l.o.into(attn, T, H * head_width(l.w_uv_t), out);
+    l.o.into_any(attn, T, H * head_width(l.w_uv_t), out);
   }
 
   // an int8 / fp8 pool's scales as paged_decode_attention_quant takes them (or a bf16 pool)
@@ -637,13 +643,12 @@ class DecodePlan {
     return rows_state_ == 1;
   }
 
-  // a latent attention run_mla_rows takes: plain projections, per-head matrices of whole
-  // vectors, and a latent pool whose scale groups the shared-KV kernels read
+  // a latent attention run_mla_rows takes: per-head matrices of whole vectors, and a latent
+  // pool whose scale groups the shared-KV kernels read (what those kernels require anyway)
   static bool mla_fits(const Layer& l) {
     const int64_t E = l.rank + l.rope;
     const auto dense_fits = [](const Packed& w) { return w.fmt >= 0 || (w.weight.dim() == 3 && w.weight.is_contiguous()); };
-    bool fits = l.qkv.plain() && l.o.plain() && (!l.q_b.has_value() || l.q_b->plain()) && l.rope % 2 == 0 &&
-                l.rank % 16 == 0 && head_width(l.w_uk) == l.rank && head_width(l.w_uv_t) % 16 == 0 &&
+    bool fits = l.rope % 2 == 0 && l.rank % 16 == 0 && head_width(l.w_uk) == l.rank && head_width(l.w_uv_t) % 16 == 0 &&
                 dense_fits(l.w_uk) && dense_fits(l.w_uv_t) && l.qkv.width() == l.q_width + E &&
                 (!l.q_b.has_value() || l.q_b->width() == l.heads * (l.nope + l.rope)) &&
                 (l.q_b.has_value() || l.q_width == l.heads * (l.nope + l.rope));
@@ -756,54 +761,6 @@ class DecodePlan {
       out = l.down.run(act);
     }
     touched.push_back(-1);
-    return out;
-  }
-
-  // DeepseekAttention.forward and layers/mla.py's absorbed decode, op for op: x (T, hidden)
-  // -> the attention's output through o_proj (T, hidden)
-  static torch::Tensor run_mla(const Layer& l, const torch::Tensor& x, const torch::Tensor& slots,
-                               const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-                               const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin,
-                               double& matmul_s) {
-    const int64_t T = x.size(0);
-    torch::Tensor y;
-    {
-      Timer t(matmul_s);
-      y = l.qkv.run(x);
-    }
-    auto q = y.slice(1, 0, l.q_width);
-    auto kv_a = y.slice(1, l.q_width);
-    if (l.q_b.has_value()) {
-      q = rms_norm_bf16(q.contiguous(), *l.q_a_norm, l.latent_eps);
-      Timer t(matmul_s);
-      q = l.q_b->run(q);
-    }
-    q = q.reshape({T, l.heads, l.nope + l.rope});
-    auto latent = rms_norm_bf16(kv_a.slice(1, 0, l.rank).contiguous(), l.kv_a_norm, l.latent_eps);
-    // q's rotary part of every head and the shared rotary key, rotated in one call
-    auto qk_rope = at::cat({q.slice(2, l.nope), kv_a.slice(1, l.rank).unsqueeze(1)}, 1);
-    if (l.interleave) qk_rope = qk_rope.unflatten(-1, {l.rope / 2, 2}).transpose(-1, -2).flatten(-2).contiguous();
-    rope_bf16_(qk_rope, positions, cos, sin);
-    auto entry = at::cat({latent, qk_rope.select(1, -1)}, -1).unsqueeze(1);  // (T, 1, r + p): the cache's
-    if (l.k_scale.has_value())
-      write_kv_quant_(l.k_pool, *l.k_scale, entry, slots, l.fp8);
-    else
-      write_rows(l.k_pool, entry, slots.data_ptr<int64_t>(), T);
-    torch::Tensor q_latent, out;
-    {
-      Timer t(matmul_s);
-      q_latent = head_matmul(q.slice(2, 0, l.nope), l.w_uk);
-    }
-    auto query = at::cat({q_latent, qk_rope.slice(1, 0, l.heads)}, -1);
-    auto out_latent = l.k_scale.has_value()
-                          ? paged_decode_attention_shared_quant(query, l.k_pool, *l.k_scale, block_tables, context_lens,
-                                                                l.scale, l.rank, l.fp8)
-                          : paged_decode_attention_shared(query, l.k_pool, block_tables, context_lens, l.scale, l.rank);
-    {
-      Timer t(matmul_s);
-      out = head_matmul(out_latent, l.w_uv_t);
-      out = l.o.run(out.flatten(1));
-    }
     return out;
   }
 
