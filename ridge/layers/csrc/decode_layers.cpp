@@ -46,8 +46,8 @@ struct Lin {
     return p.fmt < 0 ? linear_bf16(x, p.weight, p.n, bias) : linear_quant(x, p.weight, p.fmt, p.n, bias);
   }
 
-  // one packed part (with or without a bias), or block-format parts without one (each writes
-  // its columns of y): what run_rows calls on raw rows
+  // one packed part (with or without a bias), or block-format parts without one: what into()
+  // runs on raw rows
   bool plain() const {
     if (parts.size() == 1) return true;
     if (bias.has_value()) return false;
@@ -62,8 +62,14 @@ struct Lin {
     return n;
   }
 
-  // y (M, width()) = x (M, K) through the parts side by side (as run's cat)
+  // y (M, width()) = x (M, K) through the parts side by side (as run's cat): each part writes
+  // its columns of y; a layer that is not plain goes through run() on tensors (its join)
   void into(const at::BFloat16* x, int64_t M, int64_t K, at::BFloat16* y) const {
+    if (!plain()) {
+      const auto opts = torch::TensorOptions().dtype(at::kBFloat16);
+      at::from_blob(y, {M, width()}, opts).copy_(run(at::from_blob(const_cast<at::BFloat16*>(x), {M, K}, opts)));
+      return;
+    }
     const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;  // one part only (plain)
     if (parts.size() == 1 && parts[0].fmt < 0)
       return linear_bf16_into(x, M, K, parts[0].weight.data_ptr<at::BFloat16>(), parts[0].n, b, y);
@@ -73,13 +79,6 @@ struct Lin {
       linear_quant_into(x, M, K, p.weight.data_ptr<uint8_t>(), p.fmt, p.n, b, y + col, ldy);
       col += p.n;
     }
-  }
-
-  // into() for any layer: one that is not plain goes through run() on tensors, copied into y
-  void into_any(const at::BFloat16* x, int64_t M, int64_t K, at::BFloat16* y) const {
-    if (plain()) return into(x, M, K, y);
-    const auto opts = torch::TensorOptions().dtype(at::kBFloat16);
-    at::from_blob(y, {M, width()}, opts).copy_(run(at::from_blob(const_cast<at::BFloat16*>(x), {M, K}, opts)));
   }
 
   torch::Tensor run(const torch::Tensor& x) const {
@@ -142,13 +141,8 @@ struct Moe {
   Lin shared_gate_up, shared_down;
   c10::optional<torch::Tensor> shared_gate;  // (1, K): sigmoid-gated shared expert (Qwen2-MoE)
 
-  static torch::Tensor grouped(const Packed& p, const torch::Tensor& x, const std::vector<int64_t>& counts) {
-    return p.fmt < 0 ? linear_bf16_grouped(x, p.weight, p.n, counts)
-                     : linear_quant_grouped(x, p.weight, p.fmt, p.n, counts);
-  }
-
-  // grouped() on raw rows: x's rows sorted by expert (counts[e] of them for expert e, K wide)
-  // through expert e's n rows of the stacked weight, into y (n wide); the same kernel calls
+  // x's rows sorted by expert (counts[e] of them for expert e, K wide) through expert e's n
+  // rows of the stacked weight, into y (n wide)
   static void grouped_into(const Packed& p, const at::BFloat16* x, int64_t K, const std::vector<int64_t>& counts,
                            at::BFloat16* y) {
     if (p.fmt >= 0) return linear_quant_grouped_into(x, counts, K, p.weight.data_ptr<uint8_t>(), p.fmt, p.n, y);
@@ -565,7 +559,7 @@ class DecodePlan {
     bf16* attn = ws_attn_.data_ptr<bf16>();
     {
       Timer t(matmul_s);
-      l.qkv.into_any(x, T, hidden, y);  // (T, q | latent | rotary key)
+      l.qkv.into(x, T, hidden, y);  // (T, q | latent | rotary key)
     }
     const bf16* q = y;  // (T, H, nope + rope) rows qs apart
     int64_t qs = yw;
@@ -575,7 +569,7 @@ class DecodePlan {
       for (int64_t t = 0; t < T; ++t) rms_norm_into(y + t * yw, w, qa + t * l.q_width, 1, l.q_width, l.latent_eps);
       {
         Timer t(matmul_s);
-        l.q_b->into_any(qa, T, l.q_width, qb);
+        l.q_b->into(qa, T, l.q_width, qb);
       }
       q = qb;
       qs = l.q_b->width();
@@ -613,7 +607,7 @@ class DecodePlan {
                                          l.rank, lat);
     Timer t(matmul_s);
     head_matmul_into(l.w_uv_t, lat, H * l.rank, l.rank, T, H, l.rank, attn);  // (T, H, v)
-    l.o.into_any(attn, T, H * head_width(l.w_uv_t), out);
+    l.o.into(attn, T, H * head_width(l.w_uv_t), out);
   }
 
   // an int8 / fp8 pool's scales as paged_decode_attention_quant takes them (or a bf16 pool)
@@ -625,18 +619,18 @@ class DecodePlan {
   }
 
   // Every layer a Llama attention over bf16, int8 or fp8 pools (head_dim a multiple of 16 up
-  // to 256; q/k norms and biases allowed) and a dense MLP or an MoE: run_rows covers it (an
-  // MoE's routing and experts run on tensors there too, between raw-row attention and norms)
+  // to 256; q/k norms and biases allowed) or a latent attention, and a dense MLP or an MoE:
+  // run_rows covers it
   bool rows_path() {
     if (rows_state_ < 0) {
       rows_state_ = !layers_.empty();
       for (const Layer& l : layers_) {
         const bool attention_fits = l.mla ? mla_fits(l)
-                                          : l.qkv.plain() && l.o.plain() && l.head_dim % 16 == 0 && l.head_dim <= 256 &&
+                                          : l.head_dim % 16 == 0 && l.head_dim <= 256 &&
                                                 l.qkv.width() == (l.heads + 2 * l.kv_heads) * l.head_dim &&
                                                 l.k_pool.numel() / 2 < (int64_t{1} << 31) && quant_pools_fit(l);
         const bool ffn_fits = l.moe.has_value() ? moe_fits(*l.moe, l.in_norm.numel())
-                                                : l.gate_up.plain() && l.down.plain() && l.gate_up.width() % 2 == 0;
+                                                : l.gate_up.width() % 2 == 0;
         if (!attention_fits || !ffn_fits) rows_state_ = 0;
       }
     }
@@ -795,7 +789,6 @@ class DecodePlan {
     using bf16 = at::BFloat16;
     TORCH_CHECK(H % 16 == 0, "decode plan: the MoE's output width must be a multiple of 16");
     const int64_t E = m.router.size(0), k = m.top_k, pairs = T * k, I = m.gate_up.n / 2;
-    const auto xt = at::from_blob(const_cast<bf16*>(x), {T, H}, torch::TensorOptions().dtype(at::kBFloat16));
     moe_ids_.resize(pairs);
     moe_weights_.resize(pairs);
     route_topk_into(x, T, H, m.router.data_ptr<float>(), E, k, m.softmax, m.norm_topk, m.norm_eps, m.scaling, m.n_group,
@@ -819,21 +812,17 @@ class DecodePlan {
     if (!m.shared) return;
     const int64_t SI = m.shared_gate_up.width() / 2;  // the shared expert into the step's MLP buffers
     bf16 *sgu = ws_gu_.data_ptr<bf16>(), *sact = ws_act_.data_ptr<bf16>(), *sy = ws_o_.data_ptr<bf16>();
-    torch::Tensor sy_t;  // its output on tensors, where a projection is not plain (run's join)
-    if (m.shared_gate_up.plain() && m.shared_down.plain()) {
-      {
-        Timer t(matmul_s);
-        m.shared_gate_up.into(x, T, H, sgu);
-      }
-      silu_mul_into(sgu, T, SI, sact);
+    {
+      Timer t(matmul_s);
+      m.shared_gate_up.into(x, T, H, sgu);
+    }
+    silu_mul_into(sgu, T, SI, sact);
+    {
       Timer t(matmul_s);
       m.shared_down.into(sact, T, SI, sy);
-    } else {
-      Timer t(matmul_s);
-      sy_t = m.shared_down.run(silu_mul_bf16(m.shared_gate_up.run(xt))).contiguous();
-      sy = sy_t.data_ptr<bf16>();
     }
     if (m.shared_gate.has_value()) {  // sigmoid(x gate^T) * y: a bf16 product, rounded once
+      const auto xt = at::from_blob(const_cast<bf16*>(x), {T, H}, torch::TensorOptions().dtype(at::kBFloat16));
       const auto gate = at::sigmoid(at::linear(xt, *m.shared_gate)).contiguous();
       const bf16* g = gate.data_ptr<bf16>();
       for (int64_t t = 0; t < T; ++t)
