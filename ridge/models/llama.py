@@ -436,7 +436,8 @@ def _plan_moe(plan, moe: SparseMoE, ops) -> bool:
         return False
     if cfg.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
         return False
-    bias = moe.gate.e_score_correction_bias if cfg.topk_method == "noaux_tc" else None
+    route_args = moe.gate.route_args()
+    bias = route_args[-1]
     if bias is not None and bias.dtype is not torch.float32:
         return False
     shared = moe.shared_mlp
@@ -444,19 +445,7 @@ def _plan_moe(plan, moe: SparseMoE, ops) -> bool:
         shared_gate_up, shared_down = ops.plan_linear(shared.gate_up_proj), ops.plan_linear(shared.down_proj)
         if shared_gate_up is None or shared_down is None or shared_gate_up[1] is not None or shared_down[1] is not None:
             return False
-    plan.set_moe(
-        moe.gate.weight,
-        moe.top_k,
-        cfg.scoring == "softmax",
-        cfg.norm_topk_prob,
-        moe.gate.norm_eps(),
-        cfg.routed_scaling_factor,
-        gate_up,
-        down,
-        cfg.n_group if cfg.topk_method != "greedy" else 1,
-        cfg.topk_group if cfg.topk_method != "greedy" else 1,
-        bias,
-    )
+    plan.set_moe(moe.gate.weight, *route_args, gate_up, down)
     if shared is not None:
         gate = moe.shared_expert_gate
         plan.set_shared_expert(shared_gate_up[0], shared_down[0], None if gate is None else gate.weight)

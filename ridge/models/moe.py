@@ -123,29 +123,29 @@ class Router(nn.Module):
             bias = self.e_score_correction_bias
             self.e_score_correction_bias = nn.Parameter(bias.detach().float(), requires_grad=False)
 
-    def norm_eps(self) -> float:
-        """What renormalizing the top-k weights adds to their sum: sigmoid scores can all be ~0,
-        and V3 guards the division as transformers does."""
-        return 1e-20 if self.moe.scoring == "sigmoid" else 0.0
-
-    def forward(self, x: torch.Tensor, ops=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T, k) expert ids and their weights (in x's dtype): ``topk_route``, through
-        ``ops.route_topk`` where ops are given (one kernel on CPU, which the decode plan calls too)."""
+    def route_args(self) -> tuple:
+        """What ``topk_route`` (and the router kernel) takes after x and the router's weight:
+        top_k, softmax (else sigmoid), renormalize, the renormalization's eps (sigmoid scores
+        can all be ~0, and V3 guards the division as transformers does), scaling, n_group,
+        topk_group and noaux_tc's correction bias (groups of 1 and no bias: greedy)."""
         moe = self.moe
-        route = ops.route_topk if ops is not None else topk_route
         grouped = moe.topk_method != "greedy"
-        return route(
-            x,
-            self.weight,
+        return (
             moe.top_k,
             moe.scoring == "softmax",
             moe.norm_topk_prob,
-            self.norm_eps(),
+            1e-20 if moe.scoring == "sigmoid" else 0.0,
             moe.routed_scaling_factor,
             moe.n_group if grouped else 1,
             moe.topk_group if grouped else 1,
             self.e_score_correction_bias if moe.topk_method == "noaux_tc" else None,
         )
+
+    def forward(self, x: torch.Tensor, ops=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, k) expert ids and their weights (in x's dtype): ``topk_route``, through
+        ``ops.route_topk`` where ops are given (one kernel on CPU, which the decode plan calls too)."""
+        route = ops.route_topk if ops is not None else topk_route
+        return route(x, self.weight, *self.route_args())
 
 
 class SparseMoE(nn.Module):

@@ -325,9 +325,10 @@ class DecodePlan {
     rows_state_ = -1;
   }
 
+  // the router as Router.route_args gives it, then the stacked experts
   void set_moe(torch::Tensor router, int64_t top_k, bool softmax, bool norm_topk, double norm_eps, double scaling,
-               std::tuple<torch::Tensor, int64_t, int64_t> gate_up, std::tuple<torch::Tensor, int64_t, int64_t> down,
-               int64_t n_group, int64_t topk_group, c10::optional<torch::Tensor> bias) {
+               int64_t n_group, int64_t topk_group, c10::optional<torch::Tensor> bias,
+               std::tuple<torch::Tensor, int64_t, int64_t> gate_up, std::tuple<torch::Tensor, int64_t, int64_t> down) {
     TORCH_CHECK(!layers_.empty(), "decode plan: set_moe before add_layer");
     TORCH_CHECK(router.scalar_type() == at::kFloat, "decode plan: a float32 router expected");
     Moe m;
