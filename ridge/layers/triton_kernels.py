@@ -586,6 +586,70 @@ def unpack_blocks(name: str, packed: torch.Tensor, n: int, k: int) -> torch.Tens
 
 
 @triton.jit
+def _codes_f32(byte, NIBBLES: tl.constexpr, HIGH: tl.constexpr):
+    """A block's codes (int32 holding the unsigned bytes) as exact float32 values without an
+    integer-to-float conversion (a quarter-rate instruction): the code's bits ORed into the
+    mantissa of 2^23, minus 2^23 and the format's offset. Q4_0: the low or high nibble, 0..15,
+    minus 8; Q8_0: the signed byte (its sign bit flipped gives 0..255, minus 128)."""
+    if NIBBLES:
+        v = (byte >> 4) if HIGH else (byte & 15)
+        return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    return (byte ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def _block_gemv_kernel(
+    x,
+    x_s0,
+    packed,
+    scales,  # the same bytes as fp16
+    bias,
+    out,
+    out_s0,
+    N,
+    K,
+    ROW_BYTES,  # a row's bytes: codes, then scales
+    CODE_BYTES,
+    NIBBLES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr,  # 32-element blocks a step
+):
+    # One row of x a program (program_id(1)), BLOCK_N rows of W: each step reads the codes of
+    # BLOCK_B blocks, (BLOCK_N, BLOCK_B, bytes a block), sums each block's products in float32
+    # and scales the block's sum, not each weight; the blocks' sums are kept apart until the
+    # end (one reduction across threads, not one a step). Q4_0's byte j of a block holds
+    # elements j (low nibble) and j + 16 (high), multiplied against x's matching elements.
+    PER: tl.constexpr = 16 if NIBBLES else 32  # code bytes of a block
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    t = tl.arange(0, PER)
+    bb = tl.arange(0, BLOCK_B)
+    row = rn.to(tl.int64) * ROW_BYTES
+    srow = (row + CODE_BYTES) // 2
+    xrow = x + tl.program_id(1).to(tl.int64) * x_s0
+    nblocks = K // 32
+    acc = tl.zeros((BLOCK_N, BLOCK_B), tl.float32)
+    for b0 in range(0, nblocks, BLOCK_B):
+        blk = b0 + bb
+        b_ok = blk < nblocks
+        w_ptr = packed + row[:, None, None] + (blk * PER)[None, :, None] + t[None, None, :]
+        byte = tl.load(w_ptr, mask=n_ok[:, None, None] & b_ok[None, :, None], other=0).to(tl.int32)
+        kx = blk[:, None] * 32 + t[None, :]
+        xv = tl.load(xrow + kx, mask=b_ok[:, None], other=0.0).to(tl.float32)
+        part = tl.sum(_codes_f32(byte, NIBBLES, False) * xv[None, :, :], axis=2)
+        if NIBBLES:
+            x_hi = tl.load(xrow + kx + 16, mask=b_ok[:, None], other=0.0).to(tl.float32)
+            part += tl.sum(_codes_f32(byte, NIBBLES, True) * x_hi[None, :, :], axis=2)
+        s_mask = n_ok[:, None] & b_ok[None, :]
+        acc += part * tl.load(scales + srow[:, None] + blk[None, :], mask=s_mask, other=0.0).to(tl.float32)
+    total = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        total += tl.load(bias + rn, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out + tl.program_id(1).to(tl.int64) * out_s0 + rn, total.to(out.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def _block_matmul_kernel(
     x,
     x_s0,
@@ -597,8 +661,8 @@ def _block_matmul_kernel(
     M,
     N,
     K,
-    ROW_BYTES: tl.constexpr,
-    CODE_BYTES: tl.constexpr,
+    ROW_BYTES,
+    CODE_BYTES,
     NIBBLES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr,
@@ -636,12 +700,34 @@ def _block_matmul_kernel(
     tl.store(out + rm[:, None] * out_s0 + rn[None, :], acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+GEMV_MAX_ROWS = 4  # x rows up to which each row is a GEMV (W read once a row) rather than a tile
+
+
+def block_matmul_config(m: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for m rows of x: BLOCK_M 1 is the GEMV kernel
+    (BLOCK_K // 32 blocks a step), else the tile kernel. The H200's sweep
+    (``benchmarks/cuda_block_matmul.py``, 2026-11-26) chose the GEMV's; the tiles are the
+    first ones measured."""
+    if m <= GEMV_MAX_ROWS:
+        return 1, 4, 1024, 2
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    return block_m, 16 if m <= 16 else 64, 128 if k % 128 == 0 else 32, 4
+
+
 def block_matmul(
-    x: torch.Tensor, packed: torch.Tensor, name: str, n: int, bias: torch.Tensor | None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    name: str,
+    n: int,
+    bias: torch.Tensor | None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor | None:
-    """x (..., K) @ W^T (+ bias) with W in ``pack_blocks``' rows: each tile of W dequantized in
-    registers (the reference's dense weight in x's dtype, value for value) and never written;
-    None where x's layout is not taken."""
+    """x (..., K) @ W^T (+ bias) with W in ``pack_blocks``' rows, never dequantized to memory:
+    a few rows of x run the GEMV kernel (each block's products summed in float32, then
+    scaled); more rows the tile kernel (each tile of W dequantized in registers to the
+    reference's dense weight in x's dtype, value for value, through the tensor cores). None
+    where x's layout is not taken. ``config``: ``block_matmul_config``'s tuple, to try others
+    (``benchmarks/cuda_block_matmul.py``)."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
@@ -650,27 +736,21 @@ def block_matmul(
     type_size, nibbles = FORMATS[name].type_size, FORMATS[name].nibbles
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m:
-        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-        block_n = 16 if m <= 16 else 64  # a decode step's few rows: many programs over N
+        block_m, block_n, block_k, warps = config or block_matmul_config(m, k)
         flat = packed.view(-1)
-        _block_matmul_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
-            rows,
-            rows.stride(0),
-            flat,
-            flat.view(torch.float16),
-            bias if bias is not None else out,
-            out,
-            out.stride(0),
-            m,
-            n,
-            k,
-            ROW_BYTES=k // 32 * type_size,
-            CODE_BYTES=k // 32 * (type_size - 2),
-            NIBBLES=nibbles,
-            HAS_BIAS=bias is not None,
-            IEEE=x.dtype is torch.float32,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_K=128 if k % 128 == 0 else 32,
-        )
+        common = dict(ROW_BYTES=k // 32 * type_size, CODE_BYTES=k // 32 * (type_size - 2), NIBBLES=nibbles)
+        common.update(HAS_BIAS=bias is not None, BLOCK_N=block_n, num_warps=warps)
+        b = bias if bias is not None else out
+        if block_m == 1:
+            grid = (triton.cdiv(n, block_n), m)
+            _block_gemv_kernel[grid](
+                rows, rows.stride(0), flat, flat.view(torch.float16), b, out, out.stride(0), n, k,
+                BLOCK_B=max(1, block_k // 32), **common,
+            )  # fmt: skip
+        else:
+            grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+            _block_matmul_kernel[grid](
+                rows, rows.stride(0), flat, flat.view(torch.float16), b, out, out.stride(0), m, n, k,
+                IEEE=x.dtype is torch.float32, BLOCK_M=block_m, BLOCK_K=block_k, **common,
+            )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)

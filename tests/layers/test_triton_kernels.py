@@ -137,7 +137,7 @@ def test_decode_splits_depend_on_shapes_only():
 
 
 @pytest.mark.parametrize("fmt_name", ["int8", "int4"])  # Q8_0, Q4_0
-@pytest.mark.parametrize(("m", "k"), [(1, 96), (5, 256), (40, 128)])
+@pytest.mark.parametrize(("m", "k"), [(1, 96), (1, 512), (5, 256), (40, 128)])
 def test_block_matmul_matches_the_reference_dense_weight(fmt_name, m, k):
     from ridge.quantization.formats import FORMATS
 
@@ -157,6 +157,11 @@ def test_block_matmul_matches_the_reference_dense_weight(fmt_name, m, k):
         # rows 16-31 alone (one expert's rows of a stacked layer): their 16-row block
         want_rows = torch.nn.functional.linear(x, dense[16:32].to(dtype))
         _close(tk.block_matmul(x, packed[1:2], fmt.name, 16, None), want_rows, dtype)
+        # any tile computes the same function: GEMV or tensor-core tiles, a step longer than K
+        for config in [(1, 16, 256, 4), (1, 2, 1024, 1), (16, 32, 64, 2), (32, 16, 512, 8)]:
+            if config[0] == 1 and m > 8:  # a GEMV program per row: slow in the interpreter
+                continue
+            _close(tk.block_matmul(x, packed, fmt.name, n, bias, config), want, dtype)
 
 
 @pytest.mark.parametrize("kind", ["auto", "int8"] + (["fp8"] if DEVICE.type == "cuda" else []))

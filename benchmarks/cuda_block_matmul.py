@@ -1,0 +1,144 @@
+"""The GPU's block-format matmul (``triton_kernels.block_matmul``, Q8_0 and Q4_0) against the
+bf16 matmul (torch's, cuBLAS) on Llama-shaped layers: achieved weight bandwidth and the ratio
+to bf16, for the default tile configuration and, with ``--sweep``, others.
+
+Each timing replays a CUDA graph of ``--calls`` launches that cycle over enough copies of the
+weight to overflow the L2, so what is measured is HBM and the kernel, not launch overhead or
+the cache (a decode step runs these layers inside a CUDA graph too).
+
+    python benchmarks/cuda_block_matmul.py [--rows 1 --rows 32] [--sweep] [--budget-s 90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import time
+
+import torch
+
+from ridge.layers import triton_kernels as tk
+from ridge.quantization.formats import FORMATS
+
+# (name, N, K): the projections of a decode step (q/k/v and gate/up merged as ridge runs them)
+SHAPES = [
+    ("tinyllama qkv", 2560, 2048),
+    ("tinyllama o", 2048, 2048),
+    ("tinyllama gate_up", 11264, 2048),
+    ("tinyllama down", 2048, 5632),
+    ("llama-8b qkv", 6144, 4096),
+    ("llama-8b o", 4096, 4096),
+    ("llama-8b gate_up", 28672, 4096),
+    ("llama-8b down", 4096, 14336),
+]
+L2_BYTES = 256 << 20  # copies of a weight until this many bytes (several times any L2)
+
+
+def graph_ms(fn, weights: list[torch.Tensor], calls: int) -> float:
+    """Median ms of one call fn(w): a graph of ``calls`` calls cycling over ``weights``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights:  # compile and warm outside capture
+            fn(w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(weights[i % len(weights)])
+    graph.replay()
+    times = []
+    for _ in range(5):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(begin.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def quant_matmul(x, name, n, config, packed):
+    return tk.block_matmul(x, packed, name, n, None, config)
+
+
+def configs(m: int) -> list[tuple[int, int, int, int]]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) to try at m rows (BLOCK_M 1: the GEMV kernel)."""
+    if m <= tk.GEMV_MAX_ROWS:
+        return list(itertools.product([1], [2, 4, 8], [256, 512, 1024], [2, 4]))
+    return list(itertools.product([16, 32] if m <= 32 else [64], [16, 32, 64], [64, 128], [4, 8]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, action="append")
+    ap.add_argument("--formats", default="int4,int8")
+    ap.add_argument("--sweep", action="store_true", help="try other tile configurations too")
+    ap.add_argument("--sweep-shapes", default="tinyllama o,llama-8b gate_up,llama-8b down")
+    ap.add_argument("--calls", type=int, default=64)
+    ap.add_argument("--budget-s", type=float, default=90.0, help="stop sweeping after this long")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    start = time.perf_counter()
+    dev = torch.device("cuda")
+    rows_list = args.rows or [1, 32]
+    results = []
+    for (name, n, k), m in itertools.product(SHAPES, rows_list):
+        x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
+        dense_bytes = n * k * 2
+        copies = max(2, min(16, L2_BYTES // dense_bytes + 1))
+        ws = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) for _ in range(copies)]
+        bf16 = graph_ms(functools.partial(torch.nn.functional.linear, x), ws, args.calls)
+        row = {"shape": name, "n": n, "k": k, "rows": m, "bf16_ms": bf16, "bf16_gbs": dense_bytes / bf16 / 1e6}
+        for fmt_name in args.formats.split(","):
+            fmt = FORMATS[fmt_name]
+            blocks = fmt.quantize(ws[0].float()).to(dev)
+            packed = tk.pack_blocks(fmt.name, blocks, n, k)
+            nbytes = packed.numel()
+            qcopies = max(2, min(32, L2_BYTES // nbytes + 1))
+            packs = [packed] + [packed.clone() for _ in range(qcopies - 1)]
+            want = torch.nn.functional.linear(x.float(), fmt.dequantize(blocks, k).float())
+            got = tk.block_matmul(x, packed, fmt.name, n, None).float()
+            err = ((got - want).norm() / want.norm()).item()
+            tried = [None]
+            if args.sweep and name in args.sweep_shapes.split(","):
+                tried += configs(m)
+            best = None
+            for config in tried:
+                if config is not None and time.perf_counter() - start > args.budget_s:
+                    break
+                try:
+                    ms = graph_ms(functools.partial(quant_matmul, x, fmt.name, n, config), packs, args.calls)
+                except Exception as e:  # a tile that does not fit (shared memory, registers)
+                    print(f"  {name} m={m} {fmt_name} {config}: {type(e).__name__}")
+                    continue
+                key = "default" if config is None else str(config)
+                row[f"{fmt_name}_{key}_ms"] = ms
+                if best is None or ms < best[1]:
+                    best = (key, ms)
+            default = row[f"{fmt_name}_default_ms"]
+            row[f"{fmt_name}_err"] = err
+            row[f"{fmt_name}_gbs"] = nbytes / default / 1e6
+            row[f"{fmt_name}_vs_bf16"] = bf16 / default
+            row[f"{fmt_name}_best"] = best
+        results.append(row)
+        line = f"{name:>18} m={m:<3} bf16 {bf16 * 1e3:7.1f} us ({row['bf16_gbs']:5.0f} GB/s)"
+        for fmt_name in args.formats.split(","):
+            line += (
+                f" | {fmt_name} {row[f'{fmt_name}_default_ms'] * 1e3:7.1f} us ({row[f'{fmt_name}_gbs']:5.0f} GB/s,"
+                f" x{row[f'{fmt_name}_vs_bf16']:.2f}, err {row[f'{fmt_name}_err']:.1e})"
+            )
+            best = row[f"{fmt_name}_best"]
+            if best and best[0] != "default":
+                line += f" best {best[0]} {best[1] * 1e3:.1f} us"
+        print(line, flush=True)
+    doc = {"device": torch.cuda.get_device_name(), "calls": args.calls, "results": results}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
