@@ -61,7 +61,11 @@ class LLMEngine:
         self.config = config
         # this engine's name among its KV-transfer peers (a restarted instance is a new peer)
         self.engine_id = f"ridge-{uuid.uuid4().hex[:12]}"
-        self.executor = make_executor(WorkerConfig.from_engine_config(config, engine_id=self.engine_id))
+        spec = config.speculative_config
+        worker_config = WorkerConfig.from_engine_config(
+            config, engine_id=self.engine_id, num_speculative_tokens=spec.num_speculative_tokens if spec else 0
+        )
+        self.executor = make_executor(worker_config)
         # the ranks stop with the engine, even one nobody shuts down
         self._finalizer = weakref.finalize(self, self.executor.shutdown)
         try:
@@ -197,6 +201,7 @@ class LLMEngine:
             block_size=self.config.block_size,
             seed=self.config.seed,
             kernels=self.config.kernels,
+            max_num_seqs=self.config.max_num_seqs,
         )
         proposer_cost = 0.0
         if spec.method == "draft_model":

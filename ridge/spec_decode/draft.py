@@ -59,9 +59,13 @@ class DraftProposer:
         block_size: int,
         seed: int,
         kernels: str,
+        max_num_seqs: int = 256,
+        num_speculative_tokens: int = 0,
     ) -> DraftProposer:
         """Load the draft ``spec`` as a worker with its own KV pool of at least ``num_tokens``
-        tokens. ``options``: dtype, quantization, kv_cache_dtype, block_size, kernels (as LLM's)."""
+        tokens. ``options``: dtype, quantization, kv_cache_dtype, block_size, kernels (as LLM's).
+        ``max_num_seqs`` and ``num_speculative_tokens``: the target's, which size the draft's
+        CUDA graphs (a catch-up pass feeds up to 1 + k tokens a sequence, as decode rows)."""
         options = dict(options or {})
         unknown = sorted(set(options) - set(DRAFT_OPTIONS))
         if unknown:
@@ -79,6 +83,8 @@ class DraftProposer:
             kernels=options.get("kernels", kernels),
             kv_cache_dtype=options.get("kv_cache_dtype", "auto"),
             num_kv_blocks=-(-num_tokens // block_size),
+            max_num_seqs=max_num_seqs,
+            num_speculative_tokens=num_speculative_tokens,
         )
         worker = Worker(config, vocab_size=target_vocab_size)
         return cls(worker, seed)

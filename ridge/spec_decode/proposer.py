@@ -54,6 +54,7 @@ def make_proposer(
     block_size: int,
     seed: int,
     kernels: str,
+    max_num_seqs: int = 256,
 ) -> Proposer:
     """The proposer ``spec`` names. A draft model gets its own KV pool of at least
     ``num_tokens`` tokens (the target's pool plus room for each sequence's drafts)."""
@@ -73,4 +74,6 @@ def make_proposer(
         block_size=block_size,
         seed=seed,
         kernels=kernels,
+        max_num_seqs=max_num_seqs,
+        num_speculative_tokens=spec.num_speculative_tokens,
     )

@@ -9,8 +9,9 @@ graph replays fixed shapes from fixed addresses, so:
     sequence (``max_model_len``);
   * a step of ``n`` decode rows (one-token decodes and speculative verify runs alike) runs the
     graph of the smallest captured size ``>= n``, vLLM's default ladder (1, 2, 4, 8, 16, ...,
-    up to twice ``max_num_seqs``, at most 512); the padding rows have context length 0 and
-    slot -1, so they read nothing and write nothing (``CudaKernels``' KV write skips them);
+    up to twice ``max_num_seqs``, or ``max_num_seqs * (1 + k)`` when k tokens are speculated,
+    at most 512); the padding rows have context length 0 and slot -1, so they read nothing and
+    write nothing (``CudaKernels``' KV write skips them);
   * the kernels must be capturable: ``CudaKernels`` (no host synchronization, a fixed launch
     sequence), no tensor parallelism, no MoE layer (its routing counts rows on the host).
 
@@ -37,11 +38,13 @@ logger = logging.getLogger(__name__)
 MAX_CAPTURE_SIZE = 512
 
 
-def capture_sizes(max_num_seqs: int) -> list[int]:
-    """vLLM's default ladder: 1, 2, 4, every 8 below 256, then every 16, up to
-    min(2 * max_num_seqs, 512) (verify runs give a step more rows than sequences)."""
-    cap = min(2 * max_num_seqs, MAX_CAPTURE_SIZE)
-    return [s for s in (1, 2, 4, *range(8, 256, 8), *range(256, MAX_CAPTURE_SIZE + 1, 16)) if s <= cap]
+def capture_sizes(max_num_seqs: int, num_speculative_tokens: int = 0) -> list[int]:
+    """vLLM's default ladder: 1, 2, 4, every 8 below 256, then every 16, up to the first size
+    that holds twice ``max_num_seqs`` rows or, speculating k tokens, the ``max_num_seqs * (1 +
+    k)`` rows of a step of verify runs (a draft's catch-up passes as many), at most 512."""
+    cap = min(max(2, 1 + num_speculative_tokens) * max_num_seqs, MAX_CAPTURE_SIZE)
+    ladder = (1, 2, 4, *range(8, 256, 8), *range(256, MAX_CAPTURE_SIZE + 1, 16))
+    return [s for s in ladder if s < cap] + [next(s for s in ladder if s >= cap)]
 
 
 def unsupported_reason(model, kernels) -> str | None:

@@ -60,6 +60,7 @@ class WorkerConfig:
     kernels: str = "auto"
     enforce_eager: bool = False  # no decode plan on CPU, no CUDA graphs
     max_num_seqs: int = 256  # sizes the CUDA graphs' ladder
+    num_speculative_tokens: int = 0  # a verify step runs up to max_num_seqs * (1 + k) decode rows
     kv_cache_dtype: str = "auto"
     kv_cache_memory: float | None = None  # GiB
     num_kv_blocks: int | None = None
@@ -208,7 +209,7 @@ class Worker:
             self.kv_caches,
             self.config.block_size,
             self.info.max_model_len,
-            cuda_graphs.capture_sizes(self.config.max_num_seqs),
+            cuda_graphs.capture_sizes(self.config.max_num_seqs, self.config.num_speculative_tokens),
             self.device,
         )
         try:

@@ -28,6 +28,10 @@ def test_the_ladder_is_vllms():
     assert capture_sizes(256) == [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]
     assert capture_sizes(4) == [1, 2, 4, 8]
     assert capture_sizes(1) == [1, 2]
+    # speculating k tokens: a step of verify runs has up to max_num_seqs * (1 + k) rows
+    assert capture_sizes(64, 4)[-5:] == [256, 272, 288, 304, 320]
+    assert capture_sizes(4, 4) == [1, 2, 4, 8, 16, 24]
+    assert capture_sizes(256, 4)[-1] == 512
 
 
 def _run(path, graphs: bool, cuda_kernels: bool = True, **options):
