@@ -5,7 +5,7 @@
 #   bash benchmarks/cuda_run.sh coldstart bench     # cold starts, then bench latency
 #   bash benchmarks/cuda_run.sh quant               # weight and KV formats: latency and quality
 #   bash benchmarks/cuda_run.sh tests spec          # the suite, then speculative decoding
-#   bash benchmarks/cuda_run.sh graphs              # Triton kernels + CUDA graphs: checks, then latency
+#   bash benchmarks/cuda_run.sh graphs              # Triton kernels + CUDA graphs: checks, then latency (~9 min)
 #
 # Expects, carried beside the working tree: .whl/ (wheels the GPU image lacks: the server's
 # and the test tools') and .gpu/shared/ (a copy of ../shared/models and tools). Writes logs
@@ -75,8 +75,15 @@ for step in "$@"; do
           2> "$OUT/graphs.err" | grep -E "decode" || tail -n 5 "$OUT/graphs.err"
       done
     done
-    timeout 90 python3 benchmarks/cuda_step.py --model random:tinyllama-1.1b --batch 1 --batch 32 \
-      > "$OUT/cuda_step.txt" 2>&1; grep "^==" "$OUT/cuda_step.txt"
+    for fmt in "--quantization int4" "--quantization int8"; do  # the block formats against bf16's graphs above
+      echo "== llama-3.1-8b $fmt graphs"
+      timeout 90 python3 -m ridge.cli bench latency --model random:llama-3.1-8b $common --batch 1 --batch 32 $fmt \
+        2> "$OUT/graphs.err" | grep -E "decode" || tail -n 5 "$OUT/graphs.err"
+    done
+    timeout 120 python3 benchmarks/cuda_block_matmul.py --rows 1 --rows 32 --json "$OUT/cuda_block_matmul.json" \
+      2>&1 | tail -n 16
+    timeout 90 python3 benchmarks/cuda_step.py --model random:tinyllama-1.1b --batch 1 --batch 32 --kernel-lines 14 \
+      > "$OUT/cuda_step.txt" 2>&1; grep -E "^==|^--| calls " "$OUT/cuda_step.txt"
     python3 .gpu/shared/tools/inflate_stories.py /tmp/stories-1.1b > /dev/null
     python3 .gpu/shared/tools/inflate_stories.py /tmp/stories-1.1b-noise0.05 --noise 0.05 > /dev/null
     timeout 240 python3 benchmarks/spec_decode.py --device cuda --rounds 2 --only batch-32-ngram,batch-32-draft \

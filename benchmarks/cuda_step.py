@@ -19,6 +19,25 @@ import torch
 from ridge import LLM, SamplingParams
 
 
+def kernel_table(graph: torch.cuda.CUDAGraph, lines: int) -> None:
+    """Each kernel of the graph's replay: calls per replay, total and mean device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    replays = 20
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events) / replays
+    print(f"-- kernels: {total:.1f} us of device time a replay")
+    for e in events[:lines]:
+        per = e.device_time_total / replays
+        calls = e.count / replays
+        print(f"   {per:8.1f} us {calls:6.1f} calls {per / max(calls, 1e-9):6.2f} us each  {e.key[:90]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="random:tinyllama-1.1b")
@@ -26,6 +45,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--profile-lines", type=int, default=18)
+    ap.add_argument("--kernel-lines", type=int, default=0, help="the replay's costliest kernels (torch.profiler)")
     args = ap.parse_args()
     llm = LLM(args.model, dtype="bfloat16", device="cuda", max_model_len=args.max_model_len, seed=0)
     runner = llm.engine.executor.worker.runner
@@ -53,6 +73,8 @@ def main() -> None:
             end.record()
             torch.cuda.synchronize()
             replay_ms = begin.elapsed_time(end) / 100
+            if args.kernel_lines:
+                kernel_table(graph, args.kernel_lines)
         profiler = cProfile.Profile()
         profiler.enable()
         llm.generate(prompts, params)
