@@ -65,9 +65,11 @@ def quant_matmul(x, name, n, config, packed):
 
 
 def configs(m: int) -> list[tuple[int, int, int, int]]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) to try at m rows (BLOCK_M 1: the GEMV kernel)."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) to try at m rows (BLOCK_M ``GEMV_Q8``, ``GEMV_F32``:
+    the GEMV kernels, x as int8 codes or as floats; the float one's best first)."""
     if m <= tk.GEMV_MAX_ROWS:
-        return list(itertools.product([1], [2, 4, 8], [256, 512, 1024], [2, 4]))
+        q8 = itertools.product([tk.GEMV_Q8], [4, 8, 16, 32], [512, 1024, 2048], [2, 4, 8])
+        return [(tk.GEMV_F32, 4, 1024, 2), *q8]
     return list(itertools.product([16, 32] if m <= 32 else [64], [16, 32, 64], [64, 128], [4, 8]))
 
 

@@ -650,6 +650,123 @@ def _block_gemv_kernel(
 
 
 @triton.jit
+def _dp4a(a, b, c, ASM: tl.constexpr):
+    """c + the dot product of the four signed bytes of a and of b (int32 tensors): the GPU's
+    ``dp4a``, one instruction for four multiply-adds; the interpreter (no inline assembly)
+    sums the sign-extended bytes."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
+        )
+    else:
+        s = c
+        for i in tl.static_range(4):
+            s += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
+        return s
+
+
+@triton.jit
+def _quantize_q8_kernel(x, x_s0, xq, xd, K, BLOCK_B: tl.constexpr):
+    # x's row program_id(0), BLOCK_B of its 32-element blocks: int8 codes round(x * 127 / amax)
+    # (half away from zero, llama.cpp's Q8_1), and per block d = amax / 127 and d * sum(codes)
+    # (what Q4_0's offset of 8 subtracts), at xd[row, 0, block] and xd[row, 1, block].
+    row = tl.program_id(0).to(tl.int64)
+    nb = K // 32
+    blk = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    b_ok = blk < nb
+    kk = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
+    v = tl.load(x + row * x_s0 + kk, mask=b_ok[:, None], other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(v), axis=1)
+    s = v * tl.where(amax > 0, 127.0 / amax, 0.0)[:, None]
+    q = tl.where(s >= 0, s + 0.5, s - 0.5).to(tl.int32)
+    tl.store(xq + row * K + kk, q.to(tl.int8), mask=b_ok[:, None])
+    d = amax / 127.0
+    tl.store(xd + row * 2 * nb + blk, d, mask=b_ok)
+    tl.store(xd + row * 2 * nb + nb + blk, d * tl.sum(q, axis=1).to(tl.float32), mask=b_ok)
+
+
+@triton.jit
+def _block_gemv_q8_kernel(
+    xq,  # x's int8 codes as int32 words (4 a word)
+    xd,  # (rows, 2, K/32) float32: each block's d, then d * sum(codes)
+    packed,  # pack_blocks' rows as int32 words
+    scales,  # the same bytes as fp16
+    bias,
+    out,
+    out_s0,
+    M,
+    N,
+    K,
+    ROW_BYTES,
+    CODE_BYTES,
+    NIBBLES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ASM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    # llama.cpp's CUDA MMVQ in Triton: x quantized to int8 per 32 (``_quantize_q8_kernel``),
+    # each block's products summed exactly in int32 by dp4a, four codes a word (Q4_0: the low
+    # nibbles of a word are elements 4w..4w+3 of its block, the high ones 16 further, so two
+    # masks and a shift make two words of int8 codes, no conversion to float), then scaled once:
+    # d_w * (d_x * sum(x_codes * w_codes) [- 8 * d_x * sum(x_codes)]). All M <= BLOCK_M rows of
+    # x in one program, which reads its BLOCK_N rows of W once, BLOCK_B blocks a step; the
+    # blocks' sums kept apart until the end (one reduction across threads, not one a step).
+    # Tensors are (x row, W row, block, word).
+    WORDS: tl.constexpr = 4 if NIBBLES else 8  # code words a block
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    n_ok = rn < N
+    m_ok = rm < M
+    w = tl.arange(0, WORDS)[None, None, None, :]
+    bb = tl.arange(0, BLOCK_B)
+    row = (rn.to(tl.int64) * (ROW_BYTES // 4))[None, :, None, None]
+    srow = (rn.to(tl.int64) * ROW_BYTES + CODE_BYTES) // 2
+    nb = K // 32
+    xrow = (rm.to(tl.int64) * (K // 4))[:, None, None, None]
+    drow = (rm.to(tl.int64) * 2 * nb)[:, None, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_B), tl.float32)
+    for b0 in range(0, nb, BLOCK_B):
+        blk = b0 + bb
+        b_ok = blk < nb
+        blk4 = blk[None, None, :, None]
+        ok4 = b_ok[None, None, :, None]
+        word = tl.load(packed + row + blk4 * WORDS + w, mask=n_ok[None, :, None, None] & ok4, other=0)
+        xw = xq + xrow + blk4 * 8 + w
+        x_ok = m_ok[:, None, None, None] & ok4
+        zero = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_B, WORDS), tl.int32)
+        if NIBBLES:
+            s = _dp4a(word & 0x0F0F0F0F, tl.load(xw, mask=x_ok, other=0), zero, ASM)
+            s = _dp4a((word >> 4) & 0x0F0F0F0F, tl.load(xw + 4, mask=x_ok, other=0), s, ASM)
+        else:
+            s = _dp4a(word, tl.load(xw, mask=x_ok, other=0), zero, ASM)
+        blk3 = blk[None, None, :]
+        ok3 = m_ok[:, None, None] & b_ok[None, None, :]
+        part = tl.sum(s, axis=3).to(tl.float32) * tl.load(xd + drow + blk3, mask=ok3, other=0.0)
+        if NIBBLES:
+            part -= 8.0 * tl.load(xd + drow + nb + blk3, mask=ok3, other=0.0)
+        s_mask = n_ok[:, None] & b_ok[None, :]
+        acc += part * tl.load(scales + srow[:, None] + blk[None, :], mask=s_mask, other=0.0).to(tl.float32)[None]
+    total = tl.sum(acc, axis=2)
+    if HAS_BIAS:
+        total += tl.load(bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    o_ptr = out + rm.to(tl.int64)[:, None] * out_s0 + rn[None, :]
+    tl.store(o_ptr, total.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def quantize_rows_q8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (m, K), K a multiple of 32 -> (int8 codes (m, K), (m, 2, K/32) float32: each block's
+    d, then d * sum(codes)): the activations of ``_block_gemv_q8_kernel``."""
+    m, k = rows.shape
+    xq = torch.empty((m, k), dtype=torch.int8, device=rows.device)
+    xd = torch.empty((m, 2, k // 32), dtype=torch.float32, device=rows.device)
+    block_b = min(32, _pow2(k // 32))
+    _quantize_q8_kernel[(m, triton.cdiv(k // 32, block_b))](rows, rows.stride(0), xq, xd, k, BLOCK_B=block_b)
+    return xq, xd
+
+
+@triton.jit
 def _block_matmul_kernel(
     x,
     x_s0,
@@ -701,15 +818,25 @@ def _block_matmul_kernel(
 
 
 GEMV_MAX_ROWS = 4  # x rows up to which each row is a GEMV (W read once a row) rather than a tile
+GEMV_Q8, GEMV_F32 = 0, 1  # BLOCK_M of the GEMV kernels: x as int8 codes (dp4a), x as float32
 
 
-def block_matmul_config(m: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for m rows of x: BLOCK_M 1 is the GEMV kernel
-    (BLOCK_K // 32 blocks a step), else the tile kernel. The H200's sweep
-    (``benchmarks/cuda_block_matmul.py``, 2026-11-26) chose the GEMV's; the tiles are the
-    first ones measured."""
+def gemv_q8_taken(dtype: torch.dtype, k: int) -> bool:
+    """Whether x of this dtype and width may run the int8 GEMV: 16-bit activations (a float32
+    model keeps float products: the parity runs) and rows that start on a word (K % 64)."""
+    return dtype in (torch.bfloat16, torch.float16) and k % 64 == 0
+
+
+def block_matmul_config(m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for m rows of x of this dtype: BLOCK_M
+    ``GEMV_Q8`` or ``GEMV_F32`` is a GEMV kernel (BLOCK_K // 32 blocks a step), else the tile
+    kernel. The H200's sweeps (``benchmarks/cuda_block_matmul.py``, 2026-11-26) chose the
+    GEMVs' (the int8 one's at one row: 4 rows of W, 64 blocks a step, 2 warps); the tiles are
+    the first ones measured."""
     if m <= GEMV_MAX_ROWS:
-        return 1, 4, 1024, 2
+        if gemv_q8_taken(dtype, k):
+            return GEMV_Q8, 4, 2048 if m == 1 else 1024, 2
+        return GEMV_F32, 4, 1024, 2
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     return block_m, 16 if m <= 16 else 64, 128 if k % 128 == 0 else 32, 4
 
@@ -723,8 +850,9 @@ def block_matmul(
     config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor | None:
     """x (..., K) @ W^T (+ bias) with W in ``pack_blocks``' rows, never dequantized to memory:
-    a few rows of x run the GEMV kernel (each block's products summed in float32, then
-    scaled); more rows the tile kernel (each tile of W dequantized in registers to the
+    a few rows of x run a GEMV kernel (16-bit x quantized to int8 per 32 and each block's
+    products summed in int32 by dp4a, or float32 x's products summed in float32; then each
+    block's sum scaled); more rows the tile kernel (each tile of W dequantized in registers to the
     reference's dense weight in x's dtype, value for value, through the tensor cores). None
     where x's layout is not taken. ``config``: ``block_matmul_config``'s tuple, to try others
     (``benchmarks/cuda_block_matmul.py``)."""
@@ -736,12 +864,20 @@ def block_matmul(
     type_size, nibbles = FORMATS[name].type_size, FORMATS[name].nibbles
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m:
-        block_m, block_n, block_k, warps = config or block_matmul_config(m, k)
+        block_m, block_n, block_k, warps = config or block_matmul_config(m, k, x.dtype)
         flat = packed.view(-1)
         common = dict(ROW_BYTES=k // 32 * type_size, CODE_BYTES=k // 32 * (type_size - 2), NIBBLES=nibbles)
         common.update(HAS_BIAS=bias is not None, BLOCK_N=block_n, num_warps=warps)
         b = bias if bias is not None else out
-        if block_m == 1:
+        if block_m == GEMV_Q8 and gemv_q8_taken(x.dtype, k):
+            xq, xd = quantize_rows_q8(rows)
+            for r in range(0, m, GEMV_MAX_ROWS):  # GEMV_MAX_ROWS rows a launch (more: a sweep's config)
+                rs, mr = slice(r, r + GEMV_MAX_ROWS), min(m - r, GEMV_MAX_ROWS)
+                _block_gemv_q8_kernel[(triton.cdiv(n, block_n),)](
+                    xq[rs].view(torch.int32), xd[rs], flat.view(torch.int32), flat.view(torch.float16), b, out[rs],
+                    out.stride(0), mr, n, k, ASM=x.is_cuda, BLOCK_M=_pow2(mr), BLOCK_B=max(1, block_k // 32), **common,
+                )  # fmt: skip
+        elif block_m <= GEMV_F32:
             grid = (triton.cdiv(n, block_n), m)
             _block_gemv_kernel[grid](
                 rows, rows.stride(0), flat, flat.view(torch.float16), b, out, out.stride(0), n, k,

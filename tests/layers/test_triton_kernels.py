@@ -136,9 +136,21 @@ def test_decode_splits_depend_on_shapes_only():
     assert tk.decode_splits(1, 4, 2, 264) == 2  # never more splits than the table has blocks
 
 
+def _x_as_int8(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 GEMV sees it: codes round(x * 127 / amax) per 32 (half away from zero),
+    times amax / 127, in float32."""
+    m, k = x.shape
+    v = x.float().reshape(m, k // 32, 32)
+    amax = v.abs().amax(-1, keepdim=True)
+    s = v * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.where(s >= 0, s + 0.5, s - 0.5).trunc() * (amax / 127)).reshape(m, k)
+
+
 @pytest.mark.parametrize("fmt_name", ["int8", "int4"])  # Q8_0, Q4_0
-@pytest.mark.parametrize(("m", "k"), [(1, 96), (1, 512), (5, 256), (40, 128)])
+@pytest.mark.parametrize(("m", "k"), [(1, 96), (1, 512), (3, 128), (5, 256), (40, 128)])
 def test_block_matmul_matches_the_reference_dense_weight(fmt_name, m, k):
+    """Every kernel against the dense weight's matmul: the int8 GEMV (16-bit x, K % 64) against
+    x quantized as it quantizes it (and within 2% of x itself), the others against x."""
     from ridge.quantization.formats import FORMATS
 
     fmt = FORMATS[fmt_name]
@@ -152,16 +164,25 @@ def test_block_matmul_matches_the_reference_dense_weight(fmt_name, m, k):
     for dtype in DTYPES:
         x = torch.randn(m, k, dtype=dtype, device=DEVICE)
         bias = torch.randn(n, dtype=dtype, device=DEVICE)
-        want = torch.nn.functional.linear(x, dense.to(dtype), bias)
-        _close(tk.block_matmul(x, packed, fmt.name, n, bias), want, dtype)
+        q8 = tk.gemv_q8_taken(dtype, k)
+
+        def want(config, w=dense, b=bias, x=x, dtype=dtype, q8=q8):
+            int8 = q8 and (config or tk.block_matmul_config(m, k, dtype))[0] == tk.GEMV_Q8
+            b = None if b is None else b.float()
+            return torch.nn.functional.linear(_x_as_int8(x) if int8 else x.float(), w.float(), b).to(dtype)
+
+        _close(tk.block_matmul(x, packed, fmt.name, n, bias), want(None), dtype)
+        if q8 and m <= tk.GEMV_MAX_ROWS:  # the int8 GEMV: its own rounding of x, and no more
+            assert tk.block_matmul_config(m, k, dtype)[0] == tk.GEMV_Q8
+            got = tk.block_matmul(x, packed, fmt.name, n, bias)
+            _close(got, torch.nn.functional.linear(x, dense.to(dtype), bias), torch.bfloat16)
         # rows 16-31 alone (one expert's rows of a stacked layer): their 16-row block
-        want_rows = torch.nn.functional.linear(x, dense[16:32].to(dtype))
-        _close(tk.block_matmul(x, packed[1:2], fmt.name, 16, None), want_rows, dtype)
-        # any tile computes the same function: GEMV or tensor-core tiles, a step longer than K
-        for config in [(1, 16, 256, 4), (1, 2, 1024, 1), (16, 32, 64, 2), (32, 16, 512, 8)]:
-            if config[0] == 1 and m > 8:  # a GEMV program per row: slow in the interpreter
+        _close(tk.block_matmul(x, packed[1:2], fmt.name, 16, None), want(None, dense[16:32], None), dtype)
+        # any tile computes the same function: GEMVs or tensor-core tiles, a step longer than K
+        for config in [(0, 8, 512, 4), (1, 16, 256, 4), (1, 2, 1024, 1), (16, 32, 64, 2), (32, 16, 512, 8)]:
+            if config[0] <= tk.GEMV_F32 and m > 8:  # a GEMV program per row: slow in the interpreter
                 continue
-            _close(tk.block_matmul(x, packed, fmt.name, n, bias, config), want, dtype)
+            _close(tk.block_matmul(x, packed, fmt.name, n, bias, config), want(config), dtype)
 
 
 @pytest.mark.parametrize("kind", ["auto", "int8"] + (["fp8"] if DEVICE.type == "cuda" else []))
