@@ -64,13 +64,16 @@ def quant_matmul(x, name, n, config, packed):
     return tk.block_matmul(x, packed, name, n, None, config)
 
 
-def configs(m: int) -> list[tuple[int, int, int, int]]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) to try at m rows (BLOCK_M ``GEMV_Q8``, ``GEMV_F32``:
-    the GEMV kernels, x as int8 codes or as floats; the float one's best first)."""
+def configs(m: int) -> list[tuple[str, int, int, int, int]]:
+    """(kernel, BLOCK_M, BLOCK_N, BLOCK_K, num_warps) to try at m rows: the GEMVs up to
+    ``GEMV_MAX_ROWS`` (x as int8 codes or as floats, the float one's best first), else the
+    int8 tiles (x's codes against W's; the float tiles were swept before)."""
     if m <= tk.GEMV_MAX_ROWS:
-        q8 = itertools.product([tk.GEMV_Q8], [4, 8, 16, 32], [512, 1024, 2048], [2, 4, 8])
-        return [(tk.GEMV_F32, 4, 1024, 2), *q8]
-    return list(itertools.product([16, 32] if m <= 32 else [64], [16, 32, 64], [64, 128], [4, 8]))
+        q8 = itertools.product([tk.GEMV_Q8], [m], [4, 8, 16], [1024, 2048], [2, 4, 8])
+        return [(tk.GEMV_F32, 1, 4, 1024, 2), *q8]
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    float_tile = (tk.TILE, block_m, 16 if m <= 16 else 64, 128, 4)  # the default before int8 tiles
+    return [float_tile, *itertools.product([tk.TILE_Q8], [block_m], [32, 64, 128], [128, 256], [4, 8])]
 
 
 def main() -> None:

@@ -713,42 +713,66 @@ def _block_gemv_q8_kernel(
     # d_w * (d_x * sum(x_codes * w_codes) [- 8 * d_x * sum(x_codes)]). All M <= BLOCK_M rows of
     # x in one program, which reads its BLOCK_N rows of W once, BLOCK_B blocks a step; the
     # blocks' sums kept apart until the end (one reduction across threads, not one a step).
-    # Tensors are (x row, W row, block, word).
+    # Tensors are (W row, block, word) for one row of x (measured faster on the H200 than the
+    # same code with a leading axis of 1), else (x row, W row, block, word).
     WORDS: tl.constexpr = 4 if NIBBLES else 8  # code words a block
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     n_ok = rn < N
     m_ok = rm < M
-    w = tl.arange(0, WORDS)[None, None, None, :]
     bb = tl.arange(0, BLOCK_B)
-    row = (rn.to(tl.int64) * (ROW_BYTES // 4))[None, :, None, None]
     srow = (rn.to(tl.int64) * ROW_BYTES + CODE_BYTES) // 2
     nb = K // 32
-    xrow = (rm.to(tl.int64) * (K // 4))[:, None, None, None]
-    drow = (rm.to(tl.int64) * 2 * nb)[:, None, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_B), tl.float32)
-    for b0 in range(0, nb, BLOCK_B):
-        blk = b0 + bb
-        b_ok = blk < nb
-        blk4 = blk[None, None, :, None]
-        ok4 = b_ok[None, None, :, None]
-        word = tl.load(packed + row + blk4 * WORDS + w, mask=n_ok[None, :, None, None] & ok4, other=0)
-        xw = xq + xrow + blk4 * 8 + w
-        x_ok = m_ok[:, None, None, None] & ok4
-        zero = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_B, WORDS), tl.int32)
-        if NIBBLES:
-            s = _dp4a(word & 0x0F0F0F0F, tl.load(xw, mask=x_ok, other=0), zero, ASM)
-            s = _dp4a((word >> 4) & 0x0F0F0F0F, tl.load(xw + 4, mask=x_ok, other=0), s, ASM)
-        else:
-            s = _dp4a(word, tl.load(xw, mask=x_ok, other=0), zero, ASM)
-        blk3 = blk[None, None, :]
-        ok3 = m_ok[:, None, None] & b_ok[None, None, :]
-        part = tl.sum(s, axis=3).to(tl.float32) * tl.load(xd + drow + blk3, mask=ok3, other=0.0)
-        if NIBBLES:
-            part -= 8.0 * tl.load(xd + drow + nb + blk3, mask=ok3, other=0.0)
-        s_mask = n_ok[:, None] & b_ok[None, :]
-        acc += part * tl.load(scales + srow[:, None] + blk[None, :], mask=s_mask, other=0.0).to(tl.float32)[None]
-    total = tl.sum(acc, axis=2)
+    if BLOCK_M == 1:
+        w = tl.arange(0, WORDS)
+        row = rn.to(tl.int64) * (ROW_BYTES // 4)
+        acc = tl.zeros((BLOCK_N, BLOCK_B), tl.float32)
+        for b0 in range(0, nb, BLOCK_B):
+            blk = b0 + bb
+            b_ok = blk < nb
+            w_ptr = packed + row[:, None, None] + (blk * WORDS)[None, :, None] + w[None, None, :]
+            word = tl.load(w_ptr, mask=n_ok[:, None, None] & b_ok[None, :, None], other=0)
+            xw = xq + blk[:, None] * 8 + w[None, :]
+            zero = tl.zeros_like(word)
+            if NIBBLES:
+                s = _dp4a(word & 0x0F0F0F0F, tl.load(xw, mask=b_ok[:, None], other=0)[None, :, :], zero, ASM)
+                s = _dp4a((word >> 4) & 0x0F0F0F0F, tl.load(xw + 4, mask=b_ok[:, None], other=0)[None, :, :], s, ASM)
+            else:
+                s = _dp4a(word, tl.load(xw, mask=b_ok[:, None], other=0)[None, :, :], zero, ASM)
+            part = tl.sum(s, axis=2).to(tl.float32) * tl.load(xd + blk, mask=b_ok, other=0.0)[None, :]
+            if NIBBLES:
+                part -= 8.0 * tl.load(xd + nb + blk, mask=b_ok, other=0.0)[None, :]
+            s_mask = n_ok[:, None] & b_ok[None, :]
+            acc += part * tl.load(scales + srow[:, None] + blk[None, :], mask=s_mask, other=0.0).to(tl.float32)
+        total = tl.sum(acc, axis=1)[None, :]
+    else:
+        w = tl.arange(0, WORDS)[None, None, None, :]
+        row = (rn.to(tl.int64) * (ROW_BYTES // 4))[None, :, None, None]
+        xrow = (rm.to(tl.int64) * (K // 4))[:, None, None, None]
+        drow = (rm.to(tl.int64) * 2 * nb)[:, None, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_B), tl.float32)
+        for b0 in range(0, nb, BLOCK_B):
+            blk = b0 + bb
+            b_ok = blk < nb
+            blk4 = blk[None, None, :, None]
+            ok4 = b_ok[None, None, :, None]
+            word = tl.load(packed + row + blk4 * WORDS + w, mask=n_ok[None, :, None, None] & ok4, other=0)
+            xw = xq + xrow + blk4 * 8 + w
+            x_ok = m_ok[:, None, None, None] & ok4
+            zero = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_B, WORDS), tl.int32)
+            if NIBBLES:
+                s = _dp4a(word & 0x0F0F0F0F, tl.load(xw, mask=x_ok, other=0), zero, ASM)
+                s = _dp4a((word >> 4) & 0x0F0F0F0F, tl.load(xw + 4, mask=x_ok, other=0), s, ASM)
+            else:
+                s = _dp4a(word, tl.load(xw, mask=x_ok, other=0), zero, ASM)
+            blk3 = blk[None, None, :]
+            ok3 = m_ok[:, None, None] & b_ok[None, None, :]
+            part = tl.sum(s, axis=3).to(tl.float32) * tl.load(xd + drow + blk3, mask=ok3, other=0.0)
+            if NIBBLES:
+                part -= 8.0 * tl.load(xd + drow + nb + blk3, mask=ok3, other=0.0)
+            s_mask = n_ok[:, None] & b_ok[None, :]
+            acc += part * tl.load(scales + srow[:, None] + blk[None, :], mask=s_mask, other=0.0).to(tl.float32)[None]
+        total = tl.sum(acc, axis=2)
     if HAS_BIAS:
         total += tl.load(bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     o_ptr = out + rm.to(tl.int64)[:, None] * out_s0 + rn[None, :]
@@ -817,28 +841,90 @@ def _block_matmul_kernel(
     tl.store(out + rm[:, None] * out_s0 + rn[None, :], acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _block_matmul_q8_kernel(
+    xq,  # x's int8 codes
+    xd,  # (rows, 2, K/32) float32: each block's d (then d * sum(codes), unused here)
+    packed,
+    scales,  # the same bytes as fp16
+    bias,
+    out,
+    out_s0,
+    M,
+    N,
+    K,
+    ROW_BYTES,
+    CODE_BYTES,
+    NIBBLES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # llama.cpp's MMQ in Triton: x's int8 codes against W's (Q4_0's nibbles minus 8) through
+    # the int8 tensor cores, one 32-element block a dot (its int32 sums exact), each block's
+    # tile of sums scaled by x's d of its row and W's of its column: one float multiply-add per
+    # tile element a block, not a conversion and a multiply per weight. BLOCK_K // 32 blocks a
+    # step.
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = tl.arange(0, 32)
+    n_ok = rn < N
+    m_ok = rm < M
+    nb = K // 32
+    row = rn.to(tl.int64) * ROW_BYTES
+    srow = (row + CODE_BYTES) // 2
+    xrow = rm.to(tl.int64) * K
+    drow = rm.to(tl.int64) * 2 * nb
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for b0 in range(0, nb, BLOCK_K // 32):
+        for j in tl.static_range(BLOCK_K // 32):
+            b = b0 + j
+            k_ok = (b * 32 + t < K)[None, :]  # past the last block: x's codes 0, its scales any
+            xa = tl.load(xq + xrow[:, None] + (b * 32 + t)[None, :], mask=m_ok[:, None] & k_ok, other=0)
+            if NIBBLES:
+                byte = tl.load(packed + row[:, None] + (b * 16 + t % 16)[None, :], mask=n_ok[:, None] & k_ok, other=0)
+                code = (((byte.to(tl.int32) >> (4 * (t // 16))[None, :]) & 15) - 8).to(tl.int8)
+            else:
+                code = tl.load(packed + row[:, None] + (b * 32 + t)[None, :], mask=n_ok[:, None] & k_ok, other=0)
+                code = code.to(tl.int8, bitcast=True)
+            sums = tl.dot(xa, tl.trans(code), out_dtype=tl.int32)
+            bc = tl.minimum(b, nb - 1)
+            dx = tl.load(xd + drow + bc, mask=m_ok, other=0.0)
+            dw = tl.load(scales + srow + bc, mask=n_ok, other=0.0).to(tl.float32)
+            acc += sums.to(tl.float32) * dx[:, None] * dw[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out + rm[:, None] * out_s0 + rn[None, :], acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
 GEMV_MAX_ROWS = 4  # x rows up to which each row is a GEMV (W read once a row) rather than a tile
-GEMV_Q8, GEMV_F32 = 0, 1  # BLOCK_M of the GEMV kernels: x as int8 codes (dp4a), x as float32
+# The kernels (a config's first element): GEMVs with x as int8 codes (dp4a) or as floats; tiles
+# through the tensor cores, x's int8 codes against W's or x against W dequantized to x's dtype
+GEMV_Q8, GEMV_F32, TILE_Q8, TILE = "gemv_q8", "gemv_f32", "tile_q8", "tile"
 
 
-def gemv_q8_taken(dtype: torch.dtype, k: int) -> bool:
-    """Whether x of this dtype and width may run the int8 GEMV: 16-bit activations (a float32
-    model keeps float products: the parity runs) and rows that start on a word (K % 64)."""
+def q8_taken(dtype: torch.dtype, k: int) -> bool:
+    """Whether x of this dtype and width may be quantized to int8 codes: 16-bit activations (a
+    float32 model keeps float products: the parity runs) and rows that start on a word
+    (K % 64)."""
     return dtype in (torch.bfloat16, torch.float16) and k % 64 == 0
 
 
-def block_matmul_config(m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for m rows of x of this dtype: BLOCK_M
-    ``GEMV_Q8`` or ``GEMV_F32`` is a GEMV kernel (BLOCK_K // 32 blocks a step), else the tile
-    kernel. The H200's sweeps (``benchmarks/cuda_block_matmul.py``, 2026-11-26) chose the
-    GEMVs' (the int8 one's at one row: 4 rows of W, 64 blocks a step, 2 warps); the tiles are
-    the first ones measured."""
+def block_matmul_config(m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> tuple[str, int, int, int, int]:
+    """(kernel, BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for m rows of x of this dtype (a GEMV's
+    BLOCK_M is its rows, up to ``GEMV_MAX_ROWS``; BLOCK_K // 32 blocks a step). The H200's
+    sweeps (``benchmarks/cuda_block_matmul.py``, 2026-11-26) chose the GEMVs' (the int8 one's at
+    one row: 4 rows of W, 64 blocks a step, 2 warps); the tiles are the first ones measured."""
+    q8 = q8_taken(dtype, k)
     if m <= GEMV_MAX_ROWS:
-        if gemv_q8_taken(dtype, k):
-            return GEMV_Q8, 4, 2048 if m == 1 else 1024, 2
-        return GEMV_F32, 4, 1024, 2
+        if q8:
+            return GEMV_Q8, m, 4, 2048 if m == 1 else 1024, 2 if m == 1 else 4
+        return GEMV_F32, 1, 4, 1024, 2
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    return block_m, 16 if m <= 16 else 64, 128 if k % 128 == 0 else 32, 4
+    if q8:  # the 32-row sweep's best: 8B gate_up (K 4096) and down (K 14336)
+        return (TILE_Q8, block_m, 64, 128, 4) if k < 8192 else (TILE_Q8, block_m, 32, 256, 4)
+    return TILE, block_m, 16 if m <= 16 else 64, 128 if k % 128 == 0 else 32, 4
 
 
 def block_matmul(
@@ -847,14 +933,15 @@ def block_matmul(
     name: str,
     n: int,
     bias: torch.Tensor | None,
-    config: tuple[int, int, int, int] | None = None,
+    config: tuple[str, int, int, int, int] | None = None,
 ) -> torch.Tensor | None:
     """x (..., K) @ W^T (+ bias) with W in ``pack_blocks``' rows, never dequantized to memory:
     a few rows of x run a GEMV kernel (16-bit x quantized to int8 per 32 and each block's
     products summed in int32 by dp4a, or float32 x's products summed in float32; then each
-    block's sum scaled); more rows the tile kernel (each tile of W dequantized in registers to the
-    reference's dense weight in x's dtype, value for value, through the tensor cores). None
-    where x's layout is not taken. ``config``: ``block_matmul_config``'s tuple, to try others
+    block's sum scaled); more rows a tile kernel through the tensor cores (W's tiles dequantized
+    in registers to the reference's dense weight in x's dtype, value for value; or, where
+    chosen, x's int8 codes against W's, each block's int32 sums scaled). None where x's layout
+    is not taken. ``config``: ``block_matmul_config``'s tuple, to try others
     (``benchmarks/cuda_block_matmul.py``)."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
@@ -864,24 +951,32 @@ def block_matmul(
     type_size, nibbles = FORMATS[name].type_size, FORMATS[name].nibbles
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m:
-        block_m, block_n, block_k, warps = config or block_matmul_config(m, k, x.dtype)
+        kernel, block_m, block_n, block_k, warps = config or block_matmul_config(m, k, x.dtype)
+        if kernel in (GEMV_Q8, TILE_Q8) and not q8_taken(x.dtype, k):
+            kernel = GEMV_F32 if kernel == GEMV_Q8 else TILE
         flat = packed.view(-1)
         common = dict(ROW_BYTES=k // 32 * type_size, CODE_BYTES=k // 32 * (type_size - 2), NIBBLES=nibbles)
         common.update(HAS_BIAS=bias is not None, BLOCK_N=block_n, num_warps=warps)
         b = bias if bias is not None else out
-        if block_m == GEMV_Q8 and gemv_q8_taken(x.dtype, k):
-            xq, xd = quantize_rows_q8(rows)
+        xq, xd = quantize_rows_q8(rows) if kernel in (GEMV_Q8, TILE_Q8) else (None, None)
+        if kernel == GEMV_Q8:
             for r in range(0, m, GEMV_MAX_ROWS):  # GEMV_MAX_ROWS rows a launch (more: a sweep's config)
                 rs, mr = slice(r, r + GEMV_MAX_ROWS), min(m - r, GEMV_MAX_ROWS)
                 _block_gemv_q8_kernel[(triton.cdiv(n, block_n),)](
                     xq[rs].view(torch.int32), xd[rs], flat.view(torch.int32), flat.view(torch.float16), b, out[rs],
                     out.stride(0), mr, n, k, ASM=x.is_cuda, BLOCK_M=_pow2(mr), BLOCK_B=max(1, block_k // 32), **common,
                 )  # fmt: skip
-        elif block_m <= GEMV_F32:
+        elif kernel == GEMV_F32:
             grid = (triton.cdiv(n, block_n), m)
             _block_gemv_kernel[grid](
                 rows, rows.stride(0), flat, flat.view(torch.float16), b, out, out.stride(0), n, k,
                 BLOCK_B=max(1, block_k // 32), **common,
+            )  # fmt: skip
+        elif kernel == TILE_Q8:
+            grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+            _block_matmul_q8_kernel[grid](
+                xq, xd, flat, flat.view(torch.float16), b, out, out.stride(0), m, n, k,
+                BLOCK_M=block_m, BLOCK_K=block_k, **common,
             )  # fmt: skip
         else:
             grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))

@@ -164,10 +164,10 @@ def test_block_matmul_matches_the_reference_dense_weight(fmt_name, m, k):
     for dtype in DTYPES:
         x = torch.randn(m, k, dtype=dtype, device=DEVICE)
         bias = torch.randn(n, dtype=dtype, device=DEVICE)
-        q8 = tk.gemv_q8_taken(dtype, k)
+        q8 = tk.q8_taken(dtype, k)
 
         def want(config, w=dense, b=bias, x=x, dtype=dtype, q8=q8):
-            int8 = q8 and (config or tk.block_matmul_config(m, k, dtype))[0] == tk.GEMV_Q8
+            int8 = q8 and (config or tk.block_matmul_config(m, k, dtype))[0] in (tk.GEMV_Q8, tk.TILE_Q8)
             b = None if b is None else b.float()
             return torch.nn.functional.linear(_x_as_int8(x) if int8 else x.float(), w.float(), b).to(dtype)
 
@@ -179,8 +179,10 @@ def test_block_matmul_matches_the_reference_dense_weight(fmt_name, m, k):
         # rows 16-31 alone (one expert's rows of a stacked layer): their 16-row block
         _close(tk.block_matmul(x, packed[1:2], fmt.name, 16, None), want(None, dense[16:32], None), dtype)
         # any tile computes the same function: GEMVs or tensor-core tiles, a step longer than K
-        for config in [(0, 8, 512, 4), (1, 16, 256, 4), (1, 2, 1024, 1), (16, 32, 64, 2), (32, 16, 512, 8)]:
-            if config[0] <= tk.GEMV_F32 and m > 8:  # a GEMV program per row: slow in the interpreter
+        configs = [(tk.GEMV_Q8, 4, 8, 512, 4), (tk.GEMV_F32, 1, 16, 256, 4), (tk.GEMV_F32, 1, 2, 1024, 1)]
+        configs += [(tk.TILE, 16, 32, 64, 2), (tk.TILE, 32, 16, 512, 8), (tk.TILE_Q8, 16, 32, 64, 4)]
+        for config in configs + [(tk.TILE_Q8, 32, 16, 128, 4)]:
+            if config[0] in (tk.GEMV_Q8, tk.GEMV_F32) and m > 8:  # a GEMV program per row: slow here
                 continue
             _close(tk.block_matmul(x, packed, fmt.name, n, bias, config), want(config), dtype)
 
