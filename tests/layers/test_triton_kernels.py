@@ -179,6 +179,9 @@ def test_block_matmul_matches_the_reference_dense_weight(fmt_name, m, k):
         # rows 16-31 alone (one expert's rows of a stacked layer): their 16-row block
         _close(tk.block_matmul(x, packed[1:2], fmt.name, 16, None), want(None, dense[16:32], None), dtype)
         # any tile computes the same function: GEMVs or tensor-core tiles, a step longer than K
+        # (on a GPU each config compiles: float16 keeps only the defaults, which bfloat16 shares)
+        if DEVICE.type == "cuda" and dtype is torch.float16:
+            continue
         configs = [(tk.GEMV_Q8, 4, 8, 512, 4), (tk.GEMV_F32, 1, 16, 256, 4), (tk.GEMV_F32, 1, 2, 1024, 1)]
         configs += [(tk.TILE, 16, 32, 64, 2), (tk.TILE, 32, 16, 512, 8), (tk.TILE_Q8, 16, 32, 64, 4)]
         for config in configs + [(tk.TILE_Q8, 32, 16, 128, 4)]:
