@@ -28,6 +28,10 @@ import triton.language as tl
 from ridge.quantization.formats import FORMATS, Q4_0, Q8_0
 from ridge.quantization.methods import PACKED_ROW_BLOCK
 
+# Inline PTX (dp4a) where the GPU is NVIDIA's; ROCm's Triton and the interpreter take the
+# same kernels' byte-by-byte form
+_PTX = torch.version.hip is None
+
 # Integer views for a plain copy of rows (the copy kernel moves bits, whatever they encode)
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -964,7 +968,8 @@ def block_matmul(
                 rs, mr = slice(r, r + GEMV_MAX_ROWS), min(m - r, GEMV_MAX_ROWS)
                 _block_gemv_q8_kernel[(triton.cdiv(n, block_n),)](
                     xq[rs].view(torch.int32), xd[rs], flat.view(torch.int32), flat.view(torch.float16), b, out[rs],
-                    out.stride(0), mr, n, k, ASM=x.is_cuda, BLOCK_M=_pow2(mr), BLOCK_B=max(1, block_k // 32), **common,
+                    out.stride(0), mr, n, k, ASM=_PTX and x.is_cuda, BLOCK_M=_pow2(mr), BLOCK_B=max(1, block_k // 32),
+                    **common,
                 )  # fmt: skip
         elif kernel == GEMV_F32:
             grid = (triton.cdiv(n, block_n), m)
