@@ -500,6 +500,9 @@ class EngineConfig:
     # vLLM's --kv-transfer-config: a JSON string or dict (ridge.kv_transfer.config.KVTransferConfig):
     # this instance runs prompts only (kv_producer) or decodes handed-over requests (kv_consumer)
     kv_transfer_config: Any = None
+    # vLLM's --async-scheduling: the next step is scheduled and launched before the last one's
+    # tokens are back (LLMEngine.step); one process, no speculative decoding or KV transfer
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -530,6 +533,17 @@ class EngineConfig:
         from ridge.kv_transfer.config import KVTransferConfig
 
         self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        if self.async_scheduling:
+            other = (
+                "speculative decoding" if self.speculative_config is not None
+                else "KV transfer" if self.kv_transfer_config is not None
+                else "tensor parallelism" if self.tensor_parallel_size > 1
+                else None
+            )  # fmt: skip
+            if other is not None:
+                raise ValueError(
+                    f"async_scheduling does not combine with {other} (each step needs the last one's tokens)"
+                )
         if self.quantization in ("", "none"):
             self.quantization = None
         if self.quantization is not None:

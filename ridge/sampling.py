@@ -460,6 +460,11 @@ class Sampler:
         ``logits``: (B, V), any float dtype, one row per state in order; not modified.
         Reads (never writes) ``states[i].output_token_ids``; the caller appends the result.
         """
+        return self.launch(logits, states).result()
+
+    def launch(self, logits: torch.Tensor, states: list[SamplingState]) -> PendingSample:
+        """``__call__`` without its wait: every kernel enqueued (on a GPU the host does not wait
+        for them), the tokens a device tensor; ``result()`` brings them and the logprobs back."""
         batch = len(states)
         if logits.dim() != 2 or logits.shape[0] != batch or logits.shape[1] == 0 or not logits.is_floating_point():
             raise ValueError(
@@ -467,8 +472,7 @@ class Sampler:
                 f"got {tuple(logits.shape)} {logits.dtype}"
             )
         if batch == 0:
-            return SamplerOutput([], [], [])
-        none_list: list = [None] * batch
+            return PendingSample(torch.empty(0, dtype=torch.long, device=logits.device), batch)
 
         # Fast path: plain greedy everywhere is a single argmax, no copies, no per-row tensors.
         if all(
@@ -478,7 +482,7 @@ class Sampler:
             # argmax of float32 (bf16 widens exactly; first index on ties either way): torch's
             # bf16 argmax of a 32k row takes ~115 us on CPU, float32's ~30
             rows = logits if logits.dtype is torch.float32 else logits.float()
-            return SamplerOutput(rows.argmax(dim=-1).tolist(), none_list, list(none_list))
+            return PendingSample(rows.argmax(dim=-1), batch)
 
         device = logits.device
         x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
@@ -508,11 +512,9 @@ class Sampler:
             s_idx = torch.tensor(sample_rows, device=device)
             tokens[g_idx] = x[g_idx].argmax(dim=-1)
             tokens[s_idx] = self._sample(x[s_idx], [states[i] for i in sample_rows])
-        token_ids = tokens.tolist()
-
         if raw_logprobs is None:
-            return SamplerOutput(token_ids, none_list, list(none_list))
-        return self._logprobs(raw_logprobs, token_ids, lp_rows, states)
+            return PendingSample(tokens, batch)
+        return PendingSample(tokens, batch, *self._logprobs(raw_logprobs, tokens, lp_rows, states))
 
     def _sample(self, x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """Sample from the non-greedy rows ``x`` (R, V) fp32, modified in place."""
@@ -576,23 +578,44 @@ class Sampler:
 
     @staticmethod
     def _logprobs(
-        raw: torch.Tensor, token_ids: list[int], lp_rows: list[int], states: list[SamplingState]
-    ) -> SamplerOutput:
-        """Gather the sampled token's and the top-k logprobs for the rows that asked."""
-        batch = len(states)
-        sampled_ids = torch.tensor([token_ids[i] for i in lp_rows], device=raw.device)
-        sampled = raw.gather(1, sampled_ids.unsqueeze(1)).squeeze(1).tolist()
+        raw: torch.Tensor, tokens: torch.Tensor, lp_rows: list[int], states: list[SamplingState]
+    ) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The rows that asked, their k, and (as device tensors) the sampled token's logprob
+        and the top max-k logprobs with their ids."""
+        index = tokens if len(lp_rows) == len(states) else tokens[torch.tensor(lp_rows, device=raw.device)]
+        sampled = raw.gather(1, index.unsqueeze(1)).squeeze(1)
         ks = [states[i].params.logprobs for i in lp_rows]
         max_k = min(max(ks), raw.shape[1])
-        top_vals: list[list[float]] = [[] for _ in lp_rows]
-        top_ids: list[list[int]] = [[] for _ in lp_rows]
-        if max_k > 0:
-            values, indices = raw.topk(max_k, dim=-1)
-            top_vals, top_ids = values.tolist(), indices.tolist()
+        values, indices = raw.topk(max_k, dim=-1) if max_k > 0 else (None, None)
+        return lp_rows, ks, sampled, values, indices
 
-        logprobs: list[float | None] = [None] * batch
-        top: list[list[tuple[int, float]] | None] = [None] * batch
-        for j, i in enumerate(lp_rows):
+
+@dataclass
+class PendingSample:
+    """A launched sampling step (``Sampler.launch``): the tokens as a device tensor, and for
+    the rows that asked for logprobs their device tensors; ``result()`` waits for them."""
+
+    tokens: torch.Tensor
+    batch: int
+    lp_rows: list[int] = field(default_factory=list)
+    ks: list[int] = field(default_factory=list)
+    sampled_logprobs: torch.Tensor | None = None
+    top_values: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+
+    def result(self) -> SamplerOutput:
+        token_ids = self.tokens.tolist()
+        none_list: list = [None] * self.batch
+        if self.sampled_logprobs is None:
+            return SamplerOutput(token_ids, none_list, list(none_list))
+        sampled = self.sampled_logprobs.tolist()
+        top_vals: list[list[float]] = [[] for _ in self.lp_rows]
+        top_ids: list[list[int]] = [[] for _ in self.lp_rows]
+        if self.top_values is not None:
+            top_vals, top_ids = self.top_values.tolist(), self.top_ids.tolist()
+        logprobs: list[float | None] = list(none_list)
+        top: list[list[tuple[int, float]] | None] = list(none_list)
+        for j, i in enumerate(self.lp_rows):
             logprobs[i] = sampled[j]
-            top[i] = list(zip(top_ids[j][: ks[j]], top_vals[j][: ks[j]]))
+            top[i] = list(zip(top_ids[j][: self.ks[j]], top_vals[j][: self.ks[j]]))
         return SamplerOutput(token_ids, logprobs, top)

@@ -84,6 +84,12 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None =
         help="run every step op by op from Python: on CPU, no decode plan (a bf16 decode step's "
         "layers in one call of ridge's kernels, the same results bit for bit); on CUDA, no CUDA graphs",
     )
+    g.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="schedule and launch each step before the last one's tokens are back (the host's work "
+        "overlaps the GPU's); the same outputs. One process; not with speculative decoding or KV transfer",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -20,6 +20,7 @@ import logging
 import time
 import uuid
 import weakref
+from typing import Any
 
 from ridge.config import EngineConfig
 from ridge.distributed.probe import local_link
@@ -30,6 +31,7 @@ from ridge.engine.outputs import RequestOutput
 from ridge.engine.request import Request, RequestStatus
 from ridge.engine.scheduler import ChunkKind, Scheduler, SchedulerConfig
 from ridge.engine.stats import EngineStats
+from ridge.engine.step import RunnerOutput, SchedulerOutput
 from ridge.engine.stop import StopLimits
 from ridge.engine.structured import StructuredOutputs
 from ridge.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer, load_tokenizer
@@ -124,6 +126,10 @@ class LLMEngine:
         # states after their first token, until the request's final output carries them
         self._handovers: dict[str, list[str]] = {}
         self._generator_states: dict[str, bytes] = {}
+        # asynchronous scheduling: the launched step whose output the next step() collects
+        # (its plan, the workers' handle, when it was scheduled)
+        self._inflight: tuple[SchedulerOutput, Any, float] | None = None
+        self._collected_at = 0.0  # when the last launched step was collected
         self.kv_transfer: KVTransferCoordinator | None = None
         if config.kv_transfer_config is not None:
             self.kv_transfer = KVTransferCoordinator(
@@ -386,8 +392,9 @@ class LLMEngine:
         self.structured.drop(seq.seq_id for seq in user.sequences)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests in flight, or KV transfers under way (which need the steps to go on)."""
-        return bool(self.output_processor.requests) or self.scheduler.kv_pending
+        """Requests in flight, KV transfers under way (which need the steps to go on), or a
+        launched step to collect."""
+        return bool(self.output_processor.requests) or self.scheduler.kv_pending or self._inflight is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -395,7 +402,59 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return an output for every request that progressed."""
+        """Run one iteration; return an output for every request that progressed.
+
+        With ``async_scheduling`` (vLLM's flag) a step schedules and launches the next plan,
+        then collects the one launched before it: on a GPU the host's scheduling, input
+        building and output processing overlap the device's forward pass. Each running
+        sequence's next token is assumed to come (the workers feed it to the next step
+        from the device); a sequence that stopped costs one step of wasted work. Steps that
+        need the host to see every token first (speculative decoding, KV transfer,
+        structured output, penalties, min_tokens) run synchronously, after collecting."""
+        if self._pipelines():
+            return self._step_async()
+        if self._inflight is not None:
+            return self._collect()
+        return self._step_sync()
+
+    def _pipelines(self) -> bool:
+        """Whether this step may run asynchronously (``step``)."""
+        if not self.config.async_scheduling or self.speculator is not None or self.kv_transfer is not None:
+            return False
+        for req in self.scheduler.requests.values():
+            p = req.sampling_params
+            if p.has_penalties or p.min_tokens or p.structured_outputs is not None:
+                return False
+        return True
+
+    def _step_async(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            outputs = self._collect() if self._inflight is not None else []
+            return outputs + self.output_processor.take_pending()
+        launched = self.executor.launch_model(plan)
+        self.scheduler.launched(plan)
+        outputs = self._collect() if self._inflight is not None else []
+        self._inflight = (plan, launched, start)
+        return outputs
+
+    def _collect(self) -> list[RequestOutput]:
+        """The launched step's output: its tokens, stops and outputs, then the scheduler's update."""
+        plan, launched, start = self._inflight
+        self._inflight = None
+        out = self.executor.finish_model(launched)
+        result = self.output_processor.process(plan, out)
+        finished = {rid: RequestStatus(reason) for rid, reason in result.finished.items()}
+        self.scheduler.update(plan, result.accepted, finished, launched=True)
+        # the step's wall time is the pipeline's period: from the later of its scheduling and the
+        # last collection (two steps overlap: their spans would count the same time twice)
+        now = time.perf_counter()
+        self._record(plan, out, max(start, self._collected_at), 0.0, now)
+        self._collected_at = now
+        return result.outputs
+
+    def _step_sync(self) -> list[RequestOutput]:
         start = time.perf_counter()
         failures = self.kv_transfer.before_schedule() if self.kv_transfer is not None else []
         plan = self.scheduler.schedule()
@@ -423,13 +482,20 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.record(out.verified, time.perf_counter() - start)
             self._propose()
+        self._record(plan, out, start, mask_s)
+        return result.outputs
+
+    def _record(
+        self, plan: SchedulerOutput, out: RunnerOutput, start: float, mask_s: float, end: float | None = None
+    ) -> None:
+        """The step on the roofline (telemetry): its chunks' shapes and what it took."""
         shapes: dict[ChunkKind, list] = {kind: [] for kind in ChunkKind}
         for c in plan.chunks:
             shapes[c.kind].append(c.end if c.kind is ChunkKind.DECODE else (c.num_new_tokens, c.end))
         self.telemetry.record(
             shapes[ChunkKind.PREFILL],
             shapes[ChunkKind.DECODE],
-            time.perf_counter() - start,
+            (time.perf_counter() if end is None else end) - start,
             shapes[ChunkKind.VERIFY],
             self.speculator.proposer.take_passes() if self.speculator is not None else (),
             out.experts_touched,
@@ -437,7 +503,6 @@ class LLMEngine:
             mask_s,
             out.matmul_s,
         )
-        return result.outputs
 
     def _attach_handovers(self, outputs: list[RequestOutput]) -> None:
         """Producer: a finished prefill-only request's output names its transfers."""

@@ -47,6 +47,13 @@ class UniProcExecutor:
     def execute_model(self, plan: SchedulerOutput) -> RunnerOutput:
         return self.worker.execute_model(plan)
 
+    # asynchronous scheduling (one process): the step enqueued, then its output when needed
+    def launch_model(self, plan: SchedulerOutput):
+        return self.worker.launch_model(plan)
+
+    def finish_model(self, step) -> RunnerOutput:
+        return self.worker.finish_model(step)
+
     def probe_matmul_flops(self, rows: int) -> float:
         return self.worker.probe_matmul_flops(rows)
 

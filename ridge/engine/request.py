@@ -68,6 +68,9 @@ class Request:
     generator_state: bytes | None = None  # consumer: a seeded sample goes on from the producer's draws
     follows: str | None = None  # consumer, n > 1: admitted once this sequence has its cache
     kv_tag: int = 0  # consumer: the tag of its transfer (0: none posted)
+    # asynchronous scheduling: tokens that launched steps sample and the host does not know yet
+    # (their positions count as scheduled; the workers feed them to the next step themselves)
+    num_pending_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -76,6 +79,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens known, plus those launched steps are sampling (asynchronous scheduling)."""
+        return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -251,7 +251,7 @@ class Scheduler:
 
     def decoding(self) -> list[Request]:
         """Running requests whose next step is a decode (those a proposer may speculate for)."""
-        return [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        return [r for r in self.running if r.num_scheduled_tokens - r.num_computed_tokens == 1]
 
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -260,14 +260,16 @@ class Scheduler:
         draft_probs: dict = {}
         preempted: list[Request] = []
 
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        decodes = [r for r in self.running if r.num_scheduled_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_scheduled_tokens - r.num_computed_tokens > 1]
         for req in decodes + prefills:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
-            num_new = self._chunk_size(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_pending_tokens and req.num_output_tokens + req.num_pending_tokens >= req.max_tokens:
+                continue  # its pending token is its last (length): nothing more to compute
+            num_new = self._chunk_size(req.num_scheduled_tokens - req.num_computed_tokens, budget)
             if num_new == 0:
                 continue
             drafts = req.spec_token_ids[: budget - 1] if num_new == 1 else []
@@ -300,7 +302,7 @@ class Scheduler:
             and len(self.running) + len(self.receiving) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
-            if self._waits_for_leader(req):
+            if self._waits_for_leader(req) or req.num_pending_tokens:  # (preempted: its token is on its way)
                 held.append(self.waiting.popleft())
                 continue
             if req.remote is not None:
@@ -334,9 +336,22 @@ class Scheduler:
         plan.chunks.sort(key=lambda c: not c.decode_rows)
         return plan
 
+    def launched(self, plan: SchedulerOutput) -> None:
+        """Asynchronous scheduling: ``plan`` runs while the next one is scheduled. Its chunks
+        count as computed now, and each sampling chunk's token as pending (the next plan
+        computes it, fed by the workers); ``update(plan, ..., launched=True)`` brings the
+        tokens."""
+        for chunk in plan.chunks:
+            req = self.requests.get(chunk.req_id)
+            if req is None or req.is_finished:
+                continue
+            req.num_computed_tokens = chunk.end
+            if chunk.samples:
+                req.num_pending_tokens += 1
+
     @staticmethod
     def _chunk(req: Request, start: int, num_new: int, drafts: list[int]) -> ScheduledChunk:
-        samples = start + num_new - len(drafts) == req.num_tokens
+        samples = start + num_new - len(drafts) == req.num_scheduled_tokens
         if drafts:
             kind = ChunkKind.VERIFY
         elif num_new == 1 and start >= req.num_prompt_tokens:
@@ -398,12 +413,14 @@ class Scheduler:
         plan: SchedulerOutput,
         accepted: dict[str, list[int]],
         finished: dict[str, RequestStatus] | None = None,
+        launched: bool = False,
     ) -> None:
         """Advance computed tokens, append the accepted tokens, finish what stopped.
 
         ``accepted``: request id -> the tokens its chunk produced that stand (one, or for a
         VERIFY chunk the accepted drafts and the target's own, cut after a stop); ``finished``:
-        the requests the stop rules ended this step, with their status.
+        the requests the stop rules ended this step, with their status. ``launched``: the plan
+        went through ``launched`` (its computed counts are set; its tokens were pending).
         """
         finished = finished or {}
         for req in self._releasing:  # the plan that sent their blocks has run
@@ -412,6 +429,14 @@ class Scheduler:
         for chunk in plan.chunks:
             req = self.requests.get(chunk.req_id)
             if req is None or req.is_finished:  # aborted while the step ran
+                continue
+            if launched:
+                if chunk.samples:
+                    req.num_pending_tokens -= 1
+                    for token in accepted.get(chunk.req_id, ()):
+                        req.append_output_token(token)
+                    if chunk.req_id in finished:
+                        self.finish(req, finished[chunk.req_id])
                 continue
             if not chunk.samples:
                 req.num_computed_tokens = chunk.end

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ridge.sampling import Sampler, SamplingState, apply_min_tokens, apply_penalties
+from ridge.sampling import PendingSample, Sampler, SamplingState, apply_min_tokens, apply_penalties
 
 
 @dataclass
@@ -77,7 +77,9 @@ def verify(
         accepted, tokens = _rejection_sample(sampler, probs, state, drafts, draft_probs)
     logprobs = None
     if raw is not None:
-        out = Sampler._logprobs(raw[: len(tokens)], tokens, list(range(len(tokens))), states[: len(tokens)])
+        ids = torch.tensor(tokens, device=raw.device)
+        n = len(tokens)
+        out = PendingSample(ids, n, *Sampler._logprobs(raw[:n], ids, list(range(n)), states[:n])).result()
         logprobs = list(zip(out.logprobs, out.top_logprobs))
     return VerifyResult(tokens, accepted, logprobs)
 

@@ -22,10 +22,18 @@ import torch
 from ridge.engine.step import ChunkKind, PromptLogprob, RunnerOutput, SchedulerOutput
 from ridge.kv.cache import PagedKV
 from ridge.layers.attention import AttentionMetadata, PrefillChunk
-from ridge.sampling import Sampler, SamplingParams, SamplingState
+from ridge.sampling import PendingSample, Sampler, SamplerOutput, SamplingParams, SamplingState
 from ridge.spec_decode.rejection import plain_greedy, verify, verify_greedy_batch
 
-__all__ = ["ChunkInput", "ForwardBatch", "ModelRunner", "PromptLogprob", "RunnerOutput", "RunnerRequest"]
+__all__ = [
+    "ChunkInput",
+    "ForwardBatch",
+    "LaunchedStep",
+    "ModelRunner",
+    "PromptLogprob",
+    "RunnerOutput",
+    "RunnerRequest",
+]
 
 
 @dataclass
@@ -56,10 +64,25 @@ class ChunkInput:
     samples: bool
     verify: bool = False
     prompt_logprobs: tuple[int, int] | None = None
+    # asynchronous scheduling: the one token is the previous launched step's sample at this
+    # index of its tokens (on the device; ``token_ids`` holds a placeholder)
+    deferred: int | None = None
 
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward pass and sampling are enqueued (``ModelRunner.launch``): ``finish``
+    waits for its tokens. ``output``: a step that finished at launch (it had work that reads
+    its results on the host: verify runs, constrained rows, prompt logprobs), or a rank that
+    does not sample (None)."""
+
+    batch: ForwardBatch | None = None
+    pending: PendingSample | None = None
+    output: RunnerOutput | None = None
 
 
 @dataclass
@@ -92,6 +115,9 @@ class ModelRunner:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, RunnerRequest] = {}
         self.graphs = None  # a DecodeGraphs (worker/cuda_graphs.py) once captured: decode steps replay it
+        # the last launched step's sampled tokens (device) and each request's index in them: what
+        # the next step's deferred tokens are (asynchronous scheduling)
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
 
     # -- per-request state ----------------------------------------------------------------
     def update_states(self, plan: SchedulerOutput) -> None:
@@ -122,8 +148,14 @@ class ModelRunner:
         out = []
         for chunk in plan.chunks:
             req = self.requests[chunk.req_id]
+            deferred = None
             if chunk.kind is ChunkKind.VERIFY:
                 tokens = [req.token_ids[chunk.start], *chunk.draft_token_ids]
+            elif chunk.end > len(req.token_ids):  # a token the last launched step is sampling
+                last = self._last_sampled
+                if chunk.start != len(req.token_ids) or last is None or chunk.req_id not in last[1]:
+                    raise RuntimeError(f"{chunk.req_id}: tokens {chunk.start}..{chunk.end} are not known here")
+                tokens, deferred = [0], last[1][chunk.req_id]
             else:
                 tokens = req.token_ids[chunk.start : chunk.end]
             spans = None
@@ -131,7 +163,9 @@ class ModelRunner:
             if req.params.prompt_logprobs is not None and chunk.start < last_scored:
                 spans = (chunk.start + 1, last_scored - chunk.start)
             verifying = chunk.kind is ChunkKind.VERIFY
-            out.append(ChunkInput(chunk.req_id, chunk.start, tokens, req.block_ids, chunk.samples, verifying, spans))
+            out.append(
+                ChunkInput(chunk.req_id, chunk.start, tokens, req.block_ids, chunk.samples, verifying, spans, deferred)
+            )
         return out
 
     # -- the forward pass -----------------------------------------------------------------
@@ -153,11 +187,16 @@ class ModelRunner:
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
         first_row: dict[int, int] = {}  # id(chunk) -> its first flat row
+        deferred_rows: list[int] = []  # rows whose token the last launched step samples
+        deferred_from: list[int] = []  # ... at this index of its tokens
         for chunk in [c for c in chunks if as_decode_rows(c)] + [c for c in chunks if not as_decode_rows(c)]:
             table = chunk.block_table
             start, end = chunk.start, chunk.end
             first_row[id(chunk)] = len(tokens)
             if len(chunk.token_ids) == 1:  # a decode (or one prompt token): the common case, kept lean
+                if chunk.deferred is not None:
+                    deferred_rows.append(len(tokens))
+                    deferred_from.append(chunk.deferred)
                 tokens.append(chunk.token_ids[0])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
@@ -204,6 +243,7 @@ class ModelRunner:
         # The step's integer inputs travel in one host-to-device copy: on a GPU each copy from
         # pageable memory is a synchronous transfer of its own (~20 us of host time).
         parts = [tokens, positions, slots, sample_rows + verify_rows + prompt_rows, decode_lens]
+        parts += [deferred_rows, deferred_from]
         sizes = [len(p) for p in parts]
         width = max(map(len, decode_tables)) if decode_tables else 0
         flat = np.zeros(sum(sizes) + len(decode_tables) * width, dtype=np.int64)
@@ -214,8 +254,14 @@ class ModelRunner:
         padded = flat[offset:].reshape(len(decode_tables), width)
         for i, table in enumerate(decode_tables):
             padded[i, : len(table)] = table
-        on_device = torch.from_numpy(flat).to(self.device)
-        ids, pos, slot_mapping, rows, lens = torch.split(on_device[:offset], sizes)
+        host = torch.from_numpy(flat)
+        if self.device.type == "cuda":  # from pinned memory: the host does not wait for the GPU's queue
+            on_device = host.pin_memory().to(self.device, non_blocking=True)
+        else:
+            on_device = host
+        ids, pos, slot_mapping, rows, lens, into, source = torch.split(on_device[:offset], sizes)
+        if deferred_rows:  # the previous step's samples, without a trip through the host
+            ids.index_copy_(0, into, self._last_sampled[0].index_select(0, source))
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=len(decode_tables), prefills=prefills)
         if decode_tables:
             meta.decode_block_tables = on_device[offset:].view(len(decode_tables), width)
@@ -233,16 +279,51 @@ class ModelRunner:
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput | None:
         """Apply the plan's deltas, run its chunks; the driver samples and returns the output."""
+        return self.finish(self.launch(plan))
+
+    def launch(self, plan: SchedulerOutput) -> LaunchedStep:
+        """``execute`` up to its wait: the deltas applied, the forward pass and the sampling of
+        plain rows enqueued (on a GPU the host goes on while they run); a step with verify
+        runs, constrained rows, prompt logprobs or a generator to export reads its results
+        here and is finished."""
         self.update_states(plan)
         if not plan.chunks:
-            return RunnerOutput({}) if self.sampler is not None else None
+            return LaunchedStep(output=RunnerOutput({}) if self.sampler is not None else None)
         batch = self.prepare(self.chunk_inputs(plan))
         logits = self.forward_logits(batch)
+        self._last_sampled = None
         if self.sampler is None:
-            return None
-        out = self.sample(batch, logits, plan.draft_probs, plan.grammar_bitmask, plan.grammar_rows)
-        out.experts_touched = self.model.experts_touched()
+            return LaunchedStep()
+        ids = batch.sample_request_ids
+        exporting = any(self.requests[rid].export_generator for rid in ids)
+        if batch.verify_runs or batch.prompt_spans or plan.grammar_rows or exporting:
+            out = self.sample(batch, logits, plan.draft_probs, plan.grammar_bitmask, plan.grammar_rows)
+            if ids:  # what a next step launched before this one is collected reads
+                tokens = torch.tensor([out.sampled[rid][-1] for rid in ids], device=self.device)
+                self._last_sampled = (tokens, {rid: i for i, rid in enumerate(ids)})
+            return LaunchedStep(batch, output=out)
+        pending = self.sampler.launch(logits[: len(ids)], [self.requests[rid].sampling for rid in ids])
+        self._last_sampled = (pending.tokens, {rid: i for i, rid in enumerate(ids)})
+        return LaunchedStep(batch, pending)
+
+    def finish(self, step: LaunchedStep) -> RunnerOutput | None:
+        """Wait for a launched step's tokens; the driver's output (None on the other ranks)."""
+        out = step.output
+        if step.pending is not None:
+            out = RunnerOutput(*self._sampled(step.batch.sample_request_ids, step.pending.result()))
+        if out is not None:
+            out.experts_touched = self.model.experts_touched()
         return out
+
+    def _sampled(self, request_ids: list[str], out: SamplerOutput) -> tuple[dict, dict]:
+        """Each sampling row's token, and its logprobs where asked."""
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list] = {}
+        for rid, token, lp, top in zip(request_ids, out.token_ids, out.logprobs, out.top_logprobs):
+            sampled[rid] = [token]
+            if lp is not None:
+                logprobs[rid] = [(lp, top or [])]
+        return sampled, logprobs
 
     def sample(
         self,
@@ -262,11 +343,8 @@ class ModelRunner:
         generator_states: dict[str, bytes] = {}
         if num_sampled:
             states = [self.requests[rid].sampling for rid in batch.sample_request_ids]
-            out = self.sampler(logits[:num_sampled], states)
-            for rid, token, lp, top in zip(batch.sample_request_ids, out.token_ids, out.logprobs, out.top_logprobs):
-                sampled[rid] = [token]
-                if lp is not None:
-                    logprobs[rid] = [(lp, top or [])]
+            sampled, logprobs = self._sampled(batch.sample_request_ids, self.sampler(logits[:num_sampled], states))
+            for rid in batch.sample_request_ids:
                 req = self.requests[rid]
                 if req.export_generator and req.sampling.generator is not None:
                     generator_states[rid] = req.sampling.generator.get_state().numpy().tobytes()

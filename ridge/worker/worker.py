@@ -37,7 +37,7 @@ from ridge.quantization.config import QuantizationConfig
 from ridge.roofline.probe import probe_linear_flops
 from ridge.sampling import Sampler
 from ridge.worker import cuda_graphs
-from ridge.worker.runner import ModelRunner
+from ridge.worker.runner import LaunchedStep, ModelRunner
 
 # Without --kv-cache-memory the pool takes this share of free memory, but never more than
 # max_num_seqs full-length sequences need.
@@ -264,13 +264,21 @@ class Worker:
 
     # -- steps ----------------------------------------------------------------------------
     def execute_model(self, plan: SchedulerOutput) -> RunnerOutput | None:
+        return self.finish_model(self.launch_model(plan))
+
+    def launch_model(self, plan: SchedulerOutput) -> LaunchedStep:
+        """The plan's KV moves, then its step enqueued (``ModelRunner.launch``)."""
         connector = self.kv_connector
         if connector is not None:  # blocks move before the forward pass writes any of them
             connector.drop(plan.finished_req_ids)
             connector.start_sends(plan.kv_sends)
             connector.start_recvs(plan.kv_recvs)
             connector.finish_recvs(plan.kv_loaded)
-        out = self.runner.execute(plan)
+        return self.runner.launch(plan)
+
+    def finish_model(self, step: LaunchedStep) -> RunnerOutput | None:
+        """A launched step's output, with the step's communication and matmul times."""
+        out = self.runner.finish(step)
         comm_s = self.tp.take_comm()
         # a CUDA kernel returns at launch: only the CPU's matmuls are timed where they run
         matmul_s = self.model.kernels.take_matmul_s()
