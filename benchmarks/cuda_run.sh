@@ -75,6 +75,11 @@ for step in "$@"; do
           2> "$OUT/graphs.err" | grep -E "decode" || tail -n 5 "$OUT/graphs.err"
       done
     done
+    for mode in "" "--async-scheduling" "" "--async-scheduling"; do  # the host's work overlapped, alternated
+      echo "== tinyllama-1.1b ${mode:-synchronous}"
+      timeout 90 python3 -m ridge.cli bench latency --model random:tinyllama-1.1b $common --batch 1 --batch 32 $mode \
+        2> "$OUT/graphs.err" | grep -E "decode" || tail -n 5 "$OUT/graphs.err"
+    done
     for fmt in "--quantization int4" "--quantization int8"; do  # the block formats against bf16's graphs above
       echo "== llama-3.1-8b $fmt graphs"
       timeout 90 python3 -m ridge.cli bench latency --model random:llama-3.1-8b $common --batch 1 --batch 32 $fmt \
