@@ -409,8 +409,9 @@ class LLMEngine:
         building and output processing overlap the device's forward pass. Each running
         sequence's next token is assumed to come (the workers feed it to the next step
         from the device); a sequence that stopped costs one step of wasted work. Steps that
-        need the host to see every token first (speculative decoding, KV transfer,
-        structured output, penalties, min_tokens) run synchronously, after collecting."""
+        need the host to see every token first (structured output, penalties, min_tokens)
+        run synchronously, after collecting; the configuration refuses the flag with
+        speculative decoding, KV transfer and tensor parallelism."""
         if self._pipelines():
             return self._step_async()
         if self._inflight is not None:
