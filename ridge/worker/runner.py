@@ -117,7 +117,8 @@ class ModelRunner:
         self.graphs = None  # a DecodeGraphs (worker/cuda_graphs.py) once captured: decode steps replay it
         # the last launched step's sampled tokens (device) and each request's index in them: what
         # the next step's deferred tokens are (asynchronous scheduling)
-        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        # (a list where the step read its tokens on the host: made a tensor only if a step reads it)
+        self._last_sampled: tuple[torch.Tensor | list[int], dict[str, int]] | None = None
 
     # -- per-request state ----------------------------------------------------------------
     def update_states(self, plan: SchedulerOutput) -> None:
@@ -261,7 +262,10 @@ class ModelRunner:
             on_device = host
         ids, pos, slot_mapping, rows, lens, into, source = torch.split(on_device[:offset], sizes)
         if deferred_rows:  # the previous step's samples, without a trip through the host
-            ids.index_copy_(0, into, self._last_sampled[0].index_select(0, source))
+            last = self._last_sampled[0]
+            if isinstance(last, list):
+                last = torch.tensor(last, device=self.device)
+            ids.index_copy_(0, into, last.index_select(0, source))
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=len(decode_tables), prefills=prefills)
         if decode_tables:
             meta.decode_block_tables = on_device[offset:].view(len(decode_tables), width)
@@ -298,13 +302,12 @@ class ModelRunner:
         exporting = any(self.requests[rid].export_generator for rid in ids)
         if batch.verify_runs or batch.prompt_spans or plan.grammar_rows or exporting:
             out = self.sample(batch, logits, plan.draft_probs, plan.grammar_bitmask, plan.grammar_rows)
-            if ids:  # what a next step launched before this one is collected reads
-                tokens = torch.tensor([out.sampled[rid][-1] for rid in ids], device=self.device)
-                self._last_sampled = (tokens, {rid: i for i, rid in enumerate(ids)})
-            return LaunchedStep(batch, output=out)
-        pending = self.sampler.launch(logits[: len(ids)], [self.requests[rid].sampling for rid in ids])
-        self._last_sampled = (pending.tokens, {rid: i for i, rid in enumerate(ids)})
-        return LaunchedStep(batch, pending)
+            step, tokens = LaunchedStep(batch, output=out), [out.sampled[rid][-1] for rid in ids]
+        else:
+            pending = self.sampler.launch(logits[: len(ids)], [self.requests[rid].sampling for rid in ids])
+            step, tokens = LaunchedStep(batch, pending), pending.tokens
+        self._last_sampled = (tokens, {rid: i for i, rid in enumerate(ids)})  # what a next step may read
+        return step
 
     def finish(self, step: LaunchedStep) -> RunnerOutput | None:
         """Wait for a launched step's tokens; the driver's output (None on the other ranks)."""
