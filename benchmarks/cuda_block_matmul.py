@@ -12,9 +12,11 @@ the cache (a decode step runs these layers inside a CUDA graph too).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import functools
 import itertools
 import json
+import multiprocessing
 import time
 
 import torch
@@ -66,14 +68,39 @@ def quant_matmul(x, name, n, config, packed):
 
 def configs(m: int) -> list[tuple[str, int, int, int, int]]:
     """(kernel, BLOCK_M, BLOCK_N, BLOCK_K, num_warps) to try at m rows: the GEMVs up to
-    ``GEMV_MAX_ROWS`` (x as int8 codes or as floats, the float one's best first), else the
-    int8 tiles (x's codes against W's; the float tiles were swept before)."""
+    ``GEMV_MAX_ROWS`` (x as int8 codes or as floats, the float one's best first), else the int8
+    tiles' best of the last sweep and the dequantizing tiles (W the right operand or the left)."""
     if m <= tk.GEMV_MAX_ROWS:
         q8 = itertools.product([tk.GEMV_Q8], [m], [4, 8, 16], [1024, 2048], [2, 4, 8])
         return [(tk.GEMV_F32, 1, 4, 1024, 2), *q8]
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    float_tile = (tk.TILE, block_m, 16 if m <= 16 else 64, 128, 4)  # the default before int8 tiles
-    return [float_tile, *itertools.product([tk.TILE_Q8], [block_m], [32, 64, 128], [128, 256], [4, 8])]
+    int8_tile = (tk.TILE_Q8, block_m, 64, 128, 4)
+    return [int8_tile, *itertools.product([tk.TILE, tk.TILE_T], [block_m], [32, 64, 128], [128, 256], [4, 8])]
+
+
+def _compile(job: tuple[int, str, tuple]) -> str | None:
+    """Compile one config into Triton's cache (a worker process): a small problem with the
+    sweep's divisibility (Triton specializes integers on it), so the timed calls find it."""
+    m, fmt_name, config = job
+    fmt, n, k = FORMATS[fmt_name], 256, 4096
+    blocks = fmt.quantize(torch.randn(n, k)).cuda()
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    try:
+        tk.block_matmul(x, tk.pack_blocks(fmt.name, blocks, n, k), fmt.name, n, None, config)
+        torch.cuda.synchronize()
+    except Exception as e:  # a tile that does not fit: reported again when timed
+        return f"{config}: {type(e).__name__}"
+    return None
+
+
+def precompile(jobs: list[tuple[int, str, tuple]], workers: int) -> None:
+    """Compile the sweep's configs in parallel processes (compiling, not timing, is most of a
+    sweep's time); the timing loop then runs alone on the GPU."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        for failed in pool.map(_compile, jobs):
+            if failed:
+                print(f"  compile: {failed}", flush=True)
 
 
 def main() -> None:
@@ -81,14 +108,21 @@ def main() -> None:
     ap.add_argument("--rows", type=int, action="append")
     ap.add_argument("--formats", default="int4,int8")
     ap.add_argument("--sweep", action="store_true", help="try other tile configurations too")
-    ap.add_argument("--sweep-shapes", default="tinyllama o,llama-8b gate_up,llama-8b down")
+    ap.add_argument("--sweep-shapes", default="tinyllama o,llama-8b gate_up,llama-8b down", help="or 'all'")
     ap.add_argument("--calls", type=int, default=64)
     ap.add_argument("--budget-s", type=float, default=90.0, help="stop sweeping after this long")
     ap.add_argument("--json")
+    ap.add_argument("--jobs", type=int, default=0, help="compile the sweep's configs first in this many processes")
     args = ap.parse_args()
-    start = time.perf_counter()
     dev = torch.device("cuda")
     rows_list = args.rows or [1, 32]
+    sweep_shapes = [name for name, _, _ in SHAPES] if args.sweep_shapes == "all" else args.sweep_shapes.split(",")
+    if args.sweep and args.jobs:
+        begin = time.perf_counter()
+        jobs = [(m, f, c) for m in rows_list for f in args.formats.split(",") for c in [None, *configs(m)]]
+        precompile(jobs, args.jobs)
+        print(f"compiled {len(jobs)} configs in {time.perf_counter() - begin:.0f} s", flush=True)
+    start = time.perf_counter()
     results = []
     for (name, n, k), m in itertools.product(SHAPES, rows_list):
         x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
@@ -108,7 +142,7 @@ def main() -> None:
             got = tk.block_matmul(x, packed, fmt.name, n, None).float()
             err = ((got - want).norm() / want.norm()).item()
             tried = [None]
-            if args.sweep and name in args.sweep_shapes.split(","):
+            if args.sweep and name in sweep_shapes:
                 tried += configs(m)
             best = None
             for config in tried:

@@ -811,35 +811,60 @@ def _block_matmul_kernel(
     NIBBLES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr,
+    W_FIRST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    # x against W's tiles dequantized in registers to the reference's dense weight in x's dtype
+    # (code * scale, value for value), through the tensor cores. Each step reads BLOCK_K // 32
+    # whole blocks of each of BLOCK_N rows of W, (row, block, byte): contiguous bytes, so wide
+    # loads. Q4_0's byte j of a block holds elements j (low nibble) and j + 16 (high): the low
+    # nibbles of all the step's blocks make one operand, against x's first halves of the same
+    # blocks, and the high nibbles another, against the second halves; no shuffle of either.
+    # W_FIRST computes (W x^T)^T: the dequantized W is the dot's left operand, which Hopper's
+    # wgmma reads from registers (x, the right one, from shared memory), for few rows of x.
+    G: tl.constexpr = BLOCK_K // 32  # blocks a step
+    PER: tl.constexpr = 16 if NIBBLES else 32  # code bytes a block
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
+    g = tl.arange(0, G)
+    t = tl.arange(0, PER)
     n_ok = rn < N
     m_ok = rm < M
+    nb = K // 32
     row = rn.to(tl.int64) * ROW_BYTES
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        k_ok = kk < K
-        xv = tl.load(x + rm[:, None] * x_s0 + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w_mask = n_ok[:, None] & k_ok[None, :]
-        if NIBBLES:
-            j = kk % 32
-            byte = tl.load(packed + row[:, None] + ((kk // 32) * 16 + j % 16)[None, :], mask=w_mask, other=0)
-            code = ((byte.to(tl.int32) >> (4 * (j // 16))[None, :]) & 15).to(tl.float32) - 8.0
-        else:
-            code = tl.load(packed + row[:, None] + kk[None, :], mask=w_mask, other=0).to(tl.int8, bitcast=True)
-            code = code.to(tl.float32)
-        scale = tl.load(scales + (row[:, None] + CODE_BYTES) // 2 + (kk // 32)[None, :], mask=w_mask, other=0.0)
-        w = (code * scale.to(tl.float32)).to(xv.dtype)  # the reference's dense weight, value for value
-        if IEEE:
-            acc += tl.dot(xv, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(xv, tl.trans(w))
+    srow = (row + CODE_BYTES) // 2
+    xrow = rm.to(tl.int64) * x_s0
+    if W_FIRST:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for b0 in range(0, nb, G):
+        blk = b0 + g
+        b_ok = blk < nb
+        w_mask = n_ok[:, None, None] & b_ok[None, :, None]
+        w_ptr = packed + row[:, None, None] + (blk * PER)[None, :, None] + t[None, None, :]
+        byte = tl.load(w_ptr, mask=w_mask, other=0)
+        scale = tl.load(scales + srow[:, None] + blk[None, :], mask=n_ok[:, None] & b_ok[None, :], other=0.0)
+        scale = scale.to(tl.float32)[:, :, None]
+        x_ptr = x + xrow[:, None, None] + (blk * 32)[None, :, None] + t[None, None, :]
+        x_mask = m_ok[:, None, None] & b_ok[None, :, None]
+        for half in tl.static_range(2 if NIBBLES else 1):
+            w = (_codes_f32(byte.to(tl.int32), NIBBLES, half == 1) * scale).to(x.dtype.element_ty)
+            w = tl.reshape(w, (BLOCK_N, G * PER))
+            xv = tl.reshape(tl.load(x_ptr + half * 16, mask=x_mask, other=0.0), (BLOCK_M, G * PER))
+            if W_FIRST:
+                if IEEE:
+                    acc += tl.dot(w, tl.trans(xv), input_precision="ieee")
+                else:
+                    acc += tl.dot(w, tl.trans(xv))
+            elif IEEE:
+                acc += tl.dot(xv, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(xv, tl.trans(w))
+    if W_FIRST:
+        acc = tl.trans(acc)
     if HAS_BIAS:
         acc += tl.load(bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out + rm[:, None] * out_s0 + rn[None, :], acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -904,8 +929,9 @@ def _block_matmul_q8_kernel(
 
 GEMV_MAX_ROWS = 4  # x rows up to which each row is a GEMV (W read once a row) rather than a tile
 # The kernels (a config's first element): GEMVs with x as int8 codes (dp4a) or as floats; tiles
-# through the tensor cores, x's int8 codes against W's or x against W dequantized to x's dtype
-GEMV_Q8, GEMV_F32, TILE_Q8, TILE = "gemv_q8", "gemv_f32", "tile_q8", "tile"
+# through the tensor cores, x's int8 codes against W's, or x against W dequantized to x's dtype
+# (W the right operand, or the left: ``_block_matmul_kernel``'s W_FIRST)
+GEMV_Q8, GEMV_F32, TILE_Q8, TILE, TILE_T = "gemv_q8", "gemv_f32", "tile_q8", "tile", "tile_t"
 
 
 def q8_taken(dtype: torch.dtype, k: int) -> bool:
@@ -915,20 +941,33 @@ def q8_taken(dtype: torch.dtype, k: int) -> bool:
     return dtype in (torch.bfloat16, torch.float16) and k % 64 == 0
 
 
-def block_matmul_config(m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> tuple[str, int, int, int, int]:
-    """(kernel, BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for m rows of x of this dtype (a GEMV's
-    BLOCK_M is its rows, up to ``GEMV_MAX_ROWS``; BLOCK_K // 32 blocks a step). The H200's
-    sweeps (``benchmarks/cuda_block_matmul.py``, 2026-11-26) chose the GEMVs' (the int8 one's at
-    one row: 4 rows of W, 64 blocks a step, 2 warps); the tiles are the first ones measured."""
+def block_matmul_config(
+    m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, nibbles: bool = True
+) -> tuple[str, int, int, int, int]:
+    """(kernel, BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for m rows of x of this dtype against n
+    rows of W (Q4_0 where ``nibbles``, else Q8_0); a GEMV's BLOCK_M is its rows, up to
+    ``GEMV_MAX_ROWS``; BLOCK_K // 32 blocks a step. From the sweeps of
+    ``benchmarks/cuda_block_matmul.py``: the GEMVs' on the H200 (2026-11-26; one row: 4 rows of
+    W, 64 blocks a step, 2 warps), the tiles' on the H100 (2026-11-26, 16, 32 and 64 rows of
+    the Llama-shaped layers). Wide layers (n >= 8192: gate_up) take 128 columns a program, the
+    others narrow tiles, so that their few columns still make enough programs for the SMs."""
     q8 = q8_taken(dtype, k)
     if m <= GEMV_MAX_ROWS:
         if q8:
             return GEMV_Q8, m, 4, 2048 if m == 1 else 1024, 2 if m == 1 else 4
         return GEMV_F32, 1, 4, 1024, 2
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    if q8:  # the 32-row sweep's best: 8B gate_up (K 4096) and down (K 14336)
-        return (TILE_Q8, block_m, 64, 128, 4) if k < 8192 else (TILE_Q8, block_m, 32, 256, 4)
-    return TILE, block_m, 16 if m <= 16 else 64, 128 if k % 128 == 0 else 32, 4
+    if dtype not in (torch.bfloat16, torch.float16):  # float32: the parity runs' tiles
+        return TILE, block_m, 16 if m <= 16 else 64, 128 if k % 128 == 0 else 32, 4
+    if n >= 8192:
+        if block_m == 16:
+            return (TILE, 16, 64, 128, 4) if nibbles or not q8 else (TILE_Q8, 16, 64, 128, 4)
+        return TILE_T, block_m, 128, 128, 8 if nibbles else 4
+    if block_m == 16:
+        return TILE, 16, 32, 128 if nibbles else 256, 4
+    if block_m == 32:
+        return TILE_T, 32, 64 if nibbles else 32, 256, 4
+    return (TILE_T, 64, 32, 128, 4) if nibbles else (TILE, 64, 32, 256, 4)
 
 
 def block_matmul(
@@ -955,7 +994,7 @@ def block_matmul(
     type_size, nibbles = FORMATS[name].type_size, FORMATS[name].nibbles
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m:
-        kernel, block_m, block_n, block_k, warps = config or block_matmul_config(m, k, x.dtype)
+        kernel, block_m, block_n, block_k, warps = config or block_matmul_config(m, n, k, x.dtype, nibbles)
         if kernel in (GEMV_Q8, TILE_Q8) and not q8_taken(x.dtype, k):
             kernel = GEMV_F32 if kernel == GEMV_Q8 else TILE
         flat = packed.view(-1)
@@ -987,6 +1026,6 @@ def block_matmul(
             grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
             _block_matmul_kernel[grid](
                 rows, rows.stride(0), flat, flat.view(torch.float16), b, out, out.stride(0), m, n, k,
-                IEEE=x.dtype is torch.float32, BLOCK_M=block_m, BLOCK_K=block_k, **common,
+                IEEE=x.dtype is torch.float32, W_FIRST=kernel == TILE_T, BLOCK_M=block_m, BLOCK_K=block_k, **common,
             )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)

@@ -167,13 +167,13 @@ def test_block_matmul_matches_the_reference_dense_weight(fmt_name, m, k):
         q8 = tk.q8_taken(dtype, k)
 
         def want(config, w=dense, b=bias, x=x, dtype=dtype, q8=q8):
-            int8 = q8 and (config or tk.block_matmul_config(m, k, dtype))[0] in (tk.GEMV_Q8, tk.TILE_Q8)
+            int8 = q8 and (config or tk.block_matmul_config(m, n, k, dtype, fmt.nibbles))[0] in (tk.GEMV_Q8, tk.TILE_Q8)
             b = None if b is None else b.float()
             return torch.nn.functional.linear(_x_as_int8(x) if int8 else x.float(), w.float(), b).to(dtype)
 
         _close(tk.block_matmul(x, packed, fmt.name, n, bias), want(None), dtype)
         if q8 and m <= tk.GEMV_MAX_ROWS:  # the int8 GEMV: its own rounding of x, and no more
-            assert tk.block_matmul_config(m, k, dtype)[0] == tk.GEMV_Q8
+            assert tk.block_matmul_config(m, n, k, dtype, fmt.nibbles)[0] == tk.GEMV_Q8
             got = tk.block_matmul(x, packed, fmt.name, n, bias)
             _close(got, torch.nn.functional.linear(x, dense.to(dtype), bias), torch.bfloat16)
         # rows 16-31 alone (one expert's rows of a stacked layer): their 16-row block
@@ -183,7 +183,8 @@ def test_block_matmul_matches_the_reference_dense_weight(fmt_name, m, k):
         if DEVICE.type == "cuda" and dtype is torch.float16:
             continue
         configs = [(tk.GEMV_Q8, 4, 8, 512, 4), (tk.GEMV_F32, 1, 16, 256, 4), (tk.GEMV_F32, 1, 2, 1024, 1)]
-        configs += [(tk.TILE, 16, 32, 64, 2), (tk.TILE, 32, 16, 512, 8), (tk.TILE_Q8, 16, 32, 64, 4)]
+        configs += [(tk.TILE, 16, 32, 64, 2), (tk.TILE, 32, 16, 256, 8), (tk.TILE_T, 16, 64, 128, 4)]
+        configs += [(tk.TILE_T, 32, 128, 128, 8), (tk.TILE_Q8, 16, 32, 64, 4)]
         for config in configs + [(tk.TILE_Q8, 32, 16, 128, 4)]:
             if config[0] in (tk.GEMV_Q8, tk.GEMV_F32) and m > 8:  # a GEMV program per row: slow here
                 continue
