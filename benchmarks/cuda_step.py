@@ -38,6 +38,26 @@ def kernel_table(graph: torch.cuda.CUDAGraph, lines: int) -> None:
         print(f"   {per:8.1f} us {calls:6.1f} calls {per / max(calls, 1e-9):6.2f} us each  {e.key[:90]}")
 
 
+def step_trace(llm, prompts, params, steps: int, lines: int) -> None:
+    """One generate under torch.profiler (host and device): the device's kernel time a step,
+    inside the graph's replay or not, and the CUDA runtime calls a step (launches, copies,
+    synchronizations: where the host waits for the device)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = sorted((e for e in events if e.device_time_total > 0), key=lambda e: -e.device_time_total)
+    busy = sum(e.device_time_total for e in kernels) / steps
+    print(f"-- trace: {busy:.1f} us of device time a step (prefill included, {steps} steps)")
+    for e in kernels[:lines]:
+        print(f"   {e.device_time_total / steps:8.1f} us {e.count / steps:6.1f} calls  {e.key[:90]}")
+    runtime = [e for e in events if e.key.startswith("cuda") and e.device_time_total == 0]
+    for e in sorted(runtime, key=lambda e: -e.cpu_time_total)[:lines]:
+        print(f"   host {e.cpu_time_total / steps:8.1f} us {e.count / steps:6.1f} calls  {e.key[:60]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="random:tinyllama-1.1b")
@@ -46,8 +66,17 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--profile-lines", type=int, default=18)
     ap.add_argument("--kernel-lines", type=int, default=0, help="the replay's costliest kernels (torch.profiler)")
+    ap.add_argument("--trace-lines", type=int, default=0, help="a generate's kernels and CUDA calls, a step")
+    ap.add_argument("--async-scheduling", action="store_true")
     args = ap.parse_args()
-    llm = LLM(args.model, dtype="bfloat16", device="cuda", max_model_len=args.max_model_len, seed=0)
+    llm = LLM(
+        args.model,
+        dtype="bfloat16",
+        device="cuda",
+        max_model_len=args.max_model_len,
+        seed=0,
+        async_scheduling=args.async_scheduling,
+    )
     runner = llm.engine.executor.worker.runner
     results = []
     for batch in args.batch or [1]:
@@ -75,6 +104,8 @@ def main() -> None:
             replay_ms = begin.elapsed_time(end) / 100
             if args.kernel_lines:
                 kernel_table(graph, args.kernel_lines)
+        if args.trace_lines:
+            step_trace(llm, prompts, params, args.new_tokens, args.trace_lines)
         profiler = cProfile.Profile()
         profiler.enable()
         llm.generate(prompts, params)
