@@ -8,9 +8,11 @@
 ``kv_ip`` (default 127.0.0.1) and ``kv_port`` are where the instance's KV endpoint listens (a
 ``torch.distributed`` TCPStore; the point-to-point groups between instances meet on the
 consumer's). ``kv_connector`` names the transport: only ``TorchDistributedConnector``
-(gloo on CPU, NCCL on CUDA) ships. vLLM's other keys (``kv_rank``, ``kv_parallel_size``,
-``kv_buffer_size``, ``kv_buffer_device``, ``kv_connector_extra_config``, ``engine_id``) are
-accepted and unused.
+(gloo on CPU, NCCL between two GPUs) ships. ``kv_buffer_device`` (vLLM's key): "cuda" (the
+default) sends a GPU instance's blocks GPU to GPU over NCCL; "cpu" stages them through host
+memory over gloo, as two instances sharing one GPU always do (NCCL refuses a pair on one
+device). vLLM's other keys (``kv_rank``, ``kv_parallel_size``, ``kv_buffer_size``,
+``kv_connector_extra_config``, ``engine_id``) are accepted and unused.
 
 A request's ``kv_transfer_params`` (what the router sends; vLLM's field of the same name):
 
@@ -37,7 +39,6 @@ _ACCEPTED_UNUSED = {
     "kv_rank",
     "kv_parallel_size",
     "kv_buffer_size",
-    "kv_buffer_device",
     "kv_connector_extra_config",
     "engine_id",
     "kv_load_failure_policy",
@@ -50,6 +51,7 @@ class KVTransferConfig:
     kv_ip: str = DEFAULT_KV_IP
     kv_port: int = DEFAULT_KV_PORT
     kv_connector: str = CONNECTORS[0]
+    kv_buffer_device: str = "cuda"
 
     def __post_init__(self) -> None:
         if self.kv_role not in KV_ROLES:
@@ -61,6 +63,8 @@ class KVTransferConfig:
             )
         if isinstance(self.kv_port, bool) or not isinstance(self.kv_port, int) or not 0 < self.kv_port < 65536:
             raise ValueError(f"kv_transfer_config: kv_port must be a port number, got {self.kv_port!r}")
+        if self.kv_buffer_device not in ("cuda", "cpu"):
+            raise ValueError(f"kv_transfer_config: kv_buffer_device must be cuda or cpu, got {self.kv_buffer_device!r}")
         if not isinstance(self.kv_ip, str) or not self.kv_ip:
             raise ValueError(f"kv_transfer_config: kv_ip must be an address, got {self.kv_ip!r}")
 
@@ -77,7 +81,8 @@ class KVTransferConfig:
         unknown = sorted(set(value) - set(cls.__dataclass_fields__))
         if unknown:
             raise ValueError(
-                f"kv_transfer_config: unknown key(s) {', '.join(unknown)}; known: kv_role, kv_ip, kv_port, kv_connector"
+                f"kv_transfer_config: unknown key(s) {', '.join(unknown)}; known: kv_role, kv_ip, kv_port, "
+                "kv_connector, kv_buffer_device"
             )
         if "kv_role" not in value:
             raise ValueError(f"kv_transfer_config needs kv_role ({' or '.join(KV_ROLES)})")

@@ -17,9 +17,12 @@ runs a step (a long prefill would otherwise hold the transfer up until the step 
   publishes its ``KVLayout``.
 * ``connect(peer)``, called on both sides (the router asks each), checks that the peer's
   layout agrees with this one (model, block size, formats, shapes, tensor-parallel size), then
-  builds one two-process group per rank pair (producer rank r with consumer rank r; gloo on
-  CPU, NCCL on CUDA) on the consumer's store. The group times out after ``RIDGE_KV_TIMEOUT``
-  seconds, and a peer that dies closes its connections, which fails what waits on it at once.
+  builds two-process groups per rank pair (producer rank r with consumer rank r) on the
+  consumer's store: gloo for the control messages (host memory), and for the blocks the same
+  gloo group, or NCCL where both instances run on GPUs, two different ones, and neither asked
+  for ``kv_buffer_device: "cpu"`` (a GPU's blocks otherwise travel through host memory: NCCL
+  refuses two ranks on one device). The groups time out after ``RIDGE_KV_TIMEOUT`` seconds,
+  and a peer that dies closes its connections, which fails what waits on it at once.
 * Data: one message per transfer and rank: a 16-byte header (1: the blocks follow; 0: the
   producer does not hold that transfer, zeros follow), then every layer's K and V codes (and
   scales, for an int8/fp8 cache: a quantized cache moves quantized) of the blocks.
@@ -34,6 +37,7 @@ import json
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -264,12 +268,27 @@ def scatter_blocks(pools: list[PagedKV], block_ids: list[int], message: torch.Te
 # -- torch.distributed -------------------------------------------------------------------------
 
 
+def gpu_to_gpu(mine: dict, theirs: dict) -> bool:
+    """Whether a pair's blocks go GPU to GPU (NCCL): both ranks on GPUs, different ones, and
+    neither asked to stage through host memory. Symmetric: both sides read the same two
+    records (``_device_identity``), so they build the same groups."""
+    if mine.get("gpu") is None or theirs.get("gpu") is None or mine["gpu"] == theirs["gpu"]:
+        return False
+    return not (mine.get("host_buffer") or theirs.get("host_buffer"))
+
+
 @dataclass
 class _Peer:
     info: PeerInfo
-    group: object
+    group: object  # gloo: control messages, and the blocks where ``data`` is this group too
+    data: object  # the blocks' group: NCCL between two GPUs, else ``group``
     pair_rank: int  # the peer's rank in the pair group
     alive: bool = True
+
+    @property
+    def staged(self) -> bool:
+        """Whether the blocks travel through host memory (gloo) rather than GPU to GPU."""
+        return self.data is self.group
 
 
 @dataclass
@@ -323,8 +342,25 @@ class TorchDistributedConnector:
         else:
             self.store = self._client(config.kv_ip, config.kv_port, "this instance's own KV endpoint")
         self.store.set(f"layout/{rank}", json.dumps(asdict(layout)))
+        self.store.set(f"device/{rank}", json.dumps(self._device_identity()))
 
     # -- pairing ------------------------------------------------------------------------------
+    def _device_identity(self) -> dict:
+        """What decides the blocks' path: this rank's GPU (None on CPU) and whether it asked to
+        stage through host memory."""
+        gpu = None
+        if self.device.type == "cuda":
+            props = torch.cuda.get_device_properties(self.device)
+            gpu = f"{socket.gethostname()}/{getattr(props, 'uuid', self.device.index)}"
+        return {"gpu": gpu, "host_buffer": self.config.kv_buffer_device == "cpu"}
+
+    def _gpu_to_gpu(self, peer_store) -> bool:
+        try:
+            theirs = json.loads(peer_store.get(f"device/{self.rank}"))
+        except Exception:  # an instance that does not publish it: stage
+            return False
+        return gpu_to_gpu(self._device_identity(), theirs)
+
     def _client(self, host: str, port: int, what: str):
         try:
             return dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=connect_timeout()))
@@ -359,24 +395,28 @@ class TorchDistributedConnector:
         prefix = f"pair/{producer}/{consumer}/{self.rank}"
         pair_rank = 0 if self.is_producer else 1
         try:
-            group = self._pair_group(dist.PrefixStore(prefix, meeting), pair_rank)
+            group = self._pair_group(dist.PrefixStore(prefix, meeting), pair_rank, nccl=False)
+            data = group
+            if self._gpu_to_gpu(peer_store):
+                data = self._pair_group(dist.PrefixStore(prefix + "/nccl", meeting), pair_rank, nccl=True)
         except Exception as exc:
             raise ValueError(
                 f"the {peer.where} did not join the KV transfer group within {connect_timeout():.0f} s "
                 f"({type(exc).__name__}); both sides must be asked to connect"
             ) from None
-        self.peers[peer.engine_id] = entry = _Peer(peer, group, 1 - pair_rank)
+        self.peers[peer.engine_id] = entry = _Peer(peer, group, data, 1 - pair_rank)
         if self.rank == 0:
             threading.Thread(target=self._listen, args=(entry,), name="ridge-kv-control", daemon=True).start()
-        logger.info("KV transfer: paired with the %s (%s)", peer.where, peer.engine_id)
+        path = "through host memory" if entry.staged and self.device.type == "cuda" else "direct"
+        logger.info("KV transfer: paired with the %s (%s; blocks %s)", peer.where, peer.engine_id, path)
 
     def alive_peers(self) -> list[str]:
         """The engine ids of the peers whose pair still stands."""
         return sorted(pid for pid, peer in self.peers.items() if peer.alive)
 
-    def _pair_group(self, store, pair_rank: int):
+    def _pair_group(self, store, pair_rank: int, nccl: bool):
         timeout = datetime.timedelta(seconds=transfer_timeout())
-        if self.device.type == "cuda":
+        if nccl:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             return dist.ProcessGroupNCCL(store, pair_rank, 2, options)
@@ -440,14 +480,14 @@ class TorchDistributedConnector:
             block_ids = self._offered.pop(tid, None)
         why = None
         if count and block_ids is not None and len(block_ids[first : first + count]) == count:
-            data = gather_blocks(self.pools, block_ids[first : first + count])
+            data = self._outgoing(peer, gather_blocks(self.pools, block_ids[first : first + count]))
         elif count:
             why = f"transfer {tid!r} is unknown here (expired or never produced)" if block_ids is None else (
                 f"transfer {tid!r} holds fewer than the {first + count} blocks asked for")  # fmt: skip
-            data = refusal(count, self.layout.bytes_per_block, self.device)
+            data = refusal(count, self.layout.bytes_per_block, self._buffer_device(peer))
         if count:
             try:
-                peer.group.send([data], peer.pair_rank, tag).wait(datetime.timedelta(seconds=transfer_timeout()))
+                peer.data.send([data], peer.pair_rank, tag).wait(datetime.timedelta(seconds=transfer_timeout()))
             except Exception as exc:
                 logger.warning("KV transfer %d to the %s failed: %s", tag, peer.info.where, type(exc).__name__)
         if block_ids is not None:  # read (or not needed): the engine may free them
@@ -495,6 +535,13 @@ class TorchDistributedConnector:
         self._wake.wait(timeout)
 
     # -- data ------------------------------------------------------------------------------------
+    def _buffer_device(self, peer: _Peer) -> torch.device:
+        return torch.device("cpu") if peer.staged else self.device
+
+    def _outgoing(self, peer: _Peer, data: torch.Tensor) -> torch.Tensor:
+        """A message where the peer's group reads it: staged through host memory, or as is."""
+        return data.cpu() if peer.staged else data
+
     def start_sends(self, sends: list[KVSend]) -> None:
         for send in sends:
             try:
@@ -503,10 +550,10 @@ class TorchDistributedConnector:
                 logger.warning("KV transfer: not sent: %s", exc)
                 continue
             if send.block_ids is None:
-                data = refusal(send.num_blocks, self.layout.bytes_per_block, self.device)
+                data = refusal(send.num_blocks, self.layout.bytes_per_block, self._buffer_device(peer))
             else:
-                data = gather_blocks(self.pools, send.block_ids)
-            work = peer.group.send([data], peer.pair_rank, send.tag)
+                data = self._outgoing(peer, gather_blocks(self.pools, send.block_ids))
+            work = peer.data.send([data], peer.pair_rank, send.tag)
             self._sends.append((self._waiters.submit(self._wait_send, work, peer, send.tag), data))
 
     def _wait_send(self, work, peer: _Peer, tag: int) -> None:
@@ -522,7 +569,9 @@ class TorchDistributedConnector:
             start = time.monotonic()
             try:
                 peer = self._peer(recv.peer_id)
-                work = peer.group.recv([data], peer.pair_rank, recv.tag)
+                if peer.staged:
+                    data = torch.empty(size, dtype=torch.uint8)
+                work = peer.data.recv([data], peer.pair_rank, recv.tag)
             except Exception as exc:
                 future: Future = Future()
                 future.set_exception(exc)
@@ -557,7 +606,7 @@ class TorchDistributedConnector:
         for req_id in req_ids:
             entry = self._recvs.pop(req_id)
             entry.future.result(timeout=transfer_timeout())
-            scatter_blocks(self.pools, entry.recv.block_ids, entry.buffer)
+            scatter_blocks(self.pools, entry.recv.block_ids, entry.buffer.to(self.device))
 
     def drop(self, req_ids: list[str]) -> None:
         """Forget receives of requests that ended (their staging goes when the transfer does)."""

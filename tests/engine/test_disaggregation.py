@@ -255,6 +255,9 @@ def test_an_unreachable_peer_is_one_clear_line(monkeypatch):
 def test_the_config_and_the_request_params_parse_with_clear_errors():
     assert KVTransferConfig.parse('{"kv_role": "kv_consumer", "kv_port": 14700}').kv_port == 14700
     assert KVTransferConfig.parse({"kv_role": "kv_producer", "kv_rank": 0}).kv_ip == "127.0.0.1"  # vLLM's keys
+    assert KVTransferConfig.parse({"kv_role": "kv_consumer", "kv_buffer_device": "cpu"}).kv_buffer_device == "cpu"
+    with pytest.raises(ValueError, match="kv_buffer_device must be cuda or cpu"):
+        KVTransferConfig.parse({"kv_role": "kv_consumer", "kv_buffer_device": "tpu"})
     for bad, match in [
         ('{"kv_role": "kv_both"}', "kv_role must be one of"),
         ("{", "not valid JSON"),
@@ -310,3 +313,14 @@ def test_speculative_decoding_on_the_consumer_keeps_the_outputs(trio):
         assert consumer.speculator.stats.num_draft_tokens > 0  # it did speculate
     finally:
         consumer.shutdown()
+
+
+def test_blocks_go_gpu_to_gpu_only_between_two_gpus_that_did_not_ask_to_stage():
+    from ridge.kv_transfer.connector import gpu_to_gpu
+
+    a, b = {"gpu": "host/GPU-a", "host_buffer": False}, {"gpu": "host/GPU-b", "host_buffer": False}
+    assert gpu_to_gpu(a, b) and gpu_to_gpu(b, a)  # NCCL
+    assert not gpu_to_gpu(a, dict(a))  # one GPU for both instances: NCCL refuses the pair
+    assert not gpu_to_gpu(a, {"gpu": None, "host_buffer": False})  # a CPU instance
+    assert not gpu_to_gpu(a, {**b, "host_buffer": True}) and not gpu_to_gpu({**b, "host_buffer": True}, a)
+    assert not gpu_to_gpu({"gpu": None}, {"gpu": None})  # CPU to CPU: gloo
