@@ -136,9 +136,13 @@ class DeepseekAttention(nn.Module):
         mla, heads = self.mla, self.num_heads
         nope, v, rank = mla.qk_nope_head_dim, mla.v_head_dim, mla.kv_lora_rank
         dtype = self.kv_a_layernorm.weight.dtype  # the model's (a packed or quantized weight unpacks to float32)
+        device = self.kv_a_layernorm.weight.device
         kv_b = self.kv_b_proj
         if self.k_b_proj is not None:
-            self.absorbed = (_per_head(self.k_b_proj, heads, dtype, ops), _per_head(self.v_b_proj, heads, dtype, ops))
+            self.absorbed = (
+                _per_head(self.k_b_proj, heads, dtype, ops, device),
+                _per_head(self.v_b_proj, heads, dtype, ops, device),
+            )
             return
         fmt = kv_b.method.format
         if fmt is not None and kv_b.packed is not None and nope % PACKED_ROW_BLOCK == 0 and v % PACKED_ROW_BLOCK == 0:
@@ -152,7 +156,7 @@ class DeepseekAttention(nn.Module):
                 k_b.method.load_weight(k_b, w_uk.transpose(1, 2).reshape(heads * rank, nope), None)
                 k_b.method.process_weights_after_loading(k_b, ops)
                 w_uk = k_b
-            self.absorbed = (_per_head(w_uk, heads, dtype, ops), _per_head(w_uv, heads, dtype, ops))
+            self.absorbed = (_per_head(w_uk, heads, dtype, ops, device), _per_head(w_uv, heads, dtype, ops, device))
             return
         w = kv_b.dense_weight().to(dtype).view(heads, nope + v, -1)
         self.absorbed = (w[:, :nope].contiguous(), w[:, nope:].transpose(1, 2).contiguous())
@@ -249,15 +253,18 @@ def _head_stack(name: str, k: int, n: int, heads: Shard, num_heads: int, quant, 
     return layer
 
 
-def _per_head(w: torch.Tensor | ExpertLinear, heads: int, dtype: torch.dtype, ops) -> torch.Tensor | ExpertLinear:
+def _per_head(
+    w: torch.Tensor | ExpertLinear, heads: int, dtype: torch.dtype, ops, device: torch.device
+) -> torch.Tensor | ExpertLinear:
     """Per-head matrices as head_matmul takes them: a stacked layer (H matrices of N rows
     over K) in a block format as it is where ``ops`` runs it in one call (``plan_heads``),
-    else dense (H, K, N) in ``dtype`` (from the layer's values, or ``w`` already (H, K, N))."""
+    else dense (H, K, N) in ``dtype`` on the model's ``device`` (from the layer's values, which
+    a block format dequantizes on the host, or ``w`` already (H, K, N))."""
     if isinstance(w, torch.Tensor):
-        return w.to(dtype).contiguous()
+        return w.to(device=device, dtype=dtype).contiguous()
     if w.method.format is not None and ops.plan_heads(w) is not None:
         return w
-    dense = w.dense_weight().to(dtype)
+    dense = w.dense_weight().to(device=device, dtype=dtype)
     return dense.view(heads, w.rows_per_expert, w.in_features).transpose(1, 2).contiguous()
 
 
