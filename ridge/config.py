@@ -544,6 +544,13 @@ class EngineConfig:
                 raise ValueError(
                     f"async_scheduling does not combine with {other} (each step needs the last one's tokens)"
                 )
+        if self.tensor_parallel_size > 1 and resolve_device(self.device).type == "cuda":
+            gpus = torch.cuda.device_count()
+            if self.tensor_parallel_size > gpus:
+                raise ValueError(
+                    f"tensor_parallel_size {self.tensor_parallel_size} needs a GPU per rank, and this machine has "
+                    f"{gpus} (--device cpu runs the ranks on the CPU, over gloo)"
+                )
         if self.quantization in ("", "none"):
             self.quantization = None
         if self.quantization is not None:

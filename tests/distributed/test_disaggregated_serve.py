@@ -242,9 +242,10 @@ def test_tensor_parallel_instances_on_both_sides(stories_dir):
     """Each rank of the producer sends its KV heads to the consumer's rank of the same number."""
     procs = []
     try:
-        prefill, p_url = _start(stories_dir, "kv_producer", "--tensor-parallel-size", "2")
-        decode, d_url = _start(stories_dir, "kv_consumer", "--tensor-parallel-size", "2")
-        colocated, c_url = _start(stories_dir, None)
+        tp = ("--tensor-parallel-size", "2", "--device", "cpu")  # ranks on the CPU, also on a one-GPU machine
+        prefill, p_url = _start(stories_dir, "kv_producer", *tp)
+        decode, d_url = _start(stories_dir, "kv_consumer", *tp)
+        colocated, c_url = _start(stories_dir, None, "--device", "cpu")
         r_port = free_port()
         router = start_router(r_port, "--prefill", p_url, "--decode", d_url)
         procs += [prefill, decode, colocated, router]

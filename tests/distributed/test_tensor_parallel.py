@@ -191,3 +191,13 @@ def test_tp2_on_a_quantized_deepseek2_file_splits_its_per_head_blocks(tmp_path):
         assert torch.equal(k_b.method.blocks_of(k_b), whole.method.blocks_of(whole)[: 2 * k_b.rows_per_expert])
         got = tp.generate(prompts, params, use_tqdm=False)
     _assert_same(ref, got)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: ranks past the GPUs there are")
+def test_more_ranks_than_gpus_is_a_clear_error():
+    from ridge.config import EngineConfig
+
+    too_many = torch.cuda.device_count() + 1
+    with pytest.raises(ValueError, match=f"tensor_parallel_size {too_many} needs a GPU per rank"):
+        EngineConfig.from_kwargs("random:tiny", device="cuda", tensor_parallel_size=too_many)
+    EngineConfig.from_kwargs("random:tiny", device="cpu", tensor_parallel_size=too_many)  # ranks on the CPU

@@ -20,9 +20,12 @@ from ridge.bench.serve import free_port, ridge_server
 from ..models.hf_tiny import COMMON, VARIANTS, build
 from ..serve_process import start_serve, wait_up
 
+# ranks on the CPU over gloo, also on a GPU machine (one GPU cannot hold two ranks)
+CPU_TP = ("--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", "2")
+
 
 def _serve(model: str, port: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    return start_serve(model, port, "--dtype", "float32", "--tensor-parallel-size", "2", *extra, env=env)
+    return start_serve(model, port, *CPU_TP, *extra, env=env)
 
 
 def _rank_processes(pid: int) -> list[int]:
@@ -54,7 +57,7 @@ def test_serve_tp2_answers_the_openai_client(stories_dir):
         .outputs[0]
         .text
     )
-    flags = ["--served-model-name", "stories", "--dtype", "float32", "--tensor-parallel-size", "2"]
+    flags = ["--served-model-name", "stories", *CPU_TP]
     with ridge_server(str(stories_dir), flags, timeout_s=120) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
         res = client.completions.create(model="stories", prompt="Once upon a time", max_tokens=16, temperature=0)
