@@ -56,6 +56,13 @@ def _takes(x: torch.Tensor, fmt: BlockFormat | None) -> bool:
     return x.dtype is torch.bfloat16 if fmt is None else x.dtype in (torch.bfloat16, torch.float32)
 
 
+def check_route_groups(experts: int, n_group: int, topk_group: int) -> None:
+    """The groups a routing config names: n_group dividing the experts, 1..n_group kept. Checked
+    here, before any kernel runs (the CPU kernel checks it too)."""
+    if n_group < 1 or experts % n_group or not 1 <= topk_group <= n_group:
+        raise RuntimeError(f"route_topk: {experts} experts in {n_group} groups, {topk_group} of them kept")
+
+
 def topk_route(
     x: torch.Tensor,
     router: torch.Tensor,
@@ -81,6 +88,7 @@ def topk_route(
         scores (T, E) -> view (T, n_group, E / n_group) -> group score -> keep topk_group groups
                       -> mask the other groups' experts -> top_k of what is left
     """
+    check_route_groups(router.shape[0], n_group, topk_group)
     logits = F.linear(x.float(), router.float())  # (a no-op conversion for a float32 router)
     scores = logits.softmax(dim=-1) if softmax else logits.sigmoid()
     if n_group == 1 and bias is None:
@@ -408,6 +416,7 @@ class CpuKernels(TorchKernels):
 
     def route_topk(self, x, router, top_k, softmax, norm_topk, norm_eps, scaling, n_group=1, topk_group=1, bias=None):
         args = (top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group, bias)
+        check_route_groups(router.shape[0], n_group, topk_group)
         if (
             x.dtype is not torch.bfloat16
             or router.dtype is not torch.float32
