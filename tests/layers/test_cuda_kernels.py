@@ -12,6 +12,8 @@ from triton.runtime.errors import OutOfResources
 
 from ridge.layers.cuda_kernels import CudaKernels
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the interpreter needs CPU tensors
+
 
 def test_a_kernel_that_fails_to_compile_warns_once_and_is_not_tried_again():
     kernels = CudaKernels(torch.device("cpu"))
@@ -29,8 +31,8 @@ def test_a_kernel_that_fails_to_compile_warns_once_and_is_not_tried_again():
 
 
 def test_small_ops_are_fused_only_inside_a_graphs_forward():
-    kernels = CudaKernels(torch.device("cpu"))
-    gate_up = torch.randn(3, 8)
+    kernels = CudaKernels(DEVICE)
+    gate_up = torch.randn(3, 8, device=DEVICE)
     reference = torch.nn.functional.silu(gate_up[:, :4]) * gate_up[:, 4:]
     assert torch.equal(kernels.silu_mul(gate_up), reference)  # eager: torch's ops, bit for bit
     kernels.graph_mode = True

@@ -133,7 +133,7 @@ def test_a_quantized_deepseek2_file_keeps_its_blocks(tmp_path):
         stack = getattr(attention, name)
         assert stack.method.format.name == "int8"
         assert torch.equal(
-            stack.method.blocks_of(stack), file.tensors[f"model.layers.1.self_attn.{name}.weight"].blocks()
+            stack.method.blocks_of(stack).cpu(), file.tensors[f"model.layers.1.self_attn.{name}.weight"].blocks()
         )
     assert attention.kv_b_proj.method.format is None  # joined from k_b / v_b: dense
     # the weight pricing counts kv_b_proj's parameters once, as decode reads them (the file's
