@@ -593,7 +593,12 @@ class Sampler:
 @dataclass
 class PendingSample:
     """A launched sampling step (``Sampler.launch``): the tokens as a device tensor, and for
-    the rows that asked for logprobs their device tensors; ``result()`` waits for them."""
+    the rows that asked for logprobs their device tensors; ``result()`` waits for them.
+
+    On CUDA the launch also enqueues their copies into pinned host memory, and an event after
+    them: ``result()`` waits for that event, not for the stream, so a step launched meanwhile
+    (asynchronous scheduling) runs on while the host reads this one's tokens. (A plain
+    ``tolist()`` would wait for everything queued on the stream, the next step's forward too.)"""
 
     tokens: torch.Tensor
     batch: int
@@ -602,17 +607,35 @@ class PendingSample:
     sampled_logprobs: torch.Tensor | None = None
     top_values: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
+    _host: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # pinned copies (CUDA)
+    _ready: torch.cuda.Event | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.tokens.is_cuda:
+            return
+        for name in ("tokens", "sampled_logprobs", "top_values", "top_ids"):
+            t = getattr(self, name)
+            if t is not None:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                self._host[name] = host.copy_(t, non_blocking=True)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+
+    def _read(self, name: str) -> list:
+        return self._host.get(name, getattr(self, name)).tolist()
 
     def result(self) -> SamplerOutput:
-        token_ids = self.tokens.tolist()
+        if self._ready is not None:
+            self._ready.synchronize()
+        token_ids = self._read("tokens")
         none_list: list = [None] * self.batch
         if self.sampled_logprobs is None:
             return SamplerOutput(token_ids, none_list, list(none_list))
-        sampled = self.sampled_logprobs.tolist()
+        sampled = self._read("sampled_logprobs")
         top_vals: list[list[float]] = [[] for _ in self.lp_rows]
         top_ids: list[list[int]] = [[] for _ in self.lp_rows]
         if self.top_values is not None:
-            top_vals, top_ids = self.top_values.tolist(), self.top_ids.tolist()
+            top_vals, top_ids = self._read("top_values"), self._read("top_ids")
         logprobs: list[float | None] = list(none_list)
         top: list[list[tuple[int, float]] | None] = list(none_list)
         for j, i in enumerate(self.lp_rows):

@@ -497,3 +497,15 @@ def test_each_sample_gets_its_own_seed_wrapping_at_2_to_the_64():
     a = torch.Generator().manual_seed(SamplingParams(seed=-3).seed)
     b = torch.Generator().manual_seed(-3)
     assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the host copy of a launched step's tokens")
+def test_a_pending_sample_waits_for_its_own_tokens_not_for_work_queued_after_it():
+    from ridge.sampling import PendingSample
+
+    pending = PendingSample(torch.arange(5, device="cuda"), 5)
+    torch.cuda._sleep(500_000_000)  # ~0.3 s of GPU work queued after the launch: the next step's forward
+    assert pending.result().token_ids == [0, 1, 2, 3, 4]
+    assert not torch.cuda.current_stream().query()  # read while the later work still runs
+    assert pending.tokens.is_cuda  # the device tensor stays: the next step reads it there
+    torch.cuda.synchronize()
