@@ -158,7 +158,7 @@ class DeepseekAttention(nn.Module):
                 w_uk = k_b
             self.absorbed = (_per_head(w_uk, heads, dtype, ops, device), _per_head(w_uv, heads, dtype, ops, device))
             return
-        w = kv_b.dense_weight().to(dtype).view(heads, nope + v, -1)
+        w = kv_b.dense_weight().to(device=device, dtype=dtype).view(heads, nope + v, -1)
         self.absorbed = (w[:, :nope].contiguous(), w[:, nope:].transpose(1, 2).contiguous())
 
     def add_to_plan(self, plan, norm, post_norm, cache: PagedKV, ops) -> bool:
