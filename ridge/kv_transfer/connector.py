@@ -342,7 +342,8 @@ class TorchDistributedConnector:
         else:
             self.store = self._client(config.kv_ip, config.kv_port, "this instance's own KV endpoint")
         self.store.set(f"layout/{rank}", json.dumps(asdict(layout)))
-        self.store.set(f"device/{rank}", json.dumps(self._device_identity()))
+        self.identity = self._device_identity()
+        self.store.set(f"device/{rank}", json.dumps(self.identity))
 
     # -- pairing ------------------------------------------------------------------------------
     def _device_identity(self) -> dict:
@@ -359,7 +360,7 @@ class TorchDistributedConnector:
             theirs = json.loads(peer_store.get(f"device/{self.rank}"))
         except Exception:  # an instance that does not publish it: stage
             return False
-        return gpu_to_gpu(self._device_identity(), theirs)
+        return gpu_to_gpu(self.identity, theirs)
 
     def _client(self, host: str, port: int, what: str):
         try:
