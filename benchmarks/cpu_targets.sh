@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Issue 21's CPU figures in one run, on the machine speed is judged on (the 2-core AMD EPYC),
+# then every target against them (benchmarks/targets.py). Run from the repository root after
+# `make setup`, with nothing else running; the steps run in the order given:
+#
+#   bash benchmarks/cpu_targets.sh peers files ik plan rows targets     # about 70 minutes
+#
+#   peers    llama-cpp-python 0.3.36 built natively into the venv where it is missing (about 8
+#            minutes; AMX off: its AMX kernels crash on the Intel VMs, the AMD has none), and
+#            ik_llama.cpp's llama-bench built from $IK_SRC at $IK_COMMIT (about 10 minutes)
+#            where $IK_BENCH is not an executable yet. $IK_SRC: a checkout, or the git directory
+#            that the `fetch` tool gives for github:ikawrakow/ik_llama.cpp.
+#   files    compare.py, batch-1 decode on llama.cpp's own files of every type it makes,
+#            interleaved with llama.cpp -> benchmarks/compare_targets_<cpu>.json
+#   ik       vs_ik.py: ik's llama-bench tg64 and pp512 alternated with ridge on those files
+#   plan     decode_plan.py: the decode plan against op by op on the Q4_K_M and Q8_0 files
+#   rows     quant_rows.py: steps of 1-128 rows per format, the kernel alone
+#   targets  benchmarks/targets.py: each target, its figure, met or not
+#
+# Environment: ROUNDS (default 2), THREADS (2), FORMATS (the file types, comma-separated), PYTHON (.venv/bin/python), IK_SRC, IK_COMMIT
+# (8337e4cd3, what the README's figures used), IK_BENCH (default /tmp/ik_llama.cpp/build/bin/
+# llama-bench), LLAMACPP_CMAKE_ARGS (the llama-cpp-python build's flags). Logs go to
+# ${OUT:-/tmp/ridge-cpu-targets}.
+set -uo pipefail
+PYTHON=${PYTHON:-.venv/bin/python}
+ROUNDS=${ROUNDS:-2}
+THREADS=${THREADS:-2}
+IK_COMMIT=${IK_COMMIT:-8337e4cd3}
+IK_BENCH=${IK_BENCH:-/tmp/ik_llama.cpp/build/bin/llama-bench}
+LLAMACPP_CMAKE_ARGS=${LLAMACPP_CMAKE_ARGS:--DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF}
+OUT=${OUT:-/tmp/ridge-cpu-targets}
+FORMATS=${FORMATS:-q8_0,q6_k,q5_k_m,q4_0,q4_k_m,iq4_xs,q3_k_m,q2_k}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+case $(lscpu | sed -n 's/^Model name: *//p' | head -n 1) in
+  *AMD*) CPU=amd ;;
+  *Intel*) CPU=xeon ;;
+  *) CPU=cpu ;;
+esac
+COMPARE_JSON=benchmarks/compare_targets_$CPU.json
+EXPORTS=${RIDGE_CACHE_DIR:-$HOME/.cache/ridge}/compare/tinyllama-1.1b-bfloat16-seed0
+files_of() {  # the exported files of the given types, comma-separated
+  local list="" fmt
+  for fmt in ${1//,/ }; do list+="${list:+,}$EXPORTS/model-$fmt.gguf"; done
+  echo "$list"
+}
+need_files() {
+  local f
+  for f in ${1//,/ }; do
+    [ -f "$f" ] || { echo "missing $f: run the 'files' step first" >&2; return 1; }
+  done
+}
+
+{
+  lscpu | grep -E "^Model name|^CPU\(s\)"
+  echo "SIMD: $(grep -o -w -E 'avx512f|avx512_vnni|avx512_bf16|gfni|amx_int8|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+} | tee "$OUT/machine.txt"
+for step in "$@"; do
+  echo "== $step ($(date -u +%H:%M:%S))"
+  case $step in
+  peers)
+    if ! "$PYTHON" -c "import llama_cpp" 2>/dev/null; then
+      CMAKE_ARGS="$LLAMACPP_CMAKE_ARGS" "$PYTHON" -m pip install --no-cache-dir --no-binary llama-cpp-python \
+        llama-cpp-python==0.3.36 > "$OUT/llama_cpp_build.log" 2>&1 || { tail -n 20 "$OUT/llama_cpp_build.log"; exit 1; }
+    fi
+    "$PYTHON" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
+    if [ ! -x "$IK_BENCH" ]; then
+      [ -n "${IK_SRC:-}" ] || { echo "set IK_SRC (ik_llama.cpp's source) or IK_BENCH" >&2; exit 1; }
+      src=$(dirname "$(dirname "$(dirname "$IK_BENCH")")")  # IK_BENCH's build/bin/.. -> its source tree
+      git_dir=$IK_SRC
+      [ -d "$IK_SRC/.git" ] && git_dir=$IK_SRC/.git
+      # a `fetch` snapshot lacks its largest blobs (web pages, vocabularies): leave those out
+      git --git-dir="$git_dir" ls-tree -r "$IK_COMMIT" > "$OUT/ik_tree.txt" || exit 1
+      mapfile -t absent < <(cut -f1 "$OUT/ik_tree.txt" | cut -d' ' -f3 | git --git-dir="$git_dir" cat-file --batch-check |
+        paste - <(cut -f2 "$OUT/ik_tree.txt") | awk -F'\t' '$1 ~ / missing$/ {print ":(exclude)" $2}')
+      mkdir -p "$src" && git --git-dir="$git_dir" archive "$IK_COMMIT" -- . "${absent[@]}" 2> "$OUT/ik_archive.log" |
+        tar -x -C "$src" || exit 1
+      (cd "$src" && cmake -B build -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DLLAMA_CURL=OFF > "$OUT/ik_build.log" 2>&1 &&
+        cmake --build build --target llama-bench -j "$(nproc)" >> "$OUT/ik_build.log" 2>&1) ||
+        { tail -n 20 "$OUT/ik_build.log"; exit 1; }
+    fi
+    echo "ik llama-bench: $IK_BENCH"
+    ;;
+  files)
+    "$PYTHON" benchmarks/compare.py --formats "bf16,$FORMATS" --scenarios batch1 --rounds "$ROUNDS" \
+      --threads "$THREADS" --skip-transformers --json "$COMPARE_JSON" 2>&1 | tee "$OUT/compare.log" | tail -n 40
+    ;;
+  ik)
+    need_files "$(files_of $FORMATS)" || exit 1
+    "$PYTHON" benchmarks/vs_ik.py --llama-bench "$IK_BENCH" --files "$(files_of $FORMATS)" --rounds "$ROUNDS" \
+      --threads "$THREADS" 2>&1 | tee "$OUT/vs_ik.log" | tail -n 12
+    ;;
+  plan)
+    need_files "$(files_of q4_k_m,q8_0)" || exit 1
+    for fmt in q4_k_m q8_0; do
+      "$PYTHON" benchmarks/decode_plan.py --model "$(files_of $fmt)" --rounds 3 --threads "$THREADS" 2>&1 |
+        tee "$OUT/decode_plan_$fmt.log" | tail -n 6
+    done
+    ;;
+  rows)
+    "$PYTHON" benchmarks/quant_rows.py --rounds 3 --threads "$THREADS" 2>&1 | tee "$OUT/quant_rows.log" | tail -n 16
+    ;;
+  targets)
+    "$PYTHON" benchmarks/targets.py --compare "$COMPARE_JSON" | tee "$OUT/targets.md"
+    ;;
+  *)
+    echo "unknown step $step (peers files ik plan rows targets)" >&2
+    exit 2
+    ;;
+  esac
+done

@@ -1,0 +1,125 @@
+"""Issue 21's CPU targets against what the benchmarks measured on this CPU: one table.
+
+Reads the JSON the benchmarks wrote (nothing is measured here) and prints, per target and
+file or format, the measured figure, the target and whether it is met:
+
+  - batch-1 decode at least 1.2x llama.cpp on every file (``compare.py``'s ``ridge_speedup``,
+    the median of its rounds) and each file within 90% of its floor (``decode_floor_fraction``:
+    the file's weight bytes over the bandwidth probed in the same round);
+  - tg64 and pp512 at least ik_llama.cpp's ``llama-bench`` on every file (``vs_ik.py``, the
+    median of the per-round ratios, this CPU's entry);
+  - 2-8 rows at most 1.3x one row in every format (``quant_rows.py``, this CPU's entry).
+
+    python benchmarks/targets.py --compare benchmarks/compare_targets_amd.json [--markdown]
+
+``benchmarks/cpu_targets.sh`` runs the benchmarks and then this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+HERE = Path(__file__).parent
+LLAMACPP_SPEEDUP = 1.2  # ridge / llama.cpp, batch-1 decode
+FLOOR_FRACTION = 0.9
+IK_RATIO = 1.0  # ridge / ik_llama.cpp, tg64 and pp512
+ROWS_COST = 1.3  # a step of 2-8 rows against one row
+
+
+def compare_rows(path: Path) -> list[tuple[str, str, str, str, bool]]:
+    summary = json.loads(path.read_text())["summary"]["batch1"]
+    engines, speedup = summary["engines"], summary["ridge_speedup"]
+    rows = []
+    for name in engines:
+        if not name.startswith("ridge "):
+            continue
+        file = name.removeprefix("ridge ")
+        if file.startswith("--quantization"):
+            continue
+        peer = speedup.get(f"llama.cpp {file}")
+        if peer is not None:
+            value = peer["median"]
+            rows.append(
+                (
+                    "decode b1 vs llama.cpp",
+                    file,
+                    f"{value:.2f}x ({peer['min']:.2f}-{peer['max']:.2f})",
+                    f">= {LLAMACPP_SPEEDUP}x",
+                    value >= LLAMACPP_SPEEDUP,
+                )
+            )
+        floor = engines[name].get("decode_floor_fraction")
+        if floor is not None:
+            value = floor["median"]
+            rows.append(
+                ("decode b1 % of floor", file, f"{value:.0%}", f">= {FLOOR_FRACTION:.0%}", value >= FLOOR_FRACTION)
+            )
+    return rows
+
+
+def ik_rows(path: Path, cpu: str) -> list[tuple[str, str, str, str, bool]]:
+    entry = json.loads(path.read_text()).get(cpu) if path.is_file() else None
+    if entry is None:
+        return []
+    rows = []
+    for file, figures in entry["files"].items():
+        for test in ("tg64", "pp512"):
+            value, each = figures[f"{test}_ratio"], figures[f"{test}_ratios"]
+            rows.append(
+                (
+                    f"{test} vs ik_llama.cpp",
+                    file,
+                    f"{value:.2f}x ({min(each):.2f}-{max(each):.2f})",
+                    f">= {IK_RATIO}x",
+                    value >= IK_RATIO,
+                )
+            )
+    return rows
+
+
+def quant_rows(path: Path, cpu: str) -> list[tuple[str, str, str, str, bool]]:
+    entry = json.loads(path.read_text()).get(cpu) if path.is_file() else None
+    if entry is None:
+        return []
+    rows = []
+    for fmt, figures in entry["formats"].items():
+        costs = {int(m): cell["vs_one_row"] for m, cell in figures["rows"].items() if 2 <= int(m) <= 8}
+        if costs:
+            worst = max(costs.values())
+            shown = ", ".join(f"{m}: {c:.2f}x" for m, c in sorted(costs.items()))
+            rows.append(("2-8 rows vs one row", fmt, shown, f"<= {ROWS_COST}x", worst <= ROWS_COST))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ridge.roofline.probe import cpu_model
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--compare", type=Path, required=True, help="compare.py's --json of a batch1 run")
+    parser.add_argument("--vs-ik", type=Path, default=HERE / "vs_ik.json")
+    parser.add_argument("--quant-rows", type=Path, default=HERE / "quant_rows.json")
+    parser.add_argument("--cpu", default=None, help="the CPU entry to read (default: this machine's)")
+    args = parser.parse_args(argv)
+    cpu = args.cpu or cpu_model()
+    machine = json.loads(args.compare.read_text()).get("machine", {})
+    rows = compare_rows(args.compare) + ik_rows(args.vs_ik, cpu) + quant_rows(args.quant_rows, cpu)
+    print(f"Issue 21's targets on {cpu}, from:")
+    print(f"- {args.compare}: {machine.get('date', '?')}, {machine.get('cpu', '?')}")
+    for path in (args.vs_ik, args.quant_rows):
+        entry = json.loads(path.read_text()).get(cpu) if path.is_file() else None
+        said = f"{entry.get('date', '?')}, {entry.get('rounds', '?')} rounds" if entry else f"no entry for {cpu}"
+        print(f"- {path}: {said}")
+    print()
+    print("| target | file / format | measured | target | met |")
+    print("|---|---|---|---|---|")
+    for target, what, figure, goal, met in rows:
+        print(f"| {target} | {what} | {figure} | {goal} | {'yes' if met else '**no**'} |")
+    missed = sum(not met for *_, met in rows)
+    print(f"{len(rows) - missed} of {len(rows)} met")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
