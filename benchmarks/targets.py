@@ -59,12 +59,14 @@ def compare_rows(path: Path) -> list[tuple[str, str, str, str, bool]]:
     return rows
 
 
-def ik_rows(path: Path, cpu: str) -> list[tuple[str, str, str, str, bool]]:
-    entry = json.loads(path.read_text()).get(cpu) if path.is_file() else None
-    if entry is None:
-        return []
+def cpu_entry(path: Path, cpu: str) -> dict | None:
+    """This CPU's entry in a per-CPU JSON (``vs_ik.json``, ``quant_rows.json``), if any."""
+    return json.loads(path.read_text()).get(cpu) if path.is_file() else None
+
+
+def ik_rows(entry: dict | None) -> list[tuple[str, str, str, str, bool]]:
     rows = []
-    for file, figures in entry["files"].items():
+    for file, figures in (entry or {}).get("files", {}).items():
         for test in ("tg64", "pp512"):
             value, each = figures[f"{test}_ratio"], figures[f"{test}_ratios"]
             rows.append(
@@ -79,12 +81,9 @@ def ik_rows(path: Path, cpu: str) -> list[tuple[str, str, str, str, bool]]:
     return rows
 
 
-def quant_rows(path: Path, cpu: str) -> list[tuple[str, str, str, str, bool]]:
-    entry = json.loads(path.read_text()).get(cpu) if path.is_file() else None
-    if entry is None:
-        return []
+def quant_rows(entry: dict | None) -> list[tuple[str, str, str, str, bool]]:
     rows = []
-    for fmt, figures in entry["formats"].items():
+    for fmt, figures in (entry or {}).get("formats", {}).items():
         costs = {int(m): cell["vs_one_row"] for m, cell in figures["rows"].items() if 2 <= int(m) <= 8}
         if costs:
             worst = max(costs.values())
@@ -104,11 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cpu = args.cpu or cpu_model()
     machine = json.loads(args.compare.read_text()).get("machine", {})
-    rows = compare_rows(args.compare) + ik_rows(args.vs_ik, cpu) + quant_rows(args.quant_rows, cpu)
+    ik, per_rows = cpu_entry(args.vs_ik, cpu), cpu_entry(args.quant_rows, cpu)
+    rows = compare_rows(args.compare) + ik_rows(ik) + quant_rows(per_rows)
     print(f"Issue 21's targets on {cpu}, from:")
     print(f"- {args.compare}: {machine.get('date', '?')}, {machine.get('cpu', '?')}")
-    for path in (args.vs_ik, args.quant_rows):
-        entry = json.loads(path.read_text()).get(cpu) if path.is_file() else None
+    for path, entry in ((args.vs_ik, ik), (args.quant_rows, per_rows)):
         said = f"{entry.get('date', '?')}, {entry.get('rounds', '?')} rounds" if entry else f"no entry for {cpu}"
         print(f"- {path}: {said}")
     print()
