@@ -835,12 +835,14 @@ def main(argv=None) -> int:
         how["llama.cpp"] = f"llama_batch, {args.mixed_requests} slots, continuous batching"
         notes.append("llama.cpp: batch 32 and the mixed workload use llama_batch with one sequence id per request")
     engine_options = dict(num_threads=args.threads, max_num_seqs=max_seqs, max_model_len=longest + 16)
+    files: dict[str, str] = {}  # each format's file, as both engines loaded it
     for fmt in [f for f in args.formats.split(",") if f and f != "bf16"]:
         if fmt not in LLAMA_FTYPES:
             raise SystemExit(f"unknown format {fmt!r}; choose from bf16, {', '.join(LLAMA_FTYPES)}")
         if not use_llamacpp:
             raise SystemExit("quantized formats need llama-cpp-python (its quantizer makes the files)")
         path = quantize_gguf(gguf_path, fmt, args.threads)
+        files[fmt] = str(path)
         log(f"loading {path.name} in ridge and in llama.cpp")
         runners.append(RidgeRunner(LLM(str(path), tokenizer="bytes", **engine_options), f"ridge {fmt}"))
         runners.append(LlamaCppRunner(path, args.threads, longest + 16, args.llamacpp_n_batch, f"llama.cpp {fmt}"))
@@ -897,6 +899,7 @@ def main(argv=None) -> int:
             "llama_cpp_python": _version("llama_cpp"),
         },
         "engines": engines,
+        "files": files,
         "how": how,
         "notes": notes,
         "peak_gflop_per_s": peak / 1e9,

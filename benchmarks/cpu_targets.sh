@@ -17,10 +17,11 @@
 #   rows     quant_rows.py: steps of 1-128 rows per format, the kernel alone
 #   targets  benchmarks/targets.py: each target, its figure, met or not
 #
-# Environment: ROUNDS (default 2), THREADS (2), FORMATS (the file types, comma-separated), PYTHON (.venv/bin/python), IK_SRC, IK_COMMIT
-# (8337e4cd3, what the README's figures used), IK_BENCH (default /tmp/ik_llama.cpp/build/bin/
-# llama-bench), LLAMACPP_CMAKE_ARGS (the llama-cpp-python build's flags). Logs go to
-# ${OUT:-/tmp/ridge-cpu-targets}.
+# Environment: ROUNDS (default 2), THREADS (2), FORMATS (the file types, comma-separated),
+# PYTHON (.venv/bin/python), IK_SRC, IK_COMMIT (8337e4cd3, what the README's figures used),
+# IK_BENCH (default /tmp/ik_llama.cpp/build/bin/llama-bench), LLAMACPP_CMAKE_ARGS (the
+# llama-cpp-python build's flags). Logs go to ${OUT:-/tmp/ridge-cpu-targets}. The steps after
+# `files` take the files from its JSON ("files": each type's path), not from a path of their own.
 set -uo pipefail
 PYTHON=${PYTHON:-.venv/bin/python}
 ROUNDS=${ROUNDS:-2}
@@ -39,17 +40,19 @@ case $(lscpu | sed -n 's/^Model name: *//p' | head -n 1) in
   *) CPU=cpu ;;
 esac
 COMPARE_JSON=benchmarks/compare_targets_$CPU.json
-EXPORTS=${RIDGE_CACHE_DIR:-$HOME/.cache/ridge}/compare/tinyllama-1.1b-bfloat16-seed0
-files_of() {  # the exported files of the given types, comma-separated
-  local list="" fmt
-  for fmt in ${1//,/ }; do list+="${list:+,}$EXPORTS/model-$fmt.gguf"; done
-  echo "$list"
-}
-need_files() {
-  local f
-  for f in ${1//,/ }; do
-    [ -f "$f" ] || { echo "missing $f: run the 'files' step first" >&2; return 1; }
-  done
+files_of() {  # the files of the given types that the 'files' step ran, comma-separated
+  "$PYTHON" - "$COMPARE_JSON" "$1" <<'EOF'
+import json, os, sys
+try:
+    ran = json.load(open(sys.argv[1])).get("files", {})
+except OSError:
+    ran = {}
+types = sys.argv[2].split(",")
+missing = [t for t in types if not os.path.isfile(ran.get(t, ""))]
+if missing:
+    sys.exit(f"no file of type {', '.join(missing)} in {sys.argv[1]}: run the 'files' step first")
+print(",".join(ran[t] for t in types))
+EOF
 }
 
 {
@@ -87,15 +90,15 @@ for step in "$@"; do
       --threads "$THREADS" --skip-transformers --json "$COMPARE_JSON" 2>&1 | tee "$OUT/compare.log" | tail -n 40
     ;;
   ik)
-    need_files "$(files_of $FORMATS)" || exit 1
-    "$PYTHON" benchmarks/vs_ik.py --llama-bench "$IK_BENCH" --files "$(files_of $FORMATS)" --rounds "$ROUNDS" \
+    files=$(files_of "$FORMATS") || exit 1
+    "$PYTHON" benchmarks/vs_ik.py --llama-bench "$IK_BENCH" --files "$files" --rounds "$ROUNDS" \
       --threads "$THREADS" 2>&1 | tee "$OUT/vs_ik.log" | tail -n 12
     ;;
   plan)
-    need_files "$(files_of q4_k_m,q8_0)" || exit 1
-    for fmt in q4_k_m q8_0; do
-      "$PYTHON" benchmarks/decode_plan.py --model "$(files_of $fmt)" --rounds 3 --threads "$THREADS" 2>&1 |
-        tee "$OUT/decode_plan_$fmt.log" | tail -n 6
+    files=$(files_of q4_k_m,q8_0) || exit 1
+    for file in ${files//,/ }; do
+      "$PYTHON" benchmarks/decode_plan.py --model "$file" --rounds 3 --threads "$THREADS" 2>&1 |
+        tee "$OUT/decode_plan_$(basename "$file" .gguf).log" | tail -n 6
     done
     ;;
   rows)

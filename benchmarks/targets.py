@@ -10,7 +10,7 @@ file or format, the measured figure, the target and whether it is met:
     median of the per-round ratios, this CPU's entry);
   - 2-8 rows at most 1.3x one row in every format (``quant_rows.py``, this CPU's entry).
 
-    python benchmarks/targets.py --compare benchmarks/compare_targets_amd.json [--markdown]
+    python benchmarks/targets.py --compare benchmarks/compare_targets_amd.json
 
 ``benchmarks/cpu_targets.sh`` runs the benchmarks and then this.
 """
@@ -28,8 +28,8 @@ IK_RATIO = 1.0  # ridge / ik_llama.cpp, tg64 and pp512
 ROWS_COST = 1.3  # a step of 2-8 rows against one row
 
 
-def compare_rows(path: Path) -> list[tuple[str, str, str, str, bool]]:
-    summary = json.loads(path.read_text())["summary"]["batch1"]
+def compare_rows(compare: dict) -> list[tuple[str, str, str, str, bool]]:
+    summary = compare["summary"]["batch1"]
     engines, speedup = summary["engines"], summary["ridge_speedup"]
     rows = []
     for name in engines:
@@ -102,9 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", default=None, help="the CPU entry to read (default: this machine's)")
     args = parser.parse_args(argv)
     cpu = args.cpu or cpu_model()
-    machine = json.loads(args.compare.read_text()).get("machine", {})
+    compare = json.loads(args.compare.read_text())
+    machine = compare.get("machine", {})
     ik, per_rows = cpu_entry(args.vs_ik, cpu), cpu_entry(args.quant_rows, cpu)
-    rows = compare_rows(args.compare) + ik_rows(ik) + quant_rows(per_rows)
+    rows = compare_rows(compare) + ik_rows(ik) + quant_rows(per_rows)
     print(f"Issue 21's targets on {cpu}, from:")
     print(f"- {args.compare}: {machine.get('date', '?')}, {machine.get('cpu', '?')}")
     for path, entry in ((args.vs_ik, ik), (args.quant_rows, per_rows)):
