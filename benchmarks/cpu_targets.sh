@@ -3,8 +3,12 @@
 # then every target against them (benchmarks/targets.py). Run from the repository root after
 # `make setup`, with nothing else running; the steps run in the order given:
 #
-#   bash benchmarks/cpu_targets.sh peers files ik plan rows targets     # about 70 minutes
+#   bash benchmarks/cpu_targets.sh prefetch peers files ik plan rows targets   # about 75 minutes
 #
+#   prefetch prefetch.py: the AMD and Intel prefetch tables (csrc/prefetch.cpp) alternated on
+#            the same bytes, the kernels alone (about 3 minutes). The AMD's table is what was
+#            measured there before the Xeon sessions' changes; where another policy wins in
+#            every round, put it in that vendor's table (and rebuild) before the steps below.
 #   peers    llama-cpp-python 0.3.36 built natively into the venv where it is missing (about 8
 #            minutes; AMX off: its AMX kernels crash on the Intel VMs, the AMD has none), and
 #            ik_llama.cpp's llama-bench built from $IK_SRC at $IK_COMMIT (about 10 minutes)
@@ -18,6 +22,7 @@
 #   targets  benchmarks/targets.py: each target, its figure, met or not
 #
 # Environment: ROUNDS (default 2), THREADS (2), FORMATS (the file types, comma-separated),
+# PREFETCH_POLICIES (the prefetch step's, ';' between),
 # PYTHON (.venv/bin/python), IK_SRC, IK_COMMIT (8337e4cd3, what the README's figures used),
 # IK_BENCH (default /tmp/ik_llama.cpp/build/bin/llama-bench), LLAMACPP_CMAKE_ARGS (the
 # llama-cpp-python build's flags). Logs go to ${OUT:-/tmp/ridge-cpu-targets}. The steps after
@@ -101,6 +106,10 @@ for step in "$@"; do
         tee "$OUT/decode_plan_$(basename "$file" .gguf).log" | tail -n 6
     done
     ;;
+  prefetch)
+    "$PYTHON" benchmarks/prefetch.py --policies "${PREFETCH_POLICIES:-amd;intel;amd,quant_near_every=1}" \
+      --rounds 7 --threads "$THREADS" 2>&1 | tee "$OUT/prefetch.log" | tail -n 40
+    ;;
   rows)
     "$PYTHON" benchmarks/quant_rows.py --rounds 3 --threads "$THREADS" 2>&1 | tee "$OUT/quant_rows.log" | tail -n 16
     ;;
@@ -108,7 +117,7 @@ for step in "$@"; do
     "$PYTHON" benchmarks/targets.py --compare "$COMPARE_JSON" | tee "$OUT/targets.md"
     ;;
   *)
-    echo "unknown step $step (peers files ik plan rows targets)" >&2
+    echo "unknown step $step (prefetch peers files ik plan rows targets)" >&2
     exit 2
     ;;
   esac

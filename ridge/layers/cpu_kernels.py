@@ -36,6 +36,7 @@ SOURCES = (
     "decode_attention_quant.cpp",
     "decode_attention_shared.cpp",
     "decode_layers.cpp",
+    "prefetch.cpp",
     "bindings.cpp",
 )
 HEADERS = ("amx.h", "block_runs.h", "kernels.h", "kv_codes.h", "linear_call.h", "paged_rows.h", "simd_math.h")
@@ -63,6 +64,47 @@ def cpu_has_avx512_bf16() -> bool:
     return "avx512_bf16" in flags and "avx512_vnni" in flags and "gfni" in flags
 
 
+PREFETCH_ENV = "RIDGE_PREFETCH"
+
+
+class PrefetchEnvError(ValueError):
+    """``$RIDGE_PREFETCH`` does not say a prefetch policy (raised at load, never a silent fallback)."""
+
+
+def prefetch_setting(text: str) -> tuple[str | None, dict[str, int]]:
+    """``$RIDGE_PREFETCH``'s text -> (a vendor table's name or None, {key: value}).
+
+    Comma-separated items, each a table (``amd``, ``intel``, ``cpu``: this CPU's) or
+    ``key=value`` (``bf16_far``, ``quant_near_rows``, ``quant_near_every``; csrc/linear_call.h),
+    applied over the table, e.g. ``amd,quant_near_rows=1``."""
+    preset, values = None, {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        key, eq, value = item.partition("=")
+        if not eq:
+            if preset is not None:
+                raise PrefetchEnvError(f"{PREFETCH_ENV}: two tables, {preset!r} and {key!r}")
+            preset = key
+            continue
+        try:
+            values[key.strip()] = int(value)
+        except ValueError:
+            raise PrefetchEnvError(f"{PREFETCH_ENV}: {item!r} is not key=integer") from None
+    return preset, values
+
+
+def apply_prefetch(ext, text: str) -> dict[str, int]:
+    """Set the extension's prefetch policy from ``$RIDGE_PREFETCH``-style text; returns it."""
+    preset, values = prefetch_setting(text)
+    try:
+        policy = dict(ext.prefetch_preset(preset)) if preset else {}
+        ext.set_prefetch_policy(policy | values)
+    except RuntimeError as exc:  # the kernel's own check: an unknown table, key or value
+        raise PrefetchEnvError(f"{PREFETCH_ENV}={text!r}: {str(exc).splitlines()[0]}") from None
+    return ext.prefetch_policy()
+
+
 def extension_build_dir() -> Path:
     return default_cache_dir() / "extensions" / f"torch-{torch.__version__}"
 
@@ -83,10 +125,15 @@ def load_extension(progress=sys.stderr):
     ``PROGRESS_EVERY_S`` seconds, and the time it took); a load prints nothing. A process holds
     one copy: later calls return the module loaded first, whatever ``$RIDGE_CACHE_DIR`` says
     by then (a second copy from another build directory could not register its classes).
+    ``$RIDGE_PREFETCH`` (``prefetch_setting``) changes the kernels' prefetch policy from the
+    CPU vendor's; one it cannot apply raises ``PrefetchEnvError``.
     """
     global _LOADED
     if _LOADED is None:
-        _LOADED = _load_extension(progress)
+        module = _load_extension(progress)
+        if os.environ.get(PREFETCH_ENV):
+            apply_prefetch(module, os.environ[PREFETCH_ENV])
+        _LOADED = module
     return _LOADED
 
 
@@ -188,6 +235,8 @@ def select_kernels(kind: str, device: torch.device, dtype: torch.dtype):
         return TorchKernels()
     try:
         return CpuKernels(load_extension())
+    except PrefetchEnvError:  # the user's setting, not the build: say so, never run slower silently
+        raise
     except Exception as exc:  # no compiler, no ninja, ...: fall back, loudly
         if kind == "ridge":
             raise ValueError(f"cannot build ridge's CPU kernels: {exc}") from None

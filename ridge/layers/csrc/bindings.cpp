@@ -1,5 +1,6 @@
 // Python bindings of ridge's CPU kernels (one extension, several sources).
 #include <torch/extension.h>
+#include <pybind11/stl.h>
 
 #include "kernels.h"
 
@@ -15,6 +16,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_quant_grouped", &linear_quant_grouped, py::call_guard<py::gil_scoped_release>(), "linear_bf16_grouped for Q8_0 / Q4_0 / Q4_1 weights");
   m.def("linear_bf16_uses_amx", &linear_bf16_uses_amx, py::call_guard<py::gil_scoped_release>(), "whether linear_bf16 runs 2+ rows on AMX tiles for this K");
   m.def("amx_int8_ready", &amx_int8_ready, py::call_guard<py::gil_scoped_release>(), "whether linear_quant runs 2+ rows on AMX-INT8 tiles");
+  m.def("prefetch_policy", &prefetch_policy, "the streaming kernels' prefetch policy (linear_call.h)");
+  m.def("prefetch_preset", &prefetch_preset, "a vendor's policy: amd, intel, or cpu (this CPU's vendor)");
+  m.def("set_prefetch_policy", &set_prefetch_policy, "change the keys given (between kernel calls)");
   m.def("pack_quant", &pack_quant, py::call_guard<py::gil_scoped_release>(), "(N, K/32 * type_size) GGUF blocks -> blocks of 16 rows for linear_quant");
   m.def("unpack_quant", &unpack_quant, py::call_guard<py::gil_scoped_release>(), "the inverse of pack_quant");
   m.def("linear_quant", &linear_quant, py::call_guard<py::gil_scoped_release>(),

@@ -3,6 +3,8 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <map>
+#include <string>
 #include <vector>
 
 // linear_bf16.cpp, linear_quant.cpp
@@ -11,6 +13,10 @@ torch::Tensor unpack_vnni(torch::Tensor packed, int64_t N, int64_t K);
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias);
 bool linear_bf16_uses_amx(int64_t K);
 bool amx_int8_ready();  // AMX-INT8 tiles usable (linear_quant runs 2+ rows on them)
+// prefetch.cpp: the streaming kernels' prefetch policy (linear_call.h) as {key: value}
+std::map<std::string, int64_t> prefetch_policy();
+std::map<std::string, int64_t> prefetch_preset(const std::string& name);  // "amd", "intel", "cpu"
+void set_prefetch_policy(const std::map<std::string, int64_t>& values);  // the keys given; between calls
 torch::Tensor linear_bf16_grouped(torch::Tensor x, torch::Tensor packed, int64_t N, std::vector<int64_t> counts);
 torch::Tensor linear_quant_grouped(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_t N,
                                    std::vector<int64_t> counts);

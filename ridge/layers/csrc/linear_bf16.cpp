@@ -46,10 +46,12 @@ template <int MR>
 inline void tile_block(const int32_t* xt, int64_t KP, const bf16* wp, const char* pf_end, float* out) {
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  // the process's policy (linear_call.h): no far fetch is an end no line lies before
+  const char* far_end = g_prefetch.bf16_far ? pf_end : reinterpret_cast<const char*>(wp);
   for (int64_t kp = 0; kp < KP; ++kp) {
     const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void*)(wp + kp * 32));
-    const char* ahead = (const char*)(wp + kp * 32) + L2_PREFETCH_AHEAD;  // far ahead (linear_call.h)
-    if (ahead < pf_end) _mm_prefetch(ahead, _MM_HINT_T2);
+    const char* ahead = (const char*)(wp + kp * 32) + L2_PREFETCH_AHEAD;  // far ahead, into L2
+    if (ahead < far_end) _mm_prefetch(ahead, _MM_HINT_T2);
     if constexpr (MR >= 8)  // FMA-heavy tiles: loads must be in flight early (see plan_tiles)
       _mm_prefetch((const char*)(wp + (kp + PREFETCH_PAIRS) * 32), _MM_HINT_T0);
     for (int i = 0; i < MR; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(xt[kp * MR + i]), wv);
@@ -66,8 +68,9 @@ struct Tile {
 // from 1 to 64 here.
 // Software prefetch into L1 only for tiles of 8+ rows, whose FMAs would otherwise hold the loads
 // back (without it 16 rows ran 30-40% slower); for 1-4 rows the hardware prefetcher does better
-// (measured 5-13% faster at 1-2 rows, more in the high bandwidth level), given the L2 prefetch
-// far ahead that every tile issues (linear_call.h).
+// alone (measured 5-13% faster at 1-2 rows on the AMD machine, more in its high bandwidth
+// level, before any L2 prefetch); whether it also fetches far ahead into L2 is the process's
+// policy (bf16_far, linear_call.h).
 std::vector<Tile> plan_tiles(int64_t M, int64_t KP) {
   std::vector<Tile> tiles;
   int64_t offset = 0;

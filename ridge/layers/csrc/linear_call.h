@@ -9,14 +9,23 @@
 torch::Tensor huge_page_empty(at::IntArrayRef shape, const at::TensorOptions& options);
 
 // How far ahead of its loads a streaming kernel (bf16 and every block format) fetches each line
-// of its weights into L2 (prefetcht2), every tile size: alone, the hardware prefetcher keeps too
-// few lines in flight for a core to stream at what the memory gives, and fewer the more work a
-// kernel does per byte. Measured one row, kernel alone: 2 Zen 4 cores, one 11264 x 2048 matmul,
-// int4 26.0 -> 30.5 GB/s, Q4_K 23.2 -> 31.1, int8 30.4 either way; 2-core Xeon, random weights
-// in TinyLlama-1.1B's four shapes, bf16 1.10-1.12x, Q8_0 1.07-1.14x, and bf16 on the AVX-512
-// kernel (no AMX) at 2 and 4 rows 1.19x and 1.34x, 8 rows unchanged. 24, 128 and 192 KiB were no
-// better on the Xeon.
+// of its weights into L2 (prefetcht2), and a block-format kernel each group into L1
+// (prefetcht0); prefetch.cpp says why and what each machine measured. The distances are
+// constants (a distance read at run time cost 2-4% in cache at one row: the offsets left the
+// instructions' immediates); whether and for which tiles the kernels fetch is the process's
+// policy, read by each call. Its default is the table of the CPU's vendor in prefetch.cpp (what
+// was last measured best on that machine); RIDGE_PREFETCH (cpu_kernels.py) or
+// set_prefetch_policy between calls change it, so benchmarks/prefetch.py compares the tables on
+// the same bytes. Where a line is fetched never changes a result.
 constexpr int64_t L2_PREFETCH_AHEAD = 64 * 1024;
+constexpr int64_t L1_PREFETCH_GROUPS = 8;  // block formats: groups of 32 k ahead
+
+struct PrefetchPolicy {
+  int64_t bf16_far;          // 1: bf16 fetches L2_PREFETCH_AHEAD ahead (block formats always do); 0: not
+  int64_t quant_near_rows;   // block formats: tiles of at least this many rows fetch L1_PREFETCH_GROUPS ahead
+  int64_t quant_near_every;  // ... 1: every line of that group; 0: its first line and the one 256 bytes on
+};
+extern PrefetchPolicy g_prefetch;  // read by the kernels; written only between calls
 
 struct LinearCall {
   torch::Tensor x2, y, bias_f;

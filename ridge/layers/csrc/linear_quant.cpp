@@ -66,19 +66,9 @@ alignas(16) constexpr uint8_t IQ4_NL_TABLE[16] = {1, 24, 45, 63, 79, 93, 106, 11
 constexpr int64_t QK = 32;     // weights per block
 constexpr int64_t ROWS = 16;   // output rows per packed block
 constexpr int64_t SLAB = 128;  // rows of x per pass over W for prefill (x slab stays in L2)
-// Software prefetch: every tile fetches the weights L2_PREFETCH_AHEAD bytes ahead into L2
-// (linear_call.h) and every line of the group PF_DIST groups ahead into L1. A block's
-// arithmetic depends on its loads, so a load that waits on L2 holds the integer work back,
-// and with it the loop's progress through memory: without the near fetch the int4 kernel
-// streamed 0.83x of a load-only loop over the same bytes (2-core Xeon, 600 MB, 2 threads),
-// though in cache it runs 2-3x faster than memory serves. Fetching only a group's first line
-// (and for 8+ rows only) was measured first: on 2 Zen 4 cores, 8 rows: int4 0.91 -> 0.66 ms,
-// Q6_K 1.61 -> 0.93; 16 and 64 rows 4-15% faster. Every line, every tile (2-core Xeon, 22
-// TinyLlama-1.1B layers of random weights, same bytes, builds alternated): 1 row int4 1.11x,
-// Q4_K 1.09x, Q6_K 1.06-1.09x, int8 1.05x, IQ4_XS/NL 1.07-1.08x, Q3_K 1.08x, Q2_K 1.01x; 2 rows
-// 1.08-1.10x, 4 rows 1.04-1.09x, 8 rows 1.02-1.09x, 16 rows 1.02-1.05x over the first-line
-// fetch. 4 groups ahead was 0.97x of 8, 16 groups 1.00-1.02x.
-constexpr int64_t PF_DIST = 8;
+// Software prefetch: each tile fetches its weights L2_PREFETCH_AHEAD bytes ahead into L2, and
+// L1_PREFETCH_GROUPS groups ahead into L1 where the process's policy says (linear_call.h; each
+// CPU's and what it measured in prefetch.cpp).
 // Tiles of at least this many rows (12 or 16) take AMX-INT8 where the CPU has it (see amx_chunk_dots)
 constexpr int64_t AMX_INT8_MIN_MR = 12;
 
@@ -406,6 +396,9 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
   static_assert(!AMX || amx_format(FMT));
   [[maybe_unused]] alignas(64) int32_t cbuf[2][AMX_CHUNK * 256];  // AMX: this chunk's products, the next one's
   if constexpr (AMX) amx_chunk_dots<FMT, WB, MR>(block, t.xa, 0, G, cbuf[0]);
+  constexpr int64_t near = L1_PREFETCH_GROUPS * WB;  // bytes ahead
+  const bool near_on = MR >= g_prefetch.quant_near_rows;  // the process's policy (linear_call.h)
+  const bool near_every = near_on && g_prefetch.quant_near_every, near_first = near_on && !near_every;
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* chunk = block + g * WB;
     if ((g & 7) == 0) {
@@ -422,8 +415,13 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
     if (chunk + L2_PREFETCH_AHEAD < pf_end)  // far ahead, into L2, within this thread's run of W
       for (int64_t line = 0; line < WB; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(chunk + L2_PREFETCH_AHEAD + line), _MM_HINT_T2);
-    for (int64_t line = 0; line < WB; line += 64)  // near, into L1 (see PF_DIST)
-      _mm_prefetch(reinterpret_cast<const char*>(chunk + PF_DIST * WB + line), _MM_HINT_T0);
+    if (near_every) {  // near, into L1: every line of the group
+      for (int64_t line = 0; line < WB; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(chunk + near + line), _MM_HINT_T0);
+    } else if (near_first) {  // or its first line and the one 256 bytes on
+      for (int64_t line = 0; line < WB; line += 256)
+        _mm_prefetch(reinterpret_cast<const char*>(chunk + near + line), _MM_HINT_T0);
+    }
     // the scales are a short second stream per block (2 KiB at K = 2048): the hardware
     // prefetcher hardly starts on it, so it is fetched ahead here (their misses stalled M = 1)
     if constexpr (KQ || FMT == Q3_K) {  // the next super-block's d (, dmin) and codes

@@ -1,0 +1,141 @@
+"""Which prefetch policy streams the weights fastest on this CPU: the kernels alone, policies
+alternated on the same bytes.
+
+The streaming kernels fetch their weights ahead as a per-process policy says (csrc/linear_call.h;
+each CPU vendor's table and what it measured in csrc/prefetch.cpp). This times the four matrices
+of ``--layers`` TinyLlama-1.1B layers (qkv, o, gate_up, down: 2560x2048, 2048x2048, 11264x2048,
+2048x5632; random weights, bf16 activations), far more bytes than the caches hold, per format
+and row count, under each policy in turn: every round runs every policy once, in a rotated
+order. Reported per format and rows: each policy's median GB/s (packed bytes / time) and the
+median over rounds of its speed against the first policy's in the same round.
+
+Policies are ``$RIDGE_PREFETCH``-style texts separated by ``;`` (``amd``, ``intel``,
+``cpu``, or a table with ``key=value`` overrides, e.g. ``amd,quant_near_rows=1``). A policy
+that beats this CPU's table by a clear margin in every round belongs in that vendor's table in
+csrc/prefetch.cpp. Writes ``benchmarks/prefetch.json`` (one entry per CPU; a rerun replaces it).
+
+    python benchmarks/prefetch.py [--policies "amd;intel"] [--formats bf16,int4,q4_k] [--rows 1,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+OUT = Path(__file__).with_name("prefetch.json")
+SHAPES = ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))  # (N, K) of one layer
+
+
+def build_layers(ext, name: str, layers: int) -> tuple[list, int, object]:
+    """([(packed, N, K) per matrix], packed bytes, the call y = x @ W.T) for ``layers`` layers of
+    format ``name`` (``bf16`` or a block format)."""
+    from ridge.layers.kernels import QUANT_KERNEL_CODES
+    from ridge.quantization.formats import FORMATS
+    from ridge.quantization.random_blocks import random_blocks
+
+    mats = []
+    for layer in range(layers):
+        for i, (n, k) in enumerate(SHAPES):
+            seed = layer * len(SHAPES) + i
+            if name == "bf16":
+                w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).bfloat16()
+                mats.append((ext.pack_vnni(w), n, k))
+            else:
+                code = QUANT_KERNEL_CODES[name]
+                mats.append((ext.pack_quant(random_blocks(FORMATS[name], n, k, seed=seed), code, n, k), n, k))
+    nbytes = sum(p.numel() * p.element_size() for p, _, _ in mats)
+    if name == "bf16":
+        return mats, nbytes, lambda x, p, n: ext.linear_bf16(x, p, n, None)
+    code = QUANT_KERNEL_CODES[name]
+    return mats, nbytes, lambda x, p, n: ext.linear_quant(x, p, code, n, None)
+
+
+def time_policies(ext, policies: list[str], mats: list, call, m: int, rounds: int) -> dict[str, list[float]]:
+    """{policy: seconds of one pass over every matrix at ``m`` rows, a round each}: every round
+    runs every policy once, the order rotated each round; round 0 warms them untimed."""
+    from ridge.layers.cpu_kernels import apply_prefetch
+
+    xs = {k: torch.randn(m, k).bfloat16() for k in {k for _, _, k in mats}}
+    times = {p: [] for p in policies}
+    for r in range(rounds + 1):
+        for p in policies[r % len(policies) :] + policies[: r % len(policies)]:
+            apply_prefetch(ext, p)
+            begin = time.perf_counter()
+            for packed, n, k in mats:
+                call(xs[k], packed, n)
+            if r:
+                times[p].append(time.perf_counter() - begin)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--policies", default="amd;intel", help="RIDGE_PREFETCH-style texts, ';' between")
+    parser.add_argument("--formats", default="bf16,int8,int4,iq4_xs,q4_k,q5_k,q6_k,q3_k,q2_k")
+    parser.add_argument("--rows", default="1,2,4,8")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=OUT)
+    args = parser.parse_args()
+
+    from ridge.layers.cpu_kernels import apply_prefetch, load_extension
+    from ridge.roofline.probe import cpu_model
+
+    torch.set_num_threads(args.threads)
+    ext = load_extension()
+    start_policy = ext.prefetch_policy()
+    policies = [p.strip() for p in args.policies.split(";") if p.strip()]
+    resolved = {p: apply_prefetch(ext, p) for p in policies}
+    rows = [int(r) for r in args.rows.split(",")]
+    print(f"{cpu_model()}, {args.threads} threads; this CPU's table: {dict(ext.prefetch_preset('cpu'))}")
+    for p in policies:
+        print(f"  {p}: {resolved[p]}")
+    results = {}
+    for name in args.formats.split(","):
+        mats, nbytes, call = build_layers(ext, name, args.layers)
+        results[name] = {"bytes": nbytes, "rows": {}}
+        for m in rows:
+            times = time_policies(ext, policies, mats, call, m, args.rounds)
+            first = policies[0]
+            cell = {}
+            for p in policies:
+                ratios = [a / b for a, b in zip(times[first], times[p])]
+                cell[p] = {
+                    "gb_per_s": nbytes / statistics.median(times[p]) / 1e9,
+                    "vs_first": statistics.median(ratios),
+                    "vs_first_range": [min(ratios), max(ratios)],
+                }
+            results[name]["rows"][str(m)] = cell
+            line = "  ".join(
+                f"{p}: {c['gb_per_s']:5.1f} GB/s {c['vs_first']:.3f}x ({low:.2f}-{high:.2f})"
+                for p, c in cell.items()
+                for low, high in [c["vs_first_range"]]
+            )
+            print(f"{name:7s} {m:2d} rows  {line}", flush=True)
+        del mats
+    ext.set_prefetch_policy(start_policy)
+    record = {
+        "cpu": cpu_model(),
+        "date": time.strftime("%Y-%m-%d"),
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "layers": args.layers,
+        "shapes": SHAPES,
+        "cpu_table": dict(ext.prefetch_preset("cpu")),
+        "policies": resolved,
+        "formats": results,
+    }
+    old = json.loads(args.json.read_text()) if args.json.exists() else {}
+    old[cpu_model()] = record
+    args.json.write_text(json.dumps(old, indent=1) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+// The streaming kernels' prefetch policy (linear_call.h): one table per CPU vendor, each what
+// was last measured best on that vendor's machine, and the process's policy, set at load.
+//
+// Why fetch at all. Far, into L2 (the block formats always; bf16 where bf16_far): alone, the
+// hardware prefetcher keeps too few lines in flight for a core to stream at what the memory
+// gives, and fewer the more work a kernel does per byte. Near, into L1 (quant_near_rows,
+// quant_near_every): a block's arithmetic depends on its loads, so a load that waits on L2 holds
+// the integer work back, and with it the loop's progress through memory.
+//
+// What was measured (kernel alone unless said; one row unless said):
+// - 2 Zen 4 cores (AMD EPYC), 2026-11-22 to 11-24: the block formats' far fetch, one 11264 x
+//   2048 matmul: int4 26.0 -> 30.5 GB/s, Q4_K 23.2 -> 31.1, Q8_0 30.4 either way; the same for
+//   every tile size: 8 rows int4 0.91 -> 0.66 ms, Q6_K 1.61 -> 0.93, 16 and 64 rows 4-15%. The near
+//   fetch (the group 8 ahead, its first line and the one 256 bytes on) only for tiles of 8+
+//   rows, whose arithmetic would otherwise hold the loads back: fewer rows streamed better with
+//   the hardware prefetcher alone. bf16 without far prefetch ran its files' batch-1 decode at
+//   96-97% of the floor, and an L1 prefetch at 1-2 rows was 5-13% slower than none
+//   (linear_bf16.cpp keeps it for 8+ rows).
+// - 2-core Intel Xeon with AMX, 2026-11-26: bf16_far: bf16 1.10-1.12x; the far fetch for Q8_0
+//   too (it had gained nothing on the AMD machine): 1.07-1.14x; bf16 without AMX at 2 and 4 rows
+//   1.19x and 1.34x (24, 128 and 192 KiB ahead no better than 64). Without a near fetch the int4
+//   kernel streamed 0.83x of a load-only loop over the same 600 MB, though in cache it runs 2-3x
+//   faster than memory serves. Every line of the group 8 ahead, every tile, over the first lines
+//   for 8+ rows (22 TinyLlama-1.1B layers of random weights, same bytes, builds alternated): 1 row
+//   int4 1.11x, Q4_K 1.09x, Q6_K 1.06-1.09x, int8 1.05x, IQ4_XS/NL 1.07-1.08x, Q3_K 1.08x, Q2_K
+//   1.01x; 2-16 rows 1.02-1.10x. 4 groups ahead was 0.97x of 8, 16 groups 1.00-1.02x.
+//   2026-11-27, benchmarks/prefetch.py, this table against the AMD's: block formats 1.02-1.09x
+//   at one row, 0.99-1.09x at 2-8 rows; bf16 1.38x at one row.
+// The Xeon's changes were never measured on the AMD machine, so its table keeps what was
+// measured there; benchmarks/prefetch.py compares both tables (and any other policy) on one
+// machine's bytes. quant_near_rows 17 turns the near fetch off (tiles have at most 16 rows).
+#include <cpuid.h>
+
+#include <cstring>
+#include <map>
+#include <string>
+
+#include "kernels.h"
+#include "linear_call.h"
+
+namespace {
+
+constexpr PrefetchPolicy AMD = {0, 8, 0};
+constexpr PrefetchPolicy INTEL = {1, 1, 1};
+
+bool cpu_is_amd() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+  char vendor[13] = {};
+  std::memcpy(vendor, &b, 4), std::memcpy(vendor + 4, &d, 4), std::memcpy(vendor + 8, &c, 4);
+  return std::strcmp(vendor, "AuthenticAMD") == 0;
+}
+
+std::map<std::string, int64_t> as_map(const PrefetchPolicy& p) {
+  return {{"bf16_far", p.bf16_far}, {"quant_near_rows", p.quant_near_rows}, {"quant_near_every", p.quant_near_every}};
+}
+
+}  // namespace
+
+PrefetchPolicy g_prefetch = cpu_is_amd() ? AMD : INTEL;
+
+std::map<std::string, int64_t> prefetch_preset(const std::string& name) {
+  if (name == "amd") return as_map(AMD);
+  if (name == "intel") return as_map(INTEL);
+  TORCH_CHECK(name == "cpu", "unknown prefetch preset '", name, "' (amd, intel, cpu)");
+  return as_map(cpu_is_amd() ? AMD : INTEL);
+}
+
+std::map<std::string, int64_t> prefetch_policy() { return as_map(g_prefetch); }
+
+void set_prefetch_policy(const std::map<std::string, int64_t>& values) {
+  PrefetchPolicy p = g_prefetch;
+  for (const auto& [key, v] : values) {
+    if (key == "bf16_far" || key == "quant_near_every") {
+      TORCH_CHECK(v == 0 || v == 1, "prefetch ", key, " must be 0 or 1, got ", v);
+      (key == "bf16_far" ? p.bf16_far : p.quant_near_every) = v;
+    } else if (key == "quant_near_rows") {
+      TORCH_CHECK(v >= 0, "prefetch quant_near_rows must be >= 0, got ", v);
+      p.quant_near_rows = v;
+    } else {
+      TORCH_CHECK(false, "unknown prefetch key '", key, "' (bf16_far, quant_near_rows, quant_near_every)");
+    }
+  }
+  g_prefetch = p;
+}

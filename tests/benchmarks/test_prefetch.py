@@ -1,0 +1,34 @@
+"""benchmarks/prefetch.py: the kernels under each prefetch policy in turn, written per CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ridge.layers.cpu_kernels import cpu_has_avx512_bf16
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "prefetch.py"
+
+
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU has no AVX-512 BF16 + VNNI")
+def test_each_policy_is_timed_on_the_same_bytes_and_recorded(tmp_path):
+    out = tmp_path / "prefetch.json"
+    cmd = [sys.executable, str(SCRIPT), "--layers", "1", "--formats", "int4,bf16", "--rows", "1,8", "--rounds", "2"]
+    cmd += ["--policies", "intel; amd,quant_near_rows=1", "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (record,) = json.loads(out.read_text()).values()
+    assert record["rounds"] == 2 and record["layers"] == 1
+    assert record["policies"]["amd,quant_near_rows=1"]["quant_near_rows"] == 1
+    assert set(record["cpu_table"]) == set(record["policies"]["intel"])  # one table of the same keys
+    for name in ("int4", "bf16"):
+        entry = record["formats"][name]
+        assert entry["bytes"] > 0 and set(entry["rows"]) == {"1", "8"}
+        for cell in entry["rows"].values():
+            assert set(cell) == {"intel", "amd,quant_near_rows=1"}
+            assert cell["intel"]["vs_first"] == 1.0
+            assert all(c["gb_per_s"] > 0 and c["vs_first"] > 0 for c in cell.values())
