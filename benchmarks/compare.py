@@ -69,6 +69,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from ridge.bench.common import parse_range, random_prompts, summarize  # noqa: E402
+from ridge.layers.cpu_kernels import loaded_prefetch_policy  # noqa: E402
 from ridge.models.export import hf_state_dict, save_hf_checkpoint, write_gguf  # noqa: E402
 from ridge.roofline.ops import step_cost, weight_bytes  # noqa: E402
 from ridge.roofline.probe import ProbeSettings, local_hardware, machine_fingerprint, probe_read_bandwidth  # noqa: E402
@@ -897,6 +898,7 @@ def main(argv=None) -> int:
             "torch": torch.__version__,
             "transformers": _version("transformers"),
             "llama_cpp_python": _version("llama_cpp"),
+            "cpu_prefetch": loaded_prefetch_policy(),  # ridge's CPU kernels' (csrc/prefetch.cpp)
         },
         "engines": engines,
         "files": files,

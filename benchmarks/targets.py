@@ -107,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     ik, per_rows = cpu_entry(args.vs_ik, cpu), cpu_entry(args.quant_rows, cpu)
     rows = compare_rows(compare) + ik_rows(ik) + quant_rows(per_rows)
     print(f"Issue 21's targets on {cpu}, from:")
-    print(f"- {args.compare}: {machine.get('date', '?')}, {machine.get('cpu', '?')}")
+    prefetch = machine.get("cpu_prefetch")  # the kernels' prefetch policy in that run (csrc/prefetch.cpp)
+    policy = f", prefetch {','.join(f'{k}={v}' for k, v in sorted(prefetch.items()))}" if prefetch else ""
+    print(f"- {args.compare}: {machine.get('date', '?')}, {machine.get('cpu', '?')}{policy}")
     for path, entry in ((args.vs_ik, ik), (args.quant_rows, per_rows)):
         said = f"{entry.get('date', '?')}, {entry.get('rounds', '?')} rounds" if entry else f"no entry for {cpu}"
         print(f"- {path}: {said}")

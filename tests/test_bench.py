@@ -16,6 +16,7 @@ import pytest
 from ridge.bench import throughput
 from ridge.bench.throughput import draw_lengths
 from ridge.cli import main
+from ridge.layers.cpu_kernels import loaded_prefetch_policy
 from ridge.roofline import probe
 from ridge.roofline.hardware import GIB, Hardware, Measurement
 from ridge.roofline.ops import step_cost
@@ -83,6 +84,7 @@ def test_bench_latency_json(stories_dir, no_probes, capsys):
     assert (out["model"], out["dtype"], out["device"]) == (str(stories_dir), "float32", "cpu")
     assert (out["input_len"], out["output_len"]) == (4, 4)
     assert {"date", "cpus", "torch", "torch_threads"} <= set(out["machine"])
+    assert out["machine"]["cpu_prefetch"] == loaded_prefetch_policy()  # the CPU kernels' policy, if loaded
     assert [r["batch"] for r in out["results"]] == [1, 2]
     assert len(no_probes) == 2 * 2  # before and after each round, for each batch
     shape = ModelShape.from_hf_config(json.loads((stories_dir / "config.json").read_text()))

@@ -10,6 +10,8 @@ import statistics
 
 import torch
 
+from ridge.layers.cpu_kernels import loaded_prefetch_policy
+
 
 def summarize(values: list[float]) -> dict:
     """Median and spread (p10, p90, min, max) of a sample."""
@@ -66,6 +68,7 @@ def machine() -> dict:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cpu_prefetch": loaded_prefetch_policy(),  # the CPU kernels' (None: not loaded)
     }
 
 

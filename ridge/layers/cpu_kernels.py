@@ -105,6 +105,12 @@ def apply_prefetch(ext, text: str) -> dict[str, int]:
     return ext.prefetch_policy()
 
 
+def loaded_prefetch_policy() -> dict[str, int] | None:
+    """The kernels' prefetch policy in this process (what benchmarks record beside their
+    figures), or None where the extension is not loaded."""
+    return dict(_LOADED.prefetch_policy()) if _LOADED is not None else None
+
+
 def extension_build_dir() -> Path:
     return default_cache_dir() / "extensions" / f"torch-{torch.__version__}"
 

@@ -15,7 +15,7 @@ def stat(median: float, low: float | None = None, high: float | None = None) -> 
 
 def test_each_target_is_read_from_its_json_and_judged(tmp_path, capsys):
     compare = {
-        "machine": {"date": "2026-11-26", "cpu": "Test CPU"},
+        "machine": {"date": "2026-11-26", "cpu": "Test CPU", "cpu_prefetch": {"quant_near_rows": 8, "bf16_far": 0}},
         "summary": {
             "batch1": {
                 "engines": {
@@ -68,9 +68,11 @@ def test_each_target_is_read_from_its_json_and_judged(tmp_path, capsys):
     main = runpy.run_path(str(SCRIPT), run_name="targets")["main"]
     args = ["--compare", str(paths["compare"]), "--vs-ik", str(paths["vs_ik"])]
     assert main([*args, "--quant-rows", str(paths["rows"]), "--cpu", "Test CPU"]) == 0
+    out = capsys.readouterr().out
+    assert f"- {paths['compare']}: 2026-11-26, Test CPU, prefetch bf16_far=0,quant_near_rows=8" in out
     table = {
         tuple(cell.strip() for cell in line.strip("|").split("|")[:2]): line
-        for line in capsys.readouterr().out.splitlines()
+        for line in out.splitlines()
         if line.startswith("| ") and "---" not in line
     }
     assert table[("decode b1 vs llama.cpp", "q4_0")].endswith("| yes |")

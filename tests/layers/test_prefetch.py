@@ -15,6 +15,7 @@ from ridge.layers.cpu_kernels import (
     apply_prefetch,
     cpu_has_avx512_bf16,
     load_extension,
+    loaded_prefetch_policy,
     prefetch_setting,
 )
 from ridge.layers.kernels import QUANT_KERNEL_CODES
@@ -62,6 +63,7 @@ def test_the_default_is_the_cpu_vendors_table(ext):
     assert ext.prefetch_preset("cpu") == want
     if not os.environ.get("RIDGE_PREFETCH"):
         assert ext.prefetch_policy() == want
+    assert loaded_prefetch_policy() == ext.prefetch_policy()  # what benchmarks record
 
 
 @needs_kernels
