@@ -11,7 +11,7 @@ torch::Tensor huge_page_empty(at::IntArrayRef shape, const at::TensorOptions& op
 // How far ahead of its loads a streaming kernel (bf16 and every block format) fetches each line
 // of its weights into L2 (prefetcht2), and a block-format kernel each group into L1
 // (prefetcht0); prefetch.cpp says why and what each machine measured. The distances are
-// constants (a distance read at run time cost 2-4% in cache at one row: the offsets left the
+// constants (a distance read at run time cost 2-6% in cache at one row: the offsets left the
 // instructions' immediates); whether and for which tiles the kernels fetch is the process's
 // policy, read by each call. Its default is the table of the CPU's vendor in prefetch.cpp (what
 // was last measured best on that machine); RIDGE_PREFETCH (cpu_kernels.py) or
