@@ -97,11 +97,13 @@ def prefetch_setting(text: str) -> tuple[str | None, dict[str, int]]:
 def apply_prefetch(ext, text: str) -> dict[str, int]:
     """Set the extension's prefetch policy from ``$RIDGE_PREFETCH``-style text; returns it."""
     preset, values = prefetch_setting(text)
-    try:
-        policy = dict(ext.prefetch_preset(preset)) if preset else {}
-        ext.set_prefetch_policy(policy | values)
-    except RuntimeError as exc:  # the kernel's own check: an unknown table, key or value
-        raise PrefetchEnvError(f"{PREFETCH_ENV}={text!r}: {str(exc).splitlines()[0]}") from None
+    # the extension's own check, asked before anything is set (never a C++ throw: one GPU
+    # image's build crashed on those)
+    error = ext.prefetch_error(preset or "", values)
+    if error:
+        raise PrefetchEnvError(f"{PREFETCH_ENV}={text!r}: {error}")
+    policy = dict(ext.prefetch_preset(preset)) if preset else {}
+    ext.set_prefetch_policy(policy | values)
     return ext.prefetch_policy()
 
 

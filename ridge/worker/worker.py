@@ -113,7 +113,8 @@ class Worker:
         self.tp = tp = tp or TensorParallel()
         if config.num_threads and not tp.enabled:  # a rank's threads are set where it starts
             torch.set_num_threads(config.num_threads)
-        self.device = resolve_device(config.device)
+        # a rank's device is its group's (cuda:<local rank> on GPUs), not the configured name's
+        self.device = tp.device if tp.enabled else resolve_device(config.device)
         hf_config, source = read_hf_config(config.model)
         model_config = ModelConfig.from_hf_config(hf_config, config.max_model_len)
         if vocab_size is not None and model_config.vocab_size != vocab_size:

@@ -149,12 +149,12 @@ def _one_error_line(res: subprocess.CompletedProcess, *needles: str) -> None:
 
 
 def test_heads_that_do_not_divide(three_heads):
-    res = _generate("--model", str(three_heads), "--tokenizer", "bytes", "-tp", "2")
+    res = _generate("--model", str(three_heads), "--tokenizer", "bytes", "--device", "cpu", "-tp", "2")
     _one_error_line(res, "cannot be split over 2 ranks", "attention heads (3)")
 
 
 def test_more_ranks_than_cores():
-    res = _generate("--model", "random:tiny", "-tp", str((os.cpu_count() or 1) + 1))
+    res = _generate("--model", "random:tiny", "--device", "cpu", "-tp", str((os.cpu_count() or 1) + 1))
     _one_error_line(res, "larger than the", "CPU cores")
 
 
@@ -167,7 +167,7 @@ def test_an_unreachable_master(tiny_model):
         "RIDGE_TP_CONNECT_TIMEOUT": "3",
     }
     start = time.monotonic()
-    res = _generate("--model", str(tiny_model), "--tokenizer", "bytes", "-tp", "2", env=env)
+    res = _generate("--model", str(tiny_model), "--tokenizer", "bytes", "--device", "cpu", "-tp", "2", env=env)
     _one_error_line(res, "cannot reach the master at 127.0.0.1:")
     assert time.monotonic() - start < 60
 
@@ -212,7 +212,7 @@ def test_torchrun_starts_one_ridge_per_rank(stories_dir):
     torchrun = Path(sys.executable).with_name("torchrun")
     if not torchrun.is_file():
         pytest.skip("torchrun is not beside this python")
-    args = ["--model", str(stories_dir), "--prompt", "Once upon a time", "--max-tokens", "20"]
+    args = ["--model", str(stories_dir), "--device", "cpu", "--prompt", "Once upon a time", "--max-tokens", "20"]
     single = subprocess.run(
         [sys.executable, "-m", "ridge.cli", "generate", *args], capture_output=True, text=True, timeout=120
     )

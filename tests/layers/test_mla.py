@@ -133,7 +133,9 @@ def test_a_quantized_kv_b_proj_is_absorbed_in_block_formats(tmp_path, quantizati
     config_cls, model_cls, extra = VARIANTS["deepseek-v2-lite"]
     widths = {"qk_nope_head_dim": nope, "v_head_dim": v, "kv_lora_rank": rank, "qk_rope_head_dim": rope}
     save_spread(model_cls, config_cls(**{**COMMON, **extra, **widths}), tmp_path, seed=3)
-    llm = LLM(str(tmp_path), tokenizer="bytes", dtype="float32", num_kv_blocks=64, quantization=quantization)
+    llm = LLM(
+        str(tmp_path), tokenizer="bytes", dtype="float32", device="cpu", num_kv_blocks=64, quantization=quantization
+    )
     llm.generate([[5, 6, 7, 8, 9, 10]], SamplingParams(max_tokens=4), use_tqdm=False)  # decodes absorbed
     model = llm.engine.executor.worker.model
     attention = model.model.layers[1].self_attn

@@ -19,6 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefetch_policy", &prefetch_policy, "the streaming kernels' prefetch policy (linear_call.h)");
   m.def("prefetch_preset", &prefetch_preset, "a vendor's policy: amd, intel, or cpu (this CPU's vendor)");
   m.def("set_prefetch_policy", &set_prefetch_policy, "change the keys given (between kernel calls)");
+  m.def("prefetch_error", &prefetch_error, "why a preset and values make no policy (\"\" when they do)");
   m.def("pack_quant", &pack_quant, py::call_guard<py::gil_scoped_release>(), "(N, K/32 * type_size) GGUF blocks -> blocks of 16 rows for linear_quant");
   m.def("unpack_quant", &unpack_quant, py::call_guard<py::gil_scoped_release>(), "the inverse of pack_quant");
   m.def("linear_quant", &linear_quant, py::call_guard<py::gil_scoped_release>(),

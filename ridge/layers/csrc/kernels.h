@@ -17,6 +17,8 @@ bool amx_int8_ready();  // AMX-INT8 tiles usable (linear_quant runs 2+ rows on t
 std::map<std::string, int64_t> prefetch_policy();
 std::map<std::string, int64_t> prefetch_preset(const std::string& name);  // "amd", "intel", "cpu"
 void set_prefetch_policy(const std::map<std::string, int64_t>& values);  // the keys given; between calls
+// "" when the preset ("" for none) and values make a policy, else why not (no throw)
+std::string prefetch_error(const std::string& preset, const std::map<std::string, int64_t>& values);
 torch::Tensor linear_bf16_grouped(torch::Tensor x, torch::Tensor packed, int64_t N, std::vector<int64_t> counts);
 torch::Tensor linear_quant_grouped(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_t N,
                                    std::vector<int64_t> counts);

@@ -55,31 +55,46 @@ std::map<std::string, int64_t> as_map(const PrefetchPolicy& p) {
   return {{"bf16_far", p.bf16_far}, {"quant_near_rows", p.quant_near_rows}, {"quant_near_every", p.quant_near_every}};
 }
 
+const PrefetchPolicy& vendor_table() {
+  static const PrefetchPolicy table = cpu_is_amd() ? AMD : INTEL;
+  return table;
+}
+
 }  // namespace
 
-PrefetchPolicy g_prefetch = cpu_is_amd() ? AMD : INTEL;
+PrefetchPolicy g_prefetch = vendor_table();
+
+// Every check of a policy, as text rather than a throw: Python asks first and raises its own
+// error (a C++ throw through pybind11 crashed the process on one GPU image's build).
+std::string prefetch_error(const std::string& preset, const std::map<std::string, int64_t>& values) {
+  if (!preset.empty() && preset != "amd" && preset != "intel" && preset != "cpu")
+    return "unknown prefetch preset '" + preset + "' (amd, intel, cpu)";
+  for (const auto& [key, v] : values) {
+    if (key == "bf16_far" || key == "quant_near_every") {
+      if (v != 0 && v != 1) return "prefetch " + key + " must be 0 or 1, got " + std::to_string(v);
+    } else if (key == "quant_near_rows") {
+      if (v < 0) return "prefetch quant_near_rows must be >= 0, got " + std::to_string(v);
+    } else {
+      return "unknown prefetch key '" + key + "' (bf16_far, quant_near_rows, quant_near_every)";
+    }
+  }
+  return "";
+}
 
 std::map<std::string, int64_t> prefetch_preset(const std::string& name) {
-  if (name == "amd") return as_map(AMD);
-  if (name == "intel") return as_map(INTEL);
-  TORCH_CHECK(name == "cpu", "unknown prefetch preset '", name, "' (amd, intel, cpu)");
-  return as_map(cpu_is_amd() ? AMD : INTEL);
+  const std::string error = prefetch_error(name, {});
+  TORCH_CHECK(!name.empty() && error.empty(), error.empty() ? "a prefetch preset needs a name" : error);
+  return as_map(name == "amd" ? AMD : name == "intel" ? INTEL : vendor_table());
 }
 
 std::map<std::string, int64_t> prefetch_policy() { return as_map(g_prefetch); }
 
 void set_prefetch_policy(const std::map<std::string, int64_t>& values) {
+  const std::string error = prefetch_error("", values);
+  TORCH_CHECK(error.empty(), error);
   PrefetchPolicy p = g_prefetch;
   for (const auto& [key, v] : values) {
-    if (key == "bf16_far" || key == "quant_near_every") {
-      TORCH_CHECK(v == 0 || v == 1, "prefetch ", key, " must be 0 or 1, got ", v);
-      (key == "bf16_far" ? p.bf16_far : p.quant_near_every) = v;
-    } else if (key == "quant_near_rows") {
-      TORCH_CHECK(v >= 0, "prefetch quant_near_rows must be >= 0, got ", v);
-      p.quant_near_rows = v;
-    } else {
-      TORCH_CHECK(false, "unknown prefetch key '", key, "' (bf16_far, quant_near_rows, quant_near_every)");
-    }
+    (key == "bf16_far" ? p.bf16_far : key == "quant_near_rows" ? p.quant_near_rows : p.quant_near_every) = v;
   }
   g_prefetch = p;
 }
