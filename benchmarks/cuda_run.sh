@@ -77,8 +77,8 @@ for step in "$@"; do
           2> "$OUT/graphs.err" | grep -E "decode" || tail -n 5 "$OUT/graphs.err"
       done
     done
-    for mode in "" "--async-scheduling" "" "--async-scheduling"; do  # the host's work overlapped, alternated
-      echo "== tinyllama-1.1b ${mode:-synchronous}"
+    for mode in "--no-async-scheduling" "" "--no-async-scheduling" ""; do  # the host's work overlapped, alternated
+      echo "== tinyllama-1.1b ${mode:-async-scheduling}"
       timeout 90 python3 -m ridge.cli bench latency --model random:tinyllama-1.1b $common --batch 1 --batch 32 $mode \
         2> "$OUT/graphs.err" | grep -E "decode" || tail -n 5 "$OUT/graphs.err"
     done

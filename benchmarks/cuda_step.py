@@ -67,7 +67,9 @@ def main() -> None:
     ap.add_argument("--profile-lines", type=int, default=18)
     ap.add_argument("--kernel-lines", type=int, default=0, help="the replay's costliest kernels (torch.profiler)")
     ap.add_argument("--trace-lines", type=int, default=0, help="a generate's kernels and CUDA calls, a step")
-    ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None, help="default: on (CUDA)"
+    )
     args = ap.parse_args()
     llm = LLM(
         args.model,

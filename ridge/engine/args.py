@@ -86,9 +86,11 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None =
     )
     g.add_argument(
         "--async-scheduling",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="schedule and launch each step before the last one's tokens are back (the host's work "
-        "overlaps the GPU's); the same outputs. One process; not with speculative decoding or KV transfer",
+        "overlaps the GPU's); the same outputs. One process, no KV transfer; with speculative decoding, the "
+        "steps its policy drafts nothing for. Default: on for CUDA where it applies, off on the CPU",
     )
 
 

@@ -410,8 +410,10 @@ class LLMEngine:
         sequence's next token is assumed to come (the workers feed it to the next step
         from the device); a sequence that stopped costs one step of wasted work. Steps that
         need the host to see every token first (structured output, penalties, min_tokens)
-        run synchronously, after collecting; the configuration refuses the flag with
-        speculative decoding, KV transfer and tensor parallelism."""
+        run synchronously, after collecting; so do speculative decoding's steps while its
+        policy drafts (a verify step needs the last tokens on the host to propose from), and
+        the plain steps between run pipelined. The configuration refuses the flag with KV
+        transfer and tensor parallelism."""
         if self._pipelines():
             return self._step_async()
         if self._inflight is not None:
@@ -420,12 +422,18 @@ class LLMEngine:
 
     def _pipelines(self) -> bool:
         """Whether this step may run asynchronously (``step``)."""
-        if not self.config.async_scheduling or self.speculator is not None or self.kv_transfer is not None:
+        if not self.config.async_scheduling or self.kv_transfer is not None:
             return False
         for req in self.scheduler.requests.values():
             p = req.sampling_params
             if p.has_penalties or p.min_tokens or p.structured_outputs is not None:
                 return False
+        if self.speculator is not None:
+            # only while the policy drafts nothing (it measured that drafting does not pay here)
+            running = self.scheduler.running
+            if any(r.spec_token_ids for r in running):
+                return False  # proposals wait for this step: it verifies them
+            return self.speculator.choose_k(len(running), max((r.num_tokens for r in running), default=0)) == 0
         return True
 
     def _step_async(self) -> list[RequestOutput]:
@@ -452,6 +460,8 @@ class LLMEngine:
         # last collection (two steps overlap: their spans would count the same time twice)
         now = time.perf_counter()
         self._record(plan, out, max(start, self._collected_at), 0.0, now)
+        if self.speculator is not None and _decodes_only(plan):  # what a step that drafts nothing costs
+            self.speculator.observe_plain_step(len(plan.chunks), now - max(start, self._collected_at))
         self._collected_at = now
         return result.outputs
 
@@ -481,7 +491,7 @@ class LLMEngine:
         if not plan.chunks:
             return result.outputs
         if self.speculator is not None:
-            self.speculator.record(out.verified, time.perf_counter() - start)
+            self.speculator.record(out.verified, time.perf_counter() - start, _decodes_only(plan))
             self._propose()
         self._record(plan, out, start, mask_s)
         return result.outputs
@@ -587,3 +597,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the executor's ranks (idempotent)."""
         self._finalizer()
+
+
+def _decodes_only(plan: SchedulerOutput) -> bool:
+    """A step of decodes and verifies alone (no prompt chunk): its time prices a decode step."""
+    return all(c.kind is not ChunkKind.PREFILL for c in plan.chunks)

@@ -29,6 +29,7 @@ class Speculator:
         self.cost_model_proposer_cost = policy.proposer_cost if policy is not None else 0.0
         self._draft_cost: float | None = None  # measured: seconds per drafted token / a step's
         self._step_s: float | None = None  # moving average of a step's wall time
+        self._next: tuple[int, int] | None = None  # the next step's (decoding sequences, drafts each at most)
 
     def propose(self, decoding: list[ProposalRequest], room: dict[str, int], running: set[str]) -> dict[str, Proposal]:
         """Proposals for the sequences in ``decoding``; ``room``: tokens each may still emit
@@ -36,12 +37,13 @@ class Speculator:
         proposer forgets the others)."""
         start = time.perf_counter()
         self.proposer.forget_except(running)
-        k = self.config.num_speculative_tokens
-        if self.policy is not None and decoding:
-            k = self.policy.choose_k(len(decoding), max(len(r.token_ids) for r in decoding))
-        self.last_k = k
+        self._next = (len(decoding), 0) if decoding else None
+        k = self.choose_k(len(decoding), max((len(r.token_ids) for r in decoding), default=0))
         if k == 0 or not decoding:
             return {}
+        # the step runs as this choice makes it, drafts found or not (with asynchronous
+        # scheduling, synchronously): its time prices k
+        self._next = (len(decoding), k)
         # No draft past max_tokens or the context limit: a run emits at most k + 1 tokens. A
         # draft model with a shorter context proposes while the sequence fits it: its last
         # fed draft sits at position N + k - 2.
@@ -60,20 +62,42 @@ class Speculator:
         out = {}
         for rid, (tokens, probs) in proposed.items():
             limit = limits[rid]
-            out[rid] = (tokens[:limit], probs[:limit] if probs is not None else None)
+            if limit > 0 and len(tokens):
+                out[rid] = (tokens[:limit], probs[:limit] if probs is not None else None)
         elapsed = time.perf_counter() - start
         self.propose_s += elapsed
+        if self.policy is not None:
+            self.policy.observe_coverage(len(out), len(decoding))
         pass_s = self.proposer.pass_s
+        if pass_s is None and out:
+            pass_s = elapsed / k_run  # a proposer without a model (n-gram): its lookup's time a token
         if self.policy is not None and self._step_s and pass_s is not None:
-            # The draft's measured cost per proposed token (a one-token pass, not the catch-up
-            # pass that prefills new prompts), relative to a target step: where steps are bound
-            # by launches and Python (a GPU here), not by the roofline, this is what it costs.
+            # The proposer's measured cost per proposed token (a draft's one-token pass, not the
+            # catch-up pass that prefills new prompts), relative to a target step: where steps
+            # are bound by launches and Python (a GPU here), not by the roofline, this is what
+            # it costs.
             measured = pass_s / self._step_s
             self._draft_cost = (
                 measured if self._draft_cost is None else self._draft_cost + 0.1 * (measured - self._draft_cost)
             )
             self.policy.proposer_cost = max(self.cost_model_proposer_cost, self._draft_cost)
         return out
+
+    def choose_k(self, batch: int, context: int) -> int:
+        """How many tokens to draft for the next step of ``batch`` decoding sequences of up to
+        ``context`` tokens (the policy's choice, or the configured k without one); ``last_k``
+        keeps it. The engine also asks it before pipelining a step (``--async-scheduling``)."""
+        k = self.config.num_speculative_tokens
+        if self.policy is not None and batch:
+            k = self.policy.choose_k(batch, context)
+        self.last_k = k
+        return k
+
+    def observe_plain_step(self, batch: int, step_s: float) -> None:
+        """A decode step the engine ran without asking for proposals (a pipelined one)."""
+        self._next = None
+        if self.policy is not None:
+            self.policy.observe_step(batch, 0, step_s)
 
     def report(self) -> dict:
         """What speculation gained so far (the bench JSON's ``speculation``)."""
@@ -94,10 +118,16 @@ class Speculator:
             f"{s.mean_accepted_length:.2f} tokens per verify run; acceptance by position: {by_pos or '-'}"
         )
 
-    def record(self, verified: dict[str, tuple[int, int]], step_s: float | None = None) -> None:
-        """A step's verify outcomes (and its wall time, for the draft's relative cost)."""
+    def record(
+        self, verified: dict[str, tuple[int, int]], step_s: float | None = None, decode_only: bool = True
+    ) -> None:
+        """A step's verify outcomes, and its wall time: the draft's relative cost and, for a
+        step of decodes and verifies alone (``decode_only``), the policy's measured T(k)."""
         if step_s is not None:
             self._step_s = step_s if self._step_s is None else self._step_s + 0.1 * (step_s - self._step_s)
+            if self.policy is not None and decode_only and self._next is not None:
+                self.policy.observe_step(*self._next, step_s)
+        self._next = None
         for num_drafts, num_accepted in verified.values():
             self.stats.record(num_drafts, num_accepted)
             if self.policy is not None:

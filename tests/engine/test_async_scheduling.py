@@ -176,7 +176,70 @@ def test_abort_while_a_step_is_out(model_dir):
 def test_async_scheduling_refuses_what_it_cannot_pipeline():
     from ridge.config import EngineConfig
 
-    with pytest.raises(ValueError, match="speculative decoding"):
-        EngineConfig(async_scheduling=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="tensor parallelism"):
         EngineConfig(async_scheduling=True, tensor_parallel_size=2)
+
+
+def test_async_scheduling_is_on_by_default_on_cuda_only_where_it_applies(monkeypatch):
+    """vLLM's default: on where it applies on CUDA (an explicit False turns it off); off on the
+    CPU, whose step has nothing on the host to overlap; off, not an error, with KV transfer or
+    tensor parallelism unless asked for."""
+    from ridge.config import EngineConfig
+    from ridge.engine.args import add_engine_args, engine_options
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    assert EngineConfig(device="cpu").async_scheduling is False
+    assert EngineConfig(device="cpu", async_scheduling=True).async_scheduling is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert EngineConfig().async_scheduling is True  # auto -> CUDA
+    assert EngineConfig(device="cuda:0").async_scheduling is True
+    assert EngineConfig(device="cuda", async_scheduling=False).async_scheduling is False
+    assert EngineConfig(speculative_config=ngram).async_scheduling is True  # its plain steps pipeline
+    assert EngineConfig(tensor_parallel_size=2, device="cpu").async_scheduling is False
+    assert EngineConfig(kv_transfer_config={"kv_role": "kv_producer"}).async_scheduling is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert EngineConfig().async_scheduling is False  # auto -> CPU
+
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for argv, want in [([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)]:
+        assert engine_options(parser.parse_args(["--model", "m", *argv]))["async_scheduling"] is want
+
+
+def test_speculation_pipelines_the_steps_it_drafts_nothing_for(model_dir, monkeypatch):
+    """n-gram speculation with asynchronous scheduling: the steps its policy drafts nothing
+    for run pipelined, its verify steps synchronously, switching back and forth; the greedy
+    outputs are the plain engine's."""
+    from ridge.spec_decode.policy import SpeculationPolicy
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = []
+    for i in range(6):  # repeated phrases: prompt lookup finds drafts
+        phrase = torch.randint(3, 250, (int(torch.randint(2, 6, (1,), generator=gen)),), generator=gen).tolist()
+        prompts.append(phrase * (2 + i % 3))
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1)
+    want = _summary(_llm(model_dir, False).generate(prompts, params, use_tqdm=False))
+
+    calls = []
+
+    def alternating(self, batch, context):  # 3 drafts for three decisions, then none for three
+        calls.append(batch)
+        return 3 if (len(calls) // 3) % 2 == 0 else 0
+
+    monkeypatch.setattr(SpeculationPolicy, "choose_k", alternating)
+    fed = []
+    prepare = runner_module.ModelRunner.prepare
+    monkeypatch.setattr(
+        runner_module.ModelRunner,
+        "prepare",
+        lambda self, chunks: fed.extend(c for c in chunks if c.deferred is not None) or prepare(self, chunks),
+    )
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    spec = _llm(model_dir, True, speculative_config=ngram)
+    got = _summary(spec.generate(prompts, params, use_tqdm=False))
+    assert _same(got, want)
+    assert len(fed) > 5  # pipelined steps
+    assert spec.engine.speculator.stats.num_verify_runs > 5  # and verify steps
+    assert not spec.engine.has_unfinished_requests() and not spec.engine.scheduler.requests

@@ -81,3 +81,76 @@ def test_a_draft_pass_is_priced_at_its_measured_cost():
     assert policy.proposer_cost > 0.5
     speculator.propose([req], room, {"r"})
     assert speculator.last_k <= 1  # 0.6 acceptance cannot pay for 0.8 of a step per draft
+
+
+def test_measured_steps_replace_the_roofline_and_few_drafts_do_not_pay():
+    """A GPU's batch-32 n-gram run (stop 43, H200): the roofline calls 160 rows free, the
+    measured verify step costs 1.3 plain ones, and lookup drafts for 8% of the sequences."""
+    policy = SpeculationPolicy(4, roofline(ridge_rows=1000), prior_acceptance=0.6)
+    assert policy.choose_k(32, 100) == 4  # nothing measured: the roofline says drafts are free
+    policy.observe_step(32, 4, 1.3)
+    assert policy.choose_k(32, 100) == 0  # one plain step prices the verify step
+    policy.observe_step(32, 0, 1.0)
+    assert policy.measured_ratios(32) == {4: pytest.approx(1.3)}
+    assert policy.measured_ratios(8) == {}  # another batch size: not measured
+    assert policy.choose_k(32, 100) > 0  # every sequence drafting at 0.6 acceptance: 2.3 tokens for 1.3
+    for _ in range(20):
+        policy.observe_coverage(3, 32)
+    assert policy.coverage < 0.11
+    assert policy.choose_k(32, 100) == 0  # 1 + 0.09 x 1.3 tokens for at least 1.3x the time
+    assert policy.choose_k(1, 100) == 4  # batch 1 is priced by its own (unmeasured) steps
+    for _ in range(400):  # not speculating: the drafted share drifts back, and drafting is tried again
+        if policy.choose_k(32, 100):
+            break
+    else:
+        raise AssertionError("never tried again")
+
+
+def test_an_unmeasured_k_costs_at_least_a_measured_smaller_one():
+    policy = SpeculationPolicy(4, roofline(ridge_rows=1000), prior_acceptance=0.9)
+    policy.observe_step(4, 0, 1.0)
+    policy.observe_step(4, 1, 2.0)  # a verify step's fixed cost: twice a plain step
+    assert policy.choose_k(4, 100) == 4  # 0.9 acceptance: 4.1 tokens for at least 2x (the roofline: free)
+    policy.observe_step(4, 4, 6.0)
+    assert policy.choose_k(4, 100) == 3  # 2 and 3 at 2x (unmeasured), 4 at 6x: 3.44 tokens for 2x
+
+
+def test_coverage_scales_the_expected_gain():
+    assert expected_speedup(0.5, 2, 1.0, coverage=0.0) == 1.0
+    assert expected_speedup(0.5, 2, 1.0, coverage=0.5) == pytest.approx(1 + 0.5 * 0.75)
+
+
+def test_a_lookup_that_finds_nothing_stops_costing_a_pipelined_step():
+    """n-gram at batch 1 on a fresh text (stop 43, H200): lookup finds nothing, and each step
+    the policy drafts for runs synchronously, 1.70 ms against a pipelined 1.26. The policy
+    prices that choice from those times and the drafted share, and stops within a few steps."""
+    from ridge.sampling import SamplingParams
+    from ridge.spec_decode.config import SpeculativeConfig
+    from ridge.spec_decode.proposer import ProposalRequest
+    from ridge.spec_decode.speculator import Speculator
+
+    class NoMatches:
+        pass_s = None
+        max_model_len = None
+
+        def forget_except(self, running):
+            pass
+
+        def propose(self, requests, k):
+            return {}
+
+    config = SpeculativeConfig("ngram", 4)
+    policy = SpeculationPolicy(4, roofline(ridge_rows=1000), prior_acceptance=0.6)
+    speculator = Speculator(config, NoMatches(), policy)
+    req = ProposalRequest("r", list(range(10)), SamplingParams())
+    drafting_steps = 0
+    for _ in range(30):
+        speculator.propose([req], {"r": 99}, {"r"})
+        if speculator.last_k:
+            drafting_steps += 1
+            speculator.record({}, step_s=1.70)
+        else:
+            speculator.observe_plain_step(1, 1.26)
+    assert policy.measured_ratios(1) == {4: pytest.approx(1.70 / 1.26)}
+    assert drafting_steps <= 8
+    assert speculator.last_k == 0
