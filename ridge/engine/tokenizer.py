@@ -542,7 +542,29 @@ def load_gguf_tokenizer(path: Path) -> Tokenizer:
         hf = PreTrainedTokenizerFast(tokenizer_object=backend, **config)
     if not len(hf):
         raise ValueError(f"the tokenizer in {path.name} is empty")
+    if model_field is not None and model_field.contents() == "llama":
+        space_field = fields.get("tokenizer.ggml.add_space_prefix")
+        _spm_whitespace(hf, add_space_prefix=bool(space_field.contents()) if space_field is not None else True)
     return Tokenizer(hf, add_bos=add_bos)
+
+
+def _spm_whitespace(hf, add_space_prefix: bool) -> None:
+    """llama.cpp's SentencePiece whitespace, whatever the installed transformers builds: a space
+    before each text fragment (the text's start, and after each special token) where the file
+    says ``add_space_prefix`` (llama.cpp's default), then every space escaped to U+2581; what
+    sentencepiece computes. transformers 5.2x's Metaspace (prepend_scheme "first") skips the
+    prefix where a text already starts with a space: " leading space" lost a token there."""
+    from tokenizers import decoders, normalizers
+
+    backend = hf.backend_tokenizer
+    steps = [normalizers.Prepend("\u2581")] if add_space_prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "\u2581")])
+    backend.pre_tokenizer = None
+    # and back: U+2581 to spaces, <0xNN> pieces to bytes, less the one space the prefix added
+    strip = [decoders.Strip(" ", 1, 0)] if add_space_prefix else []
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
+    )
 
 
 class IncrementalDetokenizer:

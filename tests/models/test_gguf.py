@@ -52,13 +52,41 @@ def test_f32_gguf_equals_the_hf_directory(stories_gguf, stories_dir):
     b = LLM(str(stories_dir), num_kv_blocks=64, device="cpu")
     assert a.engine.dtype == torch.float32
     prompts = _story_prompts(b)
-    for text in ("Once upon a time", "Hello   world\n\nÜber 日本 ", " leading space"):
+    # (a text that starts with a space: test_gguf_tokenizer_spaces_text_as_sentencepiece_does)
+    for text in ("Once upon a time", "Hello   world\n\nÜber 日本 "):
         assert a.engine.tokenizer.encode(text) == b.engine.tokenizer.encode(text)
     for (ta, la), (tb, lb) in zip(_logits(a, prompts), _logits(b, prompts)):
         assert ta == tb and (la - lb).abs().max().item() <= 1e-4
     p = SamplingParams(temperature=0, max_tokens=40)
     text = a.generate(["Once upon a time"], p, use_tqdm=False)[0].outputs[0].text
     assert text == b.generate(["Once upon a time"], p, use_tqdm=False)[0].outputs[0].text
+
+
+def test_gguf_tokenizer_spaces_text_as_sentencepiece_does(stories_gguf, stories_dir, tmp_path):
+    """A SentencePiece ("llama") vocabulary in a GGUF file tokenizes as sentencepiece does on
+    the model's own tokenizer.model, and as llama.cpp does (a space before each text: " leading
+    space" starts with a lone U+2581), whatever the installed transformers builds (5.17 and
+    5.24 build it differently); decoding gives the text back. Without add_space_prefix no
+    space is added."""
+    import sentencepiece
+
+    from ridge.engine.tokenizer import load_gguf_tokenizer
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(stories_dir / "tokenizer.model"))
+    tok = load_gguf_tokenizer(stories_gguf)
+    texts = [" leading space", "  two", "Once upon a time", "Hello   world\n\nÜber 日本 ", "end ", ""]
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert ids == sp.encode(text), text
+        assert tok.decode(ids) == text
+    assert tok.encode(" leading space", add_special_tokens=False)[0] == sp.piece_to_id("\u2581")
+    bare = rewrite(
+        stories_gguf, tmp_path / "bare.gguf", lambda n, v: None, bools={"tokenizer.ggml.add_space_prefix": False}
+    )
+    tok = load_gguf_tokenizer(bare)
+    assert tok.encode(" Once", add_special_tokens=False) == sp.encode("Once")  # the space is the text's own
+    assert tok.encode("Once", add_special_tokens=False) != sp.encode("Once")
+    assert tok.decode(tok.encode(" leading", add_special_tokens=False)) == " leading"
 
 
 @pytest.mark.parametrize("add_bos", [None, True, False])
