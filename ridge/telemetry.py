@@ -43,7 +43,17 @@ class StepRecord:
     comm_s: float = 0.0  # measured: seconds rank 0 spent in collectives (tensor parallelism)
     mask_s: float = 0.0  # measured: seconds filling structured output's token bitmasks
     matmul_s: float | None = None  # measured: seconds in the linear kernels (CPU; None: not timed)
+    # asynchronous scheduling: wall_s is the pipeline's period (from the later of the step's
+    # scheduling and the last collection to its own), not the step's own span; summed over
+    # steps it is the time they took, but one period can be shorter than its step's device time
+    pipelined: bool = False
     cost: StepCost | None = None  # priced on first read
+
+    @property
+    def checked_wall_s(self) -> float | None:
+        """The time a roofline ceiling may be checked (and raised) against: None for a pipelined
+        step, whose period is no bound on what its own work took."""
+        return None if self.pipelined else self.wall_s
 
     @property
     def phase(self) -> str:
@@ -226,6 +236,7 @@ class Telemetry:
         comm_s: float = 0.0,
         mask_s: float = 0.0,
         matmul_s: float | None = None,
+        pipelined: bool = False,
     ) -> None:
         """Hot path: keep the shape and the time; pricing happens on read."""
         rec = StepRecord(
@@ -238,6 +249,7 @@ class Telemetry:
             comm_s,
             mask_s,
             matmul_s,
+            pipelined,
         )
         self.recent.append(rec)
         self._pending.append(rec)
@@ -315,7 +327,7 @@ class Telemetry:
             stats.flops += cost.flops
             stats.bytes += cost.bytes
             if self._hardware is not None:
-                stats.floor_s += self.floor_s(cost, rec.wall_s)
+                stats.floor_s += self.floor_s(cost, rec.checked_wall_s)
                 stats.floored_wall_s += rec.wall_s
         self._pending.clear()
         return self._totals

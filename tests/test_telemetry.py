@@ -265,6 +265,29 @@ def test_a_step_faster_than_its_floor_reprobes_once_then_raises_the_roofline():
     assert "note: raised the roofline" in t.format()
 
 
+def test_a_pipelined_step_never_moves_the_roofline():
+    """Asynchronous scheduling records a step's pipeline period, which can be shorter than the
+    step's own device time (H200, 2026-11-27: a 2048-token prefill "ran" in 1.15 ms and raised
+    the peak to 3.4 PFLOP/s). Such a step neither re-probes nor raises the ceiling."""
+    probes = []
+
+    def hardware_fn(reprobe=False):
+        probes.append(reprobe)
+        return HW
+
+    t = Telemetry(
+        model=TINY_SHAPE, weight_bytes=2, kv_bytes=2, act_bytes=2, compute_dtype="bf16", hardware_fn=hardware_fn
+    )
+    cost = step_cost(TINY_SHAPE, [], DECODE, 2, 2, 2)
+    floor = cost.bytes / HW.bandwidth_bytes_per_s
+    t.record([], DECODE, floor / 4, pipelined=True)
+    rep = t.report()
+    assert probes == [False] and rep["notices"] == []
+    assert rep["hardware"]["bandwidth_gb_per_s"] == pytest.approx(HW.bandwidth_bytes_per_s / 1e9)
+    t.record([], DECODE, floor / 4)  # the same time, measured as the step's own: a raise
+    assert t.report()["notices"] and probes == [False, True]
+
+
 def test_the_ceiling_raises_each_term_a_step_beats():
     cost = step_cost(TINY_SHAPE, PREFILL, [], 2, 2, 2)
     compute_s, memory_s = cost.flops / 1e12, cost.bytes / 100e9

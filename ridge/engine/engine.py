@@ -499,7 +499,8 @@ class LLMEngine:
     def _record(
         self, plan: SchedulerOutput, out: RunnerOutput, start: float, mask_s: float, end: float | None = None
     ) -> None:
-        """The step on the roofline (telemetry): its chunks' shapes and what it took."""
+        """The step on the roofline (telemetry): its chunks' shapes and what it took (``end``
+        given: a collected step of the pipeline, whose time is the pipeline's period)."""
         shapes: dict[ChunkKind, list] = {kind: [] for kind in ChunkKind}
         for c in plan.chunks:
             shapes[c.kind].append(c.end if c.kind is ChunkKind.DECODE else (c.num_new_tokens, c.end))
@@ -513,6 +514,7 @@ class LLMEngine:
             out.comm_s,
             mask_s,
             out.matmul_s,
+            pipelined=end is not None,
         )
 
     def _attach_handovers(self, outputs: list[RequestOutput]) -> None:
