@@ -50,12 +50,6 @@ class StepRecord:
     cost: StepCost | None = None  # priced on first read
 
     @property
-    def checked_wall_s(self) -> float | None:
-        """The time a roofline ceiling may be checked (and raised) against: None for a pipelined
-        step, whose period is no bound on what its own work took."""
-        return None if self.pipelined else self.wall_s
-
-    @property
     def phase(self) -> str:
         """A verify run generates tokens: it is a decode, of several rows."""
         generating = self.decode_contexts or self.verify_chunks
@@ -171,6 +165,14 @@ class Ceiling:
             self.bandwidth = cost.bytes / wall_s
         self.notices.append(f"raised the roofline to what a step reached: {what} ({before} -> {self._describe()})")
         return wall_s  # the raised terms equal it (exactly: no rounding above 100%)
+
+    def step_floor_s(self, cost: StepCost, rec: StepRecord) -> float:
+        """``rec``'s floor: ``floor_s(cost, rec.wall_s)``, or for a pipelined step at most its
+        period, without re-probing or raising anything: one period can undercut its step's own
+        time, so it says nothing of the ceiling (and no step shows over 100%)."""
+        if rec.pipelined:
+            return min(self.floor_s(cost), rec.wall_s)
+        return self.floor_s(cost, rec.wall_s)
 
     def _describe(self) -> str:
         return f"{self.peak_flops / 1e9:,.0f} GFLOP/s, {self.bandwidth / 1e9:.1f} GB/s"
@@ -327,7 +329,7 @@ class Telemetry:
             stats.flops += cost.flops
             stats.bytes += cost.bytes
             if self._hardware is not None:
-                stats.floor_s += self.floor_s(cost, rec.checked_wall_s)
+                stats.floor_s += self.ceiling.step_floor_s(cost, rec)
                 stats.floored_wall_s += rec.wall_s
         self._pending.clear()
         return self._totals

@@ -268,7 +268,8 @@ def test_a_step_faster_than_its_floor_reprobes_once_then_raises_the_roofline():
 def test_a_pipelined_step_never_moves_the_roofline():
     """Asynchronous scheduling records a step's pipeline period, which can be shorter than the
     step's own device time (H200, 2026-11-27: a 2048-token prefill "ran" in 1.15 ms and raised
-    the peak to 3.4 PFLOP/s). Such a step neither re-probes nor raises the ceiling."""
+    the peak to 3.4 PFLOP/s). Such a step neither re-probes nor raises the ceiling, and shows
+    at most 100%."""
     probes = []
 
     def hardware_fn(reprobe=False):
@@ -284,6 +285,7 @@ def test_a_pipelined_step_never_moves_the_roofline():
     rep = t.report()
     assert probes == [False] and rep["notices"] == []
     assert rep["hardware"]["bandwidth_gb_per_s"] == pytest.approx(HW.bandwidth_bytes_per_s / 1e9)
+    assert rep["phases"]["decode"]["roofline_fraction"] == pytest.approx(1.0)  # at most its period: 100%
     t.record([], DECODE, floor / 4)  # the same time, measured as the step's own: a raise
     assert t.report()["notices"] and probes == [False, True]
 

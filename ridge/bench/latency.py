@@ -111,11 +111,11 @@ def bench_latency(llm, batch: int, input_len: int, output_len: int, rounds: int,
         prefill_time = sum(r.wall_s for r in prefill)
         prefill_tokens = sum(n for r in prefill for n, _ in r.prefill_chunks)  # computed, not cached
         prefill_rates.append(prefill_tokens / prefill_time)
-        prefill_floor = sum(round_ceiling.floor_s(telemetry.price(r), r.checked_wall_s) for r in prefill)
+        prefill_floor = sum(round_ceiling.step_floor_s(telemetry.price(r), r) for r in prefill)
         prefill_fracs.append(prefill_floor / prefill_time)
         for r in decode:
             cost = telemetry.price(r)
-            floor = round_ceiling.floor_s(cost, r.checked_wall_s)
+            floor = round_ceiling.step_floor_s(cost, r)
             decode_ms.append(r.wall_s * 1e3)
             floors_ms.append(floor * 1e3)
             fractions.append(floor / r.wall_s)
