@@ -93,7 +93,7 @@ for step in "$@"; do
       > "$OUT/cuda_step.txt" 2>&1; grep -E "^==|^--| calls " "$OUT/cuda_step.txt"
     python3 .gpu/shared/tools/inflate_stories.py /tmp/stories-1.1b > /dev/null
     python3 .gpu/shared/tools/inflate_stories.py /tmp/stories-1.1b-noise0.05 --noise 0.05 > /dev/null
-    timeout 240 python3 benchmarks/spec_decode.py --device cuda --rounds 2 --only batch-32-ngram,batch-32-draft \
+    timeout 240 python3 benchmarks/spec_decode.py --device cuda --rounds 2 --only batch-1-ngram,batch-8-ngram,batch-32-ngram,batch-32-draft \
       --out "$OUT/spec_decode_cuda.json" 2>&1 | grep -v "^ridge:" | grep "^round"
     ;;
   quant)  # the formats through the torch fallback (CUDA has no ridge kernel): latency, then quality
