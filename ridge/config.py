@@ -590,11 +590,16 @@ def resolve_device(name: str) -> torch.device:
     """'auto' is CUDA when present, else CPU. A CUDA device always carries its index ('cuda' is
     the current one), so it compares equal to the ``.device`` of the tensors made on it."""
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("device 'cuda' was asked for but no CUDA device is available")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but no CUDA device is available")
+    return indexed_device(device)
+
+
+def indexed_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index: 'cuda' names the current CUDA device."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
     return device
 
 

@@ -74,18 +74,6 @@ def _check_bool(name: str, value: object) -> bool:
     return value
 
 
-def same_device(a: torch.device | str, b: torch.device | str) -> bool:
-    """Whether two device names are one device: 'cuda' is the current CUDA device, so it is
-    'cuda:0' where that is current (a generator made on 'cuda' reports 'cuda')."""
-    a, b = torch.device(a), torch.device(b)
-    if a.type != b.type:
-        return False
-    if a.type != "cuda" or a.index == b.index:
-        return True
-    current = torch.cuda.current_device()
-    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
-
-
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request (vLLM's ``SamplingParams`` fields and defaults).
@@ -271,8 +259,11 @@ class SamplingState:
             if self.params.seed is None:
                 raise ValueError("generator_for needs params.seed or an explicit generator")
             self.generator = torch.Generator(device=device).manual_seed(self.params.seed)
-        elif not same_device(self.generator.device, device):
-            raise ValueError(f"request generator lives on {self.generator.device}, logits on {device}")
+        elif self.generator.device != device:
+            from ridge.config import indexed_device  # a generator made on 'cuda' reports 'cuda'
+
+            if indexed_device(self.generator.device) != indexed_device(device):
+                raise ValueError(f"request generator lives on {self.generator.device}, logits on {device}")
         return self.generator
 
     def prompt_ids_tensor(self, device: torch.device, vocab_size: int) -> torch.Tensor:

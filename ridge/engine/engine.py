@@ -458,10 +458,10 @@ class LLMEngine:
         self.scheduler.update(plan, result.accepted, finished, launched=True)
         # the step's wall time is the pipeline's period: from the later of its scheduling and the
         # last collection (two steps overlap: their spans would count the same time twice)
-        now = time.perf_counter()
-        self._record(plan, out, max(start, self._collected_at), 0.0, now)
+        now, begun = time.perf_counter(), max(start, self._collected_at)
+        self._record(plan, out, begun, 0.0, now)
         if self.speculator is not None and _decodes_only(plan):  # what a step that drafts nothing costs
-            self.speculator.observe_plain_step(len(plan.chunks), now - max(start, self._collected_at))
+            self.speculator.observe_plain_step(len(plan.chunks), now - begun)
         self._collected_at = now
         return result.outputs
 

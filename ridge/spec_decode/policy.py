@@ -21,11 +21,10 @@ sampler, a host sync and more rows of attention, and plain steps may be pipeline
 (``--async-scheduling``). So the steps the engine runs are timed (``observe_step``) per batch
 size (within a factor of 2) and k, and a measured ratio replaces the roofline's. A step the
 policy chose k > 0 for counts as k's even where nothing was drafted: that choice kept it from
-being pipelined. A verify
-step's measurement needs a plain step's of the same batch: after the first verify step the
-policy runs one plain step to time it. An unmeasured k is priced at its roofline ratio plus
-the smallest excess over the roofline that a measured k showed (a verify step's fixed costs),
-and never below a smaller k's price.
+being pipelined. A verify step's measurement needs a plain step's of the same batch: after the
+first verify step the policy runs one plain step to time it. An unmeasured k is priced at its
+roofline ratio plus the smallest excess over the roofline that a measured k showed (a verify
+step's fixed costs), and never below a smaller k's price.
 """
 
 from __future__ import annotations
