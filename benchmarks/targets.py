@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"- {args.compare}: {machine.get('date', '?')}, {machine.get('cpu', '?')}{policy}")
     for path, entry in ((args.vs_ik, ik), (args.quant_rows, per_rows)):
         said = f"{entry.get('date', '?')}, {entry.get('rounds', '?')} rounds" if entry else f"no entry for {cpu}"
+        if entry and path == args.quant_rows:  # weights of 1 layer (before 2026-11-27) may stay in cache
+            layers = entry.get("layers", 1)
+            said += f", weights of {layers} layer{'' if layers == 1 else 's'}"
         print(f"- {path}: {said}")
     print()
     print("| target | file / format | measured | target | met |")

@@ -928,6 +928,10 @@ def _block_matmul_q8_kernel(
 
 
 GEMV_MAX_ROWS = 4  # x rows up to which each row is a GEMV (W read once a row) rather than a tile
+# Triton's interpreter (CPU tensors: the test suite without a GPU) runs a grid's programs one
+# after another, each op a numpy call: there a GEMV takes this many rows of W a program instead
+# of the GPU's 4 (the same kernel over a few wide programs; explicit configs are kept as given)
+INTERPRETED_GEMV_BLOCK_N = 64
 # The kernels (a config's first element): GEMVs with x as int8 codes (dp4a) or as floats; tiles
 # through the tensor cores, x's int8 codes against W's, or x against W dequantized to x's dtype
 # (W the right operand, or the left: ``_block_matmul_kernel``'s W_FIRST)
@@ -995,6 +999,8 @@ def block_matmul(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m:
         kernel, block_m, block_n, block_k, warps = config or block_matmul_config(m, n, k, x.dtype, nibbles)
+        if config is None and not x.is_cuda and kernel in (GEMV_Q8, GEMV_F32):
+            block_n = INTERPRETED_GEMV_BLOCK_N
         if kernel in (GEMV_Q8, TILE_Q8) and not q8_taken(x.dtype, k):
             kernel = GEMV_F32 if kernel == GEMV_Q8 else TILE
         flat = packed.view(-1)

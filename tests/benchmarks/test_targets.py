@@ -70,6 +70,8 @@ def test_each_target_is_read_from_its_json_and_judged(tmp_path, capsys):
     assert main([*args, "--quant-rows", str(paths["rows"]), "--cpu", "Test CPU"]) == 0
     out = capsys.readouterr().out
     assert f"- {paths['compare']}: 2026-11-26, Test CPU, prefetch bf16_far=0,quant_near_rows=8" in out
+    # an entry without "layers" timed one layer, which may have stayed in cache: the table says so
+    assert f"- {paths['rows']}: 2026-11-26, 3 rounds, weights of 1 layer" in out
     table = {
         tuple(cell.strip() for cell in line.strip("|").split("|")[:2]): line
         for line in out.splitlines()
