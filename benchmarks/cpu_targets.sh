@@ -3,7 +3,7 @@
 # then every target against them (benchmarks/targets.py). Run from the repository root after
 # `make setup`, with nothing else running; the steps run in the order given:
 #
-#   bash benchmarks/cpu_targets.sh prefetch peers files ik plan rows targets   # about 75 minutes
+#   bash benchmarks/cpu_targets.sh prefetch peers files ik plan rows targets   # about 80 minutes
 #
 #   prefetch prefetch.py: the AMD and Intel prefetch tables (csrc/prefetch.cpp) alternated on
 #            the same bytes, the kernels alone (about 3 minutes). The AMD's table is what was
@@ -18,7 +18,8 @@
 #            interleaved with llama.cpp -> benchmarks/compare_targets_<cpu>.json
 #   ik       vs_ik.py: ik's llama-bench tg64 and pp512 alternated with ridge on those files
 #   plan     decode_plan.py: the decode plan against op by op on the Q4_K_M and Q8_0 files
-#   rows     quant_rows.py: steps of 1-128 rows per format, the kernel alone
+#   rows     quant_rows.py: steps of 1-128 rows per format, the kernel alone over a decode
+#            step's weights (22 layers; about 7 minutes, 14 where the CPU has AMX: two paths)
 #   targets  benchmarks/targets.py: each target, its figure, met or not
 #
 # Environment: ROUNDS (default 2), THREADS (2), FORMATS (the file types, comma-separated),

@@ -10,8 +10,9 @@ on the Xeon) and makes one row look faster than a step can run, and 2-8 rows dea
 it. Times are per layer. Each round runs one worker process per path, in turn: the path ridge dispatches
 (AMX tiles for 8+ rows where the CPU has AMX-INT8) and, on such CPUs, ``RIDGE_AMX=0`` (the
 VNNI loop everywhere). Reported per format and rows: the median over rounds of each worker's
-median, the cost against one row (the issue's target: 2-8 rows at most 1.3x one row), the
-one-row bandwidth (packed bytes / time), and AMX's speedup over the VNNI loop. Weights are
+median, the cost against one row (the issue's target: 2-8 rows at most 1.3x one row; the
+median of each worker's own ratio), the one-row bandwidth (packed bytes / time), and AMX's
+speedup over the VNNI loop (the median of each round's ratio of its two workers). Weights are
 random valid blocks (timings do not depend on the values).
 
 ``--engine int4,int8`` adds whole steps of ``--model`` quantized at load, per path in the same
@@ -39,6 +40,7 @@ import torch
 
 OUT = Path(__file__).with_name("quant_rows.json")
 SHAPES = ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))  # (N, K) of one layer
+SAMPLES = 9  # timed passes over the layers per row count and worker
 
 
 def run_layers(ext, layers, xs, code: int) -> None:
@@ -66,16 +68,15 @@ def worker(formats: list[str], rows: list[int], threads: int, n_layers: int) -> 
         # copies of one layer's blocks: distinct memory, and timings do not depend on the values
         layers = [layer] + [[(p.clone(), n, k) for p, n, k in layer] for _ in range(n_layers - 1)]
         sizes[name] = sum(p.numel() for p, _, _ in layer)
-        times[name] = {}
-        for m in rows:
-            xs = [torch.randn(m, k).bfloat16() for _, _, k in layer]
-            run_layers(ext, layers, xs, code)
-            samples = []
-            for _ in range(max(5, int(40 / m**0.5))):
+        xs = {m: [torch.randn(m, k).bfloat16() for _, _, k in layer] for m in rows}
+        samples = {m: [] for m in rows}
+        for i in range(SAMPLES + 1):  # the row counts in turn, so that a drift in speed meets them all
+            for m in rows:
                 start = time.perf_counter()
-                run_layers(ext, layers, xs, code)
-                samples.append((time.perf_counter() - start) / n_layers)
-            times[name][str(m)] = statistics.median(samples) * 1e3
+                run_layers(ext, layers, xs[m], code)
+                if i:  # pass 0 warms
+                    samples[m].append((time.perf_counter() - start) / n_layers)
+        times[name] = {str(m): statistics.median(samples[m]) * 1e3 for m in rows}
         del layers, layer
     return {"ms": times, "bytes": sizes, "amx_int8": bool(ext.amx_int8_ready())}
 
@@ -160,6 +161,12 @@ def main() -> None:
     def median(p: str, name: str, m: int) -> float:
         return statistics.median(run[name][str(m)] for run in runs[p])
 
+    def ratio(name: str, m: int, over: str, under: str, under_m: int) -> float:
+        """The median of same-run ratios: path ``over``'s worker at m rows against, in the same
+        worker (``under`` == ``over``) or the one run beside it in that round, ``under_m`` rows.
+        (A worker's whole speed swings by up to a quarter from process to process here.)"""
+        return statistics.median(a[name][str(m)] / b[name][str(under_m)] for a, b in zip(runs[over], runs[under]))
+
     table = {}
     print(f"{cpu_model()}, {args.threads} threads, AMX-INT8: {first['amx_int8']}, {args.layers} layers")
     head = "format     rows ms/layer x one row" + ("   VNNI ms  AMX speedup" if len(paths) == 2 else "")
@@ -168,13 +175,13 @@ def main() -> None:
         one = median("dispatched", name, rows[0])
         entry = {"bytes": first["bytes"][name], "one_row_gb_per_s": first["bytes"][name] / one / 1e6, "rows": {}}
         for m in rows:
-            ms = median("dispatched", name, m)
-            cell = {"ms": ms, "vs_one_row": ms / one}
-            line = f"{name:10s} {m:4d} {ms:7.2f}  {ms / one:5.2f}x"
+            ms, cost = median("dispatched", name, m), ratio(name, m, "dispatched", "dispatched", rows[0])
+            cell = {"ms": ms, "vs_one_row": cost}
+            line = f"{name:10s} {m:4d} {ms:7.2f}  {cost:5.2f}x"
             if len(paths) == 2:
-                vnni = median("vnni", name, m)
-                cell |= {"vnni_ms": vnni, "amx_speedup": vnni / ms}
-                line += f"   {vnni:7.2f}  {vnni / ms:5.2f}x"
+                vnni, speedup = median("vnni", name, m), ratio(name, m, "vnni", "dispatched", m)
+                cell |= {"vnni_ms": vnni, "amx_speedup": speedup}
+                line += f"   {vnni:7.2f}  {speedup:5.2f}x"
             entry["rows"][str(m)] = cell
             print(line)
         table[name] = entry
