@@ -43,9 +43,12 @@ HEADERS = ("amx.h", "block_runs.h", "kernels.h", "kv_codes.h", "linear_call.h", 
 EXTENSION_NAME = "ridge_cpu"
 # Progress lines while a build runs (it takes 1-2 minutes on 2 cores).
 PROGRESS_EVERY_S = 15.0
-# cpp_extension's build lock: a build that was killed leaves it, and every later load would
-# wait on it forever. One older than this is taken as such a leftover (a build takes minutes).
-STALE_LOCK_S = 600.0
+# cpp_extension's build lock: a build that was killed leaves it, and cpp_extension would wait on
+# it forever. ridge waits for it instead, saying so, and takes a lock as such a leftover once
+# nothing in the build directory has been written for this long (a live build writes an object
+# file every minute or so; the longest, linear_quant.cpp, takes about one on 2 cores).
+STALE_LOCK_S = 300.0
+LOCK_POLL_S = 1.0
 
 
 def cpu_flags() -> set[str]:
@@ -118,9 +121,16 @@ def extension_build_dir() -> Path:
 
 
 def extension_is_built() -> bool:
-    """A build newer than every source exists (cpp_extension then only loads it)."""
-    built = extension_build_dir() / f"{EXTENSION_NAME}.so"
-    if not built.is_file():
+    """A build of these sources newer than every one of them exists, made from this checkout's
+    paths with this torch's headers (cpp_extension then only loads it; it rebuilds, for minutes,
+    where its build file names another checkout's sources or another environment's torch)."""
+    from torch.utils.cpp_extension import include_paths
+
+    built, ninja = extension_build_dir() / f"{EXTENSION_NAME}.so", extension_build_dir() / "build.ninja"
+    if not built.is_file() or not ninja.is_file():
+        return False
+    recipe = ninja.read_text()
+    if include_paths()[0] not in recipe or any(f"compile {CSRC_DIR / name}" not in recipe for name in SOURCES):
         return False
     newest_source = max((CSRC_DIR / name).stat().st_mtime for name in SOURCES + HEADERS)
     return built.stat().st_mtime >= newest_source
@@ -157,7 +167,7 @@ def _load_extension(progress):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     build_dir = extension_build_dir()
     build_dir.mkdir(parents=True, exist_ok=True)
-    _remove_stale_lock(build_dir / "lock", progress)
+    _wait_for_build_lock(build_dir, progress)
     building = not extension_is_built()
     done = threading.Event()
     if building and progress is not None:
@@ -207,18 +217,38 @@ def _load_extension(progress):
     return module
 
 
-def _remove_stale_lock(lock: Path, progress) -> None:
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        lock.unlink(missing_ok=True)
-        if progress is not None:
+def _wait_for_build_lock(build_dir: Path, progress, stale_s: float = STALE_LOCK_S, poll_s: float = LOCK_POLL_S) -> None:
+    """Return once ``build_dir`` holds no build lock: while another process's build holds it,
+    wait, saying so every ``PROGRESS_EVERY_S``; a lock with nothing in the directory written for
+    ``stale_s`` (a build that was killed) is removed, also said."""
+    lock = build_dir / "lock"
+    said = None
+    while True:
+        try:
+            written = max(f.stat().st_mtime for f in build_dir.iterdir())
+            lock.stat()
+        except (FileNotFoundError, ValueError):  # no lock (or it went while we looked)
+            return
+        idle = time.time() - written
+        if idle > stale_s:
+            lock.unlink(missing_ok=True)
+            if progress is not None:
+                print(
+                    f"ridge: removed a build lock in {build_dir}: nothing written there for {idle / 60:.0f} "
+                    "minutes (a build that did not finish)",
+                    file=progress,
+                    flush=True,
+                )
+            return
+        if progress is not None and (said is None or time.monotonic() - said >= PROGRESS_EVERY_S):
+            said = time.monotonic()
             print(
-                f"ridge: removed a build lock left {age / 60:.0f} minutes ago by a build that did not finish",
+                f"ridge: waiting for another process's build of the CPU kernels in {build_dir} (last write "
+                f"{idle:.0f} s ago; a lock with nothing written for {stale_s:.0f} s is taken as a dead build)",
                 file=progress,
+                flush=True,
             )
+        time.sleep(poll_s)
 
 
 def select_kernels(kind: str, device: torch.device, dtype: torch.dtype):

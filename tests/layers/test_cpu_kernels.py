@@ -66,20 +66,75 @@ def test_prepare_packs_linears_frees_dense_copies_but_keeps_a_tied_embedding(ker
     assert a.token_ids == b.token_ids and abs(a.cumulative_logprob - b.cumulative_logprob) < 0.05
 
 
-def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, capsys):
+def test_a_build_lock_is_waited_for_and_a_dead_one_removed(tmp_path, capsys):
+    """A live build's lock (its directory still being written) is waited for, saying so, until
+    it goes; a lock whose directory has not been written for the stale time (a killed build,
+    which cpp_extension would wait on forever) is removed at once. Never a silent hang."""
     import os
+    import threading
     import time
 
-    from ridge.layers.cpu_kernels import STALE_LOCK_S, _remove_stale_lock
+    from ridge.layers.cpu_kernels import _wait_for_build_lock
 
-    lock = tmp_path / "lock"
+    lock, obj = tmp_path / "lock", tmp_path / "linear_quant.o"
+    _wait_for_build_lock(tmp_path, sys.stderr)  # no lock: returns at once
     lock.touch()
-    _remove_stale_lock(lock, sys.stderr)
-    assert lock.exists()  # a build may be running
-    old = time.time() - STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
-    _remove_stale_lock(lock, sys.stderr)
-    assert not lock.exists() and "removed a build lock" in capsys.readouterr().err
+    old = time.time() - 3600
+    os.utime(lock, (old, old))  # an old lock, but the build still writes its objects
+
+    def build() -> None:
+        for _ in range(6):
+            obj.touch()
+            time.sleep(0.1)
+        lock.unlink()
+
+    obj.touch()
+    worker = threading.Thread(target=build)
+    worker.start()
+    _wait_for_build_lock(tmp_path, sys.stderr, stale_s=0.5, poll_s=0.05)
+    worker.join()
+    err = capsys.readouterr().err
+    assert "waiting for another process's build" in err and "removed" not in err
+
+    lock.touch()
+    for f in (lock, obj):
+        os.utime(f, (old, old))
+    start = time.monotonic()
+    _wait_for_build_lock(tmp_path, sys.stderr, stale_s=0.5, poll_s=0.05)
+    assert time.monotonic() - start < 0.5 and not lock.exists()
+    assert "removed a build lock" in capsys.readouterr().err
+
+
+def test_a_build_counts_as_built_only_for_this_checkout_and_torch(tmp_path, monkeypatch):
+    """cpp_extension rebuilds (minutes, which ridge announces) where its build file names
+    another checkout's sources or another environment's torch headers: such a build is not
+    taken as this one's, nor one older than a source."""
+    import os
+
+    from torch.utils.cpp_extension import include_paths
+
+    from ridge.layers import cpu_kernels
+
+    monkeypatch.setenv("RIDGE_CACHE_DIR", str(tmp_path))
+    build = cpu_kernels.extension_build_dir()
+    build.mkdir(parents=True)
+    assert not cpu_kernels.extension_is_built()
+
+    def recipe(csrc: str, torch_include: str) -> None:
+        lines = [f"cflags = -isystem {torch_include} -O3"]
+        lines += [f"build {name[:-4]}.o: compile {csrc}/{name}" for name in cpu_kernels.SOURCES]
+        (build / "build.ninja").write_text("\n".join(lines) + "\n")
+        (build / f"{cpu_kernels.EXTENSION_NAME}.so").touch()
+
+    recipe(str(cpu_kernels.CSRC_DIR), include_paths()[0])
+    assert cpu_kernels.extension_is_built()
+    recipe("/elsewhere/ridge/layers/csrc", include_paths()[0])  # another checkout
+    assert not cpu_kernels.extension_is_built()
+    recipe(str(cpu_kernels.CSRC_DIR), "/other/venv/torch/include")  # another environment's torch
+    assert not cpu_kernels.extension_is_built()
+    recipe(str(cpu_kernels.CSRC_DIR), include_paths()[0])
+    os.utime(build / f"{cpu_kernels.EXTENSION_NAME}.so", (0, 0))  # older than the sources
+    assert not cpu_kernels.extension_is_built()
 
 
 def test_select_kernels_choices():
