@@ -48,7 +48,10 @@ PROGRESS_EVERY_S = 15.0
 # nothing in the build directory has been written for this long (a live build writes an object
 # file every minute or so; the longest, linear_quant.cpp, takes about one on 2 cores).
 STALE_LOCK_S = 300.0
-LOCK_POLL_S = 1.0
+LOCK_POLL_S = 0.1
+# Every load takes the lock for a moment (cpp_extension's ninja finds nothing to do): a wait
+# shorter than this says nothing.
+LOCK_QUIET_S = 2.0
 
 
 def cpu_flags() -> set[str]:
@@ -217,12 +220,19 @@ def _load_extension(progress):
     return module
 
 
-def _wait_for_build_lock(build_dir: Path, progress, stale_s: float = STALE_LOCK_S, poll_s: float = LOCK_POLL_S) -> None:
+def _wait_for_build_lock(
+    build_dir: Path,
+    progress,
+    stale_s: float = STALE_LOCK_S,
+    poll_s: float = LOCK_POLL_S,
+    quiet_s: float = LOCK_QUIET_S,
+) -> None:
     """Return once ``build_dir`` holds no build lock: while another process's build holds it,
-    wait, saying so every ``PROGRESS_EVERY_S``; a lock with nothing in the directory written for
-    ``stale_s`` (a build that was killed) is removed, also said."""
+    wait, saying so every ``PROGRESS_EVERY_S`` once it has taken ``quiet_s``; a lock with
+    nothing in the directory written for ``stale_s`` (a build that was killed) is removed, also
+    said."""
     lock = build_dir / "lock"
-    said = None
+    start, said = time.monotonic(), None
     while True:
         try:
             written = max(f.stat().st_mtime for f in build_dir.iterdir())
@@ -240,8 +250,9 @@ def _wait_for_build_lock(build_dir: Path, progress, stale_s: float = STALE_LOCK_
                     flush=True,
                 )
             return
-        if progress is not None and (said is None or time.monotonic() - said >= PROGRESS_EVERY_S):
-            said = time.monotonic()
+        now = time.monotonic()
+        if progress is not None and now - start >= quiet_s and (said is None or now - said >= PROGRESS_EVERY_S):
+            said = now
             print(
                 f"ridge: waiting for another process's build of the CPU kernels in {build_dir} (last write "
                 f"{idle:.0f} s ago; a lock with nothing written for {stale_s:.0f} s is taken as a dead build)",

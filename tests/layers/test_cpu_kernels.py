@@ -91,10 +91,15 @@ def test_a_build_lock_is_waited_for_and_a_dead_one_removed(tmp_path, capsys):
     obj.touch()
     worker = threading.Thread(target=build)
     worker.start()
-    _wait_for_build_lock(tmp_path, sys.stderr, stale_s=0.5, poll_s=0.05)
+    _wait_for_build_lock(tmp_path, sys.stderr, stale_s=0.5, poll_s=0.05, quiet_s=0.0)
     worker.join()
     err = capsys.readouterr().err
     assert "waiting for another process's build" in err and "removed" not in err
+
+    lock.touch()  # a moment's wait (another load's no-op check) says nothing
+    threading.Timer(0.2, lock.unlink).start()
+    _wait_for_build_lock(tmp_path, sys.stderr, stale_s=60.0, poll_s=0.05, quiet_s=30.0)
+    assert capsys.readouterr().err == ""
 
     lock.touch()
     for f in (lock, obj):
