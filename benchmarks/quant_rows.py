@@ -164,7 +164,7 @@ def main() -> None:
     def ratio(name: str, m: int, over: str, under: str, under_m: int) -> float:
         """The median of same-run ratios: path ``over``'s worker at m rows against, in the same
         worker (``under`` == ``over``) or the one run beside it in that round, ``under_m`` rows.
-        (A worker's whole speed swings by up to a quarter from process to process here.)"""
+        (A worker's whole speed swung by up to a third from process to process on the Xeon.)"""
         return statistics.median(a[name][str(m)] / b[name][str(under_m)] for a, b in zip(runs[over], runs[under]))
 
     table = {}

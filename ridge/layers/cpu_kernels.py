@@ -129,7 +129,8 @@ def extension_is_built() -> bool:
     where its build file names another checkout's sources or another environment's torch)."""
     from torch.utils.cpp_extension import include_paths
 
-    built, ninja = extension_build_dir() / f"{EXTENSION_NAME}.so", extension_build_dir() / "build.ninja"
+    build_dir = extension_build_dir()
+    built, ninja = build_dir / f"{EXTENSION_NAME}.so", build_dir / "build.ninja"
     if not built.is_file() or not ninja.is_file():
         return False
     recipe = ninja.read_text()

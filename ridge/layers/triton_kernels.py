@@ -930,7 +930,8 @@ def _block_matmul_q8_kernel(
 GEMV_MAX_ROWS = 4  # x rows up to which each row is a GEMV (W read once a row) rather than a tile
 # Triton's interpreter (CPU tensors: the test suite without a GPU) runs a grid's programs one
 # after another, each op a numpy call: there a GEMV takes this many rows of W a program instead
-# of the GPU's 4 (the same kernel over a few wide programs; explicit configs are kept as given)
+# of the GPU's 4 (the same kernel over a few wide programs: block_matmul_config's
+# ``interpreted``; explicit configs are kept as given)
 INTERPRETED_GEMV_BLOCK_N = 64
 # The kernels (a config's first element): GEMVs with x as int8 codes (dp4a) or as floats; tiles
 # through the tensor cores, x's int8 codes against W's, or x against W dequantized to x's dtype
@@ -946,7 +947,7 @@ def q8_taken(dtype: torch.dtype, k: int) -> bool:
 
 
 def block_matmul_config(
-    m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, nibbles: bool = True
+    m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, nibbles: bool = True, interpreted: bool = False
 ) -> tuple[str, int, int, int, int]:
     """(kernel, BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for m rows of x of this dtype against n
     rows of W (Q4_0 where ``nibbles``, else Q8_0); a GEMV's BLOCK_M is its rows, up to
@@ -954,12 +955,14 @@ def block_matmul_config(
     ``benchmarks/cuda_block_matmul.py``: the GEMVs' on the H200 (2026-11-26; one row: 4 rows of
     W, 64 blocks a step, 2 warps), the tiles' on the H100 (2026-11-26, 16, 32 and 64 rows of
     the Llama-shaped layers). Wide layers (n >= 8192: gate_up) take 128 columns a program, the
-    others narrow tiles, so that their few columns still make enough programs for the SMs."""
+    others narrow tiles, so that their few columns still make enough programs for the SMs.
+    ``interpreted``: for Triton's interpreter, GEMVs of ``INTERPRETED_GEMV_BLOCK_N`` columns."""
     q8 = q8_taken(dtype, k)
     if m <= GEMV_MAX_ROWS:
+        block_n = INTERPRETED_GEMV_BLOCK_N if interpreted else 4
         if q8:
-            return GEMV_Q8, m, 4, 2048 if m == 1 else 1024, 2 if m == 1 else 4
-        return GEMV_F32, 1, 4, 1024, 2
+            return GEMV_Q8, m, block_n, 2048 if m == 1 else 1024, 2 if m == 1 else 4
+        return GEMV_F32, 1, block_n, 1024, 2
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     if dtype not in (torch.bfloat16, torch.float16):  # float32: the parity runs' tiles
         return TILE, block_m, 16 if m <= 16 else 64, 128 if k % 128 == 0 else 32, 4
@@ -998,9 +1001,9 @@ def block_matmul(
     type_size, nibbles = FORMATS[name].type_size, FORMATS[name].nibbles
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m:
-        kernel, block_m, block_n, block_k, warps = config or block_matmul_config(m, n, k, x.dtype, nibbles)
-        if config is None and not x.is_cuda and kernel in (GEMV_Q8, GEMV_F32):
-            block_n = INTERPRETED_GEMV_BLOCK_N
+        kernel, block_m, block_n, block_k, warps = config or block_matmul_config(
+            m, n, k, x.dtype, nibbles, interpreted=not x.is_cuda
+        )
         if kernel in (GEMV_Q8, TILE_Q8) and not q8_taken(x.dtype, k):
             kernel = GEMV_F32 if kernel == GEMV_Q8 else TILE
         flat = packed.view(-1)
