@@ -40,7 +40,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "amx.h"
@@ -369,7 +368,7 @@ inline void amx_chunk_dots(const uint8_t* block, const int8_t* xa, int64_t g0, i
     if (d < n) amx_store(d, c + d * 256);
 }
 
-// acc + w . (row i's 4 x codes at x, broadcast): vpdpbusd with its x operand an embedded
+// acc + w . (the 4 x codes at x, broadcast): vpdpbusd with its x operand an embedded
 // broadcast from memory, one fused op; GCC emits a separate vpbroadcastd for
 // _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(*x)). Used where a group's x codes are
 // read per half group (Q6_K, Q3_K, Q2_K): measured on a 2-core Xeon (2026-11-27, weights
@@ -616,18 +615,6 @@ inline void run_tile(const XTile& t, const uint8_t* block, const uint8_t* pf_end
   alignas(64) float buf[MR * 16];
   tile_block<FMT, MR, AMX>(block, G, t, pf_end, buf);
   const int64_t n0 = nb * ROWS, n_end = std::min<int64_t>(N, n0 + ROWS);
-  if (n_end - n0 == 16) {  // a whole block: 16 outputs a vector, what the loop below computes (speed within noise of it)
-    const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();  // + 0, as below
-    for (int64_t i = 0; i < t.rows; ++i) {
-      const __m512 v = _mm512_add_ps(_mm512_load_ps(buf + i * 16), b);
-      T* yrow = y + (t.row0 + i) * ldy + n0;
-      if constexpr (std::is_same_v<T, float>)
-        _mm512_storeu_ps(yrow, v);
-      else  // round to nearest even, as T(float)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(yrow), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-    }
-    return;
-  }
   for (int64_t i = 0; i < t.rows; ++i) {
     T* yrow = y + (t.row0 + i) * ldy;
     for (int64_t n = n0; n < n_end; ++n) yrow[n] = T(buf[i * 16 + n - n0] + (bias ? bias[n] : 0.f));
