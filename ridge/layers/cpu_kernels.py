@@ -235,11 +235,10 @@ def _wait_for_build_lock(
     lock = build_dir / "lock"
     start, said = time.monotonic(), None
     while True:
-        try:
-            written = max(f.stat().st_mtime for f in build_dir.iterdir())
-            lock.stat()
-        except (FileNotFoundError, ValueError):  # no lock (or it went while we looked)
+        written = _mtime(lock)
+        if not written:  # no lock (or it went while we looked)
             return
+        written = max([written] + [_mtime(f) for f in build_dir.iterdir()])
         idle = time.time() - written
         if idle > stale_s:
             lock.unlink(missing_ok=True)
@@ -261,6 +260,14 @@ def _wait_for_build_lock(
                 flush=True,
             )
         time.sleep(poll_s)
+
+
+def _mtime(path: Path) -> float:
+    """``path``'s last write, 0 where it went meanwhile (a build's temporary file)."""
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
 
 
 def select_kernels(kind: str, device: torch.device, dtype: torch.dtype):
