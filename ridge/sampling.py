@@ -439,6 +439,12 @@ def apply_min_tokens(logits: torch.Tensor, states: list[SamplingState]) -> torch
 # The sampler.
 
 
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch's argmax over float32 (bf16 widens exactly; the first index on ties either way):
+    its CPU argmax of a bf16 32k-token row took ~115 us, of float32 ~30."""
+    return (logits if logits.dtype is torch.float32 else logits.float()).argmax(dim=-1)
+
+
 class Sampler:
     """Turns a (B, V) batch of logits into one token per row; see the module docstring.
 
@@ -446,9 +452,13 @@ class Sampler:
     never touches torch's global RNG state. Seeded requests use their own generators only.
     """
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """``argmax``: (R, V) logits -> (R,) int64 index of each row's largest value, the first
+        of equal maxima (the model's kernels give one: torch's CPU argmax of a 32k-token row
+        costs ~0.1 ms a decode step); torch's by default."""
         self._seed = _check_int("seed", seed, lo=_SEED_RANGE[0], hi=_SEED_RANGE[1], rule="in [-2**63, 2**64)")
         self._generators: dict[torch.device, torch.Generator] = {}
+        self.argmax = argmax if argmax is not None else _torch_argmax
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
@@ -482,10 +492,7 @@ class Sampler:
             s.params.greedy and s.params.logprobs is None and not s.params.has_penalties and not s.min_tokens_active()
             for s in states
         ):
-            # argmax of float32 (bf16 widens exactly; first index on ties either way): torch's
-            # bf16 argmax of a 32k row takes ~115 us on CPU, float32's ~30
-            rows = logits if logits.dtype is torch.float32 else logits.float()
-            return PendingSample(rows.argmax(dim=-1), batch)
+            return PendingSample(self.argmax(logits), batch)
 
         device = logits.device
         x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
@@ -506,14 +513,14 @@ class Sampler:
         apply_min_tokens(x, states)
 
         if not sample_rows:
-            tokens = x.argmax(dim=-1)
+            tokens = self.argmax(x)
         elif not greedy_rows:
             tokens = self._sample(x, states)
         else:
             tokens = torch.empty(batch, dtype=torch.long, device=device)
             g_idx = torch.tensor(greedy_rows, device=device)
             s_idx = torch.tensor(sample_rows, device=device)
-            tokens[g_idx] = x[g_idx].argmax(dim=-1)
+            tokens[g_idx] = self.argmax(x[g_idx])
             tokens[s_idx] = self._sample(x[s_idx], [states[i] for i in sample_rows])
         if raw_logprobs is None:
             return PendingSample(tokens, batch)

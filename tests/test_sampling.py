@@ -181,6 +181,26 @@ def test_greedy_rows_mixed_with_sampled_rows():
     assert all(isinstance(t, int) and 0 <= t < 40 for t in out.token_ids)
 
 
+def test_greedy_rows_take_the_given_argmax():
+    """Every greedy path (all rows greedy, greedy with logprobs, greedy beside sampled rows)
+    picks its tokens with the sampler's ``argmax`` (the model's kernels give theirs)."""
+    calls = []
+
+    def argmax(x):
+        calls.append(tuple(x.shape))
+        return x.float().argmax(dim=-1)
+
+    torch.manual_seed(3)
+    logits = torch.randn(4, 40).bfloat16()
+    expect = logits.float().argmax(-1).tolist()
+    sampler = Sampler(argmax=argmax)
+    assert sampler(logits, [state(temperature=0.0)] * 4).token_ids == expect
+    assert sampler(logits, [state(temperature=0.0, logprobs=1)] * 4).token_ids == expect
+    mixed = sampler(logits, [state(temperature=0.0), state(temperature=1.0)] * 2)
+    assert [mixed.token_ids[i] for i in (0, 2)] == [expect[0], expect[2]]
+    assert calls == [(4, 40), (4, 40), (2, 40)]
+
+
 def test_sampler_leaves_inputs_and_global_rng_alone():
     torch.manual_seed(2)
     logits = torch.randn(3, 30)

@@ -227,6 +227,11 @@ class TorchKernels:
         logits[:, : allowed.shape[1]].masked_fill_(~allowed, float("-inf"))
         logits[:, allowed.shape[1] :] = float("-inf")
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy sampling: (rows, V) logits -> (rows,) int64, each row's index of its largest
+        value (the first of equal maxima; a row with a NaN gives its first NaN)."""
+        return logits.argmax(dim=-1)
+
     def write_kv(self, cache: PagedKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """k/v (T, Hkv, Dh) of this step's tokens into the pools at flat ``slots``."""
         write_kv(cache, k, v, slots)
@@ -425,6 +430,11 @@ class CpuKernels(TorchKernels):
         ):
             return super().route_topk(x, router, *args)
         return tuple(self.ext.route_topk(x, router, *args))
+
+    def argmax(self, logits):
+        if logits.device.type != "cpu" or logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16):
+            return super().argmax(logits)
+        return self.ext.argmax_rows(logits)
 
     def apply_token_bitmask_(self, logits, bitmask):
         if logits.device.type != "cpu" or not logits.is_contiguous():

@@ -199,7 +199,7 @@ class DraftProposer:
     def _sample(self, logits: torch.Tensor, targets: list[ProposalRequest]):
         """Greedy targets: argmax. Sampling targets: a draw from the draft's distribution under
         the target's temperature / top-k / top-p / min-p (q of the rejection sampler)."""
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = self.sampler.argmax(logits).tolist()
         sampling = [i for i, t in enumerate(targets) if not t.params.greedy]
         if not sampling:
             return tokens, None

@@ -21,6 +21,7 @@ temperature, min-p, top-k, top-p), with the drafts before slot j counted as gene
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,7 +68,7 @@ def verify(
         states = [state] * (k + 1)
 
     if params.greedy:
-        target = x.argmax(dim=-1).tolist()
+        target = sampler.argmax(x).tolist()
         accepted = 0
         while accepted < k and drafts[accepted] == target[accepted]:
             accepted += 1
@@ -91,10 +92,13 @@ def plain_greedy(state: SamplingState) -> bool:
     return p.greedy and not p.has_penalties and not state.min_tokens_active() and p.logprobs is None
 
 
-def verify_greedy_batch(logits: torch.Tensor, runs: list[list[int]]) -> list[VerifyResult]:
+def verify_greedy_batch(
+    logits: torch.Tensor, runs: list[list[int]], argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> list[VerifyResult]:
     """Several plain-greedy runs at once: ``logits`` holds their 1 + k rows back to back; one
-    argmax and one device-to-host copy for all (on a GPU, one sync instead of one per run)."""
-    target = logits.argmax(dim=-1).tolist()
+    argmax (``argmax``, the sampler's; torch's by default) and one device-to-host copy for all
+    (on a GPU, one sync instead of one per run)."""
+    target = (logits.argmax(dim=-1) if argmax is None else argmax(logits)).tolist()
     out, row = [], 0
     for drafts in runs:
         k, accepted = len(drafts), 0

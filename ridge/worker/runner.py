@@ -366,7 +366,7 @@ class ModelRunner:
                 results[rid] = verify(self.sampler, logits[rows.start : rows.stop], state, drafts, probs)
         if greedy_runs:
             index = torch.tensor(greedy_rows, device=logits.device)
-            batch_results = verify_greedy_batch(logits[index], [d for _, d in greedy_runs])
+            batch_results = verify_greedy_batch(logits[index], [d for _, d in greedy_runs], self.sampler.argmax)
             results.update(zip([rid for rid, _ in greedy_runs], batch_results))
         for rid, drafts in batch.verify_runs:
             result = results[rid]

@@ -189,7 +189,7 @@ class Worker:
         self.kv_caches = kv_cache.allocate(
             self.info.kv_spec, num_blocks, cfg.block_size, self.dtype, self.device, cfg.kv_cache_dtype
         )
-        sampler = Sampler(cfg.seed) if self.tp.rank == 0 else None
+        sampler = Sampler(cfg.seed, argmax=self.model.kernels.argmax) if self.tp.rank == 0 else None
         self.runner = ModelRunner(self.model, self.kv_caches, cfg.block_size, self.device, sampler, eos_token_ids)
         self.graph_report = None
         if self.device.type == "cuda" and not cfg.enforce_eager:

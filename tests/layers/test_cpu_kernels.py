@@ -276,6 +276,33 @@ def test_token_bitmask_matches_llguidance_and_the_torch_path(pair, dtype, vocab,
     assert torch.isinf(expected[2]).all() and torch.equal(expected[1, : 32 * words], logits[1, : 32 * words])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 7, 16, 37, 32000])  # shorter than a vector, one, a tail, TinyLlama's
+def test_argmax_picks_what_torch_picks(pair, dtype, vocab):
+    """Greedy sampling's argmax: torch's index in every row, ties (the first of equal maxima,
+    in a vector's lanes, across vectors and in the tail), NaNs (the first NaN), infinities,
+    a row of -inf."""
+    ref, fast = pair
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(12, vocab, generator=gen).to(dtype)
+    last = vocab - 1
+    logits[1, :] = 0.0  # all tied: index 0
+    logits[2, [last, last // 2]] = 9.0  # a tie between the tail (or a later lane) and an earlier index
+    logits[3, last] = float("inf")
+    logits[4, :] = float("-inf")
+    logits[5, [last // 3, last]] = float("nan")  # the first NaN wins over anything
+    logits[6, last] = float("nan")  # a NaN in the tail only
+    logits[7, 0] = float("nan")
+    logits[8, [last // 2, last]] = float("inf")  # tied infinities
+    logits[9, min(17, last)] = 50.0  # a maximum in a later lane of a later vector
+    logits[10, :: max(1, vocab // 5)] = 3.0  # several maxima spread over vectors
+    expected = logits.float().argmax(dim=-1)
+    assert torch.equal(ref.argmax(logits), expected)
+    got = fast.argmax(logits)
+    assert got.dtype is torch.long and torch.equal(got, expected), (got, expected)
+    assert torch.equal(fast.argmax(logits[2:3]), expected[2:3])  # a row alone: the same index
+
+
 @pytest.mark.parametrize("dtype,dim", [(torch.float32, 8), (torch.float32, 64), (torch.bfloat16, 24)])
 @pytest.mark.parametrize("lens", [[1], [5, 40, 17]])
 def test_portable_decode_attention_any_head_size(pair, lens, dtype, dim):

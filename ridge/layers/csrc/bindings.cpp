@@ -46,5 +46,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the same with head h's N x K matrix in a block format: a stacked (H N, K) weight's packed blocks");
   m.def("apply_token_bitmask_", &apply_token_bitmask_, py::call_guard<py::gil_scoped_release>(),
         "structured output: -inf in place for the tokens a row's int32 bitmask does not allow");
+  m.def("argmax_rows", &argmax_rows, py::call_guard<py::gil_scoped_release>(),
+        "greedy sampling: each row's index of its largest logit (torch.argmax's: the first of equal maxima, a NaN first)");
   bind_decode_plan(m);
 }

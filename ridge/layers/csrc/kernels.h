@@ -52,6 +52,7 @@ torch::Tensor paged_decode_attention_shared_quant(torch::Tensor q, torch::Tensor
                                                   int64_t value_dim, bool fp8);
 torch::Tensor head_matmul_bf16(torch::Tensor x, torch::Tensor w);
 void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask);
+torch::Tensor argmax_rows(torch::Tensor logits);
 // The same kernels on raw rows, writing into y (no allocation, no dispatcher: the decode plan
 // calls these between its matmuls, where a weight stream has just pushed libtorch's code out
 // of the caches). x (M, K) and y (M, N) contiguous unless said; bf16 = at::BFloat16.
