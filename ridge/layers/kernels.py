@@ -455,7 +455,7 @@ class CpuKernels(TorchKernels):
         k_cache = cache.k
         if q.dtype is not torch.bfloat16 or head_dim % 16:
             return super().prefill_attention(q, k, v, cache, chunk)
-        if not cache.quantized and (head_dim > 256 or k_cache.numel() >= 2**32 or k_cache.dtype is not torch.bfloat16):
+        if not cache.quantized and (head_dim > 256 or k_cache.dtype is not torch.bfloat16):
             return super().prefill_attention(q, k, v, cache, chunk)
         n, ctx = chunk.num_tokens, chunk.context_len
         blocks = (ctx + k_cache.shape[1] - 1) // k_cache.shape[1]
@@ -493,7 +493,7 @@ class CpuKernels(TorchKernels):
             # context split over the threads (csrc/decode_attention_shared.cpp)
             return self.ext.paged_decode_attention_shared(q, k_cache, tables, lens, scale, dv)
         args = (q, k_cache, v_cache, tables, lens, scale)
-        if q.dtype is torch.bfloat16 and head_dim % 16 == 0 and head_dim <= 256 and k_cache.numel() < 2**32:
+        if q.dtype is torch.bfloat16 and head_dim % 16 == 0 and head_dim <= 256:
             return self.ext.paged_decode_attention_bf16(*args)[..., :dv]  # AVX-512, 16 lanes of a head at a time
         if q.shape[1] // k_cache.shape[2] >= MANY_HEADS_PER_KV_HEAD:
             # many heads on one KV vector (float32; bf16 below 16 heads): the generic kernel

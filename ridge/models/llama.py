@@ -92,7 +92,7 @@ class LlamaAttention(nn.Module):
         k = cache.k
         if not (k.is_contiguous() and cache.v.is_contiguous()) or self.head_dim % 16:
             return False
-        if not cache.quantized and (k.dtype is not torch.bfloat16 or self.head_dim > 256 or k.numel() >= 2**32):
+        if not cache.quantized and (k.dtype is not torch.bfloat16 or self.head_dim > 256):
             return False
         qkv, o = ops.plan_linear(self.qkv_proj), ops.plan_linear(self.o_proj)
         if qkv is None or o is None:

@@ -31,6 +31,7 @@
 
 #include "kv_codes.h"
 #include "paged_rows.h"
+#include "simd_math.h"
 
 namespace ridge {
 void softmax_row(float* scores, int64_t L, bool round_to_bf16);
@@ -39,32 +40,6 @@ void softmax_row(float* scores, int64_t L, bool round_to_bf16);
 namespace {
 
 using bf16 = at::BFloat16;
-
-// 16 rows of 16 int32 -> 16 columns (c[j] lane i = r[i] lane j), in 4 shuffle stages.
-inline void transpose16(const __m512i r[16], __m512i c[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  // u[4i + m], 128-bit lane L: rows 4i .. 4i+3 at column 4L + m
-  for (int i = 0; i < 4; ++i) {
-    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int m = 0; m < 4; ++m) {
-    const __m512i x = _mm512_shuffle_i32x4(u[m], u[4 + m], _MM_SHUFFLE(2, 0, 2, 0));
-    const __m512i y = _mm512_shuffle_i32x4(u[m], u[4 + m], _MM_SHUFFLE(3, 1, 3, 1));
-    const __m512i x2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], _MM_SHUFFLE(2, 0, 2, 0));
-    const __m512i y2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], _MM_SHUFFLE(3, 1, 3, 1));
-    c[m] = _mm512_shuffle_i32x4(x, x2, _MM_SHUFFLE(2, 0, 2, 0));
-    c[8 + m] = _mm512_shuffle_i32x4(x, x2, _MM_SHUFFLE(3, 1, 3, 1));
-    c[4 + m] = _mm512_shuffle_i32x4(y, y2, _MM_SHUFFLE(2, 0, 2, 0));
-    c[12 + m] = _mm512_shuffle_i32x4(y, y2, _MM_SHUFFLE(3, 1, 3, 1));
-  }
-}
 
 // 16 tokens' K codes as vpdpbusd takes them: col[p] lane i holds token i's dims 4p .. 4p + 3,
 // each code + 128 (unsigned). Head sizes of 64k load each token's 64-byte row chunks whole and

@@ -629,7 +629,7 @@ class DecodePlan {
         const bool attention_fits = l.mla ? mla_fits(l)
                                           : l.head_dim % 16 == 0 && l.head_dim <= 256 &&
                                                 l.qkv.width() == (l.heads + 2 * l.kv_heads) * l.head_dim &&
-                                                l.k_pool.numel() / 2 < (int64_t{1} << 31) && quant_pools_fit(l);
+                                                quant_pools_fit(l);
         const bool ffn_fits = l.moe.has_value() ? moe_fits(*l.moe, l.in_norm.numel())
                                                 : l.gate_up.width() % 2 == 0;
         if (!attention_fits || !ffn_fits) rows_state_ = 0;

@@ -1,5 +1,5 @@
-// Vector math the decode kernels share (decode_ops.cpp, decode_attention_shared.cpp): one
-// definition, so their roundings and exp agree.
+// Vector math the decode kernels share (decode_ops.cpp, decode_attention_shared.cpp,
+// decode_attention_quant.cpp): one definition, so their roundings and exp agree.
 #pragma once
 #include <immintrin.h>
 
@@ -26,4 +26,30 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(p, n));
+}
+
+// 16 rows of 16 int32 -> 16 columns (c[j] lane i = r[i] lane j), in 4 shuffle stages.
+inline void transpose16(const __m512i r[16], __m512i c[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // u[4i + m], 128-bit lane L: rows 4i .. 4i+3 at column 4L + m
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {
+    const __m512i x = _mm512_shuffle_i32x4(u[m], u[4 + m], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i y = _mm512_shuffle_i32x4(u[m], u[4 + m], _MM_SHUFFLE(3, 1, 3, 1));
+    const __m512i x2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i y2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], _MM_SHUFFLE(3, 1, 3, 1));
+    c[m] = _mm512_shuffle_i32x4(x, x2, _MM_SHUFFLE(2, 0, 2, 0));
+    c[8 + m] = _mm512_shuffle_i32x4(x, x2, _MM_SHUFFLE(3, 1, 3, 1));
+    c[4 + m] = _mm512_shuffle_i32x4(y, y2, _MM_SHUFFLE(2, 0, 2, 0));
+    c[12 + m] = _mm512_shuffle_i32x4(y, y2, _MM_SHUFFLE(3, 1, 3, 1));
+  }
 }
