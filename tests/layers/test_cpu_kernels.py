@@ -357,9 +357,10 @@ def _paged_case(lens: list[int], dim: int, block_size: int = 4, heads: int = 8, 
 
 @pytest.mark.parametrize("lens", [[1], [5, 40, 17], [64, 3]])
 @pytest.mark.parametrize("dim", [16, 48, 64, 128])  # K rows of 8 and 24 dim pairs: a part of a 16-pair column
-def test_paged_decode_attention_reads_the_pool_like_the_gathered_path(pair, lens, dim):
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (16, 2), (8, 1)])  # groups of 4, 8 and 8 heads (V's two paths)
+def test_paged_decode_attention_reads_the_pool_like_the_gathered_path(pair, lens, dim, heads, kv_heads):
     ref, fast = pair
-    k_cache, v_cache, _, q, meta = _paged_case(lens, dim=dim)
+    k_cache, v_cache, _, q, meta = _paged_case(lens, dim=dim, heads=heads, kv_heads=kv_heads)
     got = fast.decode_attention(q, PagedKV(k_cache, v_cache), meta())
     want = ref.decode_attention(q, PagedKV(k_cache, v_cache), meta())
     assert (got.float() - want.float()).abs().max().item() <= 0.02 * want.float().abs().max().item()

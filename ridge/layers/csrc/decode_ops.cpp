@@ -445,8 +445,22 @@ void paged_decode_attention_bf16_into(const bf16* qp, int64_t q_stride, int64_t 
       }
       // softmax per query head (fp32), probabilities rounded to bf16
       for (int64_t g = 0; g < G; ++g) softmax_row(&scores[g * L], L, true);
-      // out[g] = sum_t p[g][t] * v_t, fp32 accumulation in registers (4 heads x up to 256 dims
-      // at a time), one bf16 rounding
+      // out[g] = sum_t p[g][t] * v_t, fp32 accumulation in registers, one bf16 rounding: 8
+      // heads x 32 dims a pass where the group has 8k heads (each V value widened once; 4 heads
+      // x 64 widened each twice, and measured 1.14x slower for TinyLlama's 8 heads a group at
+      // 4,096 tokens, 2-core Xeon), else 4 heads x up to 64 dims. Each sum takes the same
+      // products in the same order either way.
+      if (G % 8 == 0) {
+        for (int64_t g0 = 0; g0 < G; g0 += 8)
+          for (int64_t d0 = 0; d0 < D; d0 += 32) {
+            bf16* out_g = op + (b * Hq + h * G + g0) * D + d0;
+            if (D - d0 >= 32)
+              pv_block<8, 2>(vp, rows.data(), D, d0, &scores[g0 * L], L, out_g);
+            else
+              pv_block<8, 1>(vp, rows.data(), D, d0, &scores[g0 * L], L, out_g);
+          }
+        continue;
+      }
       for (int64_t g0 = 0; g0 < G; g0 += 4) {
         bf16* out_g = op + (b * Hq + h * G + g0) * D;
         const float* probs = &scores[g0 * L];
