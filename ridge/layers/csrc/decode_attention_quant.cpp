@@ -74,6 +74,59 @@ inline void k_columns_fp8(const uint8_t* kp, const int64_t* rows16, int64_t D, f
   }
 }
 
+// The fp16 scales of 16 tokens (pool rows rows16, NGR scales a row) as fp32, group-major:
+// ks[gi * 16 + i] is token i's scale of group gi. A row's 2 or 4 scales are one 4- or 8-byte
+// word: 16 tokens' words come in one or two gathers and split into groups by vpmovdw /
+// vpmovqw (a scalar conversion each was ~10% of the int8 kernel at 4,096 tokens); any other
+// NGR one by one. The conversions are exact either way.
+inline void token_scales16(const at::Half* sp, const int64_t* rows16, int64_t NGR, float* ks) {
+  alignas(64) int32_t idx[16];
+  for (int i = 0; i < 16; ++i) idx[i] = static_cast<int32_t>(rows16[i]);
+  if (NGR == 2) {
+    const __m512i w = _mm512_i32gather_epi32(_mm512_load_si512(idx), sp, 4);
+    _mm512_store_ps(ks, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w)));
+    _mm512_store_ps(ks + 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16))));
+  } else if (NGR == 4) {
+    const __m512i lo = _mm512_i32gather_epi64(_mm256_load_si256(reinterpret_cast<const __m256i*>(idx)), sp, 8);
+    const __m512i hi = _mm512_i32gather_epi64(_mm256_load_si256(reinterpret_cast<const __m256i*>(idx + 8)), sp, 8);
+    for (int g = 0; g < 4; ++g) {
+      const __m128i a = _mm512_cvtepi64_epi16(_mm512_srli_epi64(lo, 16 * g));
+      const __m128i b = _mm512_cvtepi64_epi16(_mm512_srli_epi64(hi, 16 * g));
+      _mm512_store_ps(ks + 16 * g, _mm512_cvtph_ps(_mm256_set_m128i(b, a)));
+    }
+  } else {
+    for (int i = 0; i < 16; ++i)
+      for (int64_t gi = 0; gi < NGR; ++gi) ks[gi * 16 + i] = half_to_float(sp + rows16[i] * NGR + gi);
+  }
+}
+
+// V's scales of tokens 0 .. L (pool rows ``rows``) as fp32 times ``unit``, token-major
+// (vs[t * NGR + gi]): 16 tokens' 2 or 4 scales a row gathered as one word each, which in token
+// order are already the fp16 values in vs's order.
+inline void token_scales(const at::Half* sp, const int64_t* rows, int64_t L, int64_t NGR, float unit, float* vs) {
+  int64_t t = 0;
+  const __m512 u = _mm512_set1_ps(unit);
+  if (NGR == 2 || NGR == 4) {
+    for (; t + 16 <= L; t += 16) {
+      alignas(64) int32_t idx[16];
+      for (int i = 0; i < 16; ++i) idx[i] = static_cast<int32_t>(rows[t + i]);
+      __m512i w[2];
+      if (NGR == 2) {
+        w[0] = _mm512_i32gather_epi32(_mm512_load_si512(idx), sp, 4);
+      } else {
+        w[0] = _mm512_i32gather_epi64(_mm256_load_si256(reinterpret_cast<const __m256i*>(idx)), sp, 8);
+        w[1] = _mm512_i32gather_epi64(_mm256_load_si256(reinterpret_cast<const __m256i*>(idx + 8)), sp, 8);
+      }
+      for (int64_t j = 0; j < NGR / 2; ++j) {
+        _mm512_storeu_ps(vs + t * NGR + 32 * j, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(w[j])), u));
+        _mm512_storeu_ps(vs + t * NGR + 32 * j + 16, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(w[j], 1)), u));
+      }
+    }
+  }
+  for (; t < L; ++t)
+    for (int64_t gi = 0; gi < NGR; ++gi) vs[t * NGR + gi] = half_to_float(sp + rows[t] * NGR + gi) * unit;
+}
+
 // Scores of NG query heads (fp32 queries qf[g][D]) against 16 tokens of an fp8 K: per group
 // of GS dims sum_d q[d] k_t[d] (two chains a head, even and odd dims), times the tokens' K
 // scales of the group; then times 256 (fp8x16's unit) and the attention scale.
@@ -209,11 +262,8 @@ void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* k
         const int64_t n = std::min<int64_t>(16, L - t0);
         alignas(64) int64_t rows16[16];
         alignas(64) float ks[16 * 64];  // [group][token], up to 64 groups
-        for (int64_t i = 0; i < 16; ++i) {
-          const int64_t row = rows[t0 + std::min<int64_t>(i, n - 1)];  // tail lanes repeat a valid token
-          rows16[i] = row;
-          for (int64_t gi = 0; gi < NGR; ++gi) ks[gi * 16 + i] = half_to_float(ksp + row * NGR + gi);
-        }
+        for (int64_t i = 0; i < 16; ++i) rows16[i] = rows[t0 + std::min<int64_t>(i, n - 1)];  // tail lanes repeat a valid token
+        token_scales16(ksp, rows16, NGR, ks);
         for (int64_t i = t0 + 16; i < std::min<int64_t>(L, t0 + 32); ++i)  // the next chunk's rows
           for (int64_t c = 0; c < D; c += 64) _mm_prefetch(reinterpret_cast<const char*>(kp + rows[i] * D + c), _MM_HINT_T0);
         if constexpr (FP8)
@@ -246,8 +296,7 @@ void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* k
       for (int64_t g = 0; g < G; ++g) ridge::softmax_row(&scores[g * L], L, false);
       // V's scales per (token, group), code units folded in
       vscale.resize(L * NGR);
-      for (int64_t t = 0; t < L; ++t)
-        for (int64_t gi = 0; gi < NGR; ++gi) vscale[t * NGR + gi] = half_to_float(vsp + rows[t] * NGR + gi) * code_unit;
+      token_scales(vsp, rows.data(), L, NGR, code_unit, vscale.data());
       pv<FP8>(G, vp, rows.data(), D, scores.data(), L, vscale.data(), NGR, GS, acc.data());
       for (int64_t i = 0; i < G * D; ++i) op[(b * Hq + h * G) * D + i] = static_cast<T>(acc[i]);
     }
