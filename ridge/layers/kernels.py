@@ -229,8 +229,10 @@ class TorchKernels:
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy sampling: (rows, V) logits -> (rows,) int64, each row's index of its largest
-        value (the first of equal maxima; a row with a NaN gives its first NaN)."""
-        return logits.argmax(dim=-1)
+        value (the first of equal maxima; a row with a NaN gives its first NaN). Over float32:
+        bf16 widens exactly, and torch's CPU argmax of a bf16 32k-token row took ~115 us, of
+        float32 ~30."""
+        return (logits if logits.dtype is torch.float32 else logits.float()).argmax(dim=-1)
 
     def write_kv(self, cache: PagedKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """k/v (T, Hkv, Dh) of this step's tokens into the pools at flat ``slots``."""
