@@ -3,7 +3,7 @@
 // vector c = [latent (r) | k_rope (p)] and whose value is c's first r dims (layers/mla.py).
 //
 // The per-(sequence, KV head) kernels (decode_ops.cpp) run one job per sequence here, one
-// thread at batch 1, and put tokens in a vector's lanes (a gather per pair of dims). With 16+
+// thread at batch 1, and put tokens in a vector's lanes (16 K rows transposed). With 16+
 // heads on one key, heads go in the lanes instead, and a sequence's context is split into
 // chunks of CT tokens that the threads share:
 //
