@@ -3,7 +3,7 @@
 # then every target against them (benchmarks/targets.py). Run from the repository root after
 # `make setup`, with nothing else running; the steps run in the order given:
 #
-#   bash benchmarks/cpu_targets.sh prefetch peers files ik plan rows targets   # about 80 minutes
+#   bash benchmarks/cpu_targets.sh prefetch peers files ik plan rows kv targets   # about 90 minutes
 #
 #   prefetch prefetch.py: the AMD and Intel prefetch tables (csrc/prefetch.cpp) alternated on
 #            the same bytes, the kernels alone (about 3 minutes). The AMD's table is what was
@@ -20,6 +20,8 @@
 #   plan     decode_plan.py: the decode plan against op by op on the Q4_K_M and Q8_0 files
 #   rows     quant_rows.py: steps of 1-128 rows per format, the kernel alone over a decode
 #            step's weights (22 layers; about 7 minutes, 14 where the CPU has AMX: two paths)
+#   kv       quantized_decode.py: bf16, int8 and int4 weights' decode steps, and decode attention
+#            over a bf16, int8 and fp8 KV cache at 4,096 tokens (about 10 minutes)
 #   targets  benchmarks/targets.py: each target, its figure, met or not
 #
 # Environment: ROUNDS (default 2), THREADS (2), FORMATS (the file types, comma-separated),
@@ -114,11 +116,14 @@ for step in "$@"; do
   rows)
     "$PYTHON" benchmarks/quant_rows.py --rounds 3 --threads "$THREADS" 2>&1 | tee "$OUT/quant_rows.log" | tail -n 16
     ;;
+  kv)
+    "$PYTHON" benchmarks/quantized_decode.py --rounds 3 2>&1 | tee "$OUT/quantized_decode.log" | tail -n 30
+    ;;
   targets)
     "$PYTHON" benchmarks/targets.py --compare "$COMPARE_JSON" | tee "$OUT/targets.md"
     ;;
   *)
-    echo "unknown step $step (prefetch peers files ik plan rows targets)" >&2
+    echo "unknown step $step (prefetch peers files ik plan rows kv targets)" >&2
     exit 2
     ;;
   esac

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ from ridge.engine.engine import LLMEngine
 from ridge.kv import cache as kv_cache
 from ridge.layers.attention import AttentionMetadata
 from ridge.roofline.ops import step_cost
-from ridge.roofline.probe import ProbeSettings, probe_read_bandwidth
+from ridge.roofline.probe import ProbeSettings, cpu_model, probe_read_bandwidth
 
 OUT = Path(__file__).with_name("quantized_decode.json")
 
@@ -194,7 +193,7 @@ def main() -> int:
             ),
         }
     payload = {
-        "machine": platform.processor() or platform.machine(),
+        "machine": cpu_model(),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "model": args.model,

@@ -8,7 +8,9 @@ file or format, the measured figure, the target and whether it is met:
     the file's weight bytes over the bandwidth probed in the same round);
   - tg64 and pp512 at least ik_llama.cpp's ``llama-bench`` on every file (``vs_ik.py``, the
     median of the per-round ratios, this CPU's entry);
-  - 2-8 rows at most 1.3x one row in every format (``quant_rows.py``, this CPU's entry).
+  - 2-8 rows at most 1.3x one row in every format (``quant_rows.py``, this CPU's entry);
+  - decode attention over an int8 KV cache at least 1.6x bf16's at 4,096-token contexts
+    (``quantized_decode.py``'s KV part, where its run was on this CPU).
 
     python benchmarks/targets.py --compare benchmarks/compare_targets_amd.json
 
@@ -26,6 +28,7 @@ LLAMACPP_SPEEDUP = 1.2  # ridge / llama.cpp, batch-1 decode
 FLOOR_FRACTION = 0.9
 IK_RATIO = 1.0  # ridge / ik_llama.cpp, tg64 and pp512
 ROWS_COST = 1.3  # a step of 2-8 rows against one row
+KV_INT8_SPEEDUP = 1.6  # int8 KV decode attention / bf16's, 4k contexts
 
 
 def compare_rows(compare: dict) -> list[tuple[str, str, str, str, bool]]:
@@ -92,6 +95,18 @@ def quant_rows(entry: dict | None) -> list[tuple[str, str, str, str, bool]]:
     return rows
 
 
+def kv_rows(run: dict | None) -> list[tuple[str, str, str, str, bool]]:
+    """quantized_decode.py's KV part: the int8 cache's decode attention against bf16's."""
+    if not run:
+        return []
+    int8 = run["summary"]["kv"].get("int8")
+    if int8 is None:
+        return []
+    value = int8["attention_vs_bf16"]
+    what = f"batch {run['kv_batch']}, {run['kv_context']} tokens"
+    return [("int8 KV attention vs bf16", what, f"{value:.2f}x", f">= {KV_INT8_SPEEDUP}x", value >= KV_INT8_SPEEDUP)]
+
+
 def main(argv: list[str] | None = None) -> int:
     from ridge.roofline.probe import cpu_model
 
@@ -99,13 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", type=Path, required=True, help="compare.py's --json of a batch1 run")
     parser.add_argument("--vs-ik", type=Path, default=HERE / "vs_ik.json")
     parser.add_argument("--quant-rows", type=Path, default=HERE / "quant_rows.json")
+    parser.add_argument("--quantized-decode", type=Path, default=HERE / "quantized_decode.json")
     parser.add_argument("--cpu", default=None, help="the CPU entry to read (default: this machine's)")
     args = parser.parse_args(argv)
     cpu = args.cpu or cpu_model()
     compare = json.loads(args.compare.read_text())
     machine = compare.get("machine", {})
     ik, per_rows = cpu_entry(args.vs_ik, cpu), cpu_entry(args.quant_rows, cpu)
-    rows = compare_rows(compare) + ik_rows(ik) + quant_rows(per_rows)
+    kv_run = json.loads(args.quantized_decode.read_text()) if args.quantized_decode.is_file() else None
+    kv_here = kv_run if kv_run and kv_run.get("machine") == cpu else None  # a run of this CPU only
+    rows = compare_rows(compare) + ik_rows(ik) + quant_rows(per_rows) + kv_rows(kv_here)
     print(f"Issue 21's targets on {cpu}, from:")
     prefetch = machine.get("cpu_prefetch")  # the kernels' prefetch policy in that run (csrc/prefetch.cpp)
     policy = f", prefetch {','.join(f'{k}={v}' for k, v in sorted(prefetch.items()))}" if prefetch else ""
@@ -116,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
             layers = entry.get("layers", 1)
             said += f", weights of {layers} layer{'' if layers == 1 else 's'}"
         print(f"- {path}: {said}")
+    if kv_run:
+        said = f"{kv_run.get('date', '?')}, {kv_run.get('rounds', '?')} rounds"
+        print(f"- {args.quantized_decode}: {said}" + ("" if kv_here else f", on {kv_run.get('machine')}: not this CPU"))
     print()
     print("| target | file / format | measured | target | met |")
     print("|---|---|---|---|---|")

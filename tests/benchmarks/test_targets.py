@@ -61,13 +61,24 @@ def test_each_target_is_read_from_its_json_and_judged(tmp_path, capsys):
             },
         }
     }
+    kv = {
+        "machine": "Test CPU",
+        "date": "2026-11-27",
+        "rounds": 3,
+        "kv_batch": 16,
+        "kv_context": 4096,
+        "summary": {"kv": {"bf16": {"attention_vs_bf16": 1.0}, "int8": {"attention_vs_bf16": 1.4}}},
+    }
     paths = {}
-    for name, data in (("compare", compare), ("vs_ik", vs_ik), ("rows", rows)):
+    for name, data in (("compare", compare), ("vs_ik", vs_ik), ("rows", rows), ("kv", kv)):
         paths[name] = tmp_path / f"{name}.json"
         paths[name].write_text(json.dumps(data))
     main = runpy.run_path(str(SCRIPT), run_name="targets")["main"]
     args = ["--compare", str(paths["compare"]), "--vs-ik", str(paths["vs_ik"])]
-    assert main([*args, "--quant-rows", str(paths["rows"]), "--cpu", "Test CPU"]) == 0
+    assert (
+        main([*args, "--quant-rows", str(paths["rows"]), "--quantized-decode", str(paths["kv"]), "--cpu", "Test CPU"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"- {paths['compare']}: 2026-11-26, Test CPU, prefetch bf16_far=0,quant_near_rows=8" in out
     # an entry without "layers" timed one layer, which may have stayed in cache: the table says so
@@ -89,6 +100,13 @@ def test_each_target_is_read_from_its_json_and_judged(tmp_path, capsys):
     assert table[("2-8 rows vs one row", "int8")].endswith("| yes |")
     assert "16" not in table[("2-8 rows vs one row", "int8")].split("|")[3]
     assert table[("2-8 rows vs one row", "q4_k")].endswith("| **no** |")
+    assert table[("int8 KV attention vs bf16", "batch 16, 4096 tokens")].endswith("| 1.40x | >= 1.6x | **no** |")
+    # another CPU's KV run is named, not counted
+    assert (
+        main([*args, "--quant-rows", str(paths["rows"]), "--quantized-decode", str(paths["kv"]), "--cpu", "Other"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "on Test CPU: not this CPU" in out and "int8 KV attention" not in out.split("| target |")[1]
 
 
 def test_a_cpu_without_entries_reads_only_the_comparison(tmp_path, capsys):
@@ -107,6 +125,8 @@ def test_a_cpu_without_entries_reads_only_the_comparison(tmp_path, capsys):
                 "--vs-ik",
                 str(tmp_path / "none.json"),
                 "--quant-rows",
+                str(tmp_path / "none.json"),
+                "--quantized-decode",
                 str(tmp_path / "none.json"),
                 "--cpu",
                 "Other",
