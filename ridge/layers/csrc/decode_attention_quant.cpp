@@ -222,6 +222,17 @@ inline void pv_any_dn(int64_t dn, const uint8_t* vp, const int64_t* rows, int64_
 template <bool FP8>
 void pv(int64_t G, const uint8_t* vp, const int64_t* rows, int64_t D, const float* probs, int64_t L,
         const float* vscale, int64_t NGR, int64_t GS, float* out) {
+  if (G % 8 == 0) {  // 8 heads x 32 dims a pass: each V row dequantized once, not once per 4 heads
+    // (1.09x for int8 over 22 layers at 4,096 tokens, TinyLlama's heads, Xeon; the same sums)
+    for (int64_t g0 = 0; g0 < G; g0 += 8)
+      for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        if (D - d0 >= 32)
+          pv_chunk<8, 2, FP8>(vp, rows, D, d0, probs + g0 * L, L, vscale, NGR, GS, out + g0 * D + d0);
+        else
+          pv_chunk<8, 1, FP8>(vp, rows, D, d0, probs + g0 * L, L, vscale, NGR, GS, out + g0 * D + d0);
+      }
+    return;
+  }
   for (int64_t g0 = 0; g0 < G; g0 += 4)
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
       const int64_t dn = std::min<int64_t>(4, (D - d0) / 16);
