@@ -41,29 +41,6 @@ namespace {
 
 using bf16 = at::BFloat16;
 
-// 16 tokens' K codes as vpdpbusd takes them: col[p] lane i holds token i's dims 4p .. 4p + 3,
-// each code + 128 (unsigned). Head sizes of 64k load each token's 64-byte row chunks whole and
-// transpose them in registers; others gather 4 bytes a token (gathers cost far more than the
-// rows they read, so only where rows do not come in 64-byte chunks).
-inline void k_columns(const uint8_t* kp, const int64_t* rows16, int64_t D, __m512i* col) {
-  const __m512i flip = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));
-  if (D % 64 == 0) {
-    for (int64_t c0 = 0; c0 < D; c0 += 64) {
-      __m512i r[16], c[16];
-      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(kp + rows16[i] * D + c0);
-      transpose16(r, c);
-      for (int j = 0; j < 16; ++j) _mm512_store_si512(col + c0 / 4 + j, _mm512_xor_si512(c[j], flip));
-    }
-    return;
-  }
-  alignas(64) int32_t base[16];
-  for (int i = 0; i < 16; ++i) base[i] = static_cast<int32_t>(rows16[i] * (D / 4));
-  const __m512i vbase = _mm512_load_si512(base);
-  const int32_t* k32 = reinterpret_cast<const int32_t*>(kp);
-  for (int64_t p = 0; p < D / 4; ++p)
-    _mm512_store_si512(col + p, _mm512_xor_si512(_mm512_i32gather_epi32(_mm512_add_epi32(vbase, _mm512_set1_epi32(p)), k32, 4), flip));
-}
-
 // 16 tokens' fp8 K rows as fp32 columns: col[d] lane i = token i's value at dim d, / 256
 inline void k_columns_fp8(const uint8_t* kp, const int64_t* rows16, int64_t D, float* col) {
   for (int64_t c0 = 0; c0 < D; c0 += 16) {
@@ -74,24 +51,34 @@ inline void k_columns_fp8(const uint8_t* kp, const int64_t* rows16, int64_t D, f
   }
 }
 
-// The fp16 scales of 16 tokens (pool rows rows16, NGR scales a row) as fp32, group-major:
-// ks[gi * 16 + i] is token i's scale of group gi. A row's 2 or 4 scales are one 4- or 8-byte
-// word: 16 tokens' words come in one or two gathers and split into groups by vpmovdw /
-// vpmovqw (a scalar conversion each was ~10% of the int8 kernel at 4,096 tokens); any other
-// NGR one by one. The conversions are exact either way.
-inline void token_scales16(const at::Half* sp, const int64_t* rows16, int64_t NGR, float* ks) {
+// 16 pool rows' fp16 scales where a row has 2 or 4 (one 4- or 8-byte word): one gather of
+// the 16 words into w[0], or two of 8 (rows 0-7 in w[0], 8-15 in w[1]); the rows' scales in
+// row order either way. A scalar conversion each was ~10% of the int8 kernel at 4,096 tokens.
+inline void scale_words(const at::Half* sp, const int64_t* rows16, int64_t NGR, __m512i w[2]) {
   alignas(64) int32_t idx[16];
   for (int i = 0; i < 16; ++i) idx[i] = static_cast<int32_t>(rows16[i]);
   if (NGR == 2) {
-    const __m512i w = _mm512_i32gather_epi32(_mm512_load_si512(idx), sp, 4);
-    _mm512_store_ps(ks, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w)));
-    _mm512_store_ps(ks + 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16))));
+    w[0] = _mm512_i32gather_epi32(_mm512_load_si512(idx), sp, 4);
+  } else {
+    w[0] = _mm512_i32gather_epi64(_mm256_load_si256(reinterpret_cast<const __m256i*>(idx)), sp, 8);
+    w[1] = _mm512_i32gather_epi64(_mm256_load_si256(reinterpret_cast<const __m256i*>(idx + 8)), sp, 8);
+  }
+}
+
+// The fp16 scales of 16 tokens (pool rows rows16, NGR scales a row) as fp32, group-major:
+// ks[gi * 16 + i] is token i's scale of group gi. 2 or 4 a row: scale_words, split into groups
+// by vpmovdw / vpmovqw; any other NGR one by one. The conversions are exact either way.
+inline void token_scales16(const at::Half* sp, const int64_t* rows16, int64_t NGR, float* ks) {
+  __m512i w[2];
+  if (NGR == 2) {
+    scale_words(sp, rows16, NGR, w);
+    _mm512_store_ps(ks, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w[0])));
+    _mm512_store_ps(ks + 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w[0], 16))));
   } else if (NGR == 4) {
-    const __m512i lo = _mm512_i32gather_epi64(_mm256_load_si256(reinterpret_cast<const __m256i*>(idx)), sp, 8);
-    const __m512i hi = _mm512_i32gather_epi64(_mm256_load_si256(reinterpret_cast<const __m256i*>(idx + 8)), sp, 8);
+    scale_words(sp, rows16, NGR, w);
     for (int g = 0; g < 4; ++g) {
-      const __m128i a = _mm512_cvtepi64_epi16(_mm512_srli_epi64(lo, 16 * g));
-      const __m128i b = _mm512_cvtepi64_epi16(_mm512_srli_epi64(hi, 16 * g));
+      const __m128i a = _mm512_cvtepi64_epi16(_mm512_srli_epi64(w[0], 16 * g));
+      const __m128i b = _mm512_cvtepi64_epi16(_mm512_srli_epi64(w[1], 16 * g));
       _mm512_store_ps(ks + 16 * g, _mm512_cvtph_ps(_mm256_set_m128i(b, a)));
     }
   } else {
@@ -101,22 +88,15 @@ inline void token_scales16(const at::Half* sp, const int64_t* rows16, int64_t NG
 }
 
 // V's scales of tokens 0 .. L (pool rows ``rows``) as fp32 times ``unit``, token-major
-// (vs[t * NGR + gi]): 16 tokens' 2 or 4 scales a row gathered as one word each, which in token
-// order are already the fp16 values in vs's order.
+// (vs[t * NGR + gi]): with 2 or 4 a row, scale_words of 16 tokens are already their fp16
+// values in vs's order.
 inline void token_scales(const at::Half* sp, const int64_t* rows, int64_t L, int64_t NGR, float unit, float* vs) {
   int64_t t = 0;
   const __m512 u = _mm512_set1_ps(unit);
   if (NGR == 2 || NGR == 4) {
     for (; t + 16 <= L; t += 16) {
-      alignas(64) int32_t idx[16];
-      for (int i = 0; i < 16; ++i) idx[i] = static_cast<int32_t>(rows[t + i]);
       __m512i w[2];
-      if (NGR == 2) {
-        w[0] = _mm512_i32gather_epi32(_mm512_load_si512(idx), sp, 4);
-      } else {
-        w[0] = _mm512_i32gather_epi64(_mm256_load_si256(reinterpret_cast<const __m256i*>(idx)), sp, 8);
-        w[1] = _mm512_i32gather_epi64(_mm256_load_si256(reinterpret_cast<const __m256i*>(idx + 8)), sp, 8);
-      }
+      scale_words(sp, rows + t, NGR, w);
       for (int64_t j = 0; j < NGR / 2; ++j) {
         _mm512_storeu_ps(vs + t * NGR + 32 * j, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(w[j])), u));
         _mm512_storeu_ps(vs + t * NGR + 32 * j + 16, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(w[j], 1)), u));
@@ -284,7 +264,8 @@ void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* k
         if constexpr (FP8)
           k_columns_fp8(kp, rows16, D, colf);
         else
-          k_columns(kp, rows16, D, col.data());
+          // 16 tokens' codes as vpdpbusd takes them: col[p] lane i holds token i's dims 4p .. 4p + 3, + 128
+          row_columns(kp, rows16, D, _mm512_set1_epi32(static_cast<int32_t>(0x80808080u)), col.data());
         for (int64_t g0 = 0; g0 < G; g0 += 4) {
           float* s = &scores[g0 * L + t0];
           if constexpr (FP8) {

@@ -101,23 +101,6 @@ void add_row(bf16* res, const bf16* x, int64_t n) {
 }
 
 
-// 16 tokens' K rows (one KV head) as columns of dim pairs: col[p] lane i holds token i's
-// (k[2p], k[2p+1]) as one int32. Each row is loaded in 64-byte pieces and transposed in
-// registers (transpose16), as the int8 kernel reads its K: a gather per pair, as this kernel
-// read before, measured 1.03-1.07x slower for the whole attention (2-core Xeon, TinyLlama's
-// heads, 150-4,096 tokens; the same scores bit for bit).
-inline void k_pair_columns(const bf16* kp, const int64_t* rows16, int64_t D, __m512i* col) {
-  const int64_t DP = D / 2;
-  for (int64_t c0 = 0; c0 < DP; c0 += 16) {
-    const int64_t w = std::min<int64_t>(16, DP - c0);
-    const __mmask16 m = static_cast<__mmask16>((1u << w) - 1);
-    __m512i r[16], c[16];
-    for (int i = 0; i < 16; ++i) r[i] = _mm512_maskz_loadu_epi32(m, kp + rows16[i] * D + 2 * c0);
-    transpose16(r, c);
-    for (int64_t j = 0; j < w; ++j) _mm512_store_si512(col + c0 + j, c[j]);
-  }
-}
-
 // scores[g][t0 .. t0+n) for GN query heads of a group from the chunk's K columns: one
 // vdpbf16ps a pair of dims adds two products to all 16 tokens' scores (no horizontal sums;
 // products of bf16 are exact in fp32, as in torch's matmul)
@@ -405,7 +388,7 @@ void paged_decode_attention_bf16_into(const bf16* qp, int64_t q_stride, int64_t 
   const int64_t G = Hq / Hkv;
   const float fscale = static_cast<float>(scale);
   // Scores, 16 tokens at a time: lane i of a column holds token i's (k[2p], k[2p+1]) pair
-  // (k_pair_columns), so one vdpbf16ps with a broadcast (q[2p], q[2p+1]) adds two products to
+  // (row_columns), so one vdpbf16ps with a broadcast (q[2p], q[2p+1]) adds two products to
   // all 16 scores (qk_chunk).
   //
   //   token t  ->  slot = table[t / BS] * BS + t % BS  ->  its K row at k_cache + (slot * Hkv + h) * D
@@ -427,7 +410,9 @@ void paged_decode_attention_bf16_into(const bf16* qp, int64_t q_stride, int64_t 
         for (int64_t i = 0; i < 16; ++i) rows16[i] = rows[t0 + std::min<int64_t>(i, n - 1)];  // tail lanes repeat a valid token
         for (int64_t i = t0 + 16; i < std::min<int64_t>(L, t0 + 32); ++i)  // the next chunk's rows
           for (int64_t c = 0; c < 2 * D; c += 64) _mm_prefetch((const char*)(kp) + rows[i] * 2 * D + c, _MM_HINT_T0);
-        k_pair_columns(kp, rows16, D, col.data());
+        // col[p] lane i holds token i's (k[2p], k[2p+1]) (row_columns; a gather per pair, as this
+        // kernel read before, measured 1.03-1.07x slower for the whole attention, 2-core Xeon)
+        row_columns(reinterpret_cast<const uint8_t*>(kp), rows16, 2 * D, _mm512_setzero_si512(), col.data());
         for (int64_t g0 = 0; g0 < G; g0 += 8) {
           const int32_t* qg = qpairs.data() + g0 * DP;
           float* sg = &scores[g0 * L + t0];

@@ -3,6 +3,9 @@
 #pragma once
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cstdint>
+
 // round 16 fp32 to bf16 precision, staying in fp32 (torch's bf16 ops round every result)
 inline __m512 round16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
@@ -51,5 +54,22 @@ inline void transpose16(const __m512i r[16], __m512i c[16]) {
     c[8 + m] = _mm512_shuffle_i32x4(x, x2, _MM_SHUFFLE(3, 1, 3, 1));
     c[4 + m] = _mm512_shuffle_i32x4(y, y2, _MM_SHUFFLE(2, 0, 2, 0));
     c[12 + m] = _mm512_shuffle_i32x4(y, y2, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+// 16 rows of row_bytes (a multiple of 4; row i at base + rows16[i] * row_bytes) as columns of
+// 4-byte words: col[p] lane i = row i's word p, xor flip. The decode kernels' K chunks, tokens
+// in lanes (bf16 dim pairs, or int8 codes + 128 with flip 0x80 a byte). Each row is loaded in
+// 64-byte pieces (the last one masked) and transposed in registers: a gather per word cost far
+// more than the rows it read.
+inline void row_columns(const uint8_t* base, const int64_t* rows16, int64_t row_bytes, __m512i flip, __m512i* col) {
+  const int64_t words = row_bytes / 4;
+  for (int64_t c0 = 0; c0 < words; c0 += 16) {
+    const int64_t w = std::min<int64_t>(16, words - c0);
+    const __mmask16 m = static_cast<__mmask16>((1u << w) - 1);
+    __m512i r[16], c[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_maskz_loadu_epi32(m, base + rows16[i] * row_bytes + 4 * c0);
+    transpose16(r, c);
+    for (int64_t j = 0; j < w; ++j) _mm512_store_si512(col + c0 + j, _mm512_xor_si512(c[j], flip));
   }
 }
