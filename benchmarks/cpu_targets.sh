@@ -5,10 +5,10 @@
 #
 #   bash benchmarks/cpu_targets.sh prefetch peers files ik plan rows kv targets   # about 90 minutes
 #
-#   prefetch prefetch.py: the AMD and Intel prefetch tables (csrc/prefetch.cpp) alternated on
-#            the same bytes, the kernels alone (about 3 minutes). The AMD's table is what was
-#            measured there before the Xeon sessions' changes; where another policy wins in
-#            every round, put it in that vendor's table (and rebuild) before the steps below.
+#   prefetch prefetch.py: the prefetch tables (csrc/prefetch.cpp: Zen 4's "amd", "zen5",
+#            "intel") alternated on the same bytes, the kernels alone (about 3 minutes); where
+#            another policy wins in every round, put it in this CPU's table (and rebuild)
+#            before the steps below.
 #   peers    llama-cpp-python 0.3.36 built natively into the venv where it is missing (about 8
 #            minutes; AMX off: its AMX kernels crash on the Intel VMs, the AMD has none), and
 #            ik_llama.cpp's llama-bench built from $IK_SRC at $IK_COMMIT (about 10 minutes)
@@ -110,7 +110,7 @@ for step in "$@"; do
     done
     ;;
   prefetch)
-    "$PYTHON" benchmarks/prefetch.py --policies "${PREFETCH_POLICIES:-amd;intel;amd,quant_near_every=1}" \
+    "$PYTHON" benchmarks/prefetch.py --policies "${PREFETCH_POLICIES:-amd;zen5;intel;amd,quant_near_every=1}" \
       --rounds 7 --threads "$THREADS" 2>&1 | tee "$OUT/prefetch.log" | tail -n 40
     ;;
   rows)

@@ -9,7 +9,7 @@ and row count, under each policy in turn: every round runs every policy once, in
 order. Reported per format and rows: each policy's median GB/s (packed bytes / time) and the
 median over rounds of its speed against the first policy's in the same round.
 
-Policies are ``$RIDGE_PREFETCH``-style texts separated by ``;`` (``amd``, ``intel``,
+Policies are ``$RIDGE_PREFETCH``-style texts separated by ``;`` (``amd``, ``zen5``, ``intel``,
 ``cpu``, or a table with ``key=value`` overrides, e.g. ``amd,quant_near_rows=1``). A policy
 that beats this CPU's table by a clear margin in every round belongs in that vendor's table in
 csrc/prefetch.cpp. Writes ``benchmarks/prefetch.json`` (one entry per CPU; a rerun replaces it).
@@ -75,7 +75,7 @@ def time_policies(ext, policies: list[str], mats: list, call, m: int, rounds: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--policies", default="amd;intel", help="RIDGE_PREFETCH-style texts, ';' between")
+    parser.add_argument("--policies", default="amd;zen5;intel", help="RIDGE_PREFETCH-style texts, ';' between")
     parser.add_argument("--formats", default="bf16,int8,int4,iq4_xs,q4_k,q5_k,q6_k,q3_k,q2_k")
     parser.add_argument("--rows", default="1,2,4,8")
     parser.add_argument("--rounds", type=int, default=7)

@@ -1,5 +1,5 @@
 """The streaming kernels' prefetch policy (csrc/prefetch.cpp, cpu_kernels.apply_prefetch): the CPU
-vendor's table by default, changed by ``$RIDGE_PREFETCH`` or between calls, never a result."""
+vendor's (and, for AMD, family's) table by default, changed by ``$RIDGE_PREFETCH`` or between calls, never a result."""
 
 from __future__ import annotations
 
@@ -34,12 +34,20 @@ def ext():
     module.set_prefetch_policy(before)
 
 
-def cpu_vendor() -> str:
+def cpuinfo(field: str) -> str:
     with open("/proc/cpuinfo") as f:
         for line in f:
-            if line.startswith("vendor_id"):
+            if line.split(":")[0].strip() == field:
                 return line.split(":")[1].strip()
     return ""
+
+
+def cpu_vendor() -> str:
+    return cpuinfo("vendor_id")
+
+
+def cpu_family() -> int:
+    return int(cpuinfo("cpu family") or 0)
 
 
 def test_the_setting_is_a_table_and_overrides():
@@ -57,9 +65,11 @@ def test_the_setting_is_a_table_and_overrides():
 
 @needs_kernels
 def test_the_default_is_the_cpu_vendors_table(ext):
-    amd, intel = ext.prefetch_preset("amd"), ext.prefetch_preset("intel")
-    assert set(amd) == set(intel) == KEYS and amd != intel
-    want = amd if cpu_vendor() == "AuthenticAMD" else intel
+    amd, zen5, intel = (ext.prefetch_preset(name) for name in ("amd", "zen5", "intel"))
+    assert set(amd) == set(zen5) == set(intel) == KEYS and amd != intel
+    want = intel
+    if cpu_vendor() == "AuthenticAMD":
+        want = zen5 if cpu_family() >= 26 else amd
     assert ext.prefetch_preset("cpu") == want
     if not os.environ.get("RIDGE_PREFETCH"):
         assert ext.prefetch_policy() == want
@@ -107,7 +117,7 @@ def test_no_policy_changes_a_result(ext, name):
         ("amd,quant_near_rows=2", '{"bf16_far": 0, "quant_near_every": 0, "quant_near_rows": 2}'),
         (
             "bf16_far",
-            "PrefetchEnvError: RIDGE_PREFETCH='bf16_far': unknown prefetch preset 'bf16_far' (amd, intel, cpu)",
+            "PrefetchEnvError: RIDGE_PREFETCH='bf16_far': unknown prefetch preset 'bf16_far' (amd, zen5, intel, cpu)",
         ),  # noqa: E501
     ],
 )

@@ -1,5 +1,6 @@
-// The streaming kernels' prefetch policy (linear_call.h): one table per CPU vendor, each what
-// was last measured best on that vendor's machine, and the process's policy, set at load.
+// The streaming kernels' prefetch policy (linear_call.h): one table per CPU (Intel, AMD Zen 4
+// and older, Zen 5 and later), each what was last measured best on such a machine, and the
+// process's policy, set at load.
 //
 // Why fetch at all. Far, into L2 (the block formats always; bf16 where bf16_far): alone, the
 // hardware prefetcher keeps too few lines in flight for a core to stream at what the memory
@@ -26,9 +27,15 @@
 //   1.01x; 2-16 rows 1.02-1.10x. 4 groups ahead was 0.97x of 8, 16 groups 1.00-1.02x.
 //   2026-11-27, benchmarks/prefetch.py, this table against the AMD's: block formats 1.02-1.09x
 //   at one row, 0.99-1.09x at 2-8 rows; bf16 1.38x at one row.
-// The Xeon's changes were never measured on the AMD machine, so its table keeps what was
-// measured there; benchmarks/prefetch.py compares both tables (and any other policy) on one
-// machine's bytes. quant_near_rows 17 turns the near fetch off (tiles have at most 16 rows).
+// - 2 Zen 5 cores (AMD EPYC family 26 model 2), 2026-11-27, benchmarks/prefetch.py, 7 rounds
+//   alternated, the Xeon's table against the Zen 4 one: bf16 4-8 rows 1.13-1.19x (1-2 rows
+//   0.99-1.01x); block formats at one row 1.01-1.10x (Q6_K 1.06-1.10x), 4 rows 1.05-1.16x, 8 rows
+//   1.03-1.38x (Q4_K); int8 alone lost, 0.97x at one and two rows in both runs. A second run
+//   with no near fetch at one row (quant_near_rows 2) gave back the block formats' one-row gain.
+//   So Zen 5 takes the Xeon's values as its own table ("zen5"); Zen 4 keeps its measured one
+//   ("amd"), which was never measured against the others there.
+// benchmarks/prefetch.py compares the tables (and any other policy) on one machine's bytes.
+// quant_near_rows 17 turns the near fetch off (tiles have at most 16 rows).
 #include <cpuid.h>
 
 #include <cstring>
@@ -40,7 +47,8 @@
 
 namespace {
 
-constexpr PrefetchPolicy AMD = {0, 8, 0};
+constexpr PrefetchPolicy AMD = {0, 8, 0};    // Zen 4 and older
+constexpr PrefetchPolicy ZEN5 = {1, 1, 1};   // AMD family 26 (0x1A) and later
 constexpr PrefetchPolicy INTEL = {1, 1, 1};
 
 bool cpu_is_amd() {
@@ -51,12 +59,19 @@ bool cpu_is_amd() {
   return std::strcmp(vendor, "AuthenticAMD") == 0;
 }
 
+unsigned cpu_family() {  // base family, plus the extended family where the base is 15
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+  const unsigned base = (a >> 8) & 0xF;
+  return base == 0xF ? base + ((a >> 20) & 0xFF) : base;
+}
+
 std::map<std::string, int64_t> as_map(const PrefetchPolicy& p) {
   return {{"bf16_far", p.bf16_far}, {"quant_near_rows", p.quant_near_rows}, {"quant_near_every", p.quant_near_every}};
 }
 
 const PrefetchPolicy& vendor_table() {
-  static const PrefetchPolicy table = cpu_is_amd() ? AMD : INTEL;
+  static const PrefetchPolicy table = !cpu_is_amd() ? INTEL : cpu_family() >= 0x1A ? ZEN5 : AMD;
   return table;
 }
 
@@ -67,8 +82,8 @@ PrefetchPolicy g_prefetch = vendor_table();
 // Every check of a policy, as text rather than a throw: Python asks first and raises its own
 // error (a C++ throw through pybind11 crashed the process on one GPU image's build).
 std::string prefetch_error(const std::string& preset, const std::map<std::string, int64_t>& values) {
-  if (!preset.empty() && preset != "amd" && preset != "intel" && preset != "cpu")
-    return "unknown prefetch preset '" + preset + "' (amd, intel, cpu)";
+  if (!preset.empty() && preset != "amd" && preset != "zen5" && preset != "intel" && preset != "cpu")
+    return "unknown prefetch preset '" + preset + "' (amd, zen5, intel, cpu)";
   for (const auto& [key, v] : values) {
     if (key == "bf16_far" || key == "quant_near_every") {
       if (v != 0 && v != 1) return "prefetch " + key + " must be 0 or 1, got " + std::to_string(v);
@@ -84,7 +99,7 @@ std::string prefetch_error(const std::string& preset, const std::map<std::string
 std::map<std::string, int64_t> prefetch_preset(const std::string& name) {
   const std::string error = prefetch_error(name, {});
   TORCH_CHECK(!name.empty() && error.empty(), error.empty() ? "a prefetch preset needs a name" : error);
-  return as_map(name == "amd" ? AMD : name == "intel" ? INTEL : vendor_table());
+  return as_map(name == "amd" ? AMD : name == "zen5" ? ZEN5 : name == "intel" ? INTEL : vendor_table());
 }
 
 std::map<std::string, int64_t> prefetch_policy() { return as_map(g_prefetch); }
