@@ -23,7 +23,7 @@ from ridge.quantization.formats import FORMATS
 from ridge.quantization.random_blocks import random_blocks
 
 needs_kernels = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU has no AVX-512 BF16 + VNNI")
-KEYS = {"bf16_far", "quant_near_rows", "quant_near_every"}
+KEYS = {"bf16_far", "quant_near_rows", "quant_near_every", "int8_near_rows"}
 
 
 @pytest.fixture
@@ -84,6 +84,7 @@ def test_bad_policies_are_refused_and_change_nothing(ext):
         ("amd,quant_near=4", "unknown prefetch key 'quant_near'"),
         ("bf16_far=2", "prefetch bf16_far must be 0 or 1, got 2"),
         ("quant_near_rows=-1", "prefetch quant_near_rows must be >= 0, got -1"),
+        ("int8_near_rows=-2", "prefetch int8_near_rows must be >= 0, got -2"),
     ]:
         with pytest.raises(PrefetchEnvError, match=f"RIDGE_PREFETCH={text!r}: {message}"):
             apply_prefetch(ext, text)
@@ -101,7 +102,14 @@ def test_no_policy_changes_a_result(ext, name):
     wp = ext.pack_vnni(w)
     xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16() for m in (1, 2, 8, 16)]
     outputs = {}
-    for text in ("intel", "amd", "intel,quant_near_rows=17", "amd,quant_near_rows=1", "intel,quant_near_every=0"):
+    for text in (
+        "intel",
+        "amd",
+        "zen5",
+        "intel,quant_near_rows=17,int8_near_rows=17",
+        "amd,quant_near_rows=1,int8_near_rows=1",
+        "intel,quant_near_every=0",
+    ):
         apply_prefetch(ext, text)
         quant = [ext.linear_quant(x, packed, code, n, None) for x in xs]
         outputs[text] = quant + [ext.linear_bf16(x, wp, n, None) for x in xs]
@@ -114,7 +122,10 @@ def test_no_policy_changes_a_result(ext, name):
 @pytest.mark.parametrize(
     "setting,want",
     [
-        ("amd,quant_near_rows=2", '{"bf16_far": 0, "quant_near_every": 0, "quant_near_rows": 2}'),
+        (
+            "amd,quant_near_rows=2",
+            '{"bf16_far": 0, "int8_near_rows": 8, "quant_near_every": 0, "quant_near_rows": 2}',
+        ),
         (
             "bf16_far",
             "PrefetchEnvError: RIDGE_PREFETCH='bf16_far': unknown prefetch preset 'bf16_far' (amd, zen5, intel, cpu)",

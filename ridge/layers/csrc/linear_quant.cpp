@@ -409,7 +409,7 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
   [[maybe_unused]] alignas(64) int32_t cbuf[2][AMX_CHUNK * 256];  // AMX: this chunk's products, the next one's
   if constexpr (AMX) amx_chunk_dots<FMT, WB, MR>(block, t.xa, 0, G, cbuf[0]);
   constexpr int64_t near = L1_PREFETCH_GROUPS * WB;  // bytes ahead
-  const bool near_on = MR >= g_prefetch.quant_near_rows;  // the process's policy (linear_call.h)
+  const bool near_on = MR >= (FMT == Q8_0 ? g_prefetch.int8_near_rows : g_prefetch.quant_near_rows);  // linear_call.h
   const bool near_every = near_on && g_prefetch.quant_near_every, near_first = near_on && !near_every;
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* chunk = block + g * WB;

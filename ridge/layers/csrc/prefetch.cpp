@@ -33,9 +33,12 @@
 //   1.03-1.38x (Q4_K); int8 alone lost, 0.97x at one and two rows in both runs. A second run
 //   with no near fetch at one row (quant_near_rows 2) gave back the block formats' one-row gain.
 //   So Zen 5 takes the Xeon's values as its own table ("zen5"); Zen 4 keeps its measured one
-//   ("amd"), which was never measured against the others there.
+//   ("amd"), which was never measured against the others there. int8 (Q8_0), the kernel with
+//   the least work a byte, lost at one row with the near fetch in three runs (0.97x) and gained
+//   from 4 rows (1.05x; 0.95x without it at 4 rows): so int8_near_rows, its own threshold, is 2
+//   on Zen 5 (1.03x at one row over 1, 15 rounds) and stays the other keys' value elsewhere.
 // benchmarks/prefetch.py compares the tables (and any other policy) on one machine's bytes.
-// quant_near_rows 17 turns the near fetch off (tiles have at most 16 rows).
+// quant_near_rows (int8_near_rows for int8) 17 turns the near fetch off (tiles have at most 16 rows).
 #include <cpuid.h>
 
 #include <cstring>
@@ -47,9 +50,9 @@
 
 namespace {
 
-constexpr PrefetchPolicy AMD = {0, 8, 0};    // Zen 4 and older
-constexpr PrefetchPolicy ZEN5 = {1, 1, 1};   // AMD family 26 (0x1A) and later
-constexpr PrefetchPolicy INTEL = {1, 1, 1};
+constexpr PrefetchPolicy AMD = {0, 8, 0, 8};    // Zen 4 and older
+constexpr PrefetchPolicy ZEN5 = {1, 1, 1, 2};   // AMD family 26 (0x1A) and later
+constexpr PrefetchPolicy INTEL = {1, 1, 1, 1};
 
 bool cpu_is_amd() {
   unsigned a, b, c, d;
@@ -67,7 +70,10 @@ unsigned cpu_family() {  // base family, plus the extended family where the base
 }
 
 std::map<std::string, int64_t> as_map(const PrefetchPolicy& p) {
-  return {{"bf16_far", p.bf16_far}, {"quant_near_rows", p.quant_near_rows}, {"quant_near_every", p.quant_near_every}};
+  return {{"bf16_far", p.bf16_far},
+          {"quant_near_rows", p.quant_near_rows},
+          {"quant_near_every", p.quant_near_every},
+          {"int8_near_rows", p.int8_near_rows}};
 }
 
 const PrefetchPolicy& vendor_table() {
@@ -87,10 +93,10 @@ std::string prefetch_error(const std::string& preset, const std::map<std::string
   for (const auto& [key, v] : values) {
     if (key == "bf16_far" || key == "quant_near_every") {
       if (v != 0 && v != 1) return "prefetch " + key + " must be 0 or 1, got " + std::to_string(v);
-    } else if (key == "quant_near_rows") {
-      if (v < 0) return "prefetch quant_near_rows must be >= 0, got " + std::to_string(v);
+    } else if (key == "quant_near_rows" || key == "int8_near_rows") {
+      if (v < 0) return "prefetch " + key + " must be >= 0, got " + std::to_string(v);
     } else {
-      return "unknown prefetch key '" + key + "' (bf16_far, quant_near_rows, quant_near_every)";
+      return "unknown prefetch key '" + key + "' (bf16_far, quant_near_rows, quant_near_every, int8_near_rows)";
     }
   }
   return "";
@@ -109,7 +115,10 @@ void set_prefetch_policy(const std::map<std::string, int64_t>& values) {
   TORCH_CHECK(error.empty(), error);
   PrefetchPolicy p = g_prefetch;
   for (const auto& [key, v] : values) {
-    (key == "bf16_far" ? p.bf16_far : key == "quant_near_rows" ? p.quant_near_rows : p.quant_near_every) = v;
+    (key == "bf16_far"          ? p.bf16_far
+     : key == "quant_near_rows" ? p.quant_near_rows
+     : key == "int8_near_rows"  ? p.int8_near_rows
+                                : p.quant_near_every) = v;
   }
   g_prefetch = p;
 }
