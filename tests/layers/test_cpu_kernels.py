@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 import pytest
@@ -558,3 +560,13 @@ def test_a_rows_output_does_not_depend_on_its_batch(kernel, k):
         torch.testing.assert_close(alone.float(), pairs.float(), rtol=2.0**-7, atol=1e-3)
     else:
         assert torch.equal(alone, pairs)
+
+
+@pytest.mark.parametrize("env,want", [({}, True), ({"MALLOC_TRIM_THRESHOLD_": "131072"}, False)])
+def test_freed_memory_is_kept_unless_the_user_set_malloc(env, want):
+    # glibc (this project's Linux) takes the thresholds; a user's MALLOC_* setting wins
+    code = "from ridge.layers.cpu_kernels import keep_freed_memory\nprint(keep_freed_memory())\n"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    done = subprocess.run([sys.executable, "-c", code], env=base | env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(want)]
