@@ -69,11 +69,36 @@ unsigned cpu_family() {  // base family, plus the extended family where the base
   return base == 0xF ? base + ((a >> 20) & 0xFF) : base;
 }
 
+// Every key of a policy, its member and whether it is a switch (0 or 1) or a row count (>= 0):
+// the one list that naming, checking and setting a policy read
+struct Key {
+  const char* name;
+  int64_t PrefetchPolicy::*member;
+  bool is_switch;
+};
+constexpr Key KEYS[] = {
+    {"bf16_far", &PrefetchPolicy::bf16_far, true},
+    {"quant_near_rows", &PrefetchPolicy::quant_near_rows, false},
+    {"quant_near_every", &PrefetchPolicy::quant_near_every, true},
+    {"int8_near_rows", &PrefetchPolicy::int8_near_rows, false},
+};
+
+const Key* find_key(const std::string& name) {
+  for (const Key& k : KEYS)
+    if (name == k.name) return &k;
+  return nullptr;
+}
+
+std::string key_names() {
+  std::string names;
+  for (const Key& k : KEYS) names += (names.empty() ? "" : ", ") + std::string(k.name);
+  return names;
+}
+
 std::map<std::string, int64_t> as_map(const PrefetchPolicy& p) {
-  return {{"bf16_far", p.bf16_far},
-          {"quant_near_rows", p.quant_near_rows},
-          {"quant_near_every", p.quant_near_every},
-          {"int8_near_rows", p.int8_near_rows}};
+  std::map<std::string, int64_t> out;
+  for (const Key& k : KEYS) out[k.name] = p.*k.member;
+  return out;
 }
 
 const PrefetchPolicy& vendor_table() {
@@ -90,14 +115,11 @@ PrefetchPolicy g_prefetch = vendor_table();
 std::string prefetch_error(const std::string& preset, const std::map<std::string, int64_t>& values) {
   if (!preset.empty() && preset != "amd" && preset != "zen5" && preset != "intel" && preset != "cpu")
     return "unknown prefetch preset '" + preset + "' (amd, zen5, intel, cpu)";
-  for (const auto& [key, v] : values) {
-    if (key == "bf16_far" || key == "quant_near_every") {
-      if (v != 0 && v != 1) return "prefetch " + key + " must be 0 or 1, got " + std::to_string(v);
-    } else if (key == "quant_near_rows" || key == "int8_near_rows") {
-      if (v < 0) return "prefetch " + key + " must be >= 0, got " + std::to_string(v);
-    } else {
-      return "unknown prefetch key '" + key + "' (bf16_far, quant_near_rows, quant_near_every, int8_near_rows)";
-    }
+  for (const auto& [name, v] : values) {
+    const Key* k = find_key(name);
+    if (k == nullptr) return "unknown prefetch key '" + name + "' (" + key_names() + ")";
+    if (k->is_switch && v != 0 && v != 1) return "prefetch " + name + " must be 0 or 1, got " + std::to_string(v);
+    if (!k->is_switch && v < 0) return "prefetch " + name + " must be >= 0, got " + std::to_string(v);
   }
   return "";
 }
@@ -114,11 +136,6 @@ void set_prefetch_policy(const std::map<std::string, int64_t>& values) {
   const std::string error = prefetch_error("", values);
   TORCH_CHECK(error.empty(), error);
   PrefetchPolicy p = g_prefetch;
-  for (const auto& [key, v] : values) {
-    (key == "bf16_far"          ? p.bf16_far
-     : key == "quant_near_rows" ? p.quant_near_rows
-     : key == "int8_near_rows"  ? p.int8_near_rows
-                                : p.quant_near_every) = v;
-  }
+  for (const auto& [name, v] : values) p.*find_key(name)->member = v;
   g_prefetch = p;
 }
