@@ -127,8 +127,8 @@ inline void pv_block(const bf16* vp, const int64_t* rows, int64_t D, int64_t d0,
     for (int j = 0; j < DN; ++j) acc[g][j] = _mm512_setzero_ps();
   for (int64_t t = 0; t < L; ++t) {
     const bf16* vrow = vp + rows[t] * D + d0;
-    // blocks are scattered over the pool: fetch a block ahead, the hardware prefetcher cannot
-    if (t + 16 < L) _mm_prefetch((const char*)(vp + rows[t + 16] * D + d0), _MM_HINT_T0);
+    // blocks are scattered over the pool: fetch ahead, the hardware prefetcher cannot
+    if (t + KV_PREFETCH_TOKENS < L) _mm_prefetch((const char*)(vp + rows[t + KV_PREFETCH_TOKENS] * D + d0), _MM_HINT_T0);
     __m512 vv[DN];
     for (int j = 0; j < DN; ++j) vv[j] = load16(vrow + 16 * j);
     for (int g = 0; g < GN; ++g) {
@@ -408,7 +408,8 @@ void paged_decode_attention_bf16_into(const bf16* qp, int64_t q_stride, int64_t 
         const int64_t n = std::min<int64_t>(16, L - t0);
         alignas(64) int64_t rows16[16];
         for (int64_t i = 0; i < 16; ++i) rows16[i] = rows[t0 + std::min<int64_t>(i, n - 1)];  // tail lanes repeat a valid token
-        for (int64_t i = t0 + 16; i < std::min<int64_t>(L, t0 + 32); ++i)  // the next chunk's rows
+        // the rows of the chunk KV_PREFETCH_TOKENS ahead
+        for (int64_t i = t0 + KV_PREFETCH_TOKENS; i < std::min<int64_t>(L, t0 + KV_PREFETCH_TOKENS + 16); ++i)
           for (int64_t c = 0; c < 2 * D; c += 64) _mm_prefetch((const char*)(kp) + rows[i] * 2 * D + c, _MM_HINT_T0);
         // col[p] lane i holds token i's (k[2p], k[2p+1]) (row_columns; a gather per pair, as this
         // kernel read before, measured 1.03-1.07x slower for the whole attention, 2-core Xeon)

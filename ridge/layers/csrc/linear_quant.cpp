@@ -46,6 +46,7 @@
 #include "block_runs.h"
 #include "kernels.h"
 #include "linear_call.h"
+#include "simd_math.h"
 
 namespace {
 
@@ -368,17 +369,9 @@ inline void amx_chunk_dots(const uint8_t* block, const int8_t* xa, int64_t g0, i
     if (d < n) amx_store(d, c + d * 256);
 }
 
-// acc + w . (the 4 x codes at x, broadcast): vpdpbusd with its x operand an embedded
-// broadcast from memory, one fused op; GCC emits a separate vpbroadcastd for
-// _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(*x)). Used where a group's x codes are
-// read per half group (Q6_K, Q3_K, Q2_K): measured on a 2-core Xeon (2026-11-27, weights
-// from memory, the same process alternating both builds of the loop) 1.06-1.10x faster at one
-// row in Q6_K, 1.10-1.16x at 8 rows in all three; the plain loop below measured 0.93-0.98x
-// with it at 8 rows (int4) and keeps the intrinsics. The integers are the same either way.
-inline __m512i dpbusd_x(__m512i acc, __m512i w, const int32_t* x) {
-  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
-  return acc;
-}
+// dpbusd_x (simd_math.h) is used where a group's x codes are read per half group (Q6_K, Q3_K,
+// Q2_K); the plain loop below measured 0.93-0.98x with it at 8 rows (int4) and keeps the
+// intrinsics.
 
 template <int FMT, int MR, bool AMX>
 inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const uint8_t* pf_end, float* out) {

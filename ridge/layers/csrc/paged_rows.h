@@ -8,6 +8,15 @@
 #include <cstdint>
 #include <vector>
 
+// How far ahead of the token it reads a decode kernel fetches a token's K and V rows (and an
+// int8 / fp8 cache's scales). A KV head's rows lie a pool row apart within a block and blocks
+// anywhere in the pool, so the hardware prefetcher hardly helps; the fetch has to cover the
+// memory's latency by itself. 16 tokens (one chunk, which these kernels fetched before) left
+// them waiting: batch 16 at 4,096 tokens, TinyLlama's heads, 2-core AMD EPYC (Zen 5), both
+// versions alternated in one process, 11-21 rounds: 64 tokens ran bf16 1.12-1.17x and int8
+// 1.28-1.37x faster; 32 tokens less, 96 and 128 no better than 64.
+constexpr int64_t KV_PREFETCH_TOKENS = 64;
+
 // Tokens t0 .. t0 + n of a sequence (a chunk of its context): rows[i] for token t0 + i.
 inline void paged_rows_from(const int64_t* table, int64_t t0, int64_t n, int64_t BS, int64_t Hkv, int64_t h,
                             std::vector<int64_t>& rows) {

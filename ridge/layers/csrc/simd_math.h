@@ -1,10 +1,22 @@
-// Vector math the decode kernels share (decode_ops.cpp, decode_attention_shared.cpp,
-// decode_attention_quant.cpp): one definition, so their roundings and exp agree.
+// Vector math the kernels share (decode_ops.cpp, decode_attention_shared.cpp,
+// decode_attention_quant.cpp, linear_quant.cpp): one definition, so their roundings and exp
+// agree.
 #pragma once
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
+
+// acc + w . (the 4 int8 at x, broadcast): vpdpbusd (w unsigned, x signed) with its x operand an
+// embedded broadcast from memory, one fused op; GCC emits a separate vpbroadcastd for
+// _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(*x)). Measured on a 2-core Xeon (2026-11-27,
+// linear_quant.cpp's weights from memory, the same process alternating both builds of the
+// loop) 1.06-1.10x faster at one row in Q6_K, 1.10-1.16x at 8 rows in Q6_K, Q3_K and Q2_K;
+// the same integers either way.
+inline __m512i dpbusd_x(__m512i acc, __m512i w, const int32_t* x) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+  return acc;
+}
 
 // round 16 fp32 to bf16 precision, staying in fp32 (torch's bf16 ops round every result)
 inline __m512 round16(__m512 v) {
