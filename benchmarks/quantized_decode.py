@@ -6,9 +6,11 @@ the round (these machines jump between bandwidth levels; compare only within a r
 * weights: a decode step (the model's forward + logits, as the engine runs it) at batch 1,
   8 and 32 with short contexts, for bf16, int8 (Q8_0) and int4 (Q4_0) weights; its floor is
   the bytes the loaded layers hold (plus the KV read) over that round's bandwidth;
-* KV cache: the decode attention of one layer alone, and a whole decode step, at batch 16
-  with 4,096-token contexts, for a bf16, int8 and fp8 cache (bf16 weights), beside what the
-  analyzer (``roofline/ops.py``) predicts for the step on the probed roofline.
+* KV cache: the decode attention of one layer alone (the three caches alternated call by
+  call, the median of ATTENTION_CALLS each a round; the ratio to bf16 is the median of the
+  rounds' ratios), and a whole decode step, at batch 16 with 4,096-token contexts, for a
+  bf16, int8 and fp8 cache (bf16 weights), beside what the analyzer (``roofline/ops.py``)
+  predicts for the step on the probed roofline.
 
 Steps are driven directly (hand-made attention metadata over a filled pool) so a 4,096-token
 context needs no prefill. Writes ``benchmarks/quantized_decode.json``.
@@ -34,6 +36,7 @@ from ridge.roofline.ops import step_cost
 from ridge.roofline.probe import ProbeSettings, cpu_model, probe_read_bandwidth
 
 OUT = Path(__file__).with_name("quantized_decode.json")
+ATTENTION_CALLS = 9  # a round's attention calls per cache kind
 
 
 def make_engine(model: str, blocks: int, quantization=None, kv_cache_dtype="auto") -> LLMEngine:
@@ -145,8 +148,14 @@ def main() -> int:
                 round_rows.append(
                     {"what": "weights", "format": name, "batch": b, "s": step_seconds(engine, b, short_context)}
                 )
+        # one layer's attention, the three caches alternated call by call (one call each
+        # swung 2-3x with the memory's level), the median of each
+        calls = {name: [] for name in kv}
+        for _ in range(ATTENTION_CALLS):
+            for name, caches in kv.items():
+                calls[name].append(attention_seconds(base, kv_batch, kv_context, caches))
         for name, caches in kv.items():
-            attention = attention_seconds(base, kv_batch, kv_context, caches)
+            attention = statistics.median(calls[name])
             round_rows.append({"what": "kv_attention", "format": name, "batch": kv_batch, "s": attention})
             step = step_seconds(base, kv_batch, kv_context, caches)
             round_rows.append({"what": "kv_step", "format": name, "batch": kv_batch, "s": step})
@@ -167,6 +176,9 @@ def main() -> int:
             x[key] for x in rows if x["what"] == what and x["format"] == fmt and x["batch"] == batch
         )
 
+    def of(what, fmt):  # the rows of one measurement, round by round
+        return [x for x in rows if x["what"] == what and x["format"] == fmt and x["batch"] == kv_batch]
+
     summary = {"weights": {}, "kv": {}}
     for name in weights:
         for b in batches:
@@ -184,7 +196,9 @@ def main() -> int:
     for name in kv:
         summary["kv"][name] = {
             "attention_ms": median("kv_attention", name, kv_batch) * 1e3,
-            "attention_vs_bf16": median("kv_attention", "bf16", kv_batch) / median("kv_attention", name, kv_batch),
+            "attention_vs_bf16": statistics.median(  # the same round's ratio, then the median
+                base_row["s"] / row["s"] for base_row, row in zip(of("kv_attention", "bf16"), of("kv_attention", name))
+            ),
             "step_ms": median("kv_step", name, kv_batch) * 1e3,
             "step_vs_bf16": median("kv_step", "bf16", kv_batch) / median("kv_step", name, kv_batch),
             "predicted_step_ms": median("kv_step", name, kv_batch, "predicted_s") * 1e3,
