@@ -95,10 +95,12 @@ inline void token_scales(const at::Half* sp, const int64_t* rows, int64_t L, int
   if (NGR == 2 || NGR == 4) {
     for (; t + 16 <= L; t += 16) {
       __m512i w[2];
-      // the scales ahead, every 4th token's (a line holds 4 tokens' at TinyLlama's 4 KV heads and
-      // 2 scales a head): 1.04x for int8 attention (Zen 5, measured as KV_PREFETCH_TOKENS says)
-      for (int64_t j = t + KV_PREFETCH_TOKENS; j < std::min<int64_t>(L, t + KV_PREFETCH_TOKENS + 16); j += 4)
-        _mm_prefetch(reinterpret_cast<const char*>(sp + rows[j] * NGR), _MM_HINT_T0);
+      // the scales ahead, each line once (a line holds several tokens': 4 at TinyLlama's 4 KV
+      // heads and 2 scales a head): 1.04x for int8 attention (Zen 5, measured as
+      // KV_PREFETCH_TOKENS says)
+      for (int64_t j = t + KV_PREFETCH_TOKENS, line = -1; j < std::min<int64_t>(L, t + KV_PREFETCH_TOKENS + 16); ++j)
+        if (const int64_t l = reinterpret_cast<intptr_t>(sp + rows[j] * NGR) >> 6; l != line)
+          _mm_prefetch(reinterpret_cast<const char*>(sp + rows[j] * NGR), _MM_HINT_T0), line = l;
       scale_words(sp, rows + t, NGR, w);
       for (int64_t j = 0; j < NGR / 2; ++j) {
         _mm512_storeu_ps(vs + t * NGR + 32 * j, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(w[j])), u));
@@ -254,6 +256,7 @@ void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* k
       if constexpr (!FP8)
         for (int64_t g = 0; g < G; ++g) quantize_query(&qf[g * D], D, GS, scale, &qq[g * D], &qsum[g * NGR], &qscale[g * NGR]);
       const __m512 unit_scale = _mm512_set1_ps(code_unit * scale);
+      const bool eight = !FP8 && GS == 32 && G % 8 == 0;  // int8 scores 8 heads a pass (see qk_int8)
       for (int64_t t0 = 0; t0 < L; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, L - t0);
         alignas(64) int64_t rows16[16];
@@ -272,12 +275,7 @@ void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* k
         else
           // 16 tokens' codes as vpdpbusd takes them: col[p] lane i holds token i's dims 4p .. 4p + 3, + 128
           row_columns(kp, rows16, D, _mm512_set1_epi32(static_cast<int32_t>(0x80808080u)), col.data());
-        if (!FP8 && GS == 32 && G % 8 == 0) {  // see qk_int8
-          for (int64_t g0 = 0; g0 < G; g0 += 8)
-            qk_int8<8, 8>(col.data(), &qq[g0 * D], &qsum[g0 * NGR], &qscale[g0 * NGR], D, GS, ks, &scores[g0 * L + t0], L, n);
-          continue;
-        }
-        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        for (int64_t g0 = 0; g0 < G; g0 += eight ? 8 : 4) {
           float* s = &scores[g0 * L + t0];
           if constexpr (FP8) {
             const float* q = &qf[g0 * D];
@@ -291,12 +289,15 @@ void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* k
             const int8_t* q = &qq[g0 * D];
             const int32_t* qs = &qsum[g0 * NGR];
             const float* qfs = &qscale[g0 * NGR];
-            switch (std::min<int64_t>(4, G - g0)) {
-              case 1: qk_int8<1>(col.data(), q, qs, qfs, D, GS, ks, s, L, n); break;
-              case 2: qk_int8<2>(col.data(), q, qs, qfs, D, GS, ks, s, L, n); break;
-              case 3: qk_int8<3>(col.data(), q, qs, qfs, D, GS, ks, s, L, n); break;
-              default: qk_int8<4>(col.data(), q, qs, qfs, D, GS, ks, s, L, n);
-            }
+            if (eight)
+              qk_int8<8, 8>(col.data(), q, qs, qfs, D, GS, ks, s, L, n);
+            else
+              switch (std::min<int64_t>(4, G - g0)) {
+                case 1: qk_int8<1>(col.data(), q, qs, qfs, D, GS, ks, s, L, n); break;
+                case 2: qk_int8<2>(col.data(), q, qs, qfs, D, GS, ks, s, L, n); break;
+                case 3: qk_int8<3>(col.data(), q, qs, qfs, D, GS, ks, s, L, n); break;
+                default: qk_int8<4>(col.data(), q, qs, qfs, D, GS, ks, s, L, n);
+              }
           }
         }
       }
