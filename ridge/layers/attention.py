@@ -109,15 +109,18 @@ def paged_attention(
     cache: PagedKV,
     meta: AttentionMetadata,
     ops,
+    kv_written: bool = False,
 ) -> torch.Tensor:
     """q: (T, Hq, D), k/v: (T, Hkv, D) of this step's tokens -> output (T, Hq, D).
 
-    ``ops`` (the kernels) writes the step's K/V (``write_kv``) and gives the two paths:
+    ``ops`` (the kernels) writes the step's K/V (``write_kv``; not when ``kv_written``: the
+    kernels' ``rope_write_kv`` wrote them) and gives the two paths:
     ``decode_attention(q, cache, meta)`` and ``prefill_attention(q, k, v, cache, chunk)``,
     called once the step's K/V are in the cache; ``prefill_attention_all`` takes every prefill
     chunk of the step at once where the kernels can (False: one call per chunk).
     """
-    ops.write_kv(cache, k, v, meta.slot_mapping)
+    if not kv_written:
+        ops.write_kv(cache, k, v, meta.slot_mapping)
     num_decodes = meta.num_decode_tokens
     if num_decodes == q.shape[0]:  # a pure decode step: no copy into a shared output
         return ops.decode_attention(q, cache, meta)

@@ -8,7 +8,8 @@ What it changes against the reference, op for op:
   * in a CUDA graph's forward (``graph_mode``, set by ``worker/cuda_graphs.py`` while it
     captures): the KV write is one launch per pool that skips negative slots (the padding
     rows), and RMSNorm, the residual add with its norm, RoPE and SiLU-gating are one launch
-    each. Outside graphs these stay torch's: a Triton launch costs ~80 us of host time on the
+    each; over a cache of the model's dtype, RoPE and both pools' writes are one launch
+    together (``rope_write_kv``). Outside graphs these stay torch's: a Triton launch costs ~80 us of host time on the
     H200 against ~5-10 for a torch op, which an eager (prefill) step pays per layer.
 
 Every op here is a fixed sequence of launches with no host synchronization, so a decode step
@@ -43,6 +44,20 @@ class RopeState:
         return self._gathered
 
 
+def _dense_weight(layer) -> torch.Tensor | None:
+    """The layer's weight where it is one dense matrix (no format, not repacked, not in parts)."""
+    if layer.packed is not None or layer.method.format is not None or getattr(layer, "parts", None) is not None:
+        return None
+    weight = getattr(layer, "weight", None)
+    if weight is None or weight.dim() != 2 or weight.numel() == 0 or not weight.is_floating_point():
+        return None
+    return weight
+
+
+def _gemv_key(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    return (weight.shape[0], weight.shape[1], weight.dtype, bias is not None)
+
+
 class CudaKernels(TorchKernels):
     name = "cuda"
     # A GPU runs prefill attention per chunk at ~0.26 ms of host time a layer (the H200, one
@@ -55,6 +70,9 @@ class CudaKernels(TorchKernels):
 
     def __init__(self, device: torch.device) -> None:
         self.failed: set[str] = set()
+        # weight shape (N, K, dtype, bias) -> the Triton GEMV config a graph's one-row step
+        # multiplies by (``tune_gemv``'s choice; absent: cuBLAS)
+        self.gemv_configs: dict[tuple, tuple[int, int, int]] = {}
         # decode attention splits a row's context until about two programs per multiprocessor
         # run (a handful where there is no GPU: the interpreter's tests)
         if device.type == "cuda":
@@ -77,6 +95,17 @@ class CudaKernels(TorchKernels):
 
     def write_kv(self, cache: PagedKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         write_kv(cache, k, v, slots, tk.write_rows if self.graph_mode else index_copy_rows)
+
+    def rope_write_kv(self, qkv, num_heads, num_kv_heads, cache: PagedKV, meta: AttentionMetadata, rope: RopeState):
+        # a graph's pure decode step over a cache of the model's dtype: one launch for RoPE and
+        # both pools' writes, where three ran (the quantized caches keep write_kv's quantize)
+        if not self.graph_mode or cache.quantized or cache.v is cache.k or meta.prefills:
+            return False
+        if meta.num_decode_tokens != qkv.shape[0]:
+            return False
+        rotary = rope.rotary
+        args = (qkv, num_heads, num_kv_heads, rope.positions, rotary.cos, rotary.sin, cache.k, cache.v)
+        return bool(self._guarded("rope_write_kv", tk.rope_write_kv_, *args, meta.slot_mapping))
 
     def decode_attention(
         self, q, cache: PagedKV, meta: AttentionMetadata, scale: float | None = None, value_dim: int | None = None
@@ -108,6 +137,12 @@ class CudaKernels(TorchKernels):
 
     def linear(self, x, layer, rows=None):
         packed, fmt = layer.packed, layer.method.format
+        if self.graph_mode and self.gemv_configs and rows is None and x.dim() == 2 and x.shape[0] == 1:
+            weight = _dense_weight(layer)
+            config = None if weight is None else self.gemv_configs.get(_gemv_key(weight, layer.bias))
+            out = None if config is None else tk.dense_gemv(x, weight, layer.bias, config)
+            if out is not None:
+                return out
         if packed is not None and fmt is not None and packed.device == x.device and x.is_floating_point():
             n, bias = layer.out_features, layer.bias
             if rows is not None:  # one expert's rows of a stacked layer: its 16-row blocks
@@ -142,6 +177,59 @@ class CudaKernels(TorchKernels):
         tiles, index, tables = meta.prefill_index
         args = (q, out, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.kind, tables, tiles, index)
         return self._guarded("paged_prefill_attention", tk.paged_prefill_attention, *args) is not None
+
+    @torch.inference_mode()
+    def tune_gemv(self, layers, rounds: int = 5) -> dict[tuple, dict]:
+        """For each weight shape among ``layers``' dense weights: time torch's matmul (cuBLAS)
+        and Triton's GEMV in each of ``tk.GEMV_CONFIGS`` on one row of x, each as a CUDA graph
+        of one call per layer of that shape (together larger than the L2, as a step's are; a
+        graph, as a step's launches are), alternated ``rounds`` times, and keep the fastest:
+        a graph's one-row steps then multiply by it (``gemv_configs``). Returns, per shape
+        ``(N, K, dtype, bias)``, each candidate's best time in us (None: cuBLAS)."""
+        groups: dict[tuple, list] = {}
+        for layer in layers:
+            weight = _dense_weight(layer)
+            if weight is not None and weight.is_cuda:
+                groups.setdefault(_gemv_key(weight, layer.bias), []).append((weight, layer.bias))
+        report = {}
+        for key, group in groups.items():
+            x = torch.randn(1, key[1], dtype=key[2], device=group[0][0].device)
+
+            def calls(config, group=group, x=x):
+                for w, b in group:
+                    if config is None:
+                        torch.nn.functional.linear(x, w, b)
+                    else:
+                        tk.dense_gemv(x, w, b, config)
+
+            graphs = []
+            for config in (None, *tk.GEMV_CONFIGS):
+                try:
+                    calls(config)  # compiled outside the graph
+                    torch.cuda.synchronize()
+                except (CompilationError, OutOfResources):
+                    continue
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    calls(config)
+                graphs.append((config, graph))
+            best = {config: float("inf") for config, _ in graphs}
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for _ in range(rounds):
+                for config, graph in graphs:
+                    start.record()
+                    graph.replay()
+                    end.record()
+                    end.synchronize()
+                    best[config] = min(best[config], start.elapsed_time(end) * 1e3 / len(group))
+            del graphs
+            choice = min(best, key=best.get)
+            if choice is None:
+                self.gemv_configs.pop(key, None)
+            else:
+                self.gemv_configs[key] = choice
+            report[key] = best
+        return report
 
     def rope_state(self, rotary, positions, dtype):
         return RopeState(rotary, positions, dtype)

@@ -238,6 +238,12 @@ class TorchKernels:
         """k/v (T, Hkv, Dh) of this step's tokens into the pools at flat ``slots``."""
         write_kv(cache, k, v, slots)
 
+    def rope_write_kv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cache: PagedKV, meta, rope) -> bool:
+        """RoPE and the KV write in one op, where the kernels fuse them: qkv (T, (Hq + 2 Hkv)
+        Dh), its q and k heads rotated in place and k and v written at ``meta.slot_mapping``;
+        False (nothing done): the caller runs ``rope`` and ``write_kv``."""
+        return False
+
     def decode_attention(
         self, q, cache: PagedKV, meta: AttentionMetadata, scale: float | None = None, value_dim: int | None = None
     ) -> torch.Tensor:

@@ -538,6 +538,107 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
 
 
 @triton.jit
+def _rope_write_kv_kernel(
+    qkv,
+    qkv_s0,
+    positions,
+    cos,
+    sin,
+    table_s0,
+    k_pool,
+    v_pool,
+    slots,
+    NQ: tl.constexpr,
+    NKV: tl.constexpr,
+    D: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # one program per token and head of [q heads | k heads | v heads]: q and k rotated in place
+    # (as _rope_kernel, the same arithmetic), k and v also written at the token's slot
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slots + t).to(tl.int64)
+    base = qkv + t * qkv_s0 + h * D
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HALF
+    a = tl.load(base + offs, mask=mask, other=0.0)
+    b = tl.load(base + HALF + offs, mask=mask, other=0.0)
+    if h < NQ + NKV:
+        pos = tl.load(positions + t).to(tl.int64)
+        c1 = tl.load(cos + pos * table_s0 + offs, mask=mask, other=0.0)
+        c2 = tl.load(cos + pos * table_s0 + HALF + offs, mask=mask, other=0.0)
+        s1 = tl.load(sin + pos * table_s0 + offs, mask=mask, other=0.0)
+        s2 = tl.load(sin + pos * table_s0 + HALF + offs, mask=mask, other=0.0)
+        af, bf = a.to(tl.float32), b.to(tl.float32)
+        a = (af * c1 - bf * s1).to(qkv.dtype.element_ty)
+        b = (bf * c2 + af * s2).to(qkv.dtype.element_ty)
+        tl.store(base + offs, a, mask=mask)
+        tl.store(base + HALF + offs, b, mask=mask)
+        if h >= NQ and slot >= 0:
+            row = k_pool + (slot * NKV + (h - NQ)) * D
+            tl.store(row + offs, a, mask=mask)
+            tl.store(row + HALF + offs, b, mask=mask)
+    elif slot >= 0:
+        row = v_pool + (slot * NKV + (h - NQ - NKV)) * D
+        tl.store(row + offs, a, mask=mask)
+        tl.store(row + HALF + offs, b, mask=mask)
+
+
+def rope_write_kv_(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+) -> bool:
+    """One launch for RoPE and the KV write of a step: qkv (T, (Hq + 2 Hkv) D), its q and k
+    heads rotated in place at ``positions`` (float32 tables (max_positions, D)), the rotated k
+    and v rows written into the pools (num_blocks, block_size, Hkv, D) of qkv's dtype at flat
+    ``slots`` (a negative slot writes nothing). What ``rope_`` then ``write_rows`` twice do, the
+    same bits. False (nothing done) where the layouts are not taken."""
+    tokens = qkv.shape[0]
+    dim = k_pool.shape[-1]
+    heads = num_heads + 2 * num_kv_heads
+    if (
+        qkv.dim() != 2
+        or qkv.stride(-1) != 1
+        or qkv.shape[1] != heads * dim
+        or dim % 2
+        or k_pool.dtype != qkv.dtype
+        or v_pool.dtype != qkv.dtype
+        or not (k_pool.is_contiguous() and v_pool.is_contiguous())
+        or k_pool.shape[2] != num_kv_heads
+        or cos.shape[-1] != dim
+        or not cos.is_contiguous()
+    ):
+        return False
+    if tokens:
+        half = dim // 2
+        _rope_write_kv_kernel[(tokens, heads)](
+            qkv,
+            qkv.stride(0),
+            positions,
+            cos,
+            sin,
+            cos.stride(0),
+            k_pool,
+            v_pool,
+            slots,
+            NQ=num_heads,
+            NKV=num_kv_heads,
+            D=dim,
+            HALF=half,
+            BLOCK=_pow2(half),
+        )
+    return True
+
+
+@triton.jit
 def _silu_mul_kernel(gate_up, gu_s0, out, n, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -556,6 +657,56 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     if rows:
         block = min(_pow2(n), 1024)
         _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, gate_up.stride(0), out, n, BLOCK=block)
+    return out
+
+
+# -- dense GEMV (one row of x) ------------------------------------------------------------------
+# The candidates (rows of W a program, elements of K a step, warps) that CudaKernels.tune_gemv
+# times against torch's matmul (cuBLAS) for each weight shape at start-up; cuBLAS's GEMV reaches
+# 1.4-1.7 TB/s on TinyLlama's 2048-wide layers (H200, README "CUDA"), their launch ramp longer
+# than their data.
+GEMV_CONFIGS = ((4, 1024, 4), (8, 512, 4), (2, 1024, 2), (16, 512, 8))
+
+
+@triton.jit
+def _dense_gemv_kernel(
+    x, w, w_s0, bias, out, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    # BLOCK_N rows of W a program, each step's products summed in float32 and kept apart per
+    # lane until one reduction at the end
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    rows = w + rn.to(tl.int64)[:, None] * w_s0
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        k_ok = kk < K
+        wv = tl.load(rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        xv = tl.load(x + kk, mask=k_ok, other=0.0)
+        acc += wv.to(tl.float32) * xv.to(tl.float32)[None, :]
+    y = tl.sum(acc, 1)
+    if HAS_BIAS:
+        y += tl.load(bias + rn, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out + rn, y.to(out.dtype.element_ty), mask=n_ok)
+
+
+def dense_gemv(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config: tuple[int, int, int]
+) -> torch.Tensor | None:
+    """x (1, K) @ w^T (+ bias) for a dense w (N, K) of x's dtype, ``config`` one of
+    ``GEMV_CONFIGS``: (1, N), float32 sums. None where the layouts are not taken."""
+    if x.dim() != 2 or x.shape[0] != 1 or x.stride(-1) != 1 or w.dim() != 2 or w.stride(-1) != 1:
+        return None
+    if w.dtype != x.dtype or w.shape[1] != x.shape[1]:
+        return None
+    n, k = w.shape
+    block_n, block_k, warps = config
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _dense_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, w, w.stride(0), bias if bias is not None else out, out, n, k,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+    )  # fmt: skip
     return out
 
 

@@ -138,11 +138,16 @@ class LlamaAttention(nn.Module):
                 self.k_norm.eps,
             )
             q, k = ops.rope(q, step.rope), ops.rope(k, step.rope)
+            written = False
         else:
-            # q and k heads side by side: one rotation for both
-            qk = ops.rope(qkv[:, : q_size + kv_size].view(tokens, -1, self.head_dim), step.rope)
+            # q and k heads side by side: one rotation for both (and, where the kernels fuse it,
+            # the KV write in the same launch)
+            written = ops.rope_write_kv(qkv, self.num_heads, self.num_kv_heads, kv_cache, meta, step.rope)
+            qk = qkv[:, : q_size + kv_size].view(tokens, -1, self.head_dim)
+            if not written:
+                qk = ops.rope(qk, step.rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = paged_attention(q, k, v, kv_cache, meta, ops)
+        out = paged_attention(q, k, v, kv_cache, meta, ops, kv_written=written)
         return ops.matmul(out.flatten(1), self.o_proj)
 
 
@@ -194,14 +199,21 @@ class LlamaDecoderLayer(nn.Module):
             ffn = LlamaMLP(cfg, quant, f"{prefix}.{cfg.ffn_name}", tp)
         setattr(self, cfg.ffn_name, ffn)
 
-    def forward(self, h, kv_cache, meta, step: StepInputs) -> None:
-        """h: the residual stream (T, hidden), updated in place. Under tensor parallelism the
-        attention's and the feed-forward's outputs are partial sums: each is all-reduced here."""
+    def forward(self, h, kv_cache, meta, step: StepInputs, pending: torch.Tensor | None = None) -> torch.Tensor:
+        """h: the residual stream (T, hidden), updated in place. ``pending``: the previous
+        layer's feed-forward output, added to h here with this layer's input norm (one op,
+        ``add_rms_norm``); returns this layer's, for the next layer or the caller to add. Under
+        tensor parallelism the attention's and the feed-forward's outputs are partial sums: each
+        is all-reduced here."""
         ops, tp = step.kernels, self.tp
         norm, post_norm = self.input_layernorm, self.post_attention_layernorm
-        attn = self.self_attn.forward(ops.rms_norm(h, norm.weight, norm.eps), kv_cache, meta, step)
+        if pending is None:
+            x = ops.rms_norm(h, norm.weight, norm.eps)
+        else:
+            x = ops.add_rms_norm(pending, h, norm.weight, norm.eps)
+        attn = self.self_attn.forward(x, kv_cache, meta, step)
         x = ops.add_rms_norm(tp.all_reduce(attn), h, post_norm.weight, post_norm.eps)
-        h.add_(tp.all_reduce(getattr(self, self.ffn_name).forward(x, ops)))
+        return tp.all_reduce(getattr(self, self.ffn_name).forward(x, ops))
 
 
 class LlamaModel(nn.Module):
@@ -299,8 +311,11 @@ class LlamaForCausalLM(nn.Module):
         step = StepInputs(self.kernels, self.kernels.rope_state(self.model.rotary, positions, h.dtype))
         # forward() and ops.matmul directly, not nn.Module.__call__: ~2 us each, ~10 per layer
         # per step, and ridge registers no hooks.
+        pending = None  # a layer's feed-forward output, added with the next layer's input norm
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            layer.forward(h, kv_cache, meta, step)
+            pending = layer.forward(h, kv_cache, meta, step, pending)
+        if pending is not None:
+            h.add_(pending)
         return h
 
     def decode_plan(self, kv_caches: list[PagedKV], dtype: torch.dtype) -> DecodePlanRun | None:

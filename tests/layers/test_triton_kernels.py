@@ -130,6 +130,40 @@ def test_norms_rope_and_gating_match_the_reference(dtype):
     _close(tk.silu_mul(gate_up), ref.silu_mul(gate_up), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 16), (3, 1, 24)])
+def test_rope_write_kv_is_rope_then_both_writes_in_one_launch(dtype, heads, kv_heads, dim):
+    torch.manual_seed(0)
+    tokens, width = 4, (heads + 2 * kv_heads) * dim
+    rotary = RotaryEmbedding(dim, 64, 10000.0, None).to(DEVICE)
+    positions = torch.tensor([0, 9, 63, 30], device=DEVICE)
+    slots = torch.tensor([5, -1, 40, 17], device=DEVICE)  # a padding row writes nothing
+    wide = torch.randn(tokens, width + 8, dtype=dtype, device=DEVICE)
+    qkv = wide[:, :width]  # rows strided apart, as a matmul's output slice may be
+    pools = [torch.zeros(4, 16, kv_heads, dim, dtype=dtype, device=DEVICE) for _ in range(4)]
+
+    want = qkv.clone()  # the unfused ops: rope on q and k, then one write per pool
+    qk = want[:, : (heads + kv_heads) * dim].view(tokens, -1, dim)
+    assert tk.rope_(qk, positions, rotary.cos, rotary.sin)
+    tk.write_rows(pools[0], qk[:, heads:], slots)
+    tk.write_rows(pools[1], want[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim), slots)
+
+    assert tk.rope_write_kv_(qkv, heads, kv_heads, positions, rotary.cos, rotary.sin, pools[2], pools[3], slots)
+    # q and k rotated in place, v untouched, the pools' rows the rotated ones. The same bits
+    # where the rotation rounds to 16 bits; float32 on a GPU may differ in the last bit where
+    # the compiler contracts a product and a sum into one fma in one kernel but not the other.
+    exact = dtype != torch.float32 or DEVICE.type != "cuda"
+    for got, ref in ((qkv, want), (pools[2], pools[0]), (pools[3], pools[1])):
+        assert torch.equal(got, ref) if exact else torch.allclose(got, ref, rtol=1e-6, atol=1e-6)
+    written = slots[slots >= 0]
+    rotated_k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    assert torch.equal(pools[2].view(-1, kv_heads, dim)[written], rotated_k[slots >= 0])
+    assert pools[2].view(-1, kv_heads, dim)[slots[1:]].abs().sum() > 0
+    # a pool of another dtype (a quantized cache's codes) is not taken
+    codes = torch.zeros(4, 16, kv_heads, dim, dtype=torch.int8, device=DEVICE)
+    assert not tk.rope_write_kv_(qkv, heads, kv_heads, positions, rotary.cos, rotary.sin, codes, codes, slots)
+
+
 def test_decode_splits_depend_on_shapes_only():
     assert tk.decode_splits(1, 4, 128, 264) == 16  # one sequence: its context over many programs
     assert tk.decode_splits(64, 8, 128, 264) == 1  # a full batch fills the GPU by itself
