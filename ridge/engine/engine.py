@@ -416,8 +416,11 @@ class LLMEngine:
         transfer and tensor parallelism."""
         if self._pipelines():
             return self._step_async()
-        if self._inflight is not None:
-            return self._collect()
+        if self._inflight is not None:  # the pipeline drains: collected, the tokens are all on the host
+            outputs = self._collect(peek=False)
+            if self.speculator is not None:
+                self._propose()  # a verify step next, not first a synchronous plain one
+            return outputs
         return self._step_sync()
 
     def _pipelines(self) -> bool:
@@ -433,7 +436,10 @@ class LLMEngine:
             running = self.scheduler.running
             if any(r.spec_token_ids for r in running):
                 return False  # proposals wait for this step: it verifies them
-            return self.speculator.choose_k(len(running), max((r.num_tokens for r in running), default=0)) == 0
+            k = self.speculator.choose_k(len(running), max((r.num_tokens for r in running), default=0))
+            # a lookup that found nothing last time (a peek between pipelined steps) would draft
+            # nothing now: stay pipelined
+            return k == 0 or self.speculator.drafts_nothing()
         return True
 
     def _step_async(self) -> list[RequestOutput]:
@@ -448,8 +454,10 @@ class LLMEngine:
         self._inflight = (plan, launched, start)
         return outputs
 
-    def _collect(self) -> list[RequestOutput]:
-        """The launched step's output: its tokens, stops and outputs, then the scheduler's update."""
+    def _collect(self, peek: bool = True) -> list[RequestOutput]:
+        """The launched step's output: its tokens, stops and outputs, then the scheduler's
+        update; with ``peek``, a host-only proposer's look at the collected tokens
+        (``Speculator.peek``) while the next step runs."""
         plan, launched, start = self._inflight
         self._inflight = None
         out = self.executor.finish_model(launched)
@@ -463,6 +471,8 @@ class LLMEngine:
         if self.speculator is not None and _decodes_only(plan):  # what a step that drafts nothing costs
             self.speculator.observe_plain_step(len(plan.chunks), now - begun)
         self._collected_at = now
+        if peek and self.speculator is not None and self.speculator.peeks:
+            self.speculator.peek(self._proposal_requests(self.scheduler.decoding()))
         return result.outputs
 
     def _step_sync(self) -> list[RequestOutput]:
@@ -571,14 +581,17 @@ class LLMEngine:
             r.request_id: min(r.max_tokens - r.num_output_tokens, self.max_model_len - r.num_tokens) for r in decoding
         }
         running = {r.request_id for r in self.scheduler.running}
-        batch = [ProposalRequest(r.request_id, r.all_token_ids, r.sampling_params) for r in decoding]
-        proposals = self.speculator.propose(batch, room, running)
+        proposals = self.speculator.propose(self._proposal_requests(decoding), room, running)
         for rid, (tokens, probs) in list(proposals.items()):
             keep = self.structured.vet(rid, tokens)  # a constrained sequence's grammar vets its drafts
             if keep < len(tokens):
                 proposals[rid] = (tokens[:keep], probs[:keep] if probs is not None else None)
         if proposals:
             self.scheduler.set_proposals(proposals)
+
+    @staticmethod
+    def _proposal_requests(decoding) -> list[ProposalRequest]:
+        return [ProposalRequest(r.request_id, r.all_token_ids, r.sampling_params) for r in decoding]
 
     # -- state as data ------------------------------------------------------------------
     def stats(self) -> EngineStats:

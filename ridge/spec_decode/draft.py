@@ -46,6 +46,8 @@ class _Shadow:
 
 
 class DraftProposer:
+    host_only = False  # each proposal is a model pass per draft token
+
     @classmethod
     def load(
         cls,

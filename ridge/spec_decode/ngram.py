@@ -49,6 +49,7 @@ class NgramProposer:
 
     pass_s = None
     max_model_len = None
+    host_only = True  # a lookup in host tables: cheap enough to try between pipelined steps
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.lo, self.hi = prompt_lookup_min, prompt_lookup_max

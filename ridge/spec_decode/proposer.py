@@ -7,6 +7,8 @@ A proposer sees token ids and sampling params, never the scheduler's objects:
     pass_s                       seconds of its last one-token pass (None: runs no model)
     take_passes()                the model passes run since the last call (for the telemetry)
     max_model_len                the longest sequence it can propose for (None: no limit)
+    host_only                    proposing costs host time only, no model pass (n-gram): the
+                                 engine may look between pipelined steps (``Speculator.peek``)
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ Proposal = tuple[list[int], torch.Tensor | None]  # tokens, and their (k, V) dis
 class Proposer(Protocol):
     pass_s: float | None
     max_model_len: int | None
+    host_only: bool
 
     def propose(self, requests: list[ProposalRequest], k: int) -> dict[str, Proposal]: ...
 

@@ -30,6 +30,8 @@ class Speculator:
         self._draft_cost: float | None = None  # measured: seconds per drafted token / a step's
         self._step_s: float | None = None  # moving average of a step's wall time
         self._next: tuple[int, int] | None = None  # the next step's (decoding sequences, drafts each at most)
+        # sequences the last proposal round (or peek) drafted for; None: no round yet
+        self.found: int | None = None
 
     def propose(self, decoding: list[ProposalRequest], room: dict[str, int], running: set[str]) -> dict[str, Proposal]:
         """Proposals for the sequences in ``decoding``; ``room``: tokens each may still emit
@@ -56,6 +58,7 @@ class Speculator:
             limits[r.req_id] = limit
         wanted = [r for r in decoding if limits[r.req_id] > 0]
         if not wanted:
+            self.found = 0
             return {}
         k_run = min(k, max(limits[r.req_id] for r in wanted))
         proposed = self.proposer.propose(wanted, k_run)
@@ -66,6 +69,7 @@ class Speculator:
                 out[rid] = (tokens[:limit], probs[:limit] if probs is not None else None)
         elapsed = time.perf_counter() - start
         self.propose_s += elapsed
+        self.found = len(out)
         if self.policy is not None:
             self.policy.observe_coverage(len(out), len(decoding))
         pass_s = self.proposer.pass_s
@@ -82,6 +86,33 @@ class Speculator:
             )
             self.policy.proposer_cost = max(self.cost_model_proposer_cost, self._draft_cost)
         return out
+
+    @property
+    def peeks(self) -> bool:
+        """Whether the engine should ``peek`` after collecting a pipelined step: the proposer
+        costs host time only and the policy's last choice was to draft."""
+        return self.proposer.host_only and self.last_k > 0
+
+    def peek(self, decoding: list[ProposalRequest]) -> None:
+        """Between pipelined steps (``--async-scheduling``): what the proposer drafts from the
+        tokens collected so far (one behind: the next is on the device), observed as the
+        drafted share, without drafting. Lookup that finds nothing then keeps the steps
+        pipelined (``drafts_nothing``) instead of costing a synchronous step to find out; one
+        that finds drafts ends the pipeline for a verify step."""
+        if not decoding:
+            return
+        start = time.perf_counter()
+        found = self.proposer.propose(decoding, 1)
+        self.propose_s += time.perf_counter() - start
+        self.found = len(found)
+        if self.policy is not None:
+            self.policy.observe_coverage(len(found), len(decoding))
+
+    def drafts_nothing(self) -> bool:
+        """For a host-only proposer: its last proposal round or peek drafted for no sequence, or
+        it has not looked yet (the peek after the next pipelined step will). A draft model is
+        never peeked at (each look is model passes), so its steps keep to the policy's k."""
+        return self.proposer.host_only and not self.found
 
     def choose_k(self, batch: int, context: int) -> int:
         """How many tokens to draft for the next step of ``batch`` decoding sequences of up to
@@ -127,6 +158,10 @@ class Speculator:
             self._step_s = step_s if self._step_s is None else self._step_s + 0.1 * (step_s - self._step_s)
             if self.policy is not None and decode_only and self._next is not None:
                 self.policy.observe_step(*self._next, step_s)
+                batch, k = self._next
+                if k and batch >= len(verified):  # what the step emitted a decoding sequence
+                    emitted = sum(accepted + 1 for _, accepted in verified.values()) + batch - len(verified)
+                    self.policy.observe_yield(batch, k, emitted / batch)
         self._next = None
         for num_drafts, num_accepted in verified.values():
             self.stats.record(num_drafts, num_accepted)

@@ -32,6 +32,7 @@ import torch
 
 from ridge.kv.cache import PagedKV
 from ridge.layers.attention import AttentionMetadata
+from ridge.layers.linear import Linear
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         start = time.perf_counter()
+        self.tune_gemv()
         pool = None
         for size in reversed(self.sizes):
             self._forward(size)
@@ -141,6 +143,23 @@ class DecodeGraphs:
             report.bytes / 2**20,
         )
         return report
+
+    def tune_gemv(self) -> None:
+        """Before a one-row graph is captured: the kernels choose, per weight shape of the
+        layers (not the lm_head, which runs after the graph), between cuBLAS and Triton's GEMV
+        by timing both (``CudaKernels.tune_gemv``); the choice is logged."""
+        tune = getattr(self.model.kernels, "tune_gemv", None)
+        if tune is None or 1 not in self.sizes:
+            return
+        body = getattr(self.model, "model", self.model)
+        report = tune([m for m in body.modules() if isinstance(m, Linear)])
+        lines = []
+        for (n, k, _, _), times in report.items():
+            best = min(times, key=times.get)
+            name = "cuBLAS" if best is None else f"Triton {best}"
+            lines.append(f"{n}x{k} {name} {times[best]:.1f} us (cuBLAS {times[None]:.1f})")
+        if lines:
+            logger.info("CUDA graphs: one-row matmuls: %s", "; ".join(lines))
 
     def takes(self, meta: AttentionMetadata, rows: int) -> bool:
         """Whether a step of ``rows`` flat tokens with this metadata replays a graph: decode

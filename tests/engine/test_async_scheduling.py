@@ -243,3 +243,46 @@ def test_speculation_pipelines_the_steps_it_drafts_nothing_for(model_dir, monkey
     assert len(fed) > 5  # pipelined steps
     assert spec.engine.speculator.stats.num_verify_runs > 5  # and verify steps
     assert not spec.engine.has_unfinished_requests() and not spec.engine.scheduler.requests
+
+
+def test_a_lookup_that_finds_nothing_costs_no_synchronous_step(model_dir, monkeypatch):
+    """n-gram speculation on texts where prompt lookup finds nothing, asynchronous: the engine
+    looks between pipelined steps (``Speculator.peek``, on the tokens collected so far) instead
+    of ending the pipeline to find out, so every step runs pipelined, as the plain engine's; the
+    peeks teach the policy the drafted share. Texts that repeat end it for verify steps."""
+    from ridge.engine.engine import LLMEngine
+    from ridge.spec_decode.policy import SpeculationPolicy
+
+    # a policy that would always draft (as the roofline's prior does on a GPU, where verify
+    # rows look free), so only what lookup finds decides
+    monkeypatch.setattr(SpeculationPolicy, "choose_k", lambda self, batch, context: 3)
+    gen = torch.Generator().manual_seed(5)
+    fresh = [torch.randperm(240, generator=gen)[:n].add(3).tolist() for n in (7, 12, 20)]  # no token twice
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+    spec = _llm(model_dir, True, speculative_config=ngram)
+    want = _summary(_llm(model_dir, True).generate(fresh, params, use_tqdm=False))
+    synchronous = []  # per synchronous step: whether it had drafts to verify
+    step_sync = LLMEngine._step_sync
+
+    def counted(self):
+        synchronous.append(any(r.spec_token_ids for r in self.scheduler.running))
+        return step_sync(self)
+
+    monkeypatch.setattr(LLMEngine, "_step_sync", counted)
+    lookups = []
+    peek = type(spec.engine.speculator).peek
+    monkeypatch.setattr(type(spec.engine.speculator), "peek", lambda self, d: lookups.append(len(d)) or peek(self, d))
+    got = _summary(spec.generate(fresh, params, use_tqdm=False))
+    assert _same(got, want)
+    speculator = spec.engine.speculator
+    # no synchronous step but to verify drafts (the tiny model's greedy text repeats a bigram
+    # now and then): none spent finding that lookup finds nothing (12 before the peeks)
+    assert all(synchronous) and len(synchronous) <= speculator.stats.num_verify_runs
+    assert len(lookups) > 5 and speculator.policy.coverage < 0.5
+
+    repeated = [[7, 8, 9, 10] * 4, [20, 21, 22] * 5]
+    synchronous.clear()
+    got = _summary(spec.generate(repeated, params, use_tqdm=False))
+    assert _same(got, _summary(_llm(model_dir, True).generate(repeated, params, use_tqdm=False)))
+    assert synchronous and all(synchronous) and speculator.stats.num_verify_runs > 3

@@ -76,7 +76,7 @@ def test_a_draft_pass_is_priced_at_its_measured_cost():
     room = {"r": 99}
     assert speculator.propose([req], room, {"r"}) == {"r": ([5] * 4, None)}  # the roofline: drafting is nearly free
     for _ in range(40):
-        speculator.record({}, step_s=1.0)
+        speculator.record({"r": (speculator.last_k, 1)}, step_s=1.0)
         speculator.propose([req], room, {"r"})
     assert policy.proposer_cost > 0.5
     speculator.propose([req], room, {"r"})
@@ -154,3 +154,23 @@ def test_a_lookup_that_finds_nothing_stops_costing_a_pipelined_step():
     assert policy.measured_ratios(1) == {4: pytest.approx(1.70 / 1.26)}
     assert drafting_steps <= 8
     assert speculator.last_k == 0
+
+
+def test_what_verify_steps_emit_caps_what_the_model_expects():
+    """A draft model at batch 32 (stop 49, H200): acceptance 0.97 and 4.84 tokens a run, but
+    runs cut short by max_tokens and sequences left without drafts made a step emit far fewer
+    tokens a sequence than E(a, k); priced at 3.85 plain steps, a verify step lost (0.82x).
+    The measured yield caps the model, and the policy stops."""
+    policy = SpeculationPolicy(4, roofline(ridge_rows=1000), prior_acceptance=0.97)
+    for _ in range(20):
+        policy.observe(4, 4)
+    policy.observe_step(32, 0, 1.3e-3)
+    policy.observe_step(32, 4, 5.0e-3)
+    assert policy.choose_k(32, 200) == 4  # E(0.97, 4) = 4.7 tokens for 3.85 steps' time
+    for _ in range(5):
+        policy.observe_yield(32, 4, 3.1)
+    assert policy.choose_k(32, 200) == 0  # 3.1 tokens for 3.85 steps' time
+    # an unmeasured k is scaled by the same shortfall, a measured one by its own
+    policy.observe_yield(32, 2, 2.9)
+    assert policy._yield[(policy._bucket(32), 2)] == 2.9
+    assert policy.choose_k(32, 200) == 0
