@@ -44,6 +44,9 @@ class RopeState:
         return self._gathered
 
 
+GEMV_MARGIN = 0.02  # a Triton GEMV replaces cuBLAS's where it takes at most 98% of its time
+
+
 def _dense_weight(layer) -> torch.Tensor | None:
     """The layer's weight where it is one dense matrix (no format, not repacked, not in parts)."""
     if layer.packed is not None or layer.method.format is not None or getattr(layer, "parts", None) is not None:
@@ -183,8 +186,9 @@ class CudaKernels(TorchKernels):
         """For each weight shape among ``layers``' dense weights: time torch's matmul (cuBLAS)
         and Triton's GEMV in each of ``tk.GEMV_CONFIGS`` on one row of x, each as a CUDA graph
         of one call per layer of that shape (together larger than the L2, as a step's are; a
-        graph, as a step's launches are), alternated ``rounds`` times, and keep the fastest:
-        a graph's one-row steps then multiply by it (``gemv_configs``). Returns, per shape
+        graph, as a step's launches are), alternated ``rounds`` times, and keep the fastest
+        (cuBLAS unless a GEMV beats it by ``GEMV_MARGIN``): a graph's one-row steps then
+        multiply by it (``gemv_configs``). Returns, per shape
         ``(N, K, dtype, bias)``, each candidate's best time in us (None: cuBLAS)."""
         groups: dict[tuple, list] = {}
         for layer in layers:
@@ -224,6 +228,8 @@ class CudaKernels(TorchKernels):
                     best[config] = min(best[config], start.elapsed_time(end) * 1e3 / len(group))
             del graphs
             choice = min(best, key=best.get)
+            if best[choice] > (1.0 - GEMV_MARGIN) * best[None]:
+                choice = None  # a tie (gate_up's 11264 rows, H200: 13.4 us either way) stays cuBLAS's
             if choice is None:
                 self.gemv_configs.pop(key, None)
             else:
