@@ -506,21 +506,29 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 @triton.jit
-def _rope_kernel(x, x_s0, x_s1, positions, cos, sin, table_s0, HALF: tl.constexpr, BLOCK: tl.constexpr):
-    t = tl.program_id(0)
+def _rotate(a, b, positions, t, cos, sin, table_s0, offs, mask, HALF: tl.constexpr):
+    """A head's halves a and b rotated at token t's position (float32 tables), in float32:
+    x * cos + rotate_half(x) * sin, rotate_half(x) = (-b, a)."""
     pos = tl.load(positions + t).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < HALF
     c1 = tl.load(cos + pos * table_s0 + offs, mask=mask, other=0.0)
     c2 = tl.load(cos + pos * table_s0 + HALF + offs, mask=mask, other=0.0)
     s1 = tl.load(sin + pos * table_s0 + offs, mask=mask, other=0.0)
     s2 = tl.load(sin + pos * table_s0 + HALF + offs, mask=mask, other=0.0)
+    a, b = a.to(tl.float32), b.to(tl.float32)
+    return a * c1 - b * s1, b * c2 + a * s2
+
+
+@triton.jit
+def _rope_kernel(x, x_s0, x_s1, positions, cos, sin, table_s0, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HALF
     base = x + t * x_s0 + tl.program_id(1) * x_s1
-    a = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(base + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    # x * cos + rotate_half(x) * sin, rotate_half(x) = (-b, a)
-    tl.store(base + offs, (a * c1 - b * s1).to(x.dtype.element_ty), mask=mask)
-    tl.store(base + HALF + offs, (b * c2 + a * s2).to(x.dtype.element_ty), mask=mask)
+    a = tl.load(base + offs, mask=mask, other=0.0)
+    b = tl.load(base + HALF + offs, mask=mask, other=0.0)
+    a, b = _rotate(a, b, positions, t, cos, sin, table_s0, offs, mask, HALF)
+    tl.store(base + offs, a.to(x.dtype.element_ty), mask=mask)
+    tl.store(base + HALF + offs, b.to(x.dtype.element_ty), mask=mask)
 
 
 def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -555,7 +563,7 @@ def _rope_write_kv_kernel(
     BLOCK: tl.constexpr,
 ):
     # one program per token and head of [q heads | k heads | v heads]: q and k rotated in place
-    # (as _rope_kernel, the same arithmetic), k and v also written at the token's slot
+    # (_rotate, as _rope_kernel), k and v also written at the token's slot
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots + t).to(tl.int64)
@@ -565,14 +573,8 @@ def _rope_write_kv_kernel(
     a = tl.load(base + offs, mask=mask, other=0.0)
     b = tl.load(base + HALF + offs, mask=mask, other=0.0)
     if h < NQ + NKV:
-        pos = tl.load(positions + t).to(tl.int64)
-        c1 = tl.load(cos + pos * table_s0 + offs, mask=mask, other=0.0)
-        c2 = tl.load(cos + pos * table_s0 + HALF + offs, mask=mask, other=0.0)
-        s1 = tl.load(sin + pos * table_s0 + offs, mask=mask, other=0.0)
-        s2 = tl.load(sin + pos * table_s0 + HALF + offs, mask=mask, other=0.0)
-        af, bf = a.to(tl.float32), b.to(tl.float32)
-        a = (af * c1 - bf * s1).to(qkv.dtype.element_ty)
-        b = (bf * c2 + af * s2).to(qkv.dtype.element_ty)
+        ra, rb = _rotate(a, b, positions, t, cos, sin, table_s0, offs, mask, HALF)
+        a, b = ra.to(qkv.dtype.element_ty), rb.to(qkv.dtype.element_ty)
         tl.store(base + offs, a, mask=mask)
         tl.store(base + HALF + offs, b, mask=mask)
         if h >= NQ and slot >= 0:
