@@ -9,8 +9,10 @@ What it changes against the reference, op for op:
     captures): the KV write is one launch per pool that skips negative slots (the padding
     rows), and RMSNorm, the residual add with its norm, RoPE and SiLU-gating are one launch
     each; over a cache of the model's dtype, RoPE and both pools' writes are one launch
-    together (``rope_write_kv``). Outside graphs these stay torch's: a Triton launch costs ~80 us of host time on the
-    H200 against ~5-10 for a torch op, which an eager (prefill) step pays per layer.
+    together (``rope_write_kv``); a one-row step's dense matmuls take the Triton GEMV where
+    ``tune_gemv`` timed it faster than cuBLAS. Outside graphs these stay torch's: a Triton
+    launch costs ~80 us of host time on the H200 against ~5-10 for a torch op, which an eager
+    (prefill) step pays per layer.
 
 Every op here is a fixed sequence of launches with no host synchronization, so a decode step
 over these kernels can be captured in a CUDA graph.
@@ -84,8 +86,9 @@ class CudaKernels(TorchKernels):
             self.programs = 8
 
     # Kernels that have passed in Triton's interpreter but not yet run on a GPU (the block-format
-    # matmul, the batched prefill attention): one that fails to compile on this GPU warns once
-    # and leaves its op to the reference from then on.
+    # matmul, the batched prefill attention, RoPE since its rotation became the jit helper it
+    # shares with rope_write_kv_): one that fails to compile on this GPU warns once and leaves
+    # its op to the reference from then on.
     def _guarded(self, name: str, fn, *args):
         if name in self.failed:
             return None
@@ -242,7 +245,7 @@ class CudaKernels(TorchKernels):
 
     def rope(self, x, state: RopeState):
         rotary = state.rotary
-        if self.graph_mode and tk.rope_(x, state.positions, rotary.cos, rotary.sin):
+        if self.graph_mode and self._guarded("rope", tk.rope_, x, state.positions, rotary.cos, rotary.sin):
             return x
         return super().rope(x, state.gathered())
 

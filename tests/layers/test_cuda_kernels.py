@@ -11,6 +11,7 @@ pytest.importorskip("triton")  # without a GPU, in its interpreter (tests/confte
 from triton.runtime.errors import OutOfResources
 
 from ridge.layers.cuda_kernels import CudaKernels
+from ridge.layers.kernels import TorchKernels
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the interpreter needs CPU tensors
 
@@ -28,6 +29,25 @@ def test_a_kernel_that_fails_to_compile_warns_once_and_is_not_tried_again():
     assert kernels._guarded("block_matmul", broken, 2) is None  # the reference from now on
     assert len(calls) == 1
     assert kernels._guarded("other", lambda x: x + 1, 1) == 2
+
+
+def test_a_graphs_rope_that_fails_to_compile_falls_back_to_torchs(monkeypatch):
+    from ridge.layers import triton_kernels as tk
+    from ridge.layers.rotary import RotaryEmbedding
+
+    def broken(*args):
+        raise OutOfResources(300000, 232448, "shared memory")
+
+    monkeypatch.setattr(tk, "rope_", broken)
+    kernels = CudaKernels(torch.device("cpu"))
+    kernels.graph_mode = True
+    rotary = RotaryEmbedding(16, 32, 10000.0, None)
+    positions = torch.tensor([3, 7])
+    x = torch.randn(2, 3, 16)
+    want = TorchKernels().rope(x.clone(), rotary(positions, x.dtype))
+    with pytest.warns(UserWarning, match="rope failed on this GPU"):
+        got = kernels.rope(x, kernels.rope_state(rotary, positions, x.dtype))
+    assert torch.allclose(got, want, atol=1e-6)
 
 
 def test_small_ops_are_fused_only_inside_a_graphs_forward():
