@@ -23,7 +23,7 @@ from ridge.quantization.formats import FORMATS
 from ridge.quantization.random_blocks import random_blocks
 
 needs_kernels = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU has no AVX-512 BF16 + VNNI")
-KEYS = {"bf16_far", "quant_near_rows", "quant_near_every", "int8_near_rows"}
+KEYS = {"bf16_far", "quant_near_rows", "quant_near_every", "int8_near_rows", "quant_far_nta"}
 
 
 @pytest.fixture
@@ -109,6 +109,8 @@ def test_no_policy_changes_a_result(ext, name):
         "intel,quant_near_rows=17,int8_near_rows=17",
         "amd,quant_near_rows=1,int8_near_rows=1",
         "intel,quant_near_every=0",
+        "zen5,quant_far_nta=0",
+        "intel,quant_far_nta=1",
     ):
         apply_prefetch(ext, text)
         quant = [ext.linear_quant(x, packed, code, n, None) for x in xs]
@@ -124,7 +126,7 @@ def test_no_policy_changes_a_result(ext, name):
     [
         (
             "amd,quant_near_rows=2",
-            '{"bf16_far": 0, "int8_near_rows": 8, "quant_near_every": 0, "quant_near_rows": 2}',
+            '{"bf16_far": 0, "int8_near_rows": 8, "quant_far_nta": 0, "quant_near_every": 0, "quant_near_rows": 2}',
         ),
         (
             "bf16_far",

@@ -25,6 +25,7 @@ struct PrefetchPolicy {
   int64_t quant_near_rows;   // block formats: tiles of at least this many rows fetch L1_PREFETCH_GROUPS ahead
   int64_t quant_near_every;  // ... 1: every line of that group; 0: its first line and the one 256 bytes on
   int64_t int8_near_rows;    // quant_near_rows for the int8 (Q8_0) kernel, which does the least work a byte
+  int64_t quant_far_nta;     // block formats: 1: the far fetch is prefetchnta; 0: prefetcht2
 };
 extern PrefetchPolicy g_prefetch;  // read by the kernels; written only between calls
 

@@ -404,6 +404,7 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
   constexpr int64_t near = L1_PREFETCH_GROUPS * WB;  // bytes ahead
   const bool near_on = MR >= (FMT == Q8_0 ? g_prefetch.int8_near_rows : g_prefetch.quant_near_rows);  // linear_call.h
   const bool near_every = near_on && g_prefetch.quant_near_every, near_first = near_on && !near_every;
+  const bool far_nta = g_prefetch.quant_far_nta;
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* chunk = block + g * WB;
     if ((g & 7) == 0) {
@@ -423,8 +424,12 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
     // hole of 6-14% of the bytes that the loop then waited on; on 2 Zen 5 cores, one row over
     // 22 layers, 9 rounds alternated: int4 1.12x, Q4_K 1.10x, Q5_K 1.11x, Q3_K 1.14x, Q2_K
     // 1.16x, IQ4_XS 1.08x, Q6_K 1.04x, int8 1.01x.)
-    if (const uint8_t* far = block + g * CHUNK + L2_PREFETCH_AHEAD; far < pf_end)
-      for (int64_t line = 0; line < CHUNK; line += 64) _mm_prefetch(reinterpret_cast<const char*>(far + line), _MM_HINT_T2);
+    if (const uint8_t* far = block + g * CHUNK + L2_PREFETCH_AHEAD; far < pf_end) {
+      if (far_nta)  // the policy's hint (prefetch.cpp says where each was measured best)
+        for (int64_t line = 0; line < CHUNK; line += 64) _mm_prefetch(reinterpret_cast<const char*>(far + line), _MM_HINT_NTA);
+      else
+        for (int64_t line = 0; line < CHUNK; line += 64) _mm_prefetch(reinterpret_cast<const char*>(far + line), _MM_HINT_T2);
+    }
     if (near_every) {  // near, into L1: every line of the group
       for (int64_t line = 0; line < WB; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(chunk + near + line), _MM_HINT_T0);

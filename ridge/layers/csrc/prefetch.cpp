@@ -37,6 +37,13 @@
 //   the least work a byte, lost at one row with the near fetch in three runs (0.97x) and gained
 //   from 4 rows (1.05x; 0.95x without it at 4 rows): so int8_near_rows, its own threshold, is 2
 //   on Zen 5 (1.03x at one row over 1, 15 rounds) and stays the other keys' value elsewhere.
+// - The same Zen 5 host, 2026-11-27 (stop 49): the block formats' far fetch as prefetchnta
+//   (quant_far_nta) against prefetcht2, benchmarks/prefetch.py, 11 and 21 rounds alternated,
+//   medians: one row 1.03-1.13x (IQ4_XS 1.12-1.13x, int4 1.06x, Q4_K 1.03x, Q6_K 1.04-1.07x,
+//   Q3_K and Q5_K 1.04-1.06x, Q2_K 1.01-1.06x, int8 1.01-1.07x), 2 rows 0.98-1.10x, 4 and 8 rows
+//   0.98-1.05x; Q4_K_M's file, ridge bench latency at batch 1, 3 of 4 rounds 1.03-1.05x (the
+//   fourth caught the memory's level changing). Zen 5 takes it; Zen 4 and Intel, not measured
+//   with it, keep prefetcht2.
 // benchmarks/prefetch.py compares the tables (and any other policy) on one machine's bytes.
 // quant_near_rows (int8_near_rows for int8) 17 turns the near fetch off (tiles have at most 16 rows).
 #include <cpuid.h>
@@ -50,9 +57,9 @@
 
 namespace {
 
-constexpr PrefetchPolicy AMD = {0, 8, 0, 8};    // Zen 4 and older
-constexpr PrefetchPolicy ZEN5 = {1, 1, 1, 2};   // AMD family 26 (0x1A) and later
-constexpr PrefetchPolicy INTEL = {1, 1, 1, 1};
+constexpr PrefetchPolicy AMD = {0, 8, 0, 8, 0};   // Zen 4 and older
+constexpr PrefetchPolicy ZEN5 = {1, 1, 1, 2, 1};  // AMD family 26 (0x1A) and later
+constexpr PrefetchPolicy INTEL = {1, 1, 1, 1, 0};
 
 bool cpu_is_amd() {
   unsigned a, b, c, d;
@@ -81,6 +88,7 @@ constexpr Key KEYS[] = {
     {"quant_near_rows", &PrefetchPolicy::quant_near_rows, false},
     {"quant_near_every", &PrefetchPolicy::quant_near_every, true},
     {"int8_near_rows", &PrefetchPolicy::int8_near_rows, false},
+    {"quant_far_nta", &PrefetchPolicy::quant_far_nta, true},
 };
 
 const Key* find_key(const std::string& name) {
