@@ -51,7 +51,7 @@ GEMV_MARGIN = 0.02  # a Triton GEMV replaces cuBLAS's where it takes at most 98%
 
 def _dense_weight(layer) -> torch.Tensor | None:
     """The layer's weight where it is one dense matrix (no format, not repacked, not in parts)."""
-    if layer.packed is not None or layer.method.format is not None or getattr(layer, "parts", None) is not None:
+    if layer.packed is not None or layer.method.format is not None or layer.parts is not None:
         return None
     weight = getattr(layer, "weight", None)
     if weight is None or weight.dim() != 2 or weight.numel() == 0 or not weight.is_floating_point():
@@ -105,9 +105,8 @@ class CudaKernels(TorchKernels):
     def rope_write_kv(self, qkv, num_heads, num_kv_heads, cache: PagedKV, meta: AttentionMetadata, rope: RopeState):
         # a graph's pure decode step over a cache of the model's dtype: one launch for RoPE and
         # both pools' writes, where three ran (the quantized caches keep write_kv's quantize)
-        if not self.graph_mode or cache.quantized or cache.v is cache.k or meta.prefills:
-            return False
-        if meta.num_decode_tokens != qkv.shape[0]:
+        pure_decode = not meta.prefills and meta.num_decode_tokens == qkv.shape[0]
+        if not self.graph_mode or not pure_decode or cache.quantized or cache.v is cache.k:
             return False
         rotary = rope.rotary
         args = (qkv, num_heads, num_kv_heads, rope.positions, rotary.cos, rotary.sin, cache.k, cache.v)

@@ -52,10 +52,20 @@ def expected_tokens(a: float, k: int) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
-def expected_speedup(a: float, k: int, step_ratio: float, proposer_cost: float = 0.0, coverage: float = 1.0) -> float:
+def step_tokens(a: float, k: int, coverage: float = 1.0) -> float:
+    """Tokens a step emits a decoding sequence when a share ``coverage`` of them gets ``k``
+    drafts: 1 + f (E(a, k) - 1)."""
+    return 1.0 + coverage * (expected_tokens(a, k) - 1.0)
+
+
+def expected_speedup(
+    a: float, k: int, step_ratio: float, proposer_cost: float = 0.0, coverage: float = 1.0, tokens: float | None = None
+) -> float:
     """Tokens per unit time against plain decoding: (1 + f (E(a, k) - 1)) / (T(k)/T(0) + c k),
-    f (``coverage``) the share of sequences that get drafts."""
-    return (1.0 + coverage * (expected_tokens(a, k) - 1.0)) / (step_ratio + proposer_cost * k)
+    f (``coverage``) the share of sequences that get drafts; ``tokens``: what a step emits a
+    sequence where measured (default the model, ``step_tokens``)."""
+    emitted = step_tokens(a, k, coverage) if tokens is None else tokens
+    return emitted / (step_ratio + proposer_cost * k)
 
 
 class SpeculationPolicy:
@@ -155,15 +165,15 @@ class SpeculationPolicy:
             ratios[k] = floor = max(floor, measured[k] if k in measured else ratios[k] + fixed)
         a = min(max(self.acceptance, 0.0), 1.0)
         f = min(max(self.coverage, 0.0), 1.0)
-        gains = [expected_speedup(a, k, ratios[k], self.proposer_cost, f) for k in range(self.max_k + 1)]
         # what the steps emitted: a measured k's yield caps its model, the worst shortfall scales
         # an unmeasured k's
-        model = [1.0 + f * (expected_tokens(a, k) - 1.0) for k in range(self.max_k + 1)]
+        model = [step_tokens(a, k, f) for k in range(self.max_k + 1)]
         yields = {k: t for (b, k), t in self._yield.items() if b == bucket and k <= self.max_k}
         shortfall = min([1.0] + [t / model[k] for k, t in yields.items()])
-        for k in range(1, self.max_k + 1):
-            tokens = min(model[k], yields[k]) if k in yields else model[k] * shortfall
-            gains[k] *= tokens / model[k]
+        tokens = model[:1] + [
+            min(model[k], yields[k]) if k in yields else model[k] * shortfall for k in range(1, self.max_k + 1)
+        ]
+        gains = [expected_speedup(a, k, ratios[k], self.proposer_cost, tokens=tokens[k]) for k in range(self.max_k + 1)]
         best = max(gains)
         k = min(k for k in range(self.max_k + 1) if gains[k] >= best - TOLERANCE)
         if gains[k] < 1.0 + MIN_GAIN:

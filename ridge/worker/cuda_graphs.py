@@ -148,16 +148,17 @@ class DecodeGraphs:
         """Before a one-row graph is captured: the kernels choose, per weight shape of the
         layers (not the lm_head, which runs after the graph), between cuBLAS and Triton's GEMV
         by timing both (``CudaKernels.tune_gemv``); the choice is logged."""
-        tune = getattr(self.model.kernels, "tune_gemv", None)
+        tune = getattr(self.model.kernels, "tune_gemv", None)  # CudaKernels only
         if tune is None or 1 not in self.sizes:
             return
         body = getattr(self.model, "model", self.model)
+        kernels = self.model.kernels
         report = tune([m for m in body.modules() if isinstance(m, Linear)])
         lines = []
-        for (n, k, _, _), times in report.items():
-            best = min(times, key=times.get)
-            name = "cuBLAS" if best is None else f"Triton {best}"
-            lines.append(f"{n}x{k} {name} {times[best]:.1f} us (cuBLAS {times[None]:.1f})")
+        for key, times in report.items():
+            chosen = kernels.gemv_configs.get(key)  # the kernels' choice, margin and all
+            name = "cuBLAS" if chosen is None else f"Triton {chosen}"
+            lines.append(f"{key[0]}x{key[1]} {name} {times[chosen]:.1f} us (cuBLAS {times[None]:.1f})")
         if lines:
             logger.info("CUDA graphs: one-row matmuls: %s", "; ".join(lines))
 

@@ -152,3 +152,26 @@ def test_moe_and_other_kernels_are_not_captured(tmp_path):
     model = llm.engine.executor.worker.model
     assert "kernels" in unsupported_reason(model, model.kernels)
     assert "MoE" in unsupported_reason(model, CudaKernels(torch.device("cpu")))
+
+
+def test_the_capture_log_names_the_kernels_choice_not_the_fastest_time(tmp_path, caplog):
+    """A Triton GEMV within the 2% margin of cuBLAS is not taken; the log says cuBLAS."""
+    import logging
+
+    build("llama-gqa", tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=16, device="cpu", tokenizer="bytes", enforce_eager=True)
+    worker = llm.engine.executor.worker
+    kernels = CudaKernels(torch.device("cpu"))
+    worker.model.set_kernels(kernels)
+    graphs = DecodeGraphs(worker.model, worker.runner.kv_caches, 16, 64, [1, 2], DEVICE, capture=False)
+    near, clear = (64, 32, torch.float32, False), (96, 32, torch.float32, False)
+
+    def tune(layers):
+        kernels.gemv_configs = {clear: tk.GEMV_CONFIGS[0]}
+        return {near: {None: 10.0, tk.GEMV_CONFIGS[1]: 9.9}, clear: {None: 10.0, tk.GEMV_CONFIGS[0]: 8.0}}
+
+    kernels.tune_gemv = tune
+    with caplog.at_level(logging.INFO, logger="ridge.worker.cuda_graphs"):
+        graphs.tune_gemv()
+    assert "64x32 cuBLAS 10.0 us (cuBLAS 10.0)" in caplog.text
+    assert f"96x32 Triton {tk.GEMV_CONFIGS[0]} 8.0 us (cuBLAS 10.0)" in caplog.text
