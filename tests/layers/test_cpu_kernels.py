@@ -47,6 +47,25 @@ def test_keeps_leading_dimensions(kernel):
     assert kernel.linear_bf16(x, kernel.pack_vnni(w), 16, None).shape == (2, 3, 16)
 
 
+def test_packed_weights_are_carved_from_shared_slabs_and_outlive_each_other(kernel):
+    """Packed weights lie one after another in slabs of huge pages (linear_bf16.cpp's
+    WeightArena), 4 KiB aligned, not each rounded up to whole 2 MiB pages; each keeps its slab
+    alive, so freeing the others leaves its bytes (and results) in place."""
+    gen = torch.Generator().manual_seed(7)
+    ws = [torch.randn(48, 1040, generator=gen).bfloat16() for _ in range(3)]  # 99,840 bytes each
+    packed = [kernel.pack_vnni(w) for w in ws]
+    gaps = [b.data_ptr() - a.data_ptr() for a, b in zip(packed, packed[1:])]
+    assert 102400 in gaps  # the next 4 KiB after 99,840 bytes (one pair may straddle two slabs)
+    x = torch.randn(3, 1040, generator=gen).bfloat16()
+    want = F.linear(x.float(), ws[2].float())
+    last = packed.pop()
+    del packed
+    for _ in range(3):  # the freed slabs' memory taken again, and written
+        kernel.pack_vnni(torch.ones(48, 1040).bfloat16())
+    got = kernel.linear_bf16(x, last, 48, None)
+    assert torch.allclose(got.float(), want, rtol=2**-8, atol=1e-3 * want.abs().max().item())
+
+
 def test_prepare_packs_linears_frees_dense_copies_but_keeps_a_tied_embedding(kernel, tmp_path):
     from ridge import LLM
 

@@ -5,7 +5,7 @@
 
 #include <vector>
 
-// Packed weights in 2 MiB pages where the kernel allows it (linear_bf16.cpp).
+// Packed weights, carved from shared slabs of 2 MiB pages (linear_bf16.cpp's WeightArena).
 torch::Tensor huge_page_empty(at::IntArrayRef shape, const at::TensorOptions& options);
 
 // How far ahead of its loads a streaming kernel (bf16 and every block format) fetches each line
