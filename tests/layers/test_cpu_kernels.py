@@ -60,10 +60,27 @@ def test_packed_weights_are_carved_from_shared_slabs_and_outlive_each_other(kern
     want = F.linear(x.float(), ws[2].float())
     last = packed.pop()
     del packed
-    for _ in range(3):  # the freed slabs' memory taken again, and written
+    for _ in range(3):  # more carved after the others were freed (and their pages given back)
         kernel.pack_vnni(torch.ones(48, 1040).bfloat16())
     got = kernel.linear_bf16(x, last, 48, None)
     assert torch.allclose(got.float(), want, rtol=2**-8, atol=1e-3 * want.abs().max().item())
+
+
+def test_a_freed_packed_weight_gives_its_pages_back_while_its_slab_lives(kernel):
+    """A weight's whole 2 MiB pages go back to the system when it is freed, though a weight
+    carved after it keeps the slab alive."""
+
+    def resident_bytes() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    w = torch.randn(2048, 2048).bfloat16()  # 8 MiB packed
+    big = kernel.pack_vnni(w)
+    small = kernel.pack_vnni(w[:48])  # 192 KiB, carved after it (the same slab, or a new one)
+    before = resident_bytes()
+    del big
+    assert before - resident_bytes() >= 4 << 20  # at least the pages wholly inside it
+    assert torch.equal(kernel.unpack_vnni(small, 48, 2048), w[:48])
 
 
 def test_prepare_packs_linears_frees_dense_copies_but_keeps_a_tied_embedding(kernel, tmp_path):
