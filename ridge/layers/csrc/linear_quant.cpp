@@ -373,7 +373,14 @@ inline void amx_chunk_dots(const uint8_t* block, const int8_t* xa, int64_t g0, i
 // Q2_K); the plain loop below measured 0.93-0.98x with it at 8 rows (int4) and keeps the
 // intrinsics.
 
-template <int FMT, int MR, bool AMX>
+// SET1 (Q3_K tiles of q3_k_set1_rows to 8 rows, the process's policy: linear_call.h): each x
+// is broadcast by its own vpbroadcastd, not by vpdpbusd's embedded broadcast (dpbusd_x). The
+// same integers either way. 2 Zen 5 cores, 2026-11-28, benchmarks/prefetch.py over 22 layers'
+// weights, 7 and 9 rounds alternated: Q3_K at 8 rows 1.077x and 1.082x (1.06-1.11), at 1-4 rows
+// 0.99-1.01x, at 16 rows 0.96-0.97x; Q2_K gained at 4 rows (1.04-1.06x) but lost at 8 and 16
+// (0.78-0.88x), so it keeps the embedded form. The 2-core Xeon measured the embedded form
+// 1.10-1.16x faster at 8 rows (simd_math.h): its table and Zen 4's never take this.
+template <int FMT, int MR, bool AMX, bool SET1 = false>
 inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const uint8_t* pf_end, float* out) {
   constexpr int64_t WB = FMT == Q8_0 ? 512 : FMT == Q6_K ? 384 : FMT == Q5_K ? 320 : FMT == Q3_K ? 192 : FMT == Q2_K ? 128 : 256;
   constexpr bool KQ = FMT == Q4_K || FMT == Q5_K;  // Q4_K's super-block scales and minimums
@@ -502,8 +509,13 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
         }
         for (int j = 0; j < 4; ++j)
           for (int i = 0; i < RB; ++i) {
-            s0[i] = dpbusd_x(s0[i], w[j], xq + j * MR + i0 + i);
-            s1[i] = dpbusd_x(s1[i], w[j + 4], xq + (j + 4) * MR + i0 + i);
+            if constexpr (SET1) {
+              s0[i] = _mm512_dpbusd_epi32(s0[i], w[j], _mm512_set1_epi32(xq[j * MR + i0 + i]));
+              s1[i] = _mm512_dpbusd_epi32(s1[i], w[j + 4], _mm512_set1_epi32(xq[(j + 4) * MR + i0 + i]));
+            } else {
+              s0[i] = dpbusd_x(s0[i], w[j], xq + j * MR + i0 + i);
+              s1[i] = dpbusd_x(s1[i], w[j + 4], xq + (j + 4) * MR + i0 + i);
+            }
           }
         for (int i = 0; i < RB; ++i)  // each half's sum fits int16: pair them, times their scales
           isum[i0 + i] = _mm512_dpwssd_epi32(
@@ -562,8 +574,13 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
         }
         for (int j = 0; j < 4; ++j)
           for (int i = 0; i < RB; ++i) {
-            s0[i] = dpbusd_x(s0[i], w[j], xq + j * MR + i0 + i);
-            s1[i] = dpbusd_x(s1[i], w[j + 4], xq + (j + 4) * MR + i0 + i);
+            if constexpr (SET1) {
+              s0[i] = _mm512_dpbusd_epi32(s0[i], w[j], _mm512_set1_epi32(xq[j * MR + i0 + i]));
+              s1[i] = _mm512_dpbusd_epi32(s1[i], w[j + 4], _mm512_set1_epi32(xq[(j + 4) * MR + i0 + i]));
+            } else {
+              s0[i] = dpbusd_x(s0[i], w[j], xq + j * MR + i0 + i);
+              s1[i] = dpbusd_x(s1[i], w[j + 4], xq + (j + 4) * MR + i0 + i);
+            }
           }
         for (int i = 0; i < RB; ++i) {
           const int64_t r = g * MR + i0 + i;
@@ -616,7 +633,10 @@ template <int FMT, int MR, bool AMX, typename T>
 inline void run_tile(const XTile& t, const uint8_t* block, const uint8_t* pf_end, int64_t G, int64_t nb, int64_t N,
                      int64_t ldy, const float* bias, T* y) {
   alignas(64) float buf[MR * 16];
-  tile_block<FMT, MR, AMX>(block, G, t, pf_end, buf);
+  if (FMT == Q3_K && !AMX && MR >= g_prefetch.q3_k_set1_rows && MR <= 8)
+    tile_block<FMT, MR, AMX, FMT == Q3_K>(block, G, t, pf_end, buf);
+  else
+    tile_block<FMT, MR, AMX>(block, G, t, pf_end, buf);
   const int64_t n0 = nb * ROWS, n_end = std::min<int64_t>(N, n0 + ROWS);
   for (int64_t i = 0; i < t.rows; ++i) {
     T* yrow = y + (t.row0 + i) * ldy;

@@ -44,6 +44,8 @@
 //   0.98-1.05x; Q4_K_M's file, ridge bench latency at batch 1, 3 of 4 rounds 1.03-1.05x (the
 //   fourth caught the memory's level changing). Zen 5 takes it; Zen 4 and Intel, not measured
 //   with it, keep prefetcht2.
+// - q3_k_set1_rows is not a fetch: how the Q3_K loop broadcasts x, the one other choice the CPUs
+//   measured apart (Zen 5 8, the others 17: never; linear_quant.cpp says what was measured).
 // benchmarks/prefetch.py compares the tables (and any other policy) on one machine's bytes.
 // quant_near_rows (int8_near_rows for int8) 17 turns the near fetch off (tiles have at most 16 rows).
 #include <cpuid.h>
@@ -57,9 +59,9 @@
 
 namespace {
 
-constexpr PrefetchPolicy AMD = {0, 8, 0, 8, 0};   // Zen 4 and older
-constexpr PrefetchPolicy ZEN5 = {1, 1, 1, 2, 1};  // AMD family 26 (0x1A) and later
-constexpr PrefetchPolicy INTEL = {1, 1, 1, 1, 0};
+constexpr PrefetchPolicy AMD = {0, 8, 0, 8, 0, 17};  // Zen 4 and older
+constexpr PrefetchPolicy ZEN5 = {1, 1, 1, 2, 1, 8};  // AMD family 26 (0x1A) and later
+constexpr PrefetchPolicy INTEL = {1, 1, 1, 1, 0, 17};
 
 bool cpu_is_amd() {
   unsigned a, b, c, d;
@@ -89,6 +91,7 @@ constexpr Key KEYS[] = {
     {"quant_near_every", &PrefetchPolicy::quant_near_every, true},
     {"int8_near_rows", &PrefetchPolicy::int8_near_rows, false},
     {"quant_far_nta", &PrefetchPolicy::quant_far_nta, true},
+    {"q3_k_set1_rows", &PrefetchPolicy::q3_k_set1_rows, false},
 };
 
 const Key* find_key(const std::string& name) {
