@@ -574,13 +574,8 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
         }
         for (int j = 0; j < 4; ++j)
           for (int i = 0; i < RB; ++i) {
-            if constexpr (SET1) {
-              s0[i] = _mm512_dpbusd_epi32(s0[i], w[j], _mm512_set1_epi32(xq[j * MR + i0 + i]));
-              s1[i] = _mm512_dpbusd_epi32(s1[i], w[j + 4], _mm512_set1_epi32(xq[(j + 4) * MR + i0 + i]));
-            } else {
-              s0[i] = dpbusd_x(s0[i], w[j], xq + j * MR + i0 + i);
-              s1[i] = dpbusd_x(s1[i], w[j + 4], xq + (j + 4) * MR + i0 + i);
-            }
+            s0[i] = dpbusd_x(s0[i], w[j], xq + j * MR + i0 + i);
+            s1[i] = dpbusd_x(s1[i], w[j + 4], xq + (j + 4) * MR + i0 + i);
           }
         for (int i = 0; i < RB; ++i) {
           const int64_t r = g * MR + i0 + i;
