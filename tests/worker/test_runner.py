@@ -53,3 +53,32 @@ def test_a_chunk_that_wants_prompt_logprobs_stays_a_prefill():
     batch = _runner(16).prepare([chunk])
     assert batch.meta.num_decode_tokens == 0 and len(batch.meta.prefills) == 1
     assert batch.sample_rows.tolist() == [2, 0, 1]
+
+
+def test_a_batch_of_plain_decodes_takes_the_hidden_states_as_they_are():
+    decodes = [ChunkInput(f"r{i}", 5 + i, [i], [i, 9], True) for i in range(3)]
+    batch = _runner(16).prepare(decodes)
+    assert batch.every_row and batch.sample_rows.tolist() == [0, 1, 2]
+    verify_alone = _runner(16).prepare([ChunkInput("v", 2, [1, 2, 3], [10, 11], False, verify=True)])
+    assert verify_alone.every_row and verify_alone.sample_rows.tolist() == [0, 1, 2]
+    assert not _runner(16).prepare(CHUNKS).every_row  # logit rows out of order, prefill rows unsampled
+
+    # forward_logits: the gather only where it changes the rows
+    seen = []
+    hidden = torch.arange(27 * 2, dtype=torch.float32).view(27, 2)
+
+    class Model:
+        kernels = SimpleNamespace(short_chunk_rows=16)
+
+        def __call__(self, ids, positions, kv_caches, meta):
+            return hidden[: ids.shape[0]]
+
+        def compute_logits(self, h):
+            seen.append(h)
+            return h * 2
+
+    runner = ModelRunner(Model(), [], 4, torch.device("cpu"))
+    assert torch.equal(runner.forward_logits(batch), hidden[:3] * 2)
+    assert seen[-1].data_ptr() == hidden.data_ptr()  # no copy
+    mixed = runner.prepare(CHUNKS)
+    assert torch.equal(runner.forward_logits(mixed), hidden[mixed.sample_rows] * 2)
