@@ -248,7 +248,7 @@ class ModelRunner:
         # The step's integer inputs travel in one host-to-device copy: on a GPU each copy from
         # pageable memory is a synchronous transfer of its own (~20 us of host time).
         logit_rows = sample_rows + verify_rows + prompt_rows
-        every_row = logit_rows == list(range(len(tokens)))
+        every_row = len(logit_rows) == len(tokens) and logit_rows == list(range(len(tokens)))
         parts = [tokens, positions, slots, logit_rows, decode_lens]
         parts += [deferred_rows, deferred_from]
         sizes = [len(p) for p in parts]
@@ -285,7 +285,7 @@ class ModelRunner:
             hidden = graphs.run(batch.input_ids, batch.positions, batch.meta)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-        if not (batch.every_row and hidden.shape[0] == batch.sample_rows.shape[0]):
+        if not batch.every_row:
             hidden = hidden[batch.sample_rows]
         return self.model.compute_logits(hidden)
 

@@ -351,6 +351,7 @@ namespace {
 class WeightArena {
  public:
   static constexpr size_t kHuge = 2u << 20, kSlab = 64u << 20, kAlign = 4096;
+  static constexpr size_t kMinCarve = 64u << 10;  // smaller weights are torch's allocations
 
   // Room for bytes: ptr into the slab returned (which the tensor keeps alive), or nullptr
   // where no slab could be had. A weight larger than a slab gets a slab of its own.
@@ -391,7 +392,7 @@ torch::Tensor huge_page_empty(at::IntArrayRef shape, const at::TensorOptions& op
   for (auto d : shape) numel *= d;
   const size_t bytes = static_cast<size_t>(numel) * options.dtype().itemsize();
   void* ptr = nullptr;
-  std::shared_ptr<void> slab = bytes >= (64u << 10) ? arena.carve(bytes, ptr) : nullptr;  // small: torch's
+  std::shared_ptr<void> slab = bytes >= WeightArena::kMinCarve ? arena.carve(bytes, ptr) : nullptr;
   if (!slab) return torch::empty(shape, options);
   // the deleter's copy of slab keeps it alive
   return torch::from_blob(ptr, shape, [slab, bytes](void* p) { WeightArena::release(p, bytes); }, options);

@@ -628,8 +628,9 @@ template <int FMT, int MR, bool AMX, typename T>
 inline void run_tile(const XTile& t, const uint8_t* block, const uint8_t* pf_end, int64_t G, int64_t nb, int64_t N,
                      int64_t ldy, const float* bias, T* y) {
   alignas(64) float buf[MR * 16];
-  if (FMT == Q3_K && !AMX && MR >= g_prefetch.q3_k_set1_rows && MR <= 8)
-    tile_block<FMT, MR, AMX, FMT == Q3_K>(block, G, t, pf_end, buf);
+  constexpr bool set1_loop = FMT == Q3_K && !AMX;  // the one loop with both forms (tile_block)
+  if (set1_loop && MR >= g_prefetch.q3_k_set1_rows && MR <= 8)
+    tile_block<FMT, MR, AMX, set1_loop>(block, G, t, pf_end, buf);
   else
     tile_block<FMT, MR, AMX>(block, G, t, pf_end, buf);
   const int64_t n0 = nb * ROWS, n_end = std::min<int64_t>(N, n0 + ROWS);
