@@ -404,6 +404,9 @@ void paged_decode_attention_bf16_into(const bf16* qp, int64_t q_stride, int64_t 
       paged_rows(tp + b * max_blocks, L, BS, Hkv, h, rows);
       std::memcpy(qpairs.data(), qp + b * q_stride + h * G * D, G * D * sizeof(bf16));
       scores.assign(G * L, 0.f);
+      const int64_t first = std::min<int64_t>(L, KV_PREFETCH_TOKENS);  // the window before the loops' fetch
+      prefetch_rows<_MM_HINT_T0>(kp, rows.data(), 0, first, 2 * D);
+      prefetch_rows<_MM_HINT_T1>(vp, rows.data(), 0, first, 2 * D);
       for (int64_t t0 = 0; t0 < L; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, L - t0);
         alignas(64) int64_t rows16[16];
