@@ -131,12 +131,19 @@ class Hardware:
 
     def with_kernel_peak(self, dtype: str, measured: Measurement, kernel: str) -> Hardware:
         """A copy whose ``dtype`` peak is one kernel's measured compute ceiling (ridge's
-        quantized GEMM for a block format: what its arithmetic, not the ISA's, can do)."""
+        quantized GEMM for a block format: what its arithmetic, not the ISA's, can do). The
+        source says what share that is of the ``dtype`` matmul peak it replaces (for int8 on a
+        probed CPU, torch's int8 GEMM: how far the kernel's unpacking and scaling keep it from
+        the instructions' own rate)."""
+        said = f"{dtype} peak: {kernel}, {measured.high / 1e9:.0f} GFLOP/s"
+        replaced = self.peak_flops.get(dtype)
+        if replaced:
+            said += f" ({measured.high / replaced:.0%} of the {dtype} matmul peak, {replaced / 1e12:.2f} TFLOP/s)"
         return replace(
             self,
             peak_flops={**self.peak_flops, dtype: measured.high},
             flops_probes={**self.flops_probes, dtype: measured},
-            source=f"{self.source}; {dtype} peak: {kernel}, {measured.high / 1e9:.0f} GFLOP/s",
+            source=f"{self.source}; {said}",
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -205,10 +205,14 @@ def probe_block_kernel(fmt_name: str, repeats: int = 30, rows: int = 64) -> Meas
     of them while in L1) against a (512 x 2048) weight that stays in cache, so no memory stream
     limits it. The kernel's compute ceiling for ``ridge analyze --weight-format``; None where
     the extension does not run here. Zero blocks: the integer and float work per block does
-    not depend on the values. On the 2-core EPYC (2 threads): int8 531, int4 546, q4_k 518, q5_k
-    494, iq4_xs 527, q6_k 461, q3_k 480, q2_k 410 GFLOP/s at 64 rows; one row reaches 28-42% of
-    that (the weights' unpacking is not shared), still above what a weight read from memory
-    leaves it at batch 1."""
+    not depend on the values. On the 2-core EPYC Zen 4 (2 threads): int8 531, int4 546, q4_k 518,
+    q5_k 494, iq4_xs 527, q6_k 461, q3_k 480, q2_k 410 GFLOP/s at 64 rows; one row reaches 28-42%
+    of that (the weights' unpacking is not shared), still above what a weight read from memory
+    leaves it at batch 1. On 2 Zen 5 cores (2026-11-28, median of 3): int8 1025, int4 1062, q4_k
+    1045, q5_k 1034, iq4_xs 1064, q6_k 990, q3_k 1077, q2_k 1071 GFLOP/s, 51-56% of torch's int8
+    GEMM there (1.93 TFLOP/s); a decode step of 8 rows streamed from memory runs at that ceiling
+    (q2_k 1036, q3_k 1067 GFLOP/s): ``ridge analyze`` places q2_k's linear layers compute-bound
+    from batch 3 at 80 GB/s."""
     from ridge.layers.kernels import QUANT_KERNEL_CODES
     from ridge.quantization.formats import FORMAT_ALIASES, FORMATS
 

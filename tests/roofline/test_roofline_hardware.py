@@ -63,6 +63,19 @@ def test_hardware_validates_itself():
         Measurement(median=5, low=6, high=7, samples=3)
 
 
+def test_a_kernel_peak_replaces_the_dtype_peak_and_says_its_share_of_it():
+    hw = Hardware("local", {"bf16": 1e12, "int8": 2e12}, 5e10, 1e10, "probed")
+    kernel = hw.with_kernel_peak("int8", Measurement(median=0.9e12, low=0.8e12, high=1e12, samples=3), "q2_k kernel")
+    assert kernel.peak("int8") == 1e12 and kernel.peak("bf16") == 1e12
+    assert kernel.flops_probes["int8"].median == 0.9e12
+    assert "int8 peak: q2_k kernel, 1000 GFLOP/s (50% of the int8 matmul peak, 2.00 TFLOP/s)" in kernel.source
+    # no int8 peak to compare with (a CPU without an int8 matmul probe): the kernel's figure alone
+    alone = Hardware("local", {"bf16": 1e12}, 5e10, 1e10, "probed").with_kernel_peak(
+        "int8", Measurement(median=1e12, low=1e12, high=1e12, samples=1), "q2_k kernel"
+    )
+    assert alone.source.endswith("int8 peak: q2_k kernel, 1000 GFLOP/s") and alone.peak("int8") == 1e12
+
+
 def test_hardware_json_round_trip(tmp_path):
     hw = HARDWARE_PRESETS["mi300x"]
     assert Hardware.from_json(json.loads(json.dumps(hw.to_json()))) == hw
