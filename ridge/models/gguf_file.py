@@ -191,6 +191,28 @@ class GGUFModel:
             raise ValueError(f"{self.path.name}: metadata {key!r} is missing")
         return value
 
+    def weights_by_format(self) -> dict[str, int]:
+        """The weights of the matrices a decode step reads, by the format ridge holds them in:
+        a native block type's format name (``q4_k``, ``int8`` for Q8_0, ...), a converted
+        type's target (Q5_0 and Q5_1 load as ``int8``), ``bf16`` for dense types (they load in
+        the model's dtype, bf16 by default). Every 2-D weight counts but the token embedding,
+        whose rows a step only gathers, unless the lm_head is tied to it, and deepseek2's joined
+        ``kv_b_proj`` where the file also gives its per-head halves (the absorbed decode reads
+        those). An MoE layer's experts count whole, as if every one were read."""
+        tied = "lm_head.weight" not in self.tensors
+        counts: dict[str, int] = {}
+        for name, tensor in self.tensors.items():
+            if len(tensor.shape) != 2 or not name.endswith(".weight"):
+                continue
+            if name == "model.embed_tokens.weight" and not tied:
+                continue
+            if name.endswith("self_attn.kv_b_proj.weight") and name.replace("kv_b_proj", "k_b_proj") in self.tensors:
+                continue
+            fmt = NATIVE_TYPES.get(tensor.type_name) or CONVERTED_TYPES.get(tensor.type_name)
+            key = fmt.name if fmt is not None else "bf16"
+            counts[key] = counts.get(key, 0) + tensor.shape[0] * tensor.shape[1]
+        return counts
+
     def _hf_config(self) -> dict:
         a = self.arch
         hidden = self._required(f"{a}.embedding_length")

@@ -2,7 +2,8 @@
 
 Public API (the CLI is ``ridge analyze``, see ``ridge.roofline.cli``):
 - ``ModelShape.from_preset(name)`` / ``ModelShape.from_hf_config(config_dict)`` /
-  ``load_model_shape(preset_or_path)``: what the costs depend on.
+  ``load_model_shape(preset_or_path)``: what the costs depend on; ``load_model`` adds a GGUF
+  file's weights by format (``Precision.for_weight_mix`` prices them).
 - ``step_cost(model, prefill_chunks, decode_context_lens, weight_bytes_per_param,
   kv_bytes_per_elem, act_bytes)``: one engine step, per operator (the single cost model).
 - ``HARDWARE_PRESETS`` / ``resolve_hardware(name)``: peaks and bandwidths with sources;
@@ -21,7 +22,7 @@ from ridge.roofline.ops import (
     step_cost,
     step_cost_from_counts,
 )
-from ridge.roofline.shapes import ModelShape, load_model_shape
+from ridge.roofline.shapes import ModelShape, load_model, load_model_shape
 
 __all__ = [
     "Analysis",
@@ -35,6 +36,7 @@ __all__ = [
     "StepCost",
     "Workload",
     "analyze",
+    "load_model",
     "load_model_shape",
     "matmul_cost",
     "resolve_hardware",

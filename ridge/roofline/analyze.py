@@ -105,7 +105,15 @@ class Conventions:
             ),
             f"bytes: minimum traffic, every operand once; weights {p.weight_bits}-bit (incl. embedding "
             + (
-                f"and lm_head, stored in {p.weight_storage_bits:g} bits per weight with scales), "
+                f"and lm_head, stored in {p.weight_storage_bits:.4g} bits per weight with scales"
+                + (
+                    ": the file's "
+                    + ", ".join(f"{name} {share:.0%}" for name, share in p.weight_mix)
+                    + " of its matrices' weights, averaged"
+                    if p.weight_mix
+                    else ""
+                )
+                + "), "
                 if p.weight_storage_bits
                 else "and lm_head, no quantization-scale overhead), "
             )

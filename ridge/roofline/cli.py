@@ -26,7 +26,7 @@ from ridge.roofline.ops import (
     matmul_compute_bound_rows,
     matmul_cost,
 )
-from ridge.roofline.shapes import load_model_shape
+from ridge.roofline.shapes import load_model
 
 # the formats ridge's quantized CPU kernel runs (int8 activations): their ceiling is probed
 BLOCK_FORMAT_NAMES = frozenset({*FORMATS, *FORMAT_ALIASES})
@@ -102,7 +102,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=(),
         help="decode context lengths to tabulate (default: prompt + output/2)",
     )
-    load.add_argument("--weight-bits", type=int, choices=(32, 16, 8, 4), default=16)
+    load.add_argument(
+        "--weight-bits",
+        type=int,
+        choices=(32, 16, 8, 4),
+        default=None,
+        help="default: a GGUF file's own formats (each matrix's, averaged over its weights), else 16",
+    )
     load.add_argument(
         "--weight-format",
         default=None,
@@ -187,17 +193,13 @@ def run(args: argparse.Namespace) -> int:
     console = Console(width=None if sys.stdout.isatty() else 160, highlight=False)
     if args.matmul:
         return _run_matmul(args, console)
-    model = load_model_shape(args.model)
+    model, file_weights = load_model(args.model)
     workload = Workload(
         prompt_len=args.prompt_len,
         output_len=args.output_len,
         batches=tuple(args.batch),
         decode_context_lens=tuple(args.context_len),
-        precision=(
-            Precision.for_weight_format(args.weight_format, args.act_bits, args.kv_bits)
-            if args.weight_format
-            else Precision(args.weight_bits, args.act_bits, args.kv_bits)
-        ),
+        precision=_precision(args, file_weights),
         spec_k=args.spec_k,
         spec_acceptance=args.spec_acceptance,
     )
@@ -280,6 +282,23 @@ def _hardware_spec(args: argparse.Namespace) -> str | None:
     return args.hardware
 
 
+def _precision(args: argparse.Namespace, file_weights: dict[str, int] | None) -> Precision:
+    """--weight-format, else --weight-bits, else a GGUF file's own formats (each matrix in its
+    own; ``Precision.for_weight_mix``), else 16-bit weights."""
+    if args.weight_format:
+        return Precision.for_weight_format(args.weight_format, args.act_bits, args.kv_bits)
+    if args.weight_bits is None and file_weights:
+        return Precision.for_weight_mix(file_weights, args.act_bits, args.kv_bits)
+    return Precision(args.weight_bits or 16, args.act_bits, args.kv_bits)
+
+
+def _block_format(args: argparse.Namespace, precision: Precision) -> str | None:
+    """The block format whose kernel sets the compute ceiling on local hardware: the one asked
+    for, or the one holding most of a GGUF file's weights."""
+    name = args.weight_format or (precision.weight_mix[0][0] if precision.weight_mix else None)
+    return name if name and name.lower() in BLOCK_FORMAT_NAMES else None
+
+
 def _hardware(args: argparse.Namespace, precision: Precision) -> tuple[Hardware, str | None]:
     """Resolve --hardware, then apply the overrides to the dtype the analysis will use; returns
     the hardware and the compute dtype to analyze in (None: inferred from the precision)."""
@@ -297,16 +316,16 @@ def _hardware(args: argparse.Namespace, precision: Precision) -> tuple[Hardware,
     base = resolve_hardware(spec, reprobe=args.reprobe)
     dtype = args.compute_dtype or infer_compute_dtype(precision, base)
     compute_dtype = args.compute_dtype
-    block_kernel = args.weight_format and args.weight_format.lower() in BLOCK_FORMAT_NAMES
-    if block_kernel and base.name == "local" and args.compute_dtype is None and args.peak_tflops is None:
+    block_format = _block_format(args, precision)
+    if block_format and base.name == "local" and args.compute_dtype is None and args.peak_tflops is None:
         # ridge's CPU kernel for a block format multiplies int8 activations by the weights'
         # codes (VNNI): its ceiling is that kernel's measured rate, not the ISA's int8 peak
         from ridge.roofline.probe import probe_block_kernel
 
-        measured = probe_block_kernel(args.weight_format)
+        measured = probe_block_kernel(block_format)
         if measured is not None:
             dtype = "int8"
-            base = base.with_kernel_peak(dtype, measured, f"ridge's {args.weight_format} kernel (64 rows, in cache)")
+            base = base.with_kernel_peak(dtype, measured, f"ridge's {block_format} kernel (64 rows, in cache)")
             compute_dtype = dtype
     return base.with_overrides(
         dtype=dtype, peak_tflops=args.peak_tflops, bandwidth_gbs=args.bandwidth_gbs, memory_gib=args.memory_gib

@@ -75,6 +75,8 @@ class Precision:
     activation_bits: int = 16
     kv_bits: int = 16
     weight_storage_bits: float | None = None
+    # a model file's matrices in several formats: (format, share of the weights), largest first
+    weight_mix: tuple[tuple[str, float], ...] = ()
 
     @classmethod
     def for_weight_format(cls, name: str, activation_bits: int = 16, kv_bits: int = 16) -> Precision:
@@ -83,6 +85,22 @@ class Precision:
             raise ValueError(f"unknown weight format {name!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
         bits, stored = WEIGHT_FORMATS[key]
         return cls(bits, activation_bits, kv_bits, stored)
+
+    @classmethod
+    def for_weight_mix(cls, weights: Mapping[str, int], activation_bits: int = 16, kv_bits: int = 16) -> Precision:
+        """A model file whose matrices each keep their own format (a GGUF file's
+        ``weights_by_format``: Q4_K_M holds Q4_K and Q6_K): the arithmetic of the format that
+        holds the most weights, and the stored bits averaged over every weight, so a step that
+        reads each matrix once reads exactly the file's bytes."""
+        total = sum(weights.values())
+        if total <= 0:
+            raise ValueError("a weight mix needs at least one weight")
+        unknown = sorted(name for name in weights if name.lower() not in WEIGHT_FORMATS)
+        if unknown:
+            raise ValueError(f"unknown weight formats {unknown}; known: {', '.join(WEIGHT_FORMATS)}")
+        mix = tuple(sorted(((name.lower(), count / total) for name, count in weights.items()), key=lambda m: -m[1]))
+        stored = sum(WEIGHT_FORMATS[name][1] * share for name, share in mix)
+        return cls(WEIGHT_FORMATS[mix[0][0]][0], activation_bits, kv_bits, stored, mix)
 
     def __post_init__(self) -> None:
         for name, value, allowed in (

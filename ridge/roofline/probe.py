@@ -199,7 +199,9 @@ def probe_matmul(dtype: str, settings: ProbeSettings, ext=None) -> Measurement |
     return max(found, key=lambda m: m.high) if found else None
 
 
-def probe_block_kernel(fmt_name: str, repeats: int = 30, rows: int = 64) -> Measurement | None:
+def probe_block_kernel(
+    fmt_name: str, repeats: int = 30, rows: int = 64, warmup_s: float = 0.15, min_s: float = 0.25
+) -> Measurement | None:
     """FLOP/s (2 per multiply-add) of ridge's quantized GEMM for one block format when the
     arithmetic binds: ``rows`` activation rows (tiles of 16, each block of weights passing all
     of them while in L1) against a (512 x 2048) weight that stays in cache, so no memory stream
@@ -212,7 +214,13 @@ def probe_block_kernel(fmt_name: str, repeats: int = 30, rows: int = 64) -> Meas
     1045, q5_k 1034, iq4_xs 1064, q6_k 990, q3_k 1077, q2_k 1071 GFLOP/s, 51-56% of torch's int8
     GEMM there (1.93 TFLOP/s); a decode step of 8 rows streamed from memory runs at that ceiling
     (q2_k 1036, q3_k 1067 GFLOP/s): ``ridge analyze`` places q2_k's linear layers compute-bound
-    from batch 3 at 80 GB/s."""
+    from batch 3 at 80 GB/s.
+
+    The first runs of a process read low, so the kernel runs ``warmup_s`` before the
+    ``repeats`` samples, which go on for at least ``min_s`` (2026-11-28, the Zen 5 cores: the
+    first of 8 back-to-back probes read 0.91-0.98x the rest, and six ``ridge analyze`` runs
+    with 60 ms of samples and no warm-up 562-1027 GFLOP/s for q4_k, four with it 1020-1047).
+    """
     from ridge.layers.kernels import QUANT_KERNEL_CODES
     from ridge.quantization.formats import FORMAT_ALIASES, FORMATS
 
@@ -228,8 +236,14 @@ def probe_block_kernel(fmt_name: str, repeats: int = 30, rows: int = 64) -> Meas
         for _ in range(8):
             ext.linear_quant(x, packed, QUANT_KERNEL_CODES[name], n, None)
 
-    run()
-    return Measurement.of([2 * 8 * rows * n * k / _seconds(run) for _ in range(repeats)])
+    started = time.perf_counter()
+    while time.perf_counter() - started < warmup_s:
+        run()
+    samples: list[float] = []
+    started = time.perf_counter()
+    while len(samples) < repeats or time.perf_counter() - started < min_s:
+        samples.append(2 * 8 * rows * n * k / _seconds(run))
+    return Measurement.of(samples)
 
 
 def _probe_sizes(make_runner: Callable[[int], Callable[[], object]], settings: ProbeSettings) -> Measurement | None:

@@ -482,6 +482,8 @@ def analysis_to_json(a: Analysis) -> dict[str, Any]:
             "batches": list(w.batches),
             "decode_context_lens": list(w.reported_contexts()),
             "weight_bits": w.precision.weight_bits,
+            "weight_storage_bits": w.precision.weight_bytes * 8,
+            "weight_mix": dict(w.precision.weight_mix),
             "activation_bits": w.precision.activation_bits,
             "kv_bits": w.precision.kv_bits,
             "spec_k": w.spec_k,

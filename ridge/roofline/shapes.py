@@ -238,15 +238,26 @@ def _name_from_config(config: dict[str, Any]) -> str:
     return str(archs[0]) if archs else str(config.get("model_type") or "model")
 
 
+def load_model(spec: str) -> tuple[ModelShape, dict[str, int] | None]:
+    """``load_model_shape``'s shape, and for a GGUF file the weights of its matrices by the
+    format ridge holds them in (``GGUFModel.weights_by_format``; None for a config, whose
+    weights have no format of their own). The file is opened once."""
+    path = Path(spec).expanduser()
+    if spec not in PRESETS and path.suffix.lower() == ".gguf":
+        from ridge.models.gguf_file import GGUFModel
+
+        gguf = GGUFModel(path)
+        return ModelShape.from_hf_config(gguf.hf_config, name=path.stem), gguf.weights_by_format()
+    return load_model_shape(spec), None
+
+
 def load_model_shape(spec: str) -> ModelShape:
     """A preset name, a path to a ``config.json``, a model directory holding one, or a GGUF file."""
     if spec in PRESETS:
         return ModelShape.from_preset(spec)
     path = Path(spec).expanduser()
     if path.suffix.lower() == ".gguf":
-        from ridge.models.gguf_file import GGUFModel
-
-        return ModelShape.from_hf_config(GGUFModel(path).hf_config, name=path.stem)
+        return load_model(spec)[0]
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():

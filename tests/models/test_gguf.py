@@ -130,6 +130,23 @@ def test_quantized_gguf_matches_transformers_on_its_dequantized_weights(stories_
         assert tokens == ref.argmax(-1).tolist()
 
 
+def test_weights_by_format_counts_the_matrices_a_decode_step_reads(stories_gguf, tmp_path):
+    """Each matrix under the format ridge holds it in: stories' Q8_0 file keeps ffn_down (K =
+    172) in F32, which loads dense; the token embedding counts only where the lm_head is tied."""
+    path = quantized(stories_gguf, tmp_path / "stories-Q8_0.gguf", T.Q8_0)
+    model = GGUFModel(path)
+    cfg = model.hf_config
+    h, inter, layers, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    blocks = layers * (2 * h * h + 2 * kv * h + 2 * inter * h) + vocab * h  # q, o, k, v, gate, up; lm_head
+    assert model.weights_by_format() == {"int8": blocks, "bf16": layers * h * inter}
+    assert GGUFModel(stories_gguf).weights_by_format() == {"bf16": blocks + layers * h * inter}
+    tied = rewrite(stories_gguf, tmp_path / "tied.gguf", lambda name, v: "drop" if name == "output.weight" else None)
+    tied_model = GGUFModel(tied)
+    assert "lm_head.weight" not in tied_model.tensors
+    assert tied_model.weights_by_format() == {"bf16": blocks + layers * h * inter}  # the embedding is the lm_head
+
+
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.IQ4_NL], ids=lambda t: t.name)
 def test_quantized_gguf_runs_on_the_cpu_kernels(stories_gguf, tmp_path, qtype):
     path = quantized(stories_gguf, tmp_path / f"stories-{qtype.name}.gguf", qtype)

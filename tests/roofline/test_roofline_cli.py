@@ -154,6 +154,35 @@ def test_a_block_format_on_local_hardware_takes_its_kernels_ceiling(tmp_path, mo
     assert json.loads(out)["hardware"]["compute_dtype"] == "bf16"
 
 
+def test_a_gguf_file_is_priced_at_its_own_formats(tmp_path, capsys):
+    """--model file.gguf without --weight-bits / --weight-format: each matrix in the format the
+    file holds it in (stories' Q8_0 file keeps ffn_down, K = 172, in F32, which loads dense)."""
+    pytest.importorskip("gguf")
+    from gguf import GGMLQuantizationType
+
+    from ridge.models.gguf_file import GGUFModel
+    from ridge.roofline.ops import WEIGHT_FORMATS
+    from tests.conftest import STORIES
+    from tests.models.gguf_files import quantized
+
+    source = STORIES.parent / "stories260K-gguf" / "stories260K.gguf"
+    if not source.is_file():
+        pytest.skip(f"{source} is absent")
+    path = quantized(source, tmp_path / "stories-Q8_0.gguf", GGMLQuantizationType.Q8_0)
+    counts = GGUFModel(path).weights_by_format()
+    expected = sum(WEIGHT_FORMATS[f][1] * n for f, n in counts.items()) / sum(counts.values())
+    argv = ["--model", str(path), "--hardware", "h100-sxm", "--batch", "1", "--prompt-len", "16", "--json"]
+    code, out, _ = run(argv, capsys)
+    workload = json.loads(out)["workload"]
+    assert code == 0 and 8.5 < expected < 16
+    assert workload["weight_storage_bits"] == pytest.approx(expected)
+    assert set(workload["weight_mix"]) == {"int8", "bf16"} and workload["weight_bits"] == 8
+    code, out, _ = run([*argv[:-1], "--no-ops"], capsys)
+    assert "the file's int8" in out.replace("\n", " ")
+    code, out, _ = run([*argv, "--weight-bits", "16"], capsys)  # asked for: the file's formats give way
+    assert json.loads(out)["workload"]["weight_storage_bits"] == 16 and json.loads(out)["workload"]["weight_mix"] == {}
+
+
 def test_model_from_a_directory_and_workload_options(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(PRESETS["llama-3.2-1b"]))
     code, out, _ = run(

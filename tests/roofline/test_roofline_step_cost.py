@@ -192,3 +192,21 @@ def test_the_analyzer_adds_the_collectives_to_a_tensor_parallel_step():
     assert plain.comm_s == 0
     assert linked.comm_s == pytest.approx(link.time_s(linked.cost.comm))
     assert linked.time_s == pytest.approx(plain.time_s + linked.comm_s)
+
+
+def test_a_weight_mix_averages_the_stored_bits_and_takes_the_main_formats_arithmetic():
+    from ridge.quantization.formats import FORMATS
+    from ridge.roofline.ops import Precision
+
+    mix = Precision.for_weight_mix({"q6_k": 1, "q4_k": 3}, activation_bits=16, kv_bits=8)
+    assert mix.weight_mix == (("q4_k", 0.75), ("q6_k", 0.25))
+    assert mix.weight_bits == FORMATS["q4_k"].arithmetic_bits and mix.kv_bits == 8
+    assert mix.weight_storage_bits == pytest.approx(0.75 * 4.5 + 0.25 * 6.5625)
+    # a step that reads every matrix once reads the file's bytes: 4 weights cost their parts' bytes
+    parts = 3 * Precision.for_weight_format("q4_k").weight_bytes + Precision.for_weight_format("q6_k").weight_bytes
+    assert 4 * mix.weight_bytes == pytest.approx(parts)
+    assert Precision.for_weight_mix({"bf16": 5}).weight_storage_bits == 16
+    with pytest.raises(ValueError, match="unknown weight formats"):
+        Precision.for_weight_mix({"q4_k": 1, "q9_z": 1})
+    with pytest.raises(ValueError, match="at least one weight"):
+        Precision.for_weight_mix({})
