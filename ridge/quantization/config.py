@@ -27,8 +27,9 @@ class QuantizationConfig:
     # layer name -> the format its checkpoint tensors already have (a GGUF file's): kept as is;
     # a tuple, one per shard, for a packed layer whose shards' formats differ
     file_formats: dict[str, BlockFormat | tuple[BlockFormat, ...] | None] = field(default_factory=dict)
-    # layer name (numbers folded: "layers.*.mlp.down_proj") -> what it got, and why if not quantized
-    decisions: dict[str, str] = field(default_factory=dict)
+    # layer name (numbers folded: "layers.*.mlp.down_proj") -> what its layers got, and why if
+    # not quantized -> how many of them (a GGUF file can keep one kind in two formats)
+    decisions: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @classmethod
     def from_name(cls, name: str | None) -> QuantizationConfig:
@@ -38,22 +39,35 @@ class QuantizationConfig:
         key = ".".join("*" if part.isdigit() else part for part in name.split("."))
         stored = self.file_formats.get(name)
         if isinstance(stored, tuple) and not tied:
-            self.decisions[key] = f"{'+'.join(f.name for f in stored)} (per shard, from the file)"
+            self._decide(key, f"{'+'.join(f.name for f in stored)} (per shard, from the file)")
             return ShardedLinearMethod(stored)
         if stored is not None and not tied:
-            self.decisions[key] = f"{stored.name} ({stored.ggml_name}, {stored.bits_per_weight:g} bits, from the file)"
+            self._decide(key, f"{stored.name} ({stored.ggml_name}, {stored.bits_per_weight:g} bits, from the file)")
             return BlockQuantLinearMethod(stored)
         if self.format is None:
             return UNQUANTIZED
         if tied:
-            self.decisions[key] = "unquantized (tied to the embedding, which stays as loaded)"
+            self._decide(key, "unquantized (tied to the embedding, which stays as loaded)")
             return UNQUANTIZED
         if in_features % self.format.block:
-            self.decisions[key] = f"unquantized (K = {in_features} is not a multiple of {self.format.block})"
+            self._decide(key, f"unquantized (K = {in_features} is not a multiple of {self.format.block})")
             return UNQUANTIZED
-        self.decisions[key] = f"{self.format.name} ({self.format.ggml_name}, {self.format.bits_per_weight:g} bits)"
+        self._decide(key, f"{self.format.name} ({self.format.ggml_name}, {self.format.bits_per_weight:g} bits)")
         return BlockQuantLinearMethod(self.format)
 
+    def _decide(self, key: str, what: str) -> None:
+        counts = self.decisions.setdefault(key, {})
+        counts[what] = counts.get(what, 0) + 1
+
     def summary(self) -> list[str]:
-        """One line per kind of layer, for the start-up log."""
-        return [f"{key}: {what}" for key, what in self.decisions.items()]
+        """One line per kind of layer, for the start-up log; where its layers got different
+        methods (a Q4_K_M file's ffn_down: Q6_K in some layers, Q4_K in the others), each with
+        how many layers got it."""
+        lines = []
+        for key, counts in self.decisions.items():
+            if len(counts) == 1:
+                lines.append(f"{key}: {next(iter(counts))}")
+            else:
+                said = (f"{what} in {n} layer{'s' if n > 1 else ''}" for what, n in counts.items())
+                lines.append(f"{key}: " + "; ".join(said))
+        return lines
