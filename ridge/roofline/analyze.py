@@ -91,6 +91,13 @@ class Conventions:
     def describe(self, workload: Workload) -> list[str]:
         """One line per convention, printed with every output."""
         c, p = self.cost, workload.precision
+        mix = ", ".join(f"{name} {share:.0%}" for name, share in p.weight_mix)
+        stored = (
+            f"stored in {p.weight_storage_bits:.4g} bits per weight with scales"
+            + (f": the file's {mix} of its matrices' weights, averaged" if mix else "")
+            if p.weight_storage_bits
+            else "no quantization-scale overhead"
+        )
         return [
             f"attention FLOPs: {c.attention} ("
             + (
@@ -103,22 +110,8 @@ class Conventions:
             + (
                 "only the gathered rows are read" if c.embedding == "gathered" else "the whole table is read every step"
             ),
-            f"bytes: minimum traffic, every operand once; weights {p.weight_bits}-bit (incl. embedding "
-            + (
-                f"and lm_head, stored in {p.weight_storage_bits:.4g} bits per weight with scales"
-                + (
-                    ": the file's "
-                    + ", ".join(f"{name} {share:.0%}" for name, share in p.weight_mix)
-                    + " of its matrices' weights, averaged"
-                    if p.weight_mix
-                    else ""
-                )
-                + "), "
-                if p.weight_storage_bits
-                else "and lm_head, no quantization-scale overhead), "
-            )
-            + "norms/biases 16-bit; activations "
-            f"{p.activation_bits}-bit; KV cache {p.kv_bits}-bit",
+            f"bytes: minimum traffic, every operand once; weights {p.weight_bits}-bit (incl. embedding and "
+            f"lm_head, {stored}), norms/biases 16-bit; activations {p.activation_bits}-bit; KV cache {p.kv_bits}-bit",
             "FLOPs: 2 per multiply-add; RMSNorm 4/element; softmax, RoPE, SiLU-gating, residual adds "
             "fused and not counted",
             "time per op = max(FLOPs / peak, bytes / bandwidth); a phase is the sum of its ops",

@@ -238,26 +238,23 @@ def _name_from_config(config: dict[str, Any]) -> str:
     return str(archs[0]) if archs else str(config.get("model_type") or "model")
 
 
+def load_model_shape(spec: str) -> ModelShape:
+    """A preset name, a path to a ``config.json``, a model directory holding one, or a GGUF file."""
+    return load_model(spec)[0]
+
+
 def load_model(spec: str) -> tuple[ModelShape, dict[str, int] | None]:
     """``load_model_shape``'s shape, and for a GGUF file the weights of its matrices by the
-    format ridge holds them in (``GGUFModel.weights_by_format``; None for a config, whose
-    weights have no format of their own). The file is opened once."""
+    format ridge holds them in (``GGUFModel.weights_by_format``; None for a preset or a config,
+    whose weights have no format of their own). The file is opened once."""
+    if spec in PRESETS:
+        return ModelShape.from_preset(spec), None
     path = Path(spec).expanduser()
-    if spec not in PRESETS and path.suffix.lower() == ".gguf":
+    if path.suffix.lower() == ".gguf":
         from ridge.models.gguf_file import GGUFModel
 
         gguf = GGUFModel(path)
         return ModelShape.from_hf_config(gguf.hf_config, name=path.stem), gguf.weights_by_format()
-    return load_model_shape(spec), None
-
-
-def load_model_shape(spec: str) -> ModelShape:
-    """A preset name, a path to a ``config.json``, a model directory holding one, or a GGUF file."""
-    if spec in PRESETS:
-        return ModelShape.from_preset(spec)
-    path = Path(spec).expanduser()
-    if path.suffix.lower() == ".gguf":
-        return load_model(spec)[0]
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
@@ -266,7 +263,7 @@ def load_model_shape(spec: str) -> ModelShape:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not valid JSON ({exc})") from None
         name = path.parent.name if path.name == "config.json" else path.stem
-        return ModelShape.from_hf_config(config, name=name)
+        return ModelShape.from_hf_config(config, name=name), None
     known = ", ".join(sorted(PRESETS))
     raise ValueError(f"--model {spec!r} is neither a preset ({known}) nor a config.json / model directory")
 
