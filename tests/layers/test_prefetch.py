@@ -23,7 +23,15 @@ from ridge.quantization.formats import FORMATS
 from ridge.quantization.random_blocks import random_blocks
 
 needs_kernels = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU has no AVX-512 BF16 + VNNI")
-KEYS = {"bf16_far", "quant_near_rows", "quant_near_every", "int8_near_rows", "quant_far_nta", "q3_k_set1_rows"}
+KEYS = {
+    "bf16_far",
+    "quant_near_rows",
+    "quant_near_every",
+    "int8_near_rows",
+    "quant_far_nta",
+    "quant_far_lines",
+    "q3_k_set1_rows",
+}
 
 
 @pytest.fixture
@@ -93,7 +101,7 @@ def test_bad_policies_are_refused_and_change_nothing(ext):
 
 
 @needs_kernels
-@pytest.mark.parametrize("name", ["int8", "int4", "q4_k", "q6_k", "q3_k", "q2_k"])
+@pytest.mark.parametrize("name", ["int8", "int4", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k"])
 def test_no_policy_changes_a_result(ext, name):
     n, k = 512, 2048  # 0.3-0.6 MB packed: past the far fetch's 64 KiB in each thread's run
     code = QUANT_KERNEL_CODES[name]
@@ -111,6 +119,8 @@ def test_no_policy_changes_a_result(ext, name):
         "intel,quant_near_every=0",
         "zen5,quant_far_nta=0",
         "intel,quant_far_nta=1",
+        "zen5,quant_far_lines=0",
+        "intel,quant_far_lines=1",
         "intel,q3_k_set1_rows=1",
         "zen5,q3_k_set1_rows=17",
     ):
@@ -128,7 +138,7 @@ def test_no_policy_changes_a_result(ext, name):
     [
         (
             "amd,quant_near_rows=2",
-            '{"bf16_far": 0, "int8_near_rows": 8, "q3_k_set1_rows": 17, "quant_far_nta": 0, "quant_near_every": 0, "quant_near_rows": 2}',  # noqa: E501
+            '{"bf16_far": 0, "int8_near_rows": 8, "q3_k_set1_rows": 17, "quant_far_lines": 0, "quant_far_nta": 0, "quant_near_every": 0, "quant_near_rows": 2}',  # noqa: E501
         ),
         (
             "bf16_far",

@@ -412,6 +412,13 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
   const bool near_on = MR >= (FMT == Q8_0 ? g_prefetch.int8_near_rows : g_prefetch.quant_near_rows);  // linear_call.h
   const bool near_every = near_on && g_prefetch.quant_near_every, near_first = near_on && !near_every;
   const bool far_nta = g_prefetch.quant_far_nta;
+  // The far fetch line by line (quant_far_lines): each line of the window once, as the loop
+  // reaches the bytes 64 KiB before it, where the fixed CHUNK's lines a group fetch some lines
+  // twice (a chunk is not whole lines). Only where it measured faster (prefetch.cpp): Q8_0
+  // tiles, and one-row tiles of Q4_0, Q4_K, Q5_K and Q6_K; IQ4_XS, Q2_K and the 4-bit formats'
+  // 2-8 row tiles lost with it.
+  constexpr bool LINE_WALK = FMT == Q8_0 || (MR == 1 && (FMT == Q4_0 || FMT == Q4_K || FMT == Q5_K || FMT == Q6_K));
+  const bool far_lines = LINE_WALK && g_prefetch.quant_far_lines;
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* chunk = block + g * WB;
     if ((g & 7) == 0) {
@@ -431,8 +438,16 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
     // hole of 6-14% of the bytes that the loop then waited on; on 2 Zen 5 cores, one row over
     // 22 layers, 9 rounds alternated: int4 1.12x, Q4_K 1.10x, Q5_K 1.11x, Q3_K 1.14x, Q2_K
     // 1.16x, IQ4_XS 1.08x, Q6_K 1.04x, int8 1.01x.)
-    if (const uint8_t* far = block + g * CHUNK + L2_PREFETCH_AHEAD; far < pf_end) {
-      if (far_nta)  // the policy's hint (prefetch.cpp says where each was measured best)
+    if (far_lines) {  // the lines that start in this group's bytes, 64 KiB on (a block is 64-byte aligned)
+      const uint8_t* far = block + L2_PREFETCH_AHEAD;
+      for (int64_t at = (g * CHUNK + 63) & ~int64_t{63}; at < (g + 1) * CHUNK && far + at < pf_end; at += 64) {
+        if (far_nta)  // the policy's hint (prefetch.cpp says where each was measured best)
+          _mm_prefetch(reinterpret_cast<const char*>(far + at), _MM_HINT_NTA);
+        else
+          _mm_prefetch(reinterpret_cast<const char*>(far + at), _MM_HINT_T2);
+      }
+    } else if (const uint8_t* far = block + g * CHUNK + L2_PREFETCH_AHEAD; far < pf_end) {
+      if (far_nta)
         for (int64_t line = 0; line < CHUNK; line += 64) _mm_prefetch(reinterpret_cast<const char*>(far + line), _MM_HINT_NTA);
       else
         for (int64_t line = 0; line < CHUNK; line += 64) _mm_prefetch(reinterpret_cast<const char*>(far + line), _MM_HINT_T2);

@@ -44,6 +44,21 @@
 //   0.98-1.05x; Q4_K_M's file, ridge bench latency at batch 1, 3 of 4 rounds 1.03-1.05x (the
 //   fourth caught the memory's level changing). Zen 5 takes it; Zen 4 and Intel, not measured
 //   with it, keep prefetcht2.
+// - The same Zen 5 host, 2026-11-28 (stop 54): the far fetch line by line (quant_far_lines), each
+//   line of the window once as the loop reaches the bytes 64 KiB before it, against a chunk's
+//   lines a group (some lines twice: a chunk is not whole lines). At the fast level a Q4_K row
+//   with its dot products and scales taken out streamed no faster (0.99x) with this table's
+//   fetches, and 1.16x with the far fetch alone, line by line: what the loop issues besides its
+//   loads holds one row back there, not its arithmetic. Kernels alone (22 layers, alternated,
+//   5-9 rounds): Q8_0 one row 1.04x at the slow level and 1.10-1.11x at the fast one, 2-4 rows
+//   1.01-1.06x, 8 rows 1.00-1.04x; one row of Q4_0 1.01-1.04x, Q4_K 1.01-1.06x, Q5_K 1.04x,
+//   Q6_K 1.02-1.04x; but 2-8 rows of the 4-bit formats 0.96-1.05x, Q6_K and Q2_K at 8 rows
+//   0.81-0.87x, Q3_K at 4 rows 0.77x, IQ4_XS one row 0.97x, Q2_K one row 0.96-0.98x, Q3_K and
+//   IQ4_NL one row 1.00x. So it walks by line only Q8_0's tiles and one-row tiles of Q4_0,
+//   Q4_K, Q5_K and Q6_K (linear_quant.cpp). Whole decode steps at batch 1 (the files, 6 rounds
+//   alternated in one process, the fast level): Q8_0 1.029x (1.013-1.035 every round), Q4_K_M
+//   1.009x, Q6_K 1.013x. Zen 5 takes it; Zen 4 and Intel, not measured with it, keep a chunk's
+//   lines a group.
 // - q3_k_set1_rows is not a fetch: how the Q3_K loop broadcasts x, the one other choice the CPUs
 //   measured apart (Zen 5 8, the others 17: never; linear_quant.cpp says what was measured).
 // benchmarks/prefetch.py compares the tables (and any other policy) on one machine's bytes.
@@ -59,9 +74,9 @@
 
 namespace {
 
-constexpr PrefetchPolicy AMD = {0, 8, 0, 8, 0, 17};  // Zen 4 and older
-constexpr PrefetchPolicy ZEN5 = {1, 1, 1, 2, 1, 8};  // AMD family 26 (0x1A) and later
-constexpr PrefetchPolicy INTEL = {1, 1, 1, 1, 0, 17};
+constexpr PrefetchPolicy AMD = {0, 8, 0, 8, 0, 0, 17};  // Zen 4 and older
+constexpr PrefetchPolicy ZEN5 = {1, 1, 1, 2, 1, 1, 8};  // AMD family 26 (0x1A) and later
+constexpr PrefetchPolicy INTEL = {1, 1, 1, 1, 0, 0, 17};
 
 bool cpu_is_amd() {
   unsigned a, b, c, d;
@@ -91,6 +106,7 @@ constexpr Key KEYS[] = {
     {"quant_near_every", &PrefetchPolicy::quant_near_every, true},
     {"int8_near_rows", &PrefetchPolicy::int8_near_rows, false},
     {"quant_far_nta", &PrefetchPolicy::quant_far_nta, true},
+    {"quant_far_lines", &PrefetchPolicy::quant_far_lines, true},
     {"q3_k_set1_rows", &PrefetchPolicy::q3_k_set1_rows, false},
 };
 
