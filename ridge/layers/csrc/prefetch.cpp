@@ -50,7 +50,9 @@
 //   with its dot products and scales taken out streamed no faster (0.99x) with this table's
 //   fetches, and 1.16x with the far fetch alone, line by line: what the loop issues besides its
 //   loads holds one row back there, not its arithmetic. Kernels alone (22 layers, alternated,
-//   5-9 rounds): Q8_0 one row 1.04x at the slow level and 1.10-1.11x at the fast one, 2-4 rows
+//   5-9 rounds, in an experiment's build with every variant behind a switch): Q8_0 one row
+//   1.04x at the slow level and 1.10-1.11x at the fast one (the landed build, prefetch.py:
+//   1.00x and 1.05x), 2-4 rows
 //   1.01-1.06x, 8 rows 1.00-1.04x; one row of Q4_0 1.01-1.04x, Q4_K 1.01-1.06x, Q5_K 1.04x,
 //   Q6_K 1.02-1.04x; but 2-8 rows of the 4-bit formats 0.96-1.05x, Q6_K and Q2_K at 8 rows
 //   0.81-0.87x, Q3_K at 4 rows 0.77x, IQ4_XS one row 0.97x, Q2_K one row 0.96-0.98x, Q3_K and
