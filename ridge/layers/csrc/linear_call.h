@@ -27,7 +27,7 @@ struct PrefetchPolicy {
   int64_t int8_near_rows;    // quant_near_rows for the int8 (Q8_0) kernel, which does the least work a byte
   int64_t quant_far_nta;     // block formats: 1: the far fetch is prefetchnta; 0: prefetcht2
   int64_t quant_far_lines;   // block formats: 1: the far fetch walks its window line by line, each line
-                             // once (Q8_0, and one-row Q4_0 / Q4_K / Q5_K / Q6_K tiles); 0: a chunk's lines a group
+                             // once, where linear_quant.cpp's LINE_WALK says; 0: a chunk's lines a group
   // Not a fetch but the one other choice of the loops that the CPUs measured apart, kept in
   // the same per-CPU table: Q3_K tiles of this many rows up to 8 broadcast each x code with its
   // own vpbroadcastd rather than vpdpbusd's embedded broadcast (linear_quant.cpp; 17: never)
