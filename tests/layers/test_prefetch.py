@@ -30,6 +30,7 @@ KEYS = {
     "int8_near_rows",
     "quant_far_nta",
     "quant_far_lines",
+    "quant_far_kib",
     "q3_k_set1_rows",
 }
 
@@ -121,6 +122,8 @@ def test_no_policy_changes_a_result(ext, name):
         "intel,quant_far_nta=1",
         "zen5,quant_far_lines=0",
         "intel,quant_far_lines=1",
+        "zen5,quant_far_kib=64",
+        "intel,quant_far_kib=0",
         "intel,q3_k_set1_rows=1",
         "zen5,q3_k_set1_rows=17",
     ):
@@ -138,7 +141,7 @@ def test_no_policy_changes_a_result(ext, name):
     [
         (
             "amd,quant_near_rows=2",
-            '{"bf16_far": 0, "int8_near_rows": 8, "q3_k_set1_rows": 17, "quant_far_lines": 0, "quant_far_nta": 0, "quant_near_every": 0, "quant_near_rows": 2}',  # noqa: E501
+            '{"bf16_far": 0, "int8_near_rows": 8, "q3_k_set1_rows": 17, "quant_far_kib": 64, "quant_far_lines": 0, "quant_far_nta": 0, "quant_near_every": 0, "quant_near_rows": 2}',  # noqa: E501
         ),
         (
             "bf16_far",

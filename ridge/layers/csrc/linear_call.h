@@ -28,6 +28,8 @@ struct PrefetchPolicy {
   int64_t quant_far_nta;     // block formats: 1: the far fetch is prefetchnta; 0: prefetcht2
   int64_t quant_far_lines;   // block formats: 1: the far fetch walks its window line by line, each line
                              // once, where linear_quant.cpp's LINE_WALK says; 0: a chunk's lines a group
+  int64_t quant_far_kib;     // block formats: how far ahead one-row tiles fetch, in KiB (other tiles
+                             // fetch L2_PREFETCH_AHEAD ahead)
   // Not a fetch but the one other choice of the loops that the CPUs measured apart, kept in
   // the same per-CPU table: Q3_K tiles of this many rows up to 8 broadcast each x code with its
   // own vpbroadcastd rather than vpdpbusd's embedded broadcast (linear_quant.cpp; 17: never)

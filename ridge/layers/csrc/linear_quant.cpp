@@ -67,7 +67,8 @@ alignas(16) constexpr uint8_t IQ4_NL_TABLE[16] = {1, 24, 45, 63, 79, 93, 106, 11
 constexpr int64_t QK = 32;     // weights per block
 constexpr int64_t ROWS = 16;   // output rows per packed block
 constexpr int64_t SLAB = 128;  // rows of x per pass over W for prefill (x slab stays in L2)
-// Software prefetch: each tile fetches its weights L2_PREFETCH_AHEAD bytes ahead into L2, and
+// Software prefetch: each tile fetches its weights L2_PREFETCH_AHEAD bytes ahead into L2 (one-row
+// tiles as far as the policy's quant_far_kib says), and
 // L1_PREFETCH_GROUPS groups ahead into L1 where the process's policy says (linear_call.h; each
 // CPU's and what it measured in prefetch.cpp).
 // Tiles of at least this many rows (12 or 16) take AMX-INT8 where the CPU has it (see amx_chunk_dots)
@@ -419,6 +420,8 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
   // 2-8 row tiles lost with it.
   constexpr bool LINE_WALK = FMT == Q8_0 || (MR == 1 && (FMT == Q4_0 || FMT == Q4_K || FMT == Q5_K || FMT == Q6_K));
   const bool far_lines = LINE_WALK && g_prefetch.quant_far_lines;
+  // how far ahead: one-row tiles as the policy says (Zen 5: 24 KiB, prefetch.cpp), others 64 KiB
+  const int64_t far_ahead = MR == 1 ? g_prefetch.quant_far_kib * 1024 : L2_PREFETCH_AHEAD;
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* chunk = block + g * WB;
     if ((g & 7) == 0) {
@@ -439,14 +442,14 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
     // 22 layers, 9 rounds alternated: int4 1.12x, Q4_K 1.10x, Q5_K 1.11x, Q3_K 1.14x, Q2_K
     // 1.16x, IQ4_XS 1.08x, Q6_K 1.04x, int8 1.01x.)
     if (far_lines) {  // the lines that start in this group's bytes, 64 KiB on (a block is 64-byte aligned)
-      const uint8_t* far = block + L2_PREFETCH_AHEAD;
+      const uint8_t* far = block + far_ahead;
       for (int64_t at = (g * CHUNK + 63) & ~int64_t{63}; at < (g + 1) * CHUNK && far + at < pf_end; at += 64) {
         if (far_nta)  // the policy's hint (prefetch.cpp says where each was measured best)
           _mm_prefetch(reinterpret_cast<const char*>(far + at), _MM_HINT_NTA);
         else
           _mm_prefetch(reinterpret_cast<const char*>(far + at), _MM_HINT_T2);
       }
-    } else if (const uint8_t* far = block + g * CHUNK + L2_PREFETCH_AHEAD; far < pf_end) {
+    } else if (const uint8_t* far = block + g * CHUNK + far_ahead; far < pf_end) {
       if (far_nta)
         for (int64_t line = 0; line < CHUNK; line += 64) _mm_prefetch(reinterpret_cast<const char*>(far + line), _MM_HINT_NTA);
       else

@@ -61,6 +61,13 @@
 //   alternated in one process, the fast level): Q8_0 1.029x (1.013-1.035 every round), Q4_K_M
 //   1.009x, Q6_K 1.013x. Zen 5 takes it; Zen 4 and Intel, not measured with it, keep a chunk's
 //   lines a group.
+// - The same Zen 5 host, 2026-11-28 (stop 55): one-row tiles' far fetch 24 KiB ahead instead of
+//   64 (quant_far_kib), in an experiment's build with the distance behind a switch, 22 layers,
+//   7-9 rounds alternated. At the fast level (bf16's kernel 67-74 GB/s): Q4_K 1.058-1.063x (three
+//   runs, 20-28 KiB 1.04-1.07x, 40 KiB 1.01-1.02x, 16 KiB 0.99x), int4 1.070x, int8 1.019x (20
+//   KiB 1.036x), Q6_K 1.034x, Q5_K 1.011x. At the slow level (41-49 GB/s): IQ4_XS 1.035x, Q2_K
+//   1.047x, Q3_K 1.071x, Q6_K 0.995x, Q4_K 0.98-1.02x. Tiles of 2+ rows were not measured with
+//   it and keep 64 KiB. Zen 4 and Intel, not measured with it, keep 64.
 // - q3_k_set1_rows is not a fetch: how the Q3_K loop broadcasts x, the one other choice the CPUs
 //   measured apart (Zen 5 8, the others 17: never; linear_quant.cpp says what was measured).
 // benchmarks/prefetch.py compares the tables (and any other policy) on one machine's bytes.
@@ -76,9 +83,9 @@
 
 namespace {
 
-constexpr PrefetchPolicy AMD = {0, 8, 0, 8, 0, 0, 17};  // Zen 4 and older
-constexpr PrefetchPolicy ZEN5 = {1, 1, 1, 2, 1, 1, 8};  // AMD family 26 (0x1A) and later
-constexpr PrefetchPolicy INTEL = {1, 1, 1, 1, 0, 0, 17};
+constexpr PrefetchPolicy AMD = {0, 8, 0, 8, 0, 0, 64, 17};  // Zen 4 and older
+constexpr PrefetchPolicy ZEN5 = {1, 1, 1, 2, 1, 1, 24, 8};  // AMD family 26 (0x1A) and later
+constexpr PrefetchPolicy INTEL = {1, 1, 1, 1, 0, 0, 64, 17};
 
 bool cpu_is_amd() {
   unsigned a, b, c, d;
@@ -109,6 +116,7 @@ constexpr Key KEYS[] = {
     {"int8_near_rows", &PrefetchPolicy::int8_near_rows, false},
     {"quant_far_nta", &PrefetchPolicy::quant_far_nta, true},
     {"quant_far_lines", &PrefetchPolicy::quant_far_lines, true},
+    {"quant_far_kib", &PrefetchPolicy::quant_far_kib, false},
     {"q3_k_set1_rows", &PrefetchPolicy::q3_k_set1_rows, false},
 };
 
