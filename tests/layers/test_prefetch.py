@@ -94,6 +94,7 @@ def test_bad_policies_are_refused_and_change_nothing(ext):
         ("bf16_far=2", "prefetch bf16_far must be 0 or 1, got 2"),
         ("quant_near_rows=-1", "prefetch quant_near_rows must be >= 0, got -1"),
         ("int8_near_rows=-2", "prefetch int8_near_rows must be >= 0, got -2"),
+        ("quant_far_kib=2000000", "prefetch quant_far_kib must be at most 1048576, got 2000000"),
     ]:
         with pytest.raises(PrefetchEnvError, match=f"RIDGE_PREFETCH={text!r}: {message}"):
             apply_prefetch(ext, text)

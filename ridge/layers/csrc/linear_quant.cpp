@@ -441,7 +441,7 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
     // hole of 6-14% of the bytes that the loop then waited on; on 2 Zen 5 cores, one row over
     // 22 layers, 9 rounds alternated: int4 1.12x, Q4_K 1.10x, Q5_K 1.11x, Q3_K 1.14x, Q2_K
     // 1.16x, IQ4_XS 1.08x, Q6_K 1.04x, int8 1.01x.)
-    if (far_lines) {  // the lines that start in this group's bytes, 64 KiB on (a block is 64-byte aligned)
+    if (far_lines) {  // the lines that start in this group's bytes, far_ahead on (a block is 64-byte aligned)
       const uint8_t* far = block + far_ahead;
       for (int64_t at = (g * CHUNK + 63) & ~int64_t{63}; at < (g + 1) * CHUNK && far + at < pf_end; at += 64) {
         if (far_nta)  // the policy's hint (prefetch.cpp says where each was measured best)

@@ -157,6 +157,7 @@ std::string prefetch_error(const std::string& preset, const std::map<std::string
     if (k == nullptr) return "unknown prefetch key '" + name + "' (" + key_names() + ")";
     if (k->is_switch && v != 0 && v != 1) return "prefetch " + name + " must be 0 or 1, got " + std::to_string(v);
     if (!k->is_switch && v < 0) return "prefetch " + name + " must be >= 0, got " + std::to_string(v);
+    if (!k->is_switch && v > (1 << 20)) return "prefetch " + name + " must be at most 1048576, got " + std::to_string(v);
   }
   return "";
 }
