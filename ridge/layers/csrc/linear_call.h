@@ -21,7 +21,7 @@ constexpr int64_t L2_PREFETCH_AHEAD = 64 * 1024;
 constexpr int64_t L1_PREFETCH_GROUPS = 8;  // block formats: groups of 32 k ahead
 
 struct PrefetchPolicy {
-  int64_t bf16_far;          // 1: bf16 fetches L2_PREFETCH_AHEAD ahead (block formats always do); 0: not
+  int64_t bf16_far;          // 1: bf16 fetches L2_PREFETCH_AHEAD ahead (block formats always fetch far); 0: not
   int64_t quant_near_rows;   // block formats: tiles of at least this many rows fetch L1_PREFETCH_GROUPS ahead
   int64_t quant_near_every;  // ... 1: every line of that group; 0: its first line and the one 256 bytes on
   int64_t int8_near_rows;    // quant_near_rows for the int8 (Q8_0) kernel, which does the least work a byte

@@ -414,13 +414,13 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
   const bool near_every = near_on && g_prefetch.quant_near_every, near_first = near_on && !near_every;
   const bool far_nta = g_prefetch.quant_far_nta;
   // The far fetch line by line (quant_far_lines): each line of the window once, as the loop
-  // reaches the bytes 64 KiB before it, where the fixed CHUNK's lines a group fetch some lines
+  // reaches the bytes far_ahead before it, where the fixed CHUNK's lines a group fetch some lines
   // twice (a chunk is not whole lines). Only where it measured faster (prefetch.cpp): Q8_0
   // tiles, and one-row tiles of Q4_0, Q4_K, Q5_K and Q6_K; IQ4_XS, Q2_K and the 4-bit formats'
   // 2-8 row tiles lost with it.
   constexpr bool LINE_WALK = FMT == Q8_0 || (MR == 1 && (FMT == Q4_0 || FMT == Q4_K || FMT == Q5_K || FMT == Q6_K));
   const bool far_lines = LINE_WALK && g_prefetch.quant_far_lines;
-  // how far ahead: one-row tiles as the policy says (Zen 5: 24 KiB, prefetch.cpp), others 64 KiB
+  // how far ahead: one-row tiles as the policy says (Zen 5: 24 KiB, prefetch.cpp), others L2_PREFETCH_AHEAD
   const int64_t far_ahead = MR == 1 ? g_prefetch.quant_far_kib * 1024 : L2_PREFETCH_AHEAD;
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* chunk = block + g * WB;
