@@ -124,6 +124,7 @@ def test_no_policy_changes_a_result(ext, name):
         "zen5,quant_far_lines=0",
         "intel,quant_far_lines=1",
         "zen5,quant_far_kib=64",
+        "zen5,quant_near_rows=1",
         "intel,quant_far_kib=0",
         "intel,q3_k_set1_rows=1",
         "zen5,q3_k_set1_rows=17",

@@ -68,6 +68,17 @@
 //   KiB 1.036x), Q6_K 1.034x, Q5_K 1.011x. At the slow level (41-49 GB/s): IQ4_XS 1.035x, Q2_K
 //   1.047x, Q3_K 1.071x, Q6_K 0.995x, Q4_K 0.98-1.02x. Tiles of 2+ rows were not measured with
 //   it and keep 64 KiB. Zen 4 and Intel, not measured with it, keep 64.
+// - The same Zen 5 host, 2026-11-28 (stop 56): with the far fetch 24 KiB ahead, one-row tiles
+//   of the block formats without the near fetch (quant_near_rows 2; int8 had it off already),
+//   22 layers, 5-7 rounds alternated. Fast level (bf16's kernel 73-76 GB/s): Q4_K 1.035-1.055x
+//   (four runs), int4 1.034-1.047x, IQ4_XS 1.033-1.055x, Q3_K 1.035x, Q5_K 1.026-1.035x, Q6_K
+//   1.003-1.010x, Q2_K 0.998-1.008x; slow level (~50 GB/s): Q6_K 1.006x, Q5_K 1.023x. (It was
+//   0.97-1.05x with the far fetch 64 KiB ahead, stops 50 and 54.) Whole batch-1 steps of the
+//   files, the policies alternated in one process, 6-8 rounds: Q4_K_M 1.045x (every round
+//   1.002-1.077), Q4_0 1.038x (every round), IQ4_XS 1.036x, Q3_K_M 1.038x, Q2_K 1.037x, Q5_K_M
+//   0.995x, Q6_K 0.972x and 1.012x (two runs, 0.93-1.07 a round). Other distances without it:
+//   16 KiB 0.99-1.05x, 32 KiB 1.01-1.02x, 48 KiB 1.00-1.01x of 24. Without the scales' fetches
+//   too: 0.91-1.00x. Zen 4 and Intel, not measured with it, keep their values.
 // - q3_k_set1_rows is not a fetch: how the Q3_K loop broadcasts x, the one other choice the CPUs
 //   measured apart (Zen 5 8, the others 17: never; linear_quant.cpp says what was measured).
 // benchmarks/prefetch.py compares the tables (and any other policy) on one machine's bytes.
@@ -84,7 +95,7 @@
 namespace {
 
 constexpr PrefetchPolicy AMD = {0, 8, 0, 8, 0, 0, 64, 17};  // Zen 4 and older
-constexpr PrefetchPolicy ZEN5 = {1, 1, 1, 2, 1, 1, 24, 8};  // AMD family 26 (0x1A) and later
+constexpr PrefetchPolicy ZEN5 = {1, 2, 1, 2, 1, 1, 24, 8};  // AMD family 26 (0x1A) and later
 constexpr PrefetchPolicy INTEL = {1, 1, 1, 1, 0, 0, 64, 17};
 
 bool cpu_is_amd() {
