@@ -760,6 +760,13 @@ struct SlabBuffers {
   std::vector<int8_t> xa;
 };
 
+// The calling thread's buffers: one set whatever the format and x's type (a thread_local in
+// segments_slab would be one per instantiation)
+SlabBuffers& slab_buffers() {
+  static thread_local SlabBuffers buffers;
+  return buffers;
+}
+
 // Several products of one shape in one pass of the threads: MLA's heads (each its x columns
 // and matrix), an MoE's experts (each its rows of x and its matrix), or one plain matmul. Each
 // segment's rows are quantized into tiles of up to 16 rows, then every block of a segment's W
@@ -773,8 +780,7 @@ void segments_slab(const std::vector<Segment<T>>& segs, int64_t K, int64_t N, co
   const int64_t G = K / QK, NB = (N + ROWS - 1) / ROWS, block_bytes = G * L.chunk;
   const int64_t S = static_cast<int64_t>(segs.size());
   // segment s's tiles are tiles[first[s] .. first[s + 1]); each row's (tile, row in tile) in quantize order
-  static thread_local SlabBuffers kept;  // this thread's, from its last call (see SlabBuffers)
-  SlabBuffers& B = kept;
+  SlabBuffers& B = slab_buffers();  // this thread's, from its last call
   std::vector<XTile>& tiles = B.tiles;
   std::vector<int64_t>& first = B.first;
   std::vector<std::pair<int64_t, int64_t>>& rows = B.rows;
