@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,6 +43,57 @@ SOURCES = (
 )
 HEADERS = ("amx.h", "block_runs.h", "kernels.h", "kv_codes.h", "linear_call.h", "paged_rows.h", "simd_math.h")
 EXTENSION_NAME = "ridge_cpu"
+
+
+@dataclass(frozen=True)
+class ExtensionSpec:
+    """One of ridge's CPU extensions: its module name, what it compiles, with which
+    instruction sets, and where under ``extension_build_dir()`` it builds (each its own ninja
+    file)."""
+
+    name: str
+    label: str  # what progress lines call it
+    sources: tuple[str, ...]
+    headers: tuple[str, ...]
+    flags: tuple[str, ...]
+    subdir: str = ""
+    build_time: str = "1-2 minutes"
+
+
+# The AVX-512 BF16/VNNI kernels: everything CpuKernels runs.
+AVX512 = ExtensionSpec(
+    EXTENSION_NAME,
+    "the CPU kernels",
+    SOURCES,
+    HEADERS,
+    (
+        "-O3",
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512bf16",
+        "-mavx512vnni",
+        "-mamx-tile",  # AMX runs only where the CPU has it (linear_bf16.cpp asks at run time)
+        "-mamx-bf16",
+        "-mamx-int8",
+        "-mf16c",
+        "-mgfni",  # cpu_has_avx512_bf16 asks for it
+        "-mfma",
+        "-fopenmp",
+    ),
+)
+# The block formats' matmul for CPUs with AVX2 only (Avx2Kernels; csrc/avx2_blocks.cpp).
+AVX2 = ExtensionSpec(
+    "ridge_cpu_avx2",
+    "the AVX2 kernels",
+    ("avx2_blocks.cpp",),
+    (),
+    # no contraction into FMAs but the kernel's own: one row's float ops must not depend on how
+    # many rows a tile holds (a row's output does not depend on its batch)
+    ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"),
+    "avx2",
+    "under a minute",
+)
 # Progress lines while a build runs (it takes 1-2 minutes on 2 cores).
 PROGRESS_EVERY_S = 15.0
 # cpp_extension's build lock: a build that was killed leaves it, and cpp_extension would wait on
@@ -123,24 +175,24 @@ def loaded_prefetch_policy() -> dict[str, int] | None:
     return dict(_LOADED.prefetch_policy()) if _LOADED is not None else None
 
 
-def extension_build_dir() -> Path:
-    return default_cache_dir() / "extensions" / f"torch-{torch.__version__}"
+def extension_build_dir(spec: ExtensionSpec = AVX512) -> Path:
+    return default_cache_dir() / "extensions" / f"torch-{torch.__version__}" / spec.subdir
 
 
-def extension_is_built() -> bool:
+def extension_is_built(spec: ExtensionSpec = AVX512) -> bool:
     """A build of these sources newer than every one of them exists, made from this checkout's
     paths with this torch's headers (cpp_extension then only loads it; it rebuilds, for minutes,
     where its build file names another checkout's sources or another environment's torch)."""
     from torch.utils.cpp_extension import include_paths
 
-    build_dir = extension_build_dir()
-    built, ninja = build_dir / f"{EXTENSION_NAME}.so", build_dir / "build.ninja"
+    build_dir = extension_build_dir(spec)
+    built, ninja = build_dir / f"{spec.name}.so", build_dir / "build.ninja"
     if not built.is_file() or not ninja.is_file():
         return False
     recipe = ninja.read_text()
-    if include_paths()[0] not in recipe or any(f"compile {CSRC_DIR / name}" not in recipe for name in SOURCES):
+    if include_paths()[0] not in recipe or any(f"compile {CSRC_DIR / name}" not in recipe for name in spec.sources):
         return False
-    newest_source = max((CSRC_DIR / name).stat().st_mtime for name in SOURCES + HEADERS)
+    newest_source = max((CSRC_DIR / name).stat().st_mtime for name in spec.sources + spec.headers)
     return built.stat().st_mtime >= newest_source
 
 
@@ -194,23 +246,41 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_TRIM_THRESHOLD, MALLOC_TRIM_BYTES)) and bool(mallopt(M_MMAP_THRESHOLD, MALLOC_MMAP_BYTES))
 
 
-def _load_extension(progress):
+def cpu_has_avx2() -> bool:
+    """AVX2, FMA and F16C: what the AVX2 kernels use (every x86 core since Haswell and Zen 1)."""
+    flags = cpu_flags()
+    return {"avx2", "fma", "f16c"} <= flags
+
+
+def load_avx2_extension(progress=sys.stderr):
+    """Load the AVX2 kernels' extension (``csrc/avx2_blocks.cpp``), compiling it first if
+    needed (tens of seconds), as ``load_extension`` does; returns the module."""
+    global _LOADED_AVX2
+    if _LOADED_AVX2 is None:
+        _LOADED_AVX2 = _load_extension(progress, AVX2)
+    return _LOADED_AVX2
+
+
+_LOADED_AVX2 = None
+
+
+def _load_extension(progress, spec: ExtensionSpec = AVX512):
     from torch.utils.cpp_extension import load
 
     # The ninja that pip installs with ridge sits beside this interpreter, which may not be on PATH.
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    build_dir = extension_build_dir()
+    build_dir = extension_build_dir(spec)
     build_dir.mkdir(parents=True, exist_ok=True)
     _wait_for_build_lock(build_dir, progress)
-    building = not extension_is_built()
+    building = not extension_is_built(spec)
     done = threading.Event()
     if building and progress is not None:
         start = time.monotonic()
         print(
-            f"ridge: compiling the CPU kernels into {build_dir} (once per machine and torch version; "
-            "1-2 minutes on 2 cores)...",
+            f"ridge: compiling {spec.label} into {build_dir} (once per machine and torch version; "
+            f"{spec.build_time} on 2 cores)...",
             file=progress,
             flush=True,
         )
@@ -218,7 +288,7 @@ def _load_extension(progress):
         def heartbeat() -> None:
             while not done.wait(PROGRESS_EVERY_S):
                 print(
-                    f"ridge: still compiling the CPU kernels ({time.monotonic() - start:.0f} s)",
+                    f"ridge: still compiling {spec.label} ({time.monotonic() - start:.0f} s)",
                     file=progress,
                     flush=True,
                 )
@@ -226,30 +296,16 @@ def _load_extension(progress):
         threading.Thread(target=heartbeat, name="ridge-build-progress", daemon=True).start()
     try:
         module = load(
-            name=EXTENSION_NAME,
-            sources=[str(CSRC_DIR / name) for name in SOURCES],
-            extra_cflags=[
-                "-O3",
-                "-mavx512f",
-                "-mavx512bw",
-                "-mavx512vl",
-                "-mavx512bf16",
-                "-mavx512vnni",
-                "-mamx-tile",  # AMX runs only where the CPU has it (linear_bf16.cpp asks at run time)
-                "-mamx-bf16",
-                "-mamx-int8",
-                "-mf16c",
-                "-mgfni",  # cpu_has_avx512_bf16 asks for it
-                "-mfma",
-                "-fopenmp",
-            ],
+            name=spec.name,
+            sources=[str(CSRC_DIR / name) for name in spec.sources],
+            extra_cflags=list(spec.flags),
             build_directory=str(build_dir),
             verbose=False,
         )
     finally:
         done.set()
     if building and progress is not None:
-        print(f"ridge: CPU kernels compiled in {time.monotonic() - start:.0f} s", file=progress, flush=True)
+        print(f"ridge: {spec.label} compiled in {time.monotonic() - start:.0f} s", file=progress, flush=True)
     return module
 
 
@@ -303,9 +359,10 @@ def _mtime(path: Path) -> float:
 
 
 def select_kernels(kind: str, device: torch.device, dtype: torch.dtype):
-    """'torch' -> TorchKernels; 'auto' -> ridge's CPU extension where it applies and builds,
-    and on CUDA the Triton kernels (``CudaKernels``) where Triton is installed (CUDA torch ships it)."""
-    from ridge.layers.kernels import CpuKernels, TorchKernels
+    """'torch' -> TorchKernels; 'auto' -> ridge's CPU extension where it applies and builds
+    (``CpuKernels`` on AVX-512 BF16, ``Avx2Kernels`` on AVX2 alone), and on CUDA the Triton
+    kernels (``CudaKernels``) where Triton is installed (CUDA torch ships it)."""
+    from ridge.layers.kernels import Avx2Kernels, CpuKernels, TorchKernels
 
     if kind == "auto" and device.type == "cuda":
         try:
@@ -318,12 +375,12 @@ def select_kernels(kind: str, device: torch.device, dtype: torch.dtype):
         if kind == "ridge":
             raise ValueError("kernels='ridge' runs bfloat16 or float32 on CPU only")
         return TorchKernels()
-    if not cpu_has_avx512_bf16():
+    if not cpu_has_avx512_bf16() and not cpu_has_avx2():
         if kind == "ridge":
-            raise ValueError("kernels='ridge' needs a CPU with AVX-512 BF16")
+            raise ValueError("kernels='ridge' needs a CPU with AVX-512 BF16 or AVX2")
         return TorchKernels()
     try:
-        return CpuKernels(load_extension())
+        return CpuKernels(load_extension()) if cpu_has_avx512_bf16() else Avx2Kernels(load_avx2_extension())
     except PrefetchEnvError:  # the user's setting, not the build: say so, never run slower silently
         raise
     except Exception as exc:  # no compiler, no ninja, ...: fall back, loudly
@@ -334,17 +391,27 @@ def select_kernels(kind: str, device: torch.device, dtype: torch.dtype):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ridge.layers.cpu_kernels``: compile the extension now (setup runs this)."""
+    """``python -m ridge.layers.cpu_kernels``: compile the extensions this CPU runs now (setup
+    runs this): the AVX-512 kernels, and the AVX2 ones wherever AVX2 is (ridge's kernels on a
+    CPU without AVX-512; tested on every x86 machine)."""
     argparse.ArgumentParser(description=main.__doc__).parse_args(argv)
-    if not cpu_has_avx512_bf16():
-        print("ridge: this CPU has no AVX-512 BF16; ridge will run torch's ops (nothing to compile)")
-        return 0
-    try:
-        load_extension(progress=sys.stdout)
-    except Exception as exc:  # setup goes on: ridge falls back to torch's ops
-        print(f"ridge: could not compile the CPU kernels ({exc}); ridge will run torch's ops")
-        return 0
-    print(f"ridge: CPU kernels ready in {extension_build_dir()}")
+    built = [
+        (spec, load)
+        for spec, load, usable in (
+            (AVX512, load_extension, cpu_has_avx512_bf16()),
+            (AVX2, load_avx2_extension, cpu_has_avx2()),
+        )
+        if usable
+    ]
+    if not built:
+        print("ridge: this CPU has neither AVX-512 BF16 nor AVX2; ridge will run torch's ops (nothing to compile)")
+    for spec, load in built:
+        try:
+            load(progress=sys.stdout)
+        except Exception as exc:  # setup goes on: ridge falls back to torch's ops
+            print(f"ridge: could not compile {spec.label} ({exc}); ridge will run torch's ops for what they do")
+            continue
+        print(f"ridge: {spec.label} ready in {extension_build_dir(spec)}")
     return 0
 
 

@@ -302,6 +302,35 @@ class TorchKernels:
         return None
 
 
+class Avx2Kernels(TorchKernels):
+    """A CPU with AVX2 but not AVX-512 BF16 (AMD Zen 2-3, Intel's client cores): torch's ops,
+    except the matmuls of block-format layers, which run ``csrc/avx2_blocks.cpp`` on the GGUF
+    bytes the layer holds, every format of ``formats.FORMATS``. (Torch's reference would
+    dequantize the whole weight to float32 on every call: 8 bytes read and written a weight
+    where a Q4_K_M file holds 0.6.) Nothing is repacked."""
+
+    name = "avx2"
+
+    def __init__(self, ext) -> None:
+        self.ext = ext
+
+    def linear(self, x, layer, rows=None):
+        if layer.parts is not None and rows is None:
+            return self.linear_parts(x, layer)
+        fmt = layer.method.format
+        if (
+            fmt is None
+            or layer.packed is not None
+            or x.device.type != "cpu"
+            or x.dtype not in (torch.float32, torch.bfloat16)
+            or not self.ext.supports_format(fmt.ggml_type)
+        ):
+            return super().linear(x, layer, rows)
+        if rows is not None:  # one expert's rows of a stacked layer (no bias)
+            return self.ext.linear_blocks(x, layer.blocks[rows], fmt.ggml_type, None)
+        return self.ext.linear_blocks(x, layer.blocks, fmt.ggml_type, layer.bias)
+
+
 class CpuKernels(TorchKernels):
     """ridge's extension on AVX-512 BF16 + VNNI CPUs: bf16 throughout, quantized weights in
     any dtype (integer dot products), float32 decode attention; anything else falls back to torch."""

@@ -419,14 +419,14 @@ def test_a_build_at_first_use_says_what_it_is_doing(monkeypatch):
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", slow_load)
     monkeypatch.setattr(cpu_kernels, "PROGRESS_EVERY_S", 0.05)
-    monkeypatch.setattr(cpu_kernels, "extension_is_built", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "extension_is_built", lambda spec=None: False)
     monkeypatch.setattr(cpu_kernels, "_LOADED", None)  # as in a fresh process
     out = io.StringIO()
     assert cpu_kernels.load_extension(progress=out) == "module"
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("ridge: compiling the CPU kernels") and "still compiling" in lines[1]
-    assert lines[-1].startswith("ridge: CPU kernels compiled in")
-    monkeypatch.setattr(cpu_kernels, "extension_is_built", lambda: True)
+    assert lines[-1].startswith("ridge: the CPU kernels compiled in")
+    monkeypatch.setattr(cpu_kernels, "extension_is_built", lambda spec=None: True)
     monkeypatch.setattr(cpu_kernels, "_LOADED", None)
     quiet = io.StringIO()
     cpu_kernels.load_extension(progress=quiet)

@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from ridge import LLM, SamplingParams
+from ridge.layers.cpu_kernels import cpu_has_avx2, cpu_has_avx512_bf16
 from ridge.models.gguf_file import GGUFModel, widest
 from ridge.quantization.formats import FORMATS, FORMATS_BY_GGML_TYPE
 
@@ -152,9 +153,17 @@ def test_quantized_gguf_runs_on_the_cpu_kernels(stories_gguf, tmp_path, qtype):
     path = quantized(stories_gguf, tmp_path / f"stories-{qtype.name}.gguf", qtype)
     llm = LLM(str(path), num_kv_blocks=64, device="cpu")
     layer = llm.engine.executor.worker.model.model.layers[0].self_attn.qkv_proj
-    assert layer.method.format.ggml_type == qtype and layer.packed is not None  # the file's bytes, repacked
+    assert layer.method.format.ggml_type == qtype and _native(layer)  # the file's bytes, on the kernels
     text = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
     assert text[0].outputs[0].text.startswith(", there was a little girl named Lily.")
+
+
+def _native(layer) -> bool:
+    """Whether the layer's matmul reads the file's bytes on ridge's CPU kernels: repacked at
+    load by the AVX-512 ones, as loaded by the AVX2 ones (csrc/avx2_blocks.cpp)."""
+    if cpu_has_avx512_bf16():
+        return layer.packed is not None
+    return cpu_has_avx2() and layer.packed is None and layer.blocks.numel() > 0
 
 
 # -- K-quants: random blocks (finite fp16 scales) against gguf's dequantize ----------------
@@ -219,10 +228,10 @@ def test_a_q4_k_m_style_file_keeps_each_tensors_format(tmp_path, caplog):
     qkv = layer0.self_attn.qkv_proj
     # each shard as the file holds it: q and k one Q4_K part, v (Q6_K) another
     assert qkv.method.name == "q4_k+q4_k+q6_k" and [p.method.name for p in qkv.parts] == ["q4_k", "q6_k"]
-    assert [p.out_features for p in qkv.parts] == [256 + 128, 128] and all(p.packed is not None for p in qkv.parts)
+    assert [p.out_features for p in qkv.parts] == [256 + 128, 128] and all(_native(p) for p in qkv.parts)
     assert qkv.weight_nbytes() == sum(p.weight_nbytes() for p in qkv.parts) == (256 + 128) * 144 + 128 * 210
     assert layer0.self_attn.o_proj.method.format.name == "q4_k"  # as the file holds it
-    assert layer0.self_attn.o_proj.packed is not None  # on the CPU kernels, regrouped at load
+    assert _native(layer0.self_attn.o_proj)  # on the CPU kernels (AVX-512: regrouped at load)
     assert layer0.mlp.gate_up_proj.method.format is None  # bf16 in the file, no --quantization
     model = GGUFModel(mixed)
     o_ref = dequantize(model.tensors["model.layers.0.self_attn.o_proj.weight"].data, T.Q4_K)
@@ -297,8 +306,8 @@ def test_a_k_quant_file_computes_what_transformers_computes_on_its_weights(tmp_p
     assert (logits - ref).abs().max().item() <= 1e-4
     fast = LLM(str(path), tokenizer="bytes", dtype="float32", num_kv_blocks=16, device="cpu")
     fast_layer = fast.engine.executor.worker.model.model.layers[0]
-    assert fast_layer.mlp.gate_up_proj.packed is not None
-    assert all(p.packed is not None for p in fast_layer.self_attn.qkv_proj.parts or [fast_layer.self_attn.qkv_proj])
+    assert _native(fast_layer.mlp.gate_up_proj)
+    assert all(_native(p) for p in fast_layer.self_attn.qkv_proj.parts or [fast_layer.self_attn.qkv_proj])
     ((fast_tokens, fast_logits),) = _logits(fast, [prompt])
     # the first step's logits (later ones follow each run's own tokens); activations quantized to
     # int8 per 32 in every matmul of 2 layers (the kernel's own bound: tests/layers/test_quant_kernels.py)
@@ -344,7 +353,7 @@ def test_a_k_quant_file_serves_batched_prefix_cached_and_preempted(tmp_path, typ
     layer = served.engine.executor.worker.model.model.layers[0]
     names = {kind: FORMATS_BY_GGML_TYPE[t].name for kind, t in types.items()}
     assert [p.method.name for p in layer.self_attn.qkv_proj.parts] == [names[""], names["attn_v"]]
-    assert layer.mlp.down_proj.method.name == names["ffn_down"] and layer.mlp.down_proj.packed is not None
+    assert layer.mlp.down_proj.method.name == names["ffn_down"] and _native(layer.mlp.down_proj)
     served.generate(prompts[:1], params, use_tqdm=False)  # the shared prefix now cached
     together = served.generate(prompts, params, use_tqdm=False)
     assert served.engine.kv.prefix_hits >= 6 * 40  # each prompt's shared blocks came from the cache

@@ -1,0 +1,190 @@
+"""The AVX2 kernels (``csrc/avx2_blocks.cpp``, ``Avx2Kernels``): every block format's matmul on
+the GGUF bytes against a float32 matmul of the dequantized weights (x is quantized to int8 per
+32 inside the kernel, as llama.cpp does, so the tolerance is an 8-bit activation's), a row's
+output independent of its batch, and the kernels ridge picks on a CPU with AVX2 alone. Runs on
+every x86 machine with AVX2 (the AVX-512 ones too)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ridge.layers import cpu_kernels
+from ridge.layers.cpu_kernels import cpu_has_avx2, load_avx2_extension
+from ridge.layers.kernels import Avx2Kernels
+from ridge.layers.linear import Linear, PackedLinear
+from ridge.quantization.formats import FORMATS, Q4_K, Q6_K
+from ridge.quantization.methods import BlockQuantLinearMethod, ShardedLinearMethod
+from ridge.quantization.random_blocks import random_blocks
+
+pytestmark = pytest.mark.skipif(not cpu_has_avx2(), reason="this CPU has no AVX2 + FMA + F16C")
+
+
+@pytest.fixture(scope="module")
+def ext():
+    return load_avx2_extension()  # compiled once per machine (setup does it), then cached on disk
+
+
+def _blocks(name: str, n: int, k: int, seed: int) -> torch.Tensor:
+    fmt = FORMATS[name]
+    if fmt.quantizable:
+        return fmt.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05)
+    return random_blocks(fmt, n, k, seed)  # read from files only: random codes under realistic scales
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("m", [1, 3, 4, 9, 64])
+@pytest.mark.parametrize("n,k", [(37, 256), (16, 512), (21, 768)])
+def test_matches_dequantized_fp32_reference(ext, name, m, n, k):
+    fmt = FORMATS[name]
+    blocks = _blocks(name, n, k, seed=m + n + k)
+    w = fmt.dequantize(blocks, k)
+    gen = torch.Generator().manual_seed(m)
+    bias = torch.randn(n, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        for b in (bias, None):
+            got = ext.linear_blocks(x, blocks, fmt.ggml_type, b)
+            want = x.float() @ w.T + (b if b is not None else 0)
+            assert got.dtype == dtype and got.shape == (m, n)
+            # per element: int8 activations (|error| <= scale / 2 per x, a scale per 32) summed
+            # over k, plus the output's rounding to bf16
+            x_err = (x.float().reshape(m, -1, 32).abs().amax(-1) / 127 / 2).repeat_interleave(32, -1)
+            bound = x_err @ w.abs().T * 1.01 + want.abs() * (2**-8 if dtype is torch.bfloat16 else 1e-5) + 1e-5
+            assert ((got.float() - want).abs() <= bound).all()
+
+
+def _int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel reads it: int8 codes per 32 (scale amax / 127, ties to even), as floats."""
+    groups = x.float().reshape(x.shape[0], -1, 32)
+    scale = groups.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    return (torch.round(groups * inverse) * scale).reshape(x.shape)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_equals_the_dequantized_weights_times_int8_activations(ext, name):
+    """Beyond the bound: the kernel computes exactly (to float rounding) the dequantized
+    weights times x's int8 codes. Offsets and minimums included: a minimum taken against x
+    itself instead of its codes was within the bound above and 0.5 nats off on a 2-layer model."""
+    fmt, k = FORMATS[name], 768
+    blocks = _blocks(name, 40, k, seed=5)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(6))
+    want = _int8_activations(x).double() @ fmt.dequantize(blocks, k).double().T
+    got = ext.linear_blocks(x, blocks, fmt.ggml_type, None).double()
+    assert ((got - want).norm() / want.norm()).item() < 2e-6
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_a_layer_split_along_k_sums_to_the_unsplit_layers_outputs_exactly(ext, name):
+    """Tensor parallelism's row-parallel layers: each rank's half of K, then the all-reduce's
+    one float add, equal the whole layer bit for bit (the kernel sums over K as a tree)."""
+    fmt = FORMATS[name]
+    for k in (1024, 3072, 5632 // 256 * 256):
+        blocks = _blocks(name, 24, k, seed=k)
+        x = torch.randn(5, k, generator=torch.Generator().manual_seed(k))
+        whole = ext.linear_blocks(x, blocks, fmt.ggml_type, None)
+        for ranks in (2, 4):
+            if (k // fmt.block) % ranks:
+                continue
+            cols, width = k // ranks, blocks.shape[1] // ranks
+            parts = [
+                ext.linear_blocks(
+                    x[:, r * cols : (r + 1) * cols], blocks[:, r * width : (r + 1) * width], fmt.ggml_type, None
+                )
+                for r in range(ranks)
+            ]
+            total = parts[0] + parts[1] if ranks == 2 else (parts[0] + parts[1]) + (parts[2] + parts[3])
+            assert torch.equal(total, whole), (k, ranks)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_a_rows_output_does_not_depend_on_its_batch(ext, name):
+    fmt, k = FORMATS[name], 512
+    blocks = _blocks(name, 40, k, seed=3)
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(4))
+    batch = ext.linear_blocks(x, blocks, fmt.ggml_type, None)
+    for i in (0, 5, 10):
+        assert torch.equal(ext.linear_blocks(x[i : i + 1], blocks, fmt.ggml_type, None)[0], batch[i])
+    assert torch.equal(ext.linear_blocks(x[3:9], blocks, fmt.ggml_type, None), batch[3:9])
+
+
+def test_exact_on_exactly_representable_inputs(ext):
+    # x already on an int8 grid per block and W's codes small: the integer path is exact (the
+    # float sums of the blocks' products are not ordered as torch's)
+    n, k = 16, 64
+    gen = torch.Generator().manual_seed(0)
+    blocks = FORMATS["int8"].quantize(torch.randint(-8, 8, (n, k), generator=gen).float())
+    x = torch.randint(-127, 128, (3, k), generator=gen).float()
+    x[:, ::32] = 127  # each block's scale is exactly 1
+    want = x @ FORMATS["int8"].dequantize(blocks, k).T
+    assert torch.allclose(ext.linear_blocks(x, blocks, FORMATS["int8"].ggml_type, None), want, rtol=1e-5)
+
+
+def test_leading_dimensions_and_empty_batches(ext):
+    blocks = _blocks("q4_k", 8, 256, seed=0)
+    x = torch.randn(2, 3, 256)
+    y = ext.linear_blocks(x, blocks, Q4_K.ggml_type, None)
+    assert y.shape == (2, 3, 8)
+    assert torch.equal(y.reshape(6, 8), ext.linear_blocks(x.reshape(6, 256), blocks, Q4_K.ggml_type, None))
+    assert ext.linear_blocks(torch.empty(0, 256), blocks, Q4_K.ggml_type, None).shape == (0, 8)
+
+
+def test_bad_input_is_a_clear_error(ext):
+    blocks = _blocks("q4_k", 8, 256, seed=0)
+    with pytest.raises(RuntimeError, match="GGUF type 99 has no AVX2 kernel"):
+        ext.linear_blocks(torch.randn(1, 256), blocks, 99, None)
+    with pytest.raises(RuntimeError, match="not a multiple of the format's block, 256"):
+        ext.linear_blocks(torch.randn(1, 128), blocks[:, :72], Q4_K.ggml_type, None)
+    with pytest.raises(RuntimeError, match="blocks of 144 bytes a row, K = 512 needs 288"):
+        ext.linear_blocks(torch.randn(1, 512), blocks, Q4_K.ggml_type, None)
+    with pytest.raises(RuntimeError, match="bf16 or f32 x"):
+        ext.linear_blocks(torch.randn(1, 256, dtype=torch.float64), blocks, Q4_K.ggml_type, None)
+    assert not ext.supports_format(99) and all(ext.supports_format(f.ggml_type) for f in FORMATS.values())
+
+
+def test_ridge_picks_them_on_a_cpu_with_avx2_alone(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f"})
+    kernels = cpu_kernels.select_kernels("auto", torch.device("cpu"), torch.float32)
+    assert isinstance(kernels, Avx2Kernels)
+    assert isinstance(cpu_kernels.select_kernels("ridge", torch.device("cpu"), torch.bfloat16), Avx2Kernels)
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx", "sse4_2"})
+    assert cpu_kernels.select_kernels("auto", torch.device("cpu"), torch.float32).name == "torch"
+    with pytest.raises(ValueError, match="needs a CPU with AVX-512 BF16 or AVX2"):
+        cpu_kernels.select_kernels("ridge", torch.device("cpu"), torch.float32)
+
+
+def _layer(fmt, n: int, k: int, seed: int, bias: bool = False) -> Linear:
+    layer = Linear(k, n, bias, BlockQuantLinearMethod(fmt))
+    layer.method.load_blocks(layer, random_blocks(fmt, n, k, seed), None)
+    if bias:
+        layer.bias.data = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    return layer
+
+
+def test_the_kernels_read_a_layers_gguf_bytes_as_loaded(ext):
+    """No repacking (the layer keeps the file's bytes), every way a model reaches a matmul: a
+    plain layer with its bias, a layer held per shard in two formats (Q4_K_M's qkv), and one
+    expert's rows of a stacked layer."""
+    kernels = Avx2Kernels(ext)
+    k = 512
+    layer = _layer(Q4_K, 48, k, seed=1, bias=True)
+    before = layer.blocks.clone()
+    layer.method.process_weights_after_loading(layer, kernels)
+    assert layer.packed is None and torch.equal(layer.blocks, before)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(2))
+    want = x @ Q4_K.dequantize(before, k).T + layer.bias
+    got = kernels.matmul(x, layer)
+    assert torch.allclose(got, want, rtol=0.05, atol=0.02 * want.abs().max().item())
+    assert torch.equal(got, ext.linear_blocks(x, before, Q4_K.ggml_type, layer.bias))
+    assert torch.equal(
+        kernels.matmul(x, layer, slice(16, 32)), ext.linear_blocks(x, before[16:32], Q4_K.ggml_type, None)
+    )
+
+    packed = PackedLinear(k, [32, 32, 32], False, ShardedLinearMethod((Q4_K, Q4_K, Q6_K)))
+    parts = [random_blocks(f, 32, k, seed=s) for s, f in enumerate((Q4_K, Q4_K, Q6_K))]
+    for shard, blocks in enumerate(parts):
+        packed.method.load_blocks(packed, blocks, packed.shard_rows(shard))
+    got = kernels.matmul(x, packed)
+    for shard, (fmt, blocks) in enumerate(zip((Q4_K, Q4_K, Q6_K), parts, strict=True)):
+        assert torch.equal(got[:, 32 * shard : 32 * shard + 32], ext.linear_blocks(x, blocks, fmt.ggml_type, None))
