@@ -71,58 +71,60 @@ inline __m256i scales16(int a, int b) {
 }
 
 // One unpacked group, handed to the dot product: the weight w_l = d * s_h * (code_l - offset)
-// - min_h, h = l / 16 (s_h the integer sub-scale in `scales`; offset and mins 0 where the format
-// has none).
+// - dmin * m_h, h = l / 16 (s_h the integer sub-scale in `scales`; offset and m_h 0 where the
+// format has none).
 struct Group {
   __m256i codes;
   __m256i scales;
   float d;
   int32_t offset_a, offset_b;  // offset * s_h, the part of the codes' sum to take back
-  float min_a, min_b;
+  int32_t min_a, min_b;        // m_h
+  float dmin;
 };
 
-// Each format: its block's weights and bytes, whether its codes are signed, and
+// Each format: its block's weights and bytes, whether its codes are signed, whether it has an
+// offset, a minimum, a minimum per 16 weights (else per 32: MIN16), and
 // groups(block, sink) calling sink(j, Group) for the block's groups j in order.
 struct Q8_0 {
   static constexpr int64_t BLOCK = 32, BYTES = 34;
-  static constexpr bool SIGNED = true, OFFSET = false, MIN = false;
+  static constexpr bool SIGNED = true, OFFSET = false, MIN = false, MIN16 = false;
   template <class Sink>
   static void groups(const uint8_t* p, Sink&& sink) {
-    sink(0, Group{load32(p + 2), scales16(1, 1), f16(p), 0, 0, 0.f, 0.f});
+    sink(0, Group{load32(p + 2), scales16(1, 1), f16(p), 0, 0, 0, 0, 0.f});
   }
 };
 
 struct Q4_0 {
   static constexpr int64_t BLOCK = 32, BYTES = 18;
-  static constexpr bool SIGNED = false, OFFSET = true, MIN = false;
+  static constexpr bool SIGNED = false, OFFSET = true, MIN = false, MIN16 = false;
   template <class Sink>
   static void groups(const uint8_t* p, Sink&& sink) {
-    sink(0, Group{nibbles16(p + 2), scales16(1, 1), f16(p), 8, 8, 0.f, 0.f});
+    sink(0, Group{nibbles16(p + 2), scales16(1, 1), f16(p), 8, 8, 0, 0, 0.f});
   }
 };
 
 struct Q4_1 {
   static constexpr int64_t BLOCK = 32, BYTES = 20;
-  static constexpr bool SIGNED = false, OFFSET = false, MIN = true;
+  static constexpr bool SIGNED = false, OFFSET = false, MIN = true, MIN16 = false;
   template <class Sink>
   static void groups(const uint8_t* p, Sink&& sink) {
-    const float m = f16(p + 2);  // w = d q + m
-    sink(0, Group{nibbles16(p + 4), scales16(1, 1), f16(p), 0, 0, -m, -m});
+    // w = d q + m: a minimum of -1 times m
+    sink(0, Group{nibbles16(p + 4), scales16(1, 1), f16(p), 0, 0, -1, -1, f16(p + 2)});
   }
 };
 
 struct IQ4_NL {
   static constexpr int64_t BLOCK = 32, BYTES = 18;
-  static constexpr bool SIGNED = true, OFFSET = false, MIN = false;
+  static constexpr bool SIGNED = true, OFFSET = false, MIN = false, MIN16 = false;
   template <class Sink>
   static void groups(const uint8_t* p, Sink&& sink) {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_VALUES)));
-    sink(0, Group{_mm256_shuffle_epi8(table, nibbles16(p + 2)), scales16(1, 1), f16(p), 0, 0, 0.f, 0.f});
+    sink(0, Group{_mm256_shuffle_epi8(table, nibbles16(p + 2)), scales16(1, 1), f16(p), 0, 0, 0, 0, 0.f});
   }
 };
 
 // Q4_K's and Q5_K's 12 bytes of 6-bit (scale, min) pairs for the 8 sub-blocks
-inline void k_scales(const uint8_t* q, int sc[8], int m[8]) {
+inline __attribute__((always_inline)) void k_scales(const uint8_t* q, int sc[8], int m[8]) {
   for (int j = 0; j < 4; ++j) {
     sc[j] = q[j] & 63;
     m[j] = q[j + 4] & 63;
@@ -133,7 +135,7 @@ inline void k_scales(const uint8_t* q, int sc[8], int m[8]) {
 
 struct Q4_K {
   static constexpr int64_t BLOCK = 256, BYTES = 144;
-  static constexpr bool SIGNED = false, OFFSET = false, MIN = true;
+  static constexpr bool SIGNED = false, OFFSET = false, MIN = true, MIN16 = false;
   template <class Sink>
   static void groups(const uint8_t* p, Sink&& sink) {
     const float d = f16(p), dmin = f16(p + 2);
@@ -143,16 +145,16 @@ struct Q4_K {
     for (int c = 0; c < 4; ++c) {  // run c of 32 bytes: sub-block 2c low, 2c + 1 high
       const __m256i v = load32(p + 16 + 32 * c);
       const int j = 2 * c;
-      sink(j, Group{_mm256_and_si256(v, low), scales16(sc[j], sc[j]), d, 0, 0, dmin * m[j], dmin * m[j]});
+      sink(j, Group{_mm256_and_si256(v, low), scales16(sc[j], sc[j]), d, 0, 0, m[j], m[j], dmin});
       sink(j + 1, Group{_mm256_and_si256(_mm256_srli_epi16(v, 4), low), scales16(sc[j + 1], sc[j + 1]), d, 0, 0,
-                        dmin * m[j + 1], dmin * m[j + 1]});
+                        m[j + 1], m[j + 1], dmin});
     }
   }
 };
 
 struct Q5_K {
   static constexpr int64_t BLOCK = 256, BYTES = 176;
-  static constexpr bool SIGNED = false, OFFSET = false, MIN = true;
+  static constexpr bool SIGNED = false, OFFSET = false, MIN = true, MIN16 = false;
   template <class Sink>
   static void groups(const uint8_t* p, Sink&& sink) {
     const float d = f16(p), dmin = f16(p + 2);
@@ -163,16 +165,16 @@ struct Q5_K {
       const __m256i v = load32(p + 48 + 32 * c);
       const int j = 2 * c;
       sink(j, Group{_mm256_or_si256(_mm256_and_si256(v, low), bit_as(qh, j, 16)), scales16(sc[j], sc[j]), d, 0, 0,
-                    dmin * m[j], dmin * m[j]});
+                    m[j], m[j], dmin});
       sink(j + 1, Group{_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), bit_as(qh, j + 1, 16)),
-                        scales16(sc[j + 1], sc[j + 1]), d, 0, 0, dmin * m[j + 1], dmin * m[j + 1]});
+                        scales16(sc[j + 1], sc[j + 1]), d, 0, 0, m[j + 1], m[j + 1], dmin});
     }
   }
 };
 
 struct IQ4_XS {
   static constexpr int64_t BLOCK = 256, BYTES = 136;
-  static constexpr bool SIGNED = true, OFFSET = false, MIN = false;
+  static constexpr bool SIGNED = true, OFFSET = false, MIN = false, MIN16 = false;
   template <class Sink>
   static void groups(const uint8_t* p, Sink&& sink) {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_VALUES)));
@@ -180,14 +182,14 @@ struct IQ4_XS {
     const int high = p[2] | (p[3] << 8);
     for (int j = 0; j < 8; ++j) {
       const int s = (((p[4 + j / 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4)) - 32;
-      sink(j, Group{_mm256_shuffle_epi8(table, nibbles16(p + 8 + 16 * j)), scales16(s, s), d, 0, 0, 0.f, 0.f});
+      sink(j, Group{_mm256_shuffle_epi8(table, nibbles16(p + 8 + 16 * j)), scales16(s, s), d, 0, 0, 0, 0, 0.f});
     }
   }
 };
 
 struct Q6_K {
   static constexpr int64_t BLOCK = 256, BYTES = 210;
-  static constexpr bool SIGNED = false, OFFSET = true, MIN = false;
+  static constexpr bool SIGNED = false, OFFSET = true, MIN = false, MIN16 = false;
   template <class Sink>
   static void groups(const uint8_t* p, Sink&& sink) {
     const float d = f16(p + 208);
@@ -201,7 +203,7 @@ struct Q6_K {
       const int8_t* s = scale + 8 * h;
       for (int i = 0; i < 4; ++i) {
         const __m256i codes = _mm256_or_si256(nib[i], _mm256_slli_epi16(two_bits(top, i), 4));
-        sink(4 * h + i, Group{codes, scales16(s[2 * i], s[2 * i + 1]), d, 32 * s[2 * i], 32 * s[2 * i + 1], 0.f, 0.f});
+        sink(4 * h + i, Group{codes, scales16(s[2 * i], s[2 * i + 1]), d, 32 * s[2 * i], 32 * s[2 * i + 1], 0, 0, 0.f});
       }
     }
   }
@@ -209,7 +211,7 @@ struct Q6_K {
 
 struct Q3_K {
   static constexpr int64_t BLOCK = 256, BYTES = 110;
-  static constexpr bool SIGNED = false, OFFSET = true, MIN = false;
+  static constexpr bool SIGNED = false, OFFSET = true, MIN = false, MIN16 = false;
   template <class Sink>
   static void groups(const uint8_t* p, Sink&& sink) {
     const float d = f16(p + 108);
@@ -223,7 +225,7 @@ struct Q3_K {
       for (int j = 0; j < 4; ++j) {
         const int g = 4 * n + j;
         const __m256i codes = _mm256_or_si256(two_bits(q, j), bit_as(hmask, g, 4));  // q + 4, 0-7
-        sink(g, Group{codes, scales16(s[2 * g], s[2 * g + 1]), d, 4 * s[2 * g], 4 * s[2 * g + 1], 0.f, 0.f});
+        sink(g, Group{codes, scales16(s[2 * g], s[2 * g + 1]), d, 4 * s[2 * g], 4 * s[2 * g + 1], 0, 0, 0.f});
       }
     }
   }
@@ -231,7 +233,7 @@ struct Q3_K {
 
 struct Q2_K {
   static constexpr int64_t BLOCK = 256, BYTES = 84;
-  static constexpr bool SIGNED = false, OFFSET = false, MIN = true;
+  static constexpr bool SIGNED = false, OFFSET = false, MIN = true, MIN16 = true;
   template <class Sink>
   static void groups(const uint8_t* p, Sink&& sink) {
     const float d = f16(p + 80), dmin = f16(p + 82);
@@ -240,7 +242,7 @@ struct Q2_K {
       const __m256i q = load32(p + 16 + 32 * n);
       for (int j = 0; j < 4; ++j) {
         const int g = 4 * n + j, a = sc[2 * g], b = sc[2 * g + 1];
-        sink(g, Group{two_bits(q, j), scales16(a & 15, b & 15), d, 0, 0, dmin * (a >> 4), dmin * (b >> 4)});
+        sink(g, Group{two_bits(q, j), scales16(a & 15, b & 15), d, 0, 0, a >> 4, b >> 4, dmin});
       }
     }
   }
@@ -251,15 +253,15 @@ struct Q2_K {
 // them (with zero weight codes).
 struct QuantizedX {
   static constexpr int64_t PAD = 8;
-  int64_t M = 0, K = 0;
+  int64_t M = 0, K = 0, G = 0;  // G: groups of 32 a row
   std::vector<int8_t> q;
   std::vector<float> scale;
   std::vector<int32_t> qsum16, qsum32;
 
   const int8_t* codes(int64_t m) const { return q.data() + m * K; }
-  const float* scales(int64_t m) const { return scale.data() + m * (K / QK); }
-  const int32_t* qsums16(int64_t m) const { return qsum16.data() + m * (K / 16); }
-  const int32_t* qsums32(int64_t m) const { return qsum32.data() + m * (K / QK); }
+  const float* scales(int64_t m) const { return scale.data() + m * G; }
+  const int32_t* qsums16(int64_t m) const { return qsum16.data() + m * 2 * G; }
+  const int32_t* qsums32(int64_t m) const { return qsum32.data() + m * G; }
 };
 
 inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
@@ -283,7 +285,7 @@ inline int32_t hsum(__m128i v) {
 
 template <class T>
 void quantize_x(const T* x, int64_t M, int64_t K, QuantizedX& out) {
-  out.M = M, out.K = K;
+  out.M = M, out.K = K, out.G = K / QK;
   const int64_t pad = QuantizedX::PAD;
   out.q.assign(M * K + pad * QK, 0), out.scale.assign(M * K / QK + pad, 0.f);
   out.qsum16.assign(M * K / 16 + 2 * pad, 0), out.qsum32.assign(M * K / QK + pad, 0);
@@ -318,32 +320,6 @@ void quantize_x(const T* x, int64_t M, int64_t K, QuantizedX& out) {
   });
 }
 
-// One block's sum for rows [m0, m0 + R) of x (block b of a K-quant row at w): c[r * nb] each.
-// Its 8 groups add into float lanes in order, then across the lanes; offsets and minimums
-// after, in order.
-template <class F, int R>
-void super_block_sums(const uint8_t* w, int64_t b, int64_t nb, const QuantizedX& x, int64_t m0, float* c) {
-  __m256 acc[R];
-  float tail[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), tail[r] = 0.f;
-  F::groups(w + b * F::BYTES, [&](int j, const Group& grp) {
-    const int64_t g = b * (F::BLOCK / QK) + j;
-    const __m256i u = F::SIGNED ? _mm256_sign_epi8(grp.codes, grp.codes) : grp.codes;
-    for (int r = 0; r < R; ++r) {
-      __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes(m0 + r) + g * QK));
-      if (F::SIGNED) xq = _mm256_sign_epi8(xq, grp.codes);
-      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xq), grp.scales);
-      const float dx = x.scales(m0 + r)[g], dd = grp.d * dx;
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dd), acc[r]);
-      const int32_t* qs = x.qsums16(m0 + r) + 2 * g;
-      if (F::OFFSET) tail[r] -= dd * static_cast<float>(grp.offset_a * qs[0] + grp.offset_b * qs[1]);
-      // a minimum with x's codes, as the products: the weights' own (q d - min) times x's codes
-      if (F::MIN) tail[r] -= dx * (grp.min_a * qs[0] + grp.min_b * qs[1]);
-    }
-  });
-  for (int r = 0; r < R; ++r) c[r * nb] = hsum(acc[r]) + tail[r];
-}
-
 // The sums of 8 vectors' lanes (integers: in any order), as one vector
 inline __m256i sums_of_8(const __m256i v[8]) {
   const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
@@ -351,20 +327,75 @@ inline __m256i sums_of_8(const __m256i v[8]) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
+// The 8 lanes' sum of products of int32 vectors a and b per 16 k (a group's two halves, 8
+// groups) -> one int32 a group
+inline __m256i group_sums(const int32_t* a, const int32_t* b) {
+  const __m256i lo = _mm256_mullo_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(a)),
+                                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+  const __m256i hi = _mm256_mullo_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(a + 8)),
+                                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 8)));
+  return _mm256_permute4x64_epi64(_mm256_hadd_epi32(lo, hi), 0xD8);  // groups 0-7 in order
+}
+
+// One super-block's sum for rows [m0, m0 + R) of x (block b of a K-quant row at w): c[r * nb]
+// each. Its 8 groups' integer sums (sub-scales applied) go into one vector, less the offsets'
+// parts, times d and each x group's scale; less the minimums' parts; then across the lanes in
+// a fixed order.
+template <class F, int R>
+void super_block_sums(const uint8_t* w, int64_t b, int64_t nb, const QuantizedX& x, int64_t m0, float* c) {
+  __m256i codes[8], scales[8];
+  alignas(32) int32_t offsets[16], mins[16];
+  float d = 0.f, dmin = 0.f;
+  F::groups(w + b * F::BYTES, [&](int j, const Group& grp) {
+    codes[j] = grp.codes, scales[j] = grp.scales, d = grp.d, dmin = grp.dmin;
+    if (F::OFFSET) offsets[2 * j] = grp.offset_a, offsets[2 * j + 1] = grp.offset_b;
+    if (F::MIN && F::MIN16) mins[2 * j] = grp.min_a, mins[2 * j + 1] = grp.min_b;
+    if (F::MIN && !F::MIN16) mins[j] = grp.min_a;  // one a group: times x's sums per 32
+  });
+  __m256i u[8];
+  for (int j = 0; j < 8; ++j) u[j] = F::SIGNED ? _mm256_sign_epi8(codes[j], codes[j]) : codes[j];
+  for (int r = 0; r < R; ++r) {
+    const int8_t* xq = x.codes(m0 + r) + b * F::BLOCK;
+    __m256i dots[8];
+    for (int j = 0; j < 8; ++j) {
+      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + QK * j));
+      if (F::SIGNED) xv = _mm256_sign_epi8(xv, codes[j]);
+      dots[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(u[j], xv), scales[j]);
+    }
+    __m256i dot = sums_of_8(dots);
+    const int32_t* qs = x.qsums16(m0 + r) + 16 * b;
+    if (F::OFFSET) dot = _mm256_sub_epi32(dot, group_sums(offsets, qs));
+    const __m256 dx = _mm256_loadu_ps(x.scales(m0 + r) + 8 * b);
+    __m256 sums = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d), dx), _mm256_cvtepi32_ps(dot));
+    if (F::MIN) {  // with x's codes, as the products: the weights' own (q d - min) times x's codes
+      const __m256i m = F::MIN16 ? group_sums(mins, qs)
+                                 : _mm256_mullo_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(mins)),
+                                                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                                          x.qsums32(m0 + r) + 8 * b)));
+      sums = _mm256_sub_ps(sums, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(dmin), dx), _mm256_cvtepi32_ps(m)));
+    }
+    c[r * nb] = hsum(sums);
+  }
+}
+
 // Blocks [b0, b0 + 8) of a row of 32-weight blocks (fewer at the row's end: n): each block's
 // sum for rows [m0, m0 + R) of x into c[r * nb + b], and the 8's pairwise sum (the tree's
 // subtree of 8) into c8[r * nb8 + b0 / 8]. A block's codes are unpacked once for all rows.
-template <class F, int R>
+// (FULL: n is 8, the loops' bounds known to the compiler.)
+template <class F, int R, bool FULL>
 void block_sums_8(const uint8_t* w, int64_t b0, int n, int64_t nb, const QuantizedX& x, int64_t m0, float* c,
                   float* c8, int64_t nb8) {
+  if (FULL) n = 8;
   __m256i codes[8];
   alignas(32) float d[8] = {}, mins[8] = {};
   alignas(32) int32_t offsets[8] = {};
   for (int i = 0; i < 8; ++i) {
     codes[i] = _mm256_setzero_si256();
-    if (i < n)
+    if (FULL || i < n)
       F::groups(w + (b0 + i) * F::BYTES, [&](int, const Group& grp) {
-        codes[i] = grp.codes, d[i] = grp.d, mins[i] = grp.min_a, offsets[i] = grp.offset_a;
+        codes[i] = grp.codes, d[i] = grp.d;
+        if (F::MIN) mins[i] = grp.dmin * grp.min_a;
+        if (F::OFFSET) offsets[i] = grp.offset_a;
       });
   }
   const __m256 dv = _mm256_load_ps(d), minv = _mm256_load_ps(mins);
@@ -385,10 +416,14 @@ void block_sums_8(const uint8_t* w, int64_t b0, int n, int64_t nb, const Quantiz
     if (F::OFFSET) dot = _mm256_sub_epi32(dot, _mm256_mullo_epi32(offv, qs));
     __m256 sums = _mm256_mul_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(dot));
     if (F::MIN) sums = _mm256_sub_ps(sums, _mm256_mul_ps(_mm256_mul_ps(dx, minv), _mm256_cvtepi32_ps(qs)));
-    alignas(32) float out[8];
-    _mm256_store_ps(out, sums);
-    for (int i = 0; i < n; ++i) c[r * nb + b0 + i] = out[i];
-    if (n == 8) {  // ((c0 + c1) + (c2 + c3)) + ((c4 + c5) + (c6 + c7))
+    if (FULL) {
+      _mm256_storeu_ps(c + r * nb + b0, sums);
+    } else {
+      alignas(32) float out[8];
+      _mm256_store_ps(out, sums);
+      for (int i = 0; i < n; ++i) c[r * nb + b0 + i] = out[i];
+    }
+    if (FULL) {  // ((c0 + c1) + (c2 + c3)) + ((c4 + c5) + (c6 + c7))
       const __m256 pairs = _mm256_hadd_ps(sums, sums), quads = _mm256_hadd_ps(pairs, pairs);
       c8[r * nb8 + b0 / 8] = _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1)));
     }
@@ -403,6 +438,8 @@ void block_sums_8(const uint8_t* w, int64_t b0, int n, int64_t nb, const Quantiz
 // round some of them the other way).
 float tree_sum(const float* c, const float* c8, int64_t b, int64_t n) {
   if (n == 8 && c8 != nullptr && b % 8 == 0) return c8[b / 8];
+  if (n == 2) return c[b] + c[b + 1];
+  if (n == 4) return (c[b] + c[b + 1]) + (c[b + 2] + c[b + 3]);
   if (n % 2) {
     float s = c[b];
     for (int64_t i = 1; i < n; ++i) s += c[b + i];
@@ -420,7 +457,10 @@ void dot_row(const uint8_t* w, int64_t nb, const QuantizedX& x, int64_t m0, floa
   float* c8 = buf + R * nb;
   if constexpr (F::BLOCK == QK) {
     for (int64_t b0 = 0; b0 < nb; b0 += 8)
-      block_sums_8<F, R>(w, b0, static_cast<int>(std::min<int64_t>(8, nb - b0)), nb, x, m0, c, c8, nb8);
+      if (nb - b0 >= 8)
+        block_sums_8<F, R, true>(w, b0, 8, nb, x, m0, c, c8, nb8);
+      else
+        block_sums_8<F, R, false>(w, b0, static_cast<int>(nb - b0), nb, x, m0, c, c8, nb8);
   } else {
     for (int64_t b = 0; b < nb; ++b) super_block_sums<F, R>(w, b, nb, x, m0, c + b);
   }
