@@ -11,7 +11,8 @@ The extension is compiled with torch's cpp_extension and cached on disk
 ``python -m ridge.layers.cpu_kernels``), so a first run only loads it; a build that does
 happen at first use says so on stderr, with its progress, instead of looking hung. Where
 the extension cannot be used (no AVX-512 BF16, no compiler, another dtype or device) ridge
-runs the torch ops.
+runs the torch ops; on a CPU with AVX2 alone, the block formats' matmuls run a second, smaller
+extension (``csrc/avx2_blocks.cpp``, ``Avx2Kernels``).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ AVX2 = ExtensionSpec(
     # many rows a tile holds (a row's output does not depend on its batch)
     ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"),
     "avx2",
-    "under a minute",
+    "about a minute",
 )
 # Progress lines while a build runs (it takes 1-2 minutes on 2 cores).
 PROGRESS_EVERY_S = 15.0
@@ -254,7 +255,7 @@ def cpu_has_avx2() -> bool:
 
 def load_avx2_extension(progress=sys.stderr):
     """Load the AVX2 kernels' extension (``csrc/avx2_blocks.cpp``), compiling it first if
-    needed (tens of seconds), as ``load_extension`` does; returns the module."""
+    needed (about a minute), as ``load_extension`` does; returns the module."""
     global _LOADED_AVX2
     if _LOADED_AVX2 is None:
         _LOADED_AVX2 = _load_extension(progress, AVX2)
