@@ -303,11 +303,16 @@ class TorchKernels:
 
 
 class Avx2Kernels(TorchKernels):
-    """A CPU with AVX2 but not AVX-512 BF16 (AMD Zen 2-3, Intel's client cores): torch's ops,
-    except the matmuls of block-format layers, which run ``csrc/avx2_blocks.cpp`` on the GGUF
-    bytes the layer holds, every format of ``formats.FORMATS``. (Torch's reference would
-    dequantize the whole weight to float32 on every call: 8 bytes read and written a weight
-    where a Q4_K_M file holds 0.6.) Nothing is repacked."""
+    """A CPU with AVX2 but not AVX-512 BF16 (AMD Zen 2-3, Intel's client cores).
+
+    - The matmuls of block-format layers run ``csrc/avx2_blocks.cpp`` on the GGUF bytes the
+      layer holds, every format of ``formats.FORMATS``. (Torch's reference would dequantize
+      the whole weight to float32 on every call: 8 bytes read and written a weight where a
+      Q4_K_M file holds 0.6.) Nothing is repacked.
+    - A decode step's other ops in float32 or bfloat16 run ``csrc/avx2_ops.cpp``: RMSNorm (with
+      the residual add), SiLU-and-multiply, RoPE, and decode attention from the paged cache
+      (not an int8/fp8 one). Each rounds where torch's op rounds.
+    - Everything else (dense matmuls, prefill attention, quantized caches, routing) is torch's."""
 
     name = "avx2"
 
@@ -329,6 +334,62 @@ class Avx2Kernels(TorchKernels):
         if rows is not None:  # one expert's rows of a stacked layer (no bias)
             return self.ext.linear_blocks(x, layer.blocks[rows], fmt.ggml_type, None)
         return self.ext.linear_blocks(x, layer.blocks, fmt.ggml_type, layer.bias)
+
+    def rope_state(self, rotary, positions, dtype):
+        return positions, rotary.cos, rotary.sin
+
+    def rope(self, x, state):
+        positions, cos, sin = state
+        if (
+            x.dtype not in (torch.float32, torch.bfloat16)
+            or x.dim() != 3
+            or x.stride(-1) != 1
+            or x.stride(1) != x.shape[2]
+            or x.shape[2] % 16
+            or cos.dtype is not torch.float32
+            or cos.shape[-1] != x.shape[2]
+        ):
+            return super().rope(x, (cos[positions].unsqueeze(1).to(x.dtype), sin[positions].unsqueeze(1).to(x.dtype)))
+        self.ext.rope_(x, positions, cos, sin)
+        return x
+
+    def _norm_args_ok(self, x, weight) -> bool:
+        return x.dtype in (torch.float32, torch.bfloat16) and weight.dtype is x.dtype and weight.is_contiguous()
+
+    def rms_norm(self, x, weight, eps):
+        if not self._norm_args_ok(x, weight):
+            return super().rms_norm(x, weight, eps)
+        return self.ext.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if not self._norm_args_ok(x, weight) or residual.dtype is not x.dtype or not residual.is_contiguous():
+            return super().add_rms_norm(x, residual, weight, eps)
+        return self.ext.add_rms_norm(x, residual, weight, eps)
+
+    def silu_mul(self, gate_up):
+        if gate_up.dtype not in (torch.float32, torch.bfloat16):
+            return super().silu_mul(gate_up)
+        return self.ext.silu_mul(gate_up)
+
+    def decode_attention(self, q, cache, meta, scale=None, value_dim=None):
+        num_seqs, num_heads, head_dim = q.shape
+        num_kv_heads = cache.k.shape[2]
+        few_jobs = num_seqs * num_kv_heads < torch.get_num_threads()
+        if (
+            cache.quantized
+            or q.dtype not in (torch.float32, torch.bfloat16)
+            or cache.k.dtype is not q.dtype
+            or head_dim % 8
+            # many heads on one KV head and fewer (sequence, KV head) jobs than threads: torch's
+            # batched GEMMs over the gathered copy keep every core busy, the kernel would not
+            or (num_heads // num_kv_heads >= MANY_HEADS_PER_KV_HEAD and few_jobs)
+        ):
+            return super().decode_attention(q, cache, meta, scale, value_dim)
+        scale = head_dim**-0.5 if scale is None else scale
+        out = self.ext.paged_decode_attention(
+            q, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens, scale
+        )
+        return out if value_dim is None else out[..., :value_dim]
 
 
 class CpuKernels(TorchKernels):

@@ -204,7 +204,11 @@ def test_tp2_on_a_quantized_deepseek2_file_splits_its_per_head_blocks(tmp_path):
         assert k_b.method.format.name == "int8" and k_b.num_experts == 2  # this rank's 2 of 4 heads
         assert torch.equal(k_b.method.blocks_of(k_b), whole.method.blocks_of(whole)[: 2 * k_b.rows_per_expert])
         got = tp.generate(prompts, params, use_tqdm=False)
-    _assert_same(ref, got)
+    # The dense layer's down_proj stays float32 (112 columns: no whole Q8_0 blocks), split 56 + 56
+    # and summed by torch's matmul in another order. On the AVX2 kernels an ulp there can round one
+    # of the next layer's int8 activations the other way: 0.003 nats seen, as in the int8-KV case
+    # above (the AVX-512 kernels' rounding happens to stay within ATOL here).
+    _assert_same(ref, got, atol=0.03 if _avx2_kernels() else ATOL)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: ranks past the GPUs there are")

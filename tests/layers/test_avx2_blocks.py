@@ -47,16 +47,18 @@ def test_matches_dequantized_fp32_reference(ext, name, m, n, k):
             got = ext.linear_blocks(x, blocks, fmt.ggml_type, b)
             want = x.float() @ w.T + (b if b is not None else 0)
             assert got.dtype == dtype and got.shape == (m, n)
-            # per element: int8 activations (|error| <= scale / 2 per x, a scale per 32) summed
-            # over k, plus the output's rounding to bf16
-            x_err = (x.float().reshape(m, -1, 32).abs().amax(-1) / 127 / 2).repeat_interleave(32, -1)
+            # per element: int8 activations (|error| <= scale / 2 per x, a scale per 32 or per
+            # super-block of 256) summed over k, plus the output's rounding to bf16
+            g = fmt.block
+            x_err = (x.float().reshape(m, -1, g).abs().amax(-1) / 127 / 2).repeat_interleave(g, -1)
             bound = x_err @ w.abs().T * 1.01 + want.abs() * (2**-8 if dtype is torch.bfloat16 else 1e-5) + 1e-5
             assert ((got.float() - want).abs() <= bound).all()
 
 
-def _int8_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel reads it: int8 codes per 32 (scale amax / 127, ties to even), as floats."""
-    groups = x.float().reshape(x.shape[0], -1, 32)
+def _int8_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as the kernel reads it: int8 codes per ``group`` (the format's block: 32, or 256 for
+    the super-block formats as llama.cpp's Q8_K; scale amax / 127, ties to even), as floats."""
+    groups = x.float().reshape(x.shape[0], -1, group)
     scale = groups.abs().amax(-1, keepdim=True) / 127
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     return (torch.round(groups * inverse) * scale).reshape(x.shape)
@@ -70,7 +72,7 @@ def test_equals_the_dequantized_weights_times_int8_activations(ext, name):
     fmt, k = FORMATS[name], 768
     blocks = _blocks(name, 40, k, seed=5)
     x = torch.randn(6, k, generator=torch.Generator().manual_seed(6))
-    want = _int8_activations(x).double() @ fmt.dequantize(blocks, k).double().T
+    want = _int8_activations(x, fmt.block).double() @ fmt.dequantize(blocks, k).double().T
     got = ext.linear_blocks(x, blocks, fmt.ggml_type, None).double()
     assert ((got - want).norm() / want.norm()).item() < 2e-6
 

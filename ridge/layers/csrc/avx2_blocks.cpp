@@ -65,167 +65,201 @@ inline __m256i two_bits(__m256i bytes, int j) {
   return _mm256_and_si256(_mm256_srli_epi16(bytes, 2 * j), _mm256_set1_epi8(3));
 }
 
-// int16 sub-scales: a for weights 0-15, b for 16-31
-inline __m256i scales16(int a, int b) {
-  return _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(b)), _mm_set1_epi16(static_cast<int16_t>(a)));
-}
-
-// One unpacked group, handed to the dot product: the weight w_l = d * s_h * (code_l - offset)
-// - dmin * m_h, h = l / 16 (s_h the integer sub-scale in `scales`; offset and m_h 0 where the
-// format has none).
-struct Group {
-  __m256i codes;
-  __m256i scales;
-  float d;
-  int32_t offset_a, offset_b;  // offset * s_h, the part of the codes' sum to take back
-  int32_t min_a, min_b;        // m_h
-  float dmin;
-};
-
-// Each format: its block's weights and bytes, whether its codes are signed, whether it has an
-// offset, a minimum, a minimum per 16 weights (else per 32: MIN16), and
-// groups(block, sink) calling sink(j, Group) for the block's groups j in order.
+// The 32-weight formats: a block is one group. Each one's codes(block) unpacks its 32 codes;
+// D_AT is where its fp16 factor d sits, M_AT its fp16 minimum m (MIN: w = d q + m), and
+// OFFSET_SHIFT gives Q4_0's offset, 8 (w = d (q - 8)).
 struct Q8_0 {
-  static constexpr int64_t BLOCK = 32, BYTES = 34;
-  static constexpr bool SIGNED = true, OFFSET = false, MIN = false, MIN16 = false;
-  template <class Sink>
-  static void groups(const uint8_t* p, Sink&& sink) {
-    sink(0, Group{load32(p + 2), scales16(1, 1), f16(p), 0, 0, 0, 0, 0.f});
-  }
+  static constexpr int64_t BLOCK = 32, BYTES = 34, D_AT = 0, M_AT = 0;
+  static constexpr bool SIGNED = true, OFFSET = false, MIN = false;
+  static constexpr int OFFSET_SHIFT = 0;
+  static __m256i codes(const uint8_t* p) { return load32(p + 2); }
 };
 
 struct Q4_0 {
-  static constexpr int64_t BLOCK = 32, BYTES = 18;
-  static constexpr bool SIGNED = false, OFFSET = true, MIN = false, MIN16 = false;
-  template <class Sink>
-  static void groups(const uint8_t* p, Sink&& sink) {
-    sink(0, Group{nibbles16(p + 2), scales16(1, 1), f16(p), 8, 8, 0, 0, 0.f});
-  }
+  static constexpr int64_t BLOCK = 32, BYTES = 18, D_AT = 0, M_AT = 0;
+  static constexpr bool SIGNED = false, OFFSET = true, MIN = false;
+  static constexpr int OFFSET_SHIFT = 3;
+  static __m256i codes(const uint8_t* p) { return nibbles16(p + 2); }
 };
 
 struct Q4_1 {
-  static constexpr int64_t BLOCK = 32, BYTES = 20;
-  static constexpr bool SIGNED = false, OFFSET = false, MIN = true, MIN16 = false;
-  template <class Sink>
-  static void groups(const uint8_t* p, Sink&& sink) {
-    // w = d q + m: a minimum of -1 times m
-    sink(0, Group{nibbles16(p + 4), scales16(1, 1), f16(p), 0, 0, -1, -1, f16(p + 2)});
-  }
+  static constexpr int64_t BLOCK = 32, BYTES = 20, D_AT = 0, M_AT = 2;
+  static constexpr bool SIGNED = false, OFFSET = false, MIN = true;
+  static constexpr int OFFSET_SHIFT = 0;
+  static __m256i codes(const uint8_t* p) { return nibbles16(p + 4); }
 };
 
 struct IQ4_NL {
-  static constexpr int64_t BLOCK = 32, BYTES = 18;
-  static constexpr bool SIGNED = true, OFFSET = false, MIN = false, MIN16 = false;
-  template <class Sink>
-  static void groups(const uint8_t* p, Sink&& sink) {
+  static constexpr int64_t BLOCK = 32, BYTES = 18, D_AT = 0, M_AT = 0;
+  static constexpr bool SIGNED = true, OFFSET = false, MIN = false;
+  static constexpr int OFFSET_SHIFT = 0;
+  static __m256i codes(const uint8_t* p) {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_VALUES)));
-    sink(0, Group{_mm256_shuffle_epi8(table, nibbles16(p + 2)), scales16(1, 1), f16(p), 0, 0, 0, 0, 0.f});
+    return _mm256_shuffle_epi8(table, nibbles16(p + 2));
   }
 };
 
-// Q4_K's and Q5_K's 12 bytes of 6-bit (scale, min) pairs for the 8 sub-blocks
-inline __attribute__((always_inline)) void k_scales(const uint8_t* q, int sc[8], int m[8]) {
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = q[j] & 63;
-    m[j] = q[j + 4] & 63;
-    sc[j + 4] = (q[j + 8] & 15) | ((q[j] >> 6) << 4);
-    m[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
+// The super-block formats (256 weights: the K-quants and IQ4_XS). Each one's
+// block(p, header, sink) decodes a super-block's header (its factors, 16 per-16 minimums and
+// offsets as int16 vectors) and calls sink(j, codes, scales) for its 8 groups j in order: the
+// group's 32 codes and its sub-scales as int16 (lanes 0-7 for weights 0-15, 8-15 for 16-31).
+// The weight w_l = d * s_h * (code_l - offset) - dmin * m_h, h = l / 16 of the super-block.
+struct Header {
+  float d, dmin;
+  __m256i mins;     // m_h, 16 int16 (0 where the format has none)
+  __m256i offsets;  // offset * s_h, 16 int16 (0 where the format has none)
+};
+
+// pshufb masks picking int16 lane a of a 128-bit half for the low half and lane b for the
+// high one: SAME_MASKS[j] (a = b = j: a scale per 32 weights), PAIR_MASKS[i] (a = 2i, b =
+// 2i + 1: a scale per 16). Constants, so each pick is one vpshufb with a memory operand.
+struct PickMasks {
+  alignas(32) uint8_t same[8][32];
+  alignas(32) uint8_t pair[4][32];
+  constexpr PickMasks() : same(), pair() {
+    for (int j = 0; j < 8; ++j)
+      for (int l = 0; l < 32; ++l) {
+        same[j][l] = static_cast<uint8_t>(2 * j + (l & 1));
+        if (j < 4) pair[j][l] = static_cast<uint8_t>(2 * (2 * j + (l >= 16)) + (l & 1));
+      }
   }
+};
+constexpr PickMasks PICK{};
+
+// [src[j] x 8 | src[j] x 8] and [src[2i] x 8 | src[2i + 1] x 8] from the int16 lanes 0-7 of
+// src (both 128-bit halves alike)
+inline __attribute__((always_inline)) __m256i pick_same(__m256i src, int j) {
+  return _mm256_shuffle_epi8(src, _mm256_load_si256(reinterpret_cast<const __m256i*>(PICK.same[j])));
+}
+inline __attribute__((always_inline)) __m256i pick_pair(__m256i src, int i) {
+  return _mm256_shuffle_epi8(src, _mm256_load_si256(reinterpret_cast<const __m256i*>(PICK.pair[i])));
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Q4_K's and Q5_K's 12 bytes of 6-bit (scale, min) pairs for the 8 groups -> bytes 0-7 the
+// scales, 8-15 the minimums
+inline __m128i k_scales(const uint8_t* q) {
+  const uint32_t u0 = load_u32(q), u1 = load_u32(q + 4), u2 = load_u32(q + 8);
+  const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+  return _mm_setr_epi32(static_cast<int>(u0 & low6), static_cast<int>((u2 & low4) | (((u0 >> 6) & low2) << 4)),
+                        static_cast<int>(u1 & low6),
+                        static_cast<int>(((u2 >> 4) & low4) | (((u1 >> 6) & low2) << 4)));
+}
+
+// Q4_K/Q5_K header: the 8 scales as int16 in both halves (for pick_same), the minimums per 16
+inline __m256i k_header(const uint8_t* p, Header& h) {
+  h.d = f16(p), h.dmin = f16(p + 2);
+  const __m128i sm = k_scales(p + 4);
+  h.mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));  // each group's minimum for its 2 halves
+  h.offsets = _mm256_setzero_si256();
+  return _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
 }
 
 struct Q4_K {
   static constexpr int64_t BLOCK = 256, BYTES = 144;
-  static constexpr bool SIGNED = false, OFFSET = false, MIN = true, MIN16 = false;
+  static constexpr bool SIGNED = false, OFFSET = false, MIN = true;
   template <class Sink>
-  static void groups(const uint8_t* p, Sink&& sink) {
-    const float d = f16(p), dmin = f16(p + 2);
-    int sc[8], m[8];
-    k_scales(p + 4, sc, m);
-    const __m256i low = _mm256_set1_epi8(15);
-    for (int c = 0; c < 4; ++c) {  // run c of 32 bytes: sub-block 2c low, 2c + 1 high
+  static void block(const uint8_t* p, Header& h, Sink&& sink) {
+    const __m256i sc = k_header(p, h), low = _mm256_set1_epi8(15);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {  // run c of 32 bytes: group 2c in the low nibbles, 2c + 1 in the high
       const __m256i v = load32(p + 16 + 32 * c);
-      const int j = 2 * c;
-      sink(j, Group{_mm256_and_si256(v, low), scales16(sc[j], sc[j]), d, 0, 0, m[j], m[j], dmin});
-      sink(j + 1, Group{_mm256_and_si256(_mm256_srli_epi16(v, 4), low), scales16(sc[j + 1], sc[j + 1]), d, 0, 0,
-                        m[j + 1], m[j + 1], dmin});
+      sink(2 * c, _mm256_and_si256(v, low), pick_same(sc, 2 * c));
+      sink(2 * c + 1, _mm256_and_si256(_mm256_srli_epi16(v, 4), low), pick_same(sc, 2 * c + 1));
     }
   }
 };
 
 struct Q5_K {
   static constexpr int64_t BLOCK = 256, BYTES = 176;
-  static constexpr bool SIGNED = false, OFFSET = false, MIN = true, MIN16 = false;
+  static constexpr bool SIGNED = false, OFFSET = false, MIN = true;
   template <class Sink>
-  static void groups(const uint8_t* p, Sink&& sink) {
-    const float d = f16(p), dmin = f16(p + 2);
-    int sc[8], m[8];
-    k_scales(p + 4, sc, m);
-    const __m256i qh = load32(p + 16), low = _mm256_set1_epi8(15);
-    for (int c = 0; c < 4; ++c) {  // Q4_K's nibbles; bit j of qh[l] adds 16 to sub-block j's element l
+  static void block(const uint8_t* p, Header& h, Sink&& sink) {
+    const __m256i sc = k_header(p, h), qh = load32(p + 16), low = _mm256_set1_epi8(15);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {  // Q4_K's nibbles; bit j of qh[l] adds 16 to group j's element l
       const __m256i v = load32(p + 48 + 32 * c);
       const int j = 2 * c;
-      sink(j, Group{_mm256_or_si256(_mm256_and_si256(v, low), bit_as(qh, j, 16)), scales16(sc[j], sc[j]), d, 0, 0,
-                    m[j], m[j], dmin});
-      sink(j + 1, Group{_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), bit_as(qh, j + 1, 16)),
-                        scales16(sc[j + 1], sc[j + 1]), d, 0, 0, m[j + 1], m[j + 1], dmin});
+      sink(j, _mm256_or_si256(_mm256_and_si256(v, low), bit_as(qh, j, 16)), pick_same(sc, j));
+      sink(j + 1, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), bit_as(qh, j + 1, 16)),
+           pick_same(sc, j + 1));
     }
   }
 };
 
 struct IQ4_XS {
   static constexpr int64_t BLOCK = 256, BYTES = 136;
-  static constexpr bool SIGNED = true, OFFSET = false, MIN = false, MIN16 = false;
+  static constexpr bool SIGNED = true, OFFSET = false, MIN = false;
   template <class Sink>
-  static void groups(const uint8_t* p, Sink&& sink) {
+  static void block(const uint8_t* p, Header& h, Sink&& sink) {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_VALUES)));
-    const float d = f16(p);
-    const int high = p[2] | (p[3] << 8);
-    for (int j = 0; j < 8; ++j) {
-      const int s = (((p[4 + j / 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4)) - 32;
-      sink(j, Group{_mm256_shuffle_epi8(table, nibbles16(p + 8 + 16 * j)), scales16(s, s), d, 0, 0, 0, 0, 0.f});
-    }
+    h.d = f16(p), h.dmin = 0.f, h.mins = h.offsets = _mm256_setzero_si256();
+    // group j's scale: 4 bits (nibble j of bytes 4-7) and 2 (bits 2j of bytes 2-3), less 32
+    const __m128i l = _mm_cvtsi32_si128(static_cast<int>(load_u32(p + 4))), m4 = _mm_set1_epi8(15);
+    const __m128i lo = _mm_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_and_si128(l, m4), _mm_and_si128(_mm_srli_epi16(l, 4), m4)));
+    const __m256i hv = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(p[2] | (p[3] << 8)),
+                                                          _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                        _mm256_set1_epi32(3));
+    const __m128i hi = _mm_packs_epi32(_mm256_castsi256_si128(hv), _mm256_extracti128_si256(hv, 1));
+    const __m256i sc = _mm256_broadcastsi128_si256(
+        _mm_sub_epi16(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), _mm_set1_epi16(32)));
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) sink(j, _mm256_shuffle_epi8(table, nibbles16(p + 8 + 16 * j)), pick_same(sc, j));
   }
 };
 
 struct Q6_K {
   static constexpr int64_t BLOCK = 256, BYTES = 210;
-  static constexpr bool SIGNED = false, OFFSET = true, MIN = false, MIN16 = false;
+  static constexpr bool SIGNED = false, OFFSET = true, MIN = false;
   template <class Sink>
-  static void groups(const uint8_t* p, Sink&& sink) {
-    const float d = f16(p + 208);
-    const int8_t* scale = reinterpret_cast<const int8_t*>(p + 192);
+  static void block(const uint8_t* p, Header& h, Sink&& sink) {
+    h.d = f16(p + 208), h.dmin = 0.f, h.mins = _mm256_setzero_si256();
+    const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
+    h.offsets = _mm256_slli_epi16(s, 5);  // the codes' offset, 32
     const __m256i low = _mm256_set1_epi8(15);
-    for (int h = 0; h < 2; ++h) {  // each half: 64 bytes of low nibbles, 32 of top 2-bit pairs, 8 scales
-      const __m256i a = load32(p + 64 * h), b = load32(p + 64 * h + 32), top = load32(p + 128 + 32 * h);
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {  // each: 64 bytes of low nibbles, 32 of top 2-bit pairs, 8 scales
+      const __m256i sc = half ? _mm256_permute2x128_si256(s, s, 0x11) : _mm256_permute2x128_si256(s, s, 0x00);
+      const __m256i a = load32(p + 64 * half), b = load32(p + 64 * half + 32), top = load32(p + 128 + 32 * half);
       const __m256i nib[4] = {_mm256_and_si256(a, low), _mm256_and_si256(b, low),
                               _mm256_and_si256(_mm256_srli_epi16(a, 4), low),
                               _mm256_and_si256(_mm256_srli_epi16(b, 4), low)};
-      const int8_t* s = scale + 8 * h;
-      for (int i = 0; i < 4; ++i) {
-        const __m256i codes = _mm256_or_si256(nib[i], _mm256_slli_epi16(two_bits(top, i), 4));
-        sink(4 * h + i, Group{codes, scales16(s[2 * i], s[2 * i + 1]), d, 32 * s[2 * i], 32 * s[2 * i + 1], 0, 0, 0.f});
-      }
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i)
+        sink(4 * half + i, _mm256_or_si256(nib[i], _mm256_slli_epi16(two_bits(top, i), 4)), pick_pair(sc, i));
     }
   }
 };
 
 struct Q3_K {
   static constexpr int64_t BLOCK = 256, BYTES = 110;
-  static constexpr bool SIGNED = false, OFFSET = true, MIN = false, MIN16 = false;
+  static constexpr bool SIGNED = false, OFFSET = true, MIN = false;
   template <class Sink>
-  static void groups(const uint8_t* p, Sink&& sink) {
-    const float d = f16(p + 108);
-    const uint8_t* sc = p + 96;
-    int s[16];
-    for (int i = 0; i < 16; ++i)
-      s[i] = (((sc[i % 8] >> (4 * (i / 8))) & 15) | (((sc[8 + i % 4] >> (2 * (i / 4))) & 3) << 4)) - 32;
+  static void block(const uint8_t* p, Header& h, Sink&& sink) {
+    h.d = f16(p + 108), h.dmin = 0.f, h.mins = _mm256_setzero_si256();
+    // scale i: 4 bits (byte i % 8 of bytes 96-103, its low nibble for i < 8) and 2 (byte
+    // 104 + i % 4, bits 2 (i / 4)), less 32
+    const __m128i l = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 96)), m4 = _mm_set1_epi8(15);
+    const __m128i lo = _mm_unpacklo_epi64(_mm_and_si128(l, m4), _mm_and_si128(_mm_srli_epi16(l, 4), m4));
+    const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(static_cast<int>(load_u32(p + 104))),
+                                                    _mm_setr_epi32(0, 2, 4, 6)),
+                                     _mm_set1_epi8(3));
+    const __m256i s = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32)));
+    h.offsets = _mm256_slli_epi16(s, 2);  // the codes' offset, 4
     const __m256i hmask = load32(p);
-    for (int n = 0; n < 2; ++n) {  // 32 bytes of 2-bit codes per 4 sub-blocks; hmask's bit g: the code's 4
+#pragma GCC unroll 2
+    for (int n = 0; n < 2; ++n) {  // 32 bytes of 2-bit codes per 4 groups; hmask's bit g: the code's 4
+      const __m256i sc = n ? _mm256_permute2x128_si256(s, s, 0x11) : _mm256_permute2x128_si256(s, s, 0x00);
       const __m256i q = load32(p + 32 + 32 * n);
+#pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
         const int g = 4 * n + j;
-        const __m256i codes = _mm256_or_si256(two_bits(q, j), bit_as(hmask, g, 4));  // q + 4, 0-7
-        sink(g, Group{codes, scales16(s[2 * g], s[2 * g + 1]), d, 4 * s[2 * g], 4 * s[2 * g + 1], 0, 0, 0.f});
+        sink(g, _mm256_or_si256(two_bits(q, j), bit_as(hmask, g, 4)), pick_pair(sc, j));  // q + 4, 0-7
       }
     }
   }
@@ -233,35 +267,40 @@ struct Q3_K {
 
 struct Q2_K {
   static constexpr int64_t BLOCK = 256, BYTES = 84;
-  static constexpr bool SIGNED = false, OFFSET = false, MIN = true, MIN16 = true;
+  static constexpr bool SIGNED = false, OFFSET = false, MIN = true;
   template <class Sink>
-  static void groups(const uint8_t* p, Sink&& sink) {
-    const float d = f16(p + 80), dmin = f16(p + 82);
-    const uint8_t* sc = p;  // per 16 weights: scale in the low nibble, min in the high one
+  static void block(const uint8_t* p, Header& h, Sink&& sink) {
+    h.d = f16(p + 80), h.dmin = f16(p + 82), h.offsets = _mm256_setzero_si256();
+    // per 16 weights: the scale in a byte's low nibble, the minimum in its high one
+    const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), m4 = _mm_set1_epi8(15);
+    const __m256i s = _mm256_cvtepu8_epi16(_mm_and_si128(sm, m4));
+    h.mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sm, 4), m4));
+#pragma GCC unroll 2
     for (int n = 0; n < 2; ++n) {
+      const __m256i sc = n ? _mm256_permute2x128_si256(s, s, 0x11) : _mm256_permute2x128_si256(s, s, 0x00);
       const __m256i q = load32(p + 16 + 32 * n);
-      for (int j = 0; j < 4; ++j) {
-        const int g = 4 * n + j, a = sc[2 * g], b = sc[2 * g + 1];
-        sink(g, Group{two_bits(q, j), scales16(a & 15, b & 15), d, 0, 0, a >> 4, b >> 4, dmin});
-      }
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) sink(4 * n + j, two_bits(q, j), pick_pair(sc, j));
     }
   }
 };
 
-// x quantized for a call: per row K int8 codes, a scale per 32, the sum of the codes per 16 and
-// per 32. Each array has 8 groups' room past its end: a run of 8 blocks at a row's end reads
-// them (with zero weight codes).
+// x quantized for a call: per row K int8 codes and a scale per QX k (32 for the 32-weight
+// formats, as llama.cpp's Q8_0; 256 for the super-block formats, as its Q8_K), the sums of the
+// codes per 16 (int16) and per 32 (int32). Each array has 8 groups' room past its end: a run
+// of 8 blocks at a row's end reads them (with zero weight codes).
 struct QuantizedX {
   static constexpr int64_t PAD = 8;
-  int64_t M = 0, K = 0, G = 0;  // G: groups of 32 a row
+  int64_t M = 0, K = 0, G = 0, QX = QK;  // G: scales a row
   std::vector<int8_t> q;
   std::vector<float> scale;
-  std::vector<int32_t> qsum16, qsum32;
+  std::vector<int16_t> qsum16;
+  std::vector<int32_t> qsum32;
 
   const int8_t* codes(int64_t m) const { return q.data() + m * K; }
   const float* scales(int64_t m) const { return scale.data() + m * G; }
-  const int32_t* qsums16(int64_t m) const { return qsum16.data() + m * 2 * G; }
-  const int32_t* qsums32(int64_t m) const { return qsum32.data() + m * G; }
+  const int16_t* qsums16(int64_t m) const { return qsum16.data() + m * (K / 16); }
+  const int32_t* qsums32(int64_t m) const { return qsum32.data() + m * (K / QK); }
 };
 
 inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
@@ -284,38 +323,40 @@ inline int32_t hsum(__m128i v) {
 }
 
 template <class T>
-void quantize_x(const T* x, int64_t M, int64_t K, QuantizedX& out) {
-  out.M = M, out.K = K, out.G = K / QK;
-  const int64_t pad = QuantizedX::PAD;
-  out.q.assign(M * K + pad * QK, 0), out.scale.assign(M * K / QK + pad, 0.f);
-  out.qsum16.assign(M * K / 16 + 2 * pad, 0), out.qsum32.assign(M * K / QK + pad, 0);
+void quantize_x(const T* x, int64_t M, int64_t K, int64_t QX, QuantizedX& out) {
+  out.M = M, out.K = K, out.G = K / QX, out.QX = QX;
+  const int64_t pad = QuantizedX::PAD, per = QX / QK;  // groups of 32 a scale
+  out.q.assign(M * K + pad * 256, 0), out.scale.assign(M * out.G + pad, 0.f);
+  out.qsum16.assign(M * K / 16 + 16 * pad, 0), out.qsum32.assign(M * K / QK + 8 * pad, 0);
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  at::parallel_for(0, M * (K / QK), 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {  // group i of the M x K/32
-      const int64_t m = i / (K / QK), g = i % (K / QK);
-      const T* src = x + m * K + g * QK;
-      __m256 v[4];
+  at::parallel_for(0, M * out.G, 256 / per, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {  // scale i of the M x K / QX
+      const T* src = x + i * QX;  // rows are contiguous: scale i covers x[i QX, (i + 1) QX)
       __m256 amax = _mm256_setzero_ps();
-      for (int k = 0; k < 4; ++k) v[k] = load8(src + 8 * k), amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
+      for (int64_t k = 0; k < QX; k += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, load8(src + k)));
       __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
       a = _mm_max_ps(a, _mm_movehl_ps(a, a));
       a = _mm_max_ss(a, _mm_movehdup_ps(a));
       const float d = _mm_cvtss_f32(a) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-      __m256i q[4];
-      for (int k = 0; k < 4; ++k)
-        q[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[k], _mm256_set1_ps(id)),
-                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      // int32 x 32 -> int8 x 32 in order (packs interleave the 128-bit lanes: permute them back)
-      const __m256i w16a = _mm256_packs_epi32(q[0], q[1]), w16b = _mm256_packs_epi32(q[2], q[3]);
-      const __m256i b8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16a, w16b),
-                                                     _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + m * K + g * QK), b8);
       out.scale[i] = d;
-      for (int h = 0; h < 2; ++h) {
-        const __m256i s = _mm256_add_epi32(q[2 * h], q[2 * h + 1]);
-        out.qsum16[2 * i + h] = hsum(_mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1)));
+      for (int64_t g = i * per; g < (i + 1) * per; ++g) {  // group g of 32 (over all rows)
+        __m256i q[4];
+        for (int k = 0; k < 4; ++k)
+          q[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(load8(x + g * QK + 8 * k), _mm256_set1_ps(id)),
+                                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        // int32 x 32 -> int8 x 32 in order (packs interleave the 128-bit lanes: permute them back)
+        const __m256i w16a = _mm256_packs_epi32(q[0], q[1]), w16b = _mm256_packs_epi32(q[2], q[3]);
+        const __m256i b8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16a, w16b),
+                                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + g * QK), b8);
+        int32_t halves[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i s = _mm256_add_epi32(q[2 * h], q[2 * h + 1]);
+          halves[h] = hsum(_mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1)));
+          out.qsum16[2 * g + h] = static_cast<int16_t>(halves[h]);  // |sum| <= 16 * 127
+        }
+        out.qsum32[g] = halves[0] + halves[1];
       }
-      out.qsum32[i] = out.qsum16[2 * i] + out.qsum16[2 * i + 1];
     }
   });
 }
@@ -327,101 +368,105 @@ inline __m256i sums_of_8(const __m256i v[8]) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-// The 8 lanes' sum of products of int32 vectors a and b per 16 k (a group's two halves, 8
-// groups) -> one int32 a group
-inline __m256i group_sums(const int32_t* a, const int32_t* b) {
-  const __m256i lo = _mm256_mullo_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(a)),
-                                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
-  const __m256i hi = _mm256_mullo_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(a + 8)),
-                                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 8)));
-  return _mm256_permute4x64_epi64(_mm256_hadd_epi32(lo, hi), 0xD8);  // groups 0-7 in order
+// One row of W in a super-block format (its nb blocks at w) against rows [m0, m0 + R) of x:
+// each block's sum into c[r * nbp + b]. Per block and row of x, the groups' integer products
+// (sub-scales applied) add up in one int32 vector, less the offsets' part (x's code sums per
+// 16 times offset * s_h); the minimums' part is a second vector. The vectors of 8 blocks are
+// then summed across their lanes at once (sums_of_8) and scaled by the blocks' d, dmin and x's
+// scale: c = d dx sum - dmin dx minsum. buf: 2 R nbp vectors and 2 nbp floats of scratch
+// (nbp: nb rounded up to 8, the padding zero).
+template <class F, int R>
+void super_block_row(const uint8_t* w, int64_t nb, int64_t nbp, const QuantizedX& x, int64_t m0, __m256i* dots,
+                     __m256i* mins, float* d, float* dmin, float* c) {
+  for (int64_t b = 0; b < nb; ++b) {
+    Header h;
+    __m256i acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+    const int8_t* xq[R];
+    for (int r = 0; r < R; ++r) xq[r] = x.codes(m0 + r) + b * 256;
+    F::block(w + b * F::BYTES, h, [&](int j, __m256i codes, __m256i scales) __attribute__((always_inline)) {
+      const __m256i u = F::SIGNED ? _mm256_sign_epi8(codes, codes) : codes;
+      for (int r = 0; r < R; ++r) {
+        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + QK * j));
+        if (F::SIGNED) xv = _mm256_sign_epi8(xv, codes);
+        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), scales));
+      }
+    });
+    d[b] = h.d, dmin[b] = h.dmin;
+    for (int r = 0; r < R; ++r) {
+      const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qsums16(m0 + r) + 16 * b));
+      dots[r * nbp + b] = F::OFFSET ? _mm256_sub_epi32(acc[r], _mm256_madd_epi16(bs, h.offsets)) : acc[r];
+      if (F::MIN) mins[r * nbp + b] = _mm256_madd_epi16(bs, h.mins);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+      const __m256 dx = _mm256_loadu_ps(x.scales(m0 + r) + b0);  // past the row's end: zero sums
+      __m256 sums = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(d + b0), dx),
+                                  _mm256_cvtepi32_ps(sums_of_8(dots + r * nbp + b0)));
+      if (F::MIN)
+        sums = _mm256_sub_ps(sums, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(dmin + b0), dx),
+                                                 _mm256_cvtepi32_ps(sums_of_8(mins + r * nbp + b0))));
+      _mm256_storeu_ps(c + r * nbp + b0, sums);
+    }
 }
 
-// One super-block's sum for rows [m0, m0 + R) of x (block b of a K-quant row at w): c[r * nb]
-// each. Its 8 groups' integer sums (sub-scales applied) go into one vector, less the offsets'
-// parts, times d and each x group's scale; less the minimums' parts; then across the lanes in
-// a fixed order.
-template <class F, int R>
-void super_block_sums(const uint8_t* w, int64_t b, int64_t nb, const QuantizedX& x, int64_t m0, float* c) {
-  __m256i codes[8], scales[8];
-  alignas(32) int32_t offsets[16], mins[16];
-  float d = 0.f, dmin = 0.f;
-  F::groups(w + b * F::BYTES, [&](int j, const Group& grp) {
-    codes[j] = grp.codes, scales[j] = grp.scales, d = grp.d, dmin = grp.dmin;
-    if (F::OFFSET) offsets[2 * j] = grp.offset_a, offsets[2 * j + 1] = grp.offset_b;
-    if (F::MIN && F::MIN16) mins[2 * j] = grp.min_a, mins[2 * j + 1] = grp.min_b;
-    if (F::MIN && !F::MIN16) mins[j] = grp.min_a;  // one a group: times x's sums per 32
-  });
-  __m256i u[8];
-  for (int j = 0; j < 8; ++j) u[j] = F::SIGNED ? _mm256_sign_epi8(codes[j], codes[j]) : codes[j];
-  for (int r = 0; r < R; ++r) {
-    const int8_t* xq = x.codes(m0 + r) + b * F::BLOCK;
-    __m256i dots[8];
-    for (int j = 0; j < 8; ++j) {
-      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + QK * j));
-      if (F::SIGNED) xv = _mm256_sign_epi8(xv, codes[j]);
-      dots[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(u[j], xv), scales[j]);
-    }
-    __m256i dot = sums_of_8(dots);
-    const int32_t* qs = x.qsums16(m0 + r) + 16 * b;
-    if (F::OFFSET) dot = _mm256_sub_epi32(dot, group_sums(offsets, qs));
-    const __m256 dx = _mm256_loadu_ps(x.scales(m0 + r) + 8 * b);
-    __m256 sums = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d), dx), _mm256_cvtepi32_ps(dot));
-    if (F::MIN) {  // with x's codes, as the products: the weights' own (q d - min) times x's codes
-      const __m256i m = F::MIN16 ? group_sums(mins, qs)
-                                 : _mm256_mullo_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(mins)),
-                                                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                                          x.qsums32(m0 + r) + 8 * b)));
-      sums = _mm256_sub_ps(sums, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(dmin), dx), _mm256_cvtepi32_ps(m)));
-    }
-    c[r * nb] = hsum(sums);
-  }
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+// The fp16 at byte `at` of 8 consecutive blocks from p (n of them; 0 for the rest), as floats
+template <class F, bool FULL>
+inline __m256 gather_f16(const uint8_t* p, int64_t at, int n) {
+  uint16_t h[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) h[i] = (FULL || i < n) ? load_u16(p + i * F::BYTES + at) : 0;
+  return _mm256_cvtph_ps(_mm_setr_epi16(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
 }
 
 // Blocks [b0, b0 + 8) of a row of 32-weight blocks (fewer at the row's end: n): each block's
-// sum for rows [m0, m0 + R) of x into c[r * nb + b], and the 8's pairwise sum (the tree's
-// subtree of 8) into c8[r * nb8 + b0 / 8]. A block's codes are unpacked once for all rows.
-// (FULL: n is 8, the loops' bounds known to the compiler.)
+// sum for rows [m0, m0 + R) of x into c[r * nbp + b], and the 8's pairwise sum (the tree's
+// subtree of 8) into c8[r * nb8 + b0 / 8]. A block's codes are unpacked once for all rows;
+// the 8 blocks' integer products are summed across lanes at once (sums_of_8), then scaled
+// by their d and x's scales. (FULL: n is 8, the loops' bounds known to the compiler.)
 template <class F, int R, bool FULL>
-void block_sums_8(const uint8_t* w, int64_t b0, int n, int64_t nb, const QuantizedX& x, int64_t m0, float* c,
+void block_sums_8(const uint8_t* w, int64_t b0, int n, int64_t nbp, const QuantizedX& x, int64_t m0, float* c,
                   float* c8, int64_t nb8) {
   if (FULL) n = 8;
-  __m256i codes[8];
-  alignas(32) float d[8] = {}, mins[8] = {};
-  alignas(32) int32_t offsets[8] = {};
-  for (int i = 0; i < 8; ++i) {
-    codes[i] = _mm256_setzero_si256();
-    if (FULL || i < n)
-      F::groups(w + (b0 + i) * F::BYTES, [&](int, const Group& grp) {
-        codes[i] = grp.codes, d[i] = grp.d;
-        if (F::MIN) mins[i] = grp.dmin * grp.min_a;
-        if (F::OFFSET) offsets[i] = grp.offset_a;
-      });
-  }
-  const __m256 dv = _mm256_load_ps(d), minv = _mm256_load_ps(mins);
-  const __m256i offv = _mm256_load_si256(reinterpret_cast<const __m256i*>(offsets));
+  const uint8_t* p = w + b0 * F::BYTES;
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int r = 0; r < R; ++r) {
-    const int8_t* xq = x.codes(m0 + r) + b0 * QK;  // blocks past the row's end: zero codes above
-    __m256i dots[8];
-    for (int i = 0; i < 8; ++i) {
-      const __m256i u = F::SIGNED ? _mm256_sign_epi8(codes[i], codes[i]) : codes[i];
-      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + QK * i));
-      if (F::SIGNED) xv = _mm256_sign_epi8(xv, codes[i]);
-      dots[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), ones);
+  __m256i dots[R][8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    if (!FULL && i >= n) {
+      for (int r = 0; r < R; ++r) dots[r][i] = _mm256_setzero_si256();
+      continue;
     }
-    __m256i dot = sums_of_8(dots);
+    const __m256i codes = F::codes(p + i * F::BYTES);
+    const __m256i u = F::SIGNED ? _mm256_sign_epi8(codes, codes) : codes;
+    for (int r = 0; r < R; ++r) {  // blocks past the row's end: zero codes above
+      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes(m0 + r) + (b0 + i) * QK));
+      if (F::SIGNED) xv = _mm256_sign_epi8(xv, codes);
+      dots[r][i] = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), ones);
+    }
+  }
+  const __m256 dv = gather_f16<F, FULL>(p, F::D_AT, n);
+  const __m256 mv = F::MIN ? gather_f16<F, FULL>(p, F::M_AT, n) : _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    __m256i dot = sums_of_8(dots[r]);
     const __m256 dx = _mm256_loadu_ps(x.scales(m0 + r) + b0);
     const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qsums32(m0 + r) + b0));
-    if (F::OFFSET) dot = _mm256_sub_epi32(dot, _mm256_mullo_epi32(offv, qs));
+    if (F::OFFSET) dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(qs, F::OFFSET_SHIFT));
     __m256 sums = _mm256_mul_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(dot));
-    if (F::MIN) sums = _mm256_sub_ps(sums, _mm256_mul_ps(_mm256_mul_ps(dx, minv), _mm256_cvtepi32_ps(qs)));
+    if (F::MIN) sums = _mm256_add_ps(sums, _mm256_mul_ps(_mm256_mul_ps(mv, dx), _mm256_cvtepi32_ps(qs)));
     if (FULL) {
-      _mm256_storeu_ps(c + r * nb + b0, sums);
+      _mm256_storeu_ps(c + r * nbp + b0, sums);
     } else {
       alignas(32) float out[8];
       _mm256_store_ps(out, sums);
-      for (int i = 0; i < n; ++i) c[r * nb + b0 + i] = out[i];
+      for (int i = 0; i < n; ++i) c[r * nbp + b0 + i] = out[i];
     }
     if (FULL) {  // ((c0 + c1) + (c2 + c3)) + ((c4 + c5) + (c6 + c7))
       const __m256 pairs = _mm256_hadd_ps(sums, sums), quads = _mm256_hadd_ps(pairs, pairs);
@@ -448,23 +493,34 @@ float tree_sum(const float* c, const float* c8, int64_t b, int64_t n) {
   return tree_sum(c, c8, b, n / 2) + tree_sum(c, c8, b + n / 2, n / 2);
 }
 
-// Rows [m0, m0 + R) of x against one row of W (its blocks at w): y[r] for each. buf: 
-// scratch of R * (nb + nb / 8 + 1) floats.
+// A thread's scratch for one row of W against up to MAX_ROWS rows of x: block sums (c, and
+// c8 their runs of 8 for the 32-weight formats) and the super-block formats' vectors and factors.
+struct Scratch {
+  int64_t nb, nbp, nb8;  // blocks a row, rounded up to 8, runs of 8 (+ 1)
+  std::vector<float> c, c8, d, dmin;
+  std::vector<__m256i> dots, mins;
+
+  explicit Scratch(int64_t blocks)
+      : nb(blocks), nbp((blocks + 7) / 8 * 8), nb8(blocks / 8 + 1), c(MAX_ROWS * nbp), c8(MAX_ROWS * nb8),
+        d(nbp, 0.f), dmin(nbp, 0.f), dots(MAX_ROWS * nbp, _mm256_setzero_si256()),
+        mins(MAX_ROWS * nbp, _mm256_setzero_si256()) {}
+};
+
+// Rows [m0, m0 + R) of x against one row of W (its blocks at w): y[r] for each.
 template <class F, int R>
-void dot_row(const uint8_t* w, int64_t nb, const QuantizedX& x, int64_t m0, float* buf, float* y) {
-  float* c = buf;
-  const int64_t nb8 = nb / 8 + 1;
-  float* c8 = buf + R * nb;
+void dot_row(const uint8_t* w, const QuantizedX& x, int64_t m0, Scratch& s, float* y) {
+  const int64_t nb = s.nb;
   if constexpr (F::BLOCK == QK) {
     for (int64_t b0 = 0; b0 < nb; b0 += 8)
       if (nb - b0 >= 8)
-        block_sums_8<F, R, true>(w, b0, 8, nb, x, m0, c, c8, nb8);
+        block_sums_8<F, R, true>(w, b0, 8, s.nbp, x, m0, s.c.data(), s.c8.data(), s.nb8);
       else
-        block_sums_8<F, R, false>(w, b0, static_cast<int>(nb - b0), nb, x, m0, c, c8, nb8);
+        block_sums_8<F, R, false>(w, b0, static_cast<int>(nb - b0), s.nbp, x, m0, s.c.data(), s.c8.data(), s.nb8);
+    for (int r = 0; r < R; ++r) y[r] = tree_sum(s.c.data() + r * s.nbp, s.c8.data() + r * s.nb8, 0, nb);
   } else {
-    for (int64_t b = 0; b < nb; ++b) super_block_sums<F, R>(w, b, nb, x, m0, c + b);
+    super_block_row<F, R>(w, nb, s.nbp, x, m0, s.dots.data(), s.mins.data(), s.d.data(), s.dmin.data(), s.c.data());
+    for (int r = 0; r < R; ++r) y[r] = tree_sum(s.c.data() + r * s.nbp, nullptr, 0, nb);
   }
-  for (int r = 0; r < R; ++r) y[r] = tree_sum(c + r * nb, F::BLOCK == QK ? c8 + r * nb8 : nullptr, 0, nb);
 }
 
 template <class F>
@@ -472,7 +528,7 @@ void gemm(const QuantizedX& x, const uint8_t* blocks, int64_t row_bytes, int64_t
   const int64_t M = x.M, nb = x.K / F::BLOCK;
   at::parallel_for(0, N, ROW_CHUNK, [&](int64_t begin, int64_t end) {
     float out[MAX_ROWS];
-    std::vector<float> buf(MAX_ROWS * (nb + nb / 8 + 1));
+    Scratch scratch(nb);
     for (int64_t n0 = begin; n0 < end; n0 += ROW_CHUNK) {
       const int64_t n1 = std::min(end, n0 + ROW_CHUNK);
       for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
@@ -480,10 +536,10 @@ void gemm(const QuantizedX& x, const uint8_t* blocks, int64_t row_bytes, int64_t
         for (int64_t n = n0; n < n1; ++n) {
           const uint8_t* w = blocks + n * row_bytes;
           switch (rows) {
-            case 1: dot_row<F, 1>(w, nb, x, m0, buf.data(), out); break;
-            case 2: dot_row<F, 2>(w, nb, x, m0, buf.data(), out); break;
-            case 3: dot_row<F, 3>(w, nb, x, m0, buf.data(), out); break;
-            default: dot_row<F, 4>(w, nb, x, m0, buf.data(), out); break;
+            case 1: dot_row<F, 1>(w, x, m0, scratch, out); break;
+            case 2: dot_row<F, 2>(w, x, m0, scratch, out); break;
+            case 3: dot_row<F, 3>(w, x, m0, scratch, out); break;
+            default: dot_row<F, 4>(w, x, m0, scratch, out); break;
           }
           for (int64_t r = 0; r < rows; ++r) y[(m0 + r) * N + n] = out[r];
         }
@@ -533,9 +589,9 @@ torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor blocks, int64_t ggml_
     const int64_t M = x2.size(0);
     QuantizedX qx;
     if (x2.scalar_type() == at::kFloat)
-      quantize_x(x2.data_ptr<float>(), M, K, qx);
+      quantize_x(x2.data_ptr<float>(), M, K, F::BLOCK, qx);
     else
-      quantize_x(x2.data_ptr<at::BFloat16>(), M, K, qx);
+      quantize_x(x2.data_ptr<at::BFloat16>(), M, K, F::BLOCK, qx);
     const torch::Tensor w = blocks.contiguous();
     y = torch::empty({M, N}, x.options().dtype(at::kFloat));
     if (M > 0) gemm<F>(qx, w.data_ptr<uint8_t>(), row_bytes, N, y.data_ptr<float>());
@@ -547,9 +603,23 @@ torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor blocks, int64_t ggml_
   return y.to(x.scalar_type()).view(shape);
 }
 
+// avx2_ops.cpp: a decode step's other ops
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
-  m.def("linear_blocks", &linear_blocks, py::call_guard<py::gil_scoped_release>(),
-        "y = x @ W.T (+ bias), W as GGUF blocks of the given GGUF type (AVX2)");
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("linear_blocks", &linear_blocks, nogil, "y = x @ W.T (+ bias), W as GGUF blocks of the given GGUF type (AVX2)");
   m.def("supports_format", &supports_format, "whether linear_blocks takes this GGUF type");
+  m.def("rms_norm", &rms_norm, nogil, "RMSNorm, float32 or bfloat16 (rounded as Hugging Face's bf16 path)");
+  m.def("add_rms_norm", &add_rms_norm, nogil, "residual += x (in place), then RMSNorm(residual)");
+  m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up for (T, 2I) -> (T, I)");
+  m.def("rope_", &rope_, nogil, "rotate-half RoPE in place on (T, H, D) rows");
+  m.def("paged_decode_attention", &paged_decode_attention, nogil,
+        "one query per sequence over its paged float32 / bfloat16 K/V, no gather");
 }

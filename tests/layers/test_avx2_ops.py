@@ -1,0 +1,172 @@
+"""The AVX2 kernels' decode-step ops (``csrc/avx2_ops.cpp`` through ``Avx2Kernels``): RMSNorm with
+and without the residual add, SiLU-and-multiply, RoPE and paged decode attention, each against
+torch's path (``TorchKernels``) in float32 and bfloat16, plus the inputs they hand back to torch
+and the inputs they refuse. Runs on every x86 machine with AVX2 (the AVX-512 ones too)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ridge.kv.cache import PagedKV, quantize
+from ridge.layers.attention import AttentionMetadata
+from ridge.layers.cpu_kernels import cpu_has_avx2, load_avx2_extension
+from ridge.layers.kernels import Avx2Kernels, TorchKernels
+
+pytestmark = pytest.mark.skipif(not cpu_has_avx2(), reason="this CPU has no AVX2 + FMA + F16C")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return Avx2Kernels(load_avx2_extension())
+
+
+def _ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """|got - want| in units of want's last place in got's dtype (bf16: 8 bits of mantissa)."""
+    bits = 7 if got.dtype is torch.bfloat16 else 23
+    want = want.float()
+    ulp = torch.ldexp(torch.ones_like(want), torch.frexp(want).exponent - 1 - bits).clamp_min(2.0**-126)
+    return (got.float() - want).abs() / ulp
+
+
+def _hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm: fp32 statistics, x * rsqrt rounded to x's dtype, times w."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 2048), (5, 264), (2, 3, 100)])
+def test_rms_norm_and_the_residual_add(kernels, dtype, shape):
+    gen = torch.Generator().manual_seed(shape[-1])
+    x = torch.randn(shape, generator=gen).to(dtype)
+    w = (torch.rand(shape[-1], generator=gen) + 0.5).to(dtype)
+    want = _hf_rms_norm(x, w, 1e-5)
+    got = kernels.rms_norm(x, w, 1e-5)
+    assert got.dtype == dtype and got.shape == x.shape
+    # the same roundings; the sum of squares in another order and 1 / sqrt for torch's rsqrt
+    # move float32's last bits, and at most one of bf16's
+    ulps = 1 if dtype is torch.bfloat16 else 4
+    assert (_ulps(got, want) <= ulps).all()
+    residual = torch.randn(shape, generator=gen).to(dtype)
+    mine, theirs = residual.clone(), residual.clone()
+    got = kernels.add_rms_norm(x, mine, w, 1e-5)
+    theirs.add_(x)
+    assert torch.equal(mine, theirs)  # one rounded add, as torch's
+    assert (_ulps(got, _hf_rms_norm(theirs, w, 1e-5)) <= ulps).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(kernels, dtype):
+    gen = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(3, 2 * 1000, generator=gen) * 4).to(dtype)  # 1000: a tail past the 8-lane runs
+    got, want = kernels.silu_mul(gate_up), TorchKernels().silu_mul(gate_up)
+    assert got.shape == want.shape and got.dtype == dtype
+    # exp's polynomial against torch's: within float32's rounding, then the same bf16 roundings
+    assert (_ulps(got, want) <= (1 if dtype is torch.bfloat16 else 8)).all()
+
+
+class _Rotary:
+    def __init__(self, dim: int, positions: int = 300) -> None:
+        inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+        angles = torch.outer(torch.arange(positions).float(), inv)
+        emb = torch.cat([angles, angles], dim=-1)
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def __call__(self, positions, dtype):
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 48, 128])
+def test_rope_rotates_a_view_into_qkv_as_torch_does(kernels, dtype, head_dim):
+    rotary, positions = _Rotary(head_dim), torch.tensor([0, 7, 299, 31])
+    qkv = torch.randn(4, 12 * head_dim, generator=torch.Generator().manual_seed(head_dim)).to(dtype)
+    q = qkv[:, : 8 * head_dim].view(4, 8, head_dim)  # rows strided by the whole qkv row
+    want = TorchKernels().rope(q.clone(), rotary(positions, dtype))
+    untouched = qkv[:, 8 * head_dim :].clone()
+    got = kernels.rope(q, kernels.rope_state(rotary, positions, dtype))
+    assert torch.equal(got, want)  # the same ops in the same order, rounded alike
+    assert torch.equal(qkv[:, : 8 * head_dim].view(4, 8, head_dim), want)  # in place
+    assert torch.equal(qkv[:, 8 * head_dim :], untouched)
+
+
+def test_rope_of_a_head_size_it_does_not_take_is_torchs(kernels):
+    rotary, positions = _Rotary(40), torch.tensor([3, 4])
+    x = torch.randn(2, 4, 40)
+    want = TorchKernels().rope(x.clone(), rotary(positions, torch.float32))
+    assert torch.equal(kernels.rope(x, kernels.rope_state(rotary, positions, torch.float32)), want)
+
+
+def _attention_case(dtype, head_dim=64, heads=8, kv_heads=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    blocks, block_size = 24, 16
+    k = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    tables = torch.tensor([[5, 2, 17, 0, 0], [9, 1, 3, 11, 23], [4, 0, 0, 0, 0]])
+    lens = torch.tensor([37, 80, 1])  # a partial last block, a full table, a single token
+    q = torch.randn(3, heads, head_dim, generator=gen).to(dtype)
+    return q, PagedKV(k, v), tables, lens
+
+
+def _meta(tables, lens):
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long),
+        num_decode_tokens=len(lens),
+        decode_block_tables=tables,
+        decode_context_lens=lens,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (4, 4, 40), (6, 1, 128)])
+def test_decode_attention_matches_torchs_path(kernels, dtype, heads, kv_heads, head_dim):
+    q, cache, tables, lens = _attention_case(dtype, head_dim, heads, kv_heads)
+    got = kernels.decode_attention(q, cache, _meta(tables, lens))
+    want = TorchKernels().decode_attention(q, cache, _meta(tables, lens))
+    assert got.shape == want.shape and got.dtype == dtype
+    # the same roundings (scores and probabilities in bf16); sums over the head and the
+    # context in another order
+    tol = 2e-2 if dtype is torch.bfloat16 else 1e-5
+    assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
+    # a stale NaN past a context's end is never read
+    nan_cache = PagedKV(cache.k.clone(), cache.v.clone())
+    nan_cache.k[5, 5:] = float("nan")  # sequence 0's tokens 37.. (its third block is 17: untouched)
+    nan_cache.v[17, 5:] = float("nan")
+    assert torch.equal(kernels.decode_attention(q, nan_cache, _meta(tables, lens))[1:], got[1:])
+    assert not kernels.decode_attention(q, nan_cache, _meta(tables, lens))[0].isnan().any()
+
+
+def test_decode_attention_scale_value_dim_and_a_sliced_query(kernels):
+    q, cache, tables, lens = _attention_case(torch.float32)
+    wide = torch.randn(3, 8, 2 * 64)
+    q = wide[..., :64]  # not contiguous
+    got = kernels.decode_attention(q, cache, _meta(tables, lens), scale=0.3, value_dim=48)
+    want = TorchKernels().decode_attention(q, cache, _meta(tables, lens), scale=0.3, value_dim=48)
+    assert got.shape == (3, 8, 48)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_quantized_cache_runs_torchs_path(kernels):
+    q, cache, tables, lens = _attention_case(torch.float32)
+    k8, ks = quantize(cache.k, "int8")
+    v8, vs = quantize(cache.v, "int8")
+    qcache = PagedKV(k8, v8, ks, vs, "int8")
+    got = kernels.decode_attention(q, qcache, _meta(tables, lens))
+    assert torch.equal(got, TorchKernels().decode_attention(q, qcache, _meta(tables, lens)))
+
+
+def test_decode_attention_refuses_what_does_not_fit(kernels):
+    ext = kernels.ext
+    q, cache, tables, lens = _attention_case(torch.float32)
+    with pytest.raises(RuntimeError, match="block id outside the pool"):
+        ext.paged_decode_attention(q, cache.k, cache.v, tables + 100, lens, 0.125)
+    with pytest.raises(RuntimeError, match="does not fit its table"):
+        ext.paged_decode_attention(q, cache.k, cache.v, tables, torch.tensor([37, 81, 1]), 0.125)
+    with pytest.raises(RuntimeError, match="cache dtype differs"):
+        ext.paged_decode_attention(q.bfloat16(), cache.k, cache.v, tables, lens, 0.125)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ext.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-5)
