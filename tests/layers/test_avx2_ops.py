@@ -9,9 +9,12 @@ import pytest
 import torch
 
 from ridge.kv.cache import PagedKV, quantize
+from ridge.layers import kernels as kernels_module
 from ridge.layers.attention import AttentionMetadata
 from ridge.layers.cpu_kernels import cpu_has_avx2, load_avx2_extension
-from ridge.layers.kernels import Avx2Kernels, TorchKernels
+from ridge.layers.kernels import FLOAT32_GEMM_MIN_ROWS, Avx2Kernels, TorchKernels
+from ridge.layers.linear import Linear
+from ridge.quantization.methods import UnquantizedLinearMethod
 
 pytestmark = pytest.mark.skipif(not cpu_has_avx2(), reason="this CPU has no AVX2 + FMA + F16C")
 
@@ -170,3 +173,32 @@ def test_decode_attention_refuses_what_does_not_fit(kernels):
         ext.paged_decode_attention(q.bfloat16(), cache.k, cache.v, tables, lens, 0.125)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ext.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-5)
+
+
+def _dense_layer(n: int, k: int, bias: bool) -> Linear:
+    gen = torch.Generator().manual_seed(n + k)
+    layer = Linear(k, n, bias, UnquantizedLinearMethod())
+    layer.weight.data = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+    if bias:
+        layer.bias = torch.nn.Parameter(torch.randn(n, generator=gen).bfloat16(), requires_grad=False)
+    return layer
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_dense_bf16_prefill_runs_a_float32_gemm(kernels, bias, monkeypatch):
+    """From FLOAT32_GEMM_MIN_ROWS rows a dense bf16 layer is torch's float32 GEMM of the widened
+    weight (a slice of rows at a time), rounded to bf16 once; below, torch's bf16 path itself."""
+    monkeypatch.setattr(kernels_module, "FLOAT32_GEMM_ROWS", 48)  # 100 rows: 3 slices
+    layer = _dense_layer(100, 64, bias)
+    gen = torch.Generator().manual_seed(1)
+    few = torch.randn(FLOAT32_GEMM_MIN_ROWS - 1, 64, generator=gen).bfloat16()
+    assert torch.equal(kernels.linear(few, layer), TorchKernels().linear(few, layer))
+    many = torch.randn(2, FLOAT32_GEMM_MIN_ROWS, 64, generator=gen).bfloat16()  # leading dims: rows counted
+    got = kernels.linear(many, layer)
+    want = many.float() @ layer.weight.float().T + (layer.bias.float() if bias else 0)
+    assert got.dtype is torch.bfloat16 and got.shape == (2, FLOAT32_GEMM_MIN_ROWS, 100)
+    assert (_ulps(got, want.bfloat16()) <= 1).all()  # float32 sums in another order: one rounding apart at most
+    # and the matmul is timed as every other (the telemetry's matmul share)
+    kernels.take_matmul_s()
+    kernels.matmul(many, layer)
+    assert kernels.take_matmul_s() > 0
