@@ -89,7 +89,7 @@ AVX2 = ExtensionSpec(
     "ridge_cpu_avx2",
     "the AVX2 kernels",
     ("avx2_blocks.cpp", "avx2_ops.cpp"),
-    (),
+    ("avx2_simd.h",),
     # no contraction into FMAs but the kernel's own: one row's float ops must not depend on how
     # many rows a tile holds (a row's output does not depend on its batch)
     ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"),

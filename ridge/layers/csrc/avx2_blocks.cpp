@@ -25,11 +25,16 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "avx2_simd.h"
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 namespace {
+
+using ridge_avx2::hsum;
+using ridge_avx2::load8;
 
 constexpr int64_t QK = 32;  // weights per group (a block, or a K-quant's sub-block)
 constexpr int MAX_ROWS = 4;  // rows of x a group is unpacked for at once
@@ -315,19 +320,6 @@ struct QuantizedX {
   const int16_t* qsums16(int64_t m) const { return qsum16.data() + m * (K / 16); }
   const int32_t* qsums32(int64_t m) const { return qsum32.data() + m * (K / QK); }
 };
-
-inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
-inline __m256 load8(const at::BFloat16* x) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 inline int32_t hsum(__m128i v) {
   v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));

@@ -18,6 +18,8 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "avx2_simd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -27,13 +29,10 @@
 
 namespace {
 
-using bf16 = at::BFloat16;
+using ridge_avx2::hsum;
+using ridge_avx2::load8;
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) {  // exact: bf16 is the top half of an fp32
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+using bf16 = at::BFloat16;
 
 // fp32 -> the top 16 bits of its bf16 rounding (to nearest even; a NaN stays a quiet NaN),
 // as c10::BFloat16 rounds
@@ -65,13 +64,6 @@ inline __m256 round_as(__m256 v) {
 template <typename T>
 inline float round_as(float v) {
   return kBf16<T> ? static_cast<float>(bf16(v)) : v;
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 inline float hmax(__m256 v) {
