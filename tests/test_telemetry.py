@@ -425,7 +425,7 @@ def test_local_hardware_file_format(tmp_path):
     for m in (data["bandwidth_probe"], data["flops_probes"]["fp32"]):
         assert 0 < m["low"] <= m["median"] <= m["high"]
     assert data["probe_settings"] == json.loads(json.dumps(dataclasses.asdict(TINY_PROBE)))
-    assert set(data["fingerprint"]) == {"cpu", "logical_cpus", "threads", "torch"}
+    assert set(data["fingerprint"]) == {"probe", "cpu", "logical_cpus", "threads", "torch"}
     assert dt.datetime.fromisoformat(data["measured_at"]).tzinfo is not None
     assert "1 MiB" in data["source"]  # the probe size is stated with the numbers
 
@@ -471,11 +471,11 @@ def test_the_probed_peak_is_the_best_of_torch_and_ridges_kernels(monkeypatch):
     and 225% of its roofline. A fake extension here runs 'twice as fast' as torch."""
     monkeypatch.setattr(probe, "_seconds", lambda run: run())
     monkeypatch.setattr(probe, "_matmul_runner", lambda dtype, n: lambda: 2.0)
-    monkeypatch.setattr(probe, "_ridge_matmul_runner", lambda ext, n: lambda: 1.0)
+    monkeypatch.setattr(probe, "_ridge_matmul_runner", lambda kernels, n: lambda: 1.0)
     settings = ProbeSettings(matmul_sizes=(16,), matmul_repeats=2, matmul_budget_s=100.0)
-    assert probe.probe_matmul("bf16", settings, ext=object()).high == pytest.approx(2 * 16**3 / 1.0)
-    assert probe.probe_matmul("bf16", settings, ext=None).high == pytest.approx(2 * 16**3 / 2.0)
-    assert probe.probe_matmul("fp32", settings, ext=object()).high == pytest.approx(2 * 16**3 / 2.0)
+    assert probe.probe_matmul("bf16", settings, kernels=object()).high == pytest.approx(2 * 16**3 / 1.0)
+    assert probe.probe_matmul("bf16", settings, kernels=None).high == pytest.approx(2 * 16**3 / 2.0)
+    assert probe.probe_matmul("fp32", settings, kernels=object()).high == pytest.approx(2 * 16**3 / 2.0)
 
 
 def test_a_cache_with_a_broken_measurement_is_probed_again(tmp_path, monkeypatch):

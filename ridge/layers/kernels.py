@@ -185,6 +185,11 @@ class TorchKernels:
 
     # Repacking, asked for by each layer's method once its weights are loaded. These kernels
     # keep every format as loaded (None: not repacked).
+    def takes_format(self, fmt: BlockFormat) -> bool:
+        """Whether this kernel set's own GEMM runs layers of block format ``fmt`` on CPU (else
+        the torch reference below dequantizes the weight)."""
+        return False
+
     def pack_dense(self, weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
@@ -348,6 +353,9 @@ class Avx2Kernels(TorchKernels):
             return self.ext.linear_blocks(x, layer.blocks[rows], fmt.ggml_type, None)
         return self.ext.linear_blocks(x, layer.blocks, fmt.ggml_type, layer.bias)
 
+    def takes_format(self, fmt):
+        return self.ext.supports_format(fmt.ggml_type)
+
     @staticmethod
     def _float32_gemm(x, layer, rows) -> bool:
         """A dense bf16 layer on at least FLOAT32_GEMM_MIN_ROWS rows (prefill, large batches)."""
@@ -489,6 +497,9 @@ class CpuKernels(TorchKernels):
 
     def unpack_dense(self, packed, n, k):
         return self.ext.unpack_vnni(packed, n, k)
+
+    def takes_format(self, fmt):
+        return fmt.name in QUANT_KERNEL_CODES
 
     def pack_blocks(self, fmt, blocks, n, k):
         """GGUF blocks into linear_quant's blocks of 16 rows (any model dtype: x is quantized)."""

@@ -6,9 +6,14 @@ most the machine can do; a slower trial only measured a disturbance):
 * memory read bandwidth: ``sum()`` of a tensor far larger than the last-level cache, with
   every thread, and, where ridge's CPU kernels run, their weight-streaming GEMV over a
   weight as large (the decode step's own access pattern, which can beat ``sum()``);
-* matmul FLOP/s per dtype: square ``torch.matmul`` products, growing the size while it
-  stays within a time budget, and ridge's own bf16 GEMM where it runs (ridge's kernels beat
-  torch's here, and a peak they beat would put prefill above 100% of its roofline).
+* matmul FLOP/s per dtype: ``F.linear`` products (x @ W^T, the layout every model layer
+  runs), square, growing the size while it stays within a time budget, and for bf16 the
+  linear layer of ridge's own CPU kernels where they run (``select_kernels``: AVX-512's GEMM,
+  or on AVX2 alone torch's float32 GEMM on the widened weight). Those beat torch's bf16 GEMM
+  (on the 2-core Zen 3 EPYC, without AVX-512 BF16, 14-18 GFLOP/s against 92-131), and a peak
+  they beat would put prefill above 100% of its roofline. ``torch.matmul`` of two row-major
+  squares is not that layout: in bf16 there it ran 0.3-1.4 GFLOP/s and put every decode step
+  of ``benchmarks/compare.py`` at "over 1000% of its floor".
 
 Each number keeps the spread of its trials. The cache is ``$RIDGE_CACHE_DIR/hardware-local.json``
 (else ``~/.cache/ridge/``); it is a hardware JSON file, so ``--hardware <that file>`` feeds the
@@ -26,11 +31,13 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from ridge.config import default_cache_dir
 from ridge.roofline.hardware import GIB, Hardware, Measurement
@@ -72,9 +79,15 @@ class ProbeSettings:
             raise ValueError(f"ProbeSettings: cannot probe dtypes {sorted(unknown)}")
 
 
+# What the probes time; a cache taken by other probes is taken again. 2: matmuls in F.linear's
+# layout and ridge's kernels on AVX2 (1 timed torch.matmul of row-major squares).
+PROBE_VERSION = 2
+
+
 def machine_fingerprint() -> dict[str, str | int]:
-    """What the measurements depend on; a change invalidates the cache."""
+    """What the measurements depend on (and how they are taken); a change invalidates the cache."""
     return {
+        "probe": PROBE_VERSION,
         "cpu": cpu_model(),
         "logical_cpus": os.cpu_count() or 1,
         "threads": os.cpu_count() or 1,
@@ -132,18 +145,18 @@ def probe_local(settings: ProbeSettings = ProbeSettings()) -> Hardware:
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        ext = _ridge_extension() if settings.ridge_kernels else None
-        bandwidth = probe_read_bandwidth(settings)
+        kernels = _ridge_kernels() if settings.ridge_kernels else None
+        bandwidth = probe_bandwidth(settings, kernels)
         flops = {}
         for dtype in settings.dtypes:
-            measured = probe_matmul(dtype, settings, ext)
+            measured = probe_matmul(dtype, settings, kernels)
             if measured is not None:
                 flops[dtype] = measured
     finally:
         torch.set_num_threads(previous)
     if not flops:
         raise RuntimeError("no matmul dtype could be probed on this machine")
-    kernels = " and ridge's bf16 GEMV / GEMM" if ext is not None else ""
+    said = f" and ridge's {kernels.name} kernels' bf16 linear layer" if kernels is not None else ""
     return Hardware(
         name="local",
         peak_flops={dtype: m.high for dtype, m in flops.items()},
@@ -151,7 +164,7 @@ def probe_local(settings: ProbeSettings = ProbeSettings()) -> Hardware:
         memory_bytes=_physical_memory_bytes(),
         source=(
             f"measured on this machine ({cpu_model()}, {threads} threads, torch {torch.__version__}): "
-            f"sum() over {settings.bandwidth_bytes / 1024**2:.0f} MiB fp32, square torch.matmul{kernels}; "
+            f"sum() over {settings.bandwidth_bytes / 1024**2:.0f} MiB fp32, square F.linear{said}; "
             "the best of repeated runs"
         ),
         measured_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -160,16 +173,17 @@ def probe_local(settings: ProbeSettings = ProbeSettings()) -> Hardware:
     )
 
 
-def probe_bandwidth(settings: ProbeSettings, ext=None) -> Measurement:
+def probe_bandwidth(settings: ProbeSettings, kernels=None) -> Measurement:
     """Read bandwidth in bytes/s over repeated trials: ``sum()`` over a large fp32 tensor
-    (read once per run) and, with ridge's extension, its GEMV streaming a bf16 weight as large.
-    ``Measurement.high`` is the ceiling; the spread says how steady the machine was."""
+    (read once per run) and, with ridge's kernels, their one-row bf16 linear layer over a
+    weight as large (AVX-512: the streaming GEMV on the packed weight). ``Measurement.high`` is
+    the ceiling; the spread says how steady the machine was."""
     data = torch.ones(settings.bandwidth_bytes // 4, dtype=torch.float32)
     data.sum()  # warm-up: first touch, thread pool start
     rates = [data.numel() * 4 / _seconds(data.sum) for _ in range(settings.bandwidth_repeats)]
     del data
-    if ext is not None:
-        gemv = _ridge_gemv_runner(ext, settings.bandwidth_bytes)
+    if kernels is not None:
+        gemv = _ridge_gemv_runner(kernels, settings.bandwidth_bytes)
         if gemv is not None:
             run, nbytes = gemv
             run()
@@ -182,19 +196,21 @@ def probe_read_bandwidth(settings: ProbeSettings = ProbeSettings()) -> Measureme
     kernels run (and ``settings.ridge_kernels``), their weight-streaming GEMV. Every floor
     ridge prints (the analyzer's, ``ridge bench``'s, the benchmarks') divides by its ``.high``:
     a ``sum()`` alone read 21-24 GB/s on the 2-core Xeon where ridge's bf16 decode step
-    streamed 30, and put that step at 139% of its floor."""
-    return probe_bandwidth(settings, _ridge_extension() if settings.ridge_kernels else None)
+    streamed 30, and put that step at 139% of its floor. (On the 2-core Zen 3 EPYC ``sum()``
+    is the faster: 18-22 GB/s against 11-12 for torch's bf16 GEMV there.)"""
+    return probe_bandwidth(settings, _ridge_kernels() if settings.ridge_kernels else None)
 
 
-def probe_matmul(dtype: str, settings: ProbeSettings, ext=None) -> Measurement | None:
+def probe_matmul(dtype: str, settings: ProbeSettings, kernels=None) -> Measurement | None:
     """FLOP/s of n x n matmuls in ``dtype``: the size whose best run is fastest, within a time
-    budget, for torch and (bf16, with ridge's extension) ridge's GEMM; the better of the two.
+    budget, for torch's ``F.linear`` and (bf16, with ridge's kernels) their linear layer; the
+    better of the two.
 
     Returns None when the dtype has no usable matmul here.
     """
     candidates = [_probe_sizes(lambda n: _matmul_runner(dtype, n), settings)]
-    if ext is not None and dtype == "bf16":
-        candidates.append(_probe_sizes(lambda n: _ridge_matmul_runner(ext, n), settings))
+    if kernels is not None and dtype == "bf16":
+        candidates.append(_probe_sizes(lambda n: _ridge_matmul_runner(kernels, n), settings))
     found = [m for m in candidates if m is not None]
     return max(found, key=lambda m: m.high) if found else None
 
@@ -203,10 +219,11 @@ def probe_block_kernel(
     fmt_name: str, repeats: int = 30, rows: int = 64, warmup_s: float = 0.15, min_s: float = 0.25
 ) -> Measurement | None:
     """FLOP/s (2 per multiply-add) of ridge's quantized GEMM for one block format when the
-    arithmetic binds: ``rows`` activation rows (tiles of 16, each block of weights passing all
-    of them while in L1) against a (512 x 2048) weight that stays in cache, so no memory stream
-    limits it. The kernel's compute ceiling for ``ridge analyze --weight-format``; None where
-    the extension does not run here. Zero blocks: the integer and float work per block does
+    arithmetic binds: ``rows`` activation rows (AVX-512: tiles of 16, each block of weights
+    passing all of them while in L1; AVX2: 4 rows share each unpacked group) against a
+    (512 x 2048) weight that stays in cache, so no memory stream limits it. The kernel's
+    compute ceiling for ``ridge analyze --weight-format``; None where ridge's kernels do not
+    run here or do not take the format. Zero blocks: the integer and float work per block does
     not depend on the values. On the 2-core EPYC Zen 4 (2 threads): int8 531, int4 546, q4_k 518,
     q5_k 494, iq4_xs 527, q6_k 461, q3_k 480, q2_k 410 GFLOP/s at 64 rows; one row reaches 28-42%
     of that (the weights' unpacking is not shared), still above what a weight read from memory
@@ -221,20 +238,19 @@ def probe_block_kernel(
     first of 8 back-to-back probes read 0.91-0.98x the rest, and six ``ridge analyze`` runs
     with 60 ms of samples and no warm-up 562-1027 GFLOP/s for q4_k, four with it 1020-1047).
     """
-    from ridge.layers.kernels import QUANT_KERNEL_CODES
     from ridge.quantization.formats import FORMAT_ALIASES, FORMATS
 
-    ext = _ridge_extension()
+    kernels = _ridge_kernels()
     name = FORMAT_ALIASES.get(fmt_name.lower(), fmt_name.lower())
-    if ext is None or name not in QUANT_KERNEL_CODES:
+    if kernels is None or name not in FORMATS or not kernels.takes_format(FORMATS[name]):
         return None
-    fmt, n, k = FORMATS[name], 512, 2048
-    packed = ext.pack_quant(torch.zeros(n, fmt.row_bytes(k), dtype=torch.uint8), QUANT_KERNEL_CODES[name], n, k)
+    n, k = 512, 2048
+    layer = _kernel_layer(kernels, n, k, fmt=FORMATS[name])
     x = torch.randn(rows, k).to(torch.bfloat16)
 
     def run():
         for _ in range(8):
-            ext.linear_quant(x, packed, QUANT_KERNEL_CODES[name], n, None)
+            kernels.linear(x, layer)
 
     started = time.perf_counter()
     while time.perf_counter() - started < warmup_s:
@@ -273,40 +289,56 @@ def _matmul_runner(dtype: str, n: int) -> Callable[[], object]:
         a = torch.randint(-64, 64, (n, n), dtype=torch.int8)
         b = torch.randint(-64, 64, (n, n), dtype=torch.int8)
         return lambda: torch._int_mm(a, b)  # int8 x int8 -> int32, the VNNI path
-    a = torch.randn(n, n).to(_TORCH_DTYPES[dtype])
-    b = torch.randn(n, n).to(_TORCH_DTYPES[dtype])
-    return lambda: torch.matmul(a, b)
+    x = torch.randn(n, n).to(_TORCH_DTYPES[dtype])
+    weight = torch.randn(n, n).to(_TORCH_DTYPES[dtype])
+    return lambda: F.linear(x, weight)  # x @ W^T, W as (out, in): a model layer's layout
 
 
-def _ridge_extension():
-    """ridge's CPU extension where it runs here (AVX-512 BF16), else None."""
-    from ridge.layers.cpu_kernels import cpu_has_avx512_bf16, load_extension
+def _ridge_kernels():
+    """ridge's CPU kernels for bf16 where they run here (``CpuKernels`` on AVX-512 BF16,
+    ``Avx2Kernels`` on AVX2), else None: torch's numbers alone."""
+    from ridge.layers.cpu_kernels import select_kernels
+    from ridge.layers.kernels import TorchKernels
 
-    if not cpu_has_avx512_bf16():
-        return None
-    try:
-        return load_extension()
-    except Exception:  # no compiler: torch's numbers alone
-        return None
+    with warnings.catch_warnings():  # no compiler: said by the engine when it loads, not here
+        warnings.simplefilter("ignore")
+        kernels = select_kernels("auto", torch.device("cpu"), torch.bfloat16)
+    return None if type(kernels) is TorchKernels else kernels
 
 
-def _ridge_matmul_runner(ext, n: int) -> Callable[[], object]:
-    """ridge's bf16 GEMM (the prefill path: weights packed as the model packs them)."""
+def _kernel_layer(kernels, n: int, k: int, weight: torch.Tensor | None = None, fmt=None):
+    """An (n x k) linear layer as a model's loader leaves it for ``kernels``: a bf16
+    ``weight``, or zero blocks of block format ``fmt`` (the work per block does not depend on
+    the values), repacked where the kernels repack."""
+    from ridge.layers.linear import Linear
+    from ridge.quantization.methods import BlockQuantLinearMethod
+
+    layer = Linear(k, n, bias=False, method=BlockQuantLinearMethod(fmt) if fmt is not None else None)
+    if fmt is not None:
+        layer.blocks.zero_()
+    else:
+        layer.weight.data = weight
+    layer.method.process_weights_after_loading(layer, kernels)
+    return layer
+
+
+def _ridge_matmul_runner(kernels, n: int) -> Callable[[], object]:
+    """ridge's bf16 linear layer on n rows (the prefill path: the weight as the model holds it)."""
     x = torch.randn(n, n).to(torch.bfloat16)
-    packed = ext.pack_vnni(torch.randn(n, n).to(torch.bfloat16))
-    return lambda: ext.linear_bf16(x, packed, n, None)
+    layer = _kernel_layer(kernels, n, n, weight=torch.randn(n, n).to(torch.bfloat16))
+    return lambda: kernels.linear(x, layer)
 
 
-def _ridge_gemv_runner(ext, nbytes: int) -> tuple[Callable[[], object], int] | None:
-    """ridge's decode GEMV over a packed bf16 weight of about ``nbytes``: (run, bytes read)."""
+def _ridge_gemv_runner(kernels, nbytes: int) -> tuple[Callable[[], object], int] | None:
+    """ridge's one-row bf16 linear layer over a weight of about ``nbytes``: (run, bytes read)."""
     k = 4096
     n = max(16, (nbytes // (2 * k)) // 16 * 16)
-    try:
-        packed = ext.pack_vnni(torch.full((n, k), 0.01, dtype=torch.bfloat16))  # values don't change a read
+    try:  # values don't change a read
+        layer = _kernel_layer(kernels, n, k, weight=torch.full((n, k), 0.01, dtype=torch.bfloat16))
     except RuntimeError:
         return None
     x = torch.randn(1, k).to(torch.bfloat16)
-    return (lambda: ext.linear_bf16(x, packed, n, None)), n * k * 2
+    return (lambda: kernels.linear(x, layer)), n * k * 2
 
 
 def other_load(window_s: float = 0.25) -> float:

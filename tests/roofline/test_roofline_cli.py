@@ -6,7 +6,7 @@ import json
 import pytest
 
 from ridge.cli import main as ridge_main
-from ridge.layers.cpu_kernels import cpu_has_avx512_bf16
+from ridge.layers.cpu_kernels import cpu_has_avx2, cpu_has_avx512_bf16
 from ridge.models.presets import PRESETS
 from ridge.roofline import cli
 from ridge.roofline.probe import ProbeSettings, local_hardware
@@ -133,7 +133,9 @@ def test_local_hardware_from_the_cache(tmp_path, monkeypatch, capsys):
     assert json.loads(out)["hardware"]["name"] == "local"
 
 
-@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="ridge's quantized kernel needs AVX-512 BF16 + VNNI")
+@pytest.mark.skipif(
+    not (cpu_has_avx512_bf16() or cpu_has_avx2()), reason="ridge's quantized kernels need AVX-512 BF16 + VNNI or AVX2"
+)
 def test_a_block_format_on_local_hardware_takes_its_kernels_ceiling(tmp_path, monkeypatch, capsys):
     """--weight-format q4_k on --hardware local: the compute ceiling is ridge's Q4_K kernel,
     measured in cache (int8 activations), stated beside the probe; a bf16 model keeps bf16's."""

@@ -68,7 +68,12 @@ def test_a_kernel_peak_replaces_the_dtype_peak_and_says_its_share_of_it():
     kernel = hw.with_kernel_peak("int8", Measurement(median=0.9e12, low=0.8e12, high=1e12, samples=3), "q2_k kernel")
     assert kernel.peak("int8") == 1e12 and kernel.peak("bf16") == 1e12
     assert kernel.flops_probes["int8"].median == 0.9e12
-    assert "int8 peak: q2_k kernel, 1000 GFLOP/s (50% of the int8 matmul peak, 2.00 TFLOP/s)" in kernel.source
+    assert "int8 peak: q2_k kernel, 1000 GFLOP/s (50% of the int8 matmul peak, 2000 GFLOP/s)" in kernel.source
+    # torch's int8 GEMM without VNNI (AVX2 alone) is far slower than ridge's kernel: a multiple
+    slow = Hardware("local", {"bf16": 1e11, "int8": 5e9}, 2e10, 1e10, "probed").with_kernel_peak(
+        "int8", Measurement(median=9e10, low=8e10, high=9.5e10, samples=3), "q4_k kernel"
+    )
+    assert "int8 peak: q4_k kernel, 95 GFLOP/s (19.0x the int8 matmul peak, 5.0 GFLOP/s)" in slow.source
     # no int8 peak to compare with (a CPU without an int8 matmul probe): the kernel's figure alone
     alone = Hardware("local", {"bf16": 1e12}, 5e10, 1e10, "probed").with_kernel_peak(
         "int8", Measurement(median=1e12, low=1e12, high=1e12, samples=1), "q2_k kernel"
@@ -151,3 +156,46 @@ def test_matmul_probe_stops_growing_when_over_budget(monkeypatch):
     settings = ProbeSettings(matmul_sizes=(8, 16, 32), matmul_repeats=2, matmul_budget_s=2.0)
     measured = probe.probe_matmul("fp32", settings)
     assert measured is not None and sizes == [8, 16]  # 16 is priced by one run, then dropped
+
+
+def test_the_matmul_probe_times_a_model_layers_layout(monkeypatch):
+    """x @ W^T with W as (out, in), as every linear layer runs it: torch.matmul of two
+    row-major squares took a bf16 path 10-60x slower on an AVX2-only EPYC, which no layer
+    runs, and put every decode step at 'over 1000% of its floor'."""
+    calls = []
+    real = probe.F.linear
+
+    def recording(x, weight, *args):
+        calls.append((tuple(x.shape), tuple(weight.shape), weight.dtype))
+        return real(x, weight, *args)
+
+    monkeypatch.setattr(probe.F, "linear", recording)
+    run = probe._matmul_runner("bf16", 16)
+    run()
+    assert calls == [((16, 16), (16, 16), probe.torch.bfloat16)]
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_k", "q6_k", "iq4_xs", "q2_k"])
+def test_a_block_kernels_ceiling_is_probed_where_ridges_kernels_take_the_format(fmt):
+    """ridge analyze --weight-format's compute ceiling: the format's own kernel (AVX-512 or
+    AVX2), timed in cache on 64 rows; None where no ridge kernel runs here."""
+    from ridge.layers.cpu_kernels import cpu_has_avx2, cpu_has_avx512_bf16
+
+    measured = probe.probe_block_kernel(fmt, repeats=2, warmup_s=0.0, min_s=0.0)
+    if not (cpu_has_avx512_bf16() or cpu_has_avx2()):
+        assert measured is None
+        return
+    assert measured is not None and measured.samples >= 2
+    assert 1e9 < measured.low <= measured.high < 1e14  # GFLOP/s to 100 TFLOP/s, not a unit slip
+    assert probe.probe_block_kernel("no_such_format") is None
+
+
+def test_ridges_bf16_layer_is_a_matmul_candidate_where_its_kernels_run():
+    """The bf16 candidate runs the kernel set's own linear layer on the weight as a model
+    holds it (AVX-512: packed for its GEMM; AVX2: torch's float32 GEMM on the widened weight)."""
+    kernels = probe._ridge_kernels()
+    if kernels is None:
+        pytest.skip("ridge's CPU kernels do not run here")
+    run = probe._ridge_matmul_runner(kernels, 32)
+    out = run()
+    assert out.shape == (32, 32) and out.dtype == probe.torch.bfloat16 and bool(out.isfinite().all())
