@@ -307,11 +307,14 @@ class TorchKernels:
         return None
 
 
-# Avx2Kernels: rows of x from which a dense bf16 layer runs torch's float32 GEMM (below: its
-# bf16 GEMM, which streams the weight once), and the weight rows widened at a time. A 5632 x 2048
-# layer on the 2-core Zen 3 EPYC: 16 rows 25 ms in float32 against 22 in bf16, 24 rows 23
-# against 34, 128 rows 51 against 160 (2026-11-29).
-FLOAT32_GEMM_MIN_ROWS = 24
+# Avx2Kernels: rows of x from which a dense bf16 layer runs torch's float32 GEMM on its widened
+# weight (below: csrc/avx2_dense.cpp, which streams the weight once), and the weight rows widened
+# at a time. A 5632 x 2048 layer on the 2-core Zen 3 EPYC (2026-11-29, 2 rounds): 32 rows
+# 10.5-11.1 ms against 16.8-21.9 in float32, 64 rows 20.7-21.5 against 22.4-29.4, 96 rows
+# 30.2-31.2 against 30.4-31.5, 128 rows 39.9-40.6 against 33.8-36.7. (Widening the weight
+# alone costs most of the float32 path's time below 64 rows; torch's bf16 GEMM there took 28 ms
+# on 24 rows.)
+FLOAT32_GEMM_MIN_ROWS = 64
 FLOAT32_GEMM_ROWS = 2048
 
 
@@ -325,8 +328,11 @@ class Avx2Kernels(TorchKernels):
     - A decode step's other ops in float32 or bfloat16 run ``csrc/avx2_ops.cpp``: RMSNorm (with
       the residual add), SiLU-and-multiply, RoPE, and decode attention from the paged cache
       (not an int8/fp8 one). Each rounds where torch's op rounds.
-    - Dense bf16 layers on 24 rows or more (prefill) run torch's float32 GEMM on the weight
-      widened a slice at a time: without AVX-512 BF16 torch's bf16 GEMM is 5-8x slower.
+    - Dense bf16 layers run ``csrc/avx2_dense.cpp`` below FLOAT32_GEMM_MIN_ROWS rows (decode:
+      the weight streamed once for up to 4 rows at a time, widened in registers), and torch's
+      float32 GEMM on the weight widened a slice at a time from there (prefill). Without
+      AVX-512 BF16 torch's bf16 GEMM is a slow path: 9.4 GB/s on one row, 11.5x one row's time
+      on 23.
     - Everything else (other dense matmuls, prefill attention, quantized caches, routing) is
       torch's."""
 
@@ -339,8 +345,12 @@ class Avx2Kernels(TorchKernels):
         if layer.parts is not None and rows is None:
             return self.linear_parts(x, layer)
         fmt = layer.method.format
-        if fmt is None and self._float32_gemm(x, layer, rows):
-            return self._bf16_by_float32_gemm(x, layer)
+        if fmt is None and self._dense_bf16(x, layer):
+            if rows is None and x.numel() >= FLOAT32_GEMM_MIN_ROWS * x.shape[-1]:
+                return self._bf16_by_float32_gemm(x, layer)
+            if rows is not None:  # one expert's rows of a stacked layer (no bias)
+                return self.ext.linear_bf16(x, layer.weight[rows], None)
+            return self.ext.linear_bf16(x, layer.weight, layer.bias)
         if (
             fmt is None
             or layer.packed is not None
@@ -357,16 +367,15 @@ class Avx2Kernels(TorchKernels):
         return self.ext.supports_format(fmt.ggml_type)
 
     @staticmethod
-    def _float32_gemm(x, layer, rows) -> bool:
-        """A dense bf16 layer on at least FLOAT32_GEMM_MIN_ROWS rows (prefill, large batches)."""
+    def _dense_bf16(x, layer) -> bool:
+        """A dense bf16 layer on bf16 rows, its weight as loaded (not repacked)."""
         return (
-            rows is None
-            and x.dtype is torch.bfloat16
+            x.dtype is torch.bfloat16
             and x.device.type == "cpu"
             and isinstance(layer.method, UnquantizedLinearMethod)
             and layer.packed is None
             and layer.weight.dtype is torch.bfloat16
-            and x.numel() >= FLOAT32_GEMM_MIN_ROWS * x.shape[-1]
+            and layer.weight.numel() > 0
         )
 
     @staticmethod

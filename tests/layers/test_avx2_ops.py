@@ -187,18 +187,57 @@ def _dense_layer(n: int, k: int, bias: bool) -> Linear:
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_dense_bf16_prefill_runs_a_float32_gemm(kernels, bias, monkeypatch):
     """From FLOAT32_GEMM_MIN_ROWS rows a dense bf16 layer is torch's float32 GEMM of the widened
-    weight (a slice of rows at a time), rounded to bf16 once; below, torch's bf16 path itself."""
+    weight (a slice of rows at a time), rounded to bf16 once; below, the streaming kernel."""
     monkeypatch.setattr(kernels_module, "FLOAT32_GEMM_ROWS", 48)  # 100 rows: 3 slices
     layer = _dense_layer(100, 64, bias)
     gen = torch.Generator().manual_seed(1)
     few = torch.randn(FLOAT32_GEMM_MIN_ROWS - 1, 64, generator=gen).bfloat16()
-    assert torch.equal(kernels.linear(few, layer), TorchKernels().linear(few, layer))
-    many = torch.randn(2, FLOAT32_GEMM_MIN_ROWS, 64, generator=gen).bfloat16()  # leading dims: rows counted
+    assert torch.equal(kernels.linear(few, layer), kernels.ext.linear_bf16(few, layer.weight, layer.bias))
+    many = torch.randn(2, FLOAT32_GEMM_MIN_ROWS // 2, 64, generator=gen).bfloat16()  # leading dims: rows counted
     got = kernels.linear(many, layer)
     want = many.float() @ layer.weight.float().T + (layer.bias.float() if bias else 0)
-    assert got.dtype is torch.bfloat16 and got.shape == (2, FLOAT32_GEMM_MIN_ROWS, 100)
+    assert got.dtype is torch.bfloat16 and got.shape == (2, FLOAT32_GEMM_MIN_ROWS // 2, 100)
     assert (_ulps(got, want.bfloat16()) <= 1).all()  # float32 sums in another order: one rounding apart at most
     # and the matmul is timed as every other (the telemetry's matmul share)
     kernels.take_matmul_s()
     kernels.matmul(many, layer)
     assert kernels.take_matmul_s() > 0
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("k", [2048, 100, 72, 13])  # multiples of 16 and of 8, a tail of 4, under 8
+def test_a_dense_bf16_decode_streams_the_weight_once_for_its_rows(kernels, bias, k):
+    """Below FLOAT32_GEMM_MIN_ROWS (decode) a dense bf16 layer is csrc/avx2_dense.cpp: float32
+    products and sums rounded to bf16 once, each row's output the same alone or in any batch."""
+    layer = _dense_layer(37, k, bias)
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(9, k, generator=gen).bfloat16()  # tiles of 4, 4 and 1
+    got = kernels.linear(x, layer)
+    want = x.float() @ layer.weight.float().T + (layer.bias.float() if bias else 0)
+    assert got.dtype is torch.bfloat16 and got.shape == (9, 37)
+    assert (_ulps(got, want.bfloat16()) <= 1).all()  # float32 sums in another order: one rounding apart
+    for start, stop in [(0, 1), (3, 5), (4, 7), (8, 9), (2, 9)]:
+        assert torch.equal(kernels.linear(x[start:stop], layer), got[start:stop])
+    # leading dims, and one expert's rows of a stacked layer (no bias)
+    assert torch.equal(kernels.linear(x.view(3, 3, k), layer), got.view(3, 3, 37))
+    assert torch.equal(kernels.linear(x, layer, slice(8, 20)), kernels.ext.linear_bf16(x, layer.weight[8:20], None))
+    if bias:
+        assert torch.equal(kernels.linear(x, layer, slice(0, 37)), kernels.linear(x, _dense_layer(37, k, False)))
+
+
+def test_the_dense_bf16_kernel_refuses_what_it_does_not_take(kernels):
+    ext = kernels.ext
+    w = torch.randn(8, 16).bfloat16()
+    with pytest.raises(RuntimeError, match="weight has 16 columns, x has K = 32"):
+        ext.linear_bf16(torch.randn(2, 32).bfloat16(), w, None)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ext.linear_bf16(torch.randn(2, 16).bfloat16(), w.float(), None)
+    with pytest.raises(RuntimeError, match="bias of 4 for N = 8"):
+        ext.linear_bf16(torch.randn(2, 16).bfloat16(), w, torch.zeros(4))
+    empty = ext.linear_bf16(torch.randn(0, 16).bfloat16(), w, None)
+    assert empty.shape == (0, 8)
+    # a float32 layer, or a bf16 one on float32 rows, stays torch's
+    layer = _dense_layer(8, 16, False)
+    x = torch.randn(2, 16)
+    layer.weight.data = layer.weight.float()
+    assert torch.equal(kernels.linear(x, layer), TorchKernels().linear(x, layer))
