@@ -34,8 +34,9 @@ constexpr int ROWS_MAX = 4;  // rows of x one pass over a row of W multiplies
 constexpr int64_t ROW_CHUNK = 16;  // rows of W a thread takes at a time (their bytes stay in L2 across x's rows)
 // How far ahead a thread prefetches W (its rows are contiguous), in bytes. On the 2-core Zen 3
 // EPYC (8 matrices of 5632 x 2048 and 2048 x 5632, 3 rounds): one row of x 14.7-16.5 GB/s at
-// 0 bytes ahead, 15.4-18.1 at 2 KiB (4 KiB alike); 4 rows 10.0-11.0 -> 12.4-13.6.
-constexpr int64_t PREFETCH_AHEAD = 2048;
+// 0 bytes ahead, 15.4-18.1 at 2 KiB, 18.5-21.2 at 8 KiB (sum() 21-24 in the same rounds); 4 rows
+// 10.0-11.0 at 0, 12.4-13.6 at 2 KiB.
+constexpr int64_t PREFETCH_AHEAD = 8192;
 
 // Rows [0, R) of x (float32, K a row, stride K) against one row of W: y[r]
 template <int R>
