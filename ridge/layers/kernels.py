@@ -183,13 +183,13 @@ class TorchKernels:
                 start += count
         return torch.cat(outputs) if outputs else x.new_empty(0, layer.rows_per_expert)
 
-    # Repacking, asked for by each layer's method once its weights are loaded. These kernels
-    # keep every format as loaded (None: not repacked).
     def takes_format(self, fmt: BlockFormat) -> bool:
         """Whether this kernel set's own GEMM runs layers of block format ``fmt`` on CPU (else
-        the torch reference below dequantizes the weight)."""
+        the method's torch reference dequantizes the weight)."""
         return False
 
+    # Repacking, asked for by each layer's method once its weights are loaded. These kernels
+    # keep every format as loaded (None: not repacked).
     def pack_dense(self, weight: torch.Tensor) -> torch.Tensor | None:
         return None
 

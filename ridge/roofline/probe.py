@@ -10,7 +10,7 @@ most the machine can do; a slower trial only measured a disturbance):
   runs), square, growing the size while it stays within a time budget, and for bf16 the
   linear layer of ridge's own CPU kernels where they run (``select_kernels``: AVX-512's GEMM,
   or on AVX2 alone torch's float32 GEMM on the widened weight). Those beat torch's bf16 GEMM
-  (on the 2-core Zen 3 EPYC, without AVX-512 BF16, 14-18 GFLOP/s against 92-131), and a peak
+  (on the 2-core Zen 3 EPYC, without AVX-512 BF16, 12-18 GFLOP/s against 78-95), and a peak
   they beat would put prefill above 100% of its roofline. ``torch.matmul`` of two row-major
   squares is not that layout: in bf16 there it ran 0.3-1.4 GFLOP/s and put every decode step
   of ``benchmarks/compare.py`` at "over 1000% of its floor".
@@ -196,8 +196,8 @@ def probe_read_bandwidth(settings: ProbeSettings = ProbeSettings()) -> Measureme
     kernels run (and ``settings.ridge_kernels``), their weight-streaming GEMV. Every floor
     ridge prints (the analyzer's, ``ridge bench``'s, the benchmarks') divides by its ``.high``:
     a ``sum()`` alone read 21-24 GB/s on the 2-core Xeon where ridge's bf16 decode step
-    streamed 30, and put that step at 139% of its floor. (On the 2-core Zen 3 EPYC ``sum()``
-    is the faster: 18-22 GB/s against 11-12 for torch's bf16 GEMV there.)"""
+    streamed 30, and put that step at 139% of its floor. (On the 2-core Zen 3 EPYC the two are
+    close: ``sum()`` 21-24 GB/s, the AVX2 kernels' bf16 GEMV 18-21.)"""
     return probe_bandwidth(settings, _ridge_kernels() if settings.ridge_kernels else None)
 
 
