@@ -35,10 +35,9 @@ namespace {
 
 using ridge_avx2::hsum;
 using ridge_avx2::load8;
+using ridge_avx2::MAX_ROWS;  // rows of x a group is unpacked for at once
 
 constexpr int64_t QK = 32;  // weights per group (a block, or a K-quant's sub-block)
-constexpr int MAX_ROWS = 4;  // rows of x a group is unpacked for at once
-constexpr int64_t ROW_CHUNK = 16;  // rows of W a thread takes at a time (their bytes stay in L2 across x's rows)
 // How far ahead of the block it reads a thread prefetches W (its rows are contiguous): the
 // kernel alone, 8 matrices of 5632 x 2048 from memory, 2 threads, on the 2-core Zen 3 EPYC
 // (2026-11-29, 3 rounds): Q4_K 11.1 -> 14.0 GB/s at 4 KiB ahead, 14.8 at 8; Q6_K 13.8 -> 18.0 /
@@ -548,26 +547,11 @@ void dot_row(const uint8_t* w, const QuantizedX& x, int64_t m0, Scratch& s, floa
 
 template <class F>
 void gemm(const QuantizedX& x, const uint8_t* blocks, int64_t row_bytes, int64_t N, float* y) {
-  const int64_t M = x.M, nb = x.K / F::BLOCK;
-  at::parallel_for(0, N, ROW_CHUNK, [&](int64_t begin, int64_t end) {
-    float out[MAX_ROWS];
-    Scratch scratch(nb);
-    for (int64_t n0 = begin; n0 < end; n0 += ROW_CHUNK) {
-      const int64_t n1 = std::min(end, n0 + ROW_CHUNK);
-      for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-        const int64_t rows = std::min<int64_t>(MAX_ROWS, M - m0);
-        for (int64_t n = n0; n < n1; ++n) {
-          const uint8_t* w = blocks + n * row_bytes;
-          switch (rows) {
-            case 1: dot_row<F, 1>(w, x, m0, scratch, out); break;
-            case 2: dot_row<F, 2>(w, x, m0, scratch, out); break;
-            case 3: dot_row<F, 3>(w, x, m0, scratch, out); break;
-            default: dot_row<F, 4>(w, x, m0, scratch, out); break;
-          }
-          for (int64_t r = 0; r < rows; ++r) y[(m0 + r) * N + n] = out[r];
-        }
-      }
-    }
+  const int64_t nb = x.K / F::BLOCK;
+  ridge_avx2::tiled_gemm(x.M, N, y, [&] {
+    return [&x, blocks, row_bytes, scratch = Scratch(nb)](auto rows, int64_t n, int64_t m0, float* out) mutable {
+      dot_row<F, decltype(rows)::value>(blocks + n * row_bytes, x, m0, scratch, out);
+    };
   });
 }
 

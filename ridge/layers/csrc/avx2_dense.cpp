@@ -5,8 +5,9 @@
 // Why: without AVX-512 BF16 torch's bf16 matmul is a slow path. On the 2-core Zen 3 EPYC
 // (2026-11-29, 8 matrices of 5632 x 2048) it streamed W at 9.4 GB/s on one row and cost
 // 1.9x one row's time on 2 rows, 4.1x on 8, 11.5x on 23: a decode step of 8 sequences took
-// 4 times one sequence's. Here W is read once a call whatever the rows (up to ROWS_MAX at a
-// time), widened to float32 in registers (bf16 is the top half of an fp32: a shift), and
+// 4 times one sequence's. Here W is read once a call whatever the rows (up to MAX_ROWS at a
+// time: ridge_avx2::tiled_gemm, as the block formats tile), widened to float32 in registers
+// (bf16 is the top half of an fp32: a shift), and
 // multiplied by every row of x in float32 FMAs.
 //
 // Each output is one row of x against one row of W, computed by one thread in the same order
@@ -19,7 +20,6 @@
 
 #include "avx2_simd.h"
 
-#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -30,8 +30,6 @@ using ridge_avx2::load8;
 
 using bf16 = at::BFloat16;
 
-constexpr int ROWS_MAX = 4;  // rows of x one pass over a row of W multiplies
-constexpr int64_t ROW_CHUNK = 16;  // rows of W a thread takes at a time (their bytes stay in L2 across x's rows)
 // How far ahead a thread prefetches W (its rows are contiguous), in bytes. On the 2-core Zen 3
 // EPYC (8 matrices of 5632 x 2048 and 2048 x 5632, 3 rounds): one row of x 14.7-16.5 GB/s at
 // 0 bytes ahead, 15.4-18.1 at 2 KiB, 18.5-21.2 at 8 KiB (sum() 21-24 in the same rounds); 4 rows
@@ -67,25 +65,10 @@ inline void dot_row(const bf16* w, const float* x, int64_t K, float* y) {
 
 // y (M, N) float32 = x (M, K) float32 @ W^T
 void gemm(const float* x, int64_t M, int64_t K, const bf16* w, int64_t N, float* y) {
-  at::parallel_for(0, N, ROW_CHUNK, [&](int64_t begin, int64_t end) {
-    float out[ROWS_MAX];
-    for (int64_t n0 = begin; n0 < end; n0 += ROW_CHUNK) {
-      const int64_t n1 = std::min(end, n0 + ROW_CHUNK);
-      for (int64_t m0 = 0; m0 < M; m0 += ROWS_MAX) {
-        const int rows = static_cast<int>(std::min<int64_t>(ROWS_MAX, M - m0));
-        const float* xm = x + m0 * K;
-        for (int64_t n = n0; n < n1; ++n) {
-          const bf16* wn = w + n * K;
-          switch (rows) {
-            case 1: dot_row<1>(wn, xm, K, out); break;
-            case 2: dot_row<2>(wn, xm, K, out); break;
-            case 3: dot_row<3>(wn, xm, K, out); break;
-            default: dot_row<4>(wn, xm, K, out); break;
-          }
-          for (int r = 0; r < rows; ++r) y[(m0 + r) * N + n] = out[r];
-        }
-      }
-    }
+  ridge_avx2::tiled_gemm(M, N, y, [&] {
+    return [=](auto rows, int64_t n, int64_t m0, float* out) {
+      dot_row<decltype(rows)::value>(w + n * K, x + m0 * K, K, out);
+    };
   });
 }
 

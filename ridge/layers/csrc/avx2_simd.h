@@ -1,10 +1,19 @@
-// Vector helpers the AVX2 extension's sources share (avx2_blocks.cpp, avx2_ops.cpp): 8 floats
-// loaded from float32 or bf16, and a vector's horizontal sum in one fixed order.
+// What the AVX2 extension's sources share (avx2_blocks.cpp, avx2_dense.cpp, avx2_ops.cpp): 8
+// floats loaded from float32 or bf16, a vector's horizontal sum in one fixed order, and how
+// both matmuls split y = x @ W^T over threads and tiles.
 #pragma once
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
 namespace ridge_avx2 {
+
+constexpr int MAX_ROWS = 4;  // rows of x one pass over a row of W takes
+constexpr int64_t ROW_CHUNK = 16;  // rows of W a thread takes at a time (their bytes stay in L2 across x's rows)
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {  // exact: bf16 is the top half of an fp32
@@ -18,5 +27,34 @@ inline float hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+
+// y (M, N) float32 = x @ W^T, tiled: each thread takes runs of ROW_CHUNK rows of W, and each
+// row n of a run meets x's rows MAX_ROWS at a time. make_dot() is called once per thread (it
+// holds the thread's scratch); what it returns is called as dot(std::integral_constant<int, R>,
+// n, m0, out) and fills out[0, R) with rows [m0, m0 + R) of x against row n of W. Each output
+// is one thread's, computed whatever the rows beside it.
+template <class MakeDot>
+void tiled_gemm(int64_t M, int64_t N, float* y, MakeDot&& make_dot) {
+  at::parallel_for(0, N, ROW_CHUNK, [&](int64_t begin, int64_t end) {
+    auto dot = make_dot();
+    float out[MAX_ROWS];
+    for (int64_t n0 = begin; n0 < end; n0 += ROW_CHUNK) {
+      const int64_t n1 = std::min(end, n0 + ROW_CHUNK);
+      for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+        const int rows = static_cast<int>(std::min<int64_t>(MAX_ROWS, M - m0));
+        for (int64_t n = n0; n < n1; ++n) {
+          switch (rows) {
+            case 1: dot(std::integral_constant<int, 1>{}, n, m0, out); break;
+            case 2: dot(std::integral_constant<int, 2>{}, n, m0, out); break;
+            case 3: dot(std::integral_constant<int, 3>{}, n, m0, out); break;
+            default: dot(std::integral_constant<int, 4>{}, n, m0, out); break;
+          }
+          for (int r = 0; r < rows; ++r) y[(m0 + r) * N + n] = out[r];
+        }
+      }
+    }
+  });
+}
+static_assert(MAX_ROWS == 4, "tiled_gemm's switch names each tile height");
 
 }  // namespace ridge_avx2
