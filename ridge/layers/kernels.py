@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ridge.kv.cache import PagedKV
+from ridge.layers import avx2_layout
 from ridge.layers.attention import (
     AttentionMetadata,
     PrefillChunk,
@@ -324,7 +325,9 @@ class Avx2Kernels(TorchKernels):
     - The matmuls of block-format layers run ``csrc/avx2_blocks.cpp`` on the GGUF bytes the
       layer holds, every format of ``formats.FORMATS``. (Torch's reference would dequantize
       the whole weight to float32 on every call: 8 bytes read and written a weight where a
-      Q4_K_M file holds 0.6.) Nothing is repacked.
+      Q4_K_M file holds 0.6.) The 32-weight formats (Q8_0, Q4_0, Q4_1, IQ4_NL) are repacked
+      at load, each row in place and at its size, into runs of 8 blocks whose factors and codes
+      load as whole vectors (``avx2_layout``); the super-block formats stay as loaded.
     - A decode step's other ops in float32 or bfloat16 run ``csrc/avx2_ops.cpp``: RMSNorm (with
       the residual add), SiLU-and-multiply, RoPE, and decode attention from the paged cache
       (not an int8/fp8 one). Each rounds where torch's op rounds.
@@ -337,6 +340,7 @@ class Avx2Kernels(TorchKernels):
       torch's."""
 
     name = "avx2"
+    packed_row_block = 1  # each row packs on its own
 
     def __init__(self, ext) -> None:
         self.ext = ext
@@ -351,20 +355,32 @@ class Avx2Kernels(TorchKernels):
             if rows is not None:  # one expert's rows of a stacked layer (no bias)
                 return self.ext.linear_bf16(x, layer.weight[rows], None)
             return self.ext.linear_bf16(x, layer.weight, layer.bias)
+        packed = layer.packed is not None and isinstance(layer.unpacker, Avx2Kernels)  # in avx2_layout's runs
         if (
             fmt is None
-            or layer.packed is not None
+            or (layer.packed is not None and not packed)
             or x.device.type != "cpu"
             or x.dtype not in (torch.float32, torch.bfloat16)
             or not self.ext.supports_format(fmt.ggml_type)
         ):
             return super().linear(x, layer, rows)
+        run = self.ext.linear_blocks_packed if packed else self.ext.linear_blocks
+        blocks = layer.packed if packed else layer.blocks
         if rows is not None:  # one expert's rows of a stacked layer (no bias)
-            return self.ext.linear_blocks(x, layer.blocks[rows], fmt.ggml_type, None)
-        return self.ext.linear_blocks(x, layer.blocks, fmt.ggml_type, layer.bias)
+            return run(x, blocks[rows], fmt.ggml_type, None)
+        return run(x, blocks, fmt.ggml_type, layer.bias)
 
     def takes_format(self, fmt):
         return self.ext.supports_format(fmt.ggml_type)
+
+    def pack_blocks(self, fmt, blocks, n, k):
+        """A 32-weight format's CPU rows into runs of 8 blocks (``avx2_layout``)."""
+        if fmt.name not in avx2_layout.FORMATS or blocks.device.type != "cpu" or blocks.numel() == 0:
+            return None
+        return avx2_layout.pack_runs_of_8(fmt, blocks)
+
+    def unpack_blocks(self, fmt, packed, n, k):
+        return avx2_layout.unpack_runs_of_8(fmt, packed)
 
     @staticmethod
     def _dense_bf16(x, layer) -> bool:

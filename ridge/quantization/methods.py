@@ -265,15 +265,17 @@ class ShardedLinearMethod(LinearMethod):
 
 
 # The kernels pack rows in blocks of 16 (linear_bf16, linear_quant): a row range on block
-# boundaries is a contiguous slice of the packed tensor.
+# boundaries is a contiguous slice of the packed tensor. A kernel set packing each row on its
+# own (the AVX2 one) says so in its ``packed_row_block``.
 PACKED_ROW_BLOCK = 16
 
 
 def _unpack_rows(layer, rows: slice, unpack) -> torch.Tensor:
     """Rows of a packed weight: only their blocks unpacked where the range is block-aligned."""
     start, stop = rows.start or 0, rows.stop
-    if start % PACKED_ROW_BLOCK == 0 and (stop % PACKED_ROW_BLOCK == 0 or stop == layer.out_features):
-        blocks = layer.packed[start // PACKED_ROW_BLOCK : -(-stop // PACKED_ROW_BLOCK)]
+    step = getattr(layer.unpacker, "packed_row_block", PACKED_ROW_BLOCK)
+    if start % step == 0 and (stop % step == 0 or stop == layer.out_features):
+        blocks = layer.packed[start // step : -(-stop // step)]
         return unpack(blocks, stop - start)
     return unpack(layer.packed, layer.out_features)[rows]
 

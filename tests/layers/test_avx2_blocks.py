@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ridge.layers import cpu_kernels
+from ridge.layers import avx2_layout, cpu_kernels
 from ridge.layers.cpu_kernels import cpu_has_avx2, load_avx2_extension
 from ridge.layers.kernels import Avx2Kernels
 from ridge.layers.linear import Linear, PackedLinear
-from ridge.quantization.formats import FORMATS, Q4_K, Q6_K
+from ridge.quantization.formats import FORMATS, Q4_0, Q4_K, Q6_K
 from ridge.quantization.methods import BlockQuantLinearMethod, ShardedLinearMethod
 from ridge.quantization.random_blocks import random_blocks
 
@@ -111,6 +111,35 @@ def test_a_rows_output_does_not_depend_on_its_batch(ext, name):
     assert torch.equal(ext.linear_blocks(x[3:9], blocks, fmt.ggml_type, None), batch[3:9])
 
 
+RUN_FORMATS = sorted(avx2_layout.FORMATS)
+
+
+@pytest.mark.parametrize("name", RUN_FORMATS)
+def test_runs_of_8_keep_the_bytes_and_the_outputs_bit_for_bit(ext, name):
+    """The 32-weight formats' load-time layout: the same bytes in each row (its inverse gives
+    GGUF's back), and the same outputs as the GGUF layout for every tile height (m) and a
+    row's partial run at its end (k / 32 not a multiple of 8)."""
+    fmt = FORMATS[name]
+    for k in (32, 256, 416, 2048, 2816):
+        blocks = _blocks(name, 21, k, seed=k)
+        packed = avx2_layout.pack_runs_of_8(fmt, blocks)
+        assert packed.shape == blocks.shape and torch.equal(avx2_layout.unpack_runs_of_8(fmt, packed), blocks)
+        if k >= 256:
+            assert not torch.equal(packed, blocks)
+        for m in (1, 3, 4, 5, 9):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            torch.testing.assert_close(
+                ext.linear_blocks_packed(x, packed, fmt.ggml_type, None),
+                ext.linear_blocks(x, blocks, fmt.ggml_type, None),
+                rtol=0,
+                atol=0,
+            )
+    with pytest.raises(RuntimeError, match="only the 32-weight formats are packed"):
+        ext.linear_blocks_packed(torch.randn(1, 256), _blocks("q4_k", 8, 256, seed=0), Q4_K.ggml_type, None)
+    with pytest.raises(ValueError, match="only .* have the AVX2 run layout"):
+        avx2_layout.pack_runs_of_8(Q4_K, _blocks("q4_k", 8, 256, seed=0))
+
+
 def test_exact_on_exactly_representable_inputs(ext):
     # x already on an int8 grid per block and W's codes small: the integer path is exact (the
     # float sums of the blocks' products are not ordered as torch's)
@@ -165,9 +194,9 @@ def _layer(fmt, n: int, k: int, seed: int, bias: bool = False) -> Linear:
 
 
 def test_the_kernels_read_a_layers_gguf_bytes_as_loaded(ext):
-    """No repacking (the layer keeps the file's bytes), every way a model reaches a matmul: a
-    plain layer with its bias, a layer held per shard in two formats (Q4_K_M's qkv), and one
-    expert's rows of a stacked layer."""
+    """The super-block formats keep the file's bytes, the 32-weight ones the same bytes in
+    runs of 8; every way a model reaches a matmul: a plain layer with its bias, a layer held per
+    shard in two formats (Q4_K_M's qkv), and one expert's rows of a stacked layer."""
     kernels = Avx2Kernels(ext)
     k = 512
     layer = _layer(Q4_K, 48, k, seed=1, bias=True)
@@ -181,6 +210,18 @@ def test_the_kernels_read_a_layers_gguf_bytes_as_loaded(ext):
     assert torch.equal(got, ext.linear_blocks(x, before, Q4_K.ggml_type, layer.bias))
     assert torch.equal(
         kernels.matmul(x, layer, slice(16, 32)), ext.linear_blocks(x, before[16:32], Q4_K.ggml_type, None)
+    )
+
+    # a 32-weight format is repacked, row by row (an expert's rows still slice)
+    layer = _layer(Q4_0, 48, k, seed=3, bias=True)
+    before = layer.blocks.clone()
+    layer.method.process_weights_after_loading(layer, kernels)
+    assert layer.packed is not None and layer.packed.shape == before.shape and layer.blocks.numel() == 0
+    assert torch.equal(layer.method.blocks_of(layer), before)
+    assert torch.equal(layer.method.dense_rows(layer, slice(5, 29)), Q4_0.dequantize(before[5:29], k))
+    assert torch.equal(kernels.matmul(x, layer), ext.linear_blocks(x, before, Q4_0.ggml_type, layer.bias))
+    assert torch.equal(
+        kernels.matmul(x, layer, slice(16, 32)), ext.linear_blocks(x, before[16:32], Q4_0.ggml_type, None)
     )
 
     packed = PackedLinear(k, [32, 32, 32], False, ShardedLinearMethod((Q4_K, Q4_K, Q6_K)))
