@@ -99,7 +99,7 @@ inline __m256i two_bits(__m256i bytes, int j) {
 // packed_codes(run, i) those of block i of a packed run (its codes from byte PACKED_AT, after
 // the run's d and m); D_AT is where a block's fp16 factor d sits, M_AT its fp16 minimum m
 // (MIN: w = d q + m), and OFFSET_SHIFT gives Q4_0's offset, 8 (w = d (q - 8)). NIBBLES: codes
-// 0-15, unsigned (see sums16_of_8).
+// 0-15, unsigned (see widen).
 struct Q8_0 {
   static constexpr int64_t BLOCK = 32, BYTES = 34, D_AT = 0, M_AT = 0;
   static constexpr bool SIGNED = true, OFFSET = false, MIN = false, NIBBLES = false;
@@ -391,22 +391,38 @@ void quantize_x(const T* x, int64_t M, int64_t K, int64_t QX, QuantizedX& out) {
   });
 }
 
-// The sums of 8 vectors' lanes (integers: in any order), as one vector
-inline __m256i sums_of_8(const __m256i v[8]) {
-  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+// Two quads' pairwise sums a = hadd(hadd(v0, v1), hadd(v2, v3)), b (v4-v7) -> the 8 vectors'
+// lane sums as one int32 vector, in order
+inline __m256i sums_of_quads(__m256i a, __m256i b) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-// The sums of 8 vectors' int16 lanes (vpmaddubsw's pair sums), as int32. For the 4-bit
-// unsigned codes (NIBBLES: Q4_0, Q4_1): a lane's 16 products of a code and an int8 sum to at
-// most 16 * 15 * 127 < 2^15, so vphaddw's int16 sums cannot wrap, and the 8 blocks skip
-// vpmaddwd's widening (Q8_0 and IQ4_NL, up to 127 * 127 a product, take it: sums_of_8).
-inline __m256i sums16_of_8(const __m256i v[8]) {
-  const __m256i a = _mm256_hadd_epi16(_mm256_hadd_epi16(v[0], v[1]), _mm256_hadd_epi16(v[2], v[3]));
-  const __m256i b = _mm256_hadd_epi16(_mm256_hadd_epi16(v[4], v[5]), _mm256_hadd_epi16(v[6], v[7]));
-  const __m256i c = _mm256_hadd_epi16(a, b);  // per 128-bit half: the 8 vectors' half sums, in order
-  return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(c)), _mm256_cvtepi16_epi32(_mm256_extracti128_si256(c, 1)));
+// The sums of 8 vectors' lanes (integers: in any order), as one vector
+inline __m256i sums_of_8(const __m256i v[8]) {
+  return sums_of_quads(_mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3])),
+                       _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7])));
+}
+
+// The 32-weight formats' products of a block and a row of x, reduced across lanes 8 blocks at
+// a time as a tree of horizontal adds (pairs, quads, then sums_of_quads). Most formats widen
+// vpmaddubsw's int16 pair sums to int32 first (vpmaddwd), as their products reach 127 * 127.
+// The 4-bit unsigned codes (NIBBLES: Q4_0, Q4_1) keep them in int16 to the last level: a lane
+// then sums 16 products of at most 15 * 127 (< 2^15), so vphaddw cannot wrap, and vpmaddwd is
+// skipped.
+template <class F>
+inline __m256i widen(__m256i pair_sums) {
+  return F::NIBBLES ? pair_sums : _mm256_madd_epi16(pair_sums, _mm256_set1_epi16(1));
+}
+template <class F>
+inline __m256i hadd(__m256i a, __m256i b) {
+  return F::NIBBLES ? _mm256_hadd_epi16(a, b) : _mm256_hadd_epi32(a, b);
+}
+template <class F>
+inline __m256i block_sums(__m256i quad0, __m256i quad1) {
+  if (!F::NIBBLES) return sums_of_quads(quad0, quad1);
+  const __m256i c = _mm256_hadd_epi16(quad0, quad1);  // per 128-bit half: the 8 blocks' half sums
+  return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(c)),
+                          _mm256_cvtepi16_epi32(_mm256_extracti128_si256(c, 1)));
 }
 
 // One row of W in a super-block format (its nb blocks at w) against rows [m0, m0 + R) of x:
@@ -470,8 +486,8 @@ inline __m256 gather_f16(const uint8_t* p, int64_t at, int n) {
 
 // Blocks [b0, b0 + 8) of a row of 32-weight blocks (fewer at the row's end: n): each block's
 // sum for rows [m0, m0 + R) of x, scaled by its d and x's scale. A block's codes are unpacked
-// once for all rows; the 8 blocks' integer products are summed across lanes at once
-// (sums16_of_8 or sums_of_8). Where the row's tree takes runs of 8 (RUNS: tree_sum's
+// once for all rows; the 8 blocks' integer products are summed across lanes together (hadd's
+// tree, then block_sums). Where the row's tree takes runs of 8 (RUNS: tree_sum's
 // runs_of_8), only the 8's pairwise sum (the tree's subtree of 8) is kept, in c8[r * nb8 +
 // b0 / 8]; else each block's sum, in c[r * nbp + b]. FULL: n is 8, the loops' bounds known to
 // the compiler. PACKED: the 8 blocks are a run of pack_blocks' layout (FULL only).
@@ -482,25 +498,30 @@ void block_sums_8(const uint8_t* w, int64_t b0, int n, int64_t nbp, const Quanti
   if (FULL) n = 8;
   const uint8_t* p = w + b0 * F::BYTES;
   prefetch_ahead<PREFETCH_BLOCKS, 8 * F::BYTES>(p);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i dots[R][8];
+  // Each row's products, reduced as they come (a pair, then a quad of blocks at a time): a
+  // row holds at most a quad's sums and a pair's live, not 8 vectors (up to 4 rows: 16
+  // registers). Multi-row calls ran 10% faster than with all 8 vectors kept to the end.
+  __m256i quad[R][2], pair[R][2];
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) {
-    if (!FULL && i >= n) {
-      for (int r = 0; r < R; ++r) dots[r][i] = _mm256_setzero_si256();
-      continue;
+    __m256i codes = _mm256_setzero_si256();
+    if (FULL || i < n) {
+      if constexpr (PACKED)
+        codes = F::packed_codes(p, i);
+      else
+        codes = F::codes(p + i * F::BYTES);
     }
-    __m256i codes;
-    if constexpr (PACKED)
-      codes = F::packed_codes(p, i);
-    else
-      codes = F::codes(p + i * F::BYTES);
     const __m256i u = F::SIGNED ? _mm256_sign_epi8(codes, codes) : codes;
     for (int r = 0; r < R; ++r) {  // blocks past the row's end: zero codes above
       __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes(m0 + r) + (b0 + i) * QK));
       if (F::SIGNED) xv = _mm256_sign_epi8(xv, codes);
-      const __m256i pairs = _mm256_maddubs_epi16(u, xv);
-      dots[r][i] = F::NIBBLES ? pairs : _mm256_madd_epi16(pairs, ones);
+      const __m256i v = widen<F>(_mm256_maddubs_epi16(u, xv));
+      if (i % 2 == 0) {
+        pair[r][0] = v;
+        continue;
+      }
+      pair[r][1] = hadd<F>(pair[r][0], v);
+      quad[r][i / 4] = i % 4 == 1 ? pair[r][1] : hadd<F>(quad[r][i / 4], pair[r][1]);
     }
   }
   __m256 dv, mv = _mm256_setzero_ps();
@@ -512,7 +533,7 @@ void block_sums_8(const uint8_t* w, int64_t b0, int n, int64_t nbp, const Quanti
     if (F::MIN) mv = gather_f16<F, FULL>(p, F::M_AT, n);
   }
   for (int r = 0; r < R; ++r) {
-    __m256i dot = F::NIBBLES ? sums16_of_8(dots[r]) : sums_of_8(dots[r]);
+    __m256i dot = block_sums<F>(quad[r][0], quad[r][1]);
     const __m256 dx = _mm256_loadu_ps(x.scales(m0 + r) + b0);
     const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qsums32(m0 + r) + b0));
     if (F::OFFSET) dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(qs, F::OFFSET_SHIFT));
