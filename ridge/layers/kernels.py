@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from ridge.kv.cache import PagedKV
-from ridge.layers import avx2_layout
 from ridge.layers.attention import (
     AttentionMetadata,
     PrefillChunk,
@@ -36,6 +35,8 @@ MANY_HEADS_PER_KV_HEAD = 8
 SHARED_KV_MIN_HEADS = 16
 # Each bit of an int32 word as an int32 (bit 31 is the sign): token bitmasks unpacked in one op
 _BIT_VALUES = torch.tensor([1 << j if j < 31 else -(1 << 31) for j in range(32)], dtype=torch.int32)
+# The formats the AVX2 kernels repack into runs of 8 blocks (csrc/avx2_blocks.cpp)
+AVX2_RUN_FORMATS = frozenset(f.name for f in (Q8_0, Q4_0, Q4_1, IQ4_NL))
 # The extension's format codes (csrc/linear_quant.cpp)
 QUANT_KERNEL_CODES = {
     Q8_0.name: 0,
@@ -325,9 +326,9 @@ class Avx2Kernels(TorchKernels):
     - The matmuls of block-format layers run ``csrc/avx2_blocks.cpp`` on the GGUF bytes the
       layer holds, every format of ``formats.FORMATS``. (Torch's reference would dequantize
       the whole weight to float32 on every call: 8 bytes read and written a weight where a
-      Q4_K_M file holds 0.6.) The 32-weight formats (Q8_0, Q4_0, Q4_1, IQ4_NL) are repacked
-      at load, each row in place and at its size, into runs of 8 blocks whose factors and codes
-      load as whole vectors (``avx2_layout``); the super-block formats stay as loaded.
+      Q4_K_M file holds 0.6.) The 32-weight formats (``AVX2_RUN_FORMATS``) are repacked at
+      load, each row in place and at its size, into runs of 8 blocks whose factors and codes
+      load as whole vectors (``repack_runs``); the super-block formats stay as loaded.
     - A decode step's other ops in float32 or bfloat16 run ``csrc/avx2_ops.cpp``: RMSNorm (with
       the residual add), SiLU-and-multiply, RoPE, and decode attention from the paged cache
       (not an int8/fp8 one). Each rounds where torch's op rounds.
@@ -355,7 +356,7 @@ class Avx2Kernels(TorchKernels):
             if rows is not None:  # one expert's rows of a stacked layer (no bias)
                 return self.ext.linear_bf16(x, layer.weight[rows], None)
             return self.ext.linear_bf16(x, layer.weight, layer.bias)
-        packed = layer.packed is not None and isinstance(layer.unpacker, Avx2Kernels)  # in avx2_layout's runs
+        packed = layer.packed is not None and isinstance(layer.unpacker, Avx2Kernels)  # in runs of 8
         if (
             fmt is None
             or (layer.packed is not None and not packed)
@@ -374,13 +375,14 @@ class Avx2Kernels(TorchKernels):
         return self.ext.supports_format(fmt.ggml_type)
 
     def pack_blocks(self, fmt, blocks, n, k):
-        """A 32-weight format's CPU rows into runs of 8 blocks (``avx2_layout``)."""
-        if fmt.name not in avx2_layout.FORMATS or blocks.device.type != "cpu" or blocks.numel() == 0:
+        """A 32-weight format's CPU rows into runs of 8 blocks (``csrc/avx2_blocks.cpp``'s
+        ``repack_runs``: the same bytes, each row in place)."""
+        if fmt.name not in AVX2_RUN_FORMATS or blocks.device.type != "cpu" or blocks.numel() == 0:
             return None
-        return avx2_layout.pack_runs_of_8(fmt, blocks)
+        return self.ext.repack_runs(blocks, fmt.ggml_type, True)
 
     def unpack_blocks(self, fmt, packed, n, k):
-        return avx2_layout.unpack_runs_of_8(fmt, packed)
+        return self.ext.repack_runs(packed, fmt.ggml_type, False)
 
     @staticmethod
     def _dense_bf16(x, layer) -> bool:

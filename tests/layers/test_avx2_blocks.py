@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ridge.layers import avx2_layout, cpu_kernels
+from ridge.layers import cpu_kernels
 from ridge.layers.cpu_kernels import cpu_has_avx2, load_avx2_extension
-from ridge.layers.kernels import Avx2Kernels
+from ridge.layers.kernels import AVX2_RUN_FORMATS, Avx2Kernels
 from ridge.layers.linear import Linear, PackedLinear
 from ridge.quantization.formats import FORMATS, Q4_0, Q4_K, Q6_K
 from ridge.quantization.methods import BlockQuantLinearMethod, ShardedLinearMethod
@@ -111,10 +111,7 @@ def test_a_rows_output_does_not_depend_on_its_batch(ext, name):
     assert torch.equal(ext.linear_blocks(x[3:9], blocks, fmt.ggml_type, None), batch[3:9])
 
 
-RUN_FORMATS = sorted(avx2_layout.FORMATS)
-
-
-@pytest.mark.parametrize("name", RUN_FORMATS)
+@pytest.mark.parametrize("name", sorted(AVX2_RUN_FORMATS))
 def test_runs_of_8_keep_the_bytes_and_the_outputs_bit_for_bit(ext, name):
     """The 32-weight formats' load-time layout: the same bytes in each row (its inverse gives
     GGUF's back), and the same outputs as the GGUF layout for every tile height (m) and a
@@ -122,8 +119,8 @@ def test_runs_of_8_keep_the_bytes_and_the_outputs_bit_for_bit(ext, name):
     fmt = FORMATS[name]
     for k in (32, 256, 416, 2048, 2816):
         blocks = _blocks(name, 21, k, seed=k)
-        packed = avx2_layout.pack_runs_of_8(fmt, blocks)
-        assert packed.shape == blocks.shape and torch.equal(avx2_layout.unpack_runs_of_8(fmt, packed), blocks)
+        packed = ext.repack_runs(blocks, fmt.ggml_type, True)
+        assert packed.shape == blocks.shape and torch.equal(ext.repack_runs(packed, fmt.ggml_type, False), blocks)
         if k >= 256:
             assert not torch.equal(packed, blocks)
         for m in (1, 3, 4, 5, 9):
@@ -136,8 +133,10 @@ def test_runs_of_8_keep_the_bytes_and_the_outputs_bit_for_bit(ext, name):
             )
     with pytest.raises(RuntimeError, match="only the 32-weight formats are packed"):
         ext.linear_blocks_packed(torch.randn(1, 256), _blocks("q4_k", 8, 256, seed=0), Q4_K.ggml_type, None)
-    with pytest.raises(ValueError, match="only .* have the AVX2 run layout"):
-        avx2_layout.pack_runs_of_8(Q4_K, _blocks("q4_k", 8, 256, seed=0))
+    with pytest.raises(RuntimeError, match="repack_runs: only the 32-weight formats are packed"):
+        ext.repack_runs(_blocks("q4_k", 8, 256, seed=0), Q4_K.ggml_type, True)
+    with pytest.raises(RuntimeError, match="rows of 35 bytes are not whole blocks of 34"):
+        ext.repack_runs(torch.zeros(2, 35, dtype=torch.uint8), FORMATS["int8"].ggml_type, True)
 
 
 def test_exact_on_exactly_representable_inputs(ext):

@@ -13,8 +13,8 @@ import torch
 import transformers
 
 from ridge import LLM, SamplingParams
-from ridge.layers import avx2_layout
 from ridge.layers.cpu_kernels import cpu_has_avx2, cpu_has_avx512_bf16
+from ridge.layers.kernels import AVX2_RUN_FORMATS
 from ridge.models.gguf_file import GGUFModel, widest
 from ridge.quantization.formats import FORMATS, FORMATS_BY_GGML_TYPE
 
@@ -162,12 +162,12 @@ def test_quantized_gguf_runs_on_the_cpu_kernels(stories_gguf, tmp_path, qtype):
 def _native(layer) -> bool:
     """Whether the layer's matmul reads the file's bytes on ridge's CPU kernels: repacked at
     load by the AVX-512 ones; by the AVX2 ones (csrc/avx2_blocks.cpp) repacked in place for
-    the 32-weight formats (avx2_layout), as loaded for the others."""
+    the 32-weight formats (runs of 8 blocks), as loaded for the others."""
     if cpu_has_avx512_bf16():
         return layer.packed is not None
     if not cpu_has_avx2():
         return False
-    if layer.method.format.name in avx2_layout.FORMATS:
+    if layer.method.format.name in AVX2_RUN_FORMATS:
         return (
             layer.packed is not None
             and layer.packed.numel() == layer.method.format.row_bytes(layer.in_features) * layer.out_features

@@ -11,7 +11,7 @@
 //   for the formats with an offset or a minimum, signed for Q8_0 and the IQ4 codebook's values
 //   (those multiply through vpsignb, since vpmaddubsw takes one unsigned operand).
 // - The 32-weight formats (Q8_0, Q4_0, Q4_1, IQ4_NL) are read in runs of 8 blocks, repacked at
-//   load in each row and at its size (ridge/layers/avx2_layout.py): a run's 8 fp16 factors
+//   load in each row and at its size (repack_runs, at the end): a run's 8 fp16 factors
 //   are one load, and a 4-bit run's codes 4 vectors of 32 bytes, two blocks a vector (one AND,
 //   or a shift and an AND, unpacks a block). linear_blocks takes GGUF's layout, as loaded;
 //   linear_blocks_packed the runs, with the same outputs bit for bit. On the Zen 3 EPYC the runs
@@ -654,14 +654,94 @@ bool with_format(int64_t ggml_type, Fn&& fn) {
   }
 }
 
+// The runs' layout (PACKED): in each row, each run of 8 blocks of a 32-weight format reads
+//   d[8] (fp16) | m[8] (fp16, Q4_1 only) | codes (from PACKED_AT)
+// - 4-bit codes as 4 vectors of 32 bytes: byte l of vector j holds element l of block 2j in its
+//   low nibble and element l of block 2j + 1 in its high one (packed_nibbles);
+// - Q8_0's codes as they were, block after block.
+// A row's last blocks % 8 blocks stay in GGUF's layout. A row keeps its bytes and its size, so
+// rows still slice one by one (an expert's, a tensor-parallel rank's).
+template <class F>
+void pack_run(const uint8_t* gguf, uint8_t* run) {
+  constexpr int64_t HEADER = F::PACKED_AT / 8, CODES = F::BYTES - HEADER;  // bytes a block
+  for (int64_t f = 0; f < HEADER / 2; ++f)
+    for (int64_t i = 0; i < 8; ++i) std::memcpy(run + 16 * f + 2 * i, gguf + i * F::BYTES + 2 * f, 2);
+  uint8_t* codes = run + F::PACKED_AT;
+  if constexpr (CODES == QK) {
+    for (int64_t i = 0; i < 8; ++i) std::memcpy(codes + QK * i, gguf + i * F::BYTES + HEADER, QK);
+  } else {  // GGUF: byte l holds element l (low nibble) and l + 16 (high)
+    for (int64_t j = 0; j < 4; ++j) {
+      const uint8_t *a = gguf + 2 * j * F::BYTES + HEADER, *b = a + F::BYTES;
+      uint8_t* v = codes + 32 * j;
+      for (int64_t l = 0; l < 16; ++l) {
+        v[l] = static_cast<uint8_t>((a[l] & 15) | (b[l] << 4));
+        v[16 + l] = static_cast<uint8_t>((a[l] >> 4) | (b[l] & 0xF0));
+      }
+    }
+  }
+}
+
+template <class F>
+void unpack_run(const uint8_t* run, uint8_t* gguf) {
+  constexpr int64_t HEADER = F::PACKED_AT / 8, CODES = F::BYTES - HEADER;
+  for (int64_t f = 0; f < HEADER / 2; ++f)
+    for (int64_t i = 0; i < 8; ++i) std::memcpy(gguf + i * F::BYTES + 2 * f, run + 16 * f + 2 * i, 2);
+  const uint8_t* codes = run + F::PACKED_AT;
+  if constexpr (CODES == QK) {
+    for (int64_t i = 0; i < 8; ++i) std::memcpy(gguf + i * F::BYTES + HEADER, codes + QK * i, QK);
+  } else {
+    for (int64_t j = 0; j < 4; ++j) {
+      uint8_t *a = gguf + 2 * j * F::BYTES + HEADER, *b = a + F::BYTES;
+      const uint8_t* v = codes + 32 * j;
+      for (int64_t l = 0; l < 16; ++l) {
+        a[l] = static_cast<uint8_t>((v[l] & 15) | (v[16 + l] << 4));
+        b[l] = static_cast<uint8_t>((v[l] >> 4) | (v[16 + l] & 0xF0));
+      }
+    }
+  }
+}
+
 }  // namespace
+
+// blocks (N, K / 32 * BYTES) uint8 of a 32-weight format: GGUF's rows -> the runs' layout
+// (pack), or back
+torch::Tensor repack_runs(torch::Tensor blocks, int64_t ggml_type, bool pack) {
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.dim() == 2 && blocks.scalar_type() == at::kByte,
+              "repack_runs: blocks must be (N, bytes) uint8 on CPU");
+  const torch::Tensor in = blocks.contiguous();
+  torch::Tensor out = torch::empty_like(in);
+  const bool known = with_format(ggml_type, [&](auto fmt) {
+    using F = decltype(fmt);
+    if constexpr (F::BLOCK != QK) {
+      TORCH_CHECK(false, "repack_runs: only the 32-weight formats are packed");
+    } else {
+      const int64_t row_bytes = in.size(1), N = in.size(0);
+      TORCH_CHECK(row_bytes % F::BYTES == 0, "repack_runs: rows of ", row_bytes, " bytes are not whole blocks of ",
+                  F::BYTES);
+      const int64_t runs = row_bytes / F::BYTES / 8, run_bytes = 8 * F::BYTES;
+      const uint8_t* src = in.data_ptr<uint8_t>();
+      uint8_t* dst = out.data_ptr<uint8_t>();
+      at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t n = begin; n < end; ++n) {
+          const uint8_t* s = src + n * row_bytes;
+          uint8_t* d = dst + n * row_bytes;
+          for (int64_t r = 0; r < runs; ++r)
+            pack ? pack_run<F>(s + r * run_bytes, d + r * run_bytes) : unpack_run<F>(s + r * run_bytes, d + r * run_bytes);
+          std::memcpy(d + runs * run_bytes, s + runs * run_bytes, row_bytes - runs * run_bytes);  // the tail
+        }
+      });
+    }
+  });
+  TORCH_CHECK(known, "repack_runs: GGUF type ", ggml_type, " has no AVX2 kernel");
+  return out;
+}
 
 bool supports_format(int64_t ggml_type) {
   return with_format(ggml_type, [](auto) {});
 }
 
 // x (..., K) float32 or bf16; blocks (N, K / BLOCK * BYTES) uint8, W's rows: GGUF's bytes, or
-// (packed) avx2_layout's runs of 8 blocks
+// (packed) runs of 8 blocks (repack_runs)
 torch::Tensor linear_blocks_impl(torch::Tensor x, torch::Tensor blocks, int64_t ggml_type, c10::optional<torch::Tensor> bias,
                                  bool packed) {
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "linear_blocks: CPU tensors only");
@@ -720,6 +800,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("linear_blocks", &linear_blocks, nogil, "y = x @ W.T (+ bias), W as GGUF blocks of the given GGUF type (AVX2)");
   m.def("linear_blocks_packed", &linear_blocks_packed, nogil, "linear_blocks on rows packed by pack_blocks (32-weight formats)");
+  m.def("repack_runs", &repack_runs, nogil, "a 32-weight format's GGUF rows into runs of 8 blocks (pack), or back");
   m.def("supports_format", &supports_format, "whether linear_blocks takes this GGUF type");
   m.def("linear_bf16", &linear_bf16, nogil, "y = x @ W.T (+ bias), W (N, K) bf16, y in x's dtype (AVX2)");
   m.def("rms_norm", &rms_norm, nogil, "RMSNorm, float32 or bfloat16 (rounded as Hugging Face's bf16 path)");
