@@ -490,7 +490,7 @@ inline __m256 gather_f16(const uint8_t* p, int64_t at, int n) {
 // tree, then block_sums). Where the row's tree takes runs of 8 (RUNS: tree_sum's
 // runs_of_8), only the 8's pairwise sum (the tree's subtree of 8) is kept, in c8[r * nb8 +
 // b0 / 8]; else each block's sum, in c[r * nbp + b]. FULL: n is 8, the loops' bounds known to
-// the compiler. PACKED: the 8 blocks are a run of pack_blocks' layout (FULL only).
+// the compiler. PACKED: the 8 blocks are a run of repack_runs' layout (FULL only).
 template <class F, int R, bool FULL, bool PACKED, bool RUNS>
 void block_sums_8(const uint8_t* w, int64_t b0, int n, int64_t nbp, const QuantizedX& x, int64_t m0, float* c,
                   float* c8, int64_t nb8) {
