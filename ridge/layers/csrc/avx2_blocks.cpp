@@ -661,43 +661,30 @@ bool with_format(int64_t ggml_type, Fn&& fn) {
 // - Q8_0's codes as they were, block after block.
 // A row's last blocks % 8 blocks stay in GGUF's layout. A row keeps its bytes and its size, so
 // rows still slice one by one (an expert's, a tensor-parallel rank's).
-template <class F>
-void pack_run(const uint8_t* gguf, uint8_t* run) {
+//
+// One run of 8 blocks from GGUF's layout into the runs' (PACK), or back. Each field's bytes
+// keep their offsets in both layouts (gguf_at, run_at); the 4-bit codes go through a nibble
+// transpose, (p, q) -> (p's low nibble | q's low << 4, p's high | q's high << 4), which is its
+// own inverse: it turns blocks 2j, 2j + 1 into vector j's halves and those halves back.
+template <class F, bool PACK>
+void repack_run(const uint8_t* src, uint8_t* dst) {
   constexpr int64_t HEADER = F::PACKED_AT / 8, CODES = F::BYTES - HEADER;  // bytes a block
-  for (int64_t f = 0; f < HEADER / 2; ++f)
-    for (int64_t i = 0; i < 8; ++i) std::memcpy(run + 16 * f + 2 * i, gguf + i * F::BYTES + 2 * f, 2);
-  uint8_t* codes = run + F::PACKED_AT;
+  const auto move = [&](int64_t gguf_at, int64_t run_at, int64_t bytes) {
+    std::memcpy(dst + (PACK ? run_at : gguf_at), src + (PACK ? gguf_at : run_at), bytes);
+  };
+  for (int64_t f = 0; f < HEADER / 2; ++f)  // d (and m) of each block
+    for (int64_t i = 0; i < 8; ++i) move(i * F::BYTES + 2 * f, 16 * f + 2 * i, 2);
   if constexpr (CODES == QK) {
-    for (int64_t i = 0; i < 8; ++i) std::memcpy(codes + QK * i, gguf + i * F::BYTES + HEADER, QK);
+    for (int64_t i = 0; i < 8; ++i) move(i * F::BYTES + HEADER, F::PACKED_AT + QK * i, QK);
   } else {  // GGUF: byte l holds element l (low nibble) and l + 16 (high)
-    for (int64_t j = 0; j < 4; ++j) {
-      const uint8_t *a = gguf + 2 * j * F::BYTES + HEADER, *b = a + F::BYTES;
-      uint8_t* v = codes + 32 * j;
+    for (int64_t j = 0; j < 4; ++j)
       for (int64_t l = 0; l < 16; ++l) {
-        v[l] = static_cast<uint8_t>((a[l] & 15) | (b[l] << 4));
-        v[16 + l] = static_cast<uint8_t>((a[l] >> 4) | (b[l] & 0xF0));
+        const int64_t a = 2 * j * F::BYTES + HEADER + l, b = a + F::BYTES;  // blocks 2j, 2j + 1
+        const int64_t lo = F::PACKED_AT + 32 * j + l, hi = lo + 16;          // vector j's halves
+        const uint8_t p = src[PACK ? a : lo], q = src[PACK ? b : hi];
+        dst[PACK ? lo : a] = static_cast<uint8_t>((p & 15) | (q << 4));
+        dst[PACK ? hi : b] = static_cast<uint8_t>((p >> 4) | (q & 0xF0));
       }
-    }
-  }
-}
-
-template <class F>
-void unpack_run(const uint8_t* run, uint8_t* gguf) {
-  constexpr int64_t HEADER = F::PACKED_AT / 8, CODES = F::BYTES - HEADER;
-  for (int64_t f = 0; f < HEADER / 2; ++f)
-    for (int64_t i = 0; i < 8; ++i) std::memcpy(gguf + i * F::BYTES + 2 * f, run + 16 * f + 2 * i, 2);
-  const uint8_t* codes = run + F::PACKED_AT;
-  if constexpr (CODES == QK) {
-    for (int64_t i = 0; i < 8; ++i) std::memcpy(gguf + i * F::BYTES + HEADER, codes + QK * i, QK);
-  } else {
-    for (int64_t j = 0; j < 4; ++j) {
-      uint8_t *a = gguf + 2 * j * F::BYTES + HEADER, *b = a + F::BYTES;
-      const uint8_t* v = codes + 32 * j;
-      for (int64_t l = 0; l < 16; ++l) {
-        a[l] = static_cast<uint8_t>((v[l] & 15) | (v[16 + l] << 4));
-        b[l] = static_cast<uint8_t>((v[l] >> 4) | (v[16 + l] & 0xF0));
-      }
-    }
   }
 }
 
@@ -726,7 +713,8 @@ torch::Tensor repack_runs(torch::Tensor blocks, int64_t ggml_type, bool pack) {
           const uint8_t* s = src + n * row_bytes;
           uint8_t* d = dst + n * row_bytes;
           for (int64_t r = 0; r < runs; ++r)
-            pack ? pack_run<F>(s + r * run_bytes, d + r * run_bytes) : unpack_run<F>(s + r * run_bytes, d + r * run_bytes);
+            pack ? repack_run<F, true>(s + r * run_bytes, d + r * run_bytes)
+                 : repack_run<F, false>(s + r * run_bytes, d + r * run_bytes);
           std::memcpy(d + runs * run_bytes, s + runs * run_bytes, row_bytes - runs * run_bytes);  // the tail
         }
       });
