@@ -35,8 +35,8 @@ MANY_HEADS_PER_KV_HEAD = 8
 SHARED_KV_MIN_HEADS = 16
 # Each bit of an int32 word as an int32 (bit 31 is the sign): token bitmasks unpacked in one op
 _BIT_VALUES = torch.tensor([1 << j if j < 31 else -(1 << 31) for j in range(32)], dtype=torch.int32)
-# The formats the AVX2 kernels repack into runs of 8 blocks (csrc/avx2_blocks.cpp)
-AVX2_RUN_FORMATS = frozenset(f.name for f in (Q8_0, Q4_0, Q4_1, IQ4_NL))
+# The formats the AVX2 kernels repack into blocks of 8 rows (csrc/avx2_blocks.cpp)
+AVX2_PACKED_FORMATS = frozenset(f.name for f in (Q8_0, Q4_0, Q4_1, IQ4_NL))
 # The extension's format codes (csrc/linear_quant.cpp)
 QUANT_KERNEL_CODES = {
     Q8_0.name: 0,
@@ -326,9 +326,10 @@ class Avx2Kernels(TorchKernels):
     - The matmuls of block-format layers run ``csrc/avx2_blocks.cpp`` on the GGUF bytes the
       layer holds, every format of ``formats.FORMATS``. (Torch's reference would dequantize
       the whole weight to float32 on every call: 8 bytes read and written a weight where a
-      Q4_K_M file holds 0.6.) The 32-weight formats (``AVX2_RUN_FORMATS``) are repacked at
-      load, each row in place and at its size, into runs of 8 blocks whose factors and codes
-      load as whole vectors (``repack_runs``); the super-block formats stay as loaded.
+      Q4_K_M file holds 0.6.) The 32-weight formats (``AVX2_PACKED_FORMATS``) are repacked at
+      load, at their size, into blocks of 8 rows whose codes put a row in each int32 lane
+      (``repack_rows``), where the layer's rows are a multiple of 8; the super-block formats
+      stay as loaded.
     - A decode step's other ops in float32 or bfloat16 run ``csrc/avx2_ops.cpp``: RMSNorm (with
       the residual add), SiLU-and-multiply, RoPE, and decode attention from the paged cache
       (not an int8/fp8 one). Each rounds where torch's op rounds.
@@ -341,7 +342,7 @@ class Avx2Kernels(TorchKernels):
       torch's."""
 
     name = "avx2"
-    packed_row_block = 1  # each row packs on its own
+    packed_row_block = 8  # rows pack 8 at a time
 
     def __init__(self, ext) -> None:
         self.ext = ext
@@ -356,7 +357,7 @@ class Avx2Kernels(TorchKernels):
             if rows is not None:  # one expert's rows of a stacked layer (no bias)
                 return self.ext.linear_bf16(x, layer.weight[rows], None)
             return self.ext.linear_bf16(x, layer.weight, layer.bias)
-        packed = layer.packed is not None and isinstance(layer.unpacker, Avx2Kernels)  # in runs of 8
+        packed = layer.packed is not None and isinstance(layer.unpacker, Avx2Kernels)  # in blocks of 8 rows
         if (
             fmt is None
             or (layer.packed is not None and not packed)
@@ -368,21 +369,27 @@ class Avx2Kernels(TorchKernels):
         run = self.ext.linear_blocks_packed if packed else self.ext.linear_blocks
         blocks = layer.packed if packed else layer.blocks
         if rows is not None:  # one expert's rows of a stacked layer (no bias)
-            return run(x, blocks[rows], fmt.ggml_type, None)
+            if not packed:
+                return run(x, blocks[rows], fmt.ggml_type, None)
+            step = self.packed_row_block
+            if rows.start % step or rows.stop % step:
+                return super().linear(x, layer, rows)
+            return run(x, blocks[rows.start // step : rows.stop // step], fmt.ggml_type, None)
         return run(x, blocks, fmt.ggml_type, layer.bias)
 
     def takes_format(self, fmt):
         return self.ext.supports_format(fmt.ggml_type)
 
     def pack_blocks(self, fmt, blocks, n, k):
-        """A 32-weight format's CPU rows into runs of 8 blocks (``csrc/avx2_blocks.cpp``'s
-        ``repack_runs``: the same bytes, each row in place)."""
-        if fmt.name not in AVX2_RUN_FORMATS or blocks.device.type != "cpu" or blocks.numel() == 0:
+        """A 32-weight format's CPU rows, n a multiple of 8, into blocks of 8 rows
+        (``csrc/avx2_blocks.cpp``'s ``repack_rows``: the same bytes, (n / 8, 8 row_bytes))."""
+        step = self.packed_row_block
+        if fmt.name not in AVX2_PACKED_FORMATS or blocks.device.type != "cpu" or blocks.numel() == 0 or n % step:
             return None
-        return self.ext.repack_runs(blocks, fmt.ggml_type, True)
+        return self.ext.repack_rows(blocks, fmt.ggml_type, True)
 
     def unpack_blocks(self, fmt, packed, n, k):
-        return self.ext.repack_runs(packed, fmt.ggml_type, False)
+        return self.ext.repack_rows(packed, fmt.ggml_type, False)[:n]
 
     @staticmethod
     def _dense_bf16(x, layer) -> bool:

@@ -11,7 +11,7 @@ import torch
 
 from ridge.layers import cpu_kernels
 from ridge.layers.cpu_kernels import cpu_has_avx2, load_avx2_extension
-from ridge.layers.kernels import AVX2_RUN_FORMATS, Avx2Kernels
+from ridge.layers.kernels import AVX2_PACKED_FORMATS, Avx2Kernels
 from ridge.layers.linear import Linear, PackedLinear
 from ridge.quantization.formats import FORMATS, Q4_0, Q4_K, Q6_K
 from ridge.quantization.methods import BlockQuantLinearMethod, ShardedLinearMethod
@@ -111,18 +111,18 @@ def test_a_rows_output_does_not_depend_on_its_batch(ext, name):
     assert torch.equal(ext.linear_blocks(x[3:9], blocks, fmt.ggml_type, None), batch[3:9])
 
 
-@pytest.mark.parametrize("name", sorted(AVX2_RUN_FORMATS))
-def test_runs_of_8_keep_the_bytes_and_the_outputs_bit_for_bit(ext, name):
-    """The 32-weight formats' load-time layout: the same bytes in each row (its inverse gives
-    GGUF's back), and the same outputs as the GGUF layout for every tile height (m) and a
-    row's partial run at its end (k / 32 not a multiple of 8)."""
+@pytest.mark.parametrize("name", sorted(AVX2_PACKED_FORMATS))
+def test_rows_of_8_keep_the_bytes_and_the_outputs_bit_for_bit(ext, name):
+    """The 32-weight formats' load-time layout: the same bytes in blocks of 8 rows (its inverse
+    gives GGUF's back), and the same outputs as the GGUF layout for every tile height (m) and
+    every shape of each row's tree over its blocks (k / 32 a power of 2, odd, or neither)."""
     fmt = FORMATS[name]
-    for k in (32, 256, 416, 2048, 2816):
-        blocks = _blocks(name, 21, k, seed=k)
-        packed = ext.repack_runs(blocks, fmt.ggml_type, True)
-        assert packed.shape == blocks.shape and torch.equal(ext.repack_runs(packed, fmt.ggml_type, False), blocks)
-        if k >= 256:
-            assert not torch.equal(packed, blocks)
+    for k in (32, 96, 256, 416, 2048, 2816):
+        blocks = _blocks(name, 24, k, seed=k)
+        packed = ext.repack_rows(blocks, fmt.ggml_type, True)
+        assert packed.shape == (3, 8 * blocks.shape[1])
+        assert torch.equal(ext.repack_rows(packed, fmt.ggml_type, False), blocks)
+        assert not torch.equal(packed.view(-1), blocks.view(-1))
         for m in (1, 3, 4, 5, 9):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             torch.testing.assert_close(
@@ -133,10 +133,14 @@ def test_runs_of_8_keep_the_bytes_and_the_outputs_bit_for_bit(ext, name):
             )
     with pytest.raises(RuntimeError, match="only the 32-weight formats are packed"):
         ext.linear_blocks_packed(torch.randn(1, 256), _blocks("q4_k", 8, 256, seed=0), Q4_K.ggml_type, None)
-    with pytest.raises(RuntimeError, match="repack_runs: only the 32-weight formats are packed"):
-        ext.repack_runs(_blocks("q4_k", 8, 256, seed=0), Q4_K.ggml_type, True)
+    with pytest.raises(RuntimeError, match="repack_rows: only the 32-weight formats are packed"):
+        ext.repack_rows(_blocks("q4_k", 8, 256, seed=0), Q4_K.ggml_type, True)
     with pytest.raises(RuntimeError, match="rows of 35 bytes are not whole blocks of 34"):
-        ext.repack_runs(torch.zeros(2, 35, dtype=torch.uint8), FORMATS["int8"].ggml_type, True)
+        ext.repack_rows(torch.zeros(8, 35, dtype=torch.uint8), FORMATS["int8"].ggml_type, True)
+    with pytest.raises(RuntimeError, match="repack_rows: 12 rows are not blocks of 8"):
+        ext.repack_rows(_blocks(name, 12, 64, seed=0), fmt.ggml_type, True)
+    with pytest.raises(RuntimeError, match=f"blocks of 36 bytes a block of 8 rows, K = 64 needs {8 * fmt.row_bytes(64)}"):
+        ext.linear_blocks_packed(torch.randn(1, 64), torch.zeros(2, 36, dtype=torch.uint8), fmt.ggml_type, None)
 
 
 def test_exact_on_exactly_representable_inputs(ext):
@@ -194,7 +198,7 @@ def _layer(fmt, n: int, k: int, seed: int, bias: bool = False) -> Linear:
 
 def test_the_kernels_read_a_layers_gguf_bytes_as_loaded(ext):
     """The super-block formats keep the file's bytes, the 32-weight ones the same bytes in
-    runs of 8; every way a model reaches a matmul: a plain layer with its bias, a layer held per
+    blocks of 8 rows; every way a model reaches a matmul: a plain layer with its bias, a layer held per
     shard in two formats (Q4_K_M's qkv), and one expert's rows of a stacked layer."""
     kernels = Avx2Kernels(ext)
     k = 512
@@ -211,17 +215,24 @@ def test_the_kernels_read_a_layers_gguf_bytes_as_loaded(ext):
         kernels.matmul(x, layer, slice(16, 32)), ext.linear_blocks(x, before[16:32], Q4_K.ggml_type, None)
     )
 
-    # a 32-weight format is repacked, row by row (an expert's rows still slice)
+    # a 32-weight format is repacked, 8 rows at a time (an expert's rows still slice)
     layer = _layer(Q4_0, 48, k, seed=3, bias=True)
     before = layer.blocks.clone()
     layer.method.process_weights_after_loading(layer, kernels)
-    assert layer.packed is not None and layer.packed.shape == before.shape and layer.blocks.numel() == 0
+    assert layer.packed is not None and layer.packed.numel() == before.numel() and layer.blocks.numel() == 0
     assert torch.equal(layer.method.blocks_of(layer), before)
     assert torch.equal(layer.method.dense_rows(layer, slice(5, 29)), Q4_0.dequantize(before[5:29], k))
     assert torch.equal(kernels.matmul(x, layer), ext.linear_blocks(x, before, Q4_0.ggml_type, layer.bias))
     assert torch.equal(
         kernels.matmul(x, layer, slice(16, 32)), ext.linear_blocks(x, before[16:32], Q4_0.ggml_type, None)
     )
+    # rows off the blocks of 8: the rows unpacked (torch's matmul of them)
+    want = x @ Q4_0.dequantize(before[4:12], k).T
+    assert torch.allclose(kernels.matmul(x, layer, slice(4, 12)), want, rtol=1e-4, atol=1e-4)
+    # a layer whose rows are not a multiple of 8 keeps GGUF's layout
+    odd = _layer(Q4_0, 20, k, seed=5)
+    odd.method.process_weights_after_loading(odd, kernels)
+    assert odd.packed is None and odd.blocks.shape == (20, Q4_0.row_bytes(k))
 
     packed = PackedLinear(k, [32, 32, 32], False, ShardedLinearMethod((Q4_K, Q4_K, Q6_K)))
     parts = [random_blocks(f, 32, k, seed=s) for s, f in enumerate((Q4_K, Q4_K, Q6_K))]

@@ -14,7 +14,7 @@ import transformers
 
 from ridge import LLM, SamplingParams
 from ridge.layers.cpu_kernels import cpu_has_avx2, cpu_has_avx512_bf16
-from ridge.layers.kernels import AVX2_RUN_FORMATS
+from ridge.layers.kernels import AVX2_PACKED_FORMATS
 from ridge.models.gguf_file import GGUFModel, widest
 from ridge.quantization.formats import FORMATS, FORMATS_BY_GGML_TYPE
 
@@ -161,13 +161,14 @@ def test_quantized_gguf_runs_on_the_cpu_kernels(stories_gguf, tmp_path, qtype):
 
 def _native(layer) -> bool:
     """Whether the layer's matmul reads the file's bytes on ridge's CPU kernels: repacked at
-    load by the AVX-512 ones; by the AVX2 ones (csrc/avx2_blocks.cpp) repacked in place for
-    the 32-weight formats (runs of 8 blocks), as loaded for the others."""
+    load by the AVX-512 ones; by the AVX2 ones (csrc/avx2_blocks.cpp) repacked at their size
+    for the 32-weight formats (blocks of 8 rows, where the rows are a multiple of 8), as loaded
+    for the others."""
     if cpu_has_avx512_bf16():
         return layer.packed is not None
     if not cpu_has_avx2():
         return False
-    if layer.method.format.name in AVX2_RUN_FORMATS:
+    if layer.method.format.name in AVX2_PACKED_FORMATS and layer.out_features % 8 == 0:
         return (
             layer.packed is not None
             and layer.packed.numel() == layer.method.format.row_bytes(layer.in_features) * layer.out_features

@@ -10,12 +10,11 @@
 // - Each group of 32 weights is unpacked into 32 byte codes in one register: unsigned (0-63)
 //   for the formats with an offset or a minimum, signed for Q8_0 and the IQ4 codebook's values
 //   (those multiply through vpsignb, since vpmaddubsw takes one unsigned operand).
-// - The 32-weight formats (Q8_0, Q4_0, Q4_1, IQ4_NL) are read in runs of 8 blocks, repacked at
-//   load in each row and at its size (repack_runs, at the end): a run's 8 fp16 factors
-//   are one load, and a 4-bit run's codes 4 vectors of 32 bytes, two blocks a vector (one AND,
-//   or a shift and an AND, unpacks a block). linear_blocks takes GGUF's layout, as loaded;
-//   linear_blocks_packed the runs, with the same outputs bit for bit. On the Zen 3 EPYC the runs
-//   took a Q4_0 matrix's stream from 9.9 to 12.3 GB/s (2 threads; Q8_0 14.6 -> 16.2).
+// - The 32-weight formats (Q8_0, Q4_0, Q4_1, IQ4_NL) are repacked at load, at their size, into
+//   blocks of 8 rows (repack_rows, ik_llama.cpp's _R8 idea): W's rows sit in a vector's 8
+//   int32 lanes, so a block's products need no horizontal sums and each lane's tree over the
+//   blocks is tree_sum's, vertically (see "Rows of 8" below). linear_blocks takes GGUF's
+//   layout, as loaded; linear_blocks_packed the rows of 8, with the same outputs bit for bit.
 // - vpmaddubsw with an x row's codes, then vpmaddwd with the group's integer sub-scales (one
 //   per 16 weights: lanes 0-3 of the result hold weights 0-15), into float lanes times the
 //   block's fp16 factor and the x group's scale.
@@ -77,13 +76,6 @@ inline __m256i nibbles16(const uint8_t* p) {
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
 }
 
-// Block i of a packed run of 8 4-bit blocks: byte l of the run's 32-byte vector i / 2 holds
-// element l of block i - i % 2 in its low nibble, of the next block in its high one
-inline __m256i packed_nibbles(const uint8_t* codes, int i) {
-  const __m256i v = load32(codes + 32 * (i / 2));
-  return _mm256_and_si256(i % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
-}
-
 // bits `bit` of 32 bytes -> `value` where set, 0 where not
 inline __m256i bit_as(__m256i bytes, int bit, int value) {
   const __m256i mask = _mm256_set1_epi8(static_cast<char>(1 << bit));
@@ -95,36 +87,32 @@ inline __m256i two_bits(__m256i bytes, int j) {
   return _mm256_and_si256(_mm256_srli_epi16(bytes, 2 * j), _mm256_set1_epi8(3));
 }
 
-// The 32-weight formats: a block is one group. Each one's codes(block) unpacks its 32 codes,
-// packed_codes(run, i) those of block i of a packed run (its codes from byte PACKED_AT, after
-// the run's d and m); D_AT is where a block's fp16 factor d sits, M_AT its fp16 minimum m
-// (MIN: w = d q + m), and OFFSET_SHIFT gives Q4_0's offset, 8 (w = d (q - 8)). NIBBLES: codes
-// 0-15, unsigned (see widen).
+// The 32-weight formats: a block is one group. Each one's codes(block) unpacks its 32 codes;
+// D_AT is where a block's fp16 factor d sits, M_AT its fp16 minimum m (MIN: w = d q + m),
+// HEADER the bytes before its codes, and OFFSET_SHIFT gives Q4_0's offset, 8 (w = d (q - 8)).
+// NIBBLES: codes 0-15, unsigned (see widen).
 struct Q8_0 {
   static constexpr int64_t BLOCK = 32, BYTES = 34, D_AT = 0, M_AT = 0;
   static constexpr bool SIGNED = true, OFFSET = false, MIN = false, NIBBLES = false;
   static constexpr int OFFSET_SHIFT = 0;
-  static constexpr int64_t PACKED_AT = 16;
+  static constexpr int64_t HEADER = 2;
   static __m256i codes(const uint8_t* p) { return load32(p + 2); }
-  static __m256i packed_codes(const uint8_t* g, int i) { return load32(g + PACKED_AT + 32 * i); }
 };
 
 struct Q4_0 {
   static constexpr int64_t BLOCK = 32, BYTES = 18, D_AT = 0, M_AT = 0;
   static constexpr bool SIGNED = false, OFFSET = true, MIN = false, NIBBLES = true;
   static constexpr int OFFSET_SHIFT = 3;
-  static constexpr int64_t PACKED_AT = 16;  // after d[8]
+  static constexpr int64_t HEADER = 2;
   static __m256i codes(const uint8_t* p) { return nibbles16(p + 2); }
-  static __m256i packed_codes(const uint8_t* g, int i) { return packed_nibbles(g + PACKED_AT, i); }
 };
 
 struct Q4_1 {
   static constexpr int64_t BLOCK = 32, BYTES = 20, D_AT = 0, M_AT = 2;
   static constexpr bool SIGNED = false, OFFSET = false, MIN = true, NIBBLES = true;
   static constexpr int OFFSET_SHIFT = 0;
-  static constexpr int64_t PACKED_AT = 32;  // after d[8], m[8]
+  static constexpr int64_t HEADER = 4;
   static __m256i codes(const uint8_t* p) { return nibbles16(p + 4); }
-  static __m256i packed_codes(const uint8_t* g, int i) { return packed_nibbles(g + PACKED_AT, i); }
 };
 
 struct IQ4_NL {
@@ -135,11 +123,7 @@ struct IQ4_NL {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_VALUES)));
     return _mm256_shuffle_epi8(table, nibbles16(p + 2));
   }
-  static constexpr int64_t PACKED_AT = 16;
-  static __m256i packed_codes(const uint8_t* g, int i) {
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_VALUES)));
-    return _mm256_shuffle_epi8(table, packed_nibbles(g + PACKED_AT, i));
-  }
+  static constexpr int64_t HEADER = 2;
 };
 
 // The super-block formats (256 weights: the K-quants and IQ4_XS). Each one's
@@ -490,11 +474,11 @@ inline __m256 gather_f16(const uint8_t* p, int64_t at, int n) {
 // tree, then block_sums). Where the row's tree takes runs of 8 (RUNS: tree_sum's
 // runs_of_8), only the 8's pairwise sum (the tree's subtree of 8) is kept, in c8[r * nb8 +
 // b0 / 8]; else each block's sum, in c[r * nbp + b]. FULL: n is 8, the loops' bounds known to
-// the compiler. PACKED: the 8 blocks are a run of repack_runs' layout (FULL only).
-template <class F, int R, bool FULL, bool PACKED, bool RUNS>
+// the compiler.
+template <class F, int R, bool FULL, bool RUNS>
 void block_sums_8(const uint8_t* w, int64_t b0, int n, int64_t nbp, const QuantizedX& x, int64_t m0, float* c,
                   float* c8, int64_t nb8) {
-  static_assert(FULL || !(PACKED || RUNS), "a row's partial run of 8 is in GGUF's layout, its sums in c");
+  static_assert(FULL || !RUNS, "a row's partial run of 8 has its sums in c");
   if (FULL) n = 8;
   const uint8_t* p = w + b0 * F::BYTES;
   prefetch_ahead<PREFETCH_BLOCKS, 8 * F::BYTES>(p);
@@ -505,12 +489,7 @@ void block_sums_8(const uint8_t* w, int64_t b0, int n, int64_t nbp, const Quanti
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) {
     __m256i codes = _mm256_setzero_si256();
-    if (FULL || i < n) {
-      if constexpr (PACKED)
-        codes = F::packed_codes(p, i);
-      else
-        codes = F::codes(p + i * F::BYTES);
-    }
+    if (FULL || i < n) codes = F::codes(p + i * F::BYTES);
     const __m256i u = F::SIGNED ? _mm256_sign_epi8(codes, codes) : codes;
     for (int r = 0; r < R; ++r) {  // blocks past the row's end: zero codes above
       __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes(m0 + r) + (b0 + i) * QK));
@@ -524,14 +503,8 @@ void block_sums_8(const uint8_t* w, int64_t b0, int n, int64_t nbp, const Quanti
       quad[r][i / 4] = i % 4 == 1 ? pair[r][1] : hadd<F>(quad[r][i / 4], pair[r][1]);
     }
   }
-  __m256 dv, mv = _mm256_setzero_ps();
-  if constexpr (PACKED) {
-    dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    if (F::MIN) mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
-  } else {
-    dv = gather_f16<F, FULL>(p, F::D_AT, n);
-    if (F::MIN) mv = gather_f16<F, FULL>(p, F::M_AT, n);
-  }
+  const __m256 dv = gather_f16<F, FULL>(p, F::D_AT, n);
+  const __m256 mv = F::MIN ? gather_f16<F, FULL>(p, F::M_AT, n) : _mm256_setzero_ps();
   for (int r = 0; r < R; ++r) {
     __m256i dot = block_sums<F>(quad[r][0], quad[r][1]);
     const __m256 dx = _mm256_loadu_ps(x.scales(m0 + r) + b0);
@@ -604,21 +577,21 @@ struct Scratch {
 };
 
 // Rows [m0, m0 + R) of x against one row of W (its blocks at w): y[r] for each.
-template <class F, int R, bool PACKED>
+template <class F, int R>
 void dot_row(const uint8_t* w, const QuantizedX& x, int64_t m0, Scratch& s, float* y) {
   const int64_t nb = s.nb;
   if constexpr (F::BLOCK == QK) {
     float *c = s.c.data(), *c8 = s.c8.data();
     if (takes_runs_of_8(nb)) {  // runs of 8 only
-      for (int64_t b0 = 0; b0 < nb; b0 += 8) block_sums_8<F, R, true, PACKED, true>(w, b0, 8, s.nbp, x, m0, c, c8, s.nb8);
+      for (int64_t b0 = 0; b0 < nb; b0 += 8) block_sums_8<F, R, true, true>(w, b0, 8, s.nbp, x, m0, c, c8, s.nb8);
       for (int r = 0; r < R; ++r) y[r] = tree_sum(c + r * s.nbp, c8 + r * s.nb8, 0, nb);
       return;
     }
     for (int64_t b0 = 0; b0 < nb; b0 += 8)
       if (nb - b0 >= 8)
-        block_sums_8<F, R, true, PACKED, false>(w, b0, 8, s.nbp, x, m0, c, c8, s.nb8);
+        block_sums_8<F, R, true, false>(w, b0, 8, s.nbp, x, m0, c, c8, s.nb8);
       else
-        block_sums_8<F, R, false, false, false>(w, b0, static_cast<int>(nb - b0), s.nbp, x, m0, c, c8, s.nb8);
+        block_sums_8<F, R, false, false>(w, b0, static_cast<int>(nb - b0), s.nbp, x, m0, c, c8, s.nb8);
     for (int r = 0; r < R; ++r) y[r] = tree_sum(c + r * s.nbp, nullptr, 0, nb);
   } else {
     super_block_row<F, R>(w, nb, s.nbp, x, m0, s.dots.data(), s.mins.data(), s.d.data(), s.dmin.data(), s.c.data());
@@ -626,12 +599,12 @@ void dot_row(const uint8_t* w, const QuantizedX& x, int64_t m0, Scratch& s, floa
   }
 }
 
-template <class F, bool PACKED>
+template <class F>
 void gemm(const QuantizedX& x, const uint8_t* blocks, int64_t row_bytes, int64_t N, float* y) {
   const int64_t nb = x.K / F::BLOCK;
   ridge_avx2::tiled_gemm(x.M, N, y, [&] {
     return [&x, blocks, row_bytes, scratch = Scratch(nb)](auto rows, int64_t n, int64_t m0, float* out) mutable {
-      dot_row<F, decltype(rows)::value, PACKED>(blocks + n * row_bytes, x, m0, scratch, out);
+      dot_row<F, decltype(rows)::value>(blocks + n * row_bytes, x, m0, scratch, out);
     };
   });
 }
@@ -654,73 +627,174 @@ bool with_format(int64_t ggml_type, Fn&& fn) {
   }
 }
 
-// The runs' layout (PACKED): in each row, each run of 8 blocks of a 32-weight format reads
-//   d[8] (fp16) | m[8] (fp16, Q4_1 only) | codes (from PACKED_AT)
-// - 4-bit codes as 4 vectors of 32 bytes: byte l of vector j holds element l of block 2j in its
-//   low nibble and element l of block 2j + 1 in its high one (packed_nibbles);
-// - Q8_0's codes as they were, block after block.
-// A row's last blocks % 8 blocks stay in GGUF's layout. A row keeps its bytes and its size, so
-// rows still slice one by one (an expert's, a tensor-parallel rank's).
-//
-// One run of 8 blocks from GGUF's layout into the runs' (PACK), or back. Each field's bytes
-// keep their offsets in both layouts (gguf_at, run_at); the 4-bit codes go through a nibble
-// transpose, (p, q) -> (p's low nibble | q's low << 4, p's high | q's high << 4), which is its
-// own inverse: it turns blocks 2j, 2j + 1 into vector j's halves and those halves back.
+// ---- Rows of 8 ----
+// The 32-weight formats' packed layout: W's rows in blocks of 8 (N a multiple of 8), and in each,
+// block b of the 8 rows (8 BYTES, as GGUF's 8 blocks) reads
+//   d[8] (fp16, row r at 2r) | m[8] (fp16, Q4_1 only) | codes: the rows' code bytes 4 at a time,
+//   bytes [4i, 4i + 4) of row r at 32 i + 4 r
+// so a 32-byte vector of codes holds 4 code bytes of each of the 8 rows, one row an int32 lane
+// (ik_llama.cpp's _R8 types interleave rows the same way). A Q4_0 / Q4_1 / IQ4_NL vector i
+// unpacks into weights [4i, 4i + 4) of each row (its low nibbles) and [16 + 4i, 20 + 4i) (its
+// high ones); a Q8_0 vector i holds weights [4i, 4i + 4). vpmaddubsw against x's 4 codes
+// broadcast, then vpmaddwd, leaves each row's products in its own lane: no horizontal sums,
+// which made the runs layout this replaces compute-bound at one row on AVX2 (1 thread, in cache,
+// Zen 3 EPYC: Q4_0 17.6 -> 27.2 GFLOP/s at 1 row, 44 -> 72 at 4 and more; Q8_0 22 -> 28 / 28 -> 38).
+// The same bytes, so the same size; rows slice 8 at a time.
+template <class F>
+struct Rows8 {
+  static constexpr int64_t CODES = F::BYTES - F::HEADER;  // code bytes a block: 32 (Q8_0) or 16
+  static constexpr int64_t CODES_AT = 8 * F::HEADER;       // in a block of 8 rows
+  static constexpr int64_t BYTES = 8 * F::BYTES;            // a block of 8 rows
+};
+
+// 8 rows of GGUF's layout (row_bytes each, from src) into a block of rows (PACK), or back: each
+// 2-byte factor and 4 code bytes move between their offsets in the two layouts
 template <class F, bool PACK>
-void repack_run(const uint8_t* src, uint8_t* dst) {
-  constexpr int64_t HEADER = F::PACKED_AT / 8, CODES = F::BYTES - HEADER;  // bytes a block
-  const auto move = [&](int64_t gguf_at, int64_t run_at, int64_t bytes) {
-    std::memcpy(dst + (PACK ? run_at : gguf_at), src + (PACK ? gguf_at : run_at), bytes);
+void repack_rows8(const uint8_t* src, uint8_t* dst, int64_t row_bytes) {
+  using L = Rows8<F>;
+  const auto move = [&](int64_t gguf_at, int64_t rows_at, int64_t bytes) {
+    std::memcpy(dst + (PACK ? rows_at : gguf_at), src + (PACK ? gguf_at : rows_at), bytes);
   };
-  for (int64_t f = 0; f < HEADER / 2; ++f)  // d (and m) of each block
-    for (int64_t i = 0; i < 8; ++i) move(i * F::BYTES + 2 * f, 16 * f + 2 * i, 2);
-  if constexpr (CODES == QK) {
-    for (int64_t i = 0; i < 8; ++i) move(i * F::BYTES + HEADER, F::PACKED_AT + QK * i, QK);
-  } else {  // GGUF: byte l holds element l (low nibble) and l + 16 (high)
-    for (int64_t j = 0; j < 4; ++j)
-      for (int64_t l = 0; l < 16; ++l) {
-        const int64_t a = 2 * j * F::BYTES + HEADER + l, b = a + F::BYTES;  // blocks 2j, 2j + 1
-        const int64_t lo = F::PACKED_AT + 32 * j + l, hi = lo + 16;          // vector j's halves
-        const uint8_t p = src[PACK ? a : lo], q = src[PACK ? b : hi];
-        dst[PACK ? lo : a] = static_cast<uint8_t>((p & 15) | (q << 4));
-        dst[PACK ? hi : b] = static_cast<uint8_t>((p >> 4) | (q & 0xF0));
-      }
+  for (int64_t b = 0; b < row_bytes / F::BYTES; ++b)
+    for (int64_t r = 0; r < 8; ++r) {
+      const int64_t g = r * row_bytes + b * F::BYTES, p = b * L::BYTES;
+      for (int64_t f = 0; f < F::HEADER / 2; ++f) move(g + 2 * f, p + 16 * f + 2 * r, 2);
+      for (int64_t i = 0; i < L::CODES / 4; ++i) move(g + F::HEADER + 4 * i, p + L::CODES_AT + 32 * i + 4 * r, 4);
+    }
+}
+
+// tree_sum lane by lane: n blocks' sums of 8 rows (c[b], a row a lane) added as tree_sum adds
+// each row's, so each lane is bit for bit the GGUF layout's output for its row
+__m256 tree_sum8(const __m256* c, int64_t n) {
+  constexpr int64_t MAX_LEAVES = 64;
+  int64_t odd = n, leaves = 1;
+  while (odd > 1 && odd % 2 == 0) odd /= 2, leaves *= 2;
+  if (leaves > MAX_LEAVES) return _mm256_add_ps(tree_sum8(c, n / 2), tree_sum8(c + n / 2, n / 2));
+  __m256 s[MAX_LEAVES];
+  for (int64_t i = 0; i < leaves; ++i) {
+    const __m256* leaf = c + i * odd;
+    __m256 t = leaf[0];
+    for (int64_t j = 1; j < odd; ++j) t = _mm256_add_ps(t, leaf[j]);
+    s[i] = t;
   }
+  for (; leaves > 1; leaves /= 2)
+    for (int64_t i = 0; i < leaves / 2; ++i) s[i] = _mm256_add_ps(s[2 * i], s[2 * i + 1]);
+  return s[0];
+}
+
+// A block of 8 rows' codes (from CODES_AT) as 8 vectors: c[j] holds weights [4j, 4j + 4) of each
+// row, bytes (Q8_0's and IQ4_NL's signed)
+template <class F>
+inline __attribute__((always_inline)) void rows8_codes(const uint8_t* p, __m256i c[8]) {
+  if constexpr (Rows8<F>::CODES == QK) {
+    for (int j = 0; j < 8; ++j) c[j] = load32(p + 32 * j);
+  } else {
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i v = load32(p + 32 * i);
+      c[i] = _mm256_and_si256(v, low), c[i + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+    if constexpr (F::SIGNED) {
+      const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_VALUES)));
+      for (int j = 0; j < 8; ++j) c[j] = _mm256_shuffle_epi8(table, c[j]);
+    }
+  }
+}
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// A block of 8 rows of W (at g, nb blocks a row) against rows [m0, m0 + R) of x: y[(m0 + r) N
+// + l] for its rows l. Each block's sums (the same integer products, then the same float ops
+// as block_sums_8) go to sums[r nb + b]; then each row of x's tree.
+template <class F, int R>
+void rows8_dot(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, __m256* sums, float* y, int64_t N) {
+  using L = Rows8<F>;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = g + b * L::BYTES;
+    prefetch_ahead<PREFETCH_BLOCKS, L::BYTES>(p);
+    __m256i c[8];
+    rows8_codes<F>(p + L::CODES_AT, c);
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256 mv = F::MIN ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))
+                             : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xb = x.codes(m0 + r) + b * QK;
+      __m256i dot;
+      if constexpr (F::NIBBLES) {  // int16 lanes sum 16 products of at most 15 * 127: no wrap
+        __m256i s = _mm256_maddubs_epi16(c[0], broadcast4(xb));
+        for (int j = 1; j < 8; ++j) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(c[j], broadcast4(xb + 4 * j)));
+        dot = _mm256_madd_epi16(s, ones);
+      } else {  // signed codes: |c| times x with c's sign (vpmaddubsw takes one unsigned operand)
+        dot = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+          const __m256i u = _mm256_sign_epi8(c[j], c[j]), xs = _mm256_sign_epi8(broadcast4(xb + 4 * j), c[j]);
+          dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(u, xs), ones));
+        }
+      }
+      const __m256 dx = _mm256_set1_ps(x.scales(m0 + r)[b]);
+      const int32_t qs = x.qsums32(m0 + r)[b];
+      if (F::OFFSET) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(qs << F::OFFSET_SHIFT));
+      __m256 s = _mm256_mul_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(dot));
+      if (F::MIN) s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_mul_ps(mv, dx), _mm256_set1_ps(static_cast<float>(qs))));
+      _mm256_storeu_ps(reinterpret_cast<float*>(sums + r * nb + b), s);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N, tree_sum8(sums + r * nb, nb));
+}
+
+// y = x @ W^T, W in blocks of 8 rows: each thread takes blocks of rows, each meets x's rows
+// MAX_ROWS at a time (a block of rows' bytes stay in L1/L2 across them)
+template <class F>
+void gemm_rows8(const QuantizedX& x, const uint8_t* packed, int64_t row_bytes, int64_t N, float* y) {
+  const int64_t nb = x.K / F::BLOCK, M = x.M;
+  at::parallel_for(0, N / 8, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m256> sums(MAX_ROWS * nb);
+    for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* gp = packed + g * 8 * row_bytes;
+      for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) switch (std::min<int64_t>(MAX_ROWS, M - m0)) {
+          case 1: rows8_dot<F, 1>(gp, nb, x, m0, sums.data(), y + 8 * g, N); break;
+          case 2: rows8_dot<F, 2>(gp, nb, x, m0, sums.data(), y + 8 * g, N); break;
+          case 3: rows8_dot<F, 3>(gp, nb, x, m0, sums.data(), y + 8 * g, N); break;
+          default: rows8_dot<F, 4>(gp, nb, x, m0, sums.data(), y + 8 * g, N); break;
+        }
+    }
+  });
 }
 
 }  // namespace
 
-// blocks (N, K / 32 * BYTES) uint8 of a 32-weight format: GGUF's rows -> the runs' layout
+// A 32-weight format's rows: GGUF's (N, row_bytes) into blocks of 8 rows, (N / 8, 8 row_bytes)
 // (pack), or back
-torch::Tensor repack_runs(torch::Tensor blocks, int64_t ggml_type, bool pack) {
+torch::Tensor repack_rows(torch::Tensor blocks, int64_t ggml_type, bool pack) {
   TORCH_CHECK(blocks.device().is_cpu() && blocks.dim() == 2 && blocks.scalar_type() == at::kByte,
-              "repack_runs: blocks must be (N, bytes) uint8 on CPU");
+              "repack_rows: blocks must be (N, bytes) uint8 on CPU");
   const torch::Tensor in = blocks.contiguous();
-  torch::Tensor out = torch::empty_like(in);
+  torch::Tensor out;
   const bool known = with_format(ggml_type, [&](auto fmt) {
     using F = decltype(fmt);
     if constexpr (F::BLOCK != QK) {
-      TORCH_CHECK(false, "repack_runs: only the 32-weight formats are packed");
+      TORCH_CHECK(false, "repack_rows: only the 32-weight formats are packed");
     } else {
-      const int64_t row_bytes = in.size(1), N = in.size(0);
-      TORCH_CHECK(row_bytes % F::BYTES == 0, "repack_runs: rows of ", row_bytes, " bytes are not whole blocks of ",
-                  F::BYTES);
-      const int64_t runs = row_bytes / F::BYTES / 8, run_bytes = 8 * F::BYTES;
+      TORCH_CHECK(!pack || in.size(0) % 8 == 0, "repack_rows: ", in.size(0), " rows are not blocks of 8");
+      const int64_t groups = pack ? in.size(0) / 8 : in.size(0), row_bytes = pack ? in.size(1) : in.size(1) / 8;
+      TORCH_CHECK(row_bytes % F::BYTES == 0 && (pack || in.size(1) % 8 == 0), "repack_rows: rows of ", row_bytes,
+                  " bytes are not whole blocks of ", F::BYTES);
+      out = pack ? torch::empty({groups, 8 * row_bytes}, in.options()) : torch::empty({8 * groups, row_bytes}, in.options());
       const uint8_t* src = in.data_ptr<uint8_t>();
       uint8_t* dst = out.data_ptr<uint8_t>();
-      at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-        for (int64_t n = begin; n < end; ++n) {
-          const uint8_t* s = src + n * row_bytes;
-          uint8_t* d = dst + n * row_bytes;
-          for (int64_t r = 0; r < runs; ++r)
-            pack ? repack_run<F, true>(s + r * run_bytes, d + r * run_bytes)
-                 : repack_run<F, false>(s + r * run_bytes, d + r * run_bytes);
-          std::memcpy(d + runs * run_bytes, s + runs * run_bytes, row_bytes - runs * run_bytes);  // the tail
-        }
+      at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i)
+          pack ? repack_rows8<F, true>(src + i * 8 * row_bytes, dst + i * 8 * row_bytes, row_bytes)
+               : repack_rows8<F, false>(src + i * 8 * row_bytes, dst + i * 8 * row_bytes, row_bytes);
       });
     }
   });
-  TORCH_CHECK(known, "repack_runs: GGUF type ", ggml_type, " has no AVX2 kernel");
+  TORCH_CHECK(known, "repack_rows: GGUF type ", ggml_type, " has no AVX2 kernel");
   return out;
 }
 
@@ -729,21 +803,21 @@ bool supports_format(int64_t ggml_type) {
 }
 
 // x (..., K) float32 or bf16; blocks (N, K / BLOCK * BYTES) uint8, W's rows: GGUF's bytes, or
-// (packed) runs of 8 blocks (repack_runs)
+// (packed) blocks of 8 rows (repack_rows: (N / 8, 8 row_bytes))
 torch::Tensor linear_blocks_impl(torch::Tensor x, torch::Tensor blocks, int64_t ggml_type, c10::optional<torch::Tensor> bias,
                                  bool packed) {
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "linear_blocks: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "linear_blocks: bf16 or f32 x");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte, "linear_blocks: blocks must be (N, bytes) uint8");
-  const int64_t K = x.size(-1), N = blocks.size(0);
+  const int64_t K = x.size(-1), N = packed ? blocks.size(0) * 8 : blocks.size(0);
   torch::Tensor y;
   const bool known = with_format(ggml_type, [&](auto fmt) {
     using F = decltype(fmt);
     TORCH_CHECK(K % F::BLOCK == 0, "linear_blocks: K = ", K, " is not a multiple of the format's block, ", F::BLOCK);
     TORCH_CHECK(!packed || F::BLOCK == QK, "linear_blocks_packed: only the 32-weight formats are packed");
     const int64_t row_bytes = K / F::BLOCK * F::BYTES;
-    TORCH_CHECK(blocks.size(1) == row_bytes, "linear_blocks: blocks of ", blocks.size(1), " bytes a row, K = ", K,
-                " needs ", row_bytes);
+    TORCH_CHECK(blocks.size(1) == (packed ? 8 : 1) * row_bytes, "linear_blocks: blocks of ", blocks.size(1),
+                packed ? " bytes a block of 8 rows" : " bytes a row", ", K = ", K, " needs ", (packed ? 8 : 1) * row_bytes);
     const torch::Tensor x2 = x.reshape({-1, K}).contiguous();
     const int64_t M = x2.size(0);
     QuantizedX qx;
@@ -755,9 +829,9 @@ torch::Tensor linear_blocks_impl(torch::Tensor x, torch::Tensor blocks, int64_t 
     y = torch::empty({M, N}, x.options().dtype(at::kFloat));
     if (M == 0) return;
     if constexpr (F::BLOCK == QK) {
-      if (packed) return gemm<F, true>(qx, w.data_ptr<uint8_t>(), row_bytes, N, y.data_ptr<float>());
+      if (packed) return gemm_rows8<F>(qx, w.data_ptr<uint8_t>(), row_bytes, N, y.data_ptr<float>());
     }
-    gemm<F, false>(qx, w.data_ptr<uint8_t>(), row_bytes, N, y.data_ptr<float>());
+    gemm<F>(qx, w.data_ptr<uint8_t>(), row_bytes, N, y.data_ptr<float>());
   });
   TORCH_CHECK(known, "linear_blocks: GGUF type ", ggml_type, " has no AVX2 kernel");
   if (bias) y.add_(bias->to(at::kFloat));
@@ -787,8 +861,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("linear_blocks", &linear_blocks, nogil, "y = x @ W.T (+ bias), W as GGUF blocks of the given GGUF type (AVX2)");
-  m.def("linear_blocks_packed", &linear_blocks_packed, nogil, "linear_blocks on rows packed by pack_blocks (32-weight formats)");
-  m.def("repack_runs", &repack_runs, nogil, "a 32-weight format's GGUF rows into runs of 8 blocks (pack), or back");
+  m.def("linear_blocks_packed", &linear_blocks_packed, nogil, "linear_blocks on blocks of 8 rows (repack_rows)");
+  m.def("repack_rows", &repack_rows, nogil, "a 32-weight format's GGUF rows into blocks of 8 rows (pack), or back");
   m.def("supports_format", &supports_format, "whether linear_blocks takes this GGUF type");
   m.def("linear_bf16", &linear_bf16, nogil, "y = x @ W.T (+ bias), W (N, K) bf16, y in x's dtype (AVX2)");
   m.def("rms_norm", &rms_norm, nogil, "RMSNorm, float32 or bfloat16 (rounded as Hugging Face's bf16 path)");
