@@ -139,7 +139,8 @@ def test_rows_of_8_keep_the_bytes_and_the_outputs_bit_for_bit(ext, name):
         ext.repack_rows(torch.zeros(8, 35, dtype=torch.uint8), FORMATS["int8"].ggml_type, True)
     with pytest.raises(RuntimeError, match="repack_rows: 12 rows are not blocks of 8"):
         ext.repack_rows(_blocks(name, 12, 64, seed=0), fmt.ggml_type, True)
-    with pytest.raises(RuntimeError, match=f"blocks of 36 bytes a block of 8 rows, K = 64 needs {8 * fmt.row_bytes(64)}"):
+    need = 8 * fmt.row_bytes(64)
+    with pytest.raises(RuntimeError, match=f"blocks of 36 bytes a block of 8 rows, K = 64 needs {need}"):
         ext.linear_blocks_packed(torch.randn(1, 64), torch.zeros(2, 36, dtype=torch.uint8), fmt.ggml_type, None)
 
 
