@@ -36,7 +36,7 @@ SHARED_KV_MIN_HEADS = 16
 # Each bit of an int32 word as an int32 (bit 31 is the sign): token bitmasks unpacked in one op
 _BIT_VALUES = torch.tensor([1 << j if j < 31 else -(1 << 31) for j in range(32)], dtype=torch.int32)
 # The formats the AVX2 kernels repack into blocks of 8 rows (csrc/avx2_blocks.cpp)
-AVX2_PACKED_FORMATS = frozenset(f.name for f in (Q8_0, Q4_0, Q4_1, IQ4_NL))
+AVX2_PACKED_FORMATS = frozenset(f.name for f in (Q8_0, Q4_0, Q4_1, IQ4_NL, Q4_K))
 # The extension's format codes (csrc/linear_quant.cpp)
 QUANT_KERNEL_CODES = {
     Q8_0.name: 0,
@@ -381,7 +381,7 @@ class Avx2Kernels(TorchKernels):
         return self.ext.supports_format(fmt.ggml_type)
 
     def pack_blocks(self, fmt, blocks, n, k):
-        """A 32-weight format's CPU rows, n a multiple of 8, into blocks of 8 rows
+        """A 32-weight format's or Q4_K's CPU rows, n a multiple of 8, into blocks of 8 rows
         (``csrc/avx2_blocks.cpp``'s ``repack_rows``: the same bytes, (n / 8, 8 row_bytes))."""
         step = self.packed_row_block
         if fmt.name not in AVX2_PACKED_FORMATS or blocks.device.type != "cpu" or blocks.numel() == 0 or n % step:

@@ -113,11 +113,14 @@ def test_a_rows_output_does_not_depend_on_its_batch(ext, name):
 
 @pytest.mark.parametrize("name", sorted(AVX2_PACKED_FORMATS))
 def test_rows_of_8_keep_the_bytes_and_the_outputs_bit_for_bit(ext, name):
-    """The 32-weight formats' load-time layout: the same bytes in blocks of 8 rows (its inverse
-    gives GGUF's back), and the same outputs as the GGUF layout for every tile height (m) and
-    every shape of each row's tree over its blocks (k / 32 a power of 2, odd, or neither)."""
+    """The load-time layout of the 32-weight formats and Q4_K: the same bytes in blocks of 8
+    rows (its inverse gives GGUF's back), and the same outputs as the GGUF layout for every
+    tile height (m) and every shape of a row's tree over its blocks (their count a power of 2,
+    odd, or neither)."""
     fmt = FORMATS[name]
-    for k in (32, 96, 256, 416, 2048, 2816):
+    for k in (32, 96, 256, 416, 768, 2048, 2816):
+        if k % fmt.block:
+            continue
         blocks = _blocks(name, 24, k, seed=k)
         packed = ext.repack_rows(blocks, fmt.ggml_type, True)
         assert packed.shape == (3, 8 * blocks.shape[1])
@@ -131,17 +134,19 @@ def test_rows_of_8_keep_the_bytes_and_the_outputs_bit_for_bit(ext, name):
                 rtol=0,
                 atol=0,
             )
-    with pytest.raises(RuntimeError, match="only the 32-weight formats are packed"):
-        ext.linear_blocks_packed(torch.randn(1, 256), _blocks("q4_k", 8, 256, seed=0), Q4_K.ggml_type, None)
-    with pytest.raises(RuntimeError, match="repack_rows: only the 32-weight formats are packed"):
-        ext.repack_rows(_blocks("q4_k", 8, 256, seed=0), Q4_K.ggml_type, True)
+    q6_k = FORMATS["q6_k"]
+    with pytest.raises(RuntimeError, match="only the 32-weight formats and Q4_K are packed"):
+        ext.linear_blocks_packed(torch.randn(1, 256), _blocks("q6_k", 8, 256, seed=0), q6_k.ggml_type, None)
+    with pytest.raises(RuntimeError, match="repack_rows: only the 32-weight formats and Q4_K are packed"):
+        ext.repack_rows(_blocks("q6_k", 8, 256, seed=0), q6_k.ggml_type, True)
     with pytest.raises(RuntimeError, match="rows of 35 bytes are not whole blocks of 34"):
         ext.repack_rows(torch.zeros(8, 35, dtype=torch.uint8), FORMATS["int8"].ggml_type, True)
+    k = 2 * fmt.block
     with pytest.raises(RuntimeError, match="repack_rows: 12 rows are not blocks of 8"):
-        ext.repack_rows(_blocks(name, 12, 64, seed=0), fmt.ggml_type, True)
-    need = 8 * fmt.row_bytes(64)
-    with pytest.raises(RuntimeError, match=f"blocks of 36 bytes a block of 8 rows, K = 64 needs {need}"):
-        ext.linear_blocks_packed(torch.randn(1, 64), torch.zeros(2, 36, dtype=torch.uint8), fmt.ggml_type, None)
+        ext.repack_rows(_blocks(name, 12, k, seed=0), fmt.ggml_type, True)
+    need = 8 * fmt.row_bytes(k)
+    with pytest.raises(RuntimeError, match=f"blocks of 36 bytes a block of 8 rows, K = {k} needs {need}"):
+        ext.linear_blocks_packed(torch.randn(1, k), torch.zeros(2, 36, dtype=torch.uint8), fmt.ggml_type, None)
 
 
 def test_exact_on_exactly_representable_inputs(ext):
@@ -198,42 +203,43 @@ def _layer(fmt, n: int, k: int, seed: int, bias: bool = False) -> Linear:
 
 
 def test_the_kernels_read_a_layers_gguf_bytes_as_loaded(ext):
-    """The super-block formats keep the file's bytes, the 32-weight ones the same bytes in
-    blocks of 8 rows; every way a model reaches a matmul: a plain layer with its bias, a layer held per
-    shard in two formats (Q4_K_M's qkv), and one expert's rows of a stacked layer."""
+    """The super-block formats but Q4_K keep the file's bytes; the 32-weight ones and Q4_K the
+    same bytes in blocks of 8 rows. Every way a model reaches a matmul: a plain layer with its
+    bias, a layer held per shard in two formats (Q4_K_M's qkv), and one expert's rows of a
+    stacked layer."""
     kernels = Avx2Kernels(ext)
     k = 512
-    layer = _layer(Q4_K, 48, k, seed=1, bias=True)
+    layer = _layer(Q6_K, 48, k, seed=1, bias=True)
     before = layer.blocks.clone()
     layer.method.process_weights_after_loading(layer, kernels)
     assert layer.packed is None and torch.equal(layer.blocks, before)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(2))
-    want = x @ Q4_K.dequantize(before, k).T + layer.bias
+    want = x @ Q6_K.dequantize(before, k).T + layer.bias
     got = kernels.matmul(x, layer)
     assert torch.allclose(got, want, rtol=0.05, atol=0.02 * want.abs().max().item())
-    assert torch.equal(got, ext.linear_blocks(x, before, Q4_K.ggml_type, layer.bias))
+    assert torch.equal(got, ext.linear_blocks(x, before, Q6_K.ggml_type, layer.bias))
     assert torch.equal(
-        kernels.matmul(x, layer, slice(16, 32)), ext.linear_blocks(x, before[16:32], Q4_K.ggml_type, None)
+        kernels.matmul(x, layer, slice(16, 32)), ext.linear_blocks(x, before[16:32], Q6_K.ggml_type, None)
     )
 
-    # a 32-weight format is repacked, 8 rows at a time (an expert's rows still slice)
-    layer = _layer(Q4_0, 48, k, seed=3, bias=True)
-    before = layer.blocks.clone()
-    layer.method.process_weights_after_loading(layer, kernels)
-    assert layer.packed is not None and layer.packed.numel() == before.numel() and layer.blocks.numel() == 0
-    assert torch.equal(layer.method.blocks_of(layer), before)
-    assert torch.equal(layer.method.dense_rows(layer, slice(5, 29)), Q4_0.dequantize(before[5:29], k))
-    assert torch.equal(kernels.matmul(x, layer), ext.linear_blocks(x, before, Q4_0.ggml_type, layer.bias))
-    assert torch.equal(
-        kernels.matmul(x, layer, slice(16, 32)), ext.linear_blocks(x, before[16:32], Q4_0.ggml_type, None)
-    )
-    # rows off the blocks of 8: the rows unpacked (torch's matmul of them)
-    want = x @ Q4_0.dequantize(before[4:12], k).T
-    assert torch.allclose(kernels.matmul(x, layer, slice(4, 12)), want, rtol=1e-4, atol=1e-4)
-    # a layer whose rows are not a multiple of 8 keeps GGUF's layout
-    odd = _layer(Q4_0, 20, k, seed=5)
-    odd.method.process_weights_after_loading(odd, kernels)
-    assert odd.packed is None and odd.blocks.shape == (20, Q4_0.row_bytes(k))
+    for fmt in (Q4_0, Q4_K):  # repacked, 8 rows at a time (an expert's rows still slice)
+        layer = _layer(fmt, 48, k, seed=3, bias=True)
+        before = layer.blocks.clone()
+        layer.method.process_weights_after_loading(layer, kernels)
+        assert layer.packed is not None and layer.packed.numel() == before.numel() and layer.blocks.numel() == 0
+        assert torch.equal(layer.method.blocks_of(layer), before)
+        assert torch.equal(layer.method.dense_rows(layer, slice(5, 29)), fmt.dequantize(before[5:29], k))
+        assert torch.equal(kernels.matmul(x, layer), ext.linear_blocks(x, before, fmt.ggml_type, layer.bias))
+        assert torch.equal(
+            kernels.matmul(x, layer, slice(16, 32)), ext.linear_blocks(x, before[16:32], fmt.ggml_type, None)
+        )
+        # rows off the blocks of 8: the rows unpacked (torch's matmul of them)
+        want = x @ fmt.dequantize(before[4:12], k).T
+        assert torch.allclose(kernels.matmul(x, layer, slice(4, 12)), want, rtol=1e-4, atol=1e-4)
+        # a layer whose rows are not a multiple of 8 keeps GGUF's layout
+        odd = _layer(fmt, 20, k, seed=5)
+        odd.method.process_weights_after_loading(odd, kernels)
+        assert odd.packed is None and odd.blocks.shape == (20, fmt.row_bytes(k))
 
     packed = PackedLinear(k, [32, 32, 32], False, ShardedLinearMethod((Q4_K, Q4_K, Q6_K)))
     parts = [random_blocks(f, 32, k, seed=s) for s, f in enumerate((Q4_K, Q4_K, Q6_K))]

@@ -10,11 +10,12 @@
 // - Each group of 32 weights is unpacked into 32 byte codes in one register: unsigned (0-63)
 //   for the formats with an offset or a minimum, signed for Q8_0 and the IQ4 codebook's values
 //   (those multiply through vpsignb, since vpmaddubsw takes one unsigned operand).
-// - The 32-weight formats (Q8_0, Q4_0, Q4_1, IQ4_NL) are repacked at load, at their size, into
-//   blocks of 8 rows (repack_rows, ik_llama.cpp's _R8 idea): W's rows sit in a vector's 8
-//   int32 lanes, so a block's products need no horizontal sums and each lane's tree over the
-//   blocks is tree_sum's, vertically (see "Rows of 8" below). linear_blocks takes GGUF's
-//   layout, as loaded; linear_blocks_packed the rows of 8, with the same outputs bit for bit.
+// - The 32-weight formats (Q8_0, Q4_0, Q4_1, IQ4_NL) and Q4_K are repacked at load, at their
+//   size, into blocks of 8 rows (repack_rows, ik_llama.cpp's _R8 idea): W's rows sit in a
+//   vector's 8 int32 lanes, so a block's products need no horizontal sums and each lane's tree
+//   over the blocks is tree_sum's, vertically (see "Rows of 8" below). linear_blocks takes
+//   GGUF's layout, as loaded; linear_blocks_packed the rows of 8, with the same outputs bit
+//   for bit.
 // - vpmaddubsw with an x row's codes, then vpmaddwd with the group's integer sub-scales (one
 //   per 16 weights: lanes 0-3 of the result hold weights 0-15), into float lanes times the
 //   block's fp16 factor and the x group's scale.
@@ -93,7 +94,7 @@ inline __m256i two_bits(__m256i bytes, int j) {
 // NIBBLES: codes 0-15, unsigned (see widen).
 struct Q8_0 {
   static constexpr int64_t BLOCK = 32, BYTES = 34, D_AT = 0, M_AT = 0;
-  static constexpr bool SIGNED = true, OFFSET = false, MIN = false, NIBBLES = false;
+  static constexpr bool SIGNED = true, OFFSET = false, MIN = false, NIBBLES = false, ROWS8 = true;
   static constexpr int OFFSET_SHIFT = 0;
   static constexpr int64_t HEADER = 2;
   static __m256i codes(const uint8_t* p) { return load32(p + 2); }
@@ -101,7 +102,7 @@ struct Q8_0 {
 
 struct Q4_0 {
   static constexpr int64_t BLOCK = 32, BYTES = 18, D_AT = 0, M_AT = 0;
-  static constexpr bool SIGNED = false, OFFSET = true, MIN = false, NIBBLES = true;
+  static constexpr bool SIGNED = false, OFFSET = true, MIN = false, NIBBLES = true, ROWS8 = true;
   static constexpr int OFFSET_SHIFT = 3;
   static constexpr int64_t HEADER = 2;
   static __m256i codes(const uint8_t* p) { return nibbles16(p + 2); }
@@ -109,7 +110,7 @@ struct Q4_0 {
 
 struct Q4_1 {
   static constexpr int64_t BLOCK = 32, BYTES = 20, D_AT = 0, M_AT = 2;
-  static constexpr bool SIGNED = false, OFFSET = false, MIN = true, NIBBLES = true;
+  static constexpr bool SIGNED = false, OFFSET = false, MIN = true, NIBBLES = true, ROWS8 = true;
   static constexpr int OFFSET_SHIFT = 0;
   static constexpr int64_t HEADER = 4;
   static __m256i codes(const uint8_t* p) { return nibbles16(p + 4); }
@@ -117,7 +118,7 @@ struct Q4_1 {
 
 struct IQ4_NL {
   static constexpr int64_t BLOCK = 32, BYTES = 18, D_AT = 0, M_AT = 0;
-  static constexpr bool SIGNED = true, OFFSET = false, MIN = false, NIBBLES = false;
+  static constexpr bool SIGNED = true, OFFSET = false, MIN = false, NIBBLES = false, ROWS8 = true;
   static constexpr int OFFSET_SHIFT = 0;
   static __m256i codes(const uint8_t* p) {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_VALUES)));
@@ -189,7 +190,8 @@ inline __m256i k_header(const uint8_t* p, Header& h) {
 
 struct Q4_K {
   static constexpr int64_t BLOCK = 256, BYTES = 144;
-  static constexpr bool SIGNED = false, OFFSET = false, MIN = true;
+  static constexpr bool SIGNED = false, OFFSET = false, MIN = true, ROWS8 = true;
+  static constexpr int64_t HEADER = 4;  // d, dmin (rows of 8: then the 12 scale bytes and the codes, 4 at a time)
   template <class Sink>
   static void block(const uint8_t* p, Header& h, Sink&& sink) {
     const __m256i sc = k_header(p, h), low = _mm256_set1_epi8(15);
@@ -204,7 +206,7 @@ struct Q4_K {
 
 struct Q5_K {
   static constexpr int64_t BLOCK = 256, BYTES = 176;
-  static constexpr bool SIGNED = false, OFFSET = false, MIN = true;
+  static constexpr bool SIGNED = false, OFFSET = false, MIN = true, ROWS8 = false;
   template <class Sink>
   static void block(const uint8_t* p, Header& h, Sink&& sink) {
     const __m256i sc = k_header(p, h), qh = load32(p + 16), low = _mm256_set1_epi8(15);
@@ -221,7 +223,7 @@ struct Q5_K {
 
 struct IQ4_XS {
   static constexpr int64_t BLOCK = 256, BYTES = 136;
-  static constexpr bool SIGNED = true, OFFSET = false, MIN = false;
+  static constexpr bool SIGNED = true, OFFSET = false, MIN = false, ROWS8 = false;
   template <class Sink>
   static void block(const uint8_t* p, Header& h, Sink&& sink) {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_VALUES)));
@@ -242,7 +244,7 @@ struct IQ4_XS {
 
 struct Q6_K {
   static constexpr int64_t BLOCK = 256, BYTES = 210;
-  static constexpr bool SIGNED = false, OFFSET = true, MIN = false;
+  static constexpr bool SIGNED = false, OFFSET = true, MIN = false, ROWS8 = false;
   template <class Sink>
   static void block(const uint8_t* p, Header& h, Sink&& sink) {
     h.d = f16(p + 208), h.dmin = 0.f, h.mins = _mm256_setzero_si256();
@@ -265,7 +267,7 @@ struct Q6_K {
 
 struct Q3_K {
   static constexpr int64_t BLOCK = 256, BYTES = 110;
-  static constexpr bool SIGNED = false, OFFSET = true, MIN = false;
+  static constexpr bool SIGNED = false, OFFSET = true, MIN = false, ROWS8 = false;
   template <class Sink>
   static void block(const uint8_t* p, Header& h, Sink&& sink) {
     h.d = f16(p + 108), h.dmin = 0.f, h.mins = _mm256_setzero_si256();
@@ -294,7 +296,7 @@ struct Q3_K {
 
 struct Q2_K {
   static constexpr int64_t BLOCK = 256, BYTES = 84;
-  static constexpr bool SIGNED = false, OFFSET = false, MIN = true;
+  static constexpr bool SIGNED = false, OFFSET = false, MIN = true, ROWS8 = false;
   template <class Sink>
   static void block(const uint8_t* p, Header& h, Sink&& sink) {
     h.d = f16(p + 80), h.dmin = f16(p + 82), h.offsets = _mm256_setzero_si256();
@@ -642,7 +644,7 @@ bool with_format(int64_t ggml_type, Fn&& fn) {
 // The same bytes, so the same size; rows slice 8 at a time.
 template <class F>
 struct Rows8 {
-  static constexpr int64_t CODES = F::BYTES - F::HEADER;  // code bytes a block: 32 (Q8_0) or 16
+  static constexpr int64_t CODES = F::BYTES - F::HEADER;  // bytes after the fp16 factors, 4 at a time
   static constexpr int64_t CODES_AT = 8 * F::HEADER;       // in a block of 8 rows
   static constexpr int64_t BYTES = 8 * F::BYTES;            // a block of 8 rows
 };
@@ -747,6 +749,87 @@ void rows8_dot(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, __
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N, tree_sum8(sums + r * nb, nb));
 }
 
+// Q4_K in blocks of 8 rows: d[8] | dmin[8] | the 12 scale bytes as 3 chunks of 4 (u0, u1, u2
+// of k_scales) | the 128 code bytes as 32 chunks, each chunk of the 8 rows a vector. Vector 8c +
+// t holds bytes [4t, 4t + 4) of GGUF's run c: weights 4t.. of group 2c in its low nibbles, of
+// group 2c + 1 in its high ones. The 8 rows' scales and minimums decode in 12 ops for all 8
+// (each row's u0, u1, u2 a lane); a group's, as int16 pairs (s, s) per lane, is one vpshufb.
+// The integer sums and float ops are super_block_row's, so each lane is its row's GGUF output.
+struct Q4KPicks {  // pick[j]: byte j of each int32 lane, zero-extended, into both its int16 halves
+  alignas(32) uint8_t pick[4][32];
+  constexpr Q4KPicks() : pick() {
+    for (int j = 0; j < 4; ++j)
+      for (int l = 0; l < 32; ++l) pick[j][l] = static_cast<uint8_t>(l % 2 ? 0x80 : 4 * (l % 16 / 4) + j);
+  }
+};
+constexpr Q4KPicks Q4K_PICKS{};
+
+inline __m256i pick_q4k(__m256i v, int j) {
+  return _mm256_shuffle_epi8(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(Q4K_PICKS.pick[j])));
+}
+
+template <int R>
+void rows8_dot_q4_k(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, __m256* sums, float* y, int64_t N) {
+  using L = Rows8<Q4_K>;
+  const __m256i low = _mm256_set1_epi8(15), low6 = _mm256_set1_epi8(0x3f), two = _mm256_set1_epi8(3);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = g + b * L::BYTES;
+    prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256 dminv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+    const uint8_t* q = p + L::CODES_AT;
+    const __m256i u0 = load32(q), u1 = load32(q + 32), u2 = load32(q + 64);
+    // k_scales, a row a lane: scales of groups 0-3 (sc[0]) and 4-7 (sc[1]), minimums alike
+    const __m256i sc[2] = {_mm256_and_si256(u0, low6),
+                           _mm256_or_si256(_mm256_and_si256(u2, low),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(u0, 6), two), 4))};
+    const __m256i mn[2] = {
+        _mm256_and_si256(u1, low6),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u2, 4), low),
+                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(u1, 6), two), 4))};
+    const uint8_t* codes = q + 96;
+    __m256i acc[R], macc[R];
+    for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {  // groups 2c and 2c + 1
+      __m256i lo[R], hi[R];
+      for (int t = 0; t < 8; ++t) {
+        const __m256i v = load32(codes + 32 * (8 * c + t));
+        const __m256i cl = _mm256_and_si256(v, low), ch = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; ++r) {  // int16 lanes sum 16 products of at most 15 * 127: no wrap
+          const int8_t* xb = x.codes(m0 + r) + b * 256 + 64 * c + 4 * t;
+          const __m256i pl = _mm256_maddubs_epi16(cl, broadcast4(xb)), ph = _mm256_maddubs_epi16(ch, broadcast4(xb + 32));
+          lo[r] = t ? _mm256_add_epi16(lo[r], pl) : pl, hi[r] = t ? _mm256_add_epi16(hi[r], ph) : ph;
+        }
+      }
+      const int j = 2 * c;
+      const __m256i s0 = pick_q4k(sc[j / 4], j % 4), s1 = pick_q4k(sc[(j + 1) / 4], (j + 1) % 4);
+      const __m256i n0 = pick_q4k(mn[j / 4], j % 4), n1 = pick_q4k(mn[(j + 1) / 4], (j + 1) % 4);
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(lo[r], s0), _mm256_madd_epi16(hi[r], s1)));
+        const int8_t* qs = reinterpret_cast<const int8_t*>(x.qsums16(m0 + r) + 16 * b + 2 * j);  // per 16 weights
+        macc[r] = _mm256_add_epi32(macc[r], _mm256_add_epi32(_mm256_madd_epi16(n0, broadcast4(qs)),
+                                                             _mm256_madd_epi16(n1, broadcast4(qs + 4))));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_set1_ps(x.scales(m0 + r)[b]);
+      __m256 s = _mm256_mul_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(acc[r]));
+      s = _mm256_sub_ps(s, _mm256_mul_ps(_mm256_mul_ps(dminv, dx), _mm256_cvtepi32_ps(macc[r])));
+      _mm256_storeu_ps(reinterpret_cast<float*>(sums + r * nb + b), s);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N, tree_sum8(sums + r * nb, nb));
+}
+
+template <class F, int R>
+void rows8_call(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, __m256* sums, float* y, int64_t N) {
+  if constexpr (F::BLOCK == QK)
+    rows8_dot<F, R>(g, nb, x, m0, sums, y, N);
+  else
+    rows8_dot_q4_k<R>(g, nb, x, m0, sums, y, N);
+}
+
 // y = x @ W^T, W in blocks of 8 rows: each thread takes blocks of rows, each meets x's rows
 // MAX_ROWS at a time (a block of rows' bytes stay in L1/L2 across them)
 template <class F>
@@ -757,10 +840,10 @@ void gemm_rows8(const QuantizedX& x, const uint8_t* packed, int64_t row_bytes, i
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* gp = packed + g * 8 * row_bytes;
       for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) switch (std::min<int64_t>(MAX_ROWS, M - m0)) {
-          case 1: rows8_dot<F, 1>(gp, nb, x, m0, sums.data(), y + 8 * g, N); break;
-          case 2: rows8_dot<F, 2>(gp, nb, x, m0, sums.data(), y + 8 * g, N); break;
-          case 3: rows8_dot<F, 3>(gp, nb, x, m0, sums.data(), y + 8 * g, N); break;
-          default: rows8_dot<F, 4>(gp, nb, x, m0, sums.data(), y + 8 * g, N); break;
+          case 1: rows8_call<F, 1>(gp, nb, x, m0, sums.data(), y + 8 * g, N); break;
+          case 2: rows8_call<F, 2>(gp, nb, x, m0, sums.data(), y + 8 * g, N); break;
+          case 3: rows8_call<F, 3>(gp, nb, x, m0, sums.data(), y + 8 * g, N); break;
+          default: rows8_call<F, 4>(gp, nb, x, m0, sums.data(), y + 8 * g, N); break;
         }
     }
   });
@@ -777,8 +860,8 @@ torch::Tensor repack_rows(torch::Tensor blocks, int64_t ggml_type, bool pack) {
   torch::Tensor out;
   const bool known = with_format(ggml_type, [&](auto fmt) {
     using F = decltype(fmt);
-    if constexpr (F::BLOCK != QK) {
-      TORCH_CHECK(false, "repack_rows: only the 32-weight formats are packed");
+    if constexpr (!F::ROWS8) {
+      TORCH_CHECK(false, "repack_rows: only the 32-weight formats and Q4_K are packed");
     } else {
       TORCH_CHECK(!pack || in.size(0) % 8 == 0, "repack_rows: ", in.size(0), " rows are not blocks of 8");
       const int64_t groups = pack ? in.size(0) / 8 : in.size(0), row_bytes = pack ? in.size(1) : in.size(1) / 8;
@@ -814,7 +897,7 @@ torch::Tensor linear_blocks_impl(torch::Tensor x, torch::Tensor blocks, int64_t 
   const bool known = with_format(ggml_type, [&](auto fmt) {
     using F = decltype(fmt);
     TORCH_CHECK(K % F::BLOCK == 0, "linear_blocks: K = ", K, " is not a multiple of the format's block, ", F::BLOCK);
-    TORCH_CHECK(!packed || F::BLOCK == QK, "linear_blocks_packed: only the 32-weight formats are packed");
+    TORCH_CHECK(!packed || F::ROWS8, "linear_blocks_packed: only the 32-weight formats and Q4_K are packed");
     const int64_t row_bytes = K / F::BLOCK * F::BYTES;
     TORCH_CHECK(blocks.size(1) == (packed ? 8 : 1) * row_bytes, "linear_blocks: blocks of ", blocks.size(1),
                 packed ? " bytes a block of 8 rows" : " bytes a row", ", K = ", K, " needs ", (packed ? 8 : 1) * row_bytes);
@@ -828,7 +911,7 @@ torch::Tensor linear_blocks_impl(torch::Tensor x, torch::Tensor blocks, int64_t 
     const torch::Tensor w = blocks.contiguous();
     y = torch::empty({M, N}, x.options().dtype(at::kFloat));
     if (M == 0) return;
-    if constexpr (F::BLOCK == QK) {
+    if constexpr (F::ROWS8) {
       if (packed) return gemm_rows8<F>(qx, w.data_ptr<uint8_t>(), row_bytes, N, y.data_ptr<float>());
     }
     gemm<F>(qx, w.data_ptr<uint8_t>(), row_bytes, N, y.data_ptr<float>());
