@@ -111,12 +111,12 @@ def test_a_rows_output_does_not_depend_on_its_batch(ext, name):
     assert torch.equal(ext.linear_blocks(x[3:9], blocks, fmt.ggml_type, None), batch[3:9])
 
 
-@pytest.mark.parametrize("name", sorted(AVX2_PACKED_FORMATS))
+@pytest.mark.parametrize("name", sorted(AVX2_PACKED_FORMATS | {"int8"}))
 def test_rows_of_8_keep_the_bytes_and_the_outputs_bit_for_bit(ext, name):
-    """The load-time layout of the 32-weight formats and Q4_K: the same bytes in blocks of 8
-    rows (its inverse gives GGUF's back), and the same outputs as the GGUF layout for every
-    tile height (m) and every shape of a row's tree over its blocks (their count a power of 2,
-    odd, or neither)."""
+    """The load-time layout of the 32-weight formats and Q4_K (Q8_0's too, though its layers
+    keep GGUF's): the same bytes in blocks of 8 rows (its inverse gives GGUF's back), and the
+    same outputs as the GGUF layout for every tile height (m) and every shape of a row's tree
+    over its blocks (their count a power of 2, odd, or neither)."""
     fmt = FORMATS[name]
     for k in (32, 96, 256, 416, 768, 2048, 2816):
         if k % fmt.block:
