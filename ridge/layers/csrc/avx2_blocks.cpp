@@ -1,8 +1,9 @@
 // The block formats' matmul for CPUs with AVX2 but without AVX-512 BF16/VNNI (AMD Zen 2 and 3,
 // Intel's client cores up to Raptor Lake, ...): y = x @ W^T (+ bias), W in any of llama.cpp's
-// block formats (ridge/quantization/formats.py), read as the GGUF bytes the layer holds: no
-// repacking, no conversion to a wider format. One extension of its own (ridge_cpu_avx2), built
-// with AVX2/FMA/F16C only; the AVX-512 kernels (linear_quant.cpp) are the other extension.
+// block formats (ridge/quantization/formats.py), read as the GGUF bytes the layer holds, as
+// loaded or moved at load into blocks of 8 rows: no conversion to a wider format. One extension
+// of its own (ridge_cpu_avx2), built with AVX2/FMA/F16C only; the AVX-512 kernels
+// (linear_quant.cpp) are the other extension.
 //
 // How a call runs:
 // - x is quantized to int8 once per call, per 32 k (llama.cpp's Q8_0 activations: scale
@@ -10,12 +11,12 @@
 // - Each group of 32 weights is unpacked into 32 byte codes in one register: unsigned (0-63)
 //   for the formats with an offset or a minimum, signed for Q8_0 and the IQ4 codebook's values
 //   (those multiply through vpsignb, since vpmaddubsw takes one unsigned operand).
-// - The 32-weight formats (Q8_0, Q4_0, Q4_1, IQ4_NL) and Q4_K are repacked at load, at their
-//   size, into blocks of 8 rows (repack_rows, ik_llama.cpp's _R8 idea): W's rows sit in a
-//   vector's 8 int32 lanes, so a block's products need no horizontal sums and each lane's tree
-//   over the blocks is tree_sum's, vertically (see "Rows of 8" below). linear_blocks takes
-//   GGUF's layout, as loaded; linear_blocks_packed the rows of 8, with the same outputs bit
-//   for bit.
+// - The 32-weight formats (Q8_0, Q4_0, Q4_1, IQ4_NL) and Q4_K can be repacked at load, at
+//   their size, into blocks of 8 rows (repack_rows, ik_llama.cpp's _R8 idea): W's rows sit in
+//   a vector's 8 int32 lanes, so a block's products need no horizontal sums and each lane's
+//   tree over the blocks is tree_sum's, vertically (see "Rows of 8" below). linear_blocks
+//   takes GGUF's layout, as loaded; linear_blocks_packed the rows of 8, with the same outputs
+//   bit for bit. Which layers ridge packs is kernels.py's AVX2_PACKED_FORMATS (not Q8_0's).
 // - vpmaddubsw with an x row's codes, then vpmaddwd with the group's integer sub-scales (one
 //   per 16 weights: lanes 0-3 of the result hold weights 0-15), into float lanes times the
 //   block's fp16 factor and the x group's scale.
@@ -91,7 +92,8 @@ inline __m256i two_bits(__m256i bytes, int j) {
 // The 32-weight formats: a block is one group. Each one's codes(block) unpacks its 32 codes;
 // D_AT is where a block's fp16 factor d sits, M_AT its fp16 minimum m (MIN: w = d q + m),
 // HEADER the bytes before its codes, and OFFSET_SHIFT gives Q4_0's offset, 8 (w = d (q - 8)).
-// NIBBLES: codes 0-15, unsigned (see widen).
+// NIBBLES: codes 0-15, unsigned (see widen). ROWS8 (here and in the super-block formats):
+// repack_rows and linear_blocks_packed take the format (see "Rows of 8").
 struct Q8_0 {
   static constexpr int64_t BLOCK = 32, BYTES = 34, D_AT = 0, M_AT = 0;
   static constexpr bool SIGNED = true, OFFSET = false, MIN = false, NIBBLES = false, ROWS8 = true;
@@ -630,17 +632,18 @@ bool with_format(int64_t ggml_type, Fn&& fn) {
 }
 
 // ---- Rows of 8 ----
-// The 32-weight formats' packed layout: W's rows in blocks of 8 (N a multiple of 8), and in each,
-// block b of the 8 rows (8 BYTES, as GGUF's 8 blocks) reads
+// The 32-weight formats' packed layout (Q4_K's is below): W's rows in blocks of 8 (N a multiple
+// of 8), and in each, block b of the 8 rows (8 BYTES, as GGUF's 8 blocks) reads
 //   d[8] (fp16, row r at 2r) | m[8] (fp16, Q4_1 only) | codes: the rows' code bytes 4 at a time,
 //   bytes [4i, 4i + 4) of row r at 32 i + 4 r
 // so a 32-byte vector of codes holds 4 code bytes of each of the 8 rows, one row an int32 lane
 // (ik_llama.cpp's _R8 types interleave rows the same way). A Q4_0 / Q4_1 / IQ4_NL vector i
 // unpacks into weights [4i, 4i + 4) of each row (its low nibbles) and [16 + 4i, 20 + 4i) (its
 // high ones); a Q8_0 vector i holds weights [4i, 4i + 4). vpmaddubsw against x's 4 codes
-// broadcast, then vpmaddwd, leaves each row's products in its own lane: no horizontal sums,
-// which made the runs layout this replaces compute-bound at one row on AVX2 (1 thread, in cache,
-// Zen 3 EPYC: Q4_0 17.6 -> 27.2 GFLOP/s at 1 row, 44 -> 72 at 4 and more; Q8_0 22 -> 28 / 28 -> 38).
+// broadcast, then vpmaddwd, leaves each row's products in its own lane. The horizontal sums
+// this drops made the layout before it (each row's blocks in runs of 8) compute-bound at one
+// row on AVX2 (1 thread, in cache, Zen 3 EPYC: Q4_0 17.6 -> 27.2 GFLOP/s at 1 row, 44 -> 72 at
+// 4 and more; Q8_0 22 -> 28 / 28 -> 38).
 // The same bytes, so the same size; rows slice 8 at a time.
 template <class F>
 struct Rows8 {
@@ -697,7 +700,8 @@ inline __attribute__((always_inline)) void rows8_codes(const uint8_t* p, __m256i
       c[i] = _mm256_and_si256(v, low), c[i + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
     }
     if constexpr (F::SIGNED) {
-      const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_VALUES)));
+      const __m128i values = _mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_VALUES));
+      const __m256i table = _mm256_broadcastsi128_si256(values);
       for (int j = 0; j < 8; ++j) c[j] = _mm256_shuffle_epi8(table, c[j]);
     }
   }
@@ -798,7 +802,8 @@ void rows8_dot_q4_k(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m
         const __m256i cl = _mm256_and_si256(v, low), ch = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         for (int r = 0; r < R; ++r) {  // int16 lanes sum 16 products of at most 15 * 127: no wrap
           const int8_t* xb = x.codes(m0 + r) + b * 256 + 64 * c + 4 * t;
-          const __m256i pl = _mm256_maddubs_epi16(cl, broadcast4(xb)), ph = _mm256_maddubs_epi16(ch, broadcast4(xb + 32));
+          const __m256i pl = _mm256_maddubs_epi16(cl, broadcast4(xb));
+          const __m256i ph = _mm256_maddubs_epi16(ch, broadcast4(xb + 32));
           lo[r] = t ? _mm256_add_epi16(lo[r], pl) : pl, hi[r] = t ? _mm256_add_epi16(hi[r], ph) : ph;
         }
       }
@@ -867,7 +872,8 @@ torch::Tensor repack_rows(torch::Tensor blocks, int64_t ggml_type, bool pack) {
       const int64_t groups = pack ? in.size(0) / 8 : in.size(0), row_bytes = pack ? in.size(1) : in.size(1) / 8;
       TORCH_CHECK(row_bytes % F::BYTES == 0 && (pack || in.size(1) % 8 == 0), "repack_rows: rows of ", row_bytes,
                   " bytes are not whole blocks of ", F::BYTES);
-      out = pack ? torch::empty({groups, 8 * row_bytes}, in.options()) : torch::empty({8 * groups, row_bytes}, in.options());
+      out = pack ? torch::empty({groups, 8 * row_bytes}, in.options())
+                 : torch::empty({8 * groups, row_bytes}, in.options());
       const uint8_t* src = in.data_ptr<uint8_t>();
       uint8_t* dst = out.data_ptr<uint8_t>();
       at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
@@ -900,7 +906,8 @@ torch::Tensor linear_blocks_impl(torch::Tensor x, torch::Tensor blocks, int64_t 
     TORCH_CHECK(!packed || F::ROWS8, "linear_blocks_packed: only the 32-weight formats and Q4_K are packed");
     const int64_t row_bytes = K / F::BLOCK * F::BYTES;
     TORCH_CHECK(blocks.size(1) == (packed ? 8 : 1) * row_bytes, "linear_blocks: blocks of ", blocks.size(1),
-                packed ? " bytes a block of 8 rows" : " bytes a row", ", K = ", K, " needs ", (packed ? 8 : 1) * row_bytes);
+                packed ? " bytes a block of 8 rows" : " bytes a row", ", K = ", K, " needs ",
+                (packed ? 8 : 1) * row_bytes);
     const torch::Tensor x2 = x.reshape({-1, K}).contiguous();
     const int64_t M = x2.size(0);
     QuantizedX qx;
