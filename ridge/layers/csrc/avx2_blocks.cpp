@@ -544,27 +544,34 @@ void block_sums_8(const uint8_t* w, int64_t b0, int n, int64_t nbp, const Quanti
 // are then aligned runs too, down to 8)
 inline bool takes_runs_of_8(int64_t nb) { return nb >= 8 && (nb & (nb - 1)) == 0; }
 
-float tree_sum(const float* c, const float* c8, int64_t b, int64_t n) {
+// One function for both layouts' sums: T is a float (one row's block sums, GGUF's layout) or
+// an __m256 (8 rows' in their lanes, tree_sum8), add their +.
+template <class T, class Add>
+T tree_sum_of(const T* c, const T* c8, int64_t b, int64_t n, Add add) {
   constexpr int64_t MAX_LEAVES = 64;
   int64_t odd = n, leaves = 1;
   while (odd > 1 && odd % 2 == 0) odd /= 2, leaves *= 2;
   const bool runs_of_8 = odd == 1 && leaves >= 8 && c8 != nullptr && b % 8 == 0;
   if (runs_of_8) leaves /= 8;
-  if (leaves > MAX_LEAVES) return tree_sum(c, c8, b, n / 2) + tree_sum(c, c8, b + n / 2, n / 2);
-  float s[MAX_LEAVES];
+  if (leaves > MAX_LEAVES) return add(tree_sum_of(c, c8, b, n / 2, add), tree_sum_of(c, c8, b + n / 2, n / 2, add));
+  T s[MAX_LEAVES];
   for (int64_t i = 0; i < leaves; ++i) {
     if (runs_of_8) {
       s[i] = c8[b / 8 + i];
       continue;
     }
-    const float* leaf = c + b + i * odd;
-    float t = leaf[0];
-    for (int64_t j = 1; j < odd; ++j) t += leaf[j];
+    const T* leaf = c + b + i * odd;
+    T t = leaf[0];
+    for (int64_t j = 1; j < odd; ++j) t = add(t, leaf[j]);
     s[i] = t;
   }
   for (; leaves > 1; leaves /= 2)
-    for (int64_t i = 0; i < leaves / 2; ++i) s[i] = s[2 * i] + s[2 * i + 1];
+    for (int64_t i = 0; i < leaves / 2; ++i) s[i] = add(s[2 * i], s[2 * i + 1]);
   return s[0];
+}
+
+float tree_sum(const float* c, const float* c8, int64_t b, int64_t n) {
+  return tree_sum_of(c, c8, b, n, [](float a, float b) { return a + b; });
 }
 
 // A thread's scratch for one row of W against up to MAX_ROWS rows of x: block sums (c, and
@@ -670,21 +677,8 @@ void repack_rows8(const uint8_t* src, uint8_t* dst, int64_t row_bytes) {
 
 // tree_sum lane by lane: n blocks' sums of 8 rows (c[b], a row a lane) added as tree_sum adds
 // each row's, so each lane is bit for bit the GGUF layout's output for its row
-__m256 tree_sum8(const __m256* c, int64_t n) {
-  constexpr int64_t MAX_LEAVES = 64;
-  int64_t odd = n, leaves = 1;
-  while (odd > 1 && odd % 2 == 0) odd /= 2, leaves *= 2;
-  if (leaves > MAX_LEAVES) return _mm256_add_ps(tree_sum8(c, n / 2), tree_sum8(c + n / 2, n / 2));
-  __m256 s[MAX_LEAVES];
-  for (int64_t i = 0; i < leaves; ++i) {
-    const __m256* leaf = c + i * odd;
-    __m256 t = leaf[0];
-    for (int64_t j = 1; j < odd; ++j) t = _mm256_add_ps(t, leaf[j]);
-    s[i] = t;
-  }
-  for (; leaves > 1; leaves /= 2)
-    for (int64_t i = 0; i < leaves / 2; ++i) s[i] = _mm256_add_ps(s[2 * i], s[2 * i + 1]);
-  return s[0];
+inline __m256 tree_sum8(const __m256* c, int64_t n) {
+  return tree_sum_of<__m256>(c, nullptr, 0, n, [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); });
 }
 
 // A block of 8 rows' codes (from CODES_AT) as 8 vectors: c[j] holds weights [4j, 4j + 4) of each
