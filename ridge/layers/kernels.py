@@ -35,10 +35,13 @@ MANY_HEADS_PER_KV_HEAD = 8
 SHARED_KV_MIN_HEADS = 16
 # Each bit of an int32 word as an int32 (bit 31 is the sign): token bitmasks unpacked in one op
 _BIT_VALUES = torch.tensor([1 << j if j < 31 else -(1 << 31) for j in range(32)], dtype=torch.int32)
-# The formats the AVX2 kernels repack into blocks of 8 rows (csrc/avx2_blocks.cpp). Its
-# repack_rows takes Q8_0 too, but a Q8_0 layer stays in GGUF's layout: on the Zen 3 EPYC a
-# one-row matmul from memory ran 5-15% slower in rows of 8 (faster in cache; so was Q6_K's).
-AVX2_PACKED_FORMATS = frozenset(f.name for f in (Q4_0, Q4_1, IQ4_NL, Q4_K))
+# The formats the AVX2 kernels repack at load into blocks of 8 rows (csrc/avx2_blocks.cpp).
+# Its repack_rows takes Q8_0 and Q6_K too, but their layers stay in GGUF's layout: on the Zen 3
+# EPYC a one-row matmul from memory ran 5-15% slower in rows of 8 (faster in cache, and from
+# 32 rows of x on, where the kernel packs as it goes). Q5_K and IQ4_XS in rows of 8, against
+# GGUF's layout (same machine, 8 matrices of 5632 x 2048 from memory, 2 threads): 1.27x and
+# 1.18x at one row, 1.50x and 1.40x at two.
+AVX2_PACKED_FORMATS = frozenset(f.name for f in (Q4_0, Q4_1, IQ4_NL, Q4_K, Q5_K, IQ4_XS))
 # The extension's format codes (csrc/linear_quant.cpp)
 QUANT_KERNEL_CODES = {
     Q8_0.name: 0,
@@ -328,10 +331,11 @@ class Avx2Kernels(TorchKernels):
     - The matmuls of block-format layers run ``csrc/avx2_blocks.cpp`` on the GGUF bytes the
       layer holds, every format of ``formats.FORMATS``. (Torch's reference would dequantize
       the whole weight to float32 on every call: 8 bytes read and written a weight where a
-      Q4_K_M file holds 0.6.) The 4-bit formats Q4_0, Q4_1, IQ4_NL and Q4_K
-      (``AVX2_PACKED_FORMATS``) are repacked at load, at their size, into blocks of 8 rows
-      whose codes put a row in each int32 lane (``repack_rows``), where the layer's rows are a
-      multiple of 8; the other formats stay as loaded.
+      Q4_K_M file holds 0.6.) The 4- and 5-bit formats Q4_0, Q4_1, IQ4_NL, Q4_K, Q5_K and
+      IQ4_XS (``AVX2_PACKED_FORMATS``) are repacked at load, at their size, into blocks of 8
+      rows whose codes put a row in each int32 lane (``repack_rows``), where the layer's rows
+      are a multiple of 8; the other formats stay as loaded (and the kernel packs Q8_0's and
+      Q6_K's blocks of 8 rows as it goes in calls of 32 rows or more: prefill).
     - A decode step's other ops in float32 or bfloat16 run ``csrc/avx2_ops.cpp``: RMSNorm (with
       the residual add), SiLU-and-multiply, RoPE, and decode attention from the paged cache
       (not an int8/fp8 one). Each rounds where torch's op rounds.
@@ -383,7 +387,7 @@ class Avx2Kernels(TorchKernels):
         return self.ext.supports_format(fmt.ggml_type)
 
     def pack_blocks(self, fmt, blocks, n, k):
-        """CPU rows of Q4_0, Q4_1, IQ4_NL or Q4_K, n a multiple of 8, into blocks of 8 rows
+        """CPU rows of an ``AVX2_PACKED_FORMATS`` format, n a multiple of 8, into blocks of 8 rows
         (``csrc/avx2_blocks.cpp``'s ``repack_rows``: the same bytes, (n / 8, 8 row_bytes))."""
         step = self.packed_row_block
         if fmt.name not in AVX2_PACKED_FORMATS or blocks.device.type != "cpu" or blocks.numel() == 0 or n % step:

@@ -162,7 +162,7 @@ def test_quantized_gguf_runs_on_the_cpu_kernels(stories_gguf, tmp_path, qtype):
 def _native(layer) -> bool:
     """Whether the layer's matmul reads the file's bytes on ridge's CPU kernels: repacked at
     load by the AVX-512 ones; by the AVX2 ones (csrc/avx2_blocks.cpp) repacked at their size
-    for Q4_0, Q4_1, IQ4_NL and Q4_K (blocks of 8 rows, where the rows are a multiple of 8), as
+    for AVX2_PACKED_FORMATS (blocks of 8 rows, where the rows are a multiple of 8), as
     loaded for the others."""
     if cpu_has_avx512_bf16():
         return layer.packed is not None

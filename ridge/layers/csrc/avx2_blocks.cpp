@@ -11,12 +11,14 @@
 // - Each group of 32 weights is unpacked into 32 byte codes in one register: unsigned (0-63)
 //   for the formats with an offset or a minimum, signed for Q8_0 and the IQ4 codebook's values
 //   (those multiply through vpsignb, since vpmaddubsw takes one unsigned operand).
-// - The 32-weight formats (Q8_0, Q4_0, Q4_1, IQ4_NL) and Q4_K can be repacked at load, at
-//   their size, into blocks of 8 rows (repack_rows, ik_llama.cpp's _R8 idea): W's rows sit in
-//   a vector's 8 int32 lanes, so a block's products need no horizontal sums and each lane's
-//   tree over the blocks is tree_sum's, vertically (see "Rows of 8" below). linear_blocks
-//   takes GGUF's layout, as loaded; linear_blocks_packed the rows of 8, with the same outputs
-//   bit for bit. Which layers ridge packs is kernels.py's AVX2_PACKED_FORMATS (not Q8_0's).
+// - Every format but Q3_K and Q2_K can be repacked, at its size, into blocks of 8 rows
+//   (repack_rows, ik_llama.cpp's _R8 idea): W's rows sit in a vector's 8 int32 lanes, so a
+//   block's products need no horizontal sums and each lane's tree over the blocks is
+//   tree_sum's, vertically (see "Rows of 8" below). linear_blocks takes GGUF's layout, as
+//   loaded; linear_blocks_packed the rows of 8, with the same outputs bit for bit. Which
+//   layers ridge packs at load is kernels.py's AVX2_PACKED_FORMATS (not Q8_0's or Q6_K's: read
+//   from memory for one row, they ran slower in rows of 8); a call of PACK_FROM_ROWS rows of x
+//   or more (a prefill) on GGUF's layout packs each block of 8 rows as it goes.
 // - vpmaddubsw with an x row's codes, then vpmaddwd with the group's integer sub-scales (one
 //   per 16 weights: lanes 0-3 of the result hold weights 0-15), into float lanes times the
 //   block's fp16 factor and the x group's scale.
@@ -36,6 +38,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -51,6 +54,12 @@ constexpr int64_t QK = 32;  // weights per group (a block, or a K-quant's sub-bl
 // 18.2; Q8_0 13.1 -> 16.9 at 4 KiB; Q4_0 9.2 -> 10.0 (compute-bound). Without it a thread
 // computes and then waits for memory, in turn.
 constexpr int64_t PREFETCH_SUPER_BLOCKS = 8192, PREFETCH_BLOCKS = 4096;
+// Rows of x from which a call on GGUF's layout packs W's blocks of 8 rows as it goes (packing
+// reads each block once per call, then computes in rows of 8): the kernel alone, 8 matrices of
+// 5632 x 2048 from memory, 2 threads, Zen 3 EPYC (2026-11-29, median of 5-7 paired rounds),
+// speed packing / not: Q8_0 0.60 at 1 row, 0.75 at 4, 1.13 at 16, 1.27 at 32, 1.36 at 128;
+// Q6_K 0.52, 0.57, 0.93, 1.02, 1.01.
+constexpr int64_t PACK_FROM_ROWS = 32;
 
 // Prefetch the BYTES at p + AHEAD into L1, a line at a time (a prefetch past the matrix's
 // end does not fault)
@@ -91,14 +100,15 @@ inline __m256i two_bits(__m256i bytes, int j) {
 
 // The 32-weight formats: a block is one group. Each one's codes(block) unpacks its 32 codes;
 // D_AT is where a block's fp16 factor d sits, M_AT its fp16 minimum m (MIN: w = d q + m),
-// HEADER the bytes before its codes, and OFFSET_SHIFT gives Q4_0's offset, 8 (w = d (q - 8)).
-// NIBBLES: codes 0-15, unsigned (see widen). ROWS8 (here and in the super-block formats):
-// repack_rows and linear_blocks_packed take the format (see "Rows of 8").
+// HEADER the bytes of fp16 factors (from FACTORS_AT: 0, before the codes, in all but Q6_K), and
+// OFFSET_SHIFT gives Q4_0's offset, 8 (w = d (q - 8)). NIBBLES: codes 0-15, unsigned (see widen).
+// ROWS8 (here and in the super-block formats): repack_rows and linear_blocks_packed take the
+// format (see "Rows of 8").
 struct Q8_0 {
   static constexpr int64_t BLOCK = 32, BYTES = 34, D_AT = 0, M_AT = 0;
   static constexpr bool SIGNED = true, OFFSET = false, MIN = false, NIBBLES = false, ROWS8 = true;
   static constexpr int OFFSET_SHIFT = 0;
-  static constexpr int64_t HEADER = 2;
+  static constexpr int64_t HEADER = 2, FACTORS_AT = 0;
   static __m256i codes(const uint8_t* p) { return load32(p + 2); }
 };
 
@@ -106,7 +116,7 @@ struct Q4_0 {
   static constexpr int64_t BLOCK = 32, BYTES = 18, D_AT = 0, M_AT = 0;
   static constexpr bool SIGNED = false, OFFSET = true, MIN = false, NIBBLES = true, ROWS8 = true;
   static constexpr int OFFSET_SHIFT = 3;
-  static constexpr int64_t HEADER = 2;
+  static constexpr int64_t HEADER = 2, FACTORS_AT = 0;
   static __m256i codes(const uint8_t* p) { return nibbles16(p + 2); }
 };
 
@@ -114,7 +124,7 @@ struct Q4_1 {
   static constexpr int64_t BLOCK = 32, BYTES = 20, D_AT = 0, M_AT = 2;
   static constexpr bool SIGNED = false, OFFSET = false, MIN = true, NIBBLES = true, ROWS8 = true;
   static constexpr int OFFSET_SHIFT = 0;
-  static constexpr int64_t HEADER = 4;
+  static constexpr int64_t HEADER = 4, FACTORS_AT = 0;
   static __m256i codes(const uint8_t* p) { return nibbles16(p + 4); }
 };
 
@@ -126,7 +136,7 @@ struct IQ4_NL {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_VALUES)));
     return _mm256_shuffle_epi8(table, nibbles16(p + 2));
   }
-  static constexpr int64_t HEADER = 2;
+  static constexpr int64_t HEADER = 2, FACTORS_AT = 0;
 };
 
 // The super-block formats (256 weights: the K-quants and IQ4_XS). Each one's
@@ -193,7 +203,7 @@ inline __m256i k_header(const uint8_t* p, Header& h) {
 struct Q4_K {
   static constexpr int64_t BLOCK = 256, BYTES = 144;
   static constexpr bool SIGNED = false, OFFSET = false, MIN = true, ROWS8 = true;
-  static constexpr int64_t HEADER = 4;  // d, dmin (rows of 8: then the 12 scale bytes and the codes, 4 at a time)
+  static constexpr int64_t HEADER = 4, FACTORS_AT = 0;  // d, dmin (rows of 8: then the 12 scale bytes and the codes, 4 at a time)
   template <class Sink>
   static void block(const uint8_t* p, Header& h, Sink&& sink) {
     const __m256i sc = k_header(p, h), low = _mm256_set1_epi8(15);
@@ -208,7 +218,8 @@ struct Q4_K {
 
 struct Q5_K {
   static constexpr int64_t BLOCK = 256, BYTES = 176;
-  static constexpr bool SIGNED = false, OFFSET = false, MIN = true, ROWS8 = false;
+  static constexpr bool SIGNED = false, OFFSET = false, MIN = true, ROWS8 = true;
+  static constexpr int64_t HEADER = 4, FACTORS_AT = 0;  // d, dmin
   template <class Sink>
   static void block(const uint8_t* p, Header& h, Sink&& sink) {
     const __m256i sc = k_header(p, h), qh = load32(p + 16), low = _mm256_set1_epi8(15);
@@ -225,7 +236,8 @@ struct Q5_K {
 
 struct IQ4_XS {
   static constexpr int64_t BLOCK = 256, BYTES = 136;
-  static constexpr bool SIGNED = true, OFFSET = false, MIN = false, ROWS8 = false;
+  static constexpr bool SIGNED = true, OFFSET = false, MIN = false, ROWS8 = true;
+  static constexpr int64_t HEADER = 4, FACTORS_AT = 0;  // d and scales_h, as 2-byte fields
   template <class Sink>
   static void block(const uint8_t* p, Header& h, Sink&& sink) {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_VALUES)));
@@ -246,7 +258,8 @@ struct IQ4_XS {
 
 struct Q6_K {
   static constexpr int64_t BLOCK = 256, BYTES = 210;
-  static constexpr bool SIGNED = false, OFFSET = true, MIN = false, ROWS8 = false;
+  static constexpr bool SIGNED = false, OFFSET = true, MIN = false, ROWS8 = true;
+  static constexpr int64_t HEADER = 2, FACTORS_AT = 208;  // d, at the block's end
   template <class Sink>
   static void block(const uint8_t* p, Header& h, Sink&& sink) {
     h.d = f16(p + 208), h.dmin = 0.f, h.mins = _mm256_setzero_si256();
@@ -639,10 +652,12 @@ bool with_format(int64_t ggml_type, Fn&& fn) {
 }
 
 // ---- Rows of 8 ----
-// The 32-weight formats' packed layout (Q4_K's is below): W's rows in blocks of 8 (N a multiple
-// of 8), and in each, block b of the 8 rows (8 BYTES, as GGUF's 8 blocks) reads
-//   d[8] (fp16, row r at 2r) | m[8] (fp16, Q4_1 only) | codes: the rows' code bytes 4 at a time,
-//   bytes [4i, 4i + 4) of row r at 32 i + 4 r
+// The packed layout: W's rows in blocks of 8 (N a multiple of 8), and in each, block b of the 8
+// rows (8 BYTES, as GGUF's 8 blocks) reads
+//   its HEADER / 2 fp16 fields, each as 8 (row r at 2r): d[8], then m[8] (Q4_1), dmin[8] (Q4_K,
+//   Q5_K) or IQ4_XS's 2-byte high scale bits | the block's other bytes (scales and codes, in
+//   GGUF's order) 4 at a time, bytes [4i, 4i + 4) of row r at 32 i + 4 r
+// (the super-block formats' kernels, below, say where their scales and codes land).
 // so a 32-byte vector of codes holds 4 code bytes of each of the 8 rows, one row an int32 lane
 // (ik_llama.cpp's _R8 types interleave rows the same way). A Q4_0 / Q4_1 / IQ4_NL vector i
 // unpacks into weights [4i, 4i + 4) of each row (its low nibbles) and [16 + 4i, 20 + 4i) (its
@@ -654,25 +669,50 @@ bool with_format(int64_t ggml_type, Fn&& fn) {
 // The same bytes, so the same size; rows slice 8 at a time.
 template <class F>
 struct Rows8 {
-  static constexpr int64_t CODES = F::BYTES - F::HEADER;  // bytes after the fp16 factors, 4 at a time
-  static constexpr int64_t CODES_AT = 8 * F::HEADER;       // in a block of 8 rows
+  static constexpr int64_t CODES = F::BYTES - F::HEADER;  // the bytes besides the fp16 factors, 4 at a time
+  static constexpr int64_t CHUNKS_FROM = F::FACTORS_AT == 0 ? F::HEADER : 0;  // in GGUF's block
+  static constexpr int64_t CODES_AT = 8 * F::HEADER;                          // in a block of 8 rows
   static constexpr int64_t BYTES = 8 * F::BYTES;            // a block of 8 rows
 };
 
+// 4 chunks (16 bytes) of each of 8 rows (at src[r]) -> 4 vectors 32 bytes apart at dst: vector i
+// holds chunk i of rows 0-7 in its int32 lanes (a 4 x 4 transpose in each 128-bit half: rows
+// 0-3 in the low halves, 4-7 in the high ones)
+inline void transpose_chunks4(const uint8_t* const src[8], uint8_t* dst) {
+  __m256i v[4];
+  for (int r = 0; r < 4; ++r)
+    v[r] = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src[r + 4])),
+                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[r])));
+  const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpacklo_epi32(v[2], v[3]);
+  const __m256i t2 = _mm256_unpackhi_epi32(v[0], v[1]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+  const __m256i out[4] = {_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1), _mm256_unpacklo_epi64(t2, t3),
+                          _mm256_unpackhi_epi64(t2, t3)};
+  for (int i = 0; i < 4; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * i), out[i]);
+}
+
 // 8 rows of GGUF's layout (row_bytes each, from src) into a block of rows (PACK), or back: each
-// 2-byte factor and 4 code bytes move between their offsets in the two layouts
+// 2-byte factor and 4 code bytes move between their offsets in the two layouts (packing moves
+// the code bytes 4 chunks of all 8 rows at a time: it runs per call for calls of many rows)
 template <class F, bool PACK>
 void repack_rows8(const uint8_t* src, uint8_t* dst, int64_t row_bytes) {
   using L = Rows8<F>;
   const auto move = [&](int64_t gguf_at, int64_t rows_at, int64_t bytes) {
     std::memcpy(dst + (PACK ? rows_at : gguf_at), src + (PACK ? gguf_at : rows_at), bytes);
   };
-  for (int64_t b = 0; b < row_bytes / F::BYTES; ++b)
+  constexpr int64_t CHUNKS = L::CODES / 4, BY_FOURS = PACK ? CHUNKS / 4 * 4 : 0;
+  for (int64_t b = 0; b < row_bytes / F::BYTES; ++b) {
+    const int64_t p = b * L::BYTES;
     for (int64_t r = 0; r < 8; ++r) {
-      const int64_t g = r * row_bytes + b * F::BYTES, p = b * L::BYTES;
-      for (int64_t f = 0; f < F::HEADER / 2; ++f) move(g + 2 * f, p + 16 * f + 2 * r, 2);
-      for (int64_t i = 0; i < L::CODES / 4; ++i) move(g + F::HEADER + 4 * i, p + L::CODES_AT + 32 * i + 4 * r, 4);
+      const int64_t g = r * row_bytes + b * F::BYTES;
+      for (int64_t f = 0; f < F::HEADER / 2; ++f) move(g + F::FACTORS_AT + 2 * f, p + 16 * f + 2 * r, 2);
+      for (int64_t i = BY_FOURS; i < CHUNKS; ++i) move(g + L::CHUNKS_FROM + 4 * i, p + L::CODES_AT + 32 * i + 4 * r, 4);
     }
+    for (int64_t i = 0; i < BY_FOURS; i += 4) {
+      const uint8_t* rows[8];
+      for (int r = 0; r < 8; ++r) rows[r] = src + r * row_bytes + b * F::BYTES + L::CHUNKS_FROM + 4 * i;
+      transpose_chunks4(rows, dst + p + L::CODES_AT + 32 * i);
+    }
+  }
 }
 
 // tree_sum lane by lane: n blocks' sums of 8 rows (c[b], a row a lane) added as tree_sum adds
@@ -747,12 +787,14 @@ void rows8_dot(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, __
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N, tree_sum8(sums + r * nb, nb));
 }
 
-// Q4_K in blocks of 8 rows: d[8] | dmin[8] | the 12 scale bytes as 3 chunks of 4 (u0, u1, u2
-// of k_scales) | the 128 code bytes as 32 chunks, each chunk of the 8 rows a vector. Vector 8c +
-// t holds bytes [4t, 4t + 4) of GGUF's run c: weights 4t.. of group 2c in its low nibbles, of
-// group 2c + 1 in its high ones. The 8 rows' scales and minimums decode in 12 ops for all 8
-// (each row's u0, u1, u2 a lane); a group's, as int16 pairs (s, s) per lane, is one vpshufb.
-// The integer sums and float ops are super_block_row's, so each lane is its row's GGUF output.
+// Q4_K and Q5_K in blocks of 8 rows: d[8] | dmin[8] | the 12 scale bytes as 3 chunks of 4 (u0,
+// u1, u2 of k_scales) | Q5_K's 32 bytes of high bits as 8 chunks | the 128 code bytes as 32
+// chunks, each chunk of the 8 rows a vector. Code vector 8c + t holds bytes [4t, 4t + 4) of
+// GGUF's run c: weights 4t.. of group 2c in its low nibbles, of group 2c + 1 in its high ones;
+// Q5_K's high-bit vector t holds their fifth bits (bit j for group j). The 8 rows' scales and
+// minimums decode in 12 ops for all 8 (each row's u0, u1, u2 a lane); a group's, as int16 pairs
+// (s, s) per lane, is one vpshufb. The integer sums and float ops are super_block_row's, so each
+// lane is its row's GGUF output.
 struct Q4KPicks {  // pick[j]: byte j of each int32 lane, zero-extended, into both its int16 halves
   alignas(32) uint8_t pick[4][32];
   constexpr Q4KPicks() : pick() {
@@ -766,9 +808,60 @@ inline __m256i pick_q4k(__m256i v, int j) {
   return _mm256_shuffle_epi8(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(Q4K_PICKS.pick[j])));
 }
 
-template <int R>
-void rows8_dot_q4_k(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, __m256* sums, float* y, int64_t N) {
-  using L = Rows8<Q4_K>;
+// Bit `bit` of each byte of v, moved to bit 4 (16), the rest zero
+template <int BIT>
+inline __m256i fifth_bit(__m256i v) {
+  const __m256i sixteen = _mm256_set1_epi8(16);
+  if constexpr (BIT <= 4)
+    return _mm256_and_si256(_mm256_slli_epi16(v, 4 - BIT), sixteen);
+  else
+    return _mm256_and_si256(_mm256_srli_epi16(v, BIT - 4), sixteen);
+}
+
+template <class F, int R, int C>
+inline __attribute__((always_inline)) void rows8_k_groups(const uint8_t* codes, const uint8_t* high,
+                                                          const __m256i sc[2], const __m256i mn[2], const QuantizedX& x,
+                                                          int64_t m0, int64_t b, __m256i acc[R], __m256i macc[R]) {
+  constexpr bool Q5 = std::is_same_v<F, Q5_K>;
+  // int16 lanes sum the products of T chunks: at most 2 T 15 * 127 (Q4_K, T = 8) or 2 T 31 *
+  // 127 (Q5_K, T = 4) < 2^15
+  constexpr int T = Q5 ? 4 : 8;
+  const __m256i low = _mm256_set1_epi8(15);
+  constexpr int j = 2 * C;  // groups 2C and 2C + 1
+  const __m256i s0 = pick_q4k(sc[j / 4], j % 4), s1 = pick_q4k(sc[(j + 1) / 4], (j + 1) % 4);
+#pragma GCC unroll 2
+  for (int t0 = 0; t0 < 8; t0 += T) {
+    __m256i lo[R], hi[R];
+#pragma GCC unroll 8
+    for (int t = t0; t < t0 + T; ++t) {
+      const __m256i v = load32(codes + 32 * (8 * C + t));
+      __m256i cl = _mm256_and_si256(v, low), ch = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      if constexpr (Q5) {
+        const __m256i h = load32(high + 32 * t);
+        cl = _mm256_or_si256(cl, fifth_bit<j>(h)), ch = _mm256_or_si256(ch, fifth_bit<j + 1>(h));
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xb = x.codes(m0 + r) + b * 256 + 64 * C + 4 * t;
+        const __m256i pl = _mm256_maddubs_epi16(cl, broadcast4(xb));
+        const __m256i ph = _mm256_maddubs_epi16(ch, broadcast4(xb + 32));
+        lo[r] = t > t0 ? _mm256_add_epi16(lo[r], pl) : pl, hi[r] = t > t0 ? _mm256_add_epi16(hi[r], ph) : ph;
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(lo[r], s0), _mm256_madd_epi16(hi[r], s1)));
+  }
+  const __m256i n0 = pick_q4k(mn[j / 4], j % 4), n1 = pick_q4k(mn[(j + 1) / 4], (j + 1) % 4);
+  for (int r = 0; r < R; ++r) {
+    const int8_t* qs = reinterpret_cast<const int8_t*>(x.qsums16(m0 + r) + 16 * b + 2 * j);  // per 16 weights
+    macc[r] = _mm256_add_epi32(macc[r], _mm256_add_epi32(_mm256_madd_epi16(n0, broadcast4(qs)),
+                                                         _mm256_madd_epi16(n1, broadcast4(qs + 4))));
+  }
+}
+
+template <class F, int R>
+void rows8_dot_k(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, __m256* sums, float* y, int64_t N) {
+  using L = Rows8<F>;
+  constexpr int64_t HIGH_BYTES = std::is_same_v<F, Q5_K> ? 256 : 0;  // Q5_K's 8 chunks of high bits
   const __m256i low = _mm256_set1_epi8(15), low6 = _mm256_set1_epi8(0x3f), two = _mm256_set1_epi8(3);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
@@ -785,32 +878,13 @@ void rows8_dot_q4_k(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m
         _mm256_and_si256(u1, low6),
         _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u2, 4), low),
                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(u1, 6), two), 4))};
-    const uint8_t* codes = q + 96;
+    const uint8_t *high = q + 96, *codes = q + 96 + HIGH_BYTES;
     __m256i acc[R], macc[R];
     for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {  // groups 2c and 2c + 1
-      __m256i lo[R], hi[R];
-      for (int t = 0; t < 8; ++t) {
-        const __m256i v = load32(codes + 32 * (8 * c + t));
-        const __m256i cl = _mm256_and_si256(v, low), ch = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        for (int r = 0; r < R; ++r) {  // int16 lanes sum 16 products of at most 15 * 127: no wrap
-          const int8_t* xb = x.codes(m0 + r) + b * 256 + 64 * c + 4 * t;
-          const __m256i pl = _mm256_maddubs_epi16(cl, broadcast4(xb));
-          const __m256i ph = _mm256_maddubs_epi16(ch, broadcast4(xb + 32));
-          lo[r] = t ? _mm256_add_epi16(lo[r], pl) : pl, hi[r] = t ? _mm256_add_epi16(hi[r], ph) : ph;
-        }
-      }
-      const int j = 2 * c;
-      const __m256i s0 = pick_q4k(sc[j / 4], j % 4), s1 = pick_q4k(sc[(j + 1) / 4], (j + 1) % 4);
-      const __m256i n0 = pick_q4k(mn[j / 4], j % 4), n1 = pick_q4k(mn[(j + 1) / 4], (j + 1) % 4);
-      for (int r = 0; r < R; ++r) {
-        acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(lo[r], s0), _mm256_madd_epi16(hi[r], s1)));
-        const int8_t* qs = reinterpret_cast<const int8_t*>(x.qsums16(m0 + r) + 16 * b + 2 * j);  // per 16 weights
-        macc[r] = _mm256_add_epi32(macc[r], _mm256_add_epi32(_mm256_madd_epi16(n0, broadcast4(qs)),
-                                                             _mm256_madd_epi16(n1, broadcast4(qs + 4))));
-      }
-    }
+    rows8_k_groups<F, R, 0>(codes, high, sc, mn, x, m0, b, acc, macc);
+    rows8_k_groups<F, R, 1>(codes, high, sc, mn, x, m0, b, acc, macc);
+    rows8_k_groups<F, R, 2>(codes, high, sc, mn, x, m0, b, acc, macc);
+    rows8_k_groups<F, R, 3>(codes, high, sc, mn, x, m0, b, acc, macc);
     for (int r = 0; r < R; ++r) {
       const __m256 dx = _mm256_set1_ps(x.scales(m0 + r)[b]);
       __m256 s = _mm256_mul_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(acc[r]));
@@ -821,23 +895,168 @@ void rows8_dot_q4_k(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N, tree_sum8(sums + r * nb, nb));
 }
 
+// IQ4_XS in blocks of 8 rows: d[8] | scales_h[8] (its 2-byte field of 2-bit scale parts, taken
+// as a second factor) | scales_l as one chunk | the 128 code bytes as 32 chunks: code vector 4j
+// + t holds bytes [4t, 4t + 4) of group j's 16, weights 4t.. in their low nibbles and 16 + 4t..
+// in their high ones (GGUF's order). The 8 rows' scales of group j come out as int32 lanes,
+// then int16 pairs (s, s) for vpmaddwd. The codebook's values are signed (vpsignb, as
+// super_block_row), and their products (up to 2 * 127 * 127 a pair) are widened each chunk.
+template <int R>
+void rows8_dot_iq4_xs(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, __m256* sums, float* y,
+                      int64_t N) {
+  using L = Rows8<IQ4_XS>;
+  const __m256i low = _mm256_set1_epi8(15), low4 = _mm256_set1_epi32(15), low2 = _mm256_set1_epi32(3);
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_VALUES)));
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = g + b * L::BYTES;
+    prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i sh = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+    const uint8_t* q = p + L::CODES_AT;
+    const __m256i sl = load32(q);
+    __m256i acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      // group j's scale: nibble j of scales_l, bits 2j of scales_h above it, less 32
+      const __m256i s32 = _mm256_sub_epi32(
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(sl, 4 * j), low4),
+                          _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(sh, 2 * j), low2), 4)),
+          _mm256_set1_epi32(32));
+      const __m256i s = _mm256_or_si256(_mm256_and_si256(s32, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(s32, 16));
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {
+        const __m256i v = load32(q + 32 + 32 * (4 * j + t));
+        const __m256i cl = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low));
+        const __m256i ch = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+        const __m256i ul = _mm256_sign_epi8(cl, cl), uh = _mm256_sign_epi8(ch, ch);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xb = x.codes(m0 + r) + b * 256 + 32 * j + 4 * t;
+          const __m256i pl = _mm256_maddubs_epi16(ul, _mm256_sign_epi8(broadcast4(xb), cl));
+          const __m256i ph = _mm256_maddubs_epi16(uh, _mm256_sign_epi8(broadcast4(xb + 16), ch));
+          acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(pl, s), _mm256_madd_epi16(ph, s)));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_set1_ps(x.scales(m0 + r)[b]);
+      _mm256_storeu_ps(reinterpret_cast<float*>(sums + r * nb + b),
+                       _mm256_mul_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(acc[r])));
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N, tree_sum8(sums + r * nb, nb));
+}
+
+// Q6_K in blocks of 8 rows: d[8] | GGUF's first 208 bytes of each row 4 at a time (ql: chunks
+// 0-31, qh: 32-47, the 16 int8 scales: 48-51). Group 4h + i's weights [4t, 4t + 4) take their
+// low 4 bits from ql chunk 16h + t (i = 0, 2) or 16h + 8 + t (i = 1, 3), low nibbles for i < 2,
+// and their top 2 from bits 2i of qh chunk 32 + 8h + t. Its codes (0-63) times x reach 2 * 63 *
+// 127 a vpmaddubsw lane, so pairs of them sum in int16, then vpmaddwd by the scale of their 16
+// weights. The offset, 32, comes out of x's code sums as in super_block_row.
+struct Q6KPicks {  // pick[j]: byte j of each int32 lane, sign-extended (the high byte, then >> 8), as
+                   // both int16 halves (same) or bytes j, j + 1 as the two halves (pair, j even)
+  alignas(32) uint8_t same[4][32];
+  alignas(32) uint8_t pair[2][32];
+  constexpr Q6KPicks() : same(), pair() {
+    for (int j = 0; j < 4; ++j)
+      for (int l = 0; l < 32; ++l) {
+        const int lane = 4 * (l % 16 / 4);
+        same[j][l] = static_cast<uint8_t>(l % 2 ? lane + j : 0x80);
+        if (j < 2) pair[j][l] = static_cast<uint8_t>(l % 2 ? lane + 2 * j + (l % 4 / 2) : 0x80);
+      }
+  }
+};
+constexpr Q6KPicks Q6K_PICKS{};
+
+inline __m256i pick_i8(__m256i v, const uint8_t* mask) {
+  return _mm256_srai_epi16(_mm256_shuffle_epi8(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(mask))), 8);
+}
+
+template <int R>
+void rows8_dot_q6_k(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, __m256* sums, float* y, int64_t N) {
+  using L = Rows8<Q6_K>;
+  const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = g + b * L::BYTES;
+    prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const uint8_t* q = p + L::CODES_AT;
+    __m256i acc[R], off[R];
+    for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h)
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const int grp = 4 * h + i;
+        const __m256i scales = load32(q + 32 * (48 + grp / 2));  // bytes 4 (grp % 2) + 0, 1: this group's 2 scales
+        const __m256i s0 = pick_i8(scales, Q6K_PICKS.same[2 * (grp % 2)]), s1 = pick_i8(scales, Q6K_PICKS.same[2 * (grp % 2) + 1]);
+        __m256i part[R];
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) {
+          __m256i lo4 = load32(q + 32 * (16 * h + 8 * (i % 2) + t));
+          if (i >= 2) lo4 = _mm256_srli_epi16(lo4, 4);
+          const __m256i qh = load32(q + 32 * (32 + 8 * h + t));
+          const __m256i hi2 = i < 2 ? _mm256_slli_epi16(qh, 4 - 2 * i) : _mm256_srli_epi16(qh, 2 * i - 4);
+          const __m256i codes = _mm256_or_si256(_mm256_and_si256(lo4, low), _mm256_and_si256(hi2, top));
+          for (int r = 0; r < R; ++r) {
+            const __m256i pr = _mm256_maddubs_epi16(codes, broadcast4(x.codes(m0 + r) + b * 256 + 32 * grp + 4 * t));
+            if (t % 2 == 0) {
+              part[r] = pr;
+              continue;
+            }
+            const __m256i pair = _mm256_add_epi16(part[r], pr);  // |.| <= 2 * 2 * 63 * 127
+            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(pair, t < 4 ? s0 : s1));
+          }
+        }
+      }
+#pragma GCC unroll 2
+    for (int c = 0; c < 4; ++c) {  // the offset: 32 sum_k s_k qsum16_k, scales k = 4c.. 4c + 3
+      const __m256i scales = load32(q + 32 * (48 + c));
+      const __m256i pa = pick_i8(scales, Q6K_PICKS.pair[0]), pb = pick_i8(scales, Q6K_PICKS.pair[1]);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* qs = reinterpret_cast<const int8_t*>(x.qsums16(m0 + r) + 16 * b + 4 * c);
+        off[r] = _mm256_add_epi32(off[r], _mm256_add_epi32(_mm256_madd_epi16(pa, broadcast4(qs)),
+                                                           _mm256_madd_epi16(pb, broadcast4(qs + 4))));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_set1_ps(x.scales(m0 + r)[b]);
+      const __m256i dot = _mm256_sub_epi32(acc[r], _mm256_slli_epi32(off[r], 5));
+      _mm256_storeu_ps(reinterpret_cast<float*>(sums + r * nb + b),
+                       _mm256_mul_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(dot)));
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N, tree_sum8(sums + r * nb, nb));
+}
+
 template <class F, int R>
 void rows8_call(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, __m256* sums, float* y, int64_t N) {
   if constexpr (F::BLOCK == QK)
     rows8_dot<F, R>(g, nb, x, m0, sums, y, N);
+  else if constexpr (std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K>)
+    rows8_dot_k<F, R>(g, nb, x, m0, sums, y, N);
+  else if constexpr (std::is_same_v<F, IQ4_XS>)
+    rows8_dot_iq4_xs<R>(g, nb, x, m0, sums, y, N);
   else
-    rows8_dot_q4_k<R>(g, nb, x, m0, sums, y, N);
+    rows8_dot_q6_k<R>(g, nb, x, m0, sums, y, N);
 }
 
-// y = x @ W^T, W in blocks of 8 rows: each thread takes blocks of rows, each meets x's rows
-// MAX_ROWS at a time (a block of rows' bytes stay in L1/L2 across them)
-template <class F>
-void gemm_rows8(const QuantizedX& x, const uint8_t* packed, int64_t row_bytes, int64_t N, float* y) {
+// y = x @ W^T over W's blocks of 8 rows: each thread takes blocks of rows, each meets x's rows
+// MAX_ROWS at a time (a block of rows' bytes stay in L1/L2 across them). PACK: w is GGUF's
+// layout, and each block of 8 rows is packed into the thread's buffer first, for calls of many
+// rows of x (prefill), where the packing's cost is small beside the products (see gemm).
+template <class F, bool PACK>
+void gemm_rows8(const QuantizedX& x, const uint8_t* w, int64_t row_bytes, int64_t N, float* y) {
   const int64_t nb = x.K / F::BLOCK, M = x.M;
   at::parallel_for(0, N / 8, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m256> sums(MAX_ROWS * nb);
+    std::vector<uint8_t> packed(PACK ? 8 * row_bytes : 0);
     for (int64_t g = begin; g < end; ++g) {
-      const uint8_t* gp = packed + g * 8 * row_bytes;
+      const uint8_t* gp = w + g * 8 * row_bytes;
+      if constexpr (PACK) {
+        repack_rows8<F, true>(gp, packed.data(), row_bytes);
+        gp = packed.data();
+      }
       for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) switch (std::min<int64_t>(MAX_ROWS, M - m0)) {
           case 1: rows8_call<F, 1>(gp, nb, x, m0, sums.data(), y + 8 * g, N); break;
           case 2: rows8_call<F, 2>(gp, nb, x, m0, sums.data(), y + 8 * g, N); break;
@@ -860,7 +1079,7 @@ torch::Tensor repack_rows(torch::Tensor blocks, int64_t ggml_type, bool pack) {
   const bool known = with_format(ggml_type, [&](auto fmt) {
     using F = decltype(fmt);
     if constexpr (!F::ROWS8) {
-      TORCH_CHECK(false, "repack_rows: only the 32-weight formats and Q4_K are packed");
+      TORCH_CHECK(false, "repack_rows: Q3_K and Q2_K have no rows of 8");
     } else {
       TORCH_CHECK(!pack || in.size(0) % 8 == 0, "repack_rows: ", in.size(0), " rows are not blocks of 8");
       const int64_t groups = pack ? in.size(0) / 8 : in.size(0), row_bytes = pack ? in.size(1) : in.size(1) / 8;
@@ -897,7 +1116,7 @@ torch::Tensor linear_blocks_impl(torch::Tensor x, torch::Tensor blocks, int64_t 
   const bool known = with_format(ggml_type, [&](auto fmt) {
     using F = decltype(fmt);
     TORCH_CHECK(K % F::BLOCK == 0, "linear_blocks: K = ", K, " is not a multiple of the format's block, ", F::BLOCK);
-    TORCH_CHECK(!packed || F::ROWS8, "linear_blocks_packed: only the 32-weight formats and Q4_K are packed");
+    TORCH_CHECK(!packed || F::ROWS8, "linear_blocks_packed: Q3_K and Q2_K have no rows of 8");
     const int64_t row_bytes = K / F::BLOCK * F::BYTES;
     TORCH_CHECK(blocks.size(1) == (packed ? 8 : 1) * row_bytes, "linear_blocks: blocks of ", blocks.size(1),
                 packed ? " bytes a block of 8 rows" : " bytes a row", ", K = ", K, " needs ",
@@ -913,7 +1132,9 @@ torch::Tensor linear_blocks_impl(torch::Tensor x, torch::Tensor blocks, int64_t 
     y = torch::empty({M, N}, x.options().dtype(at::kFloat));
     if (M == 0) return;
     if constexpr (F::ROWS8) {
-      if (packed) return gemm_rows8<F>(qx, w.data_ptr<uint8_t>(), row_bytes, N, y.data_ptr<float>());
+      if (packed) return gemm_rows8<F, false>(qx, w.data_ptr<uint8_t>(), row_bytes, N, y.data_ptr<float>());
+      if (M >= PACK_FROM_ROWS && N % 8 == 0)
+        return gemm_rows8<F, true>(qx, w.data_ptr<uint8_t>(), row_bytes, N, y.data_ptr<float>());
     }
     gemm<F>(qx, w.data_ptr<uint8_t>(), row_bytes, N, y.data_ptr<float>());
   });
