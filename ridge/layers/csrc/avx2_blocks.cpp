@@ -203,7 +203,7 @@ inline __m256i k_header(const uint8_t* p, Header& h) {
 struct Q4_K {
   static constexpr int64_t BLOCK = 256, BYTES = 144;
   static constexpr bool SIGNED = false, OFFSET = false, MIN = true, ROWS8 = true;
-  static constexpr int64_t HEADER = 4, FACTORS_AT = 0;  // d, dmin (rows of 8: then the 12 scale bytes and the codes, 4 at a time)
+  static constexpr int64_t HEADER = 4, FACTORS_AT = 0;  // d, dmin
   template <class Sink>
   static void block(const uint8_t* p, Header& h, Sink&& sink) {
     const __m256i sc = k_header(p, h), low = _mm256_set1_epi8(15);
@@ -657,9 +657,9 @@ bool with_format(int64_t ggml_type, Fn&& fn) {
 //   its HEADER / 2 fp16 fields, each as 8 (row r at 2r): d[8], then m[8] (Q4_1), dmin[8] (Q4_K,
 //   Q5_K) or IQ4_XS's 2-byte high scale bits | the block's other bytes (scales and codes, in
 //   GGUF's order) 4 at a time, bytes [4i, 4i + 4) of row r at 32 i + 4 r
-// (the super-block formats' kernels, below, say where their scales and codes land).
 // so a 32-byte vector of codes holds 4 code bytes of each of the 8 rows, one row an int32 lane
-// (ik_llama.cpp's _R8 types interleave rows the same way). A Q4_0 / Q4_1 / IQ4_NL vector i
+// (ik_llama.cpp's _R8 types interleave rows the same way; the super-block formats' kernels,
+// below, say where their scales and codes land). A Q4_0 / Q4_1 / IQ4_NL vector i
 // unpacks into weights [4i, 4i + 4) of each row (its low nibbles) and [16 + 4i, 20 + 4i) (its
 // high ones); a Q8_0 vector i holds weights [4i, 4i + 4). vpmaddubsw against x's 4 codes
 // broadcast, then vpmaddwd, leaves each row's products in its own lane. The horizontal sums
@@ -721,6 +721,27 @@ inline __m256 tree_sum8(const __m256* c, int64_t n) {
   return tree_sum_of<__m256>(c, nullptr, 0, n, [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); });
 }
 
+// Rows [m0, m0 + R) of x as the rows-of-8 kernels read them: each row's arrays, looked up once
+// a call (the kernels' stores of their block sums may alias QuantizedX's fields, so lookups in
+// the loop were redone every block: a multiply and 3-4 loads a row of x and block)
+template <int R>
+struct XRows {
+  const int8_t* codes[R];
+  const float* scales[R];
+  const int16_t* qsums16[R];
+  const int32_t* qsums32[R];
+  XRows(const QuantizedX& x, int64_t m0) {
+    for (int r = 0; r < R; ++r)
+      codes[r] = x.codes(m0 + r), scales[r] = x.scales(m0 + r), qsums16[r] = x.qsums16(m0 + r),
+      qsums32[r] = x.qsums32(m0 + r);
+  }
+};
+
+// An int32 broadcast from memory (one load-and-broadcast: vbroadcastss moves the bits as they are)
+inline __m256i broadcast_i32(const int32_t* p) {
+  return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p)));
+}
+
 // A block of 8 rows' codes (from CODES_AT) as 8 vectors: c[j] holds weights [4j, 4j + 4) of each
 // row, bytes (Q8_0's and IQ4_NL's signed)
 template <class F>
@@ -754,6 +775,7 @@ template <class F, int R>
 void rows8_dot(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, __m256* sums, float* y, int64_t N) {
   using L = Rows8<F>;
   const __m256i ones = _mm256_set1_epi16(1);
+  const XRows<R> xr(x, m0);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
     prefetch_ahead<PREFETCH_BLOCKS, L::BYTES>(p);
@@ -763,7 +785,7 @@ void rows8_dot(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, __
     const __m256 mv = F::MIN ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))
                              : _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) {
-      const int8_t* xb = x.codes(m0 + r) + b * QK;
+      const int8_t* xb = xr.codes[r] + b * QK;
       __m256i dot;
       if constexpr (F::NIBBLES) {  // int16 lanes sum 16 products of at most 15 * 127: no wrap
         __m256i s = _mm256_maddubs_epi16(c[0], broadcast4(xb));
@@ -776,11 +798,11 @@ void rows8_dot(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, __
           dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(u, xs), ones));
         }
       }
-      const __m256 dx = _mm256_set1_ps(x.scales(m0 + r)[b]);
-      const int32_t qs = x.qsums32(m0 + r)[b];
-      if (F::OFFSET) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(qs << F::OFFSET_SHIFT));
+      const __m256 dx = _mm256_broadcast_ss(xr.scales[r] + b);
+      const __m256i qs = broadcast_i32(xr.qsums32[r] + b);
+      if (F::OFFSET) dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(qs, F::OFFSET_SHIFT));
       __m256 s = _mm256_mul_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(dot));
-      if (F::MIN) s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_mul_ps(mv, dx), _mm256_set1_ps(static_cast<float>(qs))));
+      if (F::MIN) s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_mul_ps(mv, dx), _mm256_cvtepi32_ps(qs)));
       _mm256_storeu_ps(reinterpret_cast<float*>(sums + r * nb + b), s);
     }
   }
@@ -820,8 +842,8 @@ inline __m256i fifth_bit(__m256i v) {
 
 template <class F, int R, int C>
 inline __attribute__((always_inline)) void rows8_k_groups(const uint8_t* codes, const uint8_t* high,
-                                                          const __m256i sc[2], const __m256i mn[2], const QuantizedX& x,
-                                                          int64_t m0, int64_t b, __m256i acc[R], __m256i macc[R]) {
+                                                          const __m256i sc[2], const __m256i mn[2], const XRows<R>& xr,
+                                                          int64_t b, __m256i acc[R], __m256i macc[R]) {
   constexpr bool Q5 = std::is_same_v<F, Q5_K>;
   // int16 lanes sum the products of T chunks: at most 2 T 15 * 127 (Q4_K, T = 8) or 2 T 31 *
   // 127 (Q5_K, T = 4) < 2^15
@@ -841,7 +863,7 @@ inline __attribute__((always_inline)) void rows8_k_groups(const uint8_t* codes, 
         cl = _mm256_or_si256(cl, fifth_bit<j>(h)), ch = _mm256_or_si256(ch, fifth_bit<j + 1>(h));
       }
       for (int r = 0; r < R; ++r) {
-        const int8_t* xb = x.codes(m0 + r) + b * 256 + 64 * C + 4 * t;
+        const int8_t* xb = xr.codes[r] + b * 256 + 64 * C + 4 * t;
         const __m256i pl = _mm256_maddubs_epi16(cl, broadcast4(xb));
         const __m256i ph = _mm256_maddubs_epi16(ch, broadcast4(xb + 32));
         lo[r] = t > t0 ? _mm256_add_epi16(lo[r], pl) : pl, hi[r] = t > t0 ? _mm256_add_epi16(hi[r], ph) : ph;
@@ -852,7 +874,7 @@ inline __attribute__((always_inline)) void rows8_k_groups(const uint8_t* codes, 
   }
   const __m256i n0 = pick_q4k(mn[j / 4], j % 4), n1 = pick_q4k(mn[(j + 1) / 4], (j + 1) % 4);
   for (int r = 0; r < R; ++r) {
-    const int8_t* qs = reinterpret_cast<const int8_t*>(x.qsums16(m0 + r) + 16 * b + 2 * j);  // per 16 weights
+    const int8_t* qs = reinterpret_cast<const int8_t*>(xr.qsums16[r] + 16 * b + 2 * j);  // per 16 weights
     macc[r] = _mm256_add_epi32(macc[r], _mm256_add_epi32(_mm256_madd_epi16(n0, broadcast4(qs)),
                                                          _mm256_madd_epi16(n1, broadcast4(qs + 4))));
   }
@@ -863,6 +885,7 @@ void rows8_dot_k(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, 
   using L = Rows8<F>;
   constexpr int64_t HIGH_BYTES = std::is_same_v<F, Q5_K> ? 256 : 0;  // Q5_K's 8 chunks of high bits
   const __m256i low = _mm256_set1_epi8(15), low6 = _mm256_set1_epi8(0x3f), two = _mm256_set1_epi8(3);
+  const XRows<R> xr(x, m0);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
     prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
@@ -881,12 +904,12 @@ void rows8_dot_k(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, 
     const uint8_t *high = q + 96, *codes = q + 96 + HIGH_BYTES;
     __m256i acc[R], macc[R];
     for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm256_setzero_si256();
-    rows8_k_groups<F, R, 0>(codes, high, sc, mn, x, m0, b, acc, macc);
-    rows8_k_groups<F, R, 1>(codes, high, sc, mn, x, m0, b, acc, macc);
-    rows8_k_groups<F, R, 2>(codes, high, sc, mn, x, m0, b, acc, macc);
-    rows8_k_groups<F, R, 3>(codes, high, sc, mn, x, m0, b, acc, macc);
+    rows8_k_groups<F, R, 0>(codes, high, sc, mn, xr, b, acc, macc);
+    rows8_k_groups<F, R, 1>(codes, high, sc, mn, xr, b, acc, macc);
+    rows8_k_groups<F, R, 2>(codes, high, sc, mn, xr, b, acc, macc);
+    rows8_k_groups<F, R, 3>(codes, high, sc, mn, xr, b, acc, macc);
     for (int r = 0; r < R; ++r) {
-      const __m256 dx = _mm256_set1_ps(x.scales(m0 + r)[b]);
+      const __m256 dx = _mm256_broadcast_ss(xr.scales[r] + b);
       __m256 s = _mm256_mul_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(acc[r]));
       s = _mm256_sub_ps(s, _mm256_mul_ps(_mm256_mul_ps(dminv, dx), _mm256_cvtepi32_ps(macc[r])));
       _mm256_storeu_ps(reinterpret_cast<float*>(sums + r * nb + b), s);
@@ -907,6 +930,7 @@ void rows8_dot_iq4_xs(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t
   using L = Rows8<IQ4_XS>;
   const __m256i low = _mm256_set1_epi8(15), low4 = _mm256_set1_epi32(15), low2 = _mm256_set1_epi32(3);
   const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_VALUES)));
+  const XRows<R> xr(x, m0);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
     prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
@@ -931,7 +955,7 @@ void rows8_dot_iq4_xs(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t
         const __m256i ch = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
         const __m256i ul = _mm256_sign_epi8(cl, cl), uh = _mm256_sign_epi8(ch, ch);
         for (int r = 0; r < R; ++r) {
-          const int8_t* xb = x.codes(m0 + r) + b * 256 + 32 * j + 4 * t;
+          const int8_t* xb = xr.codes[r] + b * 256 + 32 * j + 4 * t;
           const __m256i pl = _mm256_maddubs_epi16(ul, _mm256_sign_epi8(broadcast4(xb), cl));
           const __m256i ph = _mm256_maddubs_epi16(uh, _mm256_sign_epi8(broadcast4(xb + 16), ch));
           acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(pl, s), _mm256_madd_epi16(ph, s)));
@@ -939,7 +963,7 @@ void rows8_dot_iq4_xs(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m256 dx = _mm256_set1_ps(x.scales(m0 + r)[b]);
+      const __m256 dx = _mm256_broadcast_ss(xr.scales[r] + b);
       _mm256_storeu_ps(reinterpret_cast<float*>(sums + r * nb + b),
                        _mm256_mul_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(acc[r])));
     }
@@ -976,6 +1000,7 @@ template <int R>
 void rows8_dot_q6_k(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, __m256* sums, float* y, int64_t N) {
   using L = Rows8<Q6_K>;
   const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
+  const XRows<R> xr(x, m0);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
     prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
@@ -999,7 +1024,7 @@ void rows8_dot_q6_k(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m
           const __m256i hi2 = i < 2 ? _mm256_slli_epi16(qh, 4 - 2 * i) : _mm256_srli_epi16(qh, 2 * i - 4);
           const __m256i codes = _mm256_or_si256(_mm256_and_si256(lo4, low), _mm256_and_si256(hi2, top));
           for (int r = 0; r < R; ++r) {
-            const __m256i pr = _mm256_maddubs_epi16(codes, broadcast4(x.codes(m0 + r) + b * 256 + 32 * grp + 4 * t));
+            const __m256i pr = _mm256_maddubs_epi16(codes, broadcast4(xr.codes[r] + b * 256 + 32 * grp + 4 * t));
             if (t % 2 == 0) {
               part[r] = pr;
               continue;
@@ -1014,13 +1039,13 @@ void rows8_dot_q6_k(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m
       const __m256i scales = load32(q + 32 * (48 + c));
       const __m256i pa = pick_i8(scales, Q6K_PICKS.pair[0]), pb = pick_i8(scales, Q6K_PICKS.pair[1]);
       for (int r = 0; r < R; ++r) {
-        const int8_t* qs = reinterpret_cast<const int8_t*>(x.qsums16(m0 + r) + 16 * b + 4 * c);
+        const int8_t* qs = reinterpret_cast<const int8_t*>(xr.qsums16[r] + 16 * b + 4 * c);
         off[r] = _mm256_add_epi32(off[r], _mm256_add_epi32(_mm256_madd_epi16(pa, broadcast4(qs)),
                                                            _mm256_madd_epi16(pb, broadcast4(qs + 4))));
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m256 dx = _mm256_set1_ps(x.scales(m0 + r)[b]);
+      const __m256 dx = _mm256_broadcast_ss(xr.scales[r] + b);
       const __m256i dot = _mm256_sub_epi32(acc[r], _mm256_slli_epi32(off[r], 5));
       _mm256_storeu_ps(reinterpret_cast<float*>(sums + r * nb + b),
                        _mm256_mul_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(dot)));
