@@ -80,6 +80,11 @@ inline float f16(const uint8_t* p) {
 
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
+// 8 fp16 (16 bytes at p) as floats
+inline __m256 halves8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // 16 bytes of nibbles -> 32 codes: byte j's low nibble is element j, its high one element j + 16
 inline __m256i nibbles16(const uint8_t* p) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -768,22 +773,20 @@ inline __m256i broadcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// A block of 8 rows of W (at g, nb blocks a row) against rows [m0, m0 + R) of x: y[(m0 + r) N
-// + l] for its rows l. Each block's sums (the same integer products, then the same float ops
-// as block_sums_8) go to sums[r nb + b]; then each row of x's tree.
+// The 32-weight formats: a block of 8 rows of W (at g, nb blocks a row) against the rows of x
+// in xr: each block's sums (the same integer products, then the same float ops as
+// block_sums_8) into sums[r nb + b].
 template <class F, int R>
-void rows8_dot(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, __m256* sums, float* y, int64_t N) {
+void rows8_dot(const uint8_t* g, int64_t nb, const XRows<R>& xr, __m256* sums) {
   using L = Rows8<F>;
   const __m256i ones = _mm256_set1_epi16(1);
-  const XRows<R> xr(x, m0);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
     prefetch_ahead<PREFETCH_BLOCKS, L::BYTES>(p);
     __m256i c[8];
     rows8_codes<F>(p + L::CODES_AT, c);
-    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256 mv = F::MIN ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))
-                             : _mm256_setzero_ps();
+    const __m256 dv = halves8(p);
+    const __m256 mv = F::MIN ? halves8(p + 16) : _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = xr.codes[r] + b * QK;
       __m256i dot;
@@ -806,7 +809,6 @@ void rows8_dot(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, __
       _mm256_storeu_ps(reinterpret_cast<float*>(sums + r * nb + b), s);
     }
   }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N, tree_sum8(sums + r * nb, nb));
 }
 
 // Q4_K and Q5_K in blocks of 8 rows: d[8] | dmin[8] | the 12 scale bytes as 3 chunks of 4 (u0,
@@ -881,16 +883,15 @@ inline __attribute__((always_inline)) void rows8_k_groups(const uint8_t* codes, 
 }
 
 template <class F, int R>
-void rows8_dot_k(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, __m256* sums, float* y, int64_t N) {
+void rows8_dot_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, __m256* sums) {
   using L = Rows8<F>;
   constexpr int64_t HIGH_BYTES = std::is_same_v<F, Q5_K> ? 256 : 0;  // Q5_K's 8 chunks of high bits
   const __m256i low = _mm256_set1_epi8(15), low6 = _mm256_set1_epi8(0x3f), two = _mm256_set1_epi8(3);
-  const XRows<R> xr(x, m0);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
     prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
-    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256 dminv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+    const __m256 dv = halves8(p);
+    const __m256 dminv = halves8(p + 16);
     const uint8_t* q = p + L::CODES_AT;
     const __m256i u0 = load32(q), u1 = load32(q + 32), u2 = load32(q + 64);
     // k_scales, a row a lane: scales of groups 0-3 (sc[0]) and 4-7 (sc[1]), minimums alike
@@ -915,7 +916,6 @@ void rows8_dot_k(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, 
       _mm256_storeu_ps(reinterpret_cast<float*>(sums + r * nb + b), s);
     }
   }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N, tree_sum8(sums + r * nb, nb));
 }
 
 // IQ4_XS in blocks of 8 rows: d[8] | scales_h[8] (its 2-byte field of 2-bit scale parts, taken
@@ -925,16 +925,14 @@ void rows8_dot_k(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, 
 // then int16 pairs (s, s) for vpmaddwd. The codebook's values are signed (vpsignb, as
 // super_block_row), and their products (up to 2 * 127 * 127 a pair) are widened each chunk.
 template <int R>
-void rows8_dot_iq4_xs(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, __m256* sums, float* y,
-                      int64_t N) {
+void rows8_dot_iq4_xs(const uint8_t* g, int64_t nb, const XRows<R>& xr, __m256* sums) {
   using L = Rows8<IQ4_XS>;
   const __m256i low = _mm256_set1_epi8(15), low4 = _mm256_set1_epi32(15), low2 = _mm256_set1_epi32(3);
   const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_VALUES)));
-  const XRows<R> xr(x, m0);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
     prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
-    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256 dv = halves8(p);
     const __m256i sh = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
     const uint8_t* q = p + L::CODES_AT;
     const __m256i sl = load32(q);
@@ -968,7 +966,6 @@ void rows8_dot_iq4_xs(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t
                        _mm256_mul_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(acc[r])));
     }
   }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N, tree_sum8(sums + r * nb, nb));
 }
 
 // Q6_K in blocks of 8 rows: d[8] | GGUF's first 208 bytes of each row 4 at a time (ql: chunks
@@ -997,14 +994,13 @@ inline __m256i pick_i8(__m256i v, const uint8_t* mask) {
 }
 
 template <int R>
-void rows8_dot_q6_k(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, __m256* sums, float* y, int64_t N) {
+void rows8_dot_q6_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, __m256* sums) {
   using L = Rows8<Q6_K>;
   const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
-  const XRows<R> xr(x, m0);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
     prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
-    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256 dv = halves8(p);
     const uint8_t* q = p + L::CODES_AT;
     __m256i acc[R], off[R];
     for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_si256();
@@ -1014,7 +1010,8 @@ void rows8_dot_q6_k(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m
       for (int i = 0; i < 4; ++i) {
         const int grp = 4 * h + i;
         const __m256i scales = load32(q + 32 * (48 + grp / 2));  // bytes 4 (grp % 2) + 0, 1: this group's 2 scales
-        const __m256i s0 = pick_i8(scales, Q6K_PICKS.same[2 * (grp % 2)]), s1 = pick_i8(scales, Q6K_PICKS.same[2 * (grp % 2) + 1]);
+        const __m256i s0 = pick_i8(scales, Q6K_PICKS.same[2 * (grp % 2)]);
+        const __m256i s1 = pick_i8(scales, Q6K_PICKS.same[2 * (grp % 2) + 1]);
         __m256i part[R];
 #pragma GCC unroll 8
         for (int t = 0; t < 8; ++t) {
@@ -1051,19 +1048,23 @@ void rows8_dot_q6_k(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m
                        _mm256_mul_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(dot)));
     }
   }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N, tree_sum8(sums + r * nb, nb));
 }
 
+// A block of 8 rows of W (at g, nb blocks a row) against rows [m0, m0 + R) of x: each block's
+// sums by the format's kernel into sums[r nb + b], then y[(m0 + r) N + l] for its rows l, each
+// row of x's tree over the blocks
 template <class F, int R>
 void rows8_call(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, __m256* sums, float* y, int64_t N) {
+  const XRows<R> xr(x, m0);
   if constexpr (F::BLOCK == QK)
-    rows8_dot<F, R>(g, nb, x, m0, sums, y, N);
+    rows8_dot<F, R>(g, nb, xr, sums);
   else if constexpr (std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K>)
-    rows8_dot_k<F, R>(g, nb, x, m0, sums, y, N);
+    rows8_dot_k<F, R>(g, nb, xr, sums);
   else if constexpr (std::is_same_v<F, IQ4_XS>)
-    rows8_dot_iq4_xs<R>(g, nb, x, m0, sums, y, N);
+    rows8_dot_iq4_xs<R>(g, nb, xr, sums);
   else
-    rows8_dot_q6_k<R>(g, nb, x, m0, sums, y, N);
+    rows8_dot_q6_k<R>(g, nb, xr, sums);
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N, tree_sum8(sums + r * nb, nb));
 }
 
 // y = x @ W^T over W's blocks of 8 rows: each thread takes blocks of rows, each meets x's rows
