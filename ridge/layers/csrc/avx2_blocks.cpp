@@ -742,6 +742,11 @@ struct XRows {
   }
 };
 
+// v as it is, in a register: a sum can't be reassociated through it. Unrolled chains of integer
+// adds are otherwise summed as trees, which keeps all their products live at once, spilled to
+// the stack (a third of the rows-of-8 kernels' instructions; 0.6-0.7x their speed, Zen 3)
+inline __attribute__((always_inline)) void in_register(__m256i& v) { asm("" : "+x"(v)); }
+
 // An int32 broadcast from memory (one load-and-broadcast: vbroadcastss moves the bits as they are)
 inline __m256i broadcast_i32(const int32_t* p) {
   return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p)));
@@ -792,13 +797,17 @@ void rows8_dot(const uint8_t* g, int64_t nb, const XRows<R>& xr, __m256* sums) {
       __m256i dot;
       if constexpr (F::NIBBLES) {  // int16 lanes sum 16 products of at most 15 * 127: no wrap
         __m256i s = _mm256_maddubs_epi16(c[0], broadcast4(xb));
-        for (int j = 1; j < 8; ++j) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(c[j], broadcast4(xb + 4 * j)));
+        for (int j = 1; j < 8; ++j) {
+          s = _mm256_add_epi16(s, _mm256_maddubs_epi16(c[j], broadcast4(xb + 4 * j)));
+          in_register(s);
+        }
         dot = _mm256_madd_epi16(s, ones);
       } else {  // signed codes: |c| times x with c's sign (vpmaddubsw takes one unsigned operand)
         dot = _mm256_setzero_si256();
         for (int j = 0; j < 8; ++j) {
           const __m256i u = _mm256_sign_epi8(c[j], c[j]), xs = _mm256_sign_epi8(broadcast4(xb + 4 * j), c[j]);
           dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(u, xs), ones));
+          in_register(dot);
         }
       }
       const __m256 dx = _mm256_broadcast_ss(xr.scales[r] + b);
@@ -832,142 +841,82 @@ inline __m256i pick_q4k(__m256i v, int j) {
   return _mm256_shuffle_epi8(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(Q4K_PICKS.pick[j])));
 }
 
-// Bit `bit` of each byte of v, moved to bit 4 (16), the rest zero
-template <int BIT>
-inline __m256i fifth_bit(__m256i v) {
-  const __m256i sixteen = _mm256_set1_epi8(16);
-  if constexpr (BIT <= 4)
-    return _mm256_and_si256(_mm256_slli_epi16(v, 4 - BIT), sixteen);
-  else
-    return _mm256_and_si256(_mm256_srli_epi16(v, BIT - 4), sixteen);
+// The 8 rows' k_scales from their u0, u1, u2 chunks (a row a lane): scales of groups 0-3
+// (sc[0]) and 4-7 (sc[1]), minimums alike, each a byte of the lane
+inline __attribute__((always_inline)) void k_scales8(const uint8_t* q, __m256i sc[2], __m256i mn[2]) {
+  const __m256i low = _mm256_set1_epi8(15), low6 = _mm256_set1_epi8(0x3f), two = _mm256_set1_epi8(3);
+  const __m256i u0 = load32(q), u1 = load32(q + 32), u2 = load32(q + 64);
+  sc[0] = _mm256_and_si256(u0, low6);
+  sc[1] = _mm256_or_si256(_mm256_and_si256(u2, low),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(u0, 6), two), 4));
+  mn[0] = _mm256_and_si256(u1, low6);
+  mn[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u2, 4), low),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(u1, 6), two), 4));
 }
 
-template <class F, int R, int C>
-inline __attribute__((always_inline)) void rows8_k_groups(const uint8_t* codes, const uint8_t* high,
-                                                          const __m256i sc[2], const __m256i mn[2], const XRows<R>& xr,
-                                                          int64_t b, __m256i acc[R], __m256i macc[R]) {
+// Q4_K and Q5_K: each group's chunks in turn (its own loads: the two groups of a code vector
+// at once keep twice the sums live, and the kernel spilled them), each row of x's products
+// summed in int16 over T chunks, then vpmaddwd by the group's scale
+template <class F, int R>
+void rows8_dot_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, __m256* sums) {
+  using L = Rows8<F>;
   constexpr bool Q5 = std::is_same_v<F, Q5_K>;
   // int16 lanes sum the products of T chunks: at most 2 T 15 * 127 (Q4_K, T = 8) or 2 T 31 *
   // 127 (Q5_K, T = 4) < 2^15
   constexpr int T = Q5 ? 4 : 8;
-  const __m256i low = _mm256_set1_epi8(15);
-  constexpr int j = 2 * C;  // groups 2C and 2C + 1
-  const __m256i s0 = pick_q4k(sc[j / 4], j % 4), s1 = pick_q4k(sc[(j + 1) / 4], (j + 1) % 4);
-#pragma GCC unroll 2
-  for (int t0 = 0; t0 < 8; t0 += T) {
-    __m256i lo[R], hi[R];
-#pragma GCC unroll 8
-    for (int t = t0; t < t0 + T; ++t) {
-      const __m256i v = load32(codes + 32 * (8 * C + t));
-      __m256i cl = _mm256_and_si256(v, low), ch = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-      if constexpr (Q5) {
-        const __m256i h = load32(high + 32 * t);
-        cl = _mm256_or_si256(cl, fifth_bit<j>(h)), ch = _mm256_or_si256(ch, fifth_bit<j + 1>(h));
-      }
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xb = xr.codes[r] + b * 256 + 64 * C + 4 * t;
-        const __m256i pl = _mm256_maddubs_epi16(cl, broadcast4(xb));
-        const __m256i ph = _mm256_maddubs_epi16(ch, broadcast4(xb + 32));
-        lo[r] = t > t0 ? _mm256_add_epi16(lo[r], pl) : pl, hi[r] = t > t0 ? _mm256_add_epi16(hi[r], ph) : ph;
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(lo[r], s0), _mm256_madd_epi16(hi[r], s1)));
-  }
-  const __m256i n0 = pick_q4k(mn[j / 4], j % 4), n1 = pick_q4k(mn[(j + 1) / 4], (j + 1) % 4);
-  for (int r = 0; r < R; ++r) {
-    const int8_t* qs = reinterpret_cast<const int8_t*>(xr.qsums16[r] + 16 * b + 2 * j);  // per 16 weights
-    macc[r] = _mm256_add_epi32(macc[r], _mm256_add_epi32(_mm256_madd_epi16(n0, broadcast4(qs)),
-                                                         _mm256_madd_epi16(n1, broadcast4(qs + 4))));
-  }
-}
-
-template <class F, int R>
-void rows8_dot_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, __m256* sums) {
-  using L = Rows8<F>;
-  constexpr int64_t HIGH_BYTES = std::is_same_v<F, Q5_K> ? 256 : 0;  // Q5_K's 8 chunks of high bits
-  const __m256i low = _mm256_set1_epi8(15), low6 = _mm256_set1_epi8(0x3f), two = _mm256_set1_epi8(3);
+  constexpr int64_t HIGH_BYTES = Q5 ? 256 : 0;  // Q5_K's 8 chunks of high bits
+  const __m256i low = _mm256_set1_epi8(15), sixteen = _mm256_set1_epi8(16);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
     prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
     const __m256 dv = halves8(p);
     const __m256 dminv = halves8(p + 16);
     const uint8_t* q = p + L::CODES_AT;
-    const __m256i u0 = load32(q), u1 = load32(q + 32), u2 = load32(q + 64);
-    // k_scales, a row a lane: scales of groups 0-3 (sc[0]) and 4-7 (sc[1]), minimums alike
-    const __m256i sc[2] = {_mm256_and_si256(u0, low6),
-                           _mm256_or_si256(_mm256_and_si256(u2, low),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(u0, 6), two), 4))};
-    const __m256i mn[2] = {
-        _mm256_and_si256(u1, low6),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u2, 4), low),
-                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(u1, 6), two), 4))};
+    __m256i sc[2], mn[2];
+    k_scales8(q, sc, mn);
     const uint8_t *high = q + 96, *codes = q + 96 + HIGH_BYTES;
     __m256i acc[R], macc[R];
     for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm256_setzero_si256();
-    rows8_k_groups<F, R, 0>(codes, high, sc, mn, xr, b, acc, macc);
-    rows8_k_groups<F, R, 1>(codes, high, sc, mn, xr, b, acc, macc);
-    rows8_k_groups<F, R, 2>(codes, high, sc, mn, xr, b, acc, macc);
-    rows8_k_groups<F, R, 3>(codes, high, sc, mn, xr, b, acc, macc);
-    for (int r = 0; r < R; ++r) {
-      const __m256 dx = _mm256_broadcast_ss(xr.scales[r] + b);
-      __m256 s = _mm256_mul_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(acc[r]));
-      s = _mm256_sub_ps(s, _mm256_mul_ps(_mm256_mul_ps(dminv, dx), _mm256_cvtepi32_ps(macc[r])));
-      _mm256_storeu_ps(reinterpret_cast<float*>(sums + r * nb + b), s);
-    }
-  }
-}
-
-// Q4_K on its own loop, reading x through QuantizedX: rows8_dot_k's shape (groups by template,
-// int16 runs of T chunks), or this loop reading x's rows through XRows, ran Q4_K 0.56-0.70x as
-// fast at 4-64 rows of x (in cache, Zen 3, 2026-11-29) as this one
-template <int R>
-void rows8_dot_q4_k(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, __m256* sums) {
-  using L = Rows8<Q4_K>;
-  const __m256i low = _mm256_set1_epi8(15), low6 = _mm256_set1_epi8(0x3f), two = _mm256_set1_epi8(3);
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* p = g + b * L::BYTES;
-    prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
-    const __m256 dv = halves8(p);
-    const __m256 dminv = halves8(p + 16);
-    const uint8_t* q = p + L::CODES_AT;
-    const __m256i u0 = load32(q), u1 = load32(q + 32), u2 = load32(q + 64);
-    // k_scales, a row a lane: scales of groups 0-3 (sc[0]) and 4-7 (sc[1]), minimums alike
-    const __m256i sc[2] = {_mm256_and_si256(u0, low6),
-                           _mm256_or_si256(_mm256_and_si256(u2, low),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(u0, 6), two), 4))};
-    const __m256i mn[2] = {
-        _mm256_and_si256(u1, low6),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u2, 4), low),
-                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(u1, 6), two), 4))};
-    const uint8_t* codes = q + 96;
-    __m256i acc[R], macc[R];
-    for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {  // groups 2c and 2c + 1
-      __m256i lo[R], hi[R];
-      for (int t = 0; t < 8; ++t) {
-        const __m256i v = load32(codes + 32 * (8 * c + t));
-        const __m256i cl = _mm256_and_si256(v, low), ch = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        for (int r = 0; r < R; ++r) {  // int16 lanes sum 16 products of at most 15 * 127: no wrap
-          const int8_t* xb = x.codes(m0 + r) + b * 256 + 64 * c + 4 * t;
-          const __m256i pl = _mm256_maddubs_epi16(cl, broadcast4(xb));
-          const __m256i ph = _mm256_maddubs_epi16(ch, broadcast4(xb + 32));
-          lo[r] = t ? _mm256_add_epi16(lo[r], pl) : pl, hi[r] = t ? _mm256_add_epi16(hi[r], ph) : ph;
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {  // group j: code chunks 8 (j / 2) + t, their low nibbles (j even) or high ones
+      const __m256i s = pick_q4k(sc[j / 4], j % 4);
+      const uint8_t *cp = codes + 32 * 8 * (j / 2), *hp = high;
+      asm volatile("" : "+r"(cp), "+r"(hp));  // chunks loaded anew for each group, not kept live across them
+#pragma GCC unroll 2
+      for (int t0 = 0; t0 < 8; t0 += T) {
+        __m256i part[R];
+        for (int t = t0; t < t0 + T; ++t) {
+          const __m256i v = load32(cp + 32 * t);
+          __m256i cv = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, low);
+          if constexpr (Q5) {  // bit j of the high-bit chunk, moved to bit 4
+            const __m256i h = load32(hp + 32 * t);
+            cv = _mm256_or_si256(
+                cv, _mm256_and_si256(j <= 4 ? _mm256_slli_epi16(h, 4 - j) : _mm256_srli_epi16(h, j - 4), sixteen));
+          }
+          for (int r = 0; r < R; ++r) {
+            const __m256i pr = _mm256_maddubs_epi16(cv, broadcast4(xr.codes[r] + b * 256 + 32 * j + 4 * t));
+            part[r] = t > t0 ? _mm256_add_epi16(part[r], pr) : pr;
+            in_register(part[r]);
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(part[r], s));
+          in_register(acc[r]);
         }
       }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {  // the minimums' part: groups 2c and 2c + 1
       const int j = 2 * c;
-      const __m256i s0 = pick_q4k(sc[j / 4], j % 4), s1 = pick_q4k(sc[(j + 1) / 4], (j + 1) % 4);
       const __m256i n0 = pick_q4k(mn[j / 4], j % 4), n1 = pick_q4k(mn[(j + 1) / 4], (j + 1) % 4);
       for (int r = 0; r < R; ++r) {
-        acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(lo[r], s0), _mm256_madd_epi16(hi[r], s1)));
-        const int8_t* qs = reinterpret_cast<const int8_t*>(x.qsums16(m0 + r) + 16 * b + 2 * j);  // per 16 weights
+        const int8_t* qs = reinterpret_cast<const int8_t*>(xr.qsums16[r] + 16 * b + 2 * j);  // per 16 weights
         macc[r] = _mm256_add_epi32(macc[r], _mm256_add_epi32(_mm256_madd_epi16(n0, broadcast4(qs)),
                                                              _mm256_madd_epi16(n1, broadcast4(qs + 4))));
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m256 dx = _mm256_set1_ps(x.scales(m0 + r)[b]);
+      const __m256 dx = _mm256_broadcast_ss(xr.scales[r] + b);
       __m256 s = _mm256_mul_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(acc[r]));
       s = _mm256_sub_ps(s, _mm256_mul_ps(_mm256_mul_ps(dminv, dx), _mm256_cvtepi32_ps(macc[r])));
       _mm256_storeu_ps(reinterpret_cast<float*>(sums + r * nb + b), s);
@@ -1014,6 +963,7 @@ void rows8_dot_iq4_xs(const uint8_t* g, int64_t nb, const XRows<R>& xr, __m256* 
           const __m256i pl = _mm256_maddubs_epi16(ul, _mm256_sign_epi8(broadcast4(xb), cl));
           const __m256i ph = _mm256_maddubs_epi16(uh, _mm256_sign_epi8(broadcast4(xb + 16), ch));
           acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(pl, s), _mm256_madd_epi16(ph, s)));
+          in_register(acc[r]);
         }
       }
     }
@@ -1085,6 +1035,7 @@ void rows8_dot_q6_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, __m256* su
             }
             const __m256i pair = _mm256_add_epi16(part[r], pr);  // |.| <= 2 * 2 * 63 * 127
             acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(pair, t < 4 ? s0 : s1));
+            in_register(acc[r]);
           }
         }
       }
@@ -1115,9 +1066,7 @@ void rows8_call(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, _
   const XRows<R> xr(x, m0);
   if constexpr (F::BLOCK == QK)
     rows8_dot<F, R>(g, nb, xr, sums);
-  else if constexpr (std::is_same_v<F, Q4_K>)
-    rows8_dot_q4_k<R>(g, nb, x, m0, sums);
-  else if constexpr (std::is_same_v<F, Q5_K>)
+  else if constexpr (std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K>)
     rows8_dot_k<F, R>(g, nb, xr, sums);
   else if constexpr (std::is_same_v<F, IQ4_XS>)
     rows8_dot_iq4_xs<R>(g, nb, xr, sums);
