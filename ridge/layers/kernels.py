@@ -444,6 +444,29 @@ class Avx2Kernels(TorchKernels):
         self.ext.rope_(x, positions, cos, sin)
         return x
 
+    def rope_write_kv(self, qkv, num_heads, num_kv_heads, cache, meta, rope):
+        # one call for RoPE and both pools' writes (three ran, the writes ~70 us a layer through
+        # index_copy_), where rope_ takes the heads and the cache holds qkv's dtype (a quantized
+        # cache keeps write_kv's quantize)
+        positions, cos, sin = rope
+        head_dim = cache.k.shape[-1]
+        if (
+            cache.quantized
+            or cache.v is cache.k
+            or qkv.dtype not in (torch.float32, torch.bfloat16)
+            or cache.k.dtype is not qkv.dtype
+            or qkv.dim() != 2
+            or qkv.stride(-1) != 1
+            or qkv.shape[-1] != (num_heads + 2 * num_kv_heads) * head_dim
+            or head_dim % 16
+            or cos.dtype is not torch.float32
+            or cos.shape[-1] != head_dim
+            or not (cache.k.is_contiguous() and cache.v.is_contiguous())
+        ):
+            return False
+        self.ext.rope_write_kv_(qkv, num_heads, num_kv_heads, positions, cos, sin, cache.k, cache.v, meta.slot_mapping)
+        return True
+
     def _norm_args_ok(self, x, weight) -> bool:
         return x.dtype in (torch.float32, torch.bfloat16) and weight.dtype is x.dtype and weight.is_contiguous()
 

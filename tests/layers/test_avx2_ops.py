@@ -104,6 +104,50 @@ def test_rope_of_a_head_size_it_does_not_take_is_torchs(kernels):
     assert torch.equal(kernels.rope(x, kernels.rope_state(rotary, positions, torch.float32)), want)
 
 
+def _rope_write_case(dtype, head_dim, heads=4, kv_heads=2, tokens=3):
+    gen = torch.Generator().manual_seed(head_dim + tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    pools = [torch.randn(6, 4, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)]
+    meta = AttentionMetadata(slot_mapping=torch.tensor([5, 17, 9][:tokens]))
+    return qkv, PagedKV(*pools), meta, torch.tensor([0, 7, 299][:tokens])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_rope_write_kv_is_rope_then_write_kv(kernels, dtype, head_dim):
+    heads, kv_heads = 4, 2
+    qkv, cache, meta, positions = _rope_write_case(dtype, head_dim, heads, kv_heads)
+    rotary, ref = _Rotary(head_dim), TorchKernels()
+    want_qkv, want_cache = qkv.clone(), PagedKV(cache.k.clone(), cache.v.clone())
+    qk = want_qkv[:, : (heads + kv_heads) * head_dim].view(3, -1, head_dim)
+    qk.copy_(ref.rope(qk.clone(), rotary(positions, dtype)))
+    kv = want_qkv[:, (heads + kv_heads) * head_dim :].view(3, -1, head_dim)
+    ref.write_kv(want_cache, qk[:, heads:], kv, meta.slot_mapping)
+    state = kernels.rope_state(rotary, positions, dtype)
+    assert kernels.rope_write_kv(qkv, heads, kv_heads, cache, meta, state)
+    assert torch.equal(qkv, want_qkv)  # q and k rotated in place, v untouched
+    assert torch.equal(cache.k, want_cache.k) and torch.equal(cache.v, want_cache.v)
+
+
+def test_rope_write_kv_leaves_a_quantized_cache_and_odd_heads_to_the_separate_ops(kernels):
+    qkv, cache, meta, positions = _rope_write_case(torch.float32, 64)
+    state = kernels.rope_state(_Rotary(64), positions, torch.float32)
+    before = qkv.clone()
+    scales = torch.ones(6, 4, 2)
+    assert not kernels.rope_write_kv(qkv, 4, 2, PagedKV(cache.k, cache.v, scales, scales, "int8"), meta, state)
+    qkv40, cache40, meta40, positions40 = _rope_write_case(torch.float32, 40)  # rope_ takes D % 16 == 0
+    state40 = kernels.rope_state(_Rotary(40), positions40, torch.float32)
+    assert not kernels.rope_write_kv(qkv40, 4, 2, cache40, meta40, state40)
+    assert torch.equal(qkv, before)  # nothing done
+
+
+def test_rope_write_kv_refuses_a_slot_outside_the_pool(kernels):
+    qkv, cache, _, positions = _rope_write_case(torch.float32, 64)
+    state = kernels.rope_state(_Rotary(64), positions, torch.float32)
+    with pytest.raises(RuntimeError, match="slot 24 is outside the pool"):
+        kernels.rope_write_kv(qkv, 4, 2, cache, AttentionMetadata(slot_mapping=torch.tensor([0, 1, 24])), state)
+
+
 def _attention_case(dtype, head_dim=64, heads=8, kv_heads=2, seed=0):
     gen = torch.Generator().manual_seed(seed)
     blocks, block_size = 24, 16

@@ -1193,6 +1193,9 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
+void rope_write_kv_(torch::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, torch::Tensor positions,
+                    torch::Tensor cos, torch::Tensor sin, torch::Tensor k_pool, torch::Tensor v_pool,
+                    torch::Tensor slots);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale);
 
@@ -1208,6 +1211,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, nogil, "residual += x (in place), then RMSNorm(residual)");
   m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up for (T, 2I) -> (T, I)");
   m.def("rope_", &rope_, nogil, "rotate-half RoPE in place on (T, H, D) rows");
+  m.def("rope_write_kv_", &rope_write_kv_, nogil, "rope_ on qkv's q and k heads, then k and v into the pools at slots");
   m.def("paged_decode_attention", &paged_decode_attention, nogil,
         "one query per sequence over its paged float32 / bfloat16 K/V, no gather");
 }

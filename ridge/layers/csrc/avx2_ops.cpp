@@ -275,6 +275,38 @@ void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::T
   });
 }
 
+// RoPE and the KV write in one call: qkv (T, (Hq + 2 Hkv) D), unit stride in its rows, has its
+// q and k heads rotated in place (rope_), then each token's k and v heads copied into the
+// pools (blocks, BS, Hkv, D), of qkv's dtype, at its flat slot (index_copy_'s writes, without
+// its dispatch: two of them cost 70 us a layer, Zen 3).
+void rope_write_kv_(torch::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, torch::Tensor positions,
+                    torch::Tensor cos, torch::Tensor sin, torch::Tensor k_pool, torch::Tensor v_pool,
+                    torch::Tensor slots) {
+  check_input(qkv, "rope_write_kv");
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() &&
+                  v_pool.is_contiguous() && k_pool.scalar_type() == qkv.scalar_type() &&
+                  v_pool.scalar_type() == qkv.scalar_type(),
+              "rope_write_kv: contiguous (blocks, BS, Hkv, D) pools of qkv's dtype expected");
+  const int64_t T_ = qkv.size(0), D = k_pool.size(3), Hq = num_heads, Hkv = num_kv_heads;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (Hq + 2 * Hkv) * D && k_pool.size(2) == Hkv,
+              "rope_write_kv: qkv (T, (Hq + 2 Hkv) D) with the pools' head size expected");
+  auto sl = slots.to(at::kLong).contiguous();
+  TORCH_CHECK(sl.numel() == T_, "rope_write_kv: one slot a token expected");
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t capacity = k_pool.size(0) * k_pool.size(1);
+  for (int64_t t = 0; t < T_; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "rope_write_kv: slot ", sp[t], " is outside the pool");
+  rope_(qkv.narrow(1, 0, (Hq + Hkv) * D).view({T_, Hq + Hkv, D}), positions, cos, sin);
+  const int64_t row = Hkv * D * static_cast<int64_t>(qkv.element_size());  // bytes of a token's k (or v)
+  const auto* src = static_cast<const uint8_t*>(qkv.data_ptr());
+  auto *kp = static_cast<uint8_t*>(k_pool.data_ptr()), *vp = static_cast<uint8_t*>(v_pool.data_ptr());
+  const int64_t stride = qkv.stride(0) * static_cast<int64_t>(qkv.element_size()), k_at = Hq * D * qkv.element_size();
+  for (int64_t t = 0; t < T_; ++t) {
+    std::memcpy(kp + sp[t] * row, src + t * stride + k_at, row);
+    std::memcpy(vp + sp[t] * row, src + t * stride + k_at + row, row);
+  }
+}
+
 // One query per sequence over its paged K/V: q (B, Hq, D), caches (blocks, BS, Hkv, D) in q's
 // dtype, D a multiple of 8 -> (B, Hq, D). Scores q . k (rounded to T, as torch's matmul output),
 // times scale, a softmax per head (probabilities rounded to T), then the probabilities times V.
