@@ -169,7 +169,8 @@ def _meta(tables, lens):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (4, 4, 40), (6, 1, 128)])
+# 10 query heads a KV head: a run of 8 heads, then 2 (score_heads / weigh_values take up to 8)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (4, 4, 40), (6, 1, 128), (20, 2, 64)])
 def test_decode_attention_matches_torchs_path(kernels, dtype, heads, kv_heads, head_dim):
     q, cache, tables, lens = _attention_case(dtype, head_dim, heads, kv_heads)
     got = kernels.decode_attention(q, cache, _meta(tables, lens))

@@ -307,6 +307,57 @@ void rope_write_kv_(torch::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, 
   }
 }
 
+namespace {
+
+// Query heads [0, N) of a KV head (qf: their float32 rows, D apart) against its K rows kr[0, L):
+// each head's q . k an fmadd chain over D, then hsum, rounded to T and times scale, into s[j L +
+// t]. The N chains share each load of a K row's 8 dims.
+template <typename T, int N>
+void score_heads(const float* qf, const T* const* kr, int64_t L, int64_t D, float scale, float* s) {
+  for (int64_t t = 0; t < L; ++t) {
+    __m256 a[N];
+    for (int j = 0; j < N; ++j) a[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 k = load8(kr[t] + d);
+      for (int j = 0; j < N; ++j) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + j * D + d), k, a[j]);
+    }
+    for (int j = 0; j < N; ++j) s[j * L + t] = round_as<T>(hsum(a[j])) * scale;
+  }
+}
+
+// Those heads' outputs: probabilities p[j L + t] times the V rows vr[0, L), 8 dims at a time,
+// each head's an fmadd chain over t kept in a register (the N chains share each load of a V
+// row), rounded to T at out + j D
+template <typename T, int N>
+void weigh_values(const float* p, const T* const* vr, int64_t L, int64_t D, T* out) {
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 o[N];
+    for (int j = 0; j < N; ++j) o[j] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < L; ++t) {
+      const __m256 v = load8(vr[t] + d);
+      for (int j = 0; j < N; ++j) o[j] = _mm256_fmadd_ps(_mm256_set1_ps(p[j * L + t]), v, o[j]);
+    }
+    for (int j = 0; j < N; ++j) store8(out + j * D + d, o[j]);
+  }
+}
+
+// fn(std::integral_constant<int, n>) for n in [1, 8]: the query heads a KV head's kernels take at once
+template <class Fn>
+void with_heads(int64_t n, Fn&& fn) {
+  switch (n) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 7: fn(std::integral_constant<int, 7>{}); break;
+    default: fn(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+}  // namespace
+
 // One query per sequence over its paged K/V: q (B, Hq, D), caches (blocks, BS, Hkv, D) in q's
 // dtype, D a multiple of 8 -> (B, Hq, D). Scores q . k (rounded to T, as torch's matmul output),
 // times scale, a softmax per head (probabilities rounded to T), then the probabilities times V.
@@ -338,37 +389,29 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     const T *qp = qc.data_ptr<T>(), *kp = k_cache.data_ptr<T>(), *vp = v_cache.data_ptr<T>();
     T* op = out.data_ptr<T>();
     at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> qf(G * D), row(D), scores, acc(G * D);
+      std::vector<float> qf(G * D), scores;
+      std::vector<const T*> kr, vr;
       for (int64_t job = begin; job < end; ++job) {
         const int64_t b = job / Hkv, h = job % Hkv, L = lp[b];
         const int64_t* table = tp + b * max_blocks;
         const T* qb = qp + (b * Hq + h * G) * D;
         for (int64_t i = 0; i < G * D; i += 8) _mm256_storeu_ps(qf.data() + i, load8(qb + i));
-        scores.resize(G * L);
+        kr.resize(L), vr.resize(L), scores.resize(G * L);
         for (int64_t t = 0; t < L; ++t) {
-          const T* krow = kp + ((table[t / BS] * BS + t % BS) * Hkv + h) * D;
-          for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(row.data() + d, load8(krow + d));
-          for (int64_t g = 0; g < G; ++g) {
-            __m256 dot = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d += 8)
-              dot = _mm256_fmadd_ps(_mm256_loadu_ps(qf.data() + g * D + d), _mm256_loadu_ps(row.data() + d), dot);
-            scores[g * L + t] = round_as<T>(hsum(dot)) * static_cast<float>(scale);
-          }
+          const int64_t at = ((table[t / BS] * BS + t % BS) * Hkv + h) * D;
+          kr[t] = kp + at, vr[t] = vp + at;
         }
+        for (int64_t g0 = 0; g0 < G; g0 += 8)
+          with_heads(std::min<int64_t>(8, G - g0), [&](auto n) {
+            score_heads<T, decltype(n)::value>(qf.data() + g0 * D, kr.data(), L, D, static_cast<float>(scale),
+                                               scores.data() + g0 * L);
+          });
         for (int64_t g = 0; g < G; ++g) softmax_row<T>(scores.data() + g * L, L);
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t t = 0; t < L; ++t) {
-          const T* vrow = vp + ((table[t / BS] * BS + t % BS) * Hkv + h) * D;
-          for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(row.data() + d, load8(vrow + d));
-          for (int64_t g = 0; g < G; ++g) {
-            const __m256 p = _mm256_set1_ps(scores[g * L + t]);
-            float* a = acc.data() + g * D;
-            for (int64_t d = 0; d < D; d += 8)
-              _mm256_storeu_ps(a + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(row.data() + d), _mm256_loadu_ps(a + d)));
-          }
-        }
         T* ob = op + (b * Hq + h * G) * D;
-        for (int64_t i = 0; i < G * D; i += 8) store8(ob + i, _mm256_loadu_ps(acc.data() + i));
+        for (int64_t g0 = 0; g0 < G; g0 += 8)
+          with_heads(std::min<int64_t>(8, G - g0), [&](auto n) {
+            weigh_values<T, decltype(n)::value>(scores.data() + g0 * L, vr.data(), L, D, ob + g0 * D);
+          });
       }
     });
   });
