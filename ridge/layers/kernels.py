@@ -429,16 +429,24 @@ class Avx2Kernels(TorchKernels):
     def rope_state(self, rotary, positions, dtype):
         return positions, rotary.cos, rotary.sin
 
+    @staticmethod
+    def _rope_takes(dtype, head_dim, cos) -> bool:
+        """Whether ``rope_`` rotates heads of this dtype and size with these tables (full-width
+        float32 ones)."""
+        return (
+            dtype in (torch.float32, torch.bfloat16)
+            and head_dim % 16 == 0
+            and cos.dtype is torch.float32
+            and cos.shape[-1] == head_dim
+        )
+
     def rope(self, x, state):
         positions, cos, sin = state
         if (
-            x.dtype not in (torch.float32, torch.bfloat16)
-            or x.dim() != 3
+            x.dim() != 3
             or x.stride(-1) != 1
             or x.stride(1) != x.shape[2]
-            or x.shape[2] % 16
-            or cos.dtype is not torch.float32
-            or cos.shape[-1] != x.shape[2]
+            or not self._rope_takes(x.dtype, x.shape[2], cos)
         ):
             return super().rope(x, (cos[positions].unsqueeze(1).to(x.dtype), sin[positions].unsqueeze(1).to(x.dtype)))
         self.ext.rope_(x, positions, cos, sin)
@@ -453,14 +461,11 @@ class Avx2Kernels(TorchKernels):
         if (
             cache.quantized
             or cache.v is cache.k
-            or qkv.dtype not in (torch.float32, torch.bfloat16)
+            or not self._rope_takes(qkv.dtype, head_dim, cos)
             or cache.k.dtype is not qkv.dtype
             or qkv.dim() != 2
             or qkv.stride(-1) != 1
             or qkv.shape[-1] != (num_heads + 2 * num_kv_heads) * head_dim
-            or head_dim % 16
-            or cos.dtype is not torch.float32
-            or cos.shape[-1] != head_dim
             or not (cache.k.is_contiguous() and cache.v.is_contiguous())
         ):
             return False
