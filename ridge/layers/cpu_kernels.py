@@ -84,12 +84,13 @@ AVX512 = ExtensionSpec(
     ),
 )
 # The block formats' matmul, dense bf16 layers on a few rows and a decode step's other ops for
-# CPUs with AVX2 only (Avx2Kernels; csrc/avx2_blocks.cpp, csrc/avx2_dense.cpp, csrc/avx2_ops.cpp).
+# CPUs with AVX2 only, and their decode plan (Avx2Kernels; csrc/avx2_blocks.cpp, csrc/avx2_dense.cpp,
+# csrc/avx2_ops.cpp, csrc/avx2_plan.cpp).
 AVX2 = ExtensionSpec(
     "ridge_cpu_avx2",
     "the AVX2 kernels",
-    ("avx2_blocks.cpp", "avx2_dense.cpp", "avx2_ops.cpp"),
-    ("avx2_simd.h",),
+    ("avx2_blocks.cpp", "avx2_dense.cpp", "avx2_ops.cpp", "avx2_plan.cpp"),
+    ("avx2_kernels.h", "avx2_simd.h"),
     # no contraction into FMAs but the kernel's own: one row's float ops must not depend on how
     # many rows a tile holds (a row's output does not depend on its batch)
     ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"),

@@ -293,10 +293,15 @@ class TorchKernels:
         the step's flat (T, Hq, Dh)); False where these kernels run them one by one."""
         return False
 
-    # A decode step's layers in one call (``CpuKernels``): a model fills the plan once with
-    # what each layer holds; these kernels have none (None: run op by op).
+    # A decode step's layers in one call (``CpuKernels``, ``Avx2Kernels``): a model fills the
+    # plan once with what each layer holds; these kernels have none (None: run op by op).
     def decode_plan(self):
         return None
+
+    def plan_takes_cache(self, cache: PagedKV, head_dim: int) -> bool:
+        """Whether a decode plan's Llama attention reads ``cache`` (heads of ``head_dim``) with
+        the kernel decode_attention would run on it."""
+        return False
 
     def plan_linear(self, layer: Linear) -> tuple[list, torch.Tensor | None] | None:
         """``layer`` as a decode plan takes it: its packed parts (weight, format code, rows)
@@ -425,6 +430,45 @@ class Avx2Kernels(TorchKernels):
         if bias is not None:
             out += bias.float()
         return out.to(torch.bfloat16)
+
+    def decode_plan(self):
+        """An empty ``DecodePlan`` (``csrc/avx2_plan.cpp``): a bf16 decode step's Llama layers
+        with dense MLPs in one call, through the kernels below on the views and in the order
+        the model's Python forward uses (so with its results, bit for bit). Its ``run`` declines
+        a step (None) where this class would send a dense layer or decode attention to torch."""
+        return self.ext.DecodePlan(FLOAT32_GEMM_MIN_ROWS, MANY_HEADS_PER_KV_HEAD)
+
+    def plan_takes_cache(self, cache, head_dim):
+        return not cache.quantized and cache.k.dtype is torch.bfloat16 and cache.v is not cache.k
+
+    def plan_linear(self, layer):
+        """Each part of ``layer`` as ``linear`` runs it: (weight, -1, rows) for a dense bf16
+        one, (GGUF rows or blocks of 8 rows, GGUF type, rows) for a block format; None where
+        ``linear`` would hand a part to torch."""
+        parts = layer.parts if layer.parts is not None else (layer,)
+        planned = []
+        for part in parts:
+            if part.parts is not None or (layer.parts is not None and part.bias is not None):
+                return None
+            fmt = part.method.format
+            if fmt is None:
+                weight = part.weight
+                if not (isinstance(part.method, UnquantizedLinearMethod) and part.packed is None):
+                    return None
+                if weight.dtype is not torch.bfloat16 or weight.device.type != "cpu" or weight.numel() == 0:
+                    return None
+                planned.append((weight, -1, part.out_features))
+                continue
+            if part.packed is not None and isinstance(part.unpacker, Avx2Kernels):
+                weight = part.packed
+            elif part.packed is None and self.ext.supports_format(fmt.ggml_type):
+                weight = part.blocks
+            else:
+                return None
+            if weight.device.type != "cpu" or not weight.is_contiguous():
+                return None
+            planned.append((weight, fmt.ggml_type, part.out_features))
+        return planned, layer.bias
 
     def rope_state(self, rotary, positions, dtype):
         return positions, rotary.cos, rotary.sin
@@ -583,6 +627,10 @@ class CpuKernels(TorchKernels):
         run in one call, through the kernels below, in the order and on the views the model's
         Python forward uses (so with its results, bit for bit)."""
         return self.ext.DecodePlan()
+
+    def plan_takes_cache(self, cache, head_dim):
+        # the int8 / fp8 kernel, or the bf16 one (heads up to 256)
+        return cache.quantized or (cache.k.dtype is torch.bfloat16 and head_dim <= 256)
 
     def plan_linear(self, layer):
         parts = layer.parts if layer.parts is not None else (layer,)

@@ -92,7 +92,7 @@ class LlamaAttention(nn.Module):
         k = cache.k
         if not (k.is_contiguous() and cache.v.is_contiguous()) or self.head_dim % 16:
             return False
-        if not cache.quantized and (k.dtype is not torch.bfloat16 or self.head_dim > 256):
+        if not ops.plan_takes_cache(cache, self.head_dim):
             return False
         qkv, o = ops.plan_linear(self.qkv_proj), ops.plan_linear(self.o_proj)
         if qkv is None or o is None:
@@ -305,8 +305,7 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)  # a fresh tensor: the residual stream, updated in place
         if meta.num_decode_tokens == h.shape[0] and not meta.prefills:
             plan = self.decode_plan(kv_caches, h.dtype)
-            if plan is not None:
-                plan.run(h, positions, meta, self.model.rotary, self.kernels)
+            if plan is not None and plan.run(h, positions, meta, self.model.rotary, self.kernels):
                 return h
         step = StepInputs(self.kernels, self.kernels.rope_state(self.model.rotary, positions, h.dtype))
         # forward() and ops.matmul directly, not nn.Module.__call__: ~2 us each, ~10 per layer
@@ -410,9 +409,10 @@ class DecodePlanRun:
                 return None
         return cls(plan, moes)
 
-    def run(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rotary, kernels) -> None:
-        """h (T, hidden): the residual stream after every layer, updated in place."""
-        matmul_s, touched = self.plan.run(
+    def run(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rotary, kernels) -> bool:
+        """h (T, hidden): the residual stream after every layer, updated in place. False (h
+        untouched) where the kernels' plan leaves this step to the Python forward."""
+        ran = self.plan.run(
             h,
             meta.slot_mapping,
             meta.decode_block_tables,
@@ -421,10 +421,14 @@ class DecodePlanRun:
             rotary.cos,
             rotary.sin,
         )
+        if ran is None:
+            return False
+        matmul_s, touched = ran
         kernels.matmul_s += matmul_s
         for moe, used in zip(self.moes, touched):
             if moe is not None:
                 moe.experts_touched = used
+        return True
 
 
 def _plan_ffn(plan, ffn, ops, moes: list) -> bool:

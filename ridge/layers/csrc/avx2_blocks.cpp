@@ -34,6 +34,7 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "avx2_kernels.h"
 #include "avx2_simd.h"
 
 #include <cstdint>
@@ -1138,6 +1139,53 @@ bool supports_format(int64_t ggml_type) {
   return with_format(ggml_type, [](auto) {});
 }
 
+namespace ridge_avx2 {
+
+int64_t block_row_bytes(int64_t ggml_type, int64_t K) {
+  int64_t bytes = -1;
+  with_format(ggml_type, [&](auto fmt) {
+    using F = decltype(fmt);
+    if (K % F::BLOCK == 0) bytes = K / F::BLOCK * F::BYTES;
+  });
+  return bytes;
+}
+
+template <class T>
+void linear_blocks_into(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t ggml_type, bool packed, int64_t N,
+                        const float* bias, T* y, int64_t ldy) {
+  if (M == 0 || N == 0) return;
+  thread_local QuantizedX qx;  // the caller's thread: its buffers kept from call to call
+  thread_local std::vector<float> ys;
+  const bool direct = std::is_same_v<T, float> && ldy == N;  // float rows: the sums land in y itself
+  if (!direct) ys.resize(M * N);
+  float* out = direct ? reinterpret_cast<float*>(y) : ys.data();
+  with_format(ggml_type, [&](auto fmt) {
+    using F = decltype(fmt);
+    const int64_t row_bytes = K / F::BLOCK * F::BYTES;
+    quantize_x(x, M, K, F::BLOCK, qx);
+    if constexpr (F::ROWS8) {
+      if (packed) return gemm_rows8<F, false>(qx, w, row_bytes, N, out);
+      if (M >= PACK_FROM_ROWS && N % 8 == 0) return gemm_rows8<F, true>(qx, w, row_bytes, N, out);
+    }
+    gemm<F>(qx, w, row_bytes, N, out);
+  });
+  if (direct) {
+    if (bias)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) out[m * N + n] += bias[n];
+    return;
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) y[m * ldy + n] = static_cast<T>(bias ? out[m * N + n] + bias[n] : out[m * N + n]);
+}
+
+template void linear_blocks_into<float>(const float*, int64_t, int64_t, const uint8_t*, int64_t, bool, int64_t,
+                                        const float*, float*, int64_t);
+template void linear_blocks_into<at::BFloat16>(const at::BFloat16*, int64_t, int64_t, const uint8_t*, int64_t, bool,
+                                               int64_t, const float*, at::BFloat16*, int64_t);
+
+}  // namespace ridge_avx2
+
 // x (..., K) float32 or bf16; blocks (N, K / BLOCK * BYTES) uint8, W's rows: GGUF's bytes, or
 // (packed) blocks of 8 rows (repack_rows: (N / 8, 8 row_bytes))
 torch::Tensor linear_blocks_impl(torch::Tensor x, torch::Tensor blocks, int64_t ggml_type, c10::optional<torch::Tensor> bias,
@@ -1146,7 +1194,6 @@ torch::Tensor linear_blocks_impl(torch::Tensor x, torch::Tensor blocks, int64_t 
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "linear_blocks: bf16 or f32 x");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte, "linear_blocks: blocks must be (N, bytes) uint8");
   const int64_t K = x.size(-1), N = packed ? blocks.size(0) * 8 : blocks.size(0);
-  torch::Tensor y;
   const bool known = with_format(ggml_type, [&](auto fmt) {
     using F = decltype(fmt);
     TORCH_CHECK(K % F::BLOCK == 0, "linear_blocks: K = ", K, " is not a multiple of the format's block, ", F::BLOCK);
@@ -1155,28 +1202,24 @@ torch::Tensor linear_blocks_impl(torch::Tensor x, torch::Tensor blocks, int64_t 
     TORCH_CHECK(blocks.size(1) == (packed ? 8 : 1) * row_bytes, "linear_blocks: blocks of ", blocks.size(1),
                 packed ? " bytes a block of 8 rows" : " bytes a row", ", K = ", K, " needs ",
                 (packed ? 8 : 1) * row_bytes);
-    const torch::Tensor x2 = x.reshape({-1, K}).contiguous();
-    const int64_t M = x2.size(0);
-    QuantizedX qx;
-    if (x2.scalar_type() == at::kFloat)
-      quantize_x(x2.data_ptr<float>(), M, K, F::BLOCK, qx);
-    else
-      quantize_x(x2.data_ptr<at::BFloat16>(), M, K, F::BLOCK, qx);
-    const torch::Tensor w = blocks.contiguous();
-    y = torch::empty({M, N}, x.options().dtype(at::kFloat));
-    if (M == 0) return;
-    if constexpr (F::ROWS8) {
-      if (packed) return gemm_rows8<F, false>(qx, w.data_ptr<uint8_t>(), row_bytes, N, y.data_ptr<float>());
-      if (M >= PACK_FROM_ROWS && N % 8 == 0)
-        return gemm_rows8<F, true>(qx, w.data_ptr<uint8_t>(), row_bytes, N, y.data_ptr<float>());
-    }
-    gemm<F>(qx, w.data_ptr<uint8_t>(), row_bytes, N, y.data_ptr<float>());
   });
   TORCH_CHECK(known, "linear_blocks: GGUF type ", ggml_type, " has no AVX2 kernel");
-  if (bias) y.add_(bias->to(at::kFloat));
+  if (bias) TORCH_CHECK(bias->numel() == N, "linear_blocks: bias of ", bias->numel(), " for N = ", N);
+  const torch::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const torch::Tensor w = blocks.contiguous();
+  const torch::Tensor b = bias ? bias->to(at::kFloat).contiguous() : torch::Tensor();
+  const int64_t M = x2.size(0);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
-  return y.to(x.scalar_type()).view(shape);
+  torch::Tensor y = torch::empty(shape, x.options());
+  const float* bp = bias ? b.data_ptr<float>() : nullptr;
+  if (x2.scalar_type() == at::kFloat)
+    ridge_avx2::linear_blocks_into(x2.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), ggml_type, packed, N, bp,
+                                   y.data_ptr<float>(), N);
+  else
+    ridge_avx2::linear_blocks_into(x2.data_ptr<at::BFloat16>(), M, K, w.data_ptr<uint8_t>(), ggml_type, packed, N, bp,
+                                   y.data_ptr<at::BFloat16>(), N);
+  return y;
 }
 
 torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor blocks, int64_t ggml_type, c10::optional<torch::Tensor> bias) {
@@ -1186,18 +1229,7 @@ torch::Tensor linear_blocks_packed(torch::Tensor x, torch::Tensor blocks, int64_
   return linear_blocks_impl(x, blocks, ggml_type, bias, true);
 }
 
-// avx2_dense.cpp: a dense bf16 layer on a few rows
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
-// avx2_ops.cpp: a decode step's other ops
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
-void rope_write_kv_(torch::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, torch::Tensor positions,
-                    torch::Tensor cos, torch::Tensor sin, torch::Tensor k_pool, torch::Tensor v_pool,
-                    torch::Tensor slots);
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+void register_decode_plan(pybind11::module_& m);  // avx2_plan.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -1214,4 +1246,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv_", &rope_write_kv_, nogil, "rope_ on qkv's q and k heads, then k and v into the pools at slots");
   m.def("paged_decode_attention", &paged_decode_attention, nogil,
         "one query per sequence over its paged float32 / bfloat16 K/V, no gather");
+  register_decode_plan(m);
 }

@@ -18,9 +18,11 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "avx2_kernels.h"
 #include "avx2_simd.h"
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -74,6 +76,33 @@ void gemm(const float* x, int64_t M, int64_t K, const bf16* w, int64_t N, float*
 
 }  // namespace
 
+namespace ridge_avx2 {
+
+template <class T>
+void linear_bf16_into(const T* x, int64_t M, int64_t K, const bf16* w, int64_t N, const float* bias, T* y,
+                      int64_t ldy) {
+  if (M == 0 || N == 0) return;
+  thread_local std::vector<float> xs, ys;  // x widened, and y's sums (the caller's thread)
+  const float* xf = nullptr;
+  if constexpr (std::is_same_v<T, float>) {
+    xf = x;
+  } else {
+    xs.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) xs[i] = static_cast<float>(x[i]);
+    xf = xs.data();
+  }
+  ys.resize(M * N);
+  gemm(xf, M, K, w, N, ys.data());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) y[m * ldy + n] = static_cast<T>(bias ? ys[m * N + n] + bias[n] : ys[m * N + n]);
+}
+
+template void linear_bf16_into<float>(const float*, int64_t, int64_t, const bf16*, int64_t, const float*, float*,
+                                      int64_t);
+template void linear_bf16_into<bf16>(const bf16*, int64_t, int64_t, const bf16*, int64_t, const float*, bf16*, int64_t);
+
+}  // namespace ridge_avx2
+
 // x (..., K) float32 or bf16; weight (N, K) bf16; bias (N) or None
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "linear_bf16: CPU tensors only");
@@ -82,13 +111,17 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<t
   const int64_t K = x.size(-1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K, "linear_bf16: weight has ", weight.size(1), " columns, x has K = ", K);
   if (bias) TORCH_CHECK(bias->numel() == N, "linear_bf16: bias of ", bias->numel(), " for N = ", N);
-  const torch::Tensor xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  const torch::Tensor x2 = x.reshape({-1, K}).contiguous();
   const torch::Tensor w = weight.contiguous();
-  const int64_t M = xf.size(0);
-  torch::Tensor y = torch::empty({M, N}, xf.options());
-  if (M > 0 && N > 0) gemm(xf.data_ptr<float>(), M, K, w.data_ptr<bf16>(), N, y.data_ptr<float>());
-  if (bias) y.add_(bias->to(at::kFloat));
+  const torch::Tensor b = bias ? bias->to(at::kFloat).contiguous() : torch::Tensor();
+  const int64_t M = x2.size(0);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
-  return y.to(x.scalar_type()).view(shape);
+  torch::Tensor y = torch::empty(shape, x.options());
+  const float* bp = bias ? b.data_ptr<float>() : nullptr;
+  if (x2.scalar_type() == at::kFloat)
+    ridge_avx2::linear_bf16_into(x2.data_ptr<float>(), M, K, w.data_ptr<bf16>(), N, bp, y.data_ptr<float>(), N);
+  else
+    ridge_avx2::linear_bf16_into(x2.data_ptr<bf16>(), M, K, w.data_ptr<bf16>(), N, bp, y.data_ptr<bf16>(), N);
+  return y;
 }

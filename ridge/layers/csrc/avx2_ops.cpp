@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "avx2_kernels.h"
 #include "avx2_simd.h"
 
 #include <algorithm>
@@ -154,6 +155,80 @@ void with_dtype(at::ScalarType dtype, Fn&& fn) {
 
 }  // namespace
 
+namespace ridge_avx2 {
+
+template <class T>
+void rms_norm_into(const T* x, const T* w, T* y, int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) rms_row(x + r * n, w, y + r * n, n, eps);
+  });
+}
+
+template <class T>
+void add_rms_norm_into(const T* x, T* residual, const T* w, T* y, int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      add_row(residual + r * n, x + r * n, n);
+      rms_row(residual + r * n, w, y + r * n, n, eps);
+    }
+  });
+}
+
+// silu(gate) * up: silu in fp32 and rounded to T, times up, rounded again (torch's F.silu(gate) * up)
+template <class T>
+void silu_mul_into(const T* gate_up, int64_t rows, int64_t I, T* y) {
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const T* gate = gate_up + r * 2 * I;
+      const T* up = gate + I;
+      T* out = y + r * I;
+      int64_t i = 0;
+      for (; i + 8 <= I; i += 8) {
+        const __m256 gv = load8(gate + i);
+        const __m256 act = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+        store8(out + i, _mm256_mul_ps(round_as<T>(act), load8(up + i)));
+      }
+      for (; i < I; ++i) {
+        const float gv = gate[i];
+        out[i] = static_cast<T>(round_as<T>(gv / (1.f + std::exp(-gv))) * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
+// Rotate-half RoPE in place: cos/sin fp32 tables (positions, D), rounded to T first (torch's
+// tables in x's dtype). Each product and the sum rounded as torch's ops round them.
+template <class T>
+void rope_into(T* x, int64_t rows, int64_t H, int64_t D, int64_t row_stride, const int64_t* pp, const float* cp,
+               const float* sp) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> cr(D), sr(D);
+    for (int64_t t = b; t < e; ++t) {
+      for (int64_t i = 0; i < D; i += 8) {
+        _mm256_storeu_ps(cr.data() + i, round_as<T>(_mm256_loadu_ps(cp + pp[t] * D + i)));
+        _mm256_storeu_ps(sr.data() + i, round_as<T>(_mm256_loadu_ps(sp + pp[t] * D + i)));
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        T* v = x + t * row_stride + h * D;
+        for (int64_t i = 0; i < half; i += 8) {
+          const __m256 x1 = load8(v + i), x2 = load8(v + half + i);
+          const __m256 c1 = _mm256_loadu_ps(cr.data() + i), s1 = _mm256_loadu_ps(sr.data() + i);
+          const __m256 c2 = _mm256_loadu_ps(cr.data() + half + i), s2 = _mm256_loadu_ps(sr.data() + half + i);
+          // torch: x * cos + cat(-x2, x1) * sin
+          const __m256 y1 = _mm256_add_ps(round_as<T>(_mm256_mul_ps(x1, c1)),
+                                          round_as<T>(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), x2), s1)));
+          const __m256 y2 = _mm256_add_ps(round_as<T>(_mm256_mul_ps(x2, c2)), round_as<T>(_mm256_mul_ps(x1, s2)));
+          store8(v + i, y1);
+          store8(v + half + i, y2);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace ridge_avx2
+
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   check_input(x, "rms_norm");
   TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.numel() == x.size(-1),
@@ -163,11 +238,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   auto y = torch::empty_like(xc);
   with_dtype(x.scalar_type(), [&](auto t) {
     using T = decltype(t);
-    const T *xp = xc.data_ptr<T>(), *wp = w.data_ptr<T>();
-    T* yp = y.data_ptr<T>();
-    at::parallel_for(0, xc.numel() / n, 16, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) rms_row(xp + r * n, wp, yp + r * n, n, static_cast<float>(eps));
-    });
+    ridge_avx2::rms_norm_into(xc.data_ptr<T>(), w.data_ptr<T>(), y.data_ptr<T>(), xc.numel() / n, n,
+                              static_cast<float>(eps));
   });
   return y;
 }
@@ -183,20 +255,13 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
   auto y = torch::empty_like(residual);
   with_dtype(x.scalar_type(), [&](auto t) {
     using T = decltype(t);
-    const T *xp = xc.data_ptr<T>(), *wp = w.data_ptr<T>();
-    T *rp = residual.data_ptr<T>(), *yp = y.data_ptr<T>();
-    at::parallel_for(0, xc.numel() / n, 16, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
-        add_row(rp + r * n, xp + r * n, n);
-        rms_row(rp + r * n, wp, yp + r * n, n, static_cast<float>(eps));
-      }
-    });
+    ridge_avx2::add_rms_norm_into(xc.data_ptr<T>(), residual.data_ptr<T>(), w.data_ptr<T>(), y.data_ptr<T>(),
+                                  xc.numel() / n, n, static_cast<float>(eps));
   });
   return y;
 }
 
-// silu(gate) * up for (..., 2I) -> (..., I): silu in fp32 and rounded to T, times up, rounded
-// again (torch's F.silu(gate) * up)
+// silu(gate) * up for (..., 2I) -> (..., I)
 torch::Tensor silu_mul(torch::Tensor gate_up) {
   check_input(gate_up, "silu_mul");
   auto g = gate_up.contiguous();
@@ -206,25 +271,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   auto y = torch::empty(shape, g.options());
   with_dtype(g.scalar_type(), [&](auto t) {
     using T = decltype(t);
-    const T* gp = g.data_ptr<T>();
-    T* yp = y.data_ptr<T>();
-    at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
-        const T* gate = gp + r * 2 * I;
-        const T* up = gate + I;
-        T* out = yp + r * I;
-        int64_t i = 0;
-        for (; i + 8 <= I; i += 8) {
-          const __m256 gv = load8(gate + i);
-          const __m256 act = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
-          store8(out + i, _mm256_mul_ps(round_as<T>(act), load8(up + i)));
-        }
-        for (; i < I; ++i) {
-          const float gv = gate[i];
-          out[i] = static_cast<T>(round_as<T>(gv / (1.f + std::exp(-gv))) * static_cast<float>(up[i]));
-        }
-      }
-    });
+    ridge_avx2::silu_mul_into(g.data_ptr<T>(), rows, I, y.data_ptr<T>());
   });
   return y;
 }
@@ -240,38 +287,14 @@ void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::T
                   sin.is_contiguous() && cos.size(-1) == x.size(2),
               "rope: float32 (positions, D) cos and sin tables expected");
   auto pos = positions.to(at::kLong).contiguous();
-  const int64_t T_ = x.size(0), H = x.size(1), D = x.size(2), half = D / 2, row_stride = x.stride(0);
+  const int64_t T_ = x.size(0), H = x.size(1), D = x.size(2), row_stride = x.stride(0);
   const int64_t* pp = pos.data_ptr<int64_t>();
   TORCH_CHECK(pos.numel() == T_, "rope: one position a row expected");
   for (int64_t t = 0; t < T_; ++t)
     TORCH_CHECK(pp[t] >= 0 && pp[t] < cos.size(0), "rope: position ", pp[t], " is outside the tables");
-  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   with_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    T* xp = x.data_ptr<T>();
-    at::parallel_for(0, T_, 16, [&](int64_t b, int64_t e) {
-      std::vector<float> cr(D), sr(D);
-      for (int64_t t = b; t < e; ++t) {
-        for (int64_t i = 0; i < D; i += 8) {
-          _mm256_storeu_ps(cr.data() + i, round_as<T>(_mm256_loadu_ps(cp + pp[t] * D + i)));
-          _mm256_storeu_ps(sr.data() + i, round_as<T>(_mm256_loadu_ps(sp + pp[t] * D + i)));
-        }
-        for (int64_t h = 0; h < H; ++h) {
-          T* v = xp + t * row_stride + h * D;
-          for (int64_t i = 0; i < half; i += 8) {
-            const __m256 x1 = load8(v + i), x2 = load8(v + half + i);
-            const __m256 c1 = _mm256_loadu_ps(cr.data() + i), s1 = _mm256_loadu_ps(sr.data() + i);
-            const __m256 c2 = _mm256_loadu_ps(cr.data() + half + i), s2 = _mm256_loadu_ps(sr.data() + half + i);
-            // torch: x * cos + cat(-x2, x1) * sin
-            const __m256 y1 = _mm256_add_ps(round_as<T>(_mm256_mul_ps(x1, c1)),
-                                            round_as<T>(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), x2), s1)));
-            const __m256 y2 = _mm256_add_ps(round_as<T>(_mm256_mul_ps(x2, c2)), round_as<T>(_mm256_mul_ps(x1, s2)));
-            store8(v + i, y1);
-            store8(v + half + i, y2);
-          }
-        }
-      }
-    });
+    ridge_avx2::rope_into(x.data_ptr<T>(), T_, H, D, row_stride, pp, cos.data_ptr<float>(), sin.data_ptr<float>());
   });
 }
 
@@ -383,37 +406,57 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       TORCH_CHECK(tp[b * max_blocks + i] >= 0 && tp[b * max_blocks + i] < pool, "decode_attention: block id outside the pool");
   }
   auto out = torch::empty_like(qc);
-  const int64_t G = Hq / Hkv;
   with_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    const T *qp = qc.data_ptr<T>(), *kp = k_cache.data_ptr<T>(), *vp = v_cache.data_ptr<T>();
-    T* op = out.data_ptr<T>();
-    at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> qf(G * D), scores;
-      std::vector<const T*> kr, vr;
-      for (int64_t job = begin; job < end; ++job) {
-        const int64_t b = job / Hkv, h = job % Hkv, L = lp[b];
-        const int64_t* table = tp + b * max_blocks;
-        const T* qb = qp + (b * Hq + h * G) * D;
-        for (int64_t i = 0; i < G * D; i += 8) _mm256_storeu_ps(qf.data() + i, load8(qb + i));
-        kr.resize(L), vr.resize(L), scores.resize(G * L);
-        for (int64_t t = 0; t < L; ++t) {
-          const int64_t at = ((table[t / BS] * BS + t % BS) * Hkv + h) * D;
-          kr[t] = kp + at, vr[t] = vp + at;
-        }
-        for (int64_t g0 = 0; g0 < G; g0 += 8)
-          with_heads(std::min<int64_t>(8, G - g0), [&](auto n) {
-            score_heads<T, decltype(n)::value>(qf.data() + g0 * D, kr.data(), L, D, static_cast<float>(scale),
-                                               scores.data() + g0 * L);
-          });
-        for (int64_t g = 0; g < G; ++g) softmax_row<T>(scores.data() + g * L, L);
-        T* ob = op + (b * Hq + h * G) * D;
-        for (int64_t g0 = 0; g0 < G; g0 += 8)
-          with_heads(std::min<int64_t>(8, G - g0), [&](auto n) {
-            weigh_values<T, decltype(n)::value>(scores.data() + g0 * L, vr.data(), L, D, ob + g0 * D);
-          });
-      }
-    });
+    ridge_avx2::decode_attention_into(qc.data_ptr<T>(), Hq * D, B, Hq, D, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                                      BS, Hkv, tp, max_blocks, lp, static_cast<float>(scale), out.data_ptr<T>());
   });
   return out;
 }
+
+namespace ridge_avx2 {
+
+template <class T>
+void decode_attention_into(const T* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, const T* kp, const T* vp,
+                           int64_t BS, int64_t Hkv, const int64_t* tp, int64_t max_blocks, const int64_t* lp,
+                           float scale, T* op) {
+  const int64_t G = Hq / Hkv;
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), scores;
+    std::vector<const T*> kr, vr;
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t b = job / Hkv, h = job % Hkv, L = lp[b];
+      const int64_t* table = tp + b * max_blocks;
+      const T* qb = qp + b * q_stride + h * G * D;
+      for (int64_t i = 0; i < G * D; i += 8) _mm256_storeu_ps(qf.data() + i, load8(qb + i));
+      kr.resize(L), vr.resize(L), scores.resize(G * L);
+      for (int64_t t = 0; t < L; ++t) {
+        const int64_t at = ((table[t / BS] * BS + t % BS) * Hkv + h) * D;
+        kr[t] = kp + at, vr[t] = vp + at;
+      }
+      for (int64_t g0 = 0; g0 < G; g0 += 8)
+        with_heads(std::min<int64_t>(8, G - g0), [&](auto n) {
+          score_heads<T, decltype(n)::value>(qf.data() + g0 * D, kr.data(), L, D, scale, scores.data() + g0 * L);
+        });
+      for (int64_t g = 0; g < G; ++g) softmax_row<T>(scores.data() + g * L, L);
+      T* ob = op + (b * Hq + h * G) * D;
+      for (int64_t g0 = 0; g0 < G; g0 += 8)
+        with_heads(std::min<int64_t>(8, G - g0), [&](auto n) {
+          weigh_values<T, decltype(n)::value>(scores.data() + g0 * L, vr.data(), L, D, ob + g0 * D);
+        });
+    }
+  });
+}
+
+#define RIDGE_AVX2_OPS(T)                                                                                          \
+  template void rms_norm_into<T>(const T*, const T*, T*, int64_t, int64_t, float);                                \
+  template void add_rms_norm_into<T>(const T*, T*, const T*, T*, int64_t, int64_t, float);                        \
+  template void silu_mul_into<T>(const T*, int64_t, int64_t, T*);                                                 \
+  template void rope_into<T>(T*, int64_t, int64_t, int64_t, int64_t, const int64_t*, const float*, const float*); \
+  template void decode_attention_into<T>(const T*, int64_t, int64_t, int64_t, int64_t, const T*, const T*, int64_t, \
+                                         int64_t, const int64_t*, int64_t, const int64_t*, float, T*);
+RIDGE_AVX2_OPS(float)
+RIDGE_AVX2_OPS(at::BFloat16)
+#undef RIDGE_AVX2_OPS
+
+}  // namespace ridge_avx2

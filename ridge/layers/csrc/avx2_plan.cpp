@@ -1,0 +1,322 @@
+// Every decoder layer of a bf16 decode step in one call, for CPUs with AVX2 only (Avx2Kernels).
+//
+// Op by op from Python, a decode step of the 1.1B Llama at 4 bits spent ~5 ms of its ~41 outside
+// the matmuls on the 2-core Zen 3 EPYC (Q4_0 file, batch 1): ~9 kernel calls a layer, each tens
+// of microseconds of interpreter, dispatch and allocation around a kernel that takes a few. A
+// plan built once holds each layer's weights (GGUF rows, blocks of 8 rows, or dense bf16), norms
+// and KV pools; run() walks the layers calling the very kernels the Python forward calls
+// (avx2_kernels.h's *_into entry points behind linear_blocks, linear_bf16, rms_norm,
+// add_rms_norm, rope_write_kv_, paged_decode_attention, silu_mul) in its order, on raw rows in
+// buffers it keeps, so its results are the Python path's bit for bit
+// (tests/models/test_decode_plan.py).
+//
+// What it covers: Llama attention (q/k norms too) over bf16 pools, dense MLPs. Anything else
+// (a quantized cache, an MoE, latent attention) is refused when the plan is built
+// (Avx2Kernels.plan_*), and a step the Python path would run elsewhere (a dense layer on
+// FLOAT32_GEMM_MIN_ROWS rows or more, attention's GEMM path for few (sequence, KV head) jobs)
+// is declined when it comes: run() returns None before touching anything, and the caller runs
+// the step op by op.
+#include <ATen/Parallel.h>
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include <chrono>
+#include <cstring>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "avx2_kernels.h"
+
+namespace {
+
+using bf16 = at::BFloat16;
+using Clock = std::chrono::steady_clock;
+using PartSpec = std::tuple<torch::Tensor, int64_t, int64_t>;  // (weight, format code, rows), as plan_linear gives
+
+// One weight of a layer: code -1 a dense bf16 (n, K); else a GGUF type's rows (n, row bytes),
+// or blocks of 8 rows (n / 8, 8 row bytes: repack_rows)
+struct Part {
+  torch::Tensor w;
+  int64_t type = -1, n = 0;
+  bool packed = false;
+
+  void into(const bf16* x, int64_t M, int64_t K, const float* bias, bf16* y, int64_t ldy) const {
+    if (type < 0)
+      return ridge_avx2::linear_bf16_into(x, M, K, w.data_ptr<bf16>(), n, bias, y, ldy);
+    ridge_avx2::linear_blocks_into(x, M, K, w.data_ptr<uint8_t>(), type, packed, n, bias, y, ldy);
+  }
+};
+
+// A linear layer: one part with its bias (Avx2Kernels.linear), or parts side by side and then
+// the bias added in bf16 (ShardedLinearMethod.join: cat, then y + bias.to(y.dtype))
+struct Lin {
+  std::vector<Part> parts;
+  int64_t k = 0, width = 0;
+  torch::Tensor bias_f;  // one part: the bias in float32, added before the rounding; parts: as bf16, after
+  bool dense = false;  // a part is dense bf16
+
+  void into(const bf16* x, int64_t M, bf16* y) const {
+    const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+    if (parts.size() == 1) return parts[0].into(x, M, k, b, y, width);
+    int64_t col = 0;
+    for (const auto& p : parts) {
+      p.into(x, M, k, nullptr, y + col, width);
+      col += p.n;
+    }
+    if (b == nullptr) return;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t i = 0; i < width; ++i) y[m * width + i] = static_cast<bf16>(static_cast<float>(y[m * width + i]) + b[i]);
+  }
+};
+
+Lin make_lin(const std::vector<PartSpec>& specs, const c10::optional<torch::Tensor>& bias, int64_t k) {
+  TORCH_CHECK(!specs.empty(), "AVX2 decode plan: a linear layer without weights");
+  Lin lin;
+  lin.k = k;
+  for (const auto& [w, type, n] : specs) {
+    Part p{w, type, n, false};
+    TORCH_CHECK(w.device().is_cpu() && w.is_contiguous() && w.dim() == 2, "AVX2 decode plan: contiguous 2-D CPU weights");
+    if (type < 0) {
+      TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(0) == n && w.size(1) == k,
+                  "AVX2 decode plan: a dense weight (", n, ", ", k, ") in bf16 expected");
+      lin.dense = true;
+    } else {
+      const int64_t row_bytes = ridge_avx2::block_row_bytes(type, k);
+      TORCH_CHECK(row_bytes > 0 && w.scalar_type() == at::kByte, "AVX2 decode plan: GGUF type ", type,
+                  " has no AVX2 kernel for rows of ", k);
+      p.packed = w.size(0) != n;
+      TORCH_CHECK(p.packed ? n % 8 == 0 && w.size(0) * 8 == n && w.size(1) == 8 * row_bytes
+                           : w.size(1) == row_bytes,
+                  "AVX2 decode plan: ", n, " rows of GGUF type ", type, " do not match a weight of ", w.sizes());
+    }
+    lin.width += n;
+    lin.parts.push_back(p);
+  }
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == lin.width, "AVX2 decode plan: a bias of ", bias->numel(), " for ", lin.width, " outputs");
+    lin.bias_f = lin.parts.size() == 1 ? bias->to(at::kFloat).contiguous()
+                                       : bias->to(at::kBFloat16).to(at::kFloat).contiguous();
+  }
+  return lin;
+}
+
+struct Layer {
+  torch::Tensor in_norm, post_norm;
+  float eps = 0.f;
+  Lin qkv, o, gate_up, down;
+  int64_t heads = 0, kv_heads = 0, head_dim = 0;
+  float scale = 0.f;
+  c10::optional<torch::Tensor> q_norm, k_norm;
+  float qk_eps = 0.f;
+  torch::Tensor k_pool, v_pool;
+};
+
+struct Timer {
+  double& total;
+  Clock::time_point start = Clock::now();
+  explicit Timer(double& t) : total(t) {}
+  ~Timer() { total += std::chrono::duration<double>(Clock::now() - start).count(); }
+};
+
+void check_bf16_vector(const torch::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.numel() == n, "AVX2 decode plan: ", what,
+              " must be ", n, " contiguous bf16 values");
+}
+
+}  // namespace
+
+class Avx2DecodePlan {
+ public:
+  // dense_max_rows: the rows from which Avx2Kernels runs a dense layer through torch's GEMM
+  // (FLOAT32_GEMM_MIN_ROWS); many_heads: the query heads per KV head from which its decode
+  // attention gives way to torch's GEMMs when there are fewer (sequence, KV head) jobs than
+  // threads (MANY_HEADS_PER_KV_HEAD). A step either would take is declined.
+  Avx2DecodePlan(int64_t dense_max_rows, int64_t many_heads) : dense_max_rows_(dense_max_rows), many_heads_(many_heads) {}
+
+  // The same arguments as the AVX-512 DecodePlan's add_layer (LlamaAttention.add_to_plan);
+  // a quantized pool is refused (Avx2Kernels.plan_takes_cache keeps those out).
+  void add_layer(torch::Tensor in_norm, torch::Tensor post_norm, double eps, std::vector<PartSpec> qkv,
+                 c10::optional<torch::Tensor> qkv_bias, std::vector<PartSpec> o, c10::optional<torch::Tensor> o_bias,
+                 int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, c10::optional<torch::Tensor> q_norm,
+                 c10::optional<torch::Tensor> k_norm, double qk_eps, torch::Tensor k_pool, torch::Tensor v_pool,
+                 c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale, bool fp8) {
+    TORCH_CHECK(!k_scale.has_value() && !v_scale.has_value() && !fp8, "AVX2 decode plan: bf16 pools only");
+    TORCH_CHECK(k_pool.scalar_type() == at::kBFloat16 && v_pool.scalar_type() == at::kBFloat16 &&
+                    k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 4 &&
+                    k_pool.sizes() == v_pool.sizes() && k_pool.size(2) == kv_heads && k_pool.size(3) == head_dim,
+                "AVX2 decode plan: contiguous bf16 (blocks, block_size, kv_heads, head_dim) pools expected");
+    TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim % 16 == 0,
+                "AVX2 decode plan: query heads a multiple of the KV heads, head_dim a multiple of 16");
+    const int64_t hidden = in_norm.numel();
+    TORCH_CHECK(hidden_ == 0 || hidden == hidden_, "AVX2 decode plan: layers of one hidden size");
+    hidden_ = hidden;
+    check_bf16_vector(in_norm, hidden, "input_layernorm");
+    check_bf16_vector(post_norm, hidden, "post_attention_layernorm");
+    Layer l;
+    l.in_norm = in_norm, l.post_norm = post_norm, l.eps = static_cast<float>(eps);
+    l.qkv = make_lin(qkv, qkv_bias, hidden);
+    l.o = make_lin(o, o_bias, heads * head_dim);
+    TORCH_CHECK(l.qkv.width == (heads + 2 * kv_heads) * head_dim && l.o.width == hidden,
+                "AVX2 decode plan: qkv_proj and o_proj do not match the heads");
+    l.heads = heads, l.kv_heads = kv_heads, l.head_dim = head_dim, l.scale = static_cast<float>(scale);
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "AVX2 decode plan: q and k norms go together");
+    if (q_norm.has_value()) {
+      check_bf16_vector(*q_norm, head_dim, "q_norm");
+      check_bf16_vector(*k_norm, head_dim, "k_norm");
+    }
+    l.q_norm = q_norm, l.k_norm = k_norm, l.qk_eps = static_cast<float>(qk_eps);
+    l.k_pool = k_pool, l.v_pool = v_pool;
+    layers_.push_back(std::move(l));
+  }
+
+  void set_mlp(std::vector<PartSpec> gate_up, c10::optional<torch::Tensor> gate_up_bias, std::vector<PartSpec> down,
+               c10::optional<torch::Tensor> down_bias) {
+    TORCH_CHECK(!layers_.empty(), "AVX2 decode plan: set_mlp before add_layer");
+    Layer& l = layers_.back();
+    l.gate_up = make_lin(gate_up, gate_up_bias, hidden_);
+    TORCH_CHECK(l.gate_up.width % 2 == 0, "AVX2 decode plan: gate_up_proj has an odd width");
+    l.down = make_lin(down, down_bias, l.gate_up.width / 2);
+    TORCH_CHECK(l.down.width == hidden_, "AVX2 decode plan: down_proj does not give the hidden size");
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // h: (T, hidden) bf16, the residual stream, updated in place. Returns the seconds spent in
+  // the linear kernels and, per layer, -1 (no MoE), as the AVX-512 plan does; None where the
+  // Python path would take another kernel for this step (h untouched).
+  std::optional<std::tuple<double, std::vector<int64_t>>> run(torch::Tensor h, torch::Tensor slots,
+                                                               torch::Tensor block_tables, torch::Tensor context_lens,
+                                                               torch::Tensor positions, torch::Tensor cos,
+                                                               torch::Tensor sin) {
+    TORCH_CHECK(!layers_.empty() && layers_.back().down.width == hidden_, "AVX2 decode plan: a layer without its MLP");
+    TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.is_contiguous() && h.dim() == 2 && h.size(1) == hidden_,
+                "AVX2 decode plan: (T, hidden) bf16 h");
+    const int64_t T = h.size(0);
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T,
+                "AVX2 decode plan: one int64 slot per token");
+    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == T,
+                "AVX2 decode plan: one int64 position per token");
+    TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
+                    block_tables.size(0) == T && context_lens.scalar_type() == at::kLong &&
+                    context_lens.is_contiguous() && context_lens.numel() == T,
+                "AVX2 decode plan: (T, blocks) int64 block tables and T int64 context lengths");
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                    sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes(),
+                "AVX2 decode plan: float32 (positions, dim) rotary tables");
+    if (!takes(T, cos.size(1))) return std::nullopt;
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* tables = block_tables.data_ptr<int64_t>();
+    const int64_t* lens = context_lens.data_ptr<int64_t>();
+    const int64_t max_blocks = block_tables.size(1);
+    for (const auto& l : layers_) {  // every index the step reads or writes, in every layer's pools
+      const int64_t BS = l.k_pool.size(1), pool = l.k_pool.size(0);
+      for (int64_t t = 0; t < T; ++t) {
+        TORCH_CHECK(sp[t] >= 0 && sp[t] < pool * BS, "AVX2 decode plan: slot ", sp[t], " is outside the pool");
+        TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "AVX2 decode plan: position ", pos[t], " is outside the tables");
+        TORCH_CHECK(lens[t] >= 1 && lens[t] <= max_blocks * BS, "AVX2 decode plan: context length ", lens[t],
+                    " does not fit its table");
+        for (int64_t i = 0; i < (lens[t] + BS - 1) / BS; ++i)
+          TORCH_CHECK(tables[t * max_blocks + i] >= 0 && tables[t * max_blocks + i] < pool,
+                      "AVX2 decode plan: block id outside the pool");
+      }
+    }
+    ensure_buffers(T);
+    bf16* hp = h.data_ptr<bf16>();
+    bf16 *x = x_.data(), *o = o_.data(), *gu = gu_.data(), *act = act_.data(), *ffn = ffn_.data();
+    const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
+    double matmul_s = 0.0;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& l = layers_[i];
+      // the previous layer's feed-forward output added into h with this layer's input norm
+      if (i == 0)
+        ridge_avx2::rms_norm_into<bf16>(hp, l.in_norm.data_ptr<bf16>(), x, T, hidden_, l.eps);
+      else
+        ridge_avx2::add_rms_norm_into<bf16>(ffn, hp, l.in_norm.data_ptr<bf16>(), x, T, hidden_, l.eps);
+      attention(l, x, T, sp, tables, max_blocks, lens, pos, cp, snp, o, matmul_s);
+      ridge_avx2::add_rms_norm_into<bf16>(o, hp, l.post_norm.data_ptr<bf16>(), x, T, hidden_, l.eps);
+      {
+        Timer t(matmul_s);
+        l.gate_up.into(x, T, gu);
+      }
+      ridge_avx2::silu_mul_into<bf16>(gu, T, l.gate_up.width / 2, act);
+      Timer t(matmul_s);
+      l.down.into(act, T, ffn);
+    }
+    for (int64_t i = 0; i < T * hidden_; ++i)  // the last layer's feed-forward into h (h.add_ rounds once)
+      hp[i] = static_cast<bf16>(static_cast<float>(hp[i]) + static_cast<float>(ffn[i]));
+    return std::make_tuple(matmul_s, std::vector<int64_t>(layers_.size(), -1));
+  }
+
+ private:
+  // whether the Python path runs this step's T rows through the kernels the plan calls
+  bool takes(int64_t T, int64_t rotary_dim) const {
+    for (const auto& l : layers_) {
+      if (rotary_dim != l.head_dim) return false;  // rope_ takes full-width tables only
+      if ((l.qkv.dense || l.o.dense || l.gate_up.dense || l.down.dense) && T >= dense_max_rows_) return false;
+      const bool few_jobs = T * l.kv_heads < at::get_num_threads();
+      if (l.heads / l.kv_heads >= many_heads_ && few_jobs) return false;
+    }
+    return true;
+  }
+
+  // LlamaAttention.forward on raw rows: x (T, hidden) -> o (T, hidden) through o_proj
+  void attention(const Layer& l, const bf16* x, int64_t T, const int64_t* sp, const int64_t* tables,
+                 int64_t max_blocks, const int64_t* lens, const int64_t* pos, const float* cp, const float* snp,
+                 bf16* o, double& matmul_s) {
+    const int64_t D = l.head_dim, q_size = l.heads * D, kv_size = l.kv_heads * D, qkv_n = q_size + 2 * kv_size;
+    bf16 *qkv = qkv_.data(), *attn = attn_.data();
+    {
+      Timer t(matmul_s);
+      l.qkv.into(x, T, qkv);
+    }
+    if (l.q_norm.has_value()) {  // each head's q and k normed in place (rms_row reads a row before writing it)
+      for (int64_t t = 0; t < T; ++t) {
+        bf16* row = qkv + t * qkv_n;
+        ridge_avx2::rms_norm_into<bf16>(row, l.q_norm->data_ptr<bf16>(), row, l.heads, D, l.qk_eps);
+        ridge_avx2::rms_norm_into<bf16>(row + q_size, l.k_norm->data_ptr<bf16>(), row + q_size, l.kv_heads, D,
+                                        l.qk_eps);
+      }
+    }
+    ridge_avx2::rope_into<bf16>(qkv, T, l.heads + l.kv_heads, D, qkv_n, pos, cp, snp);
+    bf16 *kp = l.k_pool.data_ptr<bf16>(), *vp = l.v_pool.data_ptr<bf16>();
+    for (int64_t t = 0; t < T; ++t) {  // write_kv / rope_write_kv_'s copies
+      std::memcpy(kp + sp[t] * kv_size, qkv + t * qkv_n + q_size, kv_size * sizeof(bf16));
+      std::memcpy(vp + sp[t] * kv_size, qkv + t * qkv_n + q_size + kv_size, kv_size * sizeof(bf16));
+    }
+    ridge_avx2::decode_attention_into<bf16>(qkv, qkv_n, T, l.heads, D, kp, vp, l.k_pool.size(1), l.kv_heads, tables,
+                                            max_blocks, lens, l.scale, attn);
+    Timer t(matmul_s);
+    l.o.into(attn, T, o);
+  }
+
+  void ensure_buffers(int64_t T) {
+    if (T <= rows_) return;
+    int64_t qkv = 0, q = 0, gu = 0;
+    for (const auto& l : layers_) {
+      qkv = std::max(qkv, l.qkv.width);
+      q = std::max(q, l.heads * l.head_dim);
+      gu = std::max(gu, l.gate_up.width);
+    }
+    x_.resize(T * hidden_), o_.resize(T * hidden_), ffn_.resize(T * hidden_);
+    qkv_.resize(T * qkv), attn_.resize(T * q), gu_.resize(T * gu), act_.resize(T * gu / 2);
+    rows_ = T;
+  }
+
+  int64_t dense_max_rows_, many_heads_;
+  int64_t hidden_ = 0, rows_ = 0;
+  std::vector<Layer> layers_;
+  std::vector<bf16> x_, o_, ffn_, qkv_, attn_, gu_, act_;
+};
+
+void register_decode_plan(pybind11::module_& m) {
+  namespace py = pybind11;
+  py::class_<Avx2DecodePlan>(m, "DecodePlan", py::module_local(), "every decoder layer of a bf16 decode step in one call (AVX2)")
+      .def(py::init<int64_t, int64_t>())
+      .def("add_layer", &Avx2DecodePlan::add_layer)
+      .def("set_mlp", &Avx2DecodePlan::set_mlp)
+      .def("num_layers", &Avx2DecodePlan::num_layers)
+      .def("run", &Avx2DecodePlan::run, py::call_guard<py::gil_scoped_release>(),
+           "(seconds in matmuls, -1 per layer), or None: a step the plan leaves to the Python path");
+}

@@ -1,0 +1,148 @@
+"""The AVX2 decode plan (``csrc/avx2_plan.cpp``, ``Avx2Kernels.decode_plan``): a bf16 decode
+step's Llama layers in one call computes what the op-by-op forward on the same kernels
+computes, bit for bit; what it does not cover (an MoE, a quantized cache) runs op by op, and
+a step the Python path would send elsewhere is declined and runs op by op.
+
+The AVX2 kernels run on every x86 CPU with AVX2 (an AVX-512 one too): each test here picks
+them as a CPU without AVX-512 would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from ridge import LLM, SamplingParams
+from ridge.layers import cpu_kernels
+from ridge.layers.kernels import Avx2Kernels
+from ridge.models import llama
+
+from .hf_tiny import COMMON, build
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.cpu_has_avx2(), reason="this CPU has no AVX2 + FMA + F16C")
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25], [3]]
+
+
+@pytest.fixture(autouse=True)
+def avx2_alone(monkeypatch):
+    """ridge's kernel choice as on a CPU with AVX2 and no AVX-512 BF16."""
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+
+
+@pytest.fixture
+def plan_runs(monkeypatch):
+    """What each DecodePlanRun.run returned (True: the plan ran the step; False: declined)."""
+    runs = []
+    run = llama.DecodePlanRun.run
+
+    def recorded(self, *args):
+        runs.append(run(self, *args))
+        return runs[-1]
+
+    monkeypatch.setattr(llama.DecodePlanRun, "run", recorded)
+    return runs
+
+
+def _generate(path, prompts=PROMPTS, **options):
+    """Greedy tokens and their top-3 logprobs for a batch of three (decode steps of 3, then 2
+    rows, with a prompt longer than a KV block), or of ``prompts``; and the model."""
+    llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=64, seed=0, device="cpu", tokenizer="bytes", **options)
+    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=3, ignore_eos=True)
+    last = SamplingParams(max_tokens=3, temperature=0.0, logprobs=3)
+    outs = llm.generate(prompts, [params] * (len(prompts) - 1) + [last], use_tqdm=False)
+    got = [
+        (o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]) for o in outs
+    ]
+    model = llm.engine.executor.worker.model
+    assert isinstance(model.kernels, Avx2Kernels)
+    return got, model
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias", "qwen3-qknorm"])
+@pytest.mark.parametrize("quantization", [None, "int4", "q4_k", "q6_k", "int8"])
+def test_the_plan_computes_what_the_op_by_op_forward_computes(tmp_path, variant, quantization, plan_runs):
+    """Plain Llama, q/k/v biases, q/k norms; dense bf16 weights, blocks of 8 rows (Q4_0, Q4_K)
+    and GGUF rows (Q6_K, Q8_0): the same tokens and logprobs."""
+    build(variant, tmp_path)
+    planned, model = _generate(tmp_path, quantization=quantization)
+    assert model._plan is not None and model._plan.plan.num_layers() == len(model.model.layers)
+    assert plan_runs and all(plan_runs)  # every decode step through the plan
+    eager, eager_model = _generate(tmp_path, quantization=quantization, enforce_eager=True)
+    assert eager_model._plan is None
+    assert planned == eager
+
+
+def test_a_file_whose_qkv_keeps_two_formats_plans_each_part(tmp_path, plan_runs):
+    """A Q4_K_M-style layer: q/k in Q4_K (blocks of 8 rows) and v in Q6_K (GGUF rows), each part
+    into its columns of the step's qkv rows, joined as the Python forward joins them."""
+    from gguf import GGMLQuantizationType as T
+
+    from ridge.models.export import write_gguf
+    from ridge.quantization.formats import FORMATS_BY_GGML_TYPE
+    from ridge.quantization.random_blocks import random_blocks
+
+    from .gguf_files import rewrite
+
+    config = transformers.LlamaConfig(
+        **{**COMMON, "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 2}
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    dense = write_gguf(tmp_path / "hf", config.to_dict(), tmp_path / "dense.gguf")
+
+    def fn(name, values):
+        kind = name.rsplit(".", 2)[-2]
+        qtype = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "ffn_down": T.Q6_K}.get(kind, T.Q4_K)
+        if kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+            blocks = random_blocks(FORMATS_BY_GGML_TYPE[qtype], values.shape[0], values.shape[1], seed=len(name))
+            return blocks.numpy(), qtype
+        return None
+
+    path = rewrite(dense, tmp_path / "mixed.gguf", fn)
+    planned, model = _generate(path)
+    assert len(model.model.layers[0].self_attn.qkv_proj.parts) == 2
+    assert model._plan is not None and plan_runs and all(plan_runs)
+    eager, _ = _generate(path, enforce_eager=True)
+    assert planned == eager
+
+
+def test_a_step_the_python_path_sends_to_torch_is_declined(tmp_path, plan_runs):
+    """Eight query heads on one KV head: with fewer (sequence, KV head) jobs than threads,
+    Avx2Kernels.decode_attention gives way to torch's GEMMs, so the plan declines those steps
+    (one sequence on 2 threads) and runs the others (2 or 3); the tokens are op by op's."""
+    config = transformers.LlamaConfig(
+        **{**COMMON, "hidden_size": 128, "num_attention_heads": 8, "num_key_value_heads": 1}
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # decode_attention and the plan both ask this
+    try:
+        planned, model = _generate(tmp_path, quantization="int4")
+        assert model._plan is not None and plan_runs and all(plan_runs)
+        plan_runs.clear()
+        alone, model = _generate(tmp_path, [PROMPTS[1]], quantization="int4")
+        assert model._plan is not None and plan_runs and not any(plan_runs)
+        eager, _ = _generate(tmp_path, quantization="int4", enforce_eager=True)
+        eager_alone, _ = _generate(tmp_path, [PROMPTS[1]], quantization="int4", enforce_eager=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert planned == eager and alone == eager_alone
+
+
+@pytest.mark.parametrize(
+    "variant,options",
+    [("mixtral-moe", {}), ("llama-gqa", {"kv_cache_dtype": "int8"}), ("llama-gqa", {"dtype": "float32"})],
+    ids=["moe", "int8-kv", "float32"],
+)
+def test_what_the_plan_does_not_cover_runs_op_by_op(tmp_path, variant, options):
+    build(variant, tmp_path)
+    llm = LLM(
+        str(tmp_path), **{"dtype": "bfloat16", "num_kv_blocks": 64, "device": "cpu", "tokenizer": "bytes", **options}
+    )
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    model = llm.engine.executor.worker.model
+    assert isinstance(model.kernels, Avx2Kernels)
+    assert model._plan_key is not None and model._plan is None  # asked for, and declined
