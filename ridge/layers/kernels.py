@@ -342,15 +342,16 @@ class Avx2Kernels(TorchKernels):
       are a multiple of 8; the other formats stay as loaded (and the kernel packs Q8_0's and
       Q6_K's blocks of 8 rows as it goes in calls of 32 rows or more: prefill).
     - A decode step's other ops in float32 or bfloat16 run ``csrc/avx2_ops.cpp``: RMSNorm (with
-      the residual add), SiLU-and-multiply, RoPE, and decode attention from the paged cache
-      (not an int8/fp8 one). Each rounds where torch's op rounds.
+      the residual add), SiLU-and-multiply, RoPE, and decode attention from the paged cache (an
+      int8 / fp8 one's codes dequantized in registers as rows are read). Each rounds where
+      torch's op rounds.
     - Dense bf16 layers run ``csrc/avx2_dense.cpp`` below FLOAT32_GEMM_MIN_ROWS rows (decode:
       the weight streamed once for up to 4 rows at a time, widened in registers), and torch's
       float32 GEMM on the weight widened a slice at a time from there (prefill). Without
       AVX-512 BF16 torch's bf16 GEMM is a slow path: 9.4 GB/s on one row, 11.5x one row's time
       on 23.
-    - Everything else (other dense matmuls, prefill attention, quantized caches, routing) is
-      torch's."""
+    - Everything else (other dense matmuls, prefill attention, a quantized cache's writes,
+      routing) is torch's."""
 
     name = "avx2"
     packed_row_block = 8  # rows pack 8 at a time
@@ -539,9 +540,8 @@ class Avx2Kernels(TorchKernels):
         num_kv_heads = cache.k.shape[2]
         few_jobs = num_seqs * num_kv_heads < torch.get_num_threads()
         if (
-            cache.quantized
-            or q.dtype not in (torch.float32, torch.bfloat16)
-            or cache.k.dtype is not q.dtype
+            q.dtype not in (torch.float32, torch.bfloat16)
+            or not (self._reads_codes(cache, head_dim) if cache.quantized else cache.k.dtype is q.dtype)
             or head_dim % 8
             # many heads on one KV head and fewer (sequence, KV head) jobs than threads: torch's
             # batched GEMMs over the gathered copy keep every core busy, the kernel would not
@@ -549,10 +549,29 @@ class Avx2Kernels(TorchKernels):
         ):
             return super().decode_attention(q, cache, meta, scale, value_dim)
         scale = head_dim**-0.5 if scale is None else scale
-        out = self.ext.paged_decode_attention(
-            q, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens, scale
-        )
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        if cache.quantized:  # codes dequantized in registers as each row is read
+            out = self.ext.paged_decode_attention_quant(
+                q, cache.k, cache.v, cache.k_scale, cache.v_scale, tables, lens, scale, cache.kind == "fp8"
+            )
+        else:
+            out = self.ext.paged_decode_attention(q, cache.k, cache.v, tables, lens, scale)
         return out if value_dim is None else out[..., :value_dim]
+
+    @staticmethod
+    def _reads_codes(cache, head_dim) -> bool:
+        """Whether paged_decode_attention_quant reads this int8 / fp8 cache: fp16 scales of one
+        group a head, or of groups of a power of two dims (8 or more)."""
+        groups = cache.k_scale.shape[-1]
+        width = head_dim // groups
+        return (
+            cache.kind in ("int8", "fp8")
+            and cache.k_scale.dtype is torch.float16
+            and cache.k.is_contiguous()
+            and cache.v.is_contiguous()
+            and cache.k.shape == cache.v.shape
+            and (groups == 1 or (head_dim % groups == 0 and width >= 8 and width & (width - 1) == 0))
+        )
 
 
 class CpuKernels(TorchKernels):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ridge.kv.cache import PagedKV, quantize
+from ridge.kv.cache import PagedKV, dequantize, quantize
 from ridge.layers import kernels as kernels_module
 from ridge.layers.attention import AttentionMetadata
 from ridge.layers.cpu_kernels import cpu_has_avx2, load_avx2_extension
@@ -198,13 +198,48 @@ def test_decode_attention_scale_value_dim_and_a_sliced_query(kernels):
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_a_quantized_cache_runs_torchs_path(kernels):
-    q, cache, tables, lens = _attention_case(torch.float32)
-    k8, ks = quantize(cache.k, "int8")
-    v8, vs = quantize(cache.v, "int8")
-    qcache = PagedKV(k8, v8, ks, vs, "int8")
+def _quantized(cache, kind):
+    k8, ks = quantize(cache.k, kind)
+    v8, vs = quantize(cache.v, kind)
+    return PagedKV(k8, v8, ks, vs, kind)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+# groups of 32 dims, one group a head (40), 8 query heads and then 2
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (4, 4, 40), (20, 2, 128)])
+def test_decode_attention_reads_a_quantized_cache_as_its_dequantized_values(
+    kernels, dtype, kind, heads, kv_heads, head_dim
+):
+    """Each K and V value made in registers is dequantize's (codes times scale in float32,
+    rounded to q's dtype): the kernel over the codes equals the kernel over the dequantized
+    cache, bit for bit, and torch's path over the codes to float rounding. An e4m3 cache's
+    subnormal codes (small values of a group) decode exactly too."""
+    q, cache, tables, lens = _attention_case(dtype, head_dim, heads, kv_heads)
+    cache.k[5, :4] *= 1e-3  # a few values far under their group's amax: e4m3 subnormals
+    qcache = _quantized(cache, kind)
+    if kind == "fp8":
+        assert (((qcache.k & 0x78) == 0) & ((qcache.k & 0x07) != 0)).any()  # exponent field 0, mantissa not
     got = kernels.decode_attention(q, qcache, _meta(tables, lens))
-    assert torch.equal(got, TorchKernels().decode_attention(q, qcache, _meta(tables, lens)))
+    dequantized = PagedKV(
+        dequantize(qcache.k, qcache.k_scale, kind, dtype), dequantize(qcache.v, qcache.v_scale, kind, dtype)
+    )
+    assert torch.equal(got, kernels.decode_attention(q, dequantized, _meta(tables, lens)))
+    want = TorchKernels().decode_attention(q, qcache, _meta(tables, lens))
+    tol = 2e-2 if dtype is torch.bfloat16 else 1e-5
+    assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_a_quantized_cache_the_kernel_does_not_read_runs_torchs_path(kernels):
+    q, cache, tables, lens = _attention_case(torch.float32)
+    qcache = _quantized(cache, "int8")
+    odd = PagedKV(qcache.k, qcache.v, qcache.k_scale.float(), qcache.v_scale.float(), "int8")  # float32 scales
+    got = kernels.decode_attention(q, odd, _meta(tables, lens))
+    assert torch.equal(got, TorchKernels().decode_attention(q, odd, _meta(tables, lens)))
+    with pytest.raises(RuntimeError, match="fp16 .* scales expected"):
+        kernels.ext.paged_decode_attention_quant(
+            q, qcache.k, qcache.v, odd.k_scale, odd.v_scale, tables, lens, 0.125, False
+        )
 
 
 def test_decode_attention_refuses_what_does_not_fit(kernels):

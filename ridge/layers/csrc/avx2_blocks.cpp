@@ -1246,5 +1246,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv_", &rope_write_kv_, nogil, "rope_ on qkv's q and k heads, then k and v into the pools at slots");
   m.def("paged_decode_attention", &paged_decode_attention, nogil,
         "one query per sequence over its paged float32 / bfloat16 K/V, no gather");
+  m.def("paged_decode_attention_quant", &paged_decode_attention_quant, nogil,
+        "paged_decode_attention over an int8 or e4m3 cache and its fp16 group scales, dequantized in registers");
   register_decode_plan(m);
 }

@@ -24,6 +24,9 @@ void rope_write_kv_(torch::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, 
                     torch::Tensor slots);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+torch::Tensor paged_decode_attention_quant(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                           torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_tables,
+                                           torch::Tensor context_lens, double scale, bool fp8);
 
 namespace ridge_avx2 {
 
@@ -56,5 +59,10 @@ template <class T>  // q (B, Hq, D), rows q_stride apart -> out (B, Hq, D); tabl
 void decode_attention_into(const T* q, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, const T* k_cache,
                            const T* v_cache, int64_t BS, int64_t Hkv, const int64_t* tables, int64_t max_blocks,
                            const int64_t* lens, float scale, T* out);
+template <class T>  // the same over int8 / e4m3 codes (k, v) and their fp16 scales, `groups` a row
+void decode_attention_quant_into(const T* q, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, const uint8_t* k_codes,
+                                 const uint8_t* v_codes, const at::Half* k_scales, const at::Half* v_scales,
+                                 int64_t groups, bool fp8, int64_t BS, int64_t Hkv, const int64_t* tables,
+                                 int64_t max_blocks, const int64_t* lens, float scale, T* out);
 
 }  // namespace ridge_avx2

@@ -332,32 +332,76 @@ void rope_write_kv_(torch::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, 
 
 namespace {
 
-// Query heads [0, N) of a KV head (qf: their float32 rows, D apart) against its K rows kr[0, L):
+// A KV head's rows of the context, 8 values at a time: row(t) then load(row, d)
+template <typename T>
+struct PlainRows {  // a cache in T
+  std::vector<const T*> rows;
+  void resize(int64_t L) { rows.resize(L); }
+  const T* row(int64_t t) const { return rows[t]; }
+  static __m256 load(const T* r, int64_t d) { return load8(r + d); }
+};
+
+// A cache of codes, int8 or e4m3, under one fp16 scale per group of dims: kv/cache.py's
+// dequantize (codes times the scale in float32, rounded to T), 8 values at a time
+template <typename T, bool FP8>
+struct CodeRows {
+  struct Row {
+    const uint8_t* codes;
+    const float* scales;  // the row's group scales in float32 (an e4m3 row's times 256)
+  };
+  std::vector<Row> rows;
+  std::vector<float> scales;  // L rows of G
+  int64_t G = 1, shift = 63;  // dim d's group: d >> shift (groups of 32, or one)
+  void resize(int64_t L) { rows.resize(L), scales.resize(L * G); }
+  Row row(int64_t t) const { return rows[t]; }
+  // row t's codes and its G fp16 scales
+  void set(int64_t t, const uint8_t* codes, const at::Half* sc) {
+    float* f = scales.data() + t * G;
+    for (int64_t g = 0; g < G; ++g) f[g] = static_cast<float>(sc[g]) * (FP8 ? 256.f : 1.f);
+    rows[t] = {codes, f};
+  }
+  __m256 load(const Row& r, int64_t d) const {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.codes + d));
+    __m256 v;
+    if constexpr (FP8) {  // e4m3 -> the fp16 of its value / 256 (exact, subnormals too), then fp32
+      const __m128i w = _mm_cvtepu8_epi16(b);
+      const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7),
+                                     _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
+      v = _mm256_cvtph_ps(h);
+    } else {
+      v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    }
+    return round_as<T>(_mm256_mul_ps(v, _mm256_set1_ps(r.scales[d >> shift])));
+  }
+};
+
+// Query heads [0, N) of a KV head (qf: their float32 rows, D apart) against its K rows [0, L):
 // each head's q . k an fmadd chain over D, then hsum, rounded to T and times scale, into s[j L +
 // t]. The N chains share each load of a K row's 8 dims.
-template <typename T, int N>
-void score_heads(const float* qf, const T* const* kr, int64_t L, int64_t D, float scale, float* s) {
+template <typename T, int N, class Rows>
+void score_heads(const float* qf, const Rows& kr, int64_t L, int64_t D, float scale, float* s) {
   for (int64_t t = 0; t < L; ++t) {
+    const auto row = kr.row(t);
     __m256 a[N];
     for (int j = 0; j < N; ++j) a[j] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
-      const __m256 k = load8(kr[t] + d);
+      const __m256 k = kr.load(row, d);
       for (int j = 0; j < N; ++j) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + j * D + d), k, a[j]);
     }
     for (int j = 0; j < N; ++j) s[j * L + t] = round_as<T>(hsum(a[j])) * scale;
   }
 }
 
-// Those heads' outputs: probabilities p[j L + t] times the V rows vr[0, L), 8 dims at a time,
+// Those heads' outputs: probabilities p[j L + t] times the V rows [0, L), 8 dims at a time,
 // each head's an fmadd chain over t kept in a register (the N chains share each load of a V
 // row), rounded to T at out + j D
-template <typename T, int N>
-void weigh_values(const float* p, const T* const* vr, int64_t L, int64_t D, T* out) {
+template <typename T, int N, class Rows>
+void weigh_values(const float* p, const Rows& vr, int64_t L, int64_t D, T* out) {
   for (int64_t d = 0; d < D; d += 8) {
     __m256 o[N];
     for (int j = 0; j < N; ++j) o[j] = _mm256_setzero_ps();
     for (int64_t t = 0; t < L; ++t) {
-      const __m256 v = load8(vr[t] + d);
+      const __m256 v = vr.load(vr.row(t), d);
       for (int j = 0; j < N; ++j) o[j] = _mm256_fmadd_ps(_mm256_set1_ps(p[j * L + t]), v, o[j]);
     }
     for (int j = 0; j < N; ++j) store8(out + j * D + d, o[j]);
@@ -381,6 +425,38 @@ void with_heads(int64_t n, Fn&& fn) {
 
 }  // namespace
 
+namespace {
+
+// q (B, Hq, D) against pools of (blocks, BS, Hkv, D) rows, checked: q contiguous, the tables
+// and lengths as int64, every block a context reads inside the pool
+struct AttentionArgs {
+  torch::Tensor q, tables, lens;
+  int64_t B, Hq, D, BS, Hkv, max_blocks;
+};
+
+AttentionArgs attention_args(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& block_tables,
+                             const torch::Tensor& context_lens) {
+  TORCH_CHECK(q.dim() == 3 && pool.dim() == 4, "decode_attention: q (B, Hq, D) and caches (blocks, BS, Hkv, D) expected");
+  AttentionArgs a{q.contiguous(), block_tables.to(at::kLong).contiguous(), context_lens.to(at::kLong).contiguous(),
+                  q.size(0), q.size(1), q.size(2), pool.size(1), pool.size(2), 0};
+  TORCH_CHECK(pool.size(3) == a.D && a.Hq % a.Hkv == 0 && a.D % 8 == 0,
+              "decode_attention: head sizes do not match the cache");
+  TORCH_CHECK(a.tables.dim() == 2 && a.tables.size(0) == a.B && a.lens.numel() == a.B,
+              "decode_attention: a block table and length a sequence");
+  a.max_blocks = a.tables.size(1);
+  const int64_t *tp = a.tables.data_ptr<int64_t>(), *lp = a.lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < a.B; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= a.max_blocks * a.BS, "decode_attention: context length ", lp[b],
+                " does not fit its table");
+    for (int64_t i = 0; i < (lp[b] + a.BS - 1) / a.BS; ++i)
+      TORCH_CHECK(tp[b * a.max_blocks + i] >= 0 && tp[b * a.max_blocks + i] < pool.size(0),
+                  "decode_attention: block id outside the pool");
+  }
+  return a;
+}
+
+}  // namespace
+
 // One query per sequence over its paged K/V: q (B, Hq, D), caches (blocks, BS, Hkv, D) in q's
 // dtype, D a multiple of 8 -> (B, Hq, D). Scores q . k (rounded to T, as torch's matmul output),
 // times scale, a softmax per head (probabilities rounded to T), then the probabilities times V.
@@ -391,28 +467,81 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype, "decode_attention: cache dtype differs from q");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
               "decode_attention: contiguous caches of one shape expected");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "decode_attention: q (B, Hq, D) and caches (blocks, BS, Hkv, D) expected");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), BS = k_cache.size(1), Hkv = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0 && D % 8 == 0, "decode_attention: head sizes do not match the cache");
-  auto qc = q.contiguous();
-  auto tables = block_tables.to(at::kLong).contiguous();
-  auto lens = context_lens.to(at::kLong).contiguous();
-  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && lens.numel() == B, "decode_attention: a block table and length a sequence");
-  const int64_t max_blocks = tables.size(1), pool = k_cache.size(0);
-  const int64_t *tp = tables.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= max_blocks * BS, "decode_attention: context length ", lp[b], " does not fit its table");
-    for (int64_t i = 0; i < (lp[b] + BS - 1) / BS; ++i)
-      TORCH_CHECK(tp[b * max_blocks + i] >= 0 && tp[b * max_blocks + i] < pool, "decode_attention: block id outside the pool");
-  }
-  auto out = torch::empty_like(qc);
+  const AttentionArgs a = attention_args(q, k_cache, block_tables, context_lens);
+  auto out = torch::empty_like(a.q);
   with_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    ridge_avx2::decode_attention_into(qc.data_ptr<T>(), Hq * D, B, Hq, D, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
-                                      BS, Hkv, tp, max_blocks, lp, static_cast<float>(scale), out.data_ptr<T>());
+    ridge_avx2::decode_attention_into(a.q.data_ptr<T>(), a.Hq * a.D, a.B, a.Hq, a.D, k_cache.data_ptr<T>(),
+                                      v_cache.data_ptr<T>(), a.BS, a.Hkv, a.tables.data_ptr<int64_t>(), a.max_blocks,
+                                      a.lens.data_ptr<int64_t>(), static_cast<float>(scale), out.data_ptr<T>());
   });
   return out;
 }
+
+// The same over an int8 or e4m3 cache (kv/cache.py): codes (blocks, BS, Hkv, D) and fp16 scales
+// (blocks, BS, Hkv, groups), one a group of D / groups dims (32, or the whole head). Each K and
+// V value is dequantize's (code times scale in float32, rounded to q's dtype), made in
+// registers as a row is read: no dequantized copy of the context.
+torch::Tensor paged_decode_attention_quant(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                           torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_tables,
+                                           torch::Tensor context_lens, double scale, bool fp8) {
+  check_input(q, "decode_attention");
+  TORCH_CHECK(k_cache.element_size() == 1 && v_cache.element_size() == 1 && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "decode_attention: contiguous 1-byte caches of one shape expected");
+  const AttentionArgs a = attention_args(q, k_cache, block_tables, context_lens);
+  TORCH_CHECK(k_scale.scalar_type() == at::kHalf && v_scale.scalar_type() == at::kHalf && k_scale.is_contiguous() &&
+                  v_scale.is_contiguous() && k_scale.dim() == 4 && k_scale.sizes() == v_scale.sizes() &&
+                  k_scale.size(0) == k_cache.size(0) && k_scale.size(1) == a.BS && k_scale.size(2) == a.Hkv,
+              "decode_attention: contiguous fp16 (blocks, BS, Hkv, groups) scales expected");
+  const int64_t groups = k_scale.size(3);
+  TORCH_CHECK(groups == 1 || (a.D % groups == 0 && a.D / groups % 8 == 0 && (a.D / groups & (a.D / groups - 1)) == 0),
+              "decode_attention: groups of ", a.D, " / ", groups, " dims (one group, or a power of two of 8 or more)");
+  auto out = torch::empty_like(a.q);
+  with_dtype(q.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    ridge_avx2::decode_attention_quant_into(
+        a.q.data_ptr<T>(), a.Hq * a.D, a.B, a.Hq, a.D, static_cast<const uint8_t*>(k_cache.data_ptr()),
+        static_cast<const uint8_t*>(v_cache.data_ptr()), k_scale.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(),
+        groups, fp8, a.BS, a.Hkv, a.tables.data_ptr<int64_t>(), a.max_blocks, a.lens.data_ptr<int64_t>(),
+        static_cast<float>(scale), out.data_ptr<T>());
+  });
+  return out;
+}
+
+namespace {
+
+// One query per sequence over its context, for rows of any kind (Rows: PlainRows, CodeRows):
+// fill(kr, vr, b, h, L) points kr and vr at sequence b's L rows of KV head h. Work is split over
+// (sequence, KV head); the G = Hq / Hkv query heads of a KV head share each row's loads.
+template <class T, class Rows, class Fill>
+void attend(const T* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, int64_t Hkv, const int64_t* lp,
+            float scale, T* op, const Rows& proto, Fill&& fill) {
+  const int64_t G = Hq / Hkv;
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), scores;
+    Rows kr = proto, vr = proto;
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t b = job / Hkv, h = job % Hkv, L = lp[b];
+      const T* qb = qp + b * q_stride + h * G * D;
+      for (int64_t i = 0; i < G * D; i += 8) _mm256_storeu_ps(qf.data() + i, load8(qb + i));
+      kr.resize(L), vr.resize(L), scores.resize(G * L);
+      fill(kr, vr, b, h, L);
+      for (int64_t g0 = 0; g0 < G; g0 += 8)
+        with_heads(std::min<int64_t>(8, G - g0), [&](auto n) {
+          score_heads<T, decltype(n)::value>(qf.data() + g0 * D, kr, L, D, scale, scores.data() + g0 * L);
+        });
+      for (int64_t g = 0; g < G; ++g) softmax_row<T>(scores.data() + g * L, L);
+      T* ob = op + (b * Hq + h * G) * D;
+      for (int64_t g0 = 0; g0 < G; g0 += 8)
+        with_heads(std::min<int64_t>(8, G - g0), [&](auto n) {
+          weigh_values<T, decltype(n)::value>(scores.data() + g0 * L, vr, L, D, ob + g0 * D);
+        });
+    }
+  });
+}
+
+}  // namespace
 
 namespace ridge_avx2 {
 
@@ -420,32 +549,39 @@ template <class T>
 void decode_attention_into(const T* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, const T* kp, const T* vp,
                            int64_t BS, int64_t Hkv, const int64_t* tp, int64_t max_blocks, const int64_t* lp,
                            float scale, T* op) {
-  const int64_t G = Hq / Hkv;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), scores;
-    std::vector<const T*> kr, vr;
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t b = job / Hkv, h = job % Hkv, L = lp[b];
+  attend<T>(qp, q_stride, B, Hq, D, Hkv, lp, scale, op, PlainRows<T>{},
+            [&](PlainRows<T>& kr, PlainRows<T>& vr, int64_t b, int64_t h, int64_t L) {
+              const int64_t* table = tp + b * max_blocks;
+              for (int64_t t = 0; t < L; ++t) {
+                const int64_t at = ((table[t / BS] * BS + t % BS) * Hkv + h) * D;
+                kr.rows[t] = kp + at, vr.rows[t] = vp + at;
+              }
+            });
+}
+
+template <class T>
+void decode_attention_quant_into(const T* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, const uint8_t* kp,
+                                 const uint8_t* vp, const at::Half* ks, const at::Half* vs, int64_t groups, bool fp8,
+                                 int64_t BS, int64_t Hkv, const int64_t* tp, int64_t max_blocks, const int64_t* lp,
+                                 float scale, T* op) {
+  const auto run = [&](auto kind) {
+    using Rows = CodeRows<T, decltype(kind)::value>;
+    Rows proto;
+    proto.G = groups;
+    proto.shift = groups == 1 ? 63 : __builtin_ctzll(static_cast<uint64_t>(D / groups));
+    attend<T>(qp, q_stride, B, Hq, D, Hkv, lp, scale, op, proto, [&](Rows& kr, Rows& vr, int64_t b, int64_t h, int64_t L) {
       const int64_t* table = tp + b * max_blocks;
-      const T* qb = qp + b * q_stride + h * G * D;
-      for (int64_t i = 0; i < G * D; i += 8) _mm256_storeu_ps(qf.data() + i, load8(qb + i));
-      kr.resize(L), vr.resize(L), scores.resize(G * L);
       for (int64_t t = 0; t < L; ++t) {
-        const int64_t at = ((table[t / BS] * BS + t % BS) * Hkv + h) * D;
-        kr[t] = kp + at, vr[t] = vp + at;
+        const int64_t row = (table[t / BS] * BS + t % BS) * Hkv + h;
+        kr.set(t, kp + row * D, ks + row * groups);
+        vr.set(t, vp + row * D, vs + row * groups);
       }
-      for (int64_t g0 = 0; g0 < G; g0 += 8)
-        with_heads(std::min<int64_t>(8, G - g0), [&](auto n) {
-          score_heads<T, decltype(n)::value>(qf.data() + g0 * D, kr.data(), L, D, scale, scores.data() + g0 * L);
-        });
-      for (int64_t g = 0; g < G; ++g) softmax_row<T>(scores.data() + g * L, L);
-      T* ob = op + (b * Hq + h * G) * D;
-      for (int64_t g0 = 0; g0 < G; g0 += 8)
-        with_heads(std::min<int64_t>(8, G - g0), [&](auto n) {
-          weigh_values<T, decltype(n)::value>(scores.data() + g0 * L, vr.data(), L, D, ob + g0 * D);
-        });
-    }
-  });
+    });
+  };
+  if (fp8)
+    run(std::true_type{});
+  else
+    run(std::false_type{});
 }
 
 #define RIDGE_AVX2_OPS(T)                                                                                          \
@@ -454,7 +590,10 @@ void decode_attention_into(const T* qp, int64_t q_stride, int64_t B, int64_t Hq,
   template void silu_mul_into<T>(const T*, int64_t, int64_t, T*);                                                 \
   template void rope_into<T>(T*, int64_t, int64_t, int64_t, int64_t, const int64_t*, const float*, const float*); \
   template void decode_attention_into<T>(const T*, int64_t, int64_t, int64_t, int64_t, const T*, const T*, int64_t, \
-                                         int64_t, const int64_t*, int64_t, const int64_t*, float, T*);
+                                         int64_t, const int64_t*, int64_t, const int64_t*, float, T*);            \
+  template void decode_attention_quant_into<T>(const T*, int64_t, int64_t, int64_t, int64_t, const uint8_t*,       \
+                                               const uint8_t*, const at::Half*, const at::Half*, int64_t, bool,    \
+                                               int64_t, int64_t, const int64_t*, int64_t, const int64_t*, float, T*);
 RIDGE_AVX2_OPS(float)
 RIDGE_AVX2_OPS(at::BFloat16)
 #undef RIDGE_AVX2_OPS
