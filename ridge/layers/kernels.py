@@ -434,13 +434,16 @@ class Avx2Kernels(TorchKernels):
 
     def decode_plan(self):
         """An empty ``DecodePlan`` (``csrc/avx2_plan.cpp``): a bf16 decode step's Llama layers
-        with dense MLPs in one call, through the kernels below on the views and in the order
-        the model's Python forward uses (so with its results, bit for bit). Its ``run`` declines
-        a step (None) where this class would send a dense layer or decode attention to torch."""
+        with dense MLPs, over a bf16, int8 or fp8 cache, in one call through the kernels below,
+        on the views and in the order the model's Python forward uses (so with its results, bit
+        for bit). Its ``run`` declines a step (None) where this class would send a dense layer
+        or decode attention to torch."""
         return self.ext.DecodePlan(FLOAT32_GEMM_MIN_ROWS, MANY_HEADS_PER_KV_HEAD)
 
     def plan_takes_cache(self, cache, head_dim):
-        return not cache.quantized and cache.k.dtype is torch.bfloat16 and cache.v is not cache.k
+        if cache.v is cache.k:
+            return False
+        return self._reads_codes(cache, head_dim) if cache.quantized else cache.k.dtype is torch.bfloat16
 
     def plan_linear(self, layer):
         """Each part of ``layer`` as ``linear`` runs it: (weight, -1, rows) for a dense bf16

@@ -1,6 +1,7 @@
 """The AVX2 decode plan (``csrc/avx2_plan.cpp``, ``Avx2Kernels.decode_plan``): a bf16 decode
 step's Llama layers in one call computes what the op-by-op forward on the same kernels
-computes, bit for bit; what it does not cover (an MoE, a quantized cache) runs op by op, and
+computes, bit for bit (bf16, int8 and fp8 KV caches); what it does not cover (an MoE) runs op
+by op, and
 a step the Python path would send elsewhere is declined and runs op by op.
 
 The AVX2 kernels run on every x86 CPU with AVX2 (an AVX-512 one too): each test here picks
@@ -73,6 +74,18 @@ def test_the_plan_computes_what_the_op_by_op_forward_computes(tmp_path, variant,
     assert planned == eager
 
 
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen3-qknorm"])
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_the_plan_writes_and_reads_a_quantized_kv_cache_as_op_by_op_does(tmp_path, variant, kind, plan_runs):
+    """The plan quantizes each step's K/V into the pools as kv/cache.py's write does and reads
+    the codes with the kernel decode_attention runs: the same tokens and logprobs."""
+    build(variant, tmp_path)
+    planned, model = _generate(tmp_path, quantization="int4", kv_cache_dtype=kind)
+    assert model._plan is not None and plan_runs and all(plan_runs)
+    eager, _ = _generate(tmp_path, quantization="int4", kv_cache_dtype=kind, enforce_eager=True)
+    assert planned == eager
+
+
 def test_a_file_whose_qkv_keeps_two_formats_plans_each_part(tmp_path, plan_runs):
     """A Q4_K_M-style layer: q/k in Q4_K (blocks of 8 rows) and v in Q6_K (GGUF rows), each part
     into its columns of the step's qkv rows, joined as the Python forward joins them."""
@@ -133,8 +146,8 @@ def test_a_step_the_python_path_sends_to_torch_is_declined(tmp_path, plan_runs):
 
 @pytest.mark.parametrize(
     "variant,options",
-    [("mixtral-moe", {}), ("llama-gqa", {"kv_cache_dtype": "int8"}), ("llama-gqa", {"dtype": "float32"})],
-    ids=["moe", "int8-kv", "float32"],
+    [("mixtral-moe", {}), ("llama-gqa", {"dtype": "float32"})],
+    ids=["moe", "float32"],
 )
 def test_what_the_plan_does_not_cover_runs_op_by_op(tmp_path, variant, options):
     build(variant, tmp_path)

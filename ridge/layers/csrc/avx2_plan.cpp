@@ -10,8 +10,8 @@
 // buffers it keeps, so its results are the Python path's bit for bit
 // (tests/models/test_decode_plan.py).
 //
-// What it covers: Llama attention (q/k norms too) over bf16 pools, dense MLPs. Anything else
-// (a quantized cache, an MoE, latent attention) is refused when the plan is built
+// What it covers: Llama attention (q/k norms too) over bf16, int8 or fp8 pools, dense MLPs.
+// Anything else (an MoE, latent attention) is refused when the plan is built
 // (Avx2Kernels.plan_*), and a step the Python path would run elsewhere (a dense layer on
 // FLOAT32_GEMM_MIN_ROWS rows or more, attention's GEMM path for few (sequence, KV head) jobs)
 // is declined when it comes: run() returns None before touching anything, and the caller runs
@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "avx2_kernels.h"
+#include "kv_write.h"
 
 namespace {
 
@@ -109,7 +110,9 @@ struct Layer {
   float scale = 0.f;
   c10::optional<torch::Tensor> q_norm, k_norm;
   float qk_eps = 0.f;
-  torch::Tensor k_pool, v_pool;
+  torch::Tensor k_pool, v_pool;  // bf16, or int8 / e4m3 codes under the scales below
+  c10::optional<torch::Tensor> k_scale, v_scale;  // fp16 (blocks, block_size, kv_heads, groups)
+  bool fp8 = false;
 };
 
 struct Timer {
@@ -134,18 +137,29 @@ class Avx2DecodePlan {
   // threads (MANY_HEADS_PER_KV_HEAD). A step either would take is declined.
   Avx2DecodePlan(int64_t dense_max_rows, int64_t many_heads) : dense_max_rows_(dense_max_rows), many_heads_(many_heads) {}
 
-  // The same arguments as the AVX-512 DecodePlan's add_layer (LlamaAttention.add_to_plan);
-  // a quantized pool is refused (Avx2Kernels.plan_takes_cache keeps those out).
+  // The same arguments as the AVX-512 DecodePlan's add_layer (LlamaAttention.add_to_plan):
+  // bf16 pools, or int8 / fp8 ones with fp16 scales (Avx2Kernels.plan_takes_cache: the ones
+  // its decode attention reads).
   void add_layer(torch::Tensor in_norm, torch::Tensor post_norm, double eps, std::vector<PartSpec> qkv,
                  c10::optional<torch::Tensor> qkv_bias, std::vector<PartSpec> o, c10::optional<torch::Tensor> o_bias,
                  int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, c10::optional<torch::Tensor> q_norm,
                  c10::optional<torch::Tensor> k_norm, double qk_eps, torch::Tensor k_pool, torch::Tensor v_pool,
                  c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale, bool fp8) {
-    TORCH_CHECK(!k_scale.has_value() && !v_scale.has_value() && !fp8, "AVX2 decode plan: bf16 pools only");
-    TORCH_CHECK(k_pool.scalar_type() == at::kBFloat16 && v_pool.scalar_type() == at::kBFloat16 &&
+    const bool quantized = k_scale.has_value();
+    TORCH_CHECK((quantized ? k_pool.element_size() == 1 && v_pool.element_size() == 1 && v_scale.has_value()
+                           : k_pool.scalar_type() == at::kBFloat16 && v_pool.scalar_type() == at::kBFloat16) &&
                     k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 4 &&
                     k_pool.sizes() == v_pool.sizes() && k_pool.size(2) == kv_heads && k_pool.size(3) == head_dim,
-                "AVX2 decode plan: contiguous bf16 (blocks, block_size, kv_heads, head_dim) pools expected");
+                "AVX2 decode plan: contiguous bf16 or 1-byte (blocks, block_size, kv_heads, head_dim) pools expected");
+    if (quantized) {
+      const auto& ks = *k_scale;
+      const int64_t groups = ks.dim() == 4 ? ks.size(3) : 0, width = groups ? head_dim / groups : 0;
+      TORCH_CHECK(ks.scalar_type() == at::kHalf && v_scale->scalar_type() == at::kHalf && ks.is_contiguous() &&
+                      v_scale->is_contiguous() && ks.sizes() == v_scale->sizes() && ks.size(0) == k_pool.size(0) &&
+                      ks.size(1) == k_pool.size(1) && ks.size(2) == kv_heads &&
+                      (groups == 1 || (width * groups == head_dim && width >= 8 && (width & (width - 1)) == 0)),
+                  "AVX2 decode plan: contiguous fp16 (blocks, block_size, kv_heads, groups) scales expected");
+    }
     TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim % 16 == 0,
                 "AVX2 decode plan: query heads a multiple of the KV heads, head_dim a multiple of 16");
     const int64_t hidden = in_norm.numel();
@@ -166,7 +180,7 @@ class Avx2DecodePlan {
       check_bf16_vector(*k_norm, head_dim, "k_norm");
     }
     l.q_norm = q_norm, l.k_norm = k_norm, l.qk_eps = static_cast<float>(qk_eps);
-    l.k_pool = k_pool, l.v_pool = v_pool;
+    l.k_pool = k_pool, l.v_pool = v_pool, l.k_scale = k_scale, l.v_scale = v_scale, l.fp8 = fp8;
     layers_.push_back(std::move(l));
   }
 
@@ -280,13 +294,24 @@ class Avx2DecodePlan {
       }
     }
     ridge_avx2::rope_into<bf16>(qkv, T, l.heads + l.kv_heads, D, qkv_n, pos, cp, snp);
-    bf16 *kp = l.k_pool.data_ptr<bf16>(), *vp = l.v_pool.data_ptr<bf16>();
-    for (int64_t t = 0; t < T; ++t) {  // write_kv / rope_write_kv_'s copies
-      std::memcpy(kp + sp[t] * kv_size, qkv + t * qkv_n + q_size, kv_size * sizeof(bf16));
-      std::memcpy(vp + sp[t] * kv_size, qkv + t * qkv_n + q_size + kv_size, kv_size * sizeof(bf16));
+    const int64_t BS = l.k_pool.size(1), num_slots = l.k_pool.size(0) * BS;
+    if (l.k_scale.has_value()) {  // write_kv's quantize and copies, then the kernel over the codes
+      auto *kp = static_cast<uint8_t*>(l.k_pool.data_ptr()), *vp = static_cast<uint8_t*>(l.v_pool.data_ptr());
+      at::Half *ks = l.k_scale->data_ptr<at::Half>(), *vs = l.v_scale->data_ptr<at::Half>();
+      const int64_t groups = l.k_scale->size(3);
+      write_kv_quant_into(kp, ks, num_slots, l.kv_heads, D, groups, qkv + q_size, qkv_n, sp, T, l.fp8);
+      write_kv_quant_into(vp, vs, num_slots, l.kv_heads, D, groups, qkv + q_size + kv_size, qkv_n, sp, T, l.fp8);
+      ridge_avx2::decode_attention_quant_into<bf16>(qkv, qkv_n, T, l.heads, D, kp, vp, ks, vs, groups, l.fp8, BS,
+                                                    l.kv_heads, tables, max_blocks, lens, l.scale, attn);
+    } else {
+      bf16 *kp = l.k_pool.data_ptr<bf16>(), *vp = l.v_pool.data_ptr<bf16>();
+      for (int64_t t = 0; t < T; ++t) {  // write_kv / rope_write_kv_'s copies
+        std::memcpy(kp + sp[t] * kv_size, qkv + t * qkv_n + q_size, kv_size * sizeof(bf16));
+        std::memcpy(vp + sp[t] * kv_size, qkv + t * qkv_n + q_size + kv_size, kv_size * sizeof(bf16));
+      }
+      ridge_avx2::decode_attention_into<bf16>(qkv, qkv_n, T, l.heads, D, kp, vp, BS, l.kv_heads, tables, max_blocks,
+                                              lens, l.scale, attn);
     }
-    ridge_avx2::decode_attention_into<bf16>(qkv, qkv_n, T, l.heads, D, kp, vp, l.k_pool.size(1), l.kv_heads, tables,
-                                            max_blocks, lens, l.scale, attn);
     Timer t(matmul_s);
     l.o.into(attn, T, o);
   }
