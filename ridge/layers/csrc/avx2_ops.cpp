@@ -13,7 +13,10 @@
 //   k_cache[block][slot][kv_head][:]   (no gathered copy of the context)
 //
 // Attention's work is split over (sequence, KV head): the G = Hq / Hkv query heads of a group
-// share each K/V row read.
+// share each K/V row read. Scores go 8 K rows at a time (their values made once, each head's 8
+// dots summed across lanes together) and V a run of 32 rows at a time (its lines stay in L1
+// across the head's D / 8 chunks): 1.04-1.2x (bf16) and 1.17-1.3x (int8) the kernel's speed
+// row by row at 4,096 tokens, 32 heads on 4, head 64, Zen 3 (2026-11-29, 3 rounds).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -375,36 +378,70 @@ struct CodeRows {
   }
 };
 
-// Query heads [0, N) of a KV head (qf: their float32 rows, D apart) against its K rows [0, L):
-// each head's q . k an fmadd chain over D, then hsum, rounded to T and times scale, into s[j L +
-// t]. The N chains share each load of a K row's 8 dims.
-template <typename T, int N, class Rows>
-void score_heads(const float* qf, const Rows& kr, int64_t L, int64_t D, float scale, float* s) {
-  for (int64_t t = 0; t < L; ++t) {
-    const auto row = kr.row(t);
-    __m256 a[N];
-    for (int j = 0; j < N; ++j) a[j] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-      const __m256 k = kr.load(row, d);
-      for (int j = 0; j < N; ++j) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + j * D + d), k, a[j]);
+// The 8 vectors' sums across lanes, as one vector (lane i: a[i]'s sum)
+inline __m256 sums8(const __m256 a[8]) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Query heads [0, G) of a KV head (qf: their float32 rows, D apart) against its K rows [0, L),
+// 8 rows at a time: the rows' values made once into kb (8 D floats; rows past L zero), then
+// each head's 8 dots as 8 fmadd chains over D, summed across lanes together, rounded to T and
+// times scale, into s[j L + t].
+template <typename T, class Rows>
+void score_heads(const float* qf, int64_t G, const Rows& kr, int64_t L, int64_t D, float scale, float* s, float* kb) {
+  const __m256 scale8 = _mm256_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < L; t0 += 8) {
+    const int64_t n = std::min<int64_t>(8, L - t0);
+    for (int64_t i = 0; i < 8; ++i) {
+      if (i < n) {
+        const auto row = kr.row(t0 + i);
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(kb + i * D + d, kr.load(row, d));
+      } else {
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(kb + i * D + d, _mm256_setzero_ps());
+      }
     }
-    for (int j = 0; j < N; ++j) s[j * L + t] = round_as<T>(hsum(a[j])) * scale;
+    for (int64_t j = 0; j < G; ++j) {
+      __m256 a[8];
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 q = _mm256_loadu_ps(qf + j * D + d);
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(q, _mm256_loadu_ps(kb + i * D + d), a[i]);
+      }
+      const __m256 dots = _mm256_mul_ps(round_as<T>(sums8(a)), scale8);
+      if (n == 8) {
+        _mm256_storeu_ps(s + j * L + t0, dots);
+      } else {
+        alignas(32) float tail[8];
+        _mm256_store_ps(tail, dots);
+        std::memcpy(s + j * L + t0, tail, n * sizeof(float));
+      }
+    }
   }
 }
 
-// Those heads' outputs: probabilities p[j L + t] times the V rows [0, L), 8 dims at a time,
-// each head's an fmadd chain over t kept in a register (the N chains share each load of a V
-// row), rounded to T at out + j D
-template <typename T, int N, class Rows>
-void weigh_values(const float* p, const Rows& vr, int64_t L, int64_t D, T* out) {
-  for (int64_t d = 0; d < D; d += 8) {
-    __m256 o[N];
-    for (int j = 0; j < N; ++j) o[j] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < L; ++t) {
-      const __m256 v = vr.load(vr.row(t), d);
-      for (int j = 0; j < N; ++j) o[j] = _mm256_fmadd_ps(_mm256_set1_ps(p[j * L + t]), v, o[j]);
+// Rows of V a pass of weigh_values takes: their lines stay in L1 across its D / 8 chunks
+constexpr int64_t VALUE_ROWS = 32;
+
+// Query heads [0, N) of a KV head: probabilities p[j L + t] times the V rows [0, L), into acc
+// (N D float32, j's at j D), each head's 8 dims an fmadd chain over t in order. The rows go a
+// run of VALUE_ROWS at a time, its D / 8 chunks in turn (each chain carried over in acc); the N
+// chains share each load of a V row.
+template <int N, class Rows>
+void weigh_values(const float* p, const Rows& vr, int64_t L, int64_t D, float* acc) {
+  for (int64_t i = 0; i < N * D; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
+  for (int64_t t0 = 0; t0 < L; t0 += VALUE_ROWS) {
+    const int64_t t1 = std::min(L, t0 + VALUE_ROWS);
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 o[N];
+      for (int j = 0; j < N; ++j) o[j] = _mm256_loadu_ps(acc + j * D + d);
+      for (int64_t t = t0; t < t1; ++t) {
+        const __m256 v = vr.load(vr.row(t), d);
+        for (int j = 0; j < N; ++j) o[j] = _mm256_fmadd_ps(_mm256_set1_ps(p[j * L + t]), v, o[j]);
+      }
+      for (int j = 0; j < N; ++j) _mm256_storeu_ps(acc + j * D + d, o[j]);
     }
-    for (int j = 0; j < N; ++j) store8(out + j * D + d, o[j]);
   }
 }
 
@@ -519,7 +556,7 @@ void attend(const T* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, int
             float scale, T* op, const Rows& proto, Fill&& fill) {
   const int64_t G = Hq / Hkv;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), scores;
+    std::vector<float> qf(G * D), scores, kb(8 * D), acc(8 * D);
     Rows kr = proto, vr = proto;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / Hkv, h = job % Hkv, L = lp[b];
@@ -527,15 +564,14 @@ void attend(const T* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, int
       for (int64_t i = 0; i < G * D; i += 8) _mm256_storeu_ps(qf.data() + i, load8(qb + i));
       kr.resize(L), vr.resize(L), scores.resize(G * L);
       fill(kr, vr, b, h, L);
-      for (int64_t g0 = 0; g0 < G; g0 += 8)
-        with_heads(std::min<int64_t>(8, G - g0), [&](auto n) {
-          score_heads<T, decltype(n)::value>(qf.data() + g0 * D, kr, L, D, scale, scores.data() + g0 * L);
-        });
+      score_heads<T>(qf.data(), G, kr, L, D, scale, scores.data(), kb.data());
       for (int64_t g = 0; g < G; ++g) softmax_row<T>(scores.data() + g * L, L);
       T* ob = op + (b * Hq + h * G) * D;
       for (int64_t g0 = 0; g0 < G; g0 += 8)
         with_heads(std::min<int64_t>(8, G - g0), [&](auto n) {
-          weigh_values<T, decltype(n)::value>(scores.data() + g0 * L, vr, L, D, ob + g0 * D);
+          constexpr int N = decltype(n)::value;
+          weigh_values<N>(scores.data() + g0 * L, vr, L, D, acc.data());
+          for (int64_t i = 0; i < N * D; i += 8) store8(ob + g0 * D + i, _mm256_loadu_ps(acc.data() + i));
         });
     }
   });
