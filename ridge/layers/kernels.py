@@ -327,7 +327,12 @@ class TorchKernels:
 # alone costs most of the float32 path's time below 64 rows; torch's bf16 GEMM there took 28 ms
 # on 24 rows.)
 FLOAT32_GEMM_MIN_ROWS = 64
-FLOAT32_GEMM_ROWS = 2048
+# The weight values widened at a time (rows of K: ELEMENTS // K, 8 at least). Slices of 2048 rows
+# cost 2x on the 2048 x 5632 down_proj: its 46 MB float32 slice, over glibc's largest mmap
+# threshold, was mapped and faulted in anew each call. 128 rows of x, 7 rounds, Zen 3 EPYC
+# (2026-11-29): 2048 x 5632 45.2 ms at 2048 rows a slice, 22.3 at 184 (1M values), 21.6 at 368,
+# 22.3 at 552; 11264 x 2048 49.1 at 2048, 44.6 at 512, 46.4 at 1024, 47.8 at 1536.
+FLOAT32_GEMM_ELEMENTS = 1 << 20
 
 
 class Avx2Kernels(TorchKernels):
@@ -418,15 +423,16 @@ class Avx2Kernels(TorchKernels):
     @staticmethod
     def _bf16_by_float32_gemm(x, layer):
         """x @ W^T (+ b) for bf16 x and W through torch's float32 GEMM, W widened
-        FLOAT32_GEMM_ROWS rows at a time (its float32 copy never whole), the output rounded to
+        FLOAT32_GEMM_ELEMENTS values at a time (its float32 copy never whole), the output rounded to
         bf16 once. Without AVX-512 BF16, torch's bf16 GEMM ran 12-19 GFLOP/s on the 2-core Zen 3
         EPYC where its float32 GEMM ran 78-143 (2026-11-29, 128-1024 rows, F.linear's layout).
         The products are bf16's exactly and sum in float32, as torch's bf16 GEMM sums them."""
         xf = x.float()
         weight, bias = layer.weight, layer.bias
         out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
-        for start in range(0, weight.shape[0], FLOAT32_GEMM_ROWS):
-            part = slice(start, start + FLOAT32_GEMM_ROWS)
+        rows = max(8, FLOAT32_GEMM_ELEMENTS // weight.shape[1])
+        for start in range(0, weight.shape[0], rows):
+            part = slice(start, start + rows)
             out[..., part] = xf @ weight[part].float().T
         if bias is not None:
             out += bias.float()

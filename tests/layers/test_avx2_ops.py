@@ -268,7 +268,7 @@ def _dense_layer(n: int, k: int, bias: bool) -> Linear:
 def test_a_dense_bf16_prefill_runs_a_float32_gemm(kernels, bias, monkeypatch):
     """From FLOAT32_GEMM_MIN_ROWS rows a dense bf16 layer is torch's float32 GEMM of the widened
     weight (a slice of rows at a time), rounded to bf16 once; below, the streaming kernel."""
-    monkeypatch.setattr(kernels_module, "FLOAT32_GEMM_ROWS", 48)  # 100 rows: 3 slices
+    monkeypatch.setattr(kernels_module, "FLOAT32_GEMM_ELEMENTS", 48 * 64)  # 100 rows of 64: 3 slices of 48
     layer = _dense_layer(100, 64, bias)
     gen = torch.Generator().manual_seed(1)
     few = torch.randn(FLOAT32_GEMM_MIN_ROWS - 1, 64, generator=gen).bfloat16()
