@@ -461,23 +461,20 @@ class Avx2Kernels(TorchKernels):
             if part.parts is not None or (layer.parts is not None and part.bias is not None):
                 return None
             fmt = part.method.format
-            if fmt is None:
-                weight = part.weight
-                if not (isinstance(part.method, UnquantizedLinearMethod) and part.packed is None):
+            if fmt is None:  # dense: bf16 as loaded
+                dense = isinstance(part.method, UnquantizedLinearMethod) and part.packed is None
+                if not dense or part.weight.dtype is not torch.bfloat16 or part.weight.numel() == 0:
                     return None
-                if weight.dtype is not torch.bfloat16 or weight.device.type != "cpu" or weight.numel() == 0:
-                    return None
-                planned.append((weight, -1, part.out_features))
-                continue
-            if part.packed is not None and isinstance(part.unpacker, Avx2Kernels):
-                weight = part.packed
+                weight, code = part.weight, -1
+            elif part.packed is not None and isinstance(part.unpacker, Avx2Kernels):
+                weight, code = part.packed, fmt.ggml_type
             elif part.packed is None and self.ext.supports_format(fmt.ggml_type):
-                weight = part.blocks
+                weight, code = part.blocks, fmt.ggml_type
             else:
                 return None
             if weight.device.type != "cpu" or not weight.is_contiguous():
                 return None
-            planned.append((weight, fmt.ggml_type, part.out_features))
+            planned.append((weight, code, part.out_features))
         return planned, layer.bias
 
     def rope_state(self, rotary, positions, dtype):

@@ -159,3 +159,18 @@ def test_what_the_plan_does_not_cover_runs_op_by_op(tmp_path, variant, options):
     model = llm.engine.executor.worker.model
     assert isinstance(model.kernels, Avx2Kernels)
     assert model._plan_key is not None and model._plan is None  # asked for, and declined
+
+
+def test_the_plan_refuses_an_index_outside_the_pools_before_touching_anything(tmp_path):
+    build("llama-gqa", tmp_path)
+    _, model = _generate(tmp_path, quantization="int4")
+    plan, rotary = model._plan.plan, model.model.rotary
+    h = torch.ones(1, COMMON["hidden_size"], dtype=torch.bfloat16)
+    one, table = torch.ones(1, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="slot 100000 is outside the pool"):
+        plan.run(h, torch.tensor([100000]), table, one, one, rotary.cos, rotary.sin)
+    with pytest.raises(RuntimeError, match="block id outside the pool"):
+        plan.run(h, one, table + 1000, one, one, rotary.cos, rotary.sin)
+    with pytest.raises(RuntimeError, match="position 100000 is outside the tables"):
+        plan.run(h, one, table, one, torch.tensor([100000]), rotary.cos, rotary.sin)
+    assert torch.equal(h, torch.ones_like(h))

@@ -203,7 +203,8 @@ class Avx2DecodePlan {
                                                                torch::Tensor block_tables, torch::Tensor context_lens,
                                                                torch::Tensor positions, torch::Tensor cos,
                                                                torch::Tensor sin) {
-    TORCH_CHECK(!layers_.empty() && layers_.back().down.width == hidden_, "AVX2 decode plan: a layer without its MLP");
+    TORCH_CHECK(!layers_.empty(), "AVX2 decode plan: no layers");
+    for (const auto& l : layers_) TORCH_CHECK(l.down.width == hidden_, "AVX2 decode plan: a layer without its MLP");
     TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.is_contiguous() && h.dim() == 2 && h.size(1) == hidden_,
                 "AVX2 decode plan: (T, hidden) bf16 h");
     const int64_t T = h.size(0);
