@@ -103,3 +103,34 @@ def llama_cpp_greedy(path: Path, prompt: list[int], steps: int) -> list[int]:
         return runner.run_batch([prompt], steps).tokens[0]
     finally:
         runner.close()
+
+
+def q4_k_m_style_llama(directory: Path) -> Path:
+    """A random 2-layer Llama (hidden 256) as a GGUF file laid out as a Q4_K_M file is: q, k,
+    gate, up and o in Q4_K, v and down in Q6_K (random blocks), so its qkv holds two formats."""
+    import torch
+    import transformers
+
+    from ridge.models.export import write_gguf
+    from ridge.quantization.formats import FORMATS_BY_GGML_TYPE
+    from ridge.quantization.random_blocks import random_blocks
+
+    from .hf_tiny import COMMON
+
+    T = GGMLQuantizationType
+    config = transformers.LlamaConfig(
+        **{**COMMON, "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 2}
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory / "hf")
+    dense = write_gguf(directory / "hf", config.to_dict(), directory / "dense.gguf")
+
+    def fn(name, values):
+        kind = name.rsplit(".", 2)[-2]
+        qtype = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "ffn_down": T.Q6_K}.get(kind, T.Q4_K)
+        if kind in LINEAR_TENSORS[:-1]:
+            blocks = random_blocks(FORMATS_BY_GGML_TYPE[qtype], values.shape[0], values.shape[1], seed=len(name))
+            return blocks.numpy(), qtype
+        return None
+
+    return rewrite(dense, directory / "mixed.gguf", fn)

@@ -89,30 +89,9 @@ def test_the_plan_writes_and_reads_a_quantized_kv_cache_as_op_by_op_does(tmp_pat
 def test_a_file_whose_qkv_keeps_two_formats_plans_each_part(tmp_path, plan_runs):
     """A Q4_K_M-style layer: q/k in Q4_K (blocks of 8 rows) and v in Q6_K (GGUF rows), each part
     into its columns of the step's qkv rows, joined as the Python forward joins them."""
-    from gguf import GGMLQuantizationType as T
+    from .gguf_files import q4_k_m_style_llama
 
-    from ridge.models.export import write_gguf
-    from ridge.quantization.formats import FORMATS_BY_GGML_TYPE
-    from ridge.quantization.random_blocks import random_blocks
-
-    from .gguf_files import rewrite
-
-    config = transformers.LlamaConfig(
-        **{**COMMON, "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 2}
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
-    dense = write_gguf(tmp_path / "hf", config.to_dict(), tmp_path / "dense.gguf")
-
-    def fn(name, values):
-        kind = name.rsplit(".", 2)[-2]
-        qtype = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "ffn_down": T.Q6_K}.get(kind, T.Q4_K)
-        if kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
-            blocks = random_blocks(FORMATS_BY_GGML_TYPE[qtype], values.shape[0], values.shape[1], seed=len(name))
-            return blocks.numpy(), qtype
-        return None
-
-    path = rewrite(dense, tmp_path / "mixed.gguf", fn)
+    path = q4_k_m_style_llama(tmp_path)
     planned, model = _generate(path)
     assert len(model.model.layers[0].self_attn.qkv_proj.parts) == 2
     assert model._plan is not None and plan_runs and all(plan_runs)
