@@ -1175,8 +1175,7 @@ void linear_blocks_into(const T* x, int64_t M, int64_t K, const uint8_t* w, int6
         for (int64_t n = 0; n < N; ++n) out[m * N + n] += bias[n];
     return;
   }
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n) y[m * ldy + n] = static_cast<T>(bias ? out[m * N + n] + bias[n] : out[m * N + n]);
+  ridge_avx2::store_sums(out, M, N, bias, y, ldy);
 }
 
 template void linear_blocks_into<float>(const float*, int64_t, int64_t, const uint8_t*, int64_t, bool, int64_t,

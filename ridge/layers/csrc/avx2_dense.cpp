@@ -93,8 +93,7 @@ void linear_bf16_into(const T* x, int64_t M, int64_t K, const bf16* w, int64_t N
   }
   ys.resize(M * N);
   gemm(xf, M, K, w, N, ys.data());
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n) y[m * ldy + n] = static_cast<T>(bias ? ys[m * N + n] + bias[n] : ys[m * N + n]);
+  store_sums(ys.data(), M, N, bias, y, ldy);
 }
 
 template void linear_bf16_into<float>(const float*, int64_t, int64_t, const bf16*, int64_t, const float*, float*,

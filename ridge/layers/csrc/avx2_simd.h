@@ -57,4 +57,12 @@ void tiled_gemm(int64_t M, int64_t N, float* y, MakeDot&& make_dot) {
 }
 static_assert(MAX_ROWS == 4, "tiled_gemm's switch names each tile height");
 
+// A matmul's float32 sums (M, N) plus bias (N floats, or null) rounded once to T into y, its
+// rows ldy apart (a layer's columns inside a wider output)
+template <class T>
+void store_sums(const float* sums, int64_t M, int64_t N, const float* bias, T* y, int64_t ldy) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) y[m * ldy + n] = static_cast<T>(bias ? sums[m * N + n] + bias[n] : sums[m * N + n]);
+}
+
 }  // namespace ridge_avx2
