@@ -41,6 +41,7 @@ from ridge.roofline.disaggregation import ServingPattern, analyze_disaggregation
 from ridge.roofline.ops import Precision
 from ridge.roofline.probe import local_hardware
 from ridge.roofline.shapes import load_model_shape
+from ridge.stats import percentile
 
 HERE = Path(__file__).parent
 OUT = HERE / "disaggregated.json"
@@ -103,20 +104,14 @@ async def run_load(url: str, args, round_no: int) -> dict:
     gaps = [b - a for r in decoded for a, b in zip(r["times"], r["times"][1:]) if b >= window[0] and a <= window[1]]
     tokens = sum(1 for r in decoded for t in r["times"] if window[0] <= t <= window[1])
     return {
-        "itl_s": summarize(gaps) | {"p99": _pct(gaps, 0.99), "mean": statistics.fmean(gaps) if gaps else float("nan")},
+        "itl_s": summarize(gaps)
+        | {"p99": percentile(gaps, 99), "mean": statistics.fmean(gaps) if gaps else float("nan")},
         "ttft_s": [r["times"][0] - r["start"] for r in longs],
         "decode_tokens_per_s": tokens / (window[1] - window[0]),
         "window_s": window[1] - window[0],
         "wall_s": end - start,
         "outputs": {r["prompt"]: (r["text"], r["done"]) for r in longs + decoded},
     }
-
-
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
 
 
 def main() -> int:

@@ -1,4 +1,4 @@
-"""Pieces shared by the engine benchmarks: statistics, random prompts, the machine line."""
+"""Pieces shared by the engine benchmarks: summaries of samples (``ridge.stats``), random prompts, the machine line."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import datetime as dt
 import json
 import os
 import platform
-import statistics
 
 import torch
 
 from ridge.layers.cpu_kernels import loaded_prefetch_policy
+from ridge.stats import percentile
 
 
 def summarize(values: list[float]) -> dict:
@@ -25,19 +25,10 @@ def summarize(values: list[float]) -> dict:
             "n": 0,
         }
     ordered = sorted(values)
-
-    def pct(q: float) -> float:
-        if len(ordered) == 1:
-            return ordered[0]
-        pos = q * (len(ordered) - 1)
-        lo = int(pos)
-        hi = min(lo + 1, len(ordered) - 1)
-        return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
     return {
-        "median": statistics.median(ordered),
-        "p10": pct(0.1),
-        "p90": pct(0.9),
+        "median": percentile(ordered, 50),
+        "p10": percentile(ordered, 10),
+        "p90": percentile(ordered, 90),
         "min": ordered[0],
         "max": ordered[-1],
         "n": len(ordered),

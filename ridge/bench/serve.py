@@ -46,6 +46,7 @@ from typing import Any
 import httpx
 
 from ridge.engine.args import add_engine_args
+from ridge.stats import percentile
 
 PERCENTILES = (50, 90, 99)
 # Words for text prompts when no tokenizer is known (roughly one token each in most vocabularies).
@@ -309,18 +310,11 @@ def _stats(values: Sequence[float], scale: float = 1000.0) -> dict[str, float | 
     mean = sum(xs) / len(xs)
     return {
         "mean": mean,
-        "median": _percentile(xs, 50),
-        "p90": _percentile(xs, 90),
-        "p99": _percentile(xs, 99),
+        "median": percentile(xs, 50),
+        "p90": percentile(xs, 90),
+        "p99": percentile(xs, 99),
         "std": math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs)),
     }
-
-
-def _percentile(sorted_xs: Sequence[float], q: float) -> float:
-    pos = (len(sorted_xs) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_xs) - 1)
-    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
 
 
 def summarize(results: Sequence[RequestResult], duration: float, config: BenchConfig) -> dict:

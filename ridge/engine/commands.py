@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 from ridge.engine.args import add_engine_args, add_sampling_args, engine_options, sampling_params
 from ridge.sampling import SamplingParams
+from ridge.stats import percentile
 
 DEMO_MODEL = "random:tiny"
 
@@ -119,20 +119,12 @@ def _print_summary(outputs, elapsed: float, steps: int) -> None:
     print(f"  requests             {len(outputs)} in {elapsed:.2f} s ({steps} engine steps)")
     print(f"  prompt tokens        {prompt_tokens}")
     print(f"  generated tokens     {gen_tokens}")
-    print(f"  time to first token  median {_pct(ttft, 50):.1f} ms, p90 {_pct(ttft, 90):.1f} ms")
-    print(f"  time per out token   median {_pct(tpot, 50):.2f} ms, p90 {_pct(tpot, 90):.2f} ms")
+    print(f"  time to first token  median {percentile(ttft, 50):.1f} ms, p90 {percentile(ttft, 90):.1f} ms")
+    print(f"  time per out token   median {percentile(tpot, 50):.2f} ms, p90 {percentile(tpot, 90):.2f} ms")
     print(
         f"  throughput           {gen_tokens / elapsed:.1f} generated tok/s, "
         f"{(prompt_tokens + gen_tokens) / elapsed:.1f} total tok/s"
     )
-
-
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
 def _clip(text: str, width: int) -> str:

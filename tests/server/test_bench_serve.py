@@ -13,7 +13,6 @@ from ridge.bench.serve import (
     BenchConfig,
     LengthSpec,
     RequestResult,
-    _percentile,
     arrival_offsets,
     build_workload,
     load_dataset,
@@ -61,8 +60,6 @@ def test_workload_is_seeded_and_exact(tokenizer, tmp_path):
 
 
 def test_summary_statistics():
-    assert _percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert _percentile([10.0], 99) == 10.0
     results = [
         RequestResult(ok=True, prompt_len=10, output_len=11, ttft=0.1, e2el=1.1, itl=[0.1] * 10),
         RequestResult(ok=True, prompt_len=10, output_len=11, ttft=0.5, e2el=2.5, itl=[0.2] * 10),
