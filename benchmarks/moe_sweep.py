@@ -15,7 +15,7 @@ distinct experts each MoE layer read (mean over layers). Beside them:
 
 Part 2 (llama.cpp). The same weights written as a qwen3moe GGUF (bf16, and Q4_0 by
 llama.cpp's own quantizer); ridge and llama.cpp each load the file and decode batches of 1
-and 32 sequences, interleaved per round (``compare.py``'s runners: each step timed, greedy).
+and 32 sequences, interleaved per round (``ridge.bench.peers``' runners: each step timed, greedy).
 
     python benchmarks/moe_sweep.py --json benchmarks/moe_sweep.json --png benchmarks/moe_sweep.png
 """
@@ -32,13 +32,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from ridge import LLM  # noqa: E402
-from ridge.bench.common import machine, random_prompts  # noqa: E402
-from ridge.roofline.ops import step_cost  # noqa: E402
-from ridge.roofline.probe import ProbeSettings, probe_read_bandwidth  # noqa: E402
-from ridge.sampling import SamplingParams  # noqa: E402
+from ridge import LLM
+from ridge.bench.common import machine, random_prompts
+from ridge.roofline.ops import step_cost
+from ridge.roofline.probe import ProbeSettings, probe_read_bandwidth
+from ridge.sampling import SamplingParams
 
 QUANTIZATION = {"bf16": None, "int4": "int4", "int8": "int8"}
 
@@ -141,8 +139,7 @@ def run_sweep(args) -> list[dict]:
 
 def export_gguf(args) -> dict[str, Path]:
     """The model's weights as qwen3moe GGUF files (bf16; Q4_0 by llama.cpp's quantizer), cached."""
-    from compare import quantize_gguf
-
+    from ridge.bench.peers import quantize_gguf
     from ridge.models.export import hf_state_dict, write_gguf
 
     directory = Path(args.gguf_dir)
@@ -165,7 +162,7 @@ def export_gguf(args) -> dict[str, Path]:
 
 
 def run_llama_cpp(args) -> list[dict]:
-    from compare import LlamaCppRunner, RidgeRunner
+    from ridge.bench.peers import LlamaCppRunner, RidgeRunner
 
     files = export_gguf(args)
     results = []

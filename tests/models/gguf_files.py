@@ -91,12 +91,9 @@ def quantized(src: Path, dst: Path, qtype: GGMLQuantizationType) -> Path:
 
 
 def llama_cpp_greedy(path: Path, prompt: list[int], steps: int) -> list[int]:
-    """llama.cpp's greedy tokens for ``prompt`` (llama-cpp-python, through the comparison
-    benchmark's runner; callers skip where it is not installed)."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from compare import LlamaCppRunner
+    """llama.cpp's greedy tokens for ``prompt`` (llama-cpp-python, through the comparisons'
+    runner; callers skip where it is not installed)."""
+    from ridge.bench.peers import LlamaCppRunner
 
     runner = LlamaCppRunner(path, threads=2, context_per_seq=64)
     try:
