@@ -103,9 +103,9 @@ async def run_load(url: str, args, round_no: int) -> dict:
     # every gap between two tokens of a stream that overlaps the window (a stall included)
     gaps = [b - a for r in decoded for a, b in zip(r["times"], r["times"][1:]) if b >= window[0] and a <= window[1]]
     tokens = sum(1 for r in decoded for t in r["times"] if window[0] <= t <= window[1])
+    itl = summarize(gaps) | {"p99": percentile(gaps, 99), "mean": statistics.fmean(gaps) if gaps else float("nan")}
     return {
-        "itl_s": summarize(gaps)
-        | {"p99": percentile(gaps, 99), "mean": statistics.fmean(gaps) if gaps else float("nan")},
+        "itl_s": itl,
         "ttft_s": [r["times"][0] - r["start"] for r in longs],
         "decode_tokens_per_s": tokens / (window[1] - window[0]),
         "window_s": window[1] - window[0],

@@ -18,8 +18,7 @@ PROMPTS = [[1, 400, 30, 72, 19], [1, 52, 98, 7, 311]]  # equal lengths: transfor
 
 
 @pytest.fixture(scope="module")
-def ridge_runner(request):
-    stories_dir = request.getfixturevalue("stories_dir")
+def ridge_runner(stories_dir):
     runner = RidgeRunner(LLM(str(stories_dir), dtype="float32", num_kv_blocks=64, seed=0))
     yield runner
     runner.close()
