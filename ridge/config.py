@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ridge.models.registry import SUPPORTED_ARCHITECTURES  # the one table of architectures
+from ridge.models.deepseek_config import MLAConfig
+from ridge.models.moe_config import MoEConfig
+from ridge.models.registry import MODEL_TYPES, SUPPORTED_ARCHITECTURES, Architecture, architecture
 
 DTYPES = {
     "float32": torch.float32,
@@ -35,224 +38,6 @@ def canonical_dtype(name: str) -> str:
     if name not in DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPES)} (or 'auto')")
     return name
-
-
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-# how a router picks its top_k experts (vLLM / DeepSeek names)
-TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """A mixture-of-experts feed-forward: ``top_k`` of ``num_experts`` per token.
-
-    norm_topk_prob: renormalize the top-k router probabilities to sum to 1 (Mixtral always).
-    shared_intermediate_size: always-on shared expert(s) run for every token; 0 for none.
-        Qwen2-MoE scales its one shared expert by a sigmoid gate (``shared_expert_gate``);
-        DeepSeek adds its ``n_shared_experts`` (one MLP of their summed width) ungated.
-    sparse_layers: the layers whose feed-forward is the MoE (the others are dense MLPs).
-    scoring: ``softmax`` (Mixtral, Qwen, DeepSeek-V2) or ``sigmoid`` (DeepSeek-V3) router scores.
-    topk_method: ``greedy`` top-k; ``group_limited_greedy`` (V2: experts in ``n_group``
-        groups, only the ``topk_group`` groups with the best single score compete);
-        ``noaux_tc`` (V3: scores plus ``e_score_correction_bias`` choose, groups ranked by
-        their two best, weights are the uncorrected scores).
-    routed_scaling_factor: multiplies the routed experts' weights (DeepSeek).
-    """
-
-    num_experts: int
-    top_k: int
-    intermediate_size: int
-    norm_topk_prob: bool
-    shared_intermediate_size: int
-    sparse_layers: tuple[int, ...]
-    scoring: str = "softmax"
-    topk_method: str = "greedy"
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    shared_expert_gate: bool = False  # Qwen2-MoE's sigmoid gate on the shared expert
-    shared_name: str = "shared_expert"  # the checkpoint's name (DeepSeek: shared_experts)
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(
-                f"model config: need 1 <= num_experts_per_tok ({self.top_k}) <= experts ({self.num_experts})"
-            )
-        if self.intermediate_size < 1:
-            raise ValueError(f"model config: expert intermediate size must be >= 1, got {self.intermediate_size}")
-        if self.scoring not in ("softmax", "sigmoid"):
-            raise ValueError(f"model config: scoring_func must be softmax or sigmoid, got {self.scoring!r}")
-        if self.topk_method not in TOPK_METHODS:
-            raise ValueError(
-                f"model config: topk_method must be one of {', '.join(TOPK_METHODS)}, got {self.topk_method!r}"
-            )
-        if self.topk_method != "greedy":
-            if self.n_group < 1 or self.num_experts % self.n_group:
-                raise ValueError(f"model config: n_group ({self.n_group}) must divide the {self.num_experts} experts")
-            if not 1 <= self.topk_group <= self.n_group:
-                raise ValueError(f"model config: need 1 <= topk_group ({self.topk_group}) <= n_group ({self.n_group})")
-            per_group = self.num_experts // self.n_group
-            if self.topk_group * per_group < self.top_k:
-                raise ValueError(
-                    f"model config: topk_group ({self.topk_group}) groups of {per_group} experts hold fewer "
-                    f"than num_experts_per_tok ({self.top_k})"
-                )
-            if self.topk_method == "noaux_tc" and per_group < 2:
-                raise ValueError("model config: noaux_tc ranks groups by their two best experts; need >= 2 per group")
-
-
-@dataclass(frozen=True)
-class MLAConfig:
-    """DeepSeek's multi-head latent attention.
-
-    Per token and layer the cache holds the compressed latent (``kv_lora_rank``) and the
-    rotary key shared by all heads (``qk_rope_head_dim``); ``kv_b_proj`` expands the latent
-    into each head's no-RoPE key (``qk_nope_head_dim``) and value (``v_head_dim``).
-    ``q_lora_rank`` None: q comes from a direct projection. ``rope_interleave``: the rotary
-    dims are stored as interleaved pairs (DeepSeek's layout; V2 always).
-    """
-
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    q_lora_rank: int | None
-    rope_interleave: bool
-
-    def __post_init__(self) -> None:
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"model config: {name} must be >= 1, got {getattr(self, name)}")
-        if self.qk_rope_head_dim % 2:
-            raise ValueError(f"model config: qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
-        if self.q_lora_rank is not None and self.q_lora_rank < 1:
-            raise ValueError(f"model config: q_lora_rank must be >= 1 or null, got {self.q_lora_rank}")
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def cache_dim(self) -> int:
-        """Cached values per token and layer: latent + rotary key."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-
-# Routing features of other MoE families (DeepSeek's grouped top-k, sigmoid scores, scaled
-# weights, ...): a config of a supported architecture that sets one is refused, not misread.
-# key -> the value that means "not used"
-UNSUPPORTED_MOE_KEYS: dict[str, Any] = {
-    "n_group": None,
-    "topk_group": None,
-    "topk_method": None,
-    "scoring_func": "softmax",
-    "routed_scaling_factor": 1.0,
-    "n_shared_experts": None,
-    "first_k_dense_replace": None,
-    "e_score_correction_bias": None,
-}
-
-
-def _read_deepseek_moe(arch: str, hf: dict[str, Any], layers: int) -> MoEConfig | None:
-    experts = int(hf.get("n_routed_experts") or 0)
-    if experts == 0:
-        return None
-    if int(hf.get("moe_layer_freq") or 1) != 1:
-        raise ValueError(f"{arch} config sets moe_layer_freq={hf['moe_layer_freq']!r}; ridge runs 1 (every layer)")
-    v3 = arch == "DeepseekV3ForCausalLM"
-    if v3:
-        # transformers (and DeepSeek's release) run V3's router one way: sigmoid scores and the
-        # bias-corrected grouped choice, whatever topk_method / scoring_func say
-        scoring, method = "sigmoid", "noaux_tc"
-        odd = {k: hf[k] for k in ("scoring_func", "topk_method") if hf.get(k) not in (None, "sigmoid", "noaux_tc")}
-        if odd:
-            raise ValueError(f"{arch} config sets {odd}; DeepSeek-V3 routes with sigmoid scores and noaux_tc")
-    else:
-        scoring, method = "softmax", str(hf.get("topk_method") or "greedy")
-        if method == "noaux_tc":
-            raise ValueError(f"{arch} config sets topk_method='noaux_tc' (DeepSeek-V3's router) on a V2 model")
-        if hf.get("norm_topk_prob"):
-            raise ValueError(f"{arch} config sets norm_topk_prob=true; DeepSeek-V2 does not renormalize its weights")
-    inter = int(hf["moe_intermediate_size"])
-    first_dense = int(hf.get("first_k_dense_replace") or 0)
-    return MoEConfig(
-        experts,
-        int(hf["num_experts_per_tok"]),
-        inter,
-        bool(hf.get("norm_topk_prob", False)) if v3 else False,
-        int(hf.get("n_shared_experts") or 0) * inter,
-        tuple(range(first_dense, layers)),
-        scoring=scoring,
-        topk_method=method,
-        n_group=int(hf.get("n_group") or 1),
-        topk_group=int(hf.get("topk_group") or 1),
-        routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
-        shared_name="shared_experts",
-    )
-
-
-def _read_mla(arch: str, hf: dict[str, Any]) -> MLAConfig:
-    if hf.get("attention_bias"):
-        raise ValueError(f"{arch} config sets attention_bias=true; ridge runs MLA without projection biases")
-    try:
-        return MLAConfig(
-            int(hf["kv_lora_rank"]),
-            int(hf["qk_nope_head_dim"]),
-            int(hf["qk_rope_head_dim"]),
-            int(hf["v_head_dim"]),
-            int(hf["q_lora_rank"]) if hf.get("q_lora_rank") else None,
-            # V2 rotates interleaved pairs (complex multiply); V3 says which with rope_interleave
-            arch == "DeepseekV2ForCausalLM" or bool(hf.get("rope_interleave", True)),
-        )
-    except KeyError as exc:
-        raise ValueError(f"model config is missing {exc.args[0]!r} (needed by {arch}'s latent attention)") from None
-
-
-def _read_moe(arch: str, hf: dict[str, Any], layers: int, lenient: bool, notes: list[str]) -> MoEConfig | None:
-    if arch in DEEPSEEK_ARCHITECTURES:
-        try:
-            return _read_deepseek_moe(arch, hf, layers)
-        except KeyError as exc:
-            raise ValueError(f"model config is missing {exc.args[0]!r} (needed by {arch})") from None
-    if arch not in MOE_ARCHITECTURES:
-        return None
-    unsupported = sorted(k for k, unused in UNSUPPORTED_MOE_KEYS.items() if hf.get(k, unused) not in (unused, None))
-    if unsupported and lenient:
-        notes.append(f"MoE field(s) of other families ignored: {', '.join(unsupported)}")
-    elif unsupported:
-        raise ValueError(
-            f"{arch} config sets MoE field(s) ridge does not support: "
-            + ", ".join(f"{k}={hf[k]!r}" for k in unsupported)
-            + " (ridge runs softmax top-k routing, renormalized or not, with an optional shared expert)"
-        )
-    try:
-        if arch == "MixtralForCausalLM":
-            return MoEConfig(
-                int(hf["num_local_experts"]),
-                int(hf["num_experts_per_tok"]),
-                int(hf["intermediate_size"]),
-                True,
-                0,
-                tuple(range(layers)),
-            )
-        # Qwen's published configs say num_experts; transformers 5 writes num_local_experts
-        experts = int(hf["num_experts"] if hf.get("num_experts") is not None else hf["num_local_experts"])
-        step = int(hf.get("decoder_sparse_step") or 1)
-        dense = {int(i) for i in hf.get("mlp_only_layers") or []}
-        sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
-        shared = int(hf.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
-        return MoEConfig(
-            experts,
-            int(hf["num_experts_per_tok"]),
-            int(hf["moe_intermediate_size"]),
-            bool(hf.get("norm_topk_prob", False)),
-            shared,
-            sparse,
-            shared_expert_gate=shared > 0,
-        )
-    except KeyError as exc:
-        raise ValueError(f"model config is missing {exc.args[0]!r} (needed by {arch})") from None
 
 
 @dataclass(frozen=True)
@@ -351,7 +136,8 @@ class ModelConfig:
             )
             raise ValueError(f"model config is missing required key {missing!r}") from None
         head_dim = hf.get("head_dim") or hidden // heads
-        mla = _read_mla(arch, hf) if arch in DEEPSEEK_ARCHITECTURES else None
+        family = architecture(arch)
+        mla = _read_family(arch, "latent attention", family.read_mla, hf)
         if mla is not None:
             head_dim = mla.qk_head_dim  # HF writes head_dim = qk_rope_head_dim (the rotary width)
             if hf.get("num_nextn_predict_layers"):
@@ -366,7 +152,7 @@ class ModelConfig:
                 f"max_model_len {max_model_len} is longer than the model's context "
                 f"(max_position_embeddings {max_pos}); pass max_model_len <= {max_pos}"
             )
-        window = _sliding_window(arch, hf, layers, max_pos, notes)
+        window = _sliding_window(family, hf, layers, max_pos, notes)
         limit = max_model_len or max_pos
         if window is not None and window < limit and not lenient:
             raise ValueError(
@@ -383,14 +169,13 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-        attention_bias = bool(hf.get("attention_bias", False))
+        attention_bias = family.attention_bias and bool(hf.get("attention_bias", False))
         quant = hf.get("quantization_config")
         if isinstance(quant, dict):
             notes.append(
                 f"checkpoint is quantized ({quant.get('quant_method', '?')}); pass --weight-bits "
                 "to match it (the analysis uses the bits you give)"
             )
-        qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         return cls(
             architecture=arch,
             hidden_size=hidden,
@@ -406,58 +191,51 @@ class ModelConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=qwen2 or attention_bias,
-            o_bias=not qwen2 and attention_bias,
+            qkv_bias=family.qkv_bias or attention_bias,
+            o_bias=not family.qkv_bias and attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=family.qk_norm,
             dtype=canonical_dtype(str(dtype)) if str(dtype) in DTYPES or str(dtype) in DTYPE_ALIASES else "float32",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            moe=_read_moe(arch, hf, layers, lenient, notes),
-            ffn_name="block_sparse_moe" if arch == "MixtralForCausalLM" else "mlp",
+            moe=_read_family(arch, "experts", family.read_moe, hf, layers, lenient, notes),
+            ffn_name=family.ffn_name,
             mla=mla,
             sliding_window=window,
             notes=tuple(notes),
         )
 
 
-# model_type -> the architecture its configs name (a config without architectures, or the
-# analyzer's reading of a wrapper's text_config, goes by its model_type)
-MODEL_TYPE_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "deepseek_v2": "DeepseekV2ForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-}
-
-
 def _architecture(hf: dict[str, Any], lenient: bool, notes: list[str]) -> str:
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else None
     model_type = str(hf.get("model_type") or "")
-    if lenient and model_type not in MODEL_TYPE_ARCHITECTURES:
+    if lenient and model_type not in MODEL_TYPES:
         notes.append(
             f"model_type {model_type or '(none)'!r} is not one ridge knows; read as a "
             "Llama-style decoder (gated MLP, RMSNorm, no biases)"
         )
-    if arch in SUPPORTED_ARCHITECTURES:
-        return arch
-    if lenient:
-        return MODEL_TYPE_ARCHITECTURES.get(model_type, "LlamaForCausalLM")
-    raise ValueError(f"unsupported architecture {arch!r}; ridge supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if lenient and arch not in SUPPORTED_ARCHITECTURES:
+        return MODEL_TYPES.get(model_type, "LlamaForCausalLM")
+    architecture(arch)  # an unsupported one: the error that names the supported ones
+    return arch
 
 
-def _sliding_window(arch: str, hf: dict, layers: int, max_pos: int, notes: list[str]) -> int | None:
+def _read_family(arch: str, what: str, reader: Callable[..., Any] | None, hf: dict[str, Any], *args: Any) -> Any:
+    """The family's reader of ``what`` (registry row), None where the family has none."""
+    if reader is None:
+        return None
+    try:
+        return reader(arch, hf, *args)
+    except KeyError as exc:
+        raise ValueError(f"model config is missing {exc.args[0]!r} (needed by {arch}'s {what})") from None
+
+
+def _sliding_window(family: Architecture, hf: dict, layers: int, max_pos: int, notes: list[str]) -> int | None:
     """The attention window, or None for full attention (a window as long as the context
     changes nothing; Qwen's configs carry one that use_sliding_window leaves off)."""
     window = hf.get("sliding_window")
-    qwen = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-    if not window or not hf.get("use_sliding_window", arch not in qwen) or int(window) >= max_pos:
+    if not window or not hf.get("use_sliding_window", family.sliding_window_by_default) or int(window) >= max_pos:
         return None
     if hf.get("max_window_layers") not in (None, layers):
         notes.append("per-layer sliding windows are read as applying to every layer")

@@ -21,10 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ridge.config import ModelConfig, MoEConfig
+from ridge.config import ModelConfig
 from ridge.distributed.parallel import TensorParallel
 from ridge.layers.kernels import topk_route
 from ridge.layers.linear import ExpertLinear, Linear, PackedLinear
+from ridge.models.moe_config import MoEConfig
 from ridge.quantization.config import QuantizationConfig
 
 

@@ -1,6 +1,8 @@
-"""The architectures ridge runs: a Hugging Face ``architectures[0]`` name -> the class that runs
-it, imported on first use. The loader, runner and engine know models only through this table
-and the interface every class offers:
+"""The architectures ridge runs: one row per Hugging Face ``architectures[0]`` name, with the
+class that runs it (imported on first use) and what its family's configs mean that a
+Llama config does not say. ``ModelConfig.from_hf_config`` reads a config through its row;
+the loader, runner and engine know models only through this table and the interface every
+class offers:
 
     cls(config: ModelConfig, max_positions: int, quant: QuantizationConfig)
     cls.packed_modules                    checkpoint module -> (packed module, shard)
@@ -13,31 +15,86 @@ and the interface every class offers:
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-# architecture -> "module:class"
-_REGISTRY: dict[str, str] = {
-    "LlamaForCausalLM": "ridge.models.llama:LlamaForCausalLM",
-    "MistralForCausalLM": "ridge.models.llama:LlamaForCausalLM",
-    "Qwen2ForCausalLM": "ridge.models.llama:LlamaForCausalLM",
-    "Qwen3ForCausalLM": "ridge.models.llama:LlamaForCausalLM",
-    # mixture-of-experts feed-forwards (ridge/models/moe.py) in the same decoder
-    "MixtralForCausalLM": "ridge.models.llama:LlamaForCausalLM",
-    "Qwen2MoeForCausalLM": "ridge.models.llama:LlamaForCausalLM",
-    "Qwen3MoeForCausalLM": "ridge.models.llama:LlamaForCausalLM",
-    # latent attention + DeepSeek's MoE (ridge/models/deepseek.py)
-    "DeepseekV2ForCausalLM": "ridge.models.deepseek:DeepseekForCausalLM",
-    "DeepseekV3ForCausalLM": "ridge.models.deepseek:DeepseekForCausalLM",
+from ridge.models.deepseek_config import MLAConfig, read_deepseek_mla, read_deepseek_moe
+from ridge.models.moe_config import MoEConfig, read_mixtral_moe, read_qwen_moe
+
+# (arch, hf config, layers, lenient, notes) -> the sparse layers' MoE, or None
+MoEReader = Callable[[str, dict[str, Any], int, bool, list[str]], MoEConfig | None]
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One family's row.
+
+    model: ``"module:class"`` of the model that runs it.
+    model_type: the ``model_type`` its configs carry (a config without ``architectures``,
+        or the analyzer's reading of an unknown one, goes by it).
+    qkv_bias: q/k/v always carry a bias (Qwen2).
+    attention_bias: the config's ``attention_bias`` puts a bias on q, k, v and o (Llama,
+        Qwen3); Mistral's and Mixtral's attention never has one.
+    qk_norm: an RMSNorm over head_dim on q and k before RoPE (Qwen3).
+    ffn_name: the checkpoint's name of a layer's feed-forward.
+    sliding_window_by_default: a config's ``sliding_window`` applies unless
+        ``use_sliding_window`` says otherwise (Qwen's configs carry one they leave off).
+    read_moe: the family's reading of its experts (None: dense).
+    read_mla: the family's reading of its latent attention (None: multi-head attention).
+    """
+
+    model: str
+    model_type: str
+    qkv_bias: bool = False
+    attention_bias: bool = True
+    qk_norm: bool = False
+    ffn_name: str = "mlp"
+    sliding_window_by_default: bool = True
+    read_moe: MoEReader | None = None
+    read_mla: Callable[[str, dict[str, Any]], MLAConfig] | None = None
+
+
+_LLAMA = "ridge.models.llama:LlamaForCausalLM"
+# mixture-of-experts feed-forwards (ridge/models/moe.py) run in the same decoder as Llama;
+# latent attention + DeepSeek's MoE in ridge/models/deepseek.py
+_DEEPSEEK = "ridge.models.deepseek:DeepseekForCausalLM"
+ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture(_LLAMA, "llama"),
+    "MistralForCausalLM": Architecture(_LLAMA, "mistral", attention_bias=False),
+    "Qwen2ForCausalLM": Architecture(_LLAMA, "qwen2", qkv_bias=True, sliding_window_by_default=False),
+    "Qwen3ForCausalLM": Architecture(_LLAMA, "qwen3", qk_norm=True, sliding_window_by_default=False),
+    "MixtralForCausalLM": Architecture(
+        _LLAMA, "mixtral", attention_bias=False, ffn_name="block_sparse_moe", read_moe=read_mixtral_moe
+    ),
+    "Qwen2MoeForCausalLM": Architecture(
+        _LLAMA, "qwen2_moe", qkv_bias=True, sliding_window_by_default=False, read_moe=read_qwen_moe
+    ),
+    "Qwen3MoeForCausalLM": Architecture(
+        _LLAMA, "qwen3_moe", qk_norm=True, sliding_window_by_default=False, read_moe=read_qwen_moe
+    ),
+    "DeepseekV2ForCausalLM": Architecture(
+        _DEEPSEEK, "deepseek_v2", read_moe=read_deepseek_moe, read_mla=read_deepseek_mla
+    ),
+    "DeepseekV3ForCausalLM": Architecture(
+        _DEEPSEEK, "deepseek_v3", read_moe=read_deepseek_moe, read_mla=read_deepseek_mla
+    ),
 }
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_REGISTRY)
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
+# model_type -> the architecture its configs name
+MODEL_TYPES: dict[str, str] = {a.model_type: name for name, a in ARCHITECTURES.items()}
 
 
-def model_class(architecture: str) -> type:
-    """The class that runs ``architecture``; ValueError naming the supported ones otherwise."""
-    target = _REGISTRY.get(architecture)
-    if target is None:
-        raise ValueError(
-            f"unsupported architecture {architecture!r}; ridge supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
+def architecture(name: str) -> Architecture:
+    """``name``'s row; ValueError naming the supported ones otherwise."""
+    row = ARCHITECTURES.get(name)
+    if row is None:
+        raise ValueError(f"unsupported architecture {name!r}; ridge supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return row
+
+
+def model_class(name: str) -> type:
+    """The class that runs architecture ``name``; ValueError naming the supported ones otherwise."""
+    module, _, cls = architecture(name).model.partition(":")
+    return getattr(importlib.import_module(module), cls)

@@ -14,12 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ridge.config import MODEL_TYPE_ARCHITECTURES, MLAConfig, ModelConfig
+from ridge.config import ModelConfig
+from ridge.models.deepseek_config import MLAConfig
 from ridge.models.presets import PRESETS, get_preset
-
-# Families whose config layout ridge knows; any other model_type with Llama-style keys is read
-# as a Llama-style decoder and says so in ``notes``.
-KNOWN_MODEL_TYPES = tuple(MODEL_TYPE_ARCHITECTURES)
 
 
 def _require_positive(owner: str, **values: int | None) -> None:
