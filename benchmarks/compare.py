@@ -61,18 +61,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from ridge.bench.common import parse_range, random_prompts, summarize
+from ridge.bench.peers import LLAMA_FTYPES, LlamaCppRunner, RidgeRunner, Timed, TransformersRunner, quantize_gguf
+from ridge.layers.cpu_kernels import loaded_prefetch_policy
+from ridge.models.export import hf_state_dict, save_hf_checkpoint, write_gguf
+from ridge.roofline.ops import step_cost, weight_bytes
+from ridge.roofline.probe import ProbeSettings, local_hardware, machine_fingerprint, probe_read_bandwidth
+from ridge.roofline.shapes import ModelShape
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-
-from ridge.bench.common import parse_range, random_prompts, summarize  # noqa: E402
-from ridge.bench.peers import LLAMA_FTYPES, LlamaCppRunner, RidgeRunner, Timed, TransformersRunner, quantize_gguf  # noqa: E402
-from ridge.layers.cpu_kernels import loaded_prefetch_policy  # noqa: E402
-from ridge.models.export import hf_state_dict, save_hf_checkpoint, write_gguf  # noqa: E402
-from ridge.roofline.ops import step_cost, weight_bytes  # noqa: E402
-from ridge.roofline.probe import ProbeSettings, local_hardware, machine_fingerprint, probe_read_bandwidth  # noqa: E402
-from ridge.roofline.shapes import ModelShape  # noqa: E402
 
 SCENARIOS = ("batch1", "batch32", "mixed")
 BATCH_OF = {"batch1": 1, "batch32": 32}

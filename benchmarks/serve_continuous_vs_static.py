@@ -39,10 +39,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from ridge.bench.serve import (  # noqa: E402
+from ridge.bench.serve import (
     BenchConfig,
     LengthSpec,
     build_workload,
@@ -50,6 +47,8 @@ from ridge.bench.serve import (  # noqa: E402
     ridge_server,
     run_benchmark,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 SYNTHETIC = "synthetic-50m"
 # The synthetic model: Llama shapes with 50M parameters (vocab 512 covers the byte tokenizer).

@@ -31,8 +31,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ridge.bench.serve import ridge_server  # noqa: E402
+from ridge.bench.serve import ridge_server
 
 STARTS = [
     "Once upon a time",
