@@ -16,28 +16,14 @@ from typing import Any
 
 import torch
 
+from ridge.dtypes import RUN_DTYPE_ALIASES, RUN_DTYPES, canonical_dtype
 from ridge.models.deepseek_config import MLAConfig
 from ridge.models.moe_config import MoEConfig
 from ridge.models.registry import MODEL_TYPES, SUPPORTED_ARCHITECTURES, Architecture, architecture
 
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-
 SCHEDULER_POLICIES = ("continuous", "static")
 # auto: ridge's CPU kernel for bf16 decode where the CPU has AVX-512 BF16, else F.linear.
 KERNEL_CHOICES = ("auto", "torch", "ridge")
-
-
-def canonical_dtype(name: str) -> str:
-    """'bf16' -> 'bfloat16'; a clear error for anything ridge does not run."""
-    name = DTYPE_ALIASES.get(name, name)
-    if name not in DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPES)} (or 'auto')")
-    return name
 
 
 @dataclass(frozen=True)
@@ -168,7 +154,7 @@ class ModelConfig:
                 rope_scaling = rope_params
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+        dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
         attention_bias = family.attention_bias and bool(hf.get("attention_bias", False))
         quant = hf.get("quantization_config")
         if isinstance(quant, dict):
@@ -195,7 +181,7 @@ class ModelConfig:
             o_bias=not family.qkv_bias and attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=family.qk_norm,
-            dtype=canonical_dtype(str(dtype)) if str(dtype) in DTYPES or str(dtype) in DTYPE_ALIASES else "float32",
+            dtype=canonical_dtype(dtype) if dtype in {*RUN_DTYPES, *RUN_DTYPE_ALIASES} else "float32",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             moe=_read_family(arch, "experts", family.read_moe, hf, layers, lenient, notes),
@@ -384,7 +370,7 @@ def indexed_device(device: torch.device | str) -> torch.device:
 def resolve_dtype(requested: str, model_default: str, device: torch.device) -> torch.dtype:
     """'auto' takes the checkpoint's dtype; fall back to float32 where the device cannot run it."""
     name = model_default if requested == "auto" else requested
-    dtype = DTYPES[canonical_dtype(name)]
+    dtype = RUN_DTYPES[canonical_dtype(name)]
     if dtype is torch.float32:
         return dtype
     try:

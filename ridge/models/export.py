@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ridge.config import ModelConfig
+from ridge.dtypes import GGUF_FILE_TYPES
 from ridge.layers.linear import ExpertLinear
 
 # Llama-family checkpoints that llama.cpp runs as its "llama" architecture.
@@ -114,8 +115,6 @@ _GGUF_GLOBAL_NAMES = {
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
-
-_GGUF_FILE_TYPES = {torch.bfloat16: "MOSTLY_BF16", torch.float16: "MOSTLY_F16", torch.float32: "ALL_F32"}
 
 
 def _as_model(engine_or_model) -> torch.nn.Module:
@@ -257,7 +256,7 @@ def write_gguf(directory_or_state: str | Path | Mapping[str, torch.Tensor], hf_c
 def _open_writer(path: Path, arch: str, hf_config: dict, cfg: ModelConfig, state: dict, gguf):
     """A GGUFWriter with what every architecture's metadata shares and the placeholder vocab."""
     matrix_dtype = state["model.embed_tokens.weight"].dtype
-    if matrix_dtype not in _GGUF_FILE_TYPES:
+    if matrix_dtype not in GGUF_FILE_TYPES:
         raise ValueError(f"write_gguf: cannot store {matrix_dtype} tensors")
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(path), arch)
@@ -270,7 +269,7 @@ def _open_writer(path: Path, arch: str, hf_config: dict, cfg: ModelConfig, state
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_file_type(getattr(gguf.LlamaFileType, _GGUF_FILE_TYPES[matrix_dtype]))
+    writer.add_file_type(getattr(gguf.LlamaFileType, GGUF_FILE_TYPES[matrix_dtype]))
     _add_placeholder_vocab(writer, gguf, cfg)
     return writer
 

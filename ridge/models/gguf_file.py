@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ridge.distributed.parallel import Shard
+from ridge.dtypes import GGUF_DENSE_TYPES
 from ridge.quantization.formats import FORMATS, Q8_0, BlockFormat
 
 ARCHITECTURES = {
@@ -37,7 +38,7 @@ ARCHITECTURES = {
     # DeepSeek V2 and V3 alike (latent attention): V3 where the router's scores are sigmoids
     "deepseek2": "DeepseekV2ForCausalLM",
 }
-DENSE_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+DENSE_TYPES = GGUF_DENSE_TYPES  # the dense rows of ridge/dtypes.py a GGUF file holds
 NATIVE_TYPES = {f.ggml_name: f for f in FORMATS.values()}
 # the 5-bit types llama.cpp falls back to where K is not a multiple of 256
 CONVERTED_TYPES = {"Q5_0": Q8_0, "Q5_1": Q8_0}

@@ -21,21 +21,8 @@ from pathlib import Path
 
 import torch
 
-# Safetensors dtype names -> torch dtypes (those a checkpoint ridge loads can hold).
-DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+from ridge.dtypes import SAFETENSORS_DTYPES
+
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
 
 
@@ -72,7 +59,7 @@ class SafetensorsFile:
 
     def _check(self, name: str, entry: object, data_size: int) -> tuple[torch.dtype, tuple[int, ...], int, int]:
         try:
-            dtype = DTYPES[entry["dtype"]]
+            dtype = SAFETENSORS_DTYPES[entry["dtype"]]
             shape = tuple(int(d) for d in entry["shape"])
             begin, end = (int(x) for x in entry["data_offsets"])
         except (KeyError, TypeError, ValueError) as exc:

@@ -27,22 +27,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from ridge.dtypes import PRICED_BYTES
 from ridge.quantization.formats import FORMAT_ALIASES, FORMATS
 from ridge.roofline.shapes import ModelShape, ceil_div
 
-# Bytes per element of the dtypes a single matmul (``--matmul``) or a peak can be quoted in.
-DTYPE_BYTES: Mapping[str, float] = MappingProxyType(
-    {
-        "fp32": 4.0,
-        "tf32": 4.0,
-        "bf16": 2.0,
-        "fp16": 2.0,
-        "fp8": 1.0,
-        "int8": 1.0,
-        "fp4": 0.5,
-        "int4": 0.5,
-    }
-)
+# Bytes per element of the dtypes a single matmul (``--matmul``) or a peak can be quoted in
+# (ridge/dtypes.py's rows the analyzer prices).
+DTYPE_BYTES: Mapping[str, float] = MappingProxyType(PRICED_BYTES)
 
 ATTENTION_CONVENTIONS = ("causal", "full")
 EMBEDDING_CONVENTIONS = ("gathered", "full")

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ridge.config import default_cache_dir
+from ridge.dtypes import PRICED_TORCH
 from ridge.roofline.hardware import GIB, Hardware, Measurement
 
 CACHE_FILE_NAME = "hardware-local.json"
@@ -49,12 +50,9 @@ MAX_AGE = dt.timedelta(days=1)
 # the neighbours too: it is used once, then taken again at the next start.
 BUSY_LOAD = 0.25
 
-_TORCH_DTYPES = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "int8": torch.int8,
-}
+
+# the dtypes whose matmuls the probe times (F.linear's; int8: torch._int_mm)
+PROBE_DTYPES = ("fp32", "bf16", "fp16", "int8")
 
 
 @dataclass(frozen=True)
@@ -66,7 +64,7 @@ class ProbeSettings:
     matmul_sizes: tuple[int, ...] = (256, 512, 1024, 2048)
     matmul_repeats: int = 5
     matmul_budget_s: float = 1.0  # per dtype
-    dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8")
+    dtypes: tuple[str, ...] = PROBE_DTYPES
     ridge_kernels: bool = True  # also time ridge's own CPU kernels (where they run)
 
     def __post_init__(self) -> None:
@@ -74,7 +72,7 @@ class ProbeSettings:
             raise ValueError("ProbeSettings: sizes and repeat counts must be positive")
         if not self.matmul_sizes or sorted(self.matmul_sizes) != list(self.matmul_sizes):
             raise ValueError("ProbeSettings: matmul_sizes must be a non-empty ascending tuple")
-        unknown = set(self.dtypes) - set(_TORCH_DTYPES)
+        unknown = set(self.dtypes) - set(PROBE_DTYPES)
         if unknown:
             raise ValueError(f"ProbeSettings: cannot probe dtypes {sorted(unknown)}")
 
@@ -289,8 +287,8 @@ def _matmul_runner(dtype: str, n: int) -> Callable[[], object]:
         a = torch.randint(-64, 64, (n, n), dtype=torch.int8)
         b = torch.randint(-64, 64, (n, n), dtype=torch.int8)
         return lambda: torch._int_mm(a, b)  # int8 x int8 -> int32, the VNNI path
-    x = torch.randn(n, n).to(_TORCH_DTYPES[dtype])
-    weight = torch.randn(n, n).to(_TORCH_DTYPES[dtype])
+    x = torch.randn(n, n).to(PRICED_TORCH[dtype])
+    weight = torch.randn(n, n).to(PRICED_TORCH[dtype])
     return lambda: F.linear(x, weight)  # x @ W^T, W as (out, in): a model layer's layout
 
 

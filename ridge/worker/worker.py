@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from ridge.config import ModelConfig, canonical_dtype, resolve_device, resolve_dtype
+from ridge.config import ModelConfig, resolve_device, resolve_dtype
 from ridge.distributed.parallel import TensorParallel
+from ridge.dtypes import canonical_dtype
 from ridge.engine.step import RunnerOutput, SchedulerOutput
 from ridge.kv import cache as kv_cache
 from ridge.kv.cache import KVCacheSpec

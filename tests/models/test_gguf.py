@@ -411,7 +411,7 @@ def test_unsupported_types_and_architectures_name_what_is_supported(stories_gguf
         return None
 
     path = rewrite(stories_gguf, tmp_path / "iq2_xxs.gguf", iq2_xxs)
-    with pytest.raises(ValueError, match="type IQ2_XXS, which ridge does not run; supported: F32, F16, BF16, Q8_0"):
+    with pytest.raises(ValueError, match="type IQ2_XXS, which ridge does not run; supported: F32, BF16, F16, Q8_0"):
         LLM(str(path))
     path = rewrite(stories_gguf, tmp_path / "gpt2.gguf", lambda n, v: None, arch="gpt2")
     with pytest.raises(ValueError, match="architecture 'gpt2' is not supported; ridge runs GGUF files of llama"):
