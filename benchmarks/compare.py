@@ -67,7 +67,7 @@ from ridge.bench.common import parse_range, random_prompts, summarize
 from ridge.bench.peers import LLAMA_FTYPES, LlamaCppRunner, RidgeRunner, Timed, TransformersRunner, quantize_gguf
 from ridge.layers.cpu_kernels import loaded_prefetch_policy
 from ridge.models.export import hf_state_dict, save_hf_checkpoint, write_gguf
-from ridge.roofline.ops import step_cost, weight_bytes
+from ridge.roofline.ops import StepCost, step_cost, weight_bytes
 from ridge.roofline.probe import ProbeSettings, local_hardware, machine_fingerprint, probe_read_bandwidth
 from ridge.roofline.shapes import ModelShape
 
@@ -83,18 +83,34 @@ EXPORT_FORMAT = 1  # bump when the export layout changes: invalidates cached exp
 
 @dataclass
 class Floor:
-    """A scenario's roofline inputs: mean FLOPs and bytes of its prefill and of a decode step."""
+    """A scenario's roofline inputs: the analyzer's cost of its prefill and of each decode step.
+    Their floors are ridge's one convention, ``StepCost.time_s`` (each operator at its own
+    bound, summed); a decode floor is the mean over the steps."""
 
-    prefill_flops: float
-    prefill_bytes: float
-    decode_flops: float
-    decode_bytes: float
+    prefill: StepCost
+    decodes: list[StepCost]
+
+    @property
+    def prefill_flops(self) -> float:
+        return self.prefill.flops
+
+    @property
+    def prefill_bytes(self) -> float:
+        return self.prefill.bytes
+
+    @property
+    def decode_flops(self) -> float:
+        return statistics.mean(c.flops for c in self.decodes)
+
+    @property
+    def decode_bytes(self) -> float:
+        return statistics.mean(c.bytes for c in self.decodes)
 
     def decode_s(self, bandwidth: float, peak: float) -> float:
-        return max(self.decode_bytes / bandwidth, self.decode_flops / peak)
+        return statistics.mean(c.time_s(peak, bandwidth) for c in self.decodes)
 
     def prefill_s(self, bandwidth: float, peak: float) -> float:
-        return max(self.prefill_bytes / bandwidth, self.prefill_flops / peak)
+        return self.prefill.time_s(peak, bandwidth)
 
 
 # ---- exports --------------------------------------------------------------------------------
@@ -164,12 +180,7 @@ def scenario_floor(
     prefill = step_cost(shape, [(prompt_len, prompt_len)] * batch, [], w, elem, elem)
     decodes = [step_cost(shape, [], [prompt_len + i + 1] * batch, w, elem, elem) for i in range(1, new_tokens)]
     decodes = decodes or [step_cost(shape, [], [prompt_len + 1] * batch, w, elem, elem)]
-    return Floor(
-        prefill.flops,
-        prefill.bytes,
-        statistics.mean(c.flops for c in decodes),
-        statistics.mean(c.bytes for c in decodes),
-    )
+    return Floor(prefill, decodes)
 
 
 def agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:

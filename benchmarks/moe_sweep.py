@@ -7,11 +7,11 @@ bandwidth probes. Per decode step of the whole batch the engine records its wall
 distinct experts each MoE layer read (mean over layers). Beside them:
 
 - expected experts: the analyzer's E (1 - (1 - k/E)^B) for B tokens (uniform routing);
-- predicted step: the analyzer's operators for that step with the *expected* experts, each
-  at max(bytes / bandwidth of the round, FLOPs / the engine's peak), summed (``ridge
-  analyze``'s convention): its prediction made without looking at the router;
-- floor: max(step bytes / bandwidth, step FLOPs / peak) with the experts the step actually
-  touched (what the telemetry reports).
+- predicted step: the analyzer's roofline time of that step (each operator at max(bytes /
+  bandwidth of the round, FLOPs / the engine's peak), summed: ``StepCost.time_s``) with the
+  *expected* experts: its prediction made without looking at the router;
+- floor: the same roofline time with the experts the step actually touched (what the
+  telemetry reports).
 
 Part 2 (llama.cpp). The same weights written as a qwen3moe GGUF (bf16, and Q4_0 by
 llama.cpp's own quantizer); ridge and llama.cpp each load the file and decode batches of 1
@@ -74,10 +74,7 @@ def sweep_point(llm, batch: int, args, seed: int) -> dict:
                 telemetry.act_bytes,
                 experts_touched=touched,
             )
-            if label == "predicted":  # the analyzer's convention: each op at its own bound, summed
-                priced[label] = sum(max(op.bytes / bw, op.flops / peak) for op in cost.ops)
-            else:  # the telemetry's floor: the step's bytes or FLOPs, whichever binds
-                priced[label] = max(cost.bytes / bw, cost.flops / peak)
+            priced[label] = cost.time_s(peak, bw)  # each op at its own bound, summed (ridge's one floor)
         rows.append((r.wall_s, r.experts_touched, priced["predicted"], priced["floor"]))
     expected = model.moe.expected_experts_touched(batch)
     return {

@@ -70,7 +70,7 @@ class PhaseStats:
     wall_s: float = 0.0
     flops: float = 0.0
     bytes: float = 0.0
-    floor_s: float = 0.0  # roofline time: sum over steps of max(flops / peak, bytes / bw)
+    floor_s: float = 0.0  # roofline time: sum over steps of StepCost.time_s (each op at its own bound)
     floored_wall_s: float = 0.0  # wall time of the steps priced with a known roofline
     comm_s: float = 0.0  # measured time in collectives (tensor parallelism)
     predicted_comm_s: float = 0.0  # the same steps' collectives priced on the link (once it is known)
@@ -119,11 +119,14 @@ class PhaseStats:
 class Ceiling:
     """The roofline floors are priced against, kept honest by the steps it prices.
 
-    ``floor_s(cost, wall_s)`` is ``max(FLOPs / peak, bytes / bandwidth)``. When a step took less
-    than that, the ceiling is wrong: the first time, ``reprobe()`` (if given) measures the machine
-    again and returns ``(peak, bandwidth)``; if the step still beats the new ceiling, each term it
-    beat is raised to the step's own rate (a measured rate is a lower bound on the true ceiling).
-    What happened is appended to ``notices``.
+    ``floor_s(cost, wall_s)`` is the analyzer's roofline time of the step, ``cost.time_s``: each
+    operator at its own bound (``max(FLOPs / peak, bytes / bandwidth)``), summed; the one floor
+    convention of ridge's reports. When a step took less than that, the ceiling is wrong: the
+    first time, ``reprobe()`` (if given) measures the machine again and returns ``(peak,
+    bandwidth)``; if the step still beats the new ceiling, each term its floor rests on (the
+    peak if some operator is compute-bound, the bandwidth if some is memory-bound) is raised by
+    the factor the step beat the floor by (a measured rate is a lower bound on the true
+    ceiling). What happened is appended to ``notices``.
     """
 
     def __init__(
@@ -138,11 +141,19 @@ class Ceiling:
         self._reprobe = reprobe
         self.notices = notices if notices is not None else []
 
-    def _terms(self, cost: StepCost) -> tuple[float, float]:
-        return cost.flops / self.peak_flops, cost.bytes / self.bandwidth
+    def _shares(self, cost: StepCost) -> tuple[float, float]:
+        """(seconds of the operators bound by compute, of those bound by memory): the floor is
+        their sum."""
+        compute_s = memory_s = 0.0
+        for op in cost.ops:
+            if op.bound(self.peak_flops, self.bandwidth) == "compute":
+                compute_s += op.flops / self.peak_flops
+            else:
+                memory_s += op.bytes / self.bandwidth
+        return compute_s, memory_s
 
     def floor_s(self, cost: StepCost, wall_s: float | None = None) -> float:
-        floor = max(self._terms(cost))
+        floor = cost.time_s(self.peak_flops, self.bandwidth)
         if wall_s is None or wall_s >= floor:
             return floor
         what = f"a step ({cost.tokens} tokens) ran in {wall_s * 1e3:.3g} ms, under its floor of {floor * 1e3:.3g} ms"
@@ -154,17 +165,17 @@ class Ceiling:
                 f"{peak / 1e9:,.0f} GFLOP/s, {bandwidth / 1e9:.1f} GB/s)"
             )
             self.peak_flops, self.bandwidth = max(self.peak_flops, peak), max(self.bandwidth, bandwidth)
-            floor = max(self._terms(cost))
+            floor = cost.time_s(self.peak_flops, self.bandwidth)
             if wall_s >= floor:
                 return floor
-        compute_s, memory_s = self._terms(cost)
-        before = self._describe()
-        if compute_s > wall_s:
-            self.peak_flops = cost.flops / wall_s
-        if memory_s > wall_s:
-            self.bandwidth = cost.bytes / wall_s
+        compute_s, memory_s = self._shares(cost)
+        before, factor = self._describe(), floor / wall_s
+        if compute_s > 0:
+            self.peak_flops *= factor
+        if memory_s > 0:
+            self.bandwidth *= factor
         self.notices.append(f"raised the roofline to what a step reached: {what} ({before} -> {self._describe()})")
-        return wall_s  # the raised terms equal it (exactly: no rounding above 100%)
+        return wall_s  # the raised terms give it (exactly: no rounding above 100%)
 
     def step_floor_s(self, cost: StepCost, rec: StepRecord) -> float:
         """``rec``'s floor: ``floor_s(cost, rec.wall_s)``, or for a pipelined step at most its

@@ -58,7 +58,8 @@ def analyzer(bits: int, prompt_len: int = 16, model=TINY_SHAPE) -> Analyzer:
 
 
 def floor(cost, hw=HW, dtype="bf16") -> float:
-    return max(cost.flops / hw.peak(dtype), cost.bytes / hw.bandwidth_bytes_per_s)
+    """The analyzer's roofline time: each operator at its own bound, summed."""
+    return sum(max(op.flops / hw.peak(dtype), op.bytes / hw.bandwidth_bytes_per_s) for op in cost.ops)
 
 
 # ---- the arithmetic is the analyzer's ---------------------------------------------------------
@@ -290,16 +291,29 @@ def test_a_pipelined_step_never_moves_the_roofline():
     assert t.report()["notices"] and probes == [False, True]
 
 
-def test_the_ceiling_raises_each_term_a_step_beats():
+def test_the_floor_is_the_analyzers_and_a_step_that_beats_it_raises_the_terms_it_rests_on():
+    """One floor convention: the telemetry's floor of a step is the analyzer's roofline time
+    (``StepCost.time_s``). A prefill whose floor rests on both terms (compute-bound matmuls,
+    memory-bound norms) and that ran in half of it raises both by 2x; a memory-bound decode
+    step raises the bandwidth alone."""
+    peak, bandwidth = 1e12, 100e9
     cost = step_cost(TINY_SHAPE, PREFILL, [], 2, 2, 2)
-    compute_s, memory_s = cost.flops / 1e12, cost.bytes / 100e9
-    wall = min(compute_s, memory_s) / 2
-    ceiling = Ceiling(1e12, 100e9)
-    assert ceiling.floor_s(cost, wall) == pytest.approx(wall)
-    assert ceiling.peak_flops == pytest.approx(cost.flops / wall) and ceiling.bandwidth == pytest.approx(
-        cost.bytes / wall
-    )
-    assert ceiling.floor_s(cost) == pytest.approx(wall) and len(ceiling.notices) == 1
+    bounds = {op.bound(peak, bandwidth) for op in cost.ops}
+    assert bounds == {"compute", "memory"}
+    floor = sum(max(op.flops / peak, op.bytes / bandwidth) for op in cost.ops)
+    assert floor > max(cost.flops / peak, cost.bytes / bandwidth)  # not the max of the totals
+    ceiling = Ceiling(peak, bandwidth)
+    assert ceiling.floor_s(cost) == pytest.approx(floor) == pytest.approx(cost.time_s(peak, bandwidth))
+    assert ceiling.floor_s(cost, floor / 2) == pytest.approx(floor / 2)
+    assert ceiling.peak_flops == pytest.approx(2 * peak) and ceiling.bandwidth == pytest.approx(2 * bandwidth)
+    assert ceiling.floor_s(cost) == pytest.approx(floor / 2) and len(ceiling.notices) == 1
+
+    decode = step_cost(TINY_SHAPE, [], DECODE, 2, 2, 2)
+    ceiling = Ceiling(peak, bandwidth)
+    memory_floor = decode.bytes / bandwidth
+    assert ceiling.floor_s(decode) == pytest.approx(memory_floor)  # every op memory-bound
+    ceiling.floor_s(decode, memory_floor / 3)
+    assert ceiling.peak_flops == peak and ceiling.bandwidth == pytest.approx(3 * bandwidth)
 
 
 def test_reset_empties_the_records_and_totals():

@@ -194,7 +194,7 @@ class LLMEngine:
                 conventions=CostConventions(tensor_parallel=self.config.tensor_parallel_size),
                 logit_rows=batch * rows,
             )
-            return max(cost.flops / peak[0], cost.bytes / telemetry.hardware.bandwidth_bytes_per_s)
+            return cost.time_s(peak[0], telemetry.hardware.bandwidth_bytes_per_s)
 
         proposer = make_proposer(
             spec,
