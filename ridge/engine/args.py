@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 
 from ridge.config import KERNEL_CHOICES, SCHEDULER_POLICIES, EngineConfig
+from ridge.dtypes import RUN_DTYPES
 from ridge.sampling import SamplingParams
 
 _ENGINE_DEFAULTS = EngineConfig()
@@ -20,7 +21,7 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None =
         help="Hugging Face model directory, a llama.cpp .gguf file, or random:<preset> (random weights)",
     )
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    g.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
+    g.add_argument("--dtype", default="auto", help=f"auto (the checkpoint's), {', '.join(RUN_DTYPES)}")
     g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda[:N]")
     g.add_argument("--seed", type=int, default=_ENGINE_DEFAULTS.seed)
     g.add_argument("--block-size", type=int, default=_ENGINE_DEFAULTS.block_size, help="tokens per KV block")
