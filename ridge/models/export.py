@@ -30,17 +30,19 @@ import torch
 from ridge.config import ModelConfig
 from ridge.dtypes import GGUF_FILE_TYPES
 from ridge.layers.linear import ExpertLinear
+from ridge.models.registry import ARCHITECTURES
 
-# Llama-family checkpoints that llama.cpp runs as its "llama" architecture.
-GGUF_LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-# Checkpoint architecture -> llama.cpp architecture write_gguf can write it as
-GGUF_ARCHITECTURES = {
-    **dict.fromkeys(GGUF_LLAMA_ARCHITECTURES, "llama"),
-    "Qwen3MoeForCausalLM": "qwen3moe",
-    "Qwen2MoeForCausalLM": "qwen2moe",
-    "DeepseekV2ForCausalLM": "deepseek2",
-    "DeepseekV3ForCausalLM": "deepseek2",
-}
+# Checkpoint architecture -> the llama.cpp architecture write_gguf writes it as (the
+# registry's name of the family), for the families it writes
+_WRITES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+)
+GGUF_ARCHITECTURES = {name: ARCHITECTURES[name].gguf for name in _WRITES}
 
 # Hugging Face name (after "model.layers.{i}.") -> GGUF name (after "blk.{i}.").
 _GGUF_LAYER_NAMES = {

@@ -27,17 +27,12 @@ import torch
 
 from ridge.distributed.parallel import Shard
 from ridge.dtypes import GGUF_DENSE_TYPES
+from ridge.models.registry import GGUF_ARCHITECTURES
 from ridge.quantization.formats import FORMATS, Q8_0, BlockFormat
 
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3moe": "Qwen3MoeForCausalLM",
-    "qwen2moe": "Qwen2MoeForCausalLM",
-    # DeepSeek V2 and V3 alike (latent attention): V3 where the router's scores are sigmoids
-    "deepseek2": "DeepseekV2ForCausalLM",
-}
+# the file's general.architecture -> the architecture it is read as (the registry's rows;
+# deepseek2 as V2, and V3 where the router's scores are sigmoids)
+ARCHITECTURES = GGUF_ARCHITECTURES
 DENSE_TYPES = GGUF_DENSE_TYPES  # the dense rows of ridge/dtypes.py a GGUF file holds
 NATIVE_TYPES = {f.ggml_name: f for f in FORMATS.values()}
 # the 5-bit types llama.cpp falls back to where K is not a multiple of 256

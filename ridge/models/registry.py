@@ -42,10 +42,12 @@ class Architecture:
         ``use_sliding_window`` says otherwise (Qwen's configs carry one they leave off).
     read_moe: the family's reading of its experts (None: dense).
     read_mla: the family's reading of its latent attention (None: multi-head attention).
+    gguf: llama.cpp's name of the family (a GGUF file's ``general.architecture``).
     """
 
     model: str
     model_type: str
+    gguf: str
     qkv_bias: bool = False
     attention_bias: bool = True
     qk_norm: bool = False
@@ -60,30 +62,36 @@ _LLAMA = "ridge.models.llama:LlamaForCausalLM"
 # latent attention + DeepSeek's MoE in ridge/models/deepseek.py
 _DEEPSEEK = "ridge.models.deepseek:DeepseekForCausalLM"
 ARCHITECTURES: dict[str, Architecture] = {
-    "LlamaForCausalLM": Architecture(_LLAMA, "llama"),
-    "MistralForCausalLM": Architecture(_LLAMA, "mistral", attention_bias=False),
-    "Qwen2ForCausalLM": Architecture(_LLAMA, "qwen2", qkv_bias=True, sliding_window_by_default=False),
-    "Qwen3ForCausalLM": Architecture(_LLAMA, "qwen3", qk_norm=True, sliding_window_by_default=False),
+    "LlamaForCausalLM": Architecture(_LLAMA, "llama", "llama"),
+    "MistralForCausalLM": Architecture(_LLAMA, "mistral", "llama", attention_bias=False),
+    "Qwen2ForCausalLM": Architecture(_LLAMA, "qwen2", "qwen2", qkv_bias=True, sliding_window_by_default=False),
+    "Qwen3ForCausalLM": Architecture(_LLAMA, "qwen3", "qwen3", qk_norm=True, sliding_window_by_default=False),
     "MixtralForCausalLM": Architecture(
-        _LLAMA, "mixtral", attention_bias=False, ffn_name="block_sparse_moe", read_moe=read_mixtral_moe
+        _LLAMA, "mixtral", "llama", attention_bias=False, ffn_name="block_sparse_moe", read_moe=read_mixtral_moe
     ),
     "Qwen2MoeForCausalLM": Architecture(
-        _LLAMA, "qwen2_moe", qkv_bias=True, sliding_window_by_default=False, read_moe=read_qwen_moe
+        _LLAMA, "qwen2_moe", "qwen2moe", qkv_bias=True, sliding_window_by_default=False, read_moe=read_qwen_moe
     ),
     "Qwen3MoeForCausalLM": Architecture(
-        _LLAMA, "qwen3_moe", qk_norm=True, sliding_window_by_default=False, read_moe=read_qwen_moe
+        _LLAMA, "qwen3_moe", "qwen3moe", qk_norm=True, sliding_window_by_default=False, read_moe=read_qwen_moe
     ),
     "DeepseekV2ForCausalLM": Architecture(
-        _DEEPSEEK, "deepseek_v2", read_moe=read_deepseek_moe, read_mla=read_deepseek_mla
+        _DEEPSEEK, "deepseek_v2", "deepseek2", read_moe=read_deepseek_moe, read_mla=read_deepseek_mla
     ),
     "DeepseekV3ForCausalLM": Architecture(
-        _DEEPSEEK, "deepseek_v3", read_moe=read_deepseek_moe, read_mla=read_deepseek_mla
+        _DEEPSEEK, "deepseek_v3", "deepseek2", read_moe=read_deepseek_moe, read_mla=read_deepseek_mla
     ),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
 # model_type -> the architecture its configs name
 MODEL_TYPES: dict[str, str] = {a.model_type: name for name, a in ARCHITECTURES.items()}
+# a GGUF file's architecture -> the one ridge reads it as: the first row of that name (llama:
+# Llama, as llama.cpp writes Mistral's too; deepseek2: V2, the GGUF reader tells V3 by its router)
+GGUF_ARCHITECTURES: dict[str, str] = {
+    gguf: next(name for name, a in ARCHITECTURES.items() if a.gguf == gguf)
+    for gguf in dict.fromkeys(a.gguf for a in ARCHITECTURES.values())
+}
 
 
 def architecture(name: str) -> Architecture:

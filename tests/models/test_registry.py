@@ -79,3 +79,17 @@ def test_each_row_reads_its_family_as_transformers_builds_it(arch, attention_bia
             if shared is not None:
                 assert shared.down_proj.weight.shape[1] == cfg.moe.shared_intermediate_size
             assert hasattr(ffn, "shared_expert_gate") == cfg.moe.shared_expert_gate
+
+
+def test_gguf_names_are_llama_cpps_and_each_reads_back_as_its_family():
+    import gguf
+
+    from ridge.models.export import GGUF_ARCHITECTURES as WRITES
+    from ridge.models.gguf_file import ARCHITECTURES as READS
+
+    for name, row in registry.ARCHITECTURES.items():
+        assert row.gguf in gguf.MODEL_ARCH_NAMES.values(), name
+        assert registry.ARCHITECTURES[READS[row.gguf]].gguf == row.gguf
+    assert READS["llama"] == "LlamaForCausalLM" and READS["deepseek2"] == "DeepseekV2ForCausalLM"
+    for name, arch in WRITES.items():  # what write_gguf writes is read back as a model of the same kind
+        assert registry.architecture(READS[arch]).model == registry.architecture(name).model
