@@ -27,7 +27,7 @@ import torch
 
 from ridge.distributed.parallel import Shard
 from ridge.dtypes import GGUF_DENSE_TYPES
-from ridge.models.registry import GGUF_ARCHITECTURES
+from ridge.models.registry import GGUF_ARCHITECTURES, architecture
 from ridge.quantization.formats import FORMATS, Q8_0, BlockFormat
 
 # the file's general.architecture -> the architecture it is read as (the registry's rows;
@@ -234,7 +234,7 @@ class GGUFModel:
             return self._deepseek2_config(hidden, heads, embed, tokens)
         config = {
             "architectures": [ARCHITECTURES[a]],
-            "model_type": {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}.get(a, a),
+            "model_type": architecture(ARCHITECTURES[a]).model_type,
             "hidden_size": hidden,
             "intermediate_size": int(self._field(f"{a}.feed_forward_length", 0))
             or self._required(f"{a}.expert_feed_forward_length" if moe else f"{a}.feed_forward_length"),
@@ -289,9 +289,10 @@ class GGUFModel:
         )
         groups = int(self._field(f"{a}.expert_group_count", 1))
         experts = int(self._field(f"{a}.expert_count", 0))
+        name = "DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"
         config = {
-            "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
-            "model_type": "deepseek_v3" if v3 else "deepseek_v2",
+            "architectures": [name],
+            "model_type": architecture(name).model_type,
             "hidden_size": hidden,
             "intermediate_size": self._required(f"{a}.feed_forward_length"),
             "num_hidden_layers": self._required(f"{a}.block_count"),
