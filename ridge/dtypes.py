@@ -40,21 +40,21 @@ class DType:
 
 
 TABLE: tuple[DType, ...] = (
-    DType("float32", "fp32", 4, torch.float32, ("fp32", "float"), True, "F32", "F32", "ALL_F32"),
-    DType("bfloat16", "bf16", 2, torch.bfloat16, ("bf16",), True, "BF16", "BF16", "MOSTLY_BF16"),
-    DType("float16", "fp16", 2, torch.float16, ("fp16", "half"), True, "F16", "F16", "MOSTLY_F16"),
-    DType("tfloat32", "tf32", 4, None),
-    DType("float8_e4m3fn", "fp8", 1, torch.float8_e4m3fn, safetensors="F8_E4M3"),
-    DType("float8_e5m2", None, 1, torch.float8_e5m2, safetensors="F8_E5M2"),
-    DType("int8", "int8", 1, torch.int8, safetensors="I8"),
+    DType("float32", "fp32", 4.0, torch.float32, ("fp32", "float"), True, "F32", "F32", "ALL_F32"),
+    DType("tfloat32", "tf32", 4.0, None),
+    DType("bfloat16", "bf16", 2.0, torch.bfloat16, ("bf16",), True, "BF16", "BF16", "MOSTLY_BF16"),
+    DType("float16", "fp16", 2.0, torch.float16, ("fp16", "half"), True, "F16", "F16", "MOSTLY_F16"),
+    DType("float8_e4m3fn", "fp8", 1.0, torch.float8_e4m3fn, safetensors="F8_E4M3"),
+    DType("float8_e5m2", None, 1.0, torch.float8_e5m2, safetensors="F8_E5M2"),
+    DType("int8", "int8", 1.0, torch.int8, safetensors="I8"),
     DType("fp4", "fp4", 0.5, None),
     DType("int4", "int4", 0.5, None),
-    DType("float64", None, 8, torch.float64, safetensors="F64"),
-    DType("int64", None, 8, torch.int64, safetensors="I64"),
-    DType("int32", None, 4, torch.int32, safetensors="I32"),
-    DType("int16", None, 2, torch.int16, safetensors="I16"),
-    DType("uint8", None, 1, torch.uint8, safetensors="U8"),
-    DType("bool", None, 1, torch.bool, safetensors="BOOL"),
+    DType("float64", None, 8.0, torch.float64, safetensors="F64"),
+    DType("int64", None, 8.0, torch.int64, safetensors="I64"),
+    DType("int32", None, 4.0, torch.int32, safetensors="I32"),
+    DType("int16", None, 2.0, torch.int16, safetensors="I16"),
+    DType("uint8", None, 1.0, torch.uint8, safetensors="U8"),
+    DType("bool", None, 1.0, torch.bool, safetensors="BOOL"),
 )
 
 # --dtype: ridge's names -> torch dtypes, and the aliases it takes
