@@ -5,7 +5,9 @@ file or format, the measured figure, the target and whether it is met:
 
   - batch-1 decode at least 1.2x llama.cpp on every file (``compare.py``'s ``ridge_speedup``,
     the median of its rounds) and each file within 90% of its floor (``decode_floor_fraction``:
-    the file's weight bytes over the bandwidth probed in the same round);
+    the file's weight bytes over the bandwidth probed in the same round; a median over 100%
+    is not met: the step streamed faster than the probe read, so the probe missed the memory's
+    level, and such a floor judges nothing);
   - tg64 and pp512 at least ik_llama.cpp's ``llama-bench`` on every file (``vs_ik.py``, the
     median of the per-round ratios, this CPU's entry);
   - 2-8 rows at most 1.3x one row in every format (``quant_rows.py``, this CPU's entry);
@@ -56,9 +58,10 @@ def compare_rows(compare: dict) -> list[tuple[str, str, str, str, bool]]:
         floor = engines[name].get("decode_floor_fraction")
         if floor is not None:
             value = floor["median"]
-            rows.append(
-                ("decode b1 % of floor", file, f"{value:.0%}", f">= {FLOOR_FRACTION:.0%}", value >= FLOOR_FRACTION)
-            )
+            figure, met = f"{value:.0%}", FLOOR_FRACTION <= value <= 1.0
+            if value > 1.0:
+                figure += " (over 100%: the probe read low)"
+            rows.append(("decode b1 % of floor", file, figure, f">= {FLOOR_FRACTION:.0%}", met))
     return rows
 
 

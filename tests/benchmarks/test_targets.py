@@ -23,6 +23,7 @@ def test_each_target_is_read_from_its_json_and_judged(tmp_path, capsys):
                     "ridge q4_0": {"decode_floor_fraction": stat(0.93)},
                     "ridge --quantization int4": {"decode_floor_fraction": stat(0.5)},
                     "ridge q6_k": {"decode_floor_fraction": stat(0.85)},
+                    "ridge q4_k_m": {"decode_floor_fraction": stat(1.13)},
                     "llama.cpp q4_0": {},
                     "llama.cpp q6_k": {},
                 },
@@ -93,6 +94,9 @@ def test_each_target_is_read_from_its_json_and_judged(tmp_path, capsys):
     assert table[("decode b1 vs llama.cpp", "q6_k")].endswith("| **no** |")
     assert table[("decode b1 % of floor", "q4_0")].endswith("| yes |")
     assert table[("decode b1 % of floor", "q6_k")].endswith("| **no** |")
+    # a floor the step beat says the probe missed the memory's level: not met
+    over = table[("decode b1 % of floor", "q4_k_m")]
+    assert over.endswith("| 113% (over 100%: the probe read low) | >= 90% | **no** |")
     assert not any(what in ("", "--quantization int4") for _, what in table if _ != "target")
     assert table[("tg64 vs ik_llama.cpp", "model-q4_0.gguf")].endswith("| yes |")
     assert table[("pp512 vs ik_llama.cpp", "model-q4_0.gguf")].endswith("| **no** |")
