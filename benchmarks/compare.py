@@ -35,11 +35,14 @@ How each engine runs:
   argmax of the returned logits. The mixed workload runs the same loop with a slot per request:
   continuous batching like llama-server's.
 
-Floors: a decode step cannot beat ``max(bytes / bandwidth, FLOPs / peak)`` with bytes and FLOPs
-from ridge's analyzer (``roofline.ops.step_cost``; weights + KV cache + activations, averaged
-over the decode steps), bandwidth from the probe of the same round (its ceiling: the best trial
-of ``sum()`` and ridge's bf16 GEMV, ``roofline.probe.probe_read_bandwidth``), peak from the machine's
-probed ``local`` hardware (``roofline.probe.local_hardware``). "% of floor" is floor / measured.
+Floors: a step cannot beat the analyzer's roofline time (``StepCost.time_s``: each operator at
+max(bytes / bandwidth, FLOPs / peak), summed) with bytes and FLOPs from ridge's analyzer
+(``roofline.ops.step_cost``; weights + KV cache + activations; a decode floor is the mean over
+the decode steps), bandwidth probed on both sides of each engine's run in batch1 / batch32 (its
+ceiling: the best trial of ``sum()`` and ridge's bf16 GEMV,
+``roofline.probe.probe_read_bandwidth``; the higher of the two probes, so a level that changes
+during a run still gives a ceiling), peak from the machine's probed ``local`` hardware
+(``roofline.probe.local_hardware``). "% of floor" is floor / measured.
 The mixed workload has no floor (it depends on the schedule).
 """
 
@@ -227,15 +230,19 @@ def run_rounds(args, runners: list, vocab: int) -> list[dict]:
                 batch = BATCH_OF[scenario]
                 prompts = random_prompts(batch, [args.prompt_len] * batch, vocab, seed)
                 timed_by: dict[str, Timed] = {}
+                before = bandwidth  # each run between two probes: its floor takes the higher
                 for runner in runners:
                     timed = runner.run_batch(prompts, args.new_tokens)
+                    after = probe_read_bandwidth(PROBE)
                     timed_by[runner.name] = timed
                     decode_ms = [s * 1e3 for s in timed.decode_s]
                     entry["engines"][runner.name] = {
                         "prefill_s": timed.prefill_s,
                         "decode_ms": decode_ms,
                         "decode_ms_median": statistics.median(decode_ms) if decode_ms else float("nan"),
+                        "bandwidth_gb_per_s": max(before.high, after.high) / 1e9,
                     }
+                    before = after
                     log(
                         f"round {r + 1} {scenario:<8} {runner.name:<13} prefill {timed.prefill_s * 1e3:8.1f} ms  "
                         f"decode {entry['engines'][runner.name]['decode_ms_median']:8.2f} ms/step"
@@ -305,8 +312,11 @@ def summarize_rounds(
                 all_steps = [ms for run in runs for ms in run["decode_ms"]]
                 medians = [run["decode_ms_median"] for run in runs]
                 own = floors[scenario].get(name, floor)  # this engine's weights' floor
-                floor_ms = [own.decode_s(bw, peak) * 1e3 for bw in bandwidths]
-                prefill_floor_s = [own.prefill_s(bw, peak) for bw in bandwidths]
+                # the bandwidth probed around this engine's own run (a round's first probe in
+                # files written before 2026-12-02)
+                own_bws = [r.get("bandwidth_gb_per_s", e["bandwidth_gb_per_s"]) * 1e9 for r, e in zip(runs, entries)]
+                floor_ms = [own.decode_s(bw, peak) * 1e3 for bw in own_bws]
+                prefill_floor_s = [own.prefill_s(bw, peak) for bw in own_bws]
                 out["engines"][name] = {
                     "decode_ms_per_step": summarize(all_steps),
                     "decode_tokens_per_s": batch * 1e3 / statistics.median(all_steps) if all_steps else float("nan"),
@@ -396,7 +406,7 @@ def format_report(payload: dict) -> str:
             )
     lines.append("")
     lines.append(
-        "% floor: roofline floor / measured (decode: per step, with the bandwidth probed in the same round); "
+        "% floor: roofline floor / measured (decode: per step, with the bandwidth probed on both sides of the run); "
         "GB/s: analyzer bytes per step / measured step (each engine's own weight bytes); = ridge: greedy "
         "tokens equal to ridge's on the same weights "
         "(prefix share; bf16 rounding differs between engines, so late divergence is expected)"

@@ -5,7 +5,7 @@ file or format, the measured figure, the target and whether it is met:
 
   - batch-1 decode at least 1.2x llama.cpp on every file (``compare.py``'s ``ridge_speedup``,
     the median of its rounds) and each file within 90% of its floor (``decode_floor_fraction``:
-    the file's weight bytes over the bandwidth probed in the same round; a median over 100%
+    the file's weight bytes over the bandwidth probed around its run; a median over 100%
     is not met: the step streamed faster than the probe read, so the probe missed the memory's
     level, and such a floor judges nothing);
   - tg64 and pp512 at least ik_llama.cpp's ``llama-bench`` on every file (``vs_ik.py``, the
