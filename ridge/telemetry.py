@@ -141,17 +141,6 @@ class Ceiling:
         self._reprobe = reprobe
         self.notices = notices if notices is not None else []
 
-    def _shares(self, cost: StepCost) -> tuple[float, float]:
-        """(seconds of the operators bound by compute, of those bound by memory): the floor is
-        their sum."""
-        compute_s = memory_s = 0.0
-        for op in cost.ops:
-            if op.bound(self.peak_flops, self.bandwidth) == "compute":
-                compute_s += op.flops / self.peak_flops
-            else:
-                memory_s += op.bytes / self.bandwidth
-        return compute_s, memory_s
-
     def floor_s(self, cost: StepCost, wall_s: float | None = None) -> float:
         floor = cost.time_s(self.peak_flops, self.bandwidth)
         if wall_s is None or wall_s >= floor:
@@ -168,11 +157,11 @@ class Ceiling:
             floor = cost.time_s(self.peak_flops, self.bandwidth)
             if wall_s >= floor:
                 return floor
-        compute_s, memory_s = self._shares(cost)
+        bounds = {op.bound(self.peak_flops, self.bandwidth) for op in cost.ops}  # what the floor rests on
         before, factor = self._describe(), floor / wall_s
-        if compute_s > 0:
+        if "compute" in bounds:
             self.peak_flops *= factor
-        if memory_s > 0:
+        if "memory" in bounds:
             self.bandwidth *= factor
         self.notices.append(f"raised the roofline to what a step reached: {what} ({before} -> {self._describe()})")
         return wall_s  # the raised terms give it (exactly: no rounding above 100%)

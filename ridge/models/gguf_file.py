@@ -30,14 +30,10 @@ from ridge.dtypes import GGUF_DENSE_TYPES
 from ridge.models.registry import GGUF_ARCHITECTURES, architecture
 from ridge.quantization.formats import FORMATS, Q8_0, BlockFormat
 
-# the file's general.architecture -> the architecture it is read as (the registry's rows;
-# deepseek2 as V2, and V3 where the router's scores are sigmoids)
-ARCHITECTURES = GGUF_ARCHITECTURES
-DENSE_TYPES = GGUF_DENSE_TYPES  # the dense rows of ridge/dtypes.py a GGUF file holds
 NATIVE_TYPES = {f.ggml_name: f for f in FORMATS.values()}
 # the 5-bit types llama.cpp falls back to where K is not a multiple of 256
 CONVERTED_TYPES = {"Q5_0": Q8_0, "Q5_1": Q8_0}
-SUPPORTED_TYPES = (*DENSE_TYPES, *NATIVE_TYPES, *CONVERTED_TYPES)
+SUPPORTED_TYPES = (*GGUF_DENSE_TYPES, *NATIVE_TYPES, *CONVERTED_TYPES)
 # the formats a layer can take, widest first (a stacked expert layer whose shards differ takes the widest;
 # a packed one keeps each shard's: layer_formats)
 WIDTH_ORDER = ("int8", "q6_k", "q5_k", "int4_asym", "q4_k", "iq4_nl", "int4", "iq4_xs", "q3_k", "q2_k")
@@ -120,7 +116,7 @@ class GGUFTensor:
         if rows is not None:
             data = data[rows.start : rows.start + rows.length]
         shape = (data.shape[0], self.shape[1]) if len(self.shape) == 2 else self.shape
-        if self.type_name in DENSE_TYPES:
+        if self.type_name in GGUF_DENSE_TYPES:
             if cols is not None:
                 data, shape = data[:, cols.start : cols.start + cols.length], (data.shape[0], cols.length)
             array = data.view(np.uint16) if self.type_name == "BF16" else data
@@ -166,10 +162,10 @@ class GGUFModel:
         except Exception as exc:  # bad magic, truncated, corrupt tables: the reader raises many kinds
             raise ValueError(f"{self.path.name} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
         self.arch = self._str("general.architecture")
-        if self.arch not in ARCHITECTURES:
+        if self.arch not in GGUF_ARCHITECTURES:
             raise ValueError(
                 f"{self.path.name}: architecture {self.arch!r} is not supported; ridge runs GGUF files of "
-                f"{', '.join(ARCHITECTURES)}"
+                f"{', '.join(GGUF_ARCHITECTURES)}"
             )
         self.tensors = self._read_tensors()
         self.hf_config = self._hf_config()
@@ -233,8 +229,8 @@ class GGUFModel:
         if a == "deepseek2":
             return self._deepseek2_config(hidden, heads, embed, tokens)
         config = {
-            "architectures": [ARCHITECTURES[a]],
-            "model_type": architecture(ARCHITECTURES[a]).model_type,
+            "architectures": [GGUF_ARCHITECTURES[a]],
+            "model_type": architecture(GGUF_ARCHITECTURES[a]).model_type,
             "hidden_size": hidden,
             "intermediate_size": int(self._field(f"{a}.feed_forward_length", 0))
             or self._required(f"{a}.expert_feed_forward_length" if moe else f"{a}.feed_forward_length"),
@@ -376,7 +372,7 @@ class GGUFModel:
                 raise ValueError(f"{self.path.name}: unexpected tensor {t.name!r} for architecture {self.arch!r}")
             shape = self._checked(t)
             data = t.data
-            if type_name not in DENSE_TYPES:
+            if type_name not in GGUF_DENSE_TYPES:
                 data = data.reshape(shape[0], -1)
             elif hf_name.endswith("shared_expert_gate.weight"):  # (hidden,) -> the gate's (1, hidden)
                 data, shape = data.reshape(1, -1), (1, *shape)
@@ -475,7 +471,7 @@ def _unpermute_rows(data: np.ndarray, n_heads: int) -> np.ndarray:
 
 def target_format(type_name: str) -> BlockFormat | None:
     """The ridge format a tensor of this GGUF type becomes (None: dense)."""
-    if type_name in DENSE_TYPES:
+    if type_name in GGUF_DENSE_TYPES:
         return None
     return NATIVE_TYPES.get(type_name) or CONVERTED_TYPES[type_name]
 
@@ -567,9 +563,9 @@ def conversions(
         source = tensor.type_name
         layer = _layer_of(name, packed_modules, stacking)
         if layer is None:
-            what = f"{source} -> dense ({name.split('.')[-2]}, dequantized)" if source not in DENSE_TYPES else None
+            what = f"{source} -> dense ({name.split('.')[-2]}, dequantized)" if source not in GGUF_DENSE_TYPES else None
         elif formats.get(layer) is None:
-            what = f"{source} -> dense (dequantized)" if source not in DENSE_TYPES else None
+            what = f"{source} -> dense (dequantized)" if source not in GGUF_DENSE_TYPES else None
         else:
             fmt = formats[layer]
             if isinstance(fmt, tuple):  # a packed layer held per shard

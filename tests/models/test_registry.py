@@ -85,7 +85,7 @@ def test_gguf_names_are_llama_cpps_and_each_reads_back_as_its_family():
     import gguf
 
     from ridge.models.export import GGUF_ARCHITECTURES as WRITES
-    from ridge.models.gguf_file import ARCHITECTURES as READS
+    from ridge.models.registry import GGUF_ARCHITECTURES as READS
 
     for name, row in registry.ARCHITECTURES.items():
         assert row.gguf in gguf.MODEL_ARCH_NAMES.values(), name
