@@ -367,14 +367,25 @@ def _seconds(run: Callable[[], object]) -> float:
 
 
 def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), for saying where a figure was measured."""
+    """The CPU's model name (/proc/cpuinfo), for saying where a figure was measured, with its
+    family and model numbers where the name leaves them out: a VM's "AMD EPYC" is a Zen 3
+    (family 25 model 1), a Zen 4 (25, 17) or a Zen 5 (26, 2), and the benchmarks that keep
+    one entry per CPU must not file one's figures under another's."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "cpu family", "model") and key not in fields:
+                fields[key] = value.strip()
+            if not line.strip() and fields:
+                break  # the first processor's block
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+    name = fields.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']} model {fields['model']})"
+    return name
 
 
 def _physical_memory_bytes() -> float:
