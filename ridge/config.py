@@ -269,6 +269,11 @@ class EngineConfig:
     # the plain steps between verify steps.
     # None (the default): on where it applies on CUDA, off on the CPU (resolved at construction)
     async_scheduling: bool | None = None
+    # vLLM's --num-scheduler-steps (multi-step scheduling): a step of plain decodes (no
+    # penalties, min_tokens, logprobs or grammar) runs up to this many forward passes in one
+    # plan, the host's scheduling and output processing once for all of them; tokens stream in
+    # runs of that many, and a request that stops inside a run wastes the passes after it
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -277,7 +282,9 @@ class EngineConfig:
             self.dtype = canonical_dtype(self.dtype)
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        _require_positive_int(self, "block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
+        _require_positive_int(
+            self, "block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "num_scheduler_steps"
+        )
         if self.num_kv_blocks is not None:
             _require_positive_int(self, "num_kv_blocks")
         if self.max_model_len is not None:
@@ -304,6 +311,19 @@ class EngineConfig:
             else "tensor parallelism" if self.tensor_parallel_size > 1
             else None
         )  # fmt: skip
+        if self.num_scheduler_steps > 1:
+            # each pass needs the last one's tokens on this rank, and a plan of one request's
+            # passes is its own: no proposals to verify, no other ranks or instances to feed
+            multi = (
+                "speculative decoding" if self.speculative_config is not None
+                else other
+                if other is not None
+                else "async_scheduling" if self.async_scheduling
+                else None
+            )  # fmt: skip
+            if multi is not None:
+                raise ValueError(f"num_scheduler_steps > 1 does not combine with {multi}")
+            self.async_scheduling = False
         if self.async_scheduling is None:
             # measured on an H100 (README "CUDA"): 1.16-1.61x at batch 1-32, the same outputs; the
             # CPU's step is its kernels' time (the host has nothing to overlap), so it stays off there

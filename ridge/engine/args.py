@@ -93,6 +93,15 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None =
         "overlaps the GPU's); the same outputs. One process, no KV transfer; with speculative decoding, the "
         "steps its policy drafts nothing for. Default: on for CUDA where it applies, off on the CPU",
     )
+    g.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=1,
+        help="multi-step scheduling: a step of plain decodes (no penalties, min_tokens, logprobs or grammar) "
+        "runs up to this many forward passes, the host's scheduling and output processing once for all of "
+        "them; tokens stream in runs of that many. Not with speculative decoding, tensor parallelism, KV "
+        "transfer or --async-scheduling. Default 1",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict:

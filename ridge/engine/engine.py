@@ -113,6 +113,7 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 policy=config.scheduler,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                num_scheduler_steps=config.num_scheduler_steps,
             ),
             self.kv,
             self.max_model_len,
@@ -510,22 +511,26 @@ class LLMEngine:
         self, plan: SchedulerOutput, out: RunnerOutput, start: float, mask_s: float, end: float | None = None
     ) -> None:
         """The step on the roofline (telemetry): its chunks' shapes and what it took (``end``
-        given: a collected step of the pipeline, whose time is the pipeline's period)."""
+        given: a collected step of the pipeline, whose time is the pipeline's period). A
+        multi-step plan's passes are steps of their own, each an equal share of its time."""
         shapes: dict[ChunkKind, list] = {kind: [] for kind in ChunkKind}
         for c in plan.chunks:
             shapes[c.kind].append(c.end if c.kind is ChunkKind.DECODE else (c.num_new_tokens, c.end))
-        self.telemetry.record(
-            shapes[ChunkKind.PREFILL],
-            shapes[ChunkKind.DECODE],
-            (time.perf_counter() if end is None else end) - start,
-            shapes[ChunkKind.VERIFY],
-            self.speculator.proposer.take_passes() if self.speculator is not None else (),
-            out.experts_touched,
-            out.comm_s,
-            mask_s,
-            out.matmul_s,
-            pipelined=end is not None,
-        )
+        n = plan.num_steps
+        wall_s = (time.perf_counter() if end is None else end) - start
+        for i in range(n):
+            self.telemetry.record(
+                shapes[ChunkKind.PREFILL],
+                [context + i for context in shapes[ChunkKind.DECODE]],
+                wall_s / n,
+                shapes[ChunkKind.VERIFY],
+                self.speculator.proposer.take_passes() if self.speculator is not None else (),
+                out.experts_touched,
+                out.comm_s / n,
+                mask_s / n,
+                None if out.matmul_s is None else out.matmul_s / n,
+                pipelined=end is not None,
+            )
 
     def _attach_handovers(self, outputs: list[RequestOutput]) -> None:
         """Producer: a finished prefill-only request's output names its transfers."""

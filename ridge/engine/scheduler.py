@@ -79,12 +79,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     policy: str = "continuous"
     enable_chunked_prefill: bool = True
+    num_scheduler_steps: int = 1  # a plan of plain decodes runs up to this many passes (_num_steps)
 
     def __post_init__(self) -> None:
         if self.policy not in ("continuous", "static"):
             raise ValueError(f"scheduler policy must be 'continuous' or 'static', got {self.policy!r}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.num_scheduler_steps < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and num_scheduler_steps must be >= 1")
 
 
 class Scheduler:
@@ -330,11 +331,46 @@ class Scheduler:
         if scheduled or plan.kv_recvs or plan.kv_loaded:
             # an empty plan runs nowhere: the finished ids wait for the next one
             plan.finished_req_ids, self._finished_ids = self._finished_ids, []
+        if not preempted and len(scheduled) == len(self.running):
+            plan.num_steps = self._num_steps([req for req, *_ in scheduled.values()])
         for req, start, num_new, drafts in scheduled.values():
             self._send_deltas(req, plan)
             plan.chunks.append(self._chunk(req, start, num_new, drafts))
         plan.chunks.sort(key=lambda c: not c.decode_rows)
         return plan
+
+    def _num_steps(self, reqs: list[Request]) -> int:
+        """Multi-step scheduling (vLLM's ``--num-scheduler-steps``): how many forward passes a
+        plan of these requests runs, their blocks allotted for all of them. More than one only
+        where every running request decodes one plain token (no drafts, nothing admitted or
+        preempted this step) whose sampling reads nothing a pass before it would have to hand
+        back to the host (penalties, min_tokens, logprobs, a grammar, a generator to export),
+        and no further than the nearest request's max_tokens or context limit, so that a
+        request can only stop inside a run on a stop token or string (its passes after that
+        are wasted, and the output processor drops their tokens). Where the pool cannot
+        supply the blocks of every pass, one: the blocks taken for the first requests stay
+        theirs, for their next tokens."""
+        steps = self.config.num_scheduler_steps
+        if steps == 1:
+            return 1
+        for req in reqs:
+            p = req.sampling_params
+            if (
+                req.num_computed_tokens != req.num_tokens - 1
+                or req.num_computed_tokens < req.num_prompt_tokens
+                or req.spec_token_ids
+                or req.kv_park
+                or p.has_penalties
+                or p.min_tokens
+                or p.logprobs is not None
+                or p.prompt_logprobs is not None
+                or p.structured_outputs is not None
+            ):
+                return 1
+            steps = min(steps, req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
+        if steps < 2 or not all(self.kv.allocate_slots(req, steps) for req in reqs):
+            return 1
+        return steps
 
     def launched(self, plan: SchedulerOutput) -> None:
         """Asynchronous scheduling: ``plan`` runs while the next one is scheduled. Its chunks

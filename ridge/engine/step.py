@@ -114,6 +114,10 @@ class SchedulerOutput:
     # sequence that samples this step (``grammar_rows``: its row); masked before sampling
     grammar_bitmask: Any = None
     grammar_rows: dict[str, int] = field(default_factory=dict)
+    # multi-step scheduling (vLLM's --num-scheduler-steps): a plan of plain decodes only runs
+    # this many forward passes, each on the tokens the one before sampled, one position on; every
+    # chunk's request then gets ``num_steps`` tokens (the scheduler allotted their slots)
+    num_steps: int = 1
 
     @property
     def num_batched_tokens(self) -> int:
@@ -139,7 +143,7 @@ TokenLogprobs = tuple[float, list[tuple[int, float]]]
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, list[int]]  # request id -> new tokens (one, or a verify run's 1 .. k + 1)
+    sampled: dict[str, list[int]]  # request id -> new tokens (one, a verify run's 1 .. k + 1, or num_steps)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # where asked, per new token
     # where asked: request id -> (prompt position of the first entry, one entry per position)
     prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)

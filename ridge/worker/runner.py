@@ -301,6 +301,9 @@ class ModelRunner:
         self.update_states(plan)
         if not plan.chunks:
             return LaunchedStep(output=RunnerOutput({}) if self.sampler is not None else None)
+        if plan.num_steps > 1:
+            self._last_sampled = None
+            return LaunchedStep(output=self._run_steps(plan))
         batch = self.prepare(self.chunk_inputs(plan))
         logits = self.forward_logits(batch)
         self._last_sampled = None
@@ -316,6 +319,29 @@ class ModelRunner:
             step, tokens = LaunchedStep(batch, pending), pending.tokens
         self._last_sampled = (tokens, {rid: i for i, rid in enumerate(ids)})  # what a next step may read
         return step
+
+    def _run_steps(self, plan: SchedulerOutput) -> RunnerOutput:
+        """A multi-step plan (``SchedulerOutput.num_steps``; one-token decodes only, every row
+        sampling plainly): that many forward passes, each on the tokens the pass before it
+        sampled, one position further, into the slots of the blocks the scheduler allotted
+        for all of them; every row's tokens in order. Each pass computes what a plan of its
+        own would: the same kernels on the same rows, the same sampler calls in the same order."""
+        batch = self.prepare(self.chunk_inputs(plan))
+        ids = batch.sample_request_ids
+        states = [self.requests[rid].sampling for rid in ids]
+        meta, bs = batch.meta, self.block_size
+        passes = []
+        for step in range(plan.num_steps):
+            if step:  # the next position: its token, its slot in the row's block table, one more to attend
+                batch.input_ids.copy_(passes[-1])
+                batch.positions.add_(1)
+                blocks = meta.decode_block_tables.gather(1, batch.positions.unsqueeze(1) // bs).squeeze(1)
+                meta.slot_mapping.copy_(blocks * bs + batch.positions % bs)
+                meta.decode_context_lens.add_(1)
+            logits = self.forward_logits(batch)
+            passes.append(self.sampler.launch(logits[: len(ids)], states).tokens)
+        tokens = torch.stack(passes, dim=1).tolist()
+        return RunnerOutput(dict(zip(ids, tokens)))
 
     def finish(self, step: LaunchedStep) -> RunnerOutput | None:
         """Wait for a launched step's tokens; the driver's output (None on the other ranks)."""
