@@ -485,6 +485,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="torch threads and llama.cpp n_threads")
+    p.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=1,
+        help="ridge's multi-step scheduling: plain decode steps run up to this many forward passes a plan",
+    )
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {','.join(SCENARIOS)}")
     p.add_argument("--mixed-requests", type=int, default=32)
     p.add_argument("--mixed-prompt-len", default="16:128", help="N or LO:HI (uniform)")
@@ -550,6 +556,7 @@ def main(argv=None) -> int:
         num_threads=args.threads,
         max_num_seqs=max_seqs,
         max_model_len=longest + 16,
+        num_scheduler_steps=args.num_scheduler_steps,
     )
     hf_config, vocab = llm.engine.hf_config, llm.engine.model_config.vocab_size
     cache_root = args.cache_dir or (
@@ -566,13 +573,20 @@ def main(argv=None) -> int:
         runners.append(TransformersRunner(hf_dir, getattr(torch, args.dtype), args.hf_batch))
         how["transformers"] = f"generate, static batches of {args.hf_batch}, left padded"
     runners.append(RidgeRunner(llm))
-    how["ridge"] = "LLM.generate, continuous batching"
+    how["ridge"] = "LLM.generate, continuous batching" + (
+        f", --num-scheduler-steps {args.num_scheduler_steps}" if args.num_scheduler_steps > 1 else ""
+    )
     if use_llamacpp:
         log("loading the GGUF in llama.cpp")
         runners.append(LlamaCppRunner(gguf_path, args.threads, longest + 16, args.llamacpp_n_batch))
         how["llama.cpp"] = f"llama_batch, {args.mixed_requests} slots, continuous batching"
         notes.append("llama.cpp: batch 32 and the mixed workload use llama_batch with one sequence id per request")
-    engine_options = dict(num_threads=args.threads, max_num_seqs=max_seqs, max_model_len=longest + 16)
+    engine_options = dict(
+        num_threads=args.threads,
+        max_num_seqs=max_seqs,
+        max_model_len=longest + 16,
+        num_scheduler_steps=args.num_scheduler_steps,
+    )
     files: dict[str, str] = {}  # each format's file, as both engines loaded it
     for fmt in [f for f in args.formats.split(",") if f and f != "bf16"]:
         if fmt not in LLAMA_FTYPES:

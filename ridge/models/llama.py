@@ -317,6 +317,28 @@ class LlamaForCausalLM(nn.Module):
             h.add_(pending)
         return h
 
+    def decode_greedy(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[PagedKV],
+        meta: AttentionMetadata,
+        steps: int,
+    ) -> torch.Tensor | None:
+        """``steps`` greedy decode passes over a batch of decode rows in one call of the
+        kernels' plan: each pass what ``forward``, ``compute_logits`` and the sampler's argmax
+        compute, the next pass on the tokens it picked, one position on (``positions``, the
+        slots and context lengths advance in place; the block tables hold every pass's
+        position). (T, steps) token ids, or None where the plan does not take the step or the
+        head (then nothing ran)."""
+        if self.tp.enabled or meta.prefills or meta.num_decode_tokens != input_ids.shape[0]:
+            return None
+        plan = self.decode_plan(kv_caches, self.model.embed_tokens.weight.dtype)
+        if plan is None or not plan.has_head:
+            return None
+        h = self.model.embed_tokens(input_ids)
+        return plan.run_greedy(h, positions, meta, self.model.rotary, self.kernels, steps)
+
     def decode_plan(self, kv_caches: list[PagedKV], dtype: torch.dtype) -> DecodePlanRun | None:
         """The kernels' plan for a decode step over these caches (built on first use), or
         None: this model runs op by op (eager, or a part the plan does not cover)."""
@@ -385,6 +407,7 @@ class DecodePlanRun:
 
     plan: object
     moes: list  # per layer, its SparseMoE (experts_touched is set from the run) or None
+    has_head: bool = False  # the plan holds the final norm, the lm_head and the embedding (run_greedy)
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, kv_caches: list[PagedKV], dtype: torch.dtype) -> DecodePlanRun | None:
@@ -407,7 +430,14 @@ class DecodePlanRun:
                 return None
             if not _plan_ffn(plan, ffn, ops, moes):
                 return None
-        return cls(plan, moes)
+        # the head, for several greedy passes in one call (a plan without set_head runs them
+        # one forward at a time)
+        head = ops.plan_linear(model.lm_head) if hasattr(plan, "set_head") else None
+        embed, norm = model.model.embed_tokens.weight, model.model.norm
+        has_head = head is not None and embed.dtype is torch.bfloat16 and embed.is_contiguous()
+        if has_head:
+            plan.set_head(norm.weight, norm.eps, *head, embed)
+        return cls(plan, moes, has_head)
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rotary, kernels) -> bool:
         """h (T, hidden): the residual stream after every layer, updated in place. False (h
@@ -423,12 +453,32 @@ class DecodePlanRun:
         )
         if ran is None:
             return False
-        matmul_s, touched = ran
+        self._ran(*ran, kernels)
+        return True
+
+    def run_greedy(
+        self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rotary, kernels, steps: int
+    ):
+        """``steps`` greedy passes from the embedded rows ``h`` (``decode_greedy``): (T, steps) tokens."""
+        tokens, matmul_s, touched = self.plan.run_greedy(
+            h,
+            meta.slot_mapping,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            positions,
+            rotary.cos,
+            rotary.sin,
+            steps,
+        )
+        self._ran(matmul_s, touched, kernels)
+        return tokens
+
+    def _ran(self, matmul_s: float, touched: list[int], kernels) -> None:
+        """A run's kernel time to the kernels' count, each MoE's experts read to the layer."""
         kernels.matmul_s += matmul_s
         for moe, used in zip(self.moes, touched):
             if moe is not None:
                 moe.experts_touched = used
-        return True
 
 
 def _plan_ffn(plan, ffn, ops, moes: list) -> bool:

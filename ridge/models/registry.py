@@ -10,6 +10,8 @@ class offers:
     model(input_ids, positions, kv_caches, meta) -> hidden states
     model.compute_logits(hidden), model.set_kernels(kernels), model.linear_layers()
     model.kv_cache_spec()                 what a token keeps in the KV cache per layer
+    model.decode_greedy(input_ids, positions, kv_caches, meta, steps) -> (T, steps) tokens or None
+                                          several greedy decode passes in one call, where it can
 """
 
 from __future__ import annotations

@@ -330,6 +330,13 @@ class ModelRunner:
         ids = batch.sample_request_ids
         states = [self.requests[rid].sampling for rid in ids]
         meta, bs = batch.meta, self.block_size
+        if self.graphs is None and all(s.params.greedy for s in states):  # every pass in one call, where it can
+            with torch.inference_mode():
+                tokens = self.model.decode_greedy(
+                    batch.input_ids, batch.positions, self.kv_caches, meta, plan.num_steps
+                )
+            if tokens is not None:
+                return RunnerOutput(dict(zip(ids, tokens.tolist())))
         passes = []
         for step in range(plan.num_steps):
             if step:  # the next position: its token, its slot in the row's block table, one more to attend

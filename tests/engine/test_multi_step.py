@@ -14,6 +14,7 @@ from ridge.config import EngineConfig
 from ridge.engine.request import Request
 from ridge.engine.scheduler import Scheduler, SchedulerConfig
 from ridge.kv.manager import KVCacheManager
+from ridge.models.llama import LlamaForCausalLM
 from ridge.worker import runner as runner_module
 
 from ..models.hf_tiny import build
@@ -40,7 +41,7 @@ def _workload():
         tail = torch.randint(3, 250, (n,), generator=gen).tolist()
         prompts.append(shared + tail if i % 3 == 0 else tail)
         max_tokens = int(torch.randint(1, 23, (1,), generator=gen))  # most not a multiple of the run
-        kind = i % 4
+        kind = i % 4 if i < 4 else i % 2  # two requests that keep the plans to single steps while they run
         if kind == 0:  # seeded sampling: the request's own generator, drawn once a pass
             params.append(SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=max_tokens))
         elif kind == 1:  # greedy, with a stop token met inside a run (found below)
@@ -55,7 +56,9 @@ def _workload():
 def _with_stops(llm, prompts, params):
     """Give the stop-token requests a token their greedy output reaches midway."""
     probe = llm.generate(
-        prompts, [p if p.temperature else SamplingParams(max_tokens=22) for p in params], use_tqdm=False
+        prompts,
+        [p if p.temperature else SamplingParams(temperature=0.0, max_tokens=22) for p in params],
+        use_tqdm=False,
     )
     for p, out in zip(params, probe):
         tokens = out.outputs[0].token_ids
@@ -110,14 +113,39 @@ def test_multi_step_outputs_equal_single_step_ones(model_dir, monkeypatch, optio
     assert engine.kv.pool.num_free_blocks == engine.num_kv_blocks  # every block back
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_greedy_runs_in_one_call_of_the_plan(model_dir, monkeypatch, dtype):
+    """Greedy rows only, bf16 on the CPU kernels: each run is one call of the decode plan
+    (its passes' final norm, lm_head, argmax and next embedding in C++), with the single-step
+    engine's tokens; float32 has no plan and runs its passes from Python."""
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 250, (int(n),), generator=gen).tolist() for n in (3, 9, 17, 5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (13, 6, 21, 9)]
+    want = _summary(_llm(model_dir, 1, dtype=dtype).generate(prompts, params, use_tqdm=False))
+    in_one_call = []
+    greedy = LlamaForCausalLM.decode_greedy
+
+    def counted(self, *args):
+        tokens = greedy(self, *args)
+        in_one_call.append(tokens is not None)
+        return tokens
+
+    monkeypatch.setattr(LlamaForCausalLM, "decode_greedy", counted)
+    got = _summary(_llm(model_dir, 8, dtype=dtype).generate(prompts, params, use_tqdm=False))
+    assert got == want
+    assert in_one_call and all(in_one_call) == (dtype == "bfloat16")
+
+
 def test_a_stop_inside_a_run_drops_the_tokens_after_it(model_dir, monkeypatch):
     """One greedy request alone: its runs are whole until the stop token, which ends the output
     inside a run; the passes after it were computed and their tokens dropped."""
     prompt = [5, 17, 99, 3]
-    free = _llm(model_dir, 1).generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
+    free = _llm(model_dir, 1).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False
+    )
     tokens = free[0].outputs[0].token_ids
     stop_at = next(i for i in range(5, 20) if i % 8 not in (0, 7) and tokens[i] not in tokens[:i])
-    params = SamplingParams(max_tokens=20, stop_token_ids=[tokens[stop_at]])
+    params = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[tokens[stop_at]])
     runs = _count_runs(monkeypatch)
     out = _llm(model_dir, 8).generate([prompt], params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == tokens[: stop_at + 1] and out.finish_reason == "stop"
@@ -130,7 +158,7 @@ def test_streamed_runs_and_telemetry(model_dir):
     of one decode row, its context one longer than the pass before."""
     llm = _llm(model_dir, 4)
     engine = llm.engine
-    engine.add_request("r", [7, 8, 9], SamplingParams(max_tokens=11, ignore_eos=True), stream=True)
+    engine.add_request("r", [7, 8, 9], SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True), stream=True)
     seen = []
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -326,6 +326,74 @@ class DecodePlan {
     m.shared_gate = gate;
   }
 
+  // LlamaForCausalLM.compute_logits' final norm and lm_head, and the embedding table the next
+  // pass's rows come from: what run_greedy adds to run
+  void set_head(torch::Tensor norm, double eps, std::vector<std::tuple<torch::Tensor, int64_t, int64_t>> lm_head,
+                c10::optional<torch::Tensor> bias, torch::Tensor embed) {
+    TORCH_CHECK(norm.scalar_type() == at::kBFloat16 && norm.is_contiguous() && embed.scalar_type() == at::kBFloat16 &&
+                    embed.is_contiguous() && embed.dim() == 2 && embed.size(1) == norm.numel(),
+                "decode plan: a bf16 final norm and a contiguous bf16 (vocab, hidden) embedding expected");
+    head_norm_ = norm;
+    head_eps_ = eps;
+    head_ = make_lin(lm_head, bias);
+    embed_ = embed;
+  }
+
+  bool has_head() const { return embed_.defined(); }
+
+  // `steps` greedy decode passes over the same rows: each pass is run() on h, then the final
+  // norm, the lm_head and argmax_rows (what compute_logits and the sampler's greedy argmax
+  // call, on the same rows: the same tokens), and the next pass's h is the embedding's rows
+  // of those tokens, one position on (its slot from the row's block table, one more
+  // token to attend). positions, slots and context_lens are advanced in place; the block
+  // tables must hold every pass's position. Returns (T, steps) tokens, the seconds in the
+  // linear kernels (the lm_head's too) and the last pass's experts per layer.
+  std::tuple<torch::Tensor, double, std::vector<int64_t>> run_greedy(torch::Tensor h, torch::Tensor slots,
+                                                                       torch::Tensor block_tables,
+                                                                       torch::Tensor context_lens,
+                                                                       torch::Tensor positions, torch::Tensor cos,
+                                                                       torch::Tensor sin, int64_t steps) {
+    using bf16 = at::BFloat16;
+    TORCH_CHECK(has_head() && !layers_.empty() && steps >= 1, "decode plan: run_greedy needs set_head and layers");
+    TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.is_contiguous() && h.dim() == 2 && h.size(1) == embed_.size(1),
+                "decode plan: (T, hidden) bf16 h");
+    const int64_t T = h.size(0), hidden = h.size(1), V = head_.width(), vocab = embed_.size(0);
+    const int64_t BS = layers_[0].k_pool.size(1), width = block_tables.size(1);
+    auto tokens = torch::empty({T, steps}, torch::TensorOptions().dtype(at::kLong));
+    auto x = torch::empty({T, hidden}, h.options());
+    auto logits = torch::empty({T, V}, h.options());
+    int64_t* tp = tokens.data_ptr<int64_t>();
+    double matmul_s = 0.0;
+    std::vector<int64_t> touched;
+    for (int64_t s = 0; s < steps; ++s) {
+      if (s) {  // run() checked the tensors' kinds and shapes on the pass before
+        int64_t *pos = positions.data_ptr<int64_t>(), *sp = slots.data_ptr<int64_t>();
+        int64_t* lens = context_lens.data_ptr<int64_t>();
+        const int64_t* tables = block_tables.data_ptr<int64_t>();
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t token = tp[t * steps + s - 1], p = ++pos[t];
+          TORCH_CHECK(token >= 0 && token < vocab, "decode plan: token ", token, " is past the embedding's ", vocab);
+          TORCH_CHECK(p / BS < width, "decode plan: position ", p, " is past the row's block table");
+          std::memcpy(h.data_ptr<bf16>() + t * hidden, embed_.data_ptr<bf16>() + token * hidden, hidden * sizeof(bf16));
+          sp[t] = tables[t * width + p / BS] * BS + p % BS;
+          ++lens[t];
+        }
+      }
+      auto [mm, used] = run(h, slots, block_tables, context_lens, positions, cos, sin);
+      matmul_s += mm;
+      touched = std::move(used);
+      rms_norm_into(h.data_ptr<bf16>(), head_norm_.data_ptr<bf16>(), x.data_ptr<bf16>(), T, hidden, head_eps_);
+      {
+        Timer t(matmul_s);
+        head_.into(x.data_ptr<bf16>(), T, hidden, logits.data_ptr<bf16>());
+      }
+      const auto best = argmax_rows(logits);
+      const int64_t* bp = best.data_ptr<int64_t>();
+      for (int64_t t = 0; t < T; ++t) tp[t * steps + s] = bp[t];
+    }
+    return {tokens, matmul_s, touched};
+  }
+
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   bool runs_on_rows() { return rows_path(); }
 
@@ -821,6 +889,9 @@ class DecodePlan {
   }
 
   std::vector<Layer> layers_;
+  torch::Tensor head_norm_, embed_;  // set_head: the final norm, the embedding table
+  double head_eps_ = 0.0;
+  Lin head_;  // the lm_head
 };
 
 void bind_decode_plan(pybind11::module& m) {
@@ -834,7 +905,11 @@ void bind_decode_plan(pybind11::module& m) {
       .def("set_shared_expert", &DecodePlan::set_shared_expert)
       .def("num_layers", &DecodePlan::num_layers)
       .def("runs_on_rows", &DecodePlan::runs_on_rows, "whether run() takes run_rows (every layer a plain Llama or latent attention; dense MLPs or MoEs)")
-      .def("run", &DecodePlan::run, py::call_guard<py::gil_scoped_release>());
+      .def("run", &DecodePlan::run, py::call_guard<py::gil_scoped_release>())
+      .def("set_head", &DecodePlan::set_head)
+      .def("has_head", &DecodePlan::has_head)
+      .def("run_greedy", &DecodePlan::run_greedy, py::call_guard<py::gil_scoped_release>(),
+           "steps greedy decode passes: run(), the final norm, the lm_head and argmax, the next rows embedded");
   m.def("write_kv_quant_", &write_kv_quant_, py::call_guard<py::gil_scoped_release>(),
         "an int8 / fp8 pool's write_kv: rows quantized per group (kv/cache.py's arithmetic) into their slots");
 }
