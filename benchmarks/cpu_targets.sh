@@ -24,7 +24,8 @@
 #            over a bf16, int8 and fp8 KV cache at 4,096 tokens (about 10 minutes)
 #   targets  benchmarks/targets.py: each target, its figure, met or not
 #
-# Environment: ROUNDS (default 2), THREADS (2), FORMATS (the file types, comma-separated),
+# Environment: ROUNDS (default 2), THREADS (2), STEPS (ridge's --num-scheduler-steps in the
+# 'files' step, default 8), FORMATS (the file types, comma-separated),
 # PREFETCH_POLICIES (the prefetch step's, ';' between),
 # PYTHON (.venv/bin/python), IK_SRC, IK_COMMIT (8337e4cd3, what the README's figures used),
 # IK_BENCH (default /tmp/ik_llama.cpp/build/bin/llama-bench), LLAMACPP_CMAKE_ARGS (the
@@ -34,6 +35,7 @@ set -uo pipefail
 PYTHON=${PYTHON:-.venv/bin/python}
 ROUNDS=${ROUNDS:-2}
 THREADS=${THREADS:-2}
+STEPS=${STEPS:-8}
 IK_COMMIT=${IK_COMMIT:-8337e4cd3}
 IK_BENCH=${IK_BENCH:-/tmp/ik_llama.cpp/build/bin/llama-bench}
 LLAMACPP_CMAKE_ARGS=${LLAMACPP_CMAKE_ARGS:--DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF}
@@ -95,7 +97,8 @@ for step in "$@"; do
     ;;
   files)
     "$PYTHON" benchmarks/compare.py --formats "bf16,$FORMATS" --scenarios batch1 --rounds "$ROUNDS" \
-      --threads "$THREADS" --skip-transformers --json "$COMPARE_JSON" 2>&1 | tee "$OUT/compare.log" | tail -n 40
+      --threads "$THREADS" --num-scheduler-steps "$STEPS" --skip-transformers --json "$COMPARE_JSON" 2>&1 |
+      tee "$OUT/compare.log" | tail -n 40
     ;;
   ik)
     files=$(files_of "$FORMATS") || exit 1

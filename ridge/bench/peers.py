@@ -25,7 +25,8 @@ import torch
 
 @dataclass
 class Timed:
-    """One batch run: prefill wall time, the wall time of every decode step, the tokens made."""
+    """One batch run: prefill wall time, the wall time of every decode pass (a step of several
+    passes, --num-scheduler-steps, gives each an equal share), the tokens made."""
 
     prefill_s: float
     decode_s: list[float]
@@ -54,21 +55,26 @@ class RidgeRunner:
         ids = [engine.add_request(None, p, params) for p in prompts]
         started: set[str] = set()
         tokens: dict[str, list[int]] = {}
+        have: dict[str, int] = {}  # tokens each request had after the last step
         prefill_s, decode_s = 0.0, []
         while engine.has_unfinished_requests():
             all_started = len(started) == len(ids)  # every request has its first token: a decode step
             t0 = time.perf_counter()
             outputs = engine.step()
             elapsed = time.perf_counter() - t0
-            if all_started:
-                decode_s.append(elapsed)
-            else:
-                prefill_s += elapsed
+            passes = 1  # forward passes the step ran: more under --num-scheduler-steps
             for out in outputs:
-                if out.outputs[0].token_ids:
+                count = len(out.outputs[0].token_ids)
+                passes = max(passes, count - have.get(out.request_id, 0))
+                have[out.request_id] = count
+                if count:
                     started.add(out.request_id)
                 if out.finished:
                     tokens[out.request_id] = list(out.outputs[0].token_ids)
+            if all_started:  # one entry a pass, each an equal share of the step
+                decode_s.extend([elapsed / passes] * passes)
+            else:
+                prefill_s += elapsed
         return Timed(prefill_s, decode_s, [tokens[i] for i in ids])
 
     def run_offline(self, prompts: list[list[int]], output_lens: list[int]) -> float:
