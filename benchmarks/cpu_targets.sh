@@ -25,7 +25,7 @@
 #   targets  benchmarks/targets.py: each target, its figure, met or not
 #
 # Environment: ROUNDS (default 2), THREADS (2), STEPS (ridge's --num-scheduler-steps in the
-# 'files' step, default 8), FORMATS (the file types, comma-separated),
+# 'files' and 'ik' steps, default 8), FORMATS (the file types, comma-separated),
 # PREFETCH_POLICIES (the prefetch step's, ';' between),
 # PYTHON (.venv/bin/python), IK_SRC, IK_COMMIT (8337e4cd3, what the README's figures used),
 # IK_BENCH (default /tmp/ik_llama.cpp/build/bin/llama-bench), LLAMACPP_CMAKE_ARGS (the
@@ -103,7 +103,7 @@ for step in "$@"; do
   ik)
     files=$(files_of "$FORMATS") || exit 1
     "$PYTHON" benchmarks/vs_ik.py --llama-bench "$IK_BENCH" --files "$files" --rounds "$ROUNDS" \
-      --threads "$THREADS" 2>&1 | tee "$OUT/vs_ik.log" | tail -n 12
+      --threads "$THREADS" --num-scheduler-steps "$STEPS" 2>&1 | tee "$OUT/vs_ik.log" | tail -n 12
     ;;
   plan)
     files=$(files_of q4_k_m,q8_0) || exit 1

@@ -9,7 +9,9 @@ a fresh ridge process on the same file, alternated so that both see the same mac
 ridge's figures, measured as llama-bench measures its own:
   - pp512: a 512-token prompt prefilled in one step (``max_num_batched_tokens`` 512), its
     step's wall time;
-  - tg64: 64 greedy tokens after a 1-token prompt, tokens / the decode steps' wall time.
+  - tg64: 64 greedy tokens after a 1-token prompt, tokens / the decode passes' wall time
+    (``--num-scheduler-steps N``: ridge runs up to N passes a step, as llama-bench's loop runs
+    its tokens without a host step between them; 1 by default).
 Both after an untimed warm-up. Prompts are random token ids (the file's tokenizer is not used).
 
 Prints per file the per-round figures and the median of the per-round ratios, and records
@@ -33,7 +35,7 @@ from pathlib import Path
 OUT = Path(__file__).with_name("vs_ik.json")
 
 
-def ridge_worker(path: str, threads: int) -> dict:
+def ridge_worker(path: str, threads: int, steps: int = 1) -> dict:
     """{"pp512": tokens/s, "tg64": tokens/s} for one file, in this process."""
     import torch
 
@@ -48,6 +50,7 @@ def ridge_worker(path: str, threads: int) -> dict:
         num_kv_blocks=256,
         max_num_seqs=1,
         max_num_batched_tokens=512,
+        num_scheduler_steps=steps,
     )
     vocab = llm.engine.model_info.config.vocab_size
     prompt = torch.randint(3, min(vocab, 30000), (512,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -63,8 +66,8 @@ def ridge_worker(path: str, threads: int) -> dict:
     return {"pp512": 512 / prefill_s, "tg64": len(decode) / sum(decode)}
 
 
-def run_ridge(path: str, threads: int) -> dict:
-    cmd = [sys.executable, __file__, "--worker", path, "--threads", str(threads)]
+def run_ridge(path: str, threads: int, steps: int) -> dict:
+    cmd = [sys.executable, __file__, "--worker", path, "--threads", str(threads), "--num-scheduler-steps", str(steps)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=dict(os.environ))
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -82,10 +85,11 @@ def main() -> None:
     parser.add_argument("--files", help="comma-separated GGUF files")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--num-scheduler-steps", type=int, default=1, help="ridge's decode passes a step (tg64)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(ridge_worker(args.worker, args.threads)))
+        print(json.dumps(ridge_worker(args.worker, args.threads, args.num_scheduler_steps)))
         return
     if not args.llama_bench or not args.files:
         parser.error("--llama-bench and --files are required")
@@ -97,7 +101,7 @@ def main() -> None:
     for r in range(args.rounds):
         for f in files:
             runs[f]["ik"].append(run_ik(args.llama_bench, f, args.threads))
-            runs[f]["ridge"].append(run_ridge(f, args.threads))
+            runs[f]["ridge"].append(run_ridge(f, args.threads, args.num_scheduler_steps))
             ik, ridge = runs[f]["ik"][-1], runs[f]["ridge"][-1]
             print(
                 f"round {r + 1} {Path(f).name}: pp512 ik {ik['pp512']:.1f} ridge {ridge['pp512']:.1f}, "
@@ -115,7 +119,13 @@ def main() -> None:
         table[Path(f).name] = entry
         print(f"  {Path(f).name:32s} pp512 {entry['pp512_ratio']:.2f}x   tg64 {entry['tg64_ratio']:.2f}x")
     old = json.loads(OUT.read_text()) if OUT.exists() else {}
-    record = {"threads": args.threads, "rounds": args.rounds, "date": time.strftime("%Y-%m-%d"), "files": table}
+    record = {
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "num_scheduler_steps": args.num_scheduler_steps,
+        "date": time.strftime("%Y-%m-%d"),
+        "files": table,
+    }
     old[cpu_model()] = record
     OUT.write_text(json.dumps(old, indent=1) + "\n")
     print(f"wrote {OUT}")
