@@ -16,6 +16,16 @@ def test_generate_on_stories(stories_dir):
     assert res.stdout.startswith("Once upon a time, there was a little girl named Lily.")
 
 
+def test_generate_in_runs_of_passes_says_the_same(stories_dir):
+    """--num-scheduler-steps: the same text, the scheduler's runs of several passes."""
+    args = ("generate", "--model", str(stories_dir), "--prompt", "Once upon a time", "--max-tokens", "20")
+    res = ridge(*args, "--num-scheduler-steps", "4")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == ridge(*args).stdout
+    bad = ridge(*args, "--num-scheduler-steps", "0")
+    assert bad.returncode == 2 and "num_scheduler_steps must be a positive integer" in bad.stderr
+
+
 def test_demo_runs_and_summarizes():
     res = ridge("demo", "--num-requests", "6")
     assert res.returncode == 0, res.stderr
