@@ -442,15 +442,7 @@ class DecodePlanRun:
     def run(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rotary, kernels) -> bool:
         """h (T, hidden): the residual stream after every layer, updated in place. False (h
         untouched) where the kernels' plan leaves this step to the Python forward."""
-        ran = self.plan.run(
-            h,
-            meta.slot_mapping,
-            meta.decode_block_tables,
-            meta.decode_context_lens,
-            positions,
-            rotary.cos,
-            rotary.sin,
-        )
+        ran = self.plan.run(*_plan_inputs(h, positions, meta, rotary))
         if ran is None:
             return False
         self._ran(*ran, kernels)
@@ -460,16 +452,7 @@ class DecodePlanRun:
         self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rotary, kernels, steps: int
     ):
         """``steps`` greedy passes from the embedded rows ``h`` (``decode_greedy``): (T, steps) tokens."""
-        tokens, matmul_s, touched = self.plan.run_greedy(
-            h,
-            meta.slot_mapping,
-            meta.decode_block_tables,
-            meta.decode_context_lens,
-            positions,
-            rotary.cos,
-            rotary.sin,
-            steps,
-        )
+        tokens, matmul_s, touched = self.plan.run_greedy(*_plan_inputs(h, positions, meta, rotary), steps)
         self._ran(matmul_s, touched, kernels)
         return tokens
 
@@ -479,6 +462,11 @@ class DecodePlanRun:
         for moe, used in zip(self.moes, touched):
             if moe is not None:
                 moe.experts_touched = used
+
+
+def _plan_inputs(h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rotary) -> tuple:
+    """A decode step's inputs in the order the kernels' plan takes them (``run``, ``run_greedy``)."""
+    return h, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens, positions, rotary.cos, rotary.sin
 
 
 def _plan_ffn(plan, ffn, ops, moes: list) -> bool:
