@@ -16,6 +16,11 @@ refuses at admission any request that could not fit the whole pool: no deadlock.
 ``static`` admits a batch only when nothing runs, and runs it until every member finishes:
 the baseline that continuous batching is measured against.
 
+Multi-step scheduling (``num_scheduler_steps``, vLLM's ``--num-scheduler-steps``): a plan
+whose every running request decodes one plain token runs several forward passes, its blocks
+allotted for all of them (``_num_steps``); ``update`` then takes several tokens a request, as
+it takes a verify run's.
+
 Disaggregated serving (``kv_transfer/``) adds two holding places:
 
     parked      producer: finished requests whose blocks wait for a consumer's pull

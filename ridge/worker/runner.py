@@ -1,4 +1,5 @@
-"""The model runner: a plan (``engine/step.py``) in, one forward pass, sampled tokens out.
+"""The model runner: a plan (``engine/step.py``) in, one forward pass (a multi-step plan's
+several, ``_run_steps``), sampled tokens out.
 
 It keeps its own state per request (``RunnerRequest``: token ids, block table, sampling
 state), updated from each plan's deltas, flattens the step's chunks into one batch (decode
