@@ -270,7 +270,7 @@ class EngineConfig:
     # None (the default): on where it applies on CUDA, off on the CPU (resolved at construction)
     async_scheduling: bool | None = None
     # vLLM's --num-scheduler-steps (multi-step scheduling): a step of plain decodes (no
-    # penalties, min_tokens, logprobs or grammar) runs up to this many forward passes in one
+    # penalties, min_tokens or grammar) runs up to this many forward passes in one
     # plan, the host's scheduling and output processing once for all of them; tokens stream in
     # runs of that many, and a request that stops inside a run wastes the passes after it
     num_scheduler_steps: int = 1

@@ -97,7 +97,7 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None =
         "--num-scheduler-steps",
         type=int,
         default=1,
-        help="multi-step scheduling: a step of plain decodes (no penalties, min_tokens, logprobs or grammar) "
+        help="multi-step scheduling: a step of plain decodes (no penalties, min_tokens or grammar) "
         "runs up to this many forward passes, the host's scheduling and output processing once for all of "
         "them; tokens stream in runs of that many. Not with speculative decoding, tensor parallelism, KV "
         "transfer or --async-scheduling. Default 1",

@@ -349,7 +349,8 @@ class Scheduler:
         plan of these requests runs, their blocks allotted for all of them. More than one only
         where every running request decodes one plain token (no drafts, nothing admitted or
         preempted this step) whose sampling reads nothing a pass before it would have to hand
-        back to the host (penalties, min_tokens, logprobs, a grammar, a generator to export),
+        back to the host (penalties and min_tokens read the output so far, a grammar its
+        state; a generator to export is read after each sample),
         and no further than the nearest request's max_tokens or context limit, so that a
         request can only stop inside a run on a stop token or string (its passes after that
         are wasted, and the output processor drops their tokens). Where the pool cannot
@@ -367,8 +368,6 @@ class Scheduler:
                 or req.kv_park
                 or p.has_penalties
                 or p.min_tokens
-                or p.logprobs is not None
-                or p.prompt_logprobs is not None
                 or p.structured_outputs is not None
             ):
                 return 1

@@ -331,14 +331,15 @@ class ModelRunner:
         ids = batch.sample_request_ids
         states = [self.requests[rid].sampling for rid in ids]
         meta, bs = batch.meta, self.block_size
-        if self.graphs is None and all(s.params.greedy for s in states):  # every pass in one call, where it can
+        asked = [i for i, s in enumerate(states) if s.params.logprobs is not None]  # rows that want logprobs
+        if self.graphs is None and not asked and all(s.params.greedy for s in states):  # one call, where it can
             with torch.inference_mode():
                 tokens = self.model.decode_greedy(
                     batch.input_ids, batch.positions, self.kv_caches, meta, plan.num_steps
                 )
             if tokens is not None:
                 return RunnerOutput(dict(zip(ids, tokens.tolist())))
-        passes = []
+        passes, results = [], []
         for step in range(plan.num_steps):
             if step:  # the next position: its token, its slot in the row's block table, one more to attend
                 batch.input_ids.copy_(passes[-1])
@@ -347,9 +348,13 @@ class ModelRunner:
                 meta.slot_mapping.copy_(blocks * bs + batch.positions % bs)
                 meta.decode_context_lens.add_(1)
             logits = self.forward_logits(batch)
-            passes.append(self.sampler.launch(logits[: len(ids)], states).tokens)
+            pending = self.sampler.launch(logits[: len(ids)], states)
+            passes.append(pending.tokens)
+            if asked:
+                results.append(pending.result())
         tokens = torch.stack(passes, dim=1).tolist()
-        return RunnerOutput(dict(zip(ids, tokens)))
+        logprobs = {ids[i]: [(r.logprobs[i], r.top_logprobs[i] or []) for r in results] for i in asked}
+        return RunnerOutput(dict(zip(ids, tokens)), logprobs)
 
     def finish(self, step: LaunchedStep) -> RunnerOutput | None:
         """Wait for a launched step's tokens; the driver's output (None on the other ranks)."""
