@@ -12,6 +12,7 @@ from ridge import LLM, SamplingParams
 from ridge.worker import runner as runner_module
 
 from ..models.hf_tiny import build
+from .same_outputs import same
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def _workload():
 
 
 def _summary(outputs, params=None):
-    """Each completion's tokens, text, finish and logprobs (compared within 1e-5 by ``_same``:
+    """Each completion's tokens, text, finish and logprobs (compared within 1e-5 by ``same``:
     a step's batch, wider by the sequences that stopped a step earlier, may change the float32
     matmul's last bits). Unseeded sampling draws from the engine's generator, whose draws depend on the
     batch as they do in vLLM: only its finish is compared."""
@@ -70,14 +71,6 @@ def _summary(outputs, params=None):
             rows.append([sorted((t, lp.logprob) for t, lp in d.items()) for d in out.prompt_logprobs if d])
         summary.append(rows)
     return summary
-
-
-def _same(got, want, tol: float = 1e-5) -> bool:
-    if isinstance(got, float) and isinstance(want, float):
-        return abs(got - want) < tol
-    if isinstance(got, (list, tuple)) and isinstance(want, (list, tuple)):
-        return len(got) == len(want) and all(_same(g, w, tol) for g, w in zip(got, want))
-    return got == want
 
 
 def _with_stops(llm_sync, prompts, params):
@@ -114,7 +107,7 @@ def test_async_outputs_equal_synchronous_ones(model_dir, monkeypatch, options):
     )
     asynchronous = _llm(model_dir, True, **options)
     got = _summary(asynchronous.generate(prompts, params, use_tqdm=False), params)
-    assert _same(got, want)
+    assert same(got, want)
     assert len(fed) > 20  # it did pipeline
     engine = asynchronous.engine
     assert not engine.has_unfinished_requests() and not engine.scheduler.requests
@@ -122,7 +115,7 @@ def test_async_outputs_equal_synchronous_ones(model_dir, monkeypatch, options):
     if options.get("num_kv_blocks") == 24:
         assert engine.scheduler.num_preemptions > 0
     # a second batch on the same engine: nothing left over from the first
-    assert _same(_summary(asynchronous.generate(prompts[:3], params[:3], use_tqdm=False), params), want[:3])
+    assert same(_summary(asynchronous.generate(prompts[:3], params[:3], use_tqdm=False), params), want[:3])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: tokens fed on the GPU, read from pinned copies")
@@ -135,7 +128,7 @@ def test_async_outputs_equal_synchronous_ones_on_cuda(model_dir):
     params = _with_stops(sync, prompts, params)
     want = _summary(sync.generate(prompts, params, use_tqdm=False), params)
     got = _summary(_llm(model_dir, True, device="cuda").generate(prompts, params, use_tqdm=False), params)
-    assert _same(got, want, tol=1e-3)
+    assert same(got, want, tol=1e-3)
 
 
 def test_requests_that_need_every_token_run_synchronously(model_dir):
@@ -148,7 +141,7 @@ def test_requests_that_need_every_token_run_synchronously(model_dir):
         SamplingParams(temperature=0.0, max_tokens=7),
     ]
     want = _summary(_llm(model_dir, False).generate(prompts, params, use_tqdm=False))
-    assert _same(_summary(_llm(model_dir, True).generate(prompts, params, use_tqdm=False)), want)
+    assert same(_summary(_llm(model_dir, True).generate(prompts, params, use_tqdm=False)), want)
 
 
 def test_abort_while_a_step_is_out(model_dir):
@@ -239,7 +232,7 @@ def test_speculation_pipelines_the_steps_it_drafts_nothing_for(model_dir, monkey
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     spec = _llm(model_dir, True, speculative_config=ngram)
     got = _summary(spec.generate(prompts, params, use_tqdm=False))
-    assert _same(got, want)
+    assert same(got, want)
     assert len(fed) > 5  # pipelined steps
     assert spec.engine.speculator.stats.num_verify_runs > 5  # and verify steps
     assert not spec.engine.has_unfinished_requests() and not spec.engine.scheduler.requests
@@ -274,7 +267,7 @@ def test_a_lookup_that_finds_nothing_costs_no_synchronous_step(model_dir, monkey
     peek = type(spec.engine.speculator).peek
     monkeypatch.setattr(type(spec.engine.speculator), "peek", lambda self, d: lookups.append(len(d)) or peek(self, d))
     got = _summary(spec.generate(fresh, params, use_tqdm=False))
-    assert _same(got, want)
+    assert same(got, want)
     speculator = spec.engine.speculator
     # no synchronous step but to verify drafts (the tiny model's greedy text repeats a bigram
     # now and then): none spent finding that lookup finds nothing (12 before the peeks)
@@ -284,5 +277,5 @@ def test_a_lookup_that_finds_nothing_costs_no_synchronous_step(model_dir, monkey
     repeated = [[7, 8, 9, 10] * 4, [20, 21, 22] * 5]
     synchronous.clear()
     got = _summary(spec.generate(repeated, params, use_tqdm=False))
-    assert _same(got, _summary(_llm(model_dir, True).generate(repeated, params, use_tqdm=False)))
+    assert same(got, _summary(_llm(model_dir, True).generate(repeated, params, use_tqdm=False)))
     assert synchronous and all(synchronous) and speculator.stats.num_verify_runs > 3

@@ -18,6 +18,7 @@ from ridge.models.llama import LlamaForCausalLM
 from ridge.worker import runner as runner_module
 
 from ..models.hf_tiny import build
+from .same_outputs import same
 
 
 @pytest.fixture(scope="module")
@@ -72,21 +73,13 @@ def _with_stops(llm, prompts, params):
 
 def _summary(outputs):
     """Each completion's tokens, text, finish, stop reason and logprobs (logprobs compared within
-    1e-5 by ``_same``: a float32 step's batch may differ from the single-step engine's)."""
+    1e-5 by ``same``: a float32 step's batch may differ from the single-step engine's)."""
     rows = []
     for out in outputs:
         for c in out.outputs:
             lps = [sorted((t, lp.logprob, lp.rank) for t, lp in d.items()) for d in c.logprobs or []]
             rows.append((c.token_ids, c.text, c.finish_reason, c.stop_reason, lps))
     return rows
-
-
-def _same(got, want, tol: float = 1e-5) -> bool:
-    if isinstance(got, float) and isinstance(want, float):
-        return abs(got - want) < tol
-    if isinstance(got, (list, tuple)) and isinstance(want, (list, tuple)):
-        return len(got) == len(want) and all(_same(g, w, tol) for g, w in zip(got, want))
-    return got == want
 
 
 def _count_runs(monkeypatch) -> list[int]:
@@ -119,7 +112,7 @@ def test_multi_step_outputs_equal_single_step_ones(model_dir, monkeypatch, optio
     runs = _count_runs(monkeypatch)
     multi = _llm(model_dir, 4, **options)
     got = _summary(multi.generate(prompts, params, use_tqdm=False))
-    assert _same(got, want)
+    assert same(got, want)
     assert any(row[4] for row in got)  # logprobs came back
     assert runs and max(runs) == 4 and all(2 <= n <= 4 for n in runs)  # it did run several passes a plan
     engine = multi.engine
