@@ -314,13 +314,9 @@ class EngineConfig:
         if self.num_scheduler_steps > 1:
             # each pass needs the last one's tokens on this rank, and a plan of one request's
             # passes is its own: no proposals to verify, no other ranks or instances to feed
-            multi = (
-                "speculative decoding" if self.speculative_config is not None
-                else other
-                if other is not None
-                else "async_scheduling" if self.async_scheduling
-                else None
-            )  # fmt: skip
+            multi = "speculative decoding" if self.speculative_config is not None else other
+            if multi is None and self.async_scheduling:
+                multi = "async_scheduling"
             if multi is not None:
                 raise ValueError(f"num_scheduler_steps > 1 does not combine with {multi}")
             self.async_scheduling = False

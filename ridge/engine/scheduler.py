@@ -336,7 +336,7 @@ class Scheduler:
         if scheduled or plan.kv_recvs or plan.kv_loaded:
             # an empty plan runs nowhere: the finished ids wait for the next one
             plan.finished_req_ids, self._finished_ids = self._finished_ids, []
-        if not preempted and len(scheduled) == len(self.running):
+        if self.config.num_scheduler_steps > 1 and not preempted and len(scheduled) == len(self.running):
             plan.num_steps = self._num_steps([req for req, *_ in scheduled.values()])
         for req, start, num_new, drafts in scheduled.values():
             self._send_deltas(req, plan)
@@ -347,24 +347,21 @@ class Scheduler:
     def _num_steps(self, reqs: list[Request]) -> int:
         """Multi-step scheduling (vLLM's ``--num-scheduler-steps``): how many forward passes a
         plan of these requests runs, their blocks allotted for all of them. More than one only
-        where every running request decodes one plain token (no drafts, nothing admitted or
-        preempted this step) whose sampling reads nothing a pass before it would have to hand
-        back to the host (penalties and min_tokens read the output so far, a grammar its
-        state; a generator to export is read after each sample),
-        and no further than the nearest request's max_tokens or context limit, so that a
-        request can only stop inside a run on a stop token or string (its passes after that
-        are wasted, and the output processor drops their tokens). Where the pool cannot
+        where every running request decodes one plain token (nothing admitted or preempted
+        this step; speculative decoding does not combine with it) whose sampling reads nothing
+        a pass before it would have to hand back to the host (penalties and min_tokens read
+        the output so far, a grammar its state; a generator to export is read after each
+        sample), and no further than the nearest request's max_tokens or context limit, so
+        that a request can only stop inside a run on a stop token or string (its passes after
+        that are wasted, and the output processor drops their tokens). Where the pool cannot
         supply the blocks of every pass, one: the blocks taken for the first requests stay
         theirs, for their next tokens."""
         steps = self.config.num_scheduler_steps
-        if steps == 1:
-            return 1
         for req in reqs:
             p = req.sampling_params
             if (
                 req.num_computed_tokens != req.num_tokens - 1
                 or req.num_computed_tokens < req.num_prompt_tokens
-                or req.spec_token_ids
                 or req.kv_park
                 or p.has_penalties
                 or p.min_tokens

@@ -407,7 +407,11 @@ class DecodePlanRun:
 
     plan: object
     moes: list  # per layer, its SparseMoE (experts_touched is set from the run) or None
-    has_head: bool = False  # the plan holds the final norm, the lm_head and the embedding (run_greedy)
+
+    @property
+    def has_head(self) -> bool:
+        """The plan holds the final norm, the lm_head and the embedding (``run_greedy``)."""
+        return getattr(self.plan, "has_head", lambda: False)()
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, kv_caches: list[PagedKV], dtype: torch.dtype) -> DecodePlanRun | None:
@@ -434,10 +438,9 @@ class DecodePlanRun:
         # one forward at a time)
         head = ops.plan_linear(model.lm_head) if hasattr(plan, "set_head") else None
         embed, norm = model.model.embed_tokens.weight, model.model.norm
-        has_head = head is not None and embed.dtype is torch.bfloat16 and embed.is_contiguous()
-        if has_head:
+        if head is not None and embed.dtype is torch.bfloat16 and embed.is_contiguous():
             plan.set_head(norm.weight, norm.eps, *head, embed)
-        return cls(plan, moes, has_head)
+        return cls(plan, moes)
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rotary, kernels) -> bool:
         """h (T, hidden): the residual stream after every layer, updated in place. False (h
