@@ -355,8 +355,10 @@ class Avx2Kernels(TorchKernels):
       float32 GEMM on the weight widened a slice at a time from there (prefill). Without
       AVX-512 BF16 torch's bf16 GEMM is a slow path: 9.4 GB/s on one row, 11.5x one row's time
       on 23.
-    - Everything else (other dense matmuls, prefill attention, a quantized cache's writes,
-      routing) is torch's."""
+    - An MoE's top-k routing runs ``csrc/avx2_ops.cpp``'s ``route_topk`` (the AVX-512 router
+      kernel's arithmetic on 8 lanes); each expert's rows run ``linear`` on its slice.
+    - Everything else (other dense matmuls, prefill attention, a quantized cache's writes) is
+      torch's."""
 
     name = "avx2"
     packed_row_block = 8  # rows pack 8 at a time
@@ -440,7 +442,7 @@ class Avx2Kernels(TorchKernels):
 
     def decode_plan(self):
         """An empty ``DecodePlan`` (``csrc/avx2_plan.cpp``): a bf16 decode step's Llama layers
-        with dense MLPs, over a bf16, int8 or fp8 cache, in one call through the kernels below,
+        with dense MLPs or MoEs, over a bf16, int8 or fp8 cache, in one call through the kernels below,
         on the views and in the order the model's Python forward uses (so with its results, bit
         for bit). Its ``run`` declines a step (None) where this class would send a dense layer
         or decode attention to torch."""
@@ -476,6 +478,42 @@ class Avx2Kernels(TorchKernels):
                 return None
             planned.append((weight, code, part.out_features))
         return planned, layer.bias
+
+    def plan_experts(self, layer):
+        """A stacked-expert layer as ``grouped_linear`` runs it, one expert's rows at a time through
+        ``linear``: (the dense bf16 weight, -1, rows per expert), (blocks of 8 rows or GGUF rows,
+        GGUF type, rows per expert); None where ``linear`` would hand an expert's rows to torch."""
+        fmt, n = layer.method.format, layer.rows_per_expert
+        if fmt is None:
+            dense = isinstance(layer.method, UnquantizedLinearMethod) and layer.packed is None
+            if not dense or layer.weight.dtype is not torch.bfloat16 or layer.weight.numel() == 0:
+                return None
+            weight, code = layer.weight, -1
+        elif layer.packed is not None and isinstance(layer.unpacker, Avx2Kernels):
+            if n % self.packed_row_block:  # an expert's rows would not be whole blocks
+                return None
+            weight, code = layer.packed, fmt.ggml_type
+        elif layer.packed is None and self.ext.supports_format(fmt.ggml_type):
+            weight, code = layer.blocks, fmt.ggml_type
+        else:
+            return None
+        if weight.device.type != "cpu" or not weight.is_contiguous():
+            return None
+        return weight, code, n
+
+    def route_topk(self, x, router, top_k, softmax, norm_topk, norm_eps, scaling, n_group=1, topk_group=1, bias=None):
+        """``topk_route`` in one call (``csrc/avx2_ops.cpp``), which the decode plan calls too."""
+        args = (top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group, bias)
+        check_route_groups(router.shape[0], n_group, topk_group)
+        if (
+            x.dtype is not torch.bfloat16
+            or x.device.type != "cpu"
+            or router.dtype is not torch.float32
+            or x.dim() != 2
+            or (bias is not None and bias.dtype is not torch.float32)
+        ):
+            return super().route_topk(x, router, *args)
+        return tuple(self.ext.route_topk(x, router, *args))
 
     def rope_state(self, rotary, positions, dtype):
         return positions, rotary.cos, rotary.sin

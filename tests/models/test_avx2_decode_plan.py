@@ -1,8 +1,8 @@
 """The AVX2 decode plan (``csrc/avx2_plan.cpp``, ``Avx2Kernels.decode_plan``): a bf16 decode
-step's Llama layers in one call computes what the op-by-op forward on the same kernels
-computes, bit for bit (bf16, int8 and fp8 KV caches); what it does not cover (an MoE) runs op
-by op, and
-a step the Python path would send elsewhere is declined and runs op by op.
+step's Llama layers, dense or MoE, in one call computes what the op-by-op forward on the same
+kernels computes, bit for bit (bf16, int8 and fp8 KV caches); what it does not cover (latent
+attention, float32) runs op by op, and a step the Python path would send elsewhere is declined
+and runs op by op.
 
 The AVX2 kernels run on every x86 CPU with AVX2 (an AVX-512 one too): each test here picks
 them as a CPU without AVX-512 would."""
@@ -123,10 +123,30 @@ def test_a_step_the_python_path_sends_to_torch_is_declined(tmp_path, plan_runs):
     assert planned == eager and alone == eager_alone
 
 
+@pytest.mark.parametrize("variant", ["mixtral-moe", "qwen2-moe-shared", "qwen3-moe-dense-mixed"])
+@pytest.mark.parametrize("quantization", [None, "int4", "q4_k", "q6_k"])
+def test_the_plan_runs_moe_layers_as_the_op_by_op_forward_does(tmp_path, variant, quantization, plan_runs):
+    """Mixtral's experts, Qwen2-MoE's sigmoid-gated shared expert, Qwen3-MoE with dense layers
+    among the sparse ones; dense bf16 experts, blocks of 8 rows (Q4_0, Q4_K) and GGUF rows
+    (Q6_K): the router kernel, each expert's rows through its slices and the weighted sum, in
+    one call, with the same tokens, logprobs and experts read as op by op."""
+    build(variant, tmp_path)
+    planned, model = _generate(tmp_path, quantization=quantization)
+    assert model._plan is not None and plan_runs and all(plan_runs)
+    moes = [m for m in model._plan.moes if m is not None]
+    assert moes and all(m.experts_touched > 0 for m in moes)
+    touched = [m.experts_touched for m in moes]
+    eager, eager_model = _generate(tmp_path, quantization=quantization, enforce_eager=True)
+    assert eager_model._plan is None
+    assert planned == eager
+    eager_moes = [getattr(layer, layer.ffn_name) for layer in eager_model.model.layers]
+    assert touched == [m.experts_touched for m in eager_moes if hasattr(m, "experts_touched")]
+
+
 @pytest.mark.parametrize(
     "variant,options",
-    [("mixtral-moe", {}), ("llama-gqa", {"dtype": "float32"})],
-    ids=["moe", "float32"],
+    [("deepseek-v2-lite", {}), ("llama-gqa", {"dtype": "float32"})],
+    ids=["latent-attention", "float32"],
 )
 def test_what_the_plan_does_not_cover_runs_op_by_op(tmp_path, variant, options):
     build(variant, tmp_path)
@@ -153,3 +173,24 @@ def test_the_plan_refuses_an_index_outside_the_pools_before_touching_anything(tm
     with pytest.raises(RuntimeError, match="position 100000 is outside the tables"):
         plan.run(h, one, table, one, torch.tensor([100000]), rotary.cos, rotary.sin)
     assert torch.equal(h, torch.ones_like(h))
+
+
+def test_an_moe_the_plan_cannot_hold_is_refused_with_a_clear_error(tmp_path):
+    """set_moe checks the router and each stacked projection against the layer before it keeps
+    anything: a router of another width, experts whose rows do not match, a shared expert
+    without an MoE."""
+    build("mixtral-moe", tmp_path)
+    _, model = _generate(tmp_path, quantization="int4")
+    plan, ops = model._plan.plan, model.kernels
+    moe = model.model.layers[0].block_sparse_moe
+    gate_up, down = ops.plan_experts(moe.experts.gate_up_proj), ops.plan_experts(moe.experts.down_proj)
+    args = moe.gate.route_args()
+    with pytest.raises(RuntimeError, match="float32 \\(experts, hidden\\) router"):
+        plan.set_moe(moe.gate.weight[:, :16].contiguous(), *args, gate_up, down)
+    with pytest.raises(RuntimeError, match="do not match a weight"):
+        plan.set_moe(moe.gate.weight, *args, (gate_up[0][:-8], *gate_up[1:]), down)
+    with pytest.raises(RuntimeError, match="top_k of 4 experts"):
+        plan.set_moe(moe.gate.weight, 5, *args[1:], gate_up, down)
+    fresh = ops.decode_plan()
+    with pytest.raises(RuntimeError, match="set_shared_expert before set_moe"):
+        fresh.set_shared_expert([], [], None)

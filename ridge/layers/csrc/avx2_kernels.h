@@ -27,6 +27,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 torch::Tensor paged_decode_attention_quant(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                            torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_tables,
                                            torch::Tensor context_lens, double scale, bool fp8);
+std::vector<torch::Tensor> route_topk(torch::Tensor x, torch::Tensor router, int64_t top_k, bool softmax, bool norm_topk,
+                                      double norm_eps, double scaling, int64_t n_group, int64_t topk_group,
+                                      c10::optional<torch::Tensor> bias);
 
 namespace ridge_avx2 {
 
@@ -64,5 +67,18 @@ void decode_attention_quant_into(const T* q, int64_t q_stride, int64_t B, int64_
                                  const uint8_t* v_codes, const at::Half* k_scales, const at::Half* v_scales,
                                  int64_t groups, bool fp8, int64_t BS, int64_t Hkv, const int64_t* tables,
                                  int64_t max_blocks, const int64_t* lens, float scale, T* out);
+
+// avx2_ops.cpp: an MoE's top-k routing (Router.forward) of bf16 rows against a float32 router
+// (E, K); bias: E floats or null
+void route_topk_into(const at::BFloat16* x, int64_t T, int64_t K, const float* router, int64_t E, int64_t top_k,
+                     bool softmax, bool norm_topk, double norm_eps, double scaling, int64_t n_group,
+                     int64_t topk_group, const float* bias, int64_t* ids, at::BFloat16* weights);
+// avx2_ops.cpp: the rest of an MoE's bf16 arithmetic, H and n multiples of 8: the weighted sum
+// of each token's k expert outputs (ys sorted by expert, unsort: (token, choice) -> its row),
+// a gate per row (y = g y), and out += y
+void moe_combine_into(const at::BFloat16* ys, const at::BFloat16* w, const int64_t* unsort, int64_t T, int64_t k,
+                      int64_t H, at::BFloat16* out);
+void scale_rows_into(at::BFloat16* y, const at::BFloat16* g, int64_t T, int64_t H);
+void add_into(at::BFloat16* out, const at::BFloat16* y, int64_t n);
 
 }  // namespace ridge_avx2

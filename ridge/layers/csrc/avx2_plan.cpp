@@ -10,8 +10,9 @@
 // buffers it keeps, so its results are the Python path's bit for bit
 // (tests/models/test_decode_plan.py).
 //
-// What it covers: Llama attention (q/k norms too) over bf16, int8 or fp8 pools, dense MLPs.
-// Anything else (an MoE, latent attention) is refused when the plan is built
+// What it covers: Llama attention (q/k norms too) over bf16, int8 or fp8 pools, dense MLPs and
+// MoEs (greedy, group-limited or noaux_tc routers through Avx2Kernels.route_topk's kernel; a
+// shared expert, gated or not). Anything else (latent attention) is refused when the plan is built
 // (Avx2Kernels.plan_*), and a step the Python path would run elsewhere (a dense layer on
 // FLOAT32_GEMM_MIN_ROWS rows or more, attention's GEMM path for few (sequence, KV head) jobs)
 // is declined when it comes: run() returns None before touching anything, and the caller runs
@@ -102,10 +103,72 @@ Lin make_lin(const std::vector<PartSpec>& specs, const c10::optional<torch::Tens
   return lin;
 }
 
+// A stacked-expert projection (E experts of n rows each, K wide): dense bf16 (E n, K), GGUF rows
+// (E n, row bytes) or blocks of 8 rows (E n / 8, 8 row bytes), as Avx2Kernels.plan_experts gives it
+struct Experts {
+  torch::Tensor w;
+  int64_t type = -1, n = 0, k = 0, row_bytes = 0;
+  bool packed = false;
+
+  // rows sorted by expert (counts[e] of them for expert e) through expert e's n rows into y (n
+  // wide): one linear call an expert that has rows, as TorchKernels.grouped_linear calls
+  // Avx2Kernels.linear on each expert's slice of x and rows of the weight
+  void into(const bf16* x, const std::vector<int64_t>& counts, bf16* y) const {
+    int64_t start = 0;
+    for (size_t e = 0; e < counts.size(); ++e) {
+      const int64_t c = counts[e];
+      if (c == 0) continue;
+      if (type < 0)
+        ridge_avx2::linear_bf16_into(x + start * k, c, k, w.data_ptr<bf16>() + e * n * k, n, nullptr, y + start * n, n);
+      else
+        ridge_avx2::linear_blocks_into(x + start * k, c, k, w.data_ptr<uint8_t>() + e * n * row_bytes, type, packed, n,
+                                       nullptr, y + start * n, n);
+      start += c;
+    }
+  }
+};
+
+Experts make_experts(const PartSpec& spec, int64_t k, int64_t num_experts) {
+  const auto& [w, type, n] = spec;
+  Experts ex;
+  ex.w = w, ex.type = type, ex.n = n, ex.k = k;
+  TORCH_CHECK(n > 0 && w.device().is_cpu() && w.is_contiguous() && w.dim() == 2,
+              "AVX2 decode plan: contiguous 2-D CPU expert weights");
+  if (type < 0) {
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(0) == num_experts * n && w.size(1) == k,
+                "AVX2 decode plan: dense experts (", num_experts, " x ", n, ", ", k, ") in bf16 expected");
+    return ex;
+  }
+  ex.row_bytes = ridge_avx2::block_row_bytes(type, k);
+  TORCH_CHECK(ex.row_bytes > 0 && w.scalar_type() == at::kByte, "AVX2 decode plan: GGUF type ", type,
+              " has no AVX2 kernel for rows of ", k);
+  ex.packed = w.size(1) == 8 * ex.row_bytes;
+  TORCH_CHECK(ex.packed ? n % 8 == 0 && w.size(0) * 8 == num_experts * n
+                        : w.size(1) == ex.row_bytes && w.size(0) == num_experts * n,
+              "AVX2 decode plan: ", num_experts, " experts of ", n, " rows of GGUF type ", type,
+              " do not match a weight of ", w.sizes());
+  return ex;
+}
+
+// A layer's MoE (SparseMoE): the router as Router.route_args gives it, the stacked experts,
+// and the shared expert (Qwen2-MoE's under a sigmoid gate; DeepSeek's ungated)
+struct Moe {
+  torch::Tensor router;  // (E, K) float32
+  int64_t top_k = 0, n_group = 1, topk_group = 1;
+  bool softmax = true, norm_topk = false;
+  double norm_eps = 0.0, scaling = 1.0;
+  c10::optional<torch::Tensor> bias;  // noaux_tc's correction (E float32)
+  Experts gate_up, down;
+  bool shared = false;
+  Lin shared_gate_up, shared_down;
+  c10::optional<torch::Tensor> shared_gate;  // (1, K)
+};
+
 struct Layer {
   torch::Tensor in_norm, post_norm;
   float eps = 0.f;
   Lin qkv, o, gate_up, down;
+  c10::optional<Moe> moe;  // the feed-forward: an MoE, else the dense gate_up / down
   int64_t heads = 0, kv_heads = 0, head_dim = 0;
   float scale = 0.f;
   c10::optional<torch::Tensor> q_norm, k_norm;
@@ -194,6 +257,45 @@ class Avx2DecodePlan {
     TORCH_CHECK(l.down.width == hidden_, "AVX2 decode plan: down_proj does not give the hidden size");
   }
 
+  // The same arguments as the AVX-512 DecodePlan's set_moe (_plan_moe): the router and
+  // Router.route_args, then the stacked experts (Avx2Kernels.plan_experts)
+  void set_moe(torch::Tensor router, int64_t top_k, bool softmax, bool norm_topk, double norm_eps, double scaling,
+               int64_t n_group, int64_t topk_group, c10::optional<torch::Tensor> bias, PartSpec gate_up,
+               PartSpec down) {
+    TORCH_CHECK(!layers_.empty(), "AVX2 decode plan: set_moe before add_layer");
+    TORCH_CHECK(router.scalar_type() == at::kFloat && router.is_contiguous() && router.dim() == 2 &&
+                    router.size(1) == hidden_,
+                "AVX2 decode plan: a contiguous float32 (experts, hidden) router expected");
+    const int64_t E = router.size(0);
+    TORCH_CHECK(top_k >= 1 && top_k <= E && n_group >= 1 && E % n_group == 0 && topk_group >= 1 &&
+                    topk_group <= n_group,
+                "AVX2 decode plan: top_k of ", E, " experts in ", n_group, " groups, ", topk_group, " kept");
+    TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == E),
+                "AVX2 decode plan: a float32 router bias of one value an expert expected");
+    TORCH_CHECK(hidden_ % 8 == 0, "AVX2 decode plan: an MoE's hidden size must be a multiple of 8");
+    Moe m;
+    m.router = router, m.top_k = top_k, m.softmax = softmax, m.norm_topk = norm_topk, m.norm_eps = norm_eps;
+    m.scaling = scaling, m.n_group = n_group, m.topk_group = topk_group, m.bias = bias;
+    m.gate_up = make_experts(gate_up, hidden_, E);
+    TORCH_CHECK(m.gate_up.n % 2 == 0, "AVX2 decode plan: the experts' gate_up_proj has an odd width");
+    m.down = make_experts(down, m.gate_up.n / 2, E);
+    TORCH_CHECK(m.down.n == hidden_, "AVX2 decode plan: the experts' down_proj does not give the hidden size");
+    layers_.back().moe = std::move(m);
+  }
+
+  void set_shared_expert(std::vector<PartSpec> gate_up, std::vector<PartSpec> down, c10::optional<torch::Tensor> gate) {
+    TORCH_CHECK(!layers_.empty() && layers_.back().moe.has_value(), "AVX2 decode plan: set_shared_expert before set_moe");
+    Moe& m = *layers_.back().moe;
+    m.shared_gate_up = make_lin(gate_up, c10::nullopt, hidden_);
+    TORCH_CHECK(m.shared_gate_up.width % 2 == 0, "AVX2 decode plan: the shared expert's gate_up_proj has an odd width");
+    m.shared_down = make_lin(down, c10::nullopt, m.shared_gate_up.width / 2);
+    TORCH_CHECK(m.shared_down.width == hidden_, "AVX2 decode plan: the shared expert's down_proj does not give the hidden size");
+    TORCH_CHECK(!gate.has_value() || (gate->dim() == 2 && gate->size(0) == 1 && gate->size(1) == hidden_),
+                "AVX2 decode plan: a (1, hidden) shared expert gate expected");
+    m.shared = true;
+    m.shared_gate = gate;
+  }
+
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // h: (T, hidden) bf16, the residual stream, updated in place. Returns the seconds spent in
@@ -204,7 +306,8 @@ class Avx2DecodePlan {
                                                                torch::Tensor positions, torch::Tensor cos,
                                                                torch::Tensor sin) {
     TORCH_CHECK(!layers_.empty(), "AVX2 decode plan: no layers");
-    for (const auto& l : layers_) TORCH_CHECK(l.down.width == hidden_, "AVX2 decode plan: a layer without its MLP");
+    for (const auto& l : layers_)
+      TORCH_CHECK(l.moe.has_value() || l.down.width == hidden_, "AVX2 decode plan: a layer without its MLP");
     TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.is_contiguous() && h.dim() == 2 && h.size(1) == hidden_,
                 "AVX2 decode plan: (T, hidden) bf16 h");
     const int64_t T = h.size(0);
@@ -243,6 +346,7 @@ class Avx2DecodePlan {
     bf16 *x = x_.data(), *o = o_.data(), *gu = gu_.data(), *act = act_.data(), *ffn = ffn_.data();
     const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
     double matmul_s = 0.0;
+    std::vector<int64_t> touched(layers_.size(), -1);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       // the previous layer's feed-forward output added into h with this layer's input norm
@@ -252,6 +356,10 @@ class Avx2DecodePlan {
         ridge_avx2::add_rms_norm_into<bf16>(ffn, hp, l.in_norm.data_ptr<bf16>(), x, T, hidden_, l.eps);
       attention(l, x, T, sp, tables, max_blocks, lens, pos, cp, snp, o, matmul_s);
       ridge_avx2::add_rms_norm_into<bf16>(o, hp, l.post_norm.data_ptr<bf16>(), x, T, hidden_, l.eps);
+      if (l.moe.has_value()) {
+        touched[i] = run_moe(*l.moe, x, T, ffn, matmul_s);
+        continue;
+      }
       {
         Timer t(matmul_s);
         l.gate_up.into(x, T, gu);
@@ -262,7 +370,7 @@ class Avx2DecodePlan {
     }
     for (int64_t i = 0; i < T * hidden_; ++i)  // the last layer's feed-forward into h (h.add_ rounds once)
       hp[i] = static_cast<bf16>(static_cast<float>(hp[i]) + static_cast<float>(ffn[i]));
-    return std::make_tuple(matmul_s, std::vector<int64_t>(layers_.size(), -1));
+    return std::make_tuple(matmul_s, std::move(touched));
   }
 
  private:
@@ -270,7 +378,9 @@ class Avx2DecodePlan {
   bool takes(int64_t T, int64_t rotary_dim) const {
     for (const auto& l : layers_) {
       if (rotary_dim != l.head_dim) return false;  // rope_ takes full-width tables only
-      if ((l.qkv.dense || l.o.dense || l.gate_up.dense || l.down.dense) && T >= dense_max_rows_) return false;
+      const bool shared_dense = l.moe.has_value() && l.moe->shared && (l.moe->shared_gate_up.dense || l.moe->shared_down.dense);
+      if ((l.qkv.dense || l.o.dense || l.gate_up.dense || l.down.dense || shared_dense) && T >= dense_max_rows_)
+        return false;
       const bool few_jobs = T * l.kv_heads < at::get_num_threads();
       if (l.heads / l.kv_heads >= many_heads_ && few_jobs) return false;
     }
@@ -318,16 +428,75 @@ class Avx2DecodePlan {
     l.o.into(attn, T, o);
   }
 
+  // SparseMoE.forward on raw rows: x (T, hidden) -> out (T, hidden), with the kernels and the
+  // roundings of its Python path on these kernels: Avx2Kernels.route_topk, the (token, choice)
+  // pairs sorted by expert (a stable counting sort: argsort(stable)), each expert's rows
+  // through its slices (grouped_linear), silu_mul, the weighted outputs summed per token in
+  // fp32 and rounded once, the shared expert added. Returns the experts it ran.
+  int64_t run_moe(const Moe& m, const bf16* x, int64_t T, bf16* out, double& matmul_s) {
+    const int64_t E = m.router.size(0), k = m.top_k, pairs = T * k, I = m.gate_up.n / 2, H = hidden_;
+    moe_ids_.resize(pairs), moe_weights_.resize(pairs);
+    ridge_avx2::route_topk_into(x, T, H, m.router.data_ptr<float>(), E, k, m.softmax, m.norm_topk, m.norm_eps,
+                                m.scaling, m.n_group, m.topk_group, m.bias.has_value() ? m.bias->data_ptr<float>() : nullptr,
+                                moe_ids_.data(), moe_weights_.data());
+    moe_counts_.assign(E, 0);
+    for (int64_t j = 0; j < pairs; ++j) ++moe_counts_[moe_ids_[j]];
+    std::vector<int64_t> next(E, 0);
+    int64_t used = 0;
+    for (int64_t e = 0, start = 0; e < E; start += moe_counts_[e], ++e) next[e] = start, used += moe_counts_[e] > 0;
+    moe_order_.resize(pairs), moe_unsort_.resize(pairs);
+    for (int64_t j = 0; j < pairs; ++j) moe_order_[next[moe_ids_[j]]++] = j;  // place -> pair
+    for (int64_t p = 0; p < pairs; ++p) moe_unsort_[moe_order_[p]] = p;     // pair -> place
+    bf16 *rows = moe_x_.data(), *gu = moe_gu_.data(), *act = moe_act_.data(), *ys = moe_ys_.data();
+    for (int64_t p = 0; p < pairs; ++p) std::memcpy(rows + p * H, x + (moe_order_[p] / k) * H, H * sizeof(bf16));
+    {
+      Timer t(matmul_s);
+      m.gate_up.into(rows, moe_counts_, gu);
+    }
+    ridge_avx2::silu_mul_into<bf16>(gu, pairs, I, act);
+    {
+      Timer t(matmul_s);
+      m.down.into(act, moe_counts_, ys);
+    }
+    ridge_avx2::moe_combine_into(ys, moe_weights_.data(), moe_unsort_.data(), T, k, H, out);
+    if (!m.shared) return used;
+    const int64_t SI = m.shared_gate_up.width / 2;  // the shared expert, through the dense MLP's buffers
+    bf16 *sgu = gu_.data(), *sact = act_.data(), *sy = o_.data();
+    {
+      Timer t(matmul_s);
+      m.shared_gate_up.into(x, T, sgu);
+    }
+    ridge_avx2::silu_mul_into<bf16>(sgu, T, SI, sact);
+    {
+      Timer t(matmul_s);
+      m.shared_down.into(sact, T, sy);
+    }
+    if (m.shared_gate.has_value()) {  // sigmoid(F.linear(x, gate)) * y: torch's ops, then a bf16 product
+      const auto xt = at::from_blob(const_cast<bf16*>(x), {T, H}, torch::TensorOptions().dtype(at::kBFloat16));
+      const auto gate = at::sigmoid(at::linear(xt, *m.shared_gate)).contiguous();
+      ridge_avx2::scale_rows_into(sy, gate.data_ptr<bf16>(), T, H);
+    }
+    ridge_avx2::add_into(out, sy, T * H);  // out += y
+    return used;
+  }
+
   void ensure_buffers(int64_t T) {
     if (T <= rows_) return;
-    int64_t qkv = 0, q = 0, gu = 0;
+    int64_t qkv = 0, q = 0, gu = 0, top_k = 0, moe_gu = 0;
     for (const auto& l : layers_) {
       qkv = std::max(qkv, l.qkv.width);
       q = std::max(q, l.heads * l.head_dim);
       gu = std::max(gu, l.gate_up.width);
+      if (l.moe.has_value()) {
+        top_k = std::max(top_k, l.moe->top_k);
+        moe_gu = std::max(moe_gu, l.moe->gate_up.n);
+        if (l.moe->shared) gu = std::max(gu, l.moe->shared_gate_up.width);
+      }
     }
     x_.resize(T * hidden_), o_.resize(T * hidden_), ffn_.resize(T * hidden_);
     qkv_.resize(T * qkv), attn_.resize(T * q), gu_.resize(T * gu), act_.resize(T * gu / 2);
+    moe_x_.resize(T * top_k * hidden_), moe_gu_.resize(T * top_k * moe_gu), moe_act_.resize(T * top_k * moe_gu / 2);
+    moe_ys_.resize(T * top_k * hidden_);
     rows_ = T;
   }
 
@@ -335,6 +504,8 @@ class Avx2DecodePlan {
   int64_t hidden_ = 0, rows_ = 0;
   std::vector<Layer> layers_;
   std::vector<bf16> x_, o_, ffn_, qkv_, attn_, gu_, act_;
+  std::vector<bf16> moe_x_, moe_gu_, moe_act_, moe_ys_, moe_weights_;  // an MoE's rows, sorted by expert
+  std::vector<int64_t> moe_ids_, moe_counts_, moe_order_, moe_unsort_;  // its routing and sort
 };
 
 void register_decode_plan(pybind11::module_& m) {
@@ -343,6 +514,8 @@ void register_decode_plan(pybind11::module_& m) {
       .def(py::init<int64_t, int64_t>())
       .def("add_layer", &Avx2DecodePlan::add_layer)
       .def("set_mlp", &Avx2DecodePlan::set_mlp)
+      .def("set_moe", &Avx2DecodePlan::set_moe)
+      .def("set_shared_expert", &Avx2DecodePlan::set_shared_expert)
       .def("num_layers", &Avx2DecodePlan::num_layers)
       .def("run", &Avx2DecodePlan::run, py::call_guard<py::gil_scoped_release>(),
            "(seconds in matmuls, -1 per layer), or None: a step the plan leaves to the Python path");
