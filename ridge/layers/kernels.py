@@ -479,6 +479,13 @@ class Avx2Kernels(TorchKernels):
             planned.append((weight, code, part.out_features))
         return planned, layer.bias
 
+    def argmax(self, logits):
+        """Greedy sampling in one call (``csrc/avx2_ops.cpp``'s ``argmax_rows``, which the decode
+        plan's greedy runs call too): torch's argmax of the float32 values."""
+        if logits.device.type != "cpu" or logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16):
+            return super().argmax(logits)
+        return self.ext.argmax_rows(logits)
+
     def plan_experts(self, layer):
         """A stacked-expert layer as ``grouped_linear`` runs it, one expert's rows at a time through
         ``linear``: (the dense bf16 weight, -1, rows per expert), (blocks of 8 rows or GGUF rows,

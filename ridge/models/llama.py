@@ -454,8 +454,12 @@ class DecodePlanRun:
     def run_greedy(
         self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rotary, kernels, steps: int
     ):
-        """``steps`` greedy passes from the embedded rows ``h`` (``decode_greedy``): (T, steps) tokens."""
-        tokens, matmul_s, touched = self.plan.run_greedy(*_plan_inputs(h, positions, meta, rotary), steps)
+        """``steps`` greedy passes from the embedded rows ``h`` (``decode_greedy``): (T, steps)
+        tokens, or None (nothing ran) where the kernels' plan leaves these rows to the Python path."""
+        ran = self.plan.run_greedy(*_plan_inputs(h, positions, meta, rotary), steps)
+        if ran is None:
+            return None
+        tokens, matmul_s, touched = ran
         self._ran(matmul_s, touched, kernels)
         return tokens
 

@@ -381,3 +381,18 @@ def test_routing_refuses_what_it_does_not_take_and_leaves_float32_to_torch(kerne
     xf, args = x.float(), (2, True, False, 0.0, 1.0)  # float32 rows: topk_route's own ops
     got, want = kernels.route_topk(xf, router, *args), TorchKernels().route_topk(xf, router, *args)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [32000, 37, 5, 1])  # a tail past whole 8-lane runs; under 16 (no lanes)
+def test_argmax_is_torchs_argmax_first_of_ties_and_nans(kernels, dtype, vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen).to(dtype)
+    if vocab > 30:
+        logits[1, [3, 17, vocab - 1]] = 9.0  # ties: the first wins (across lanes and runs)
+        logits[2, [vocab - 1, 11]] = 9.0
+        logits[3, [20, 4]] = float("nan")  # torch takes a NaN as the largest: the first NaN
+        logits[4, :] = float("-inf")
+    got = kernels.argmax(logits)
+    assert got.dtype == torch.int64 and torch.equal(got, logits.float().argmax(dim=-1))
+    assert torch.equal(kernels.argmax(logits[2:5]), got[2:5])  # a row's answer whatever the batch

@@ -116,6 +116,17 @@ def test_a_step_the_python_path_sends_to_torch_is_declined(tmp_path, plan_runs):
         plan_runs.clear()
         alone, model = _generate(tmp_path, [PROMPTS[1]], quantization="int4")
         assert model._plan is not None and plan_runs and not any(plan_runs)
+        # a greedy run of such rows is declined too, before anything moves
+        plan, rotary = model._plan.plan, model.model.rotary
+        h = torch.ones(1, 128, dtype=torch.bfloat16)
+        slots, table, lens, positions = (
+            torch.tensor([5]),
+            torch.zeros(1, 4, dtype=torch.long),
+            torch.tensor([6]),
+            torch.tensor([5]),
+        )
+        assert plan.has_head() and plan.run_greedy(h, slots, table, lens, positions, rotary.cos, rotary.sin, 4) is None
+        assert slots.tolist() == [5] and lens.tolist() == [6] and positions.tolist() == [5]
         eager, _ = _generate(tmp_path, quantization="int4", enforce_eager=True)
         eager_alone, _ = _generate(tmp_path, [PROMPTS[1]], quantization="int4", enforce_eager=True)
     finally:
@@ -194,3 +205,40 @@ def test_an_moe_the_plan_cannot_hold_is_refused_with_a_clear_error(tmp_path):
     fresh = ops.decode_plan()
     with pytest.raises(RuntimeError, match="set_shared_expert before set_moe"):
         fresh.set_shared_expert([], [], None)
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-moe-shared"])
+def test_greedy_multi_step_runs_are_one_call_of_the_plan(tmp_path, variant, monkeypatch):
+    """--num-scheduler-steps with greedy rows: each run is one call of the plan (its passes'
+    final norm, lm_head, argmax and next embedding in C++), with the single-step engine's
+    tokens; a run whose rows the plan declines (here: none) would run its passes from Python."""
+    build(variant, tmp_path)
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25], [3], [40, 41]]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (13, 6, 21, 9)]
+
+    def tokens(**options):
+        llm = LLM(
+            str(tmp_path),
+            dtype="bfloat16",
+            num_kv_blocks=64,
+            block_size=4,
+            seed=0,
+            device="cpu",
+            tokenizer="bytes",
+            quantization="int4",
+            **options,
+        )
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    want = tokens()
+    in_one_call = []
+    greedy = llama.LlamaForCausalLM.decode_greedy
+
+    def counted(self, *args):
+        out = greedy(self, *args)
+        in_one_call.append(out is not None)
+        return out
+
+    monkeypatch.setattr(llama.LlamaForCausalLM, "decode_greedy", counted)
+    assert tokens(num_scheduler_steps=8) == want
+    assert in_one_call and all(in_one_call)

@@ -27,6 +27,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 torch::Tensor paged_decode_attention_quant(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                            torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_tables,
                                            torch::Tensor context_lens, double scale, bool fp8);
+torch::Tensor argmax_rows(torch::Tensor logits);
 std::vector<torch::Tensor> route_topk(torch::Tensor x, torch::Tensor router, int64_t top_k, bool softmax, bool norm_topk,
                                       double norm_eps, double scaling, int64_t n_group, int64_t topk_group,
                                       c10::optional<torch::Tensor> bias);
@@ -80,5 +81,8 @@ void moe_combine_into(const at::BFloat16* ys, const at::BFloat16* w, const int64
                       int64_t H, at::BFloat16* out);
 void scale_rows_into(at::BFloat16* y, const at::BFloat16* g, int64_t T, int64_t H);
 void add_into(at::BFloat16* out, const at::BFloat16* y, int64_t n);
+// avx2_ops.cpp: each row's index of its largest value (the first of equal maxima; the first NaN)
+template <class T>
+void argmax_rows_into(const T* logits, int64_t rows, int64_t V, int64_t* out);
 
 }  // namespace ridge_avx2

@@ -750,7 +750,72 @@ void add_into(at::BFloat16* out, const at::BFloat16* y, int64_t n) {
   for (int64_t i = 0; i < n; i += 8) store8(out + i, _mm256_add_ps(load8(out + i), load8(y + i)));
 }
 
+// Each row's index of its largest value, the first of equal maxima (a row with a NaN: its first
+// NaN), as torch's argmax of the float32 values: 8 lanes keep their first maximum, then the
+// lanes' best value and, among equal ones, the lowest index.
+template <class T>
+void argmax_rows_into(const T* logits, int64_t rows, int64_t V, int64_t* out) {
+  at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const T* row = logits + r * V;
+      int64_t best = 0;
+      float best_v = static_cast<float>(row[0]);
+      bool nan = std::isnan(best_v);
+      int64_t i = 1;
+      if (V >= 16) {
+        __m256 vmax = load8(row);
+        __m256i vidx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), cur = vidx;
+        __m256 unord = _mm256_cmp_ps(vmax, vmax, _CMP_UNORD_Q);
+        for (i = 8; i + 8 <= V; i += 8) {
+          cur = _mm256_add_epi32(cur, _mm256_set1_epi32(8));
+          const __m256 v = load8(row + i);
+          unord = _mm256_or_ps(unord, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+          const __m256 gt = _mm256_cmp_ps(v, vmax, _CMP_GT_OQ);
+          vmax = _mm256_blendv_ps(vmax, v, gt);
+          vidx = _mm256_blendv_epi8(vidx, cur, _mm256_castps_si256(gt));
+        }
+        nan = _mm256_movemask_ps(unord) != 0;
+        alignas(32) float mv[8];
+        alignas(32) int32_t mi[8];
+        _mm256_store_ps(mv, vmax);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(mi), vidx);
+        best = mi[0], best_v = mv[0];
+        for (int l = 1; l < 8; ++l)
+          if (mv[l] > best_v || (mv[l] == best_v && mi[l] < best)) best = mi[l], best_v = mv[l];
+      }
+      for (; i < V; ++i) {
+        const float v = static_cast<float>(row[i]);
+        nan = nan || std::isnan(v);
+        if (v > best_v) best = i, best_v = v;
+      }
+      if (nan)  // torch's argmax takes a NaN as the largest value: the row's first NaN
+        for (int64_t j = 0; j < V; ++j)
+          if (std::isnan(static_cast<float>(row[j]))) {
+            best = j;
+            break;
+          }
+      out[r] = best;
+    }
+  });
+}
+template void argmax_rows_into<float>(const float*, int64_t, int64_t, int64_t*);
+template void argmax_rows_into<at::BFloat16>(const at::BFloat16*, int64_t, int64_t, int64_t*);
+
 }  // namespace ridge_avx2
+
+// (rows, V) float32 or bf16 logits -> (rows,) int64: argmax_rows_into
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.device().is_cpu() &&
+                  (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
+              "argmax_rows: (rows, V) float32 or bfloat16 CPU logits with V >= 1");
+  auto x = logits.contiguous();
+  auto out = torch::empty({x.size(0)}, x.options().dtype(at::kLong));
+  with_dtype(x.scalar_type(), [&](auto t) {
+    using T = decltype(t);
+    ridge_avx2::argmax_rows_into(x.data_ptr<T>(), x.size(0), x.size(1), out.data_ptr<int64_t>());
+  });
+  return out;
+}
 
 // (T, k) expert ids and bf16 weights for bf16 x (T, K) and a float32 router (E, K)
 std::vector<torch::Tensor> route_topk(torch::Tensor x, torch::Tensor router, int64_t top_k, bool softmax, bool norm_topk,

@@ -298,6 +298,75 @@ class Avx2DecodePlan {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // LlamaForCausalLM.compute_logits' final norm and lm_head (Avx2Kernels.plan_linear), and the
+  // embedding table the next pass's rows come from: what run_greedy adds to run
+  void set_head(torch::Tensor norm, double eps, std::vector<PartSpec> lm_head, c10::optional<torch::Tensor> bias,
+                torch::Tensor embed) {
+    TORCH_CHECK(hidden_ > 0, "AVX2 decode plan: set_head after the layers");
+    check_bf16_vector(norm, hidden_, "the final norm");
+    TORCH_CHECK(embed.scalar_type() == at::kBFloat16 && embed.is_contiguous() && embed.dim() == 2 &&
+                    embed.size(1) == hidden_,
+                "AVX2 decode plan: a contiguous bf16 (vocab, hidden) embedding expected");
+    head_norm_ = norm, head_eps_ = static_cast<float>(eps);
+    head_ = make_lin(lm_head, bias, hidden_);
+    embed_ = embed;
+  }
+
+  bool has_head() const { return embed_.defined(); }
+
+  // `steps` greedy decode passes over the same rows: each pass is run() on h, then the final
+  // norm, the lm_head and argmax_rows (what compute_logits and the sampler's greedy argmax
+  // compute on the same rows: the same tokens), and the next pass's h is the embedding's rows
+  // of those tokens, one position on (its slot from the row's block table, one more token to
+  // attend). positions, slots and context_lens advance in place; the block tables must hold
+  // every pass's position. Returns (T, steps) tokens, the seconds in the linear kernels (the
+  // lm_head's too) and the last pass's experts per layer; None, before anything ran, where
+  // the Python path would send these rows elsewhere (run's takes, or a dense lm_head on
+  // FLOAT32_GEMM_MIN_ROWS rows).
+  std::optional<std::tuple<torch::Tensor, double, std::vector<int64_t>>> run_greedy(
+      torch::Tensor h, torch::Tensor slots, torch::Tensor block_tables, torch::Tensor context_lens,
+      torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t steps) {
+    TORCH_CHECK(has_head() && !layers_.empty() && steps >= 1, "AVX2 decode plan: run_greedy needs set_head and layers");
+    TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.is_contiguous() && h.dim() == 2 && h.size(1) == hidden_,
+                "AVX2 decode plan: (T, hidden) bf16 h");
+    const int64_t T = h.size(0), V = head_.width, vocab = embed_.size(0);
+    if (!takes(T, cos.size(1)) || (head_.dense && T >= dense_max_rows_)) return std::nullopt;
+    const int64_t BS = layers_[0].k_pool.size(1), width = block_tables.size(1);
+    auto tokens = torch::empty({T, steps}, torch::TensorOptions().dtype(at::kLong));
+    std::vector<bf16> x(T * hidden_), logits(T * V);
+    std::vector<int64_t> best(T);
+    int64_t* tp = tokens.data_ptr<int64_t>();
+    double matmul_s = 0.0;
+    std::vector<int64_t> touched;
+    for (int64_t s = 0; s < steps; ++s) {
+      if (s) {  // run() checked the tensors' kinds and shapes on the pass before
+        int64_t *pos = positions.data_ptr<int64_t>(), *sp = slots.data_ptr<int64_t>();
+        int64_t* lens = context_lens.data_ptr<int64_t>();
+        const int64_t* tables = block_tables.data_ptr<int64_t>();
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t token = tp[t * steps + s - 1], p = ++pos[t];
+          TORCH_CHECK(token >= 0 && token < vocab, "AVX2 decode plan: token ", token, " is past the embedding's ", vocab);
+          TORCH_CHECK(p / BS < width, "AVX2 decode plan: position ", p, " is past the row's block table");
+          std::memcpy(h.data_ptr<bf16>() + t * hidden_, embed_.data_ptr<bf16>() + token * hidden_, hidden_ * sizeof(bf16));
+          sp[t] = tables[t * width + p / BS] * BS + p % BS;
+          ++lens[t];
+        }
+      }
+      auto ran = run(h, slots, block_tables, context_lens, positions, cos, sin);
+      TORCH_CHECK(ran.has_value(), "AVX2 decode plan: a pass declined the rows the first took");  // takes() is T's alone
+      matmul_s += std::get<0>(*ran);
+      touched = std::move(std::get<1>(*ran));
+      ridge_avx2::rms_norm_into<bf16>(h.data_ptr<bf16>(), head_norm_.data_ptr<bf16>(), x.data(), T, hidden_, head_eps_);
+      {
+        Timer t(matmul_s);
+        head_.into(x.data(), T, logits.data());
+      }
+      ridge_avx2::argmax_rows_into<bf16>(logits.data(), T, V, best.data());
+      for (int64_t t = 0; t < T; ++t) tp[t * steps + s] = best[t];
+    }
+    return std::make_tuple(tokens, matmul_s, std::move(touched));
+  }
+
   // h: (T, hidden) bf16, the residual stream, updated in place. Returns the seconds spent in
   // the linear kernels and, per layer, -1 (no MoE), as the AVX-512 plan does; None where the
   // Python path would take another kernel for this step (h untouched).
@@ -504,6 +573,9 @@ class Avx2DecodePlan {
   int64_t hidden_ = 0, rows_ = 0;
   std::vector<Layer> layers_;
   std::vector<bf16> x_, o_, ffn_, qkv_, attn_, gu_, act_;
+  torch::Tensor head_norm_, embed_;  // set_head: the final norm, the embedding table
+  float head_eps_ = 0.f;
+  Lin head_;  // the lm_head
   std::vector<bf16> moe_x_, moe_gu_, moe_act_, moe_ys_, moe_weights_;  // an MoE's rows, sorted by expert
   std::vector<int64_t> moe_ids_, moe_counts_, moe_order_, moe_unsort_;  // its routing and sort
 };
@@ -516,6 +588,10 @@ void register_decode_plan(pybind11::module_& m) {
       .def("set_mlp", &Avx2DecodePlan::set_mlp)
       .def("set_moe", &Avx2DecodePlan::set_moe)
       .def("set_shared_expert", &Avx2DecodePlan::set_shared_expert)
+      .def("set_head", &Avx2DecodePlan::set_head)
+      .def("has_head", &Avx2DecodePlan::has_head)
+      .def("run_greedy", &Avx2DecodePlan::run_greedy, py::call_guard<py::gil_scoped_release>(),
+           "steps greedy decode passes (run, the final norm, the lm_head, argmax, the next rows embedded), or None")
       .def("num_layers", &Avx2DecodePlan::num_layers)
       .def("run", &Avx2DecodePlan::run, py::call_guard<py::gil_scoped_release>(),
            "(seconds in matmuls, -1 per layer), or None: a step the plan leaves to the Python path");
