@@ -242,3 +242,15 @@ def test_greedy_multi_step_runs_are_one_call_of_the_plan(tmp_path, variant, monk
     monkeypatch.setattr(llama.LlamaForCausalLM, "decode_greedy", counted)
     assert tokens(num_scheduler_steps=8) == want
     assert in_one_call and all(in_one_call)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_prompt_prefilled_in_chunks_computes_what_one_chunk_computes(tmp_path, kv_cache_dtype):
+    """Prefill attention runs each query as a decode of its own (Avx2Kernels.prefill_attention):
+    a prompt prefilled in chunks of 4 tokens, or in one, gives the same tokens and logprobs."""
+    build("llama-gqa", tmp_path)
+    whole, _ = _generate(tmp_path, quantization="int4", kv_cache_dtype=kv_cache_dtype)
+    chunked, _ = _generate(
+        tmp_path, quantization="int4", kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=4, max_num_seqs=4
+    )
+    assert chunked == whole
