@@ -116,6 +116,44 @@ def topk_route(
     return ids, weights.to(x.dtype)
 
 
+def kernel_route(ext, x: torch.Tensor, router: torch.Tensor, args: tuple) -> tuple | None:
+    """``topk_route`` (args: what follows x and the router) through a CPU extension's router
+    kernel (``CpuKernels``, ``Avx2Kernels``, and their decode plans); None where the kernel does
+    not take these inputs (CPU bf16 rows, a float32 router and bias)."""
+    n_group, topk_group, bias = args[5], args[6], args[7]
+    check_route_groups(router.shape[0], n_group, topk_group)
+    if (
+        x.dtype is not torch.bfloat16
+        or x.device.type != "cpu"
+        or router.dtype is not torch.float32
+        or x.dim() != 2
+        or (bias is not None and bias.dtype is not torch.float32)
+    ):
+        return None
+    return tuple(ext.route_topk(x, router, *args))
+
+
+def kernel_argmax(ext, logits: torch.Tensor) -> torch.Tensor | None:
+    """Greedy sampling through a CPU extension's ``argmax_rows`` (torch's argmax of the float32
+    values: the first of equal maxima, a row's first NaN); None where it does not take them."""
+    if logits.device.type != "cpu" or logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return ext.argmax_rows(logits)
+
+
+def prefill_rows_as_decodes(chunk, block_size: int) -> AttentionMetadata:
+    """A prefill chunk's queries as decode rows (``prefill_attention`` on the CPU kernels): row i
+    attends over the context up to its position, through the request's block table."""
+    n, ctx = chunk.num_tokens, chunk.context_len
+    blocks = (ctx + block_size - 1) // block_size
+    return AttentionMetadata(
+        slot_mapping=chunk.block_table[:0],
+        num_decode_tokens=n,
+        decode_block_tables=chunk.block_table[:blocks].expand(n, blocks),
+        decode_context_lens=torch.arange(ctx - n + 1, ctx + 1),
+    )
+
+
 class TorchKernels:
     name = "torch"
     # Prompt chunks of at most this many tokens run as decode rows (each row a query over its
@@ -482,10 +520,9 @@ class Avx2Kernels(TorchKernels):
 
     def argmax(self, logits):
         """Greedy sampling in one call (``csrc/avx2_ops.cpp``'s ``argmax_rows``, which the decode
-        plan's greedy runs call too): torch's argmax of the float32 values."""
-        if logits.device.type != "cpu" or logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16):
-            return super().argmax(logits)
-        return self.ext.argmax_rows(logits)
+        plan's greedy runs call too)."""
+        best = kernel_argmax(self.ext, logits)
+        return best if best is not None else super().argmax(logits)
 
     def plan_experts(self, layer):
         """A stacked-expert layer as ``grouped_linear`` runs it, one expert's rows at a time through
@@ -512,16 +549,7 @@ class Avx2Kernels(TorchKernels):
     def route_topk(self, x, router, top_k, softmax, norm_topk, norm_eps, scaling, n_group=1, topk_group=1, bias=None):
         """``topk_route`` in one call (``csrc/avx2_ops.cpp``), which the decode plan calls too."""
         args = (top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group, bias)
-        check_route_groups(router.shape[0], n_group, topk_group)
-        if (
-            x.dtype is not torch.bfloat16
-            or x.device.type != "cpu"
-            or router.dtype is not torch.float32
-            or x.dim() != 2
-            or (bias is not None and bias.dtype is not torch.float32)
-        ):
-            return super().route_topk(x, router, *args)
-        return tuple(self.ext.route_topk(x, router, *args))
+        return kernel_route(self.ext, x, router, args) or super().route_topk(x, router, *args)
 
     def rope_state(self, rotary, positions, dtype):
         return positions, rotary.cos, rotary.sin
@@ -599,15 +627,7 @@ class Avx2Kernels(TorchKernels):
         shared = cache.v.data_ptr() == cache.k.data_ptr()
         if q.dtype not in (torch.float32, torch.bfloat16) or shared or cache.v.shape[-1] != head_dim:
             return super().prefill_attention(q, k, v, cache, chunk)
-        n, ctx = chunk.num_tokens, chunk.context_len
-        blocks = (ctx + cache.k.shape[1] - 1) // cache.k.shape[1]
-        meta = AttentionMetadata(
-            slot_mapping=chunk.block_table[:0],
-            num_decode_tokens=n,
-            decode_block_tables=chunk.block_table[:blocks].expand(n, blocks),
-            decode_context_lens=torch.arange(ctx - n + 1, ctx + 1),
-        )
-        return self.decode_attention(q, cache, meta)
+        return self.decode_attention(q, cache, prefill_rows_as_decodes(chunk, cache.k.shape[1]))
 
     def decode_attention(self, q, cache, meta, scale=None, value_dim=None):
         num_seqs, num_heads, head_dim = q.shape
@@ -782,20 +802,11 @@ class CpuKernels(TorchKernels):
 
     def route_topk(self, x, router, top_k, softmax, norm_topk, norm_eps, scaling, n_group=1, topk_group=1, bias=None):
         args = (top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group, bias)
-        check_route_groups(router.shape[0], n_group, topk_group)
-        if (
-            x.dtype is not torch.bfloat16
-            or router.dtype is not torch.float32
-            or x.dim() != 2
-            or (bias is not None and bias.dtype is not torch.float32)
-        ):
-            return super().route_topk(x, router, *args)
-        return tuple(self.ext.route_topk(x, router, *args))
+        return kernel_route(self.ext, x, router, args) or super().route_topk(x, router, *args)
 
     def argmax(self, logits):
-        if logits.device.type != "cpu" or logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16):
-            return super().argmax(logits)
-        return self.ext.argmax_rows(logits)
+        best = kernel_argmax(self.ext, logits)
+        return best if best is not None else super().argmax(logits)
 
     def apply_token_bitmask_(self, logits, bitmask):
         if logits.device.type != "cpu" or not logits.is_contiguous():
@@ -818,15 +829,7 @@ class CpuKernels(TorchKernels):
             return super().prefill_attention(q, k, v, cache, chunk)
         if not cache.quantized and (head_dim > 256 or k_cache.dtype is not torch.bfloat16):
             return super().prefill_attention(q, k, v, cache, chunk)
-        n, ctx = chunk.num_tokens, chunk.context_len
-        blocks = (ctx + k_cache.shape[1] - 1) // k_cache.shape[1]
-        meta = AttentionMetadata(
-            slot_mapping=chunk.block_table[:0],
-            num_decode_tokens=n,
-            decode_block_tables=chunk.block_table[:blocks].expand(n, blocks),
-            decode_context_lens=torch.arange(ctx - n + 1, ctx + 1),
-        )
-        return self.decode_attention(q, cache, meta)
+        return self.decode_attention(q, cache, prefill_rows_as_decodes(chunk, k_cache.shape[1]))
 
     def decode_attention(self, q, cache, meta, scale=None, value_dim=None):
         head_dim = q.shape[-1]

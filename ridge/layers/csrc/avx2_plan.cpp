@@ -368,8 +368,9 @@ class Avx2DecodePlan {
   }
 
   // h: (T, hidden) bf16, the residual stream, updated in place. Returns the seconds spent in
-  // the linear kernels and, per layer, -1 (no MoE), as the AVX-512 plan does; None where the
-  // Python path would take another kernel for this step (h untouched).
+  // the linear kernels and, per layer, the distinct experts its MoE ran (-1: a dense layer), as
+  // the AVX-512 plan does; None where the Python path would take another kernel for this step
+  // (h untouched).
   std::optional<std::tuple<double, std::vector<int64_t>>> run(torch::Tensor h, torch::Tensor slots,
                                                                torch::Tensor block_tables, torch::Tensor context_lens,
                                                                torch::Tensor positions, torch::Tensor cos,
@@ -447,7 +448,8 @@ class Avx2DecodePlan {
   bool takes(int64_t T, int64_t rotary_dim) const {
     for (const auto& l : layers_) {
       if (rotary_dim != l.head_dim) return false;  // rope_ takes full-width tables only
-      const bool shared_dense = l.moe.has_value() && l.moe->shared && (l.moe->shared_gate_up.dense || l.moe->shared_down.dense);
+      const bool shared_dense =
+          l.moe.has_value() && l.moe->shared && (l.moe->shared_gate_up.dense || l.moe->shared_down.dense);
       if ((l.qkv.dense || l.o.dense || l.gate_up.dense || l.down.dense || shared_dense) && T >= dense_max_rows_)
         return false;
       const bool few_jobs = T * l.kv_heads < at::get_num_threads();
@@ -594,5 +596,5 @@ void register_decode_plan(pybind11::module_& m) {
            "steps greedy decode passes (run, the final norm, the lm_head, argmax, the next rows embedded), or None")
       .def("num_layers", &Avx2DecodePlan::num_layers)
       .def("run", &Avx2DecodePlan::run, py::call_guard<py::gil_scoped_release>(),
-           "(seconds in matmuls, -1 per layer), or None: a step the plan leaves to the Python path");
+           "(seconds in matmuls, experts run per layer or -1), or None: a step the plan leaves to the Python path");
 }
