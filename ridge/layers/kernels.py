@@ -501,42 +501,33 @@ class Avx2Kernels(TorchKernels):
         for part in parts:
             if part.parts is not None or (layer.parts is not None and part.bias is not None):
                 return None
-            fmt = part.method.format
-            if fmt is None:  # dense: bf16 as loaded
-                dense = isinstance(part.method, UnquantizedLinearMethod) and part.packed is None
-                if not dense or part.weight.dtype is not torch.bfloat16 or part.weight.numel() == 0:
-                    return None
-                weight, code = part.weight, -1
-            elif part.packed is not None and isinstance(part.unpacker, Avx2Kernels):
-                weight, code = part.packed, fmt.ggml_type
-            elif part.packed is None and self.ext.supports_format(fmt.ggml_type):
-                weight, code = part.blocks, fmt.ggml_type
-            else:
+            weight = self._planned_weight(part)
+            if weight is None:
                 return None
-            if weight.device.type != "cpu" or not weight.is_contiguous():
-                return None
-            planned.append((weight, code, part.out_features))
+            planned.append((*weight, part.out_features))
         return planned, layer.bias
-
-    def argmax(self, logits):
-        """Greedy sampling in one call (``csrc/avx2_ops.cpp``'s ``argmax_rows``, which the decode
-        plan's greedy runs call too)."""
-        best = kernel_argmax(self.ext, logits)
-        return best if best is not None else super().argmax(logits)
 
     def plan_experts(self, layer):
         """A stacked-expert layer as ``grouped_linear`` runs it, one expert's rows at a time through
         ``linear``: (the dense bf16 weight, -1, rows per expert), (blocks of 8 rows or GGUF rows,
         GGUF type, rows per expert); None where ``linear`` would hand an expert's rows to torch."""
-        fmt, n = layer.method.format, layer.rows_per_expert
-        if fmt is None:
+        n = layer.rows_per_expert
+        if layer.packed is not None and n % self.packed_row_block:  # an expert's rows: not whole blocks
+            return None
+        weight = self._planned_weight(layer)
+        return None if weight is None else (*weight, n)
+
+    def _planned_weight(self, layer) -> tuple[torch.Tensor, int] | None:
+        """The weight ``linear`` runs for this (unsharded) layer and its code: the dense bf16
+        weight and -1, or its GGUF rows or blocks of 8 rows and GGUF type; None where ``linear``
+        hands it to torch."""
+        fmt = layer.method.format
+        if fmt is None:  # dense: bf16 as loaded
             dense = isinstance(layer.method, UnquantizedLinearMethod) and layer.packed is None
             if not dense or layer.weight.dtype is not torch.bfloat16 or layer.weight.numel() == 0:
                 return None
             weight, code = layer.weight, -1
         elif layer.packed is not None and isinstance(layer.unpacker, Avx2Kernels):
-            if n % self.packed_row_block:  # an expert's rows would not be whole blocks
-                return None
             weight, code = layer.packed, fmt.ggml_type
         elif layer.packed is None and self.ext.supports_format(fmt.ggml_type):
             weight, code = layer.blocks, fmt.ggml_type
@@ -544,7 +535,13 @@ class Avx2Kernels(TorchKernels):
             return None
         if weight.device.type != "cpu" or not weight.is_contiguous():
             return None
-        return weight, code, n
+        return weight, code
+
+    def argmax(self, logits):
+        """Greedy sampling in one call (``csrc/avx2_ops.cpp``'s ``argmax_rows``, which the decode
+        plan's greedy runs call too)."""
+        best = kernel_argmax(self.ext, logits)
+        return best if best is not None else super().argmax(logits)
 
     def route_topk(self, x, router, top_k, softmax, norm_topk, norm_eps, scaling, n_group=1, topk_group=1, bias=None):
         """``topk_route`` in one call (``csrc/avx2_ops.cpp``), which the decode plan calls too."""

@@ -16,6 +16,8 @@ from ridge.layers.kernels import FLOAT32_GEMM_MIN_ROWS, Avx2Kernels, TorchKernel
 from ridge.layers.linear import Linear
 from ridge.quantization.methods import UnquantizedLinearMethod
 
+from . import prefill_cases, routing_cases
+
 pytestmark = pytest.mark.skipif(not cpu_has_avx2(), reason="this CPU has no AVX2 + FMA + F16C")
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -323,64 +325,18 @@ def test_the_dense_bf16_kernel_refuses_what_it_does_not_take(kernels):
     assert torch.equal(kernels.linear(x, layer), TorchKernels().linear(x, layer))
 
 
-def _bf16(rows: int, width: int, seed: int) -> torch.Tensor:
-    return torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)).bfloat16()
-
-
-@pytest.mark.parametrize(
-    "softmax,norm_topk,scaling", [(True, False, 1.0), (True, True, 1.0), (False, True, 2.5)]
-)  # Mixtral / Qwen3-MoE / a sigmoid router renormalized and scaled
-@pytest.mark.parametrize("k_width", [64, 200, 13])  # a tail that 8 lanes do not divide; under 8
+@routing_cases.GREEDY
 def test_greedy_routing_picks_what_torch_picks(kernels, softmax, norm_topk, scaling, k_width):
-    """The MoE router kernel: the same experts best first as topk_route, their weights within a
-    bf16 rounding of its; a token's choice does not depend on its batch."""
-    experts, top_k = 24, 4
-    x = _bf16(9, k_width, seed=11)
-    router = torch.randn(experts, k_width, generator=torch.Generator().manual_seed(12)) * 0.2
-    eps = 1e-20 if not softmax else 0.0
-    want_ids, want_w = TorchKernels().route_topk(x, router, top_k, softmax, norm_topk, eps, scaling)
-    got_ids, got_w = kernels.route_topk(x, router, top_k, softmax, norm_topk, eps, scaling)
-    assert got_ids.dtype == torch.int64 and got_w.dtype == torch.bfloat16 and got_w.shape == (9, top_k)
-    assert torch.equal(got_ids, want_ids)
-    assert (_ulps(got_w, want_w) <= 1).all()
-    alone_ids, alone_w = kernels.route_topk(x[4:5], router, top_k, softmax, norm_topk, eps, scaling)
-    assert torch.equal(alone_ids, got_ids[4:5]) and torch.equal(alone_w, got_w[4:5])
+    routing_cases.check_greedy(kernels, softmax, norm_topk, scaling, k_width)
 
 
-@pytest.mark.parametrize(
-    "softmax,n_group,topk_group,biased",
-    [(True, 4, 2, False), (False, 8, 3, True), (False, 1, 1, True), (True, 4, 1, False)],
-)  # DeepSeek-V2's group_limited_greedy; V3's noaux_tc (sigmoid, bias); a bias without groups; one group kept
+@routing_cases.GROUPED
 def test_grouped_routing_picks_what_torch_picks(kernels, softmax, n_group, topk_group, biased):
-    """Group-limited routing: only the best groups' experts, chosen by the bias-corrected scores
-    where there is a bias, weighted by the uncorrected ones, as topk_route computes them."""
-    experts, top_k, width = 32, 6 if topk_group > 1 else 4, 96
-    x = _bf16(9, width, seed=21)
-    router = torch.randn(experts, width, generator=torch.Generator().manual_seed(22)) * 0.3
-    bias = torch.randn(experts, generator=torch.Generator().manual_seed(23)) * 0.5 if biased else None
-    args = (top_k, softmax, True, 0.0 if softmax else 1e-20, 2.5, n_group, topk_group, bias)
-    want_ids, want_w = TorchKernels().route_topk(x, router, *args)
-    got_ids, got_w = kernels.route_topk(x, router, *args)
-    assert torch.equal(got_ids, want_ids)
-    assert (_ulps(got_w, want_w) <= 1).all()
-    per = experts // n_group
-    assert all(len({int(e) // per for e in row}) <= topk_group for row in got_ids)  # only kept groups' experts
-    if biased:  # the bias moves the choice: without it some token picks differently
-        plain_ids, _ = kernels.route_topk(x, router, *args[:-1], None)
-        assert not torch.equal(plain_ids, got_ids)
+    routing_cases.check_grouped(kernels, softmax, n_group, topk_group, biased)
 
 
 def test_routing_refuses_what_it_does_not_take_and_leaves_float32_to_torch(kernels):
-    x, router = _bf16(2, 32, seed=1), torch.randn(12, 32)
-    with pytest.raises(RuntimeError, match="groups"):
-        kernels.route_topk(x, router, 2, True, False, 0.0, 1.0, 5, 2, None)
-    with pytest.raises(RuntimeError, match="top_k must be in 1..12"):
-        kernels.ext.route_topk(x, router, 13, True, False, 0.0, 1.0, 1, 1, None)
-    with pytest.raises(RuntimeError, match=r"\(T, K\) bf16 x and an \(E, K\) float32 router"):
-        kernels.ext.route_topk(x, router[:, :16], 2, True, False, 0.0, 1.0, 1, 1, None)
-    xf, args = x.float(), (2, True, False, 0.0, 1.0)  # float32 rows: topk_route's own ops
-    got, want = kernels.route_topk(xf, router, *args), TorchKernels().route_topk(xf, router, *args)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    routing_cases.check_refusals(kernels)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -401,39 +357,5 @@ def test_argmax_is_torchs_argmax_first_of_ties_and_nans(kernels, dtype, vocab):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", [None, "int8"])
 def test_prefill_attention_is_each_tokens_decode_whatever_the_chunking(kernels, dtype, kind):
-    """Prefill runs each query as a decode over the context up to it: against torch's path
-    (scaled_dot_product_attention over the gathered context) within a rounding, a prompt in one
-    chunk and in three gives the same bytes, each row equals the decode of that token, and slots
-    past the context (NaN here) are never read."""
-    from ridge.layers.attention import PrefillChunk
-
-    ctx, block_size, heads, kv_heads, dim = 45, 4, 8, 2, 64
-    blocks = -(-ctx // block_size)
-    gen = torch.Generator().manual_seed(7)
-    k, v, q = (torch.randn(ctx, h, dim, generator=gen).to(dtype) for h in (kv_heads, kv_heads, heads))
-    table = torch.randperm(40, generator=torch.Generator().manual_seed(3))[:blocks]
-    slots = (table.repeat_interleave(block_size) * block_size + torch.arange(block_size).repeat(blocks))[:ctx]
-    k_cache, v_cache = (torch.full((40, block_size, kv_heads, dim), float("nan"), dtype=dtype) for _ in range(2))
-    k_cache.view(-1, kv_heads, dim)[slots], v_cache.view(-1, kv_heads, dim)[slots] = k, v
-    cache = PagedKV(k_cache, v_cache) if kind is None else _quantized(PagedKV(k_cache, v_cache), kind)
-
-    def chunked(ops, cuts):
-        return torch.cat(
-            [
-                ops.prefill_attention(q[s:e], k[s:e], v[s:e], cache, PrefillChunk(s, e, e, table))
-                for s, e in zip(cuts, cuts[1:])
-            ]
-        )
-
-    whole = chunked(kernels, [0, ctx])
-    want = chunked(TorchKernels(), [0, ctx]).float()
-    tolerance = 0.01 if dtype is torch.bfloat16 else 1e-5
-    assert (whole.float() - want).abs().max().item() <= tolerance * want.abs().max().item()
-    assert torch.equal(chunked(kernels, [0, 7, 30, ctx]), whole)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(3, dtype=torch.long),
-        num_decode_tokens=3,
-        decode_block_tables=table.expand(3, blocks),
-        decode_context_lens=torch.tensor([1, 20, ctx]),
-    )
-    assert torch.equal(kernels.decode_attention(q[[0, 19, ctx - 1]], cache, meta), whole[[0, 19, ctx - 1]])
+    """Prefill runs each query as a decode over the context up to it (prefill_cases.py)."""
+    prefill_cases.check_prefill_as_decodes(kernels, dtype, kind)

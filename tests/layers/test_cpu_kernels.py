@@ -15,6 +15,8 @@ from ridge.kv.cache import PagedKV
 from ridge.layers.cpu_kernels import cpu_has_avx512_bf16, load_extension, select_kernels
 from ridge.layers.kernels import CpuKernels, TorchKernels
 
+from . import prefill_cases, routing_cases
+
 pytestmark = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU has no AVX-512 BF16")
 
 
@@ -239,59 +241,18 @@ def test_silu_mul(pair):
     assert _ulps(fast.silu_mul(gate_up), ref.silu_mul(gate_up)) <= 1
 
 
-@pytest.mark.parametrize(
-    "softmax,norm_topk,scaling", [(True, False, 1.0), (True, True, 1.0), (False, True, 2.5)]
-)  # Mixtral / Qwen3-MoE / a sigmoid router renormalized and scaled
-@pytest.mark.parametrize("k_width", [64, 200])  # 200: a tail that 16 lanes do not divide
+@routing_cases.GREEDY
 def test_greedy_routing_picks_what_torch_picks(pair, softmax, norm_topk, scaling, k_width):
-    """The MoE router kernel: the same experts best first, and their weights within a bf16
-    rounding of torch's; a token's choice does not depend on its batch."""
-    ref, fast = pair
-    experts, top_k = 24, 4
-    x = _bf16(9, k_width, seed=11)
-    router = torch.randn(experts, k_width, generator=torch.Generator().manual_seed(12)) * 0.2
-    eps = 1e-20 if not softmax else 0.0
-    want_ids, want_w = ref.route_topk(x, router, top_k, softmax, norm_topk, eps, scaling)
-    got_ids, got_w = fast.route_topk(x, router, top_k, softmax, norm_topk, eps, scaling)
-    assert got_ids.dtype == torch.int64 and got_w.dtype == torch.bfloat16 and got_w.shape == (9, top_k)
-    assert torch.equal(got_ids, want_ids)
-    assert _ulps(got_w, want_w) <= 1
-    alone_ids, alone_w = fast.route_topk(x[4:5], router, top_k, softmax, norm_topk, eps, scaling)
-    assert torch.equal(alone_ids, got_ids[4:5]) and torch.equal(alone_w, got_w[4:5])
+    routing_cases.check_greedy(pair[1], softmax, norm_topk, scaling, k_width)
 
 
-@pytest.mark.parametrize(
-    "softmax,n_group,topk_group,biased",
-    [(True, 4, 2, False), (False, 8, 3, True), (False, 1, 1, True), (True, 4, 1, False)],
-)  # DeepSeek-V2's group_limited_greedy; V3's noaux_tc (sigmoid, bias); a bias without groups; one group kept
+@routing_cases.GROUPED
 def test_grouped_routing_picks_what_torch_picks(pair, softmax, n_group, topk_group, biased):
-    """Group-limited routing in the router kernel: only the best groups' experts, chosen by
-    the bias-corrected scores where there is a bias, weighted by the uncorrected ones, as
-    topk_route computes them; a token's choice does not depend on its batch."""
-    ref, fast = pair
-    experts, top_k, width = 32, 6 if topk_group > 1 else 4, 96
-    x = _bf16(9, width, seed=21)
-    router = torch.randn(experts, width, generator=torch.Generator().manual_seed(22)) * 0.3
-    bias = torch.randn(experts, generator=torch.Generator().manual_seed(23)) * 0.5 if biased else None
-    args = (top_k, softmax, True, 0.0 if softmax else 1e-20, 2.5, n_group, topk_group, bias)
-    want_ids, want_w = ref.route_topk(x, router, *args)
-    got_ids, got_w = fast.route_topk(x, router, *args)
-    assert torch.equal(got_ids, want_ids)
-    assert _ulps(got_w, want_w) <= 1
-    per = experts // n_group
-    assert all(len({int(e) // per for e in row}) <= topk_group for row in got_ids)  # only kept groups' experts
-    if biased:  # the bias moves the choice: without it some token picks differently
-        plain_ids, _ = fast.route_topk(x, router, *args[:-1], None)
-        assert not torch.equal(plain_ids, got_ids)
-    alone_ids, alone_w = fast.route_topk(x[4:5], router, *args)
-    assert torch.equal(alone_ids, got_ids[4:5]) and torch.equal(alone_w, got_w[4:5])
+    routing_cases.check_grouped(pair[1], softmax, n_group, topk_group, biased)
 
 
-def test_routing_rejects_groups_that_do_not_divide_the_experts(pair):
-    _, fast = pair
-    x, router = _bf16(2, 32, seed=1), torch.randn(12, 32)
-    with pytest.raises(RuntimeError, match="groups"):
-        fast.route_topk(x, router, 2, True, False, 0.0, 1.0, 5, 2, None)
+def test_routing_refuses_what_it_does_not_take(pair):
+    routing_cases.check_refusals(pair[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -535,44 +496,10 @@ def test_head_matmul_is_bmm_per_head(pair, rows, heads, k, n):
     assert (got.float() - want.float()).abs().max().item() <= 0.01 * want.float().abs().max().item()
 
 
-def test_prefill_attention_is_each_tokens_decode_whatever_the_chunking(pair):
-    """bf16 prefill on the kernels runs each query as a decode over the context up to it: against
-    the torch path (scaled_dot_product_attention) within bf16 rounding; a prompt in one chunk and
-    in three gives the same bytes; each row equals the decode of that token; slots past the
-    context (NaN here) are never read."""
-    from ridge.layers.attention import AttentionMetadata, PrefillChunk
-
-    ref, fast = pair
-    ctx, block_size, heads, kv_heads, dim = 45, 4, 8, 2, 64
-    blocks = -(-ctx // block_size)
-    k_cache, v_cache = (
-        torch.full((40, block_size, kv_heads, dim), float("nan"), dtype=torch.bfloat16) for _ in range(2)
-    )
-    table = torch.randperm(40, generator=torch.Generator().manual_seed(3))[:blocks]
-    slots = (table.repeat_interleave(block_size) * block_size + torch.arange(block_size).repeat(blocks))[:ctx]
-    k, v, q = _bf16(ctx, kv_heads, dim, seed=1), _bf16(ctx, kv_heads, dim, seed=2), _bf16(ctx, heads, dim, seed=4)
-    k_cache.view(-1, kv_heads, dim)[slots], v_cache.view(-1, kv_heads, dim)[slots] = k, v
-    cache = PagedKV(k_cache, v_cache)
-
-    def chunked(kernels, cuts):
-        return torch.cat(
-            [
-                kernels.prefill_attention(q[s:e], k[s:e], v[s:e], cache, PrefillChunk(s, e, e, table))
-                for s, e in zip(cuts, cuts[1:])
-            ]
-        )
-
-    whole = chunked(fast, [0, ctx])
-    want = chunked(ref, [0, ctx]).float()
-    assert (whole.float() - want).abs().max().item() <= 0.01 * want.abs().max().item()
-    assert torch.equal(chunked(fast, [0, 7, 30, ctx]), whole)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(3, dtype=torch.long),
-        num_decode_tokens=3,
-        decode_block_tables=table.expand(3, blocks),
-        decode_context_lens=torch.tensor([1, 20, ctx]),
-    )
-    assert torch.equal(fast.decode_attention(q[[0, 19, ctx - 1]], cache, meta), whole[[0, 19, ctx - 1]])
+@pytest.mark.parametrize("kind", [None, "int8"])
+def test_prefill_attention_is_each_tokens_decode_whatever_the_chunking(pair, kind):
+    """bf16 prefill runs each query as a decode over the context up to it (prefill_cases.py)."""
+    prefill_cases.check_prefill_as_decodes(pair[1], torch.bfloat16, kind)
 
 
 @pytest.mark.parametrize("k", [64, 2048, 31])

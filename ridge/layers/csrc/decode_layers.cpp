@@ -24,6 +24,7 @@
 
 #include "kernels.h"
 #include "kv_write.h"
+#include "route_choice.h"
 
 namespace {
 
@@ -366,19 +367,10 @@ class DecodePlan {
     double matmul_s = 0.0;
     std::vector<int64_t> touched;
     for (int64_t s = 0; s < steps; ++s) {
-      if (s) {  // run() checked the tensors' kinds and shapes on the pass before
-        int64_t *pos = positions.data_ptr<int64_t>(), *sp = slots.data_ptr<int64_t>();
-        int64_t* lens = context_lens.data_ptr<int64_t>();
-        const int64_t* tables = block_tables.data_ptr<int64_t>();
-        for (int64_t t = 0; t < T; ++t) {
-          const int64_t token = tp[t * steps + s - 1], p = ++pos[t];
-          TORCH_CHECK(token >= 0 && token < vocab, "decode plan: token ", token, " is past the embedding's ", vocab);
-          TORCH_CHECK(p / BS < width, "decode plan: position ", p, " is past the row's block table");
-          std::memcpy(h.data_ptr<bf16>() + t * hidden, embed_.data_ptr<bf16>() + token * hidden, hidden * sizeof(bf16));
-          sp[t] = tables[t * width + p / BS] * BS + p % BS;
-          ++lens[t];
-        }
-      }
+      if (s)  // run() checked the tensors' kinds and shapes on the pass before
+        ridge_route::next_greedy_pass(h.data_ptr<bf16>(), T, hidden, embed_.data_ptr<bf16>(), vocab, tp + s - 1, steps,
+                                      positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
+                                      context_lens.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(), width, BS);
       auto [mm, used] = run(h, slots, block_tables, context_lens, positions, cos, sin);
       matmul_s += mm;
       touched = std::move(used);

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "paged_rows.h"
+#include "route_choice.h"
 #include "simd_math.h"
 
 namespace {
@@ -276,31 +277,16 @@ torch::Tensor silu_mul_bf16(torch::Tensor gate_up) {
 
 // Top-k routing of T tokens over E experts, as Router.forward routes: logits x . router_e in
 // fp32 (x widened from bf16; four 16-lane sums over k in steps of 64, then added and summed
-// across lanes), softmax (or sigmoid), then the top_k by the choice score best first (ties:
-// the lower expert id first), their weights renormalized over the k (sum + eps) where asked,
-// times scaling, rounded to bf16. The choice score is the score, plus ``bias`` where given
-// (DeepSeek-V3's e_score_correction_bias, noaux_tc); with n_group > 1 the experts sit in
-// n_group groups of E / n_group and only the topk_group groups with the best group score
-// compete: the best choice score (group_limited_greedy) or, with a bias, the sum of the two
-// best; the others' experts score 0 (-inf with a bias), as the reference masks them. The
-// weights are the scores, never the bias-corrected ones. A token's ids and weights never
-// depend on the other tokens of its batch; tokens are shared out over the threads (a prompt's:
+// across lanes), then the choice that route_choice.h makes (softmax or sigmoid, groups, the
+// top_k best first, their weights). A token's ids and weights never depend on the other tokens
+// of its batch; tokens are shared out over the threads (a prompt's:
 // 512 tokens x 32 experts x 2048 is 34M multiply-adds a layer).
 void route_topk_into(const bf16* x, int64_t T, int64_t K, const float* router, int64_t E, int64_t top_k, bool softmax,
                      bool norm_topk, double norm_eps, double scaling, int64_t n_group, int64_t topk_group,
                      const float* bias, int64_t* ids, bf16* weights) {
-  TORCH_CHECK(top_k >= 1 && top_k <= E, "route_topk: top_k must be in 1..", E);
-  TORCH_CHECK(n_group >= 1 && E % n_group == 0 && topk_group >= 1 && topk_group <= n_group,
-              "route_topk: ", E, " experts in ", n_group, " groups, ", topk_group, " of them kept");
-  const int64_t per = E / n_group;
-  TORCH_CHECK(bias == nullptr || n_group == 1 || per >= 2, "route_topk: a biased group score needs 2+ experts a group");
+  ridge_route::check(E, top_k, n_group, topk_group, bias != nullptr);
   at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(E), choice(E), group_score(n_group);
-    std::vector<int64_t> order(E), groups(n_group);
-    std::vector<char> keep(n_group);
-    auto best_first = [](const std::vector<float>& v) {
-      return [&v](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); };
-    };
+    ridge_route::Chooser chooser(E, top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group, bias);
     for (int64_t t = begin; t < end; ++t) {
       const bf16* xr = x + t * K;
       for (int64_t e = 0; e < E; ++e) {
@@ -313,48 +299,9 @@ void route_topk_into(const bf16* x, int64_t T, int64_t K, const float* router, i
         for (; k + 16 <= K; k += 16) acc[0] = _mm512_fmadd_ps(load16(xr + k), _mm512_loadu_ps(w + k), acc[0]);
         float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
         for (; k < K; ++k) sum += static_cast<float>(xr[k]) * w[k];
-        scores[e] = sum;
+        chooser.scores[e] = sum;
       }
-      if (softmax) {
-        const float m = *std::max_element(scores.begin(), scores.end());
-        float total = 0.f;
-        for (float& v : scores) total += (v = std::exp(v - m));
-        for (float& v : scores) v /= total;
-      } else {
-        for (float& v : scores) v = 1.f / (1.f + std::exp(-v));
-      }
-      for (int64_t e = 0; e < E; ++e) choice[e] = bias ? scores[e] + bias[e] : scores[e];
-      if (n_group > 1) {  // only the best topk_group groups' experts compete
-        for (int64_t gi = 0; gi < n_group; ++gi) {
-          const float* c = choice.data() + gi * per;
-          float first = -INFINITY, second = -INFINITY;
-          for (int64_t j = 0; j < per; ++j) {
-            if (c[j] > first)
-              second = first, first = c[j];
-            else if (c[j] > second)
-              second = c[j];
-          }
-          group_score[gi] = bias ? first + second : first;
-          groups[gi] = gi;
-        }
-        std::partial_sort(groups.begin(), groups.begin() + topk_group, groups.end(), best_first(group_score));
-        std::fill(keep.begin(), keep.end(), 0);
-        for (int64_t j = 0; j < topk_group; ++j) keep[groups[j]] = 1;
-        for (int64_t e = 0; e < E; ++e)
-          if (!keep[e / per]) choice[e] = bias ? -INFINITY : 0.f;
-      }
-      for (int64_t e = 0; e < E; ++e) order[e] = e;
-      std::partial_sort(order.begin(), order.begin() + top_k, order.end(), best_first(choice));
-      float total = 0.f;
-      for (int64_t j = 0; j < top_k; ++j) total += scores[order[j]];
-      const float denom = norm_topk ? total + static_cast<float>(norm_eps) : 1.f;
-      for (int64_t j = 0; j < top_k; ++j) {
-        float w = scores[order[j]];
-        if (norm_topk) w /= denom;
-        if (scaling != 1.0) w *= static_cast<float>(scaling);
-        ids[t * top_k + j] = order[j];
-        weights[t * top_k + j] = bf16(w);
-      }
+      chooser.choose(ids + t * top_k, weights + t * top_k);
     }
   });
 }
@@ -362,24 +309,8 @@ void route_topk_into(const bf16* x, int64_t T, int64_t K, const float* router, i
 std::vector<torch::Tensor> route_topk(torch::Tensor x, torch::Tensor router, int64_t top_k, bool softmax, bool norm_topk,
                                       double norm_eps, double scaling, int64_t n_group, int64_t topk_group,
                                       c10::optional<torch::Tensor> bias) {
-  check_bf16_cpu(x, "route_topk");
-  TORCH_CHECK(x.dim() == 2 && router.dim() == 2 && router.scalar_type() == at::kFloat && router.device().is_cpu() &&
-                  router.size(1) == x.size(1),
-              "route_topk: (T, K) bf16 x and an (E, K) float32 router");
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->device().is_cpu() &&
-                                    bias->numel() == router.size(0)),
-              "route_topk: a float32 bias of one value an expert");
-  auto xc = x.contiguous();
-  auto rc = router.contiguous();
-  torch::Tensor bc;
-  if (bias.has_value()) bc = bias->contiguous();
-  const int64_t T = xc.size(0);
-  auto ids = torch::empty({T, top_k}, xc.options().dtype(at::kLong));
-  auto weights = torch::empty({T, top_k}, xc.options());
-  route_topk_into(xc.data_ptr<bf16>(), T, xc.size(1), rc.data_ptr<float>(), rc.size(0), top_k, softmax, norm_topk,
-                  norm_eps, scaling, n_group, topk_group, bc.defined() ? bc.data_ptr<float>() : nullptr,
-                  ids.data_ptr<int64_t>(), weights.data_ptr<bf16>());
-  return {ids, weights};
+  return ridge_route::route_topk_tensors(x, router, top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group,
+                                         bias, route_topk_into);
 }
 
 void paged_decode_attention_bf16_into(const bf16* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D,

@@ -1,0 +1,148 @@
+// What an MoE router does once a token's logits are in, and a greedy run's next pass: one
+// scalar definition that both CPU extensions compile (decode_ops.cpp and decode_layers.cpp for
+// AVX-512, avx2_ops.cpp and avx2_plan.cpp for AVX2), so their routers and their plans' greedy
+// runs agree by construction; each computes the logits and runs the layers with its own SIMD.
+#pragma once
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace ridge_route {
+
+// The arguments Router.route_args gives, checked once before any token is routed
+inline void check(int64_t E, int64_t top_k, int64_t n_group, int64_t topk_group, bool biased) {
+  TORCH_CHECK(top_k >= 1 && top_k <= E, "route_topk: top_k must be in 1..", E);
+  TORCH_CHECK(n_group >= 1 && E % n_group == 0 && topk_group >= 1 && topk_group <= n_group,
+              "route_topk: ", E, " experts in ", n_group, " groups, ", topk_group, " of them kept");
+  TORCH_CHECK(!biased || n_group == 1 || E / n_group >= 2, "route_topk: a biased group score needs 2+ experts a group");
+}
+
+// Indices by their value, best first (ties: the lower index first)
+struct BestFirst {
+  const std::vector<float>& v;
+  bool operator()(int64_t a, int64_t b) const { return v[a] > v[b] || (v[a] == v[b] && a < b); }
+};
+
+// One thread's choice of each token's experts from its E logits: softmax (or sigmoid), then the
+// top_k by the choice score best first (ties: the lower expert id first), their weights
+// renormalized over the k (sum + eps) where asked, times scaling, rounded to bf16. The choice
+// score is the score, plus ``bias`` where given (noaux_tc's e_score_correction_bias); with
+// n_group > 1 only the topk_group groups with the best group score compete (the best choice
+// score, or with a bias the sum of the two best), the others' experts scoring 0 (-inf with a
+// bias), as topk_route masks them. The weights are the scores, never the corrected ones.
+class Chooser {
+ public:
+  Chooser(int64_t E, int64_t top_k, bool softmax, bool norm_topk, double norm_eps, double scaling, int64_t n_group,
+          int64_t topk_group, const float* bias)
+      : E_(E), top_k_(top_k), n_group_(n_group), topk_group_(topk_group), softmax_(softmax), norm_topk_(norm_topk),
+        norm_eps_(norm_eps), scaling_(scaling), bias_(bias), scores(E), choice_(E), group_score_(n_group), order_(E),
+        groups_(n_group), keep_(n_group) {}
+
+  // scores: the token's E logits, filled by the caller (and turned into its scores here)
+  void choose(int64_t* ids, at::BFloat16* weights) {
+    if (softmax_) {
+      const float m = *std::max_element(scores.begin(), scores.end());
+      float total = 0.f;
+      for (float& v : scores) total += (v = std::exp(v - m));
+      for (float& v : scores) v /= total;
+    } else {
+      for (float& v : scores) v = 1.f / (1.f + std::exp(-v));
+    }
+    for (int64_t e = 0; e < E_; ++e) choice_[e] = bias_ ? scores[e] + bias_[e] : scores[e];
+    if (n_group_ > 1) {  // only the best topk_group groups' experts compete
+      const int64_t per = E_ / n_group_;
+      for (int64_t gi = 0; gi < n_group_; ++gi) {
+        const float* c = choice_.data() + gi * per;
+        float first = -INFINITY, second = -INFINITY;
+        for (int64_t j = 0; j < per; ++j) {
+          if (c[j] > first)
+            second = first, first = c[j];
+          else if (c[j] > second)
+            second = c[j];
+        }
+        group_score_[gi] = bias_ ? first + second : first;
+        groups_[gi] = gi;
+      }
+      std::partial_sort(groups_.begin(), groups_.begin() + topk_group_, groups_.end(), BestFirst{group_score_});
+      std::fill(keep_.begin(), keep_.end(), 0);
+      for (int64_t j = 0; j < topk_group_; ++j) keep_[groups_[j]] = 1;
+      for (int64_t e = 0; e < E_; ++e)
+        if (!keep_[e / per]) choice_[e] = bias_ ? -INFINITY : 0.f;
+    }
+    for (int64_t e = 0; e < E_; ++e) order_[e] = e;
+    std::partial_sort(order_.begin(), order_.begin() + top_k_, order_.end(), BestFirst{choice_});
+    float total = 0.f;
+    for (int64_t j = 0; j < top_k_; ++j) total += scores[order_[j]];
+    const float denom = norm_topk_ ? total + static_cast<float>(norm_eps_) : 1.f;
+    for (int64_t j = 0; j < top_k_; ++j) {
+      float w = scores[order_[j]];
+      if (norm_topk_) w /= denom;
+      if (scaling_ != 1.0) w *= static_cast<float>(scaling_);
+      ids[j] = order_[j];
+      weights[j] = at::BFloat16(w);
+    }
+  }
+
+ private:
+  int64_t E_, top_k_, n_group_, topk_group_;
+  bool softmax_, norm_topk_;
+  double norm_eps_, scaling_;
+  const float* bias_;
+
+ public:
+  std::vector<float> scores;  // the token's logits in, its scores out
+
+ private:
+  std::vector<float> choice_, group_score_;
+  std::vector<int64_t> order_, groups_;
+  std::vector<char> keep_;
+};
+
+// route_topk's tensor entry for either extension: bf16 x (T, K) and a float32 router (E, K)
+// (and bias, E values) checked, then into(x, T, K, router, E, top_k, ..., ids, weights) -> (T,
+// top_k) int64 ids and bf16 weights
+template <class Into>
+std::vector<torch::Tensor> route_topk_tensors(const torch::Tensor& x, const torch::Tensor& router, int64_t top_k,
+                                              bool softmax, bool norm_topk, double norm_eps, double scaling,
+                                              int64_t n_group, int64_t topk_group,
+                                              const c10::optional<torch::Tensor>& bias, Into into) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && router.dim() == 2 &&
+                  router.scalar_type() == at::kFloat && router.device().is_cpu() && router.size(1) == x.size(1),
+              "route_topk: (T, K) bf16 x and an (E, K) float32 router");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->device().is_cpu() &&
+                                    bias->numel() == router.size(0)),
+              "route_topk: a float32 bias of one value an expert");
+  auto xc = x.contiguous();
+  auto rc = router.contiguous();
+  torch::Tensor bc;
+  if (bias.has_value()) bc = bias->contiguous();
+  const int64_t T = xc.size(0);
+  auto ids = torch::empty({T, top_k}, xc.options().dtype(at::kLong));
+  auto weights = torch::empty({T, top_k}, xc.options());
+  into(xc.data_ptr<at::BFloat16>(), T, xc.size(1), rc.data_ptr<float>(), rc.size(0), top_k, softmax, norm_topk,
+       norm_eps, scaling, n_group, topk_group, bc.defined() ? bc.data_ptr<float>() : nullptr, ids.data_ptr<int64_t>(),
+       weights.data_ptr<at::BFloat16>());
+  return {ids, weights};
+}
+
+// A greedy run's next pass (DecodePlan.run_greedy): each row's last token's embedding into h,
+// one position on, its slot from the row's block table, one more token to attend. tokens: the
+// row's token of the pass before, at tokens[t * stride].
+inline void next_greedy_pass(at::BFloat16* h, int64_t T, int64_t hidden, const at::BFloat16* embed, int64_t vocab,
+                             const int64_t* tokens, int64_t stride, int64_t* positions, int64_t* slots,
+                             int64_t* context_lens, const int64_t* block_tables, int64_t width, int64_t block_size) {
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t token = tokens[t * stride], p = ++positions[t];
+    TORCH_CHECK(token >= 0 && token < vocab, "decode plan: token ", token, " is past the embedding's ", vocab);
+    TORCH_CHECK(p / block_size < width, "decode plan: position ", p, " is past the row's block table");
+    std::memcpy(h + t * hidden, embed + token * hidden, hidden * sizeof(at::BFloat16));
+    slots[t] = block_tables[t * width + p / block_size] * block_size + p % block_size;
+    ++context_lens[t];
+  }
+}
+
+}  // namespace ridge_route

@@ -1,0 +1,83 @@
+"""The MoE router kernel's cases, for each CPU extension's (``CpuKernels`` in
+test_cpu_kernels.py, ``Avx2Kernels`` in test_avx2_ops.py): the experts topk_route picks, best
+first, their weights within a bf16 rounding of its, a token's choice whatever its batch, and
+the groups a config names checked before anything runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ridge.layers.kernels import TorchKernels
+
+# Mixtral / Qwen3-MoE / a sigmoid router renormalized and scaled; widths with a tail that 8 and
+# 16 lanes do not divide, and one under 8
+GREEDY = pytest.mark.parametrize(
+    "softmax,norm_topk,scaling,k_width",
+    [(s, n, c, k) for s, n, c in [(True, False, 1.0), (True, True, 1.0), (False, True, 2.5)] for k in (64, 200, 13)],
+)
+# DeepSeek-V2's group_limited_greedy; V3's noaux_tc (sigmoid, bias); a bias without groups; one group kept
+GROUPED = pytest.mark.parametrize(
+    "softmax,n_group,topk_group,biased",
+    [(True, 4, 2, False), (False, 8, 3, True), (False, 1, 1, True), (True, 4, 1, False)],
+)
+
+
+def _bf16(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference in units of bf16 rounding at each element's magnitude."""
+    scale = torch.maximum(a.float().abs(), b.float().abs()).clamp_min(1e-3) * 2**-8
+    return ((a.float() - b.float()).abs() / scale).max().item()
+
+
+def check_greedy(fast, softmax: bool, norm_topk: bool, scaling: float, k_width: int) -> None:
+    experts, top_k = 24, 4
+    x = _bf16(9, k_width, seed=11)
+    router = torch.randn(experts, k_width, generator=torch.Generator().manual_seed(12)) * 0.2
+    eps = 1e-20 if not softmax else 0.0
+    want_ids, want_w = TorchKernels().route_topk(x, router, top_k, softmax, norm_topk, eps, scaling)
+    got_ids, got_w = fast.route_topk(x, router, top_k, softmax, norm_topk, eps, scaling)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == torch.bfloat16 and got_w.shape == (9, top_k)
+    assert torch.equal(got_ids, want_ids)
+    assert _ulps(got_w, want_w) <= 1
+    alone_ids, alone_w = fast.route_topk(x[4:5], router, top_k, softmax, norm_topk, eps, scaling)
+    assert torch.equal(alone_ids, got_ids[4:5]) and torch.equal(alone_w, got_w[4:5])
+
+
+def check_grouped(fast, softmax: bool, n_group: int, topk_group: int, biased: bool) -> None:
+    """Only the best groups' experts, chosen by the bias-corrected scores where there is a bias,
+    weighted by the uncorrected ones."""
+    experts, top_k, width = 32, 6 if topk_group > 1 else 4, 96
+    x = _bf16(9, width, seed=21)
+    router = torch.randn(experts, width, generator=torch.Generator().manual_seed(22)) * 0.3
+    bias = torch.randn(experts, generator=torch.Generator().manual_seed(23)) * 0.5 if biased else None
+    args = (top_k, softmax, True, 0.0 if softmax else 1e-20, 2.5, n_group, topk_group, bias)
+    want_ids, want_w = TorchKernels().route_topk(x, router, *args)
+    got_ids, got_w = fast.route_topk(x, router, *args)
+    assert torch.equal(got_ids, want_ids)
+    assert _ulps(got_w, want_w) <= 1
+    per = experts // n_group
+    assert all(len({int(e) // per for e in row}) <= topk_group for row in got_ids)  # only kept groups' experts
+    if biased:  # the bias moves the choice: without it some token picks differently
+        plain_ids, _ = fast.route_topk(x, router, *args[:-1], None)
+        assert not torch.equal(plain_ids, got_ids)
+    alone_ids, alone_w = fast.route_topk(x[4:5], router, *args)
+    assert torch.equal(alone_ids, got_ids[4:5]) and torch.equal(alone_w, got_w[4:5])
+
+
+def check_refusals(fast) -> None:
+    """Groups that do not divide the experts, a top_k past them, a router of another width: one
+    clear error each; float32 rows go to topk_route's own ops."""
+    x, router = _bf16(2, 32, seed=1), torch.randn(12, 32)
+    with pytest.raises(RuntimeError, match="groups"):
+        fast.route_topk(x, router, 2, True, False, 0.0, 1.0, 5, 2, None)
+    with pytest.raises(RuntimeError, match="top_k must be in 1..12"):
+        fast.ext.route_topk(x, router, 13, True, False, 0.0, 1.0, 1, 1, None)
+    with pytest.raises(RuntimeError, match=r"\(T, K\) bf16 x and an \(E, K\) float32 router"):
+        fast.ext.route_topk(x, router[:, :16], 2, True, False, 0.0, 1.0, 1, 1, None)
+    xf, args = x.float(), (2, True, False, 0.0, 1.0)
+    got, want = fast.route_topk(xf, router, *args), TorchKernels().route_topk(xf, router, *args)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
