@@ -9,6 +9,7 @@ weights, KV cache and batch; a rerun replaces its entry).
 
     python benchmarks/decode_plan.py --model /path/to/model-Q4_K_M.gguf [--kv-cache-dtype int8]
     python benchmarks/decode_plan.py --model random:qwen3-moe-4b --quantization int4
+    python benchmarks/decode_plan.py --model random:qwen3-moe-4b --quantization int4 --kernels avx2
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=40)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kernels", default="auto", help="auto, or avx2: the AVX2 kernels' plan on an AVX-512 CPU too")
     p.add_argument("--json", type=Path, default=OUT)
     args = p.parse_args()
 
@@ -67,6 +69,7 @@ def main() -> None:
         max_num_seqs=max(4, args.batch),
         enable_prefix_caching=False,
         seed=0,
+        kernels=args.kernels,
     )
     engines = {"planned": LLM(args.model, **options), "eager": LLM(args.model, enforce_eager=True, **options)}
     for llm in engines.values():  # warm-up: the plan is built, the allocator and pages settle
@@ -100,7 +103,8 @@ def main() -> None:
 
 def run_key(args) -> str:
     weights = args.quantization or "as loaded"
-    return f"{Path(args.model).name} weights={weights} kv={args.kv_cache_dtype} batch={args.batch}"
+    key = f"{Path(args.model).name} weights={weights} kv={args.kv_cache_dtype} batch={args.batch}"
+    return key if args.kernels == "auto" else f"{key} kernels={args.kernels}"
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from ridge.models.registry import MODEL_TYPES, SUPPORTED_ARCHITECTURES, Architec
 
 SCHEDULER_POLICIES = ("continuous", "static")
 # auto: ridge's CPU kernel for bf16 decode where the CPU has AVX-512 BF16, else F.linear.
-KERNEL_CHOICES = ("auto", "torch", "ridge")
+KERNEL_CHOICES = ("auto", "torch", "ridge", "avx2")
 
 
 @dataclass(frozen=True)

@@ -76,8 +76,9 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None =
         "--kernels",
         choices=KERNEL_CHOICES,
         default="auto",
-        help="auto (ridge's AVX-512 kernels on CPU, its Triton kernels on CUDA), torch (the reference "
-        "ops), ridge (the CPU kernels or an error)",
+        help="auto (ridge's AVX-512 kernels on CPU, its AVX2 ones without AVX-512, its Triton kernels on "
+        "CUDA), torch (the reference ops), ridge (the CPU kernels or an error), avx2 (the AVX2 kernels "
+        "even on an AVX-512 CPU, or an error)",
     )
     g.add_argument(
         "--enforce-eager",

@@ -374,8 +374,20 @@ def _mtime(path: Path) -> float:
 def select_kernels(kind: str, device: torch.device, dtype: torch.dtype):
     """'torch' -> TorchKernels; 'auto' -> ridge's CPU extension where it applies and builds
     (``CpuKernels`` on AVX-512 BF16, ``Avx2Kernels`` on AVX2 alone), and on CUDA the Triton
-    kernels (``CudaKernels``) where Triton is installed (CUDA torch ships it)."""
+    kernels (``CudaKernels``) where Triton is installed (CUDA torch ships it); 'ridge' -> the
+    CPU extension 'auto' picks, or an error; 'avx2' -> ``Avx2Kernels`` on any CPU with AVX2 (an
+    AVX-512 one too: what a CPU without AVX-512 runs, to compare or measure), or an error."""
     from ridge.layers.kernels import Avx2Kernels, CpuKernels, TorchKernels
+
+    if kind == "avx2":
+        if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError("kernels='avx2' runs bfloat16 or float32 on CPU only")
+        if not cpu_has_avx2():
+            raise ValueError("kernels='avx2' needs a CPU with AVX2, FMA and F16C")
+        try:
+            return Avx2Kernels(load_avx2_extension())
+        except Exception as exc:  # no compiler, no ninja, ...: asked for by name, so an error
+            raise ValueError(f"cannot build ridge's AVX2 kernels: {exc}") from None
 
     if kind == "auto" and device.type == "cuda":
         try:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ridge import SamplingParams
 from ridge.kv.cache import PagedKV
 from ridge.layers.cpu_kernels import cpu_has_avx512_bf16, load_extension, select_kernels
-from ridge.layers.kernels import CpuKernels, TorchKernels
+from ridge.layers.kernels import Avx2Kernels, CpuKernels, TorchKernels
 
 from . import prefill_cases, routing_cases
 
@@ -190,6 +190,10 @@ def test_select_kernels_choices():
     assert isinstance(select_kernels("auto", cpu, torch.float32), CpuKernels)
     with pytest.raises(ValueError, match="bfloat16 or float32 on CPU"):
         select_kernels("ridge", cpu, torch.float16)
+    # avx2: the AVX2 kernels on this AVX-512 CPU too (what a CPU without AVX-512 runs)
+    assert isinstance(select_kernels("avx2", cpu, torch.bfloat16), Avx2Kernels)
+    with pytest.raises(ValueError, match="kernels='avx2' runs bfloat16 or float32 on CPU only"):
+        select_kernels("avx2", cpu, torch.float16)
 
 
 # -- the fused decode ops against the torch reference path, in bf16 --------------------------
