@@ -21,6 +21,8 @@ import statistics
 import time
 from pathlib import Path
 
+from common import cpu_engine_options
+
 from ridge import LLM, SamplingParams
 from ridge.roofline.probe import cpu_model
 
@@ -58,18 +60,11 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=OUT)
     args = p.parse_args()
 
-    options = dict(
-        dtype="bfloat16",
-        device="cpu",
-        quantization=args.quantization,
+    options = cpu_engine_options(
+        args,
         kv_cache_dtype=args.kv_cache_dtype,
-        tokenizer="bytes",
-        num_threads=args.threads,
         num_kv_blocks=max(64, args.batch * (args.tokens + 4) // 16 + 8),
         max_num_seqs=max(4, args.batch),
-        enable_prefix_caching=False,
-        seed=0,
-        kernels=args.kernels,
     )
     engines = {"planned": LLM(args.model, **options), "eager": LLM(args.model, enforce_eager=True, **options)}
     for llm in engines.values():  # warm-up: the plan is built, the allocator and pages settle

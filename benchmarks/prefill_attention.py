@@ -22,6 +22,8 @@ import time
 import types
 from pathlib import Path
 
+from common import cpu_engine_options
+
 from ridge import LLM, SamplingParams
 from ridge.layers.kernels import TorchKernels
 from ridge.roofline.probe import cpu_model
@@ -65,18 +67,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, default=OUT)
     args = p.parse_args()
-    options = dict(
-        dtype="bfloat16",
-        device="cpu",
-        quantization=args.quantization,
-        kernels=args.kernels,
-        tokenizer="bytes",
-        num_threads=args.threads,
-        num_kv_blocks=args.tokens // 16 + 16,
-        max_num_batched_tokens=args.tokens,
-        enable_prefix_caching=False,
-        seed=0,
-    )
+    options = cpu_engine_options(args, num_kv_blocks=args.tokens // 16 + 16, max_num_batched_tokens=args.tokens)
     engines, spent = {}, {}
     for name in ("kernels", "torch"):
         engines[name] = LLM(args.model, **options)

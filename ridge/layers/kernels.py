@@ -537,6 +537,12 @@ class Avx2Kernels(TorchKernels):
             return None
         return weight, code
 
+    def apply_token_bitmask_(self, logits, bitmask):
+        """Structured output's mask in one call (``csrc/avx2_ops.cpp``)."""
+        if logits.device.type != "cpu" or not logits.is_contiguous():
+            return super().apply_token_bitmask_(logits, bitmask)
+        self.ext.apply_token_bitmask_(logits, bitmask.contiguous())
+
     def argmax(self, logits):
         """Greedy sampling in one call (``csrc/avx2_ops.cpp``'s ``argmax_rows``, which the decode
         plan's greedy runs call too)."""

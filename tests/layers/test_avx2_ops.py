@@ -16,7 +16,7 @@ from ridge.layers.kernels import FLOAT32_GEMM_MIN_ROWS, Avx2Kernels, TorchKernel
 from ridge.layers.linear import Linear
 from ridge.quantization.methods import UnquantizedLinearMethod
 
-from . import prefill_cases, routing_cases
+from . import cpu_cases
 
 pytestmark = pytest.mark.skipif(not cpu_has_avx2(), reason="this CPU has no AVX2 + FMA + F16C")
 
@@ -325,18 +325,18 @@ def test_the_dense_bf16_kernel_refuses_what_it_does_not_take(kernels):
     assert torch.equal(kernels.linear(x, layer), TorchKernels().linear(x, layer))
 
 
-@routing_cases.GREEDY
+@cpu_cases.GREEDY
 def test_greedy_routing_picks_what_torch_picks(kernels, softmax, norm_topk, scaling, k_width):
-    routing_cases.check_greedy(kernels, softmax, norm_topk, scaling, k_width)
+    cpu_cases.check_greedy(kernels, softmax, norm_topk, scaling, k_width)
 
 
-@routing_cases.GROUPED
+@cpu_cases.GROUPED
 def test_grouped_routing_picks_what_torch_picks(kernels, softmax, n_group, topk_group, biased):
-    routing_cases.check_grouped(kernels, softmax, n_group, topk_group, biased)
+    cpu_cases.check_grouped(kernels, softmax, n_group, topk_group, biased)
 
 
 def test_routing_refuses_what_it_does_not_take_and_leaves_float32_to_torch(kernels):
-    routing_cases.check_refusals(kernels)
+    cpu_cases.check_refusals(kernels)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -357,5 +357,11 @@ def test_argmax_is_torchs_argmax_first_of_ties_and_nans(kernels, dtype, vocab):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", [None, "int8"])
 def test_prefill_attention_is_each_tokens_decode_whatever_the_chunking(kernels, dtype, kind):
-    """Prefill runs each query as a decode over the context up to it (prefill_cases.py)."""
-    prefill_cases.check_prefill_as_decodes(kernels, dtype, kind)
+    """Prefill runs each query as a decode over the context up to it (cpu_cases.py)."""
+    cpu_cases.check_prefill_as_decodes(kernels, dtype, kind)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@cpu_cases.BITMASK
+def test_token_bitmask_matches_llguidance_and_the_torch_path(kernels, dtype, vocab, words):
+    cpu_cases.check_token_bitmask(kernels, dtype, vocab, words)

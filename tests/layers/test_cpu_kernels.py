@@ -15,7 +15,7 @@ from ridge.kv.cache import PagedKV
 from ridge.layers.cpu_kernels import cpu_has_avx512_bf16, load_extension, select_kernels
 from ridge.layers.kernels import Avx2Kernels, CpuKernels, TorchKernels
 
-from . import prefill_cases, routing_cases
+from . import cpu_cases
 
 pytestmark = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU has no AVX-512 BF16")
 
@@ -245,38 +245,24 @@ def test_silu_mul(pair):
     assert _ulps(fast.silu_mul(gate_up), ref.silu_mul(gate_up)) <= 1
 
 
-@routing_cases.GREEDY
+@cpu_cases.GREEDY
 def test_greedy_routing_picks_what_torch_picks(pair, softmax, norm_topk, scaling, k_width):
-    routing_cases.check_greedy(pair[1], softmax, norm_topk, scaling, k_width)
+    cpu_cases.check_greedy(pair[1], softmax, norm_topk, scaling, k_width)
 
 
-@routing_cases.GROUPED
+@cpu_cases.GROUPED
 def test_grouped_routing_picks_what_torch_picks(pair, softmax, n_group, topk_group, biased):
-    routing_cases.check_grouped(pair[1], softmax, n_group, topk_group, biased)
+    cpu_cases.check_grouped(pair[1], softmax, n_group, topk_group, biased)
 
 
 def test_routing_refuses_what_it_does_not_take(pair):
-    routing_cases.check_refusals(pair[1])
+    cpu_cases.check_refusals(pair[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("vocab,words", [(100, 4), (96, 3), (130, 4)])  # 130 > 4 * 32: the tail is disallowed
+@cpu_cases.BITMASK
 def test_token_bitmask_matches_llguidance_and_the_torch_path(pair, dtype, vocab, words):
-    import llguidance.torch
-
-    ref, fast = pair
-    gen = torch.Generator().manual_seed(vocab)
-    mask = torch.randint(-(2**31), 2**31, (5, words), dtype=torch.int32, generator=gen)
-    mask[1] = -1  # every token allowed
-    mask[2] = 0  # none
-    logits = torch.randn(5, vocab, generator=gen).to(dtype)
-    expected = logits.clone()
-    llguidance.torch.apply_token_bitmask_inplace(expected, mask)  # the grammar engine's own reading
-    for kernels in (ref, fast):
-        got = logits.clone()
-        kernels.apply_token_bitmask_(got, mask)
-        assert torch.equal(got, expected), kernels.name
-    assert torch.isinf(expected[2]).all() and torch.equal(expected[1, : 32 * words], logits[1, : 32 * words])
+    cpu_cases.check_token_bitmask(pair[1], dtype, vocab, words)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -502,8 +488,8 @@ def test_head_matmul_is_bmm_per_head(pair, rows, heads, k, n):
 
 @pytest.mark.parametrize("kind", [None, "int8"])
 def test_prefill_attention_is_each_tokens_decode_whatever_the_chunking(pair, kind):
-    """bf16 prefill runs each query as a decode over the context up to it (prefill_cases.py)."""
-    prefill_cases.check_prefill_as_decodes(pair[1], torch.bfloat16, kind)
+    """bf16 prefill runs each query as a decode over the context up to it (cpu_cases.py)."""
+    cpu_cases.check_prefill_as_decodes(pair[1], torch.bfloat16, kind)
 
 
 @pytest.mark.parametrize("k", [64, 2048, 31])

@@ -1247,6 +1247,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one query per sequence over its paged float32 / bfloat16 K/V, no gather");
   m.def("paged_decode_attention_quant", &paged_decode_attention_quant, nogil,
         "paged_decode_attention over an int8 or e4m3 cache and its fp16 group scales, dequantized in registers");
+  m.def("apply_token_bitmask_", &apply_token_bitmask_, nogil,
+        "structured output: the tokens a row's bitmask does not allow get -inf, in place");
   m.def("argmax_rows", &argmax_rows, nogil, "each row's argmax (the first of equal maxima; a row's first NaN)");
   m.def("route_topk", &route_topk, nogil,
         "an MoE's top-k routing: (T, k) expert ids and bf16 weights, greedy or group-limited (Router.forward)");

@@ -28,6 +28,7 @@ torch::Tensor paged_decode_attention_quant(torch::Tensor q, torch::Tensor k_cach
                                            torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_tables,
                                            torch::Tensor context_lens, double scale, bool fp8);
 torch::Tensor argmax_rows(torch::Tensor logits);
+void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask);
 std::vector<torch::Tensor> route_topk(torch::Tensor x, torch::Tensor router, int64_t top_k, bool softmax, bool norm_topk,
                                       double norm_eps, double scaling, int64_t n_group, int64_t topk_group,
                                       c10::optional<torch::Tensor> bias);

@@ -772,3 +772,66 @@ std::vector<torch::Tensor> route_topk(torch::Tensor x, torch::Tensor router, int
   return ridge_route::route_topk_tensors(x, router, top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group,
                                          bias, ridge_avx2::route_topk_into);
 }
+
+// Structured output: the tokens a row's grammar does not allow get -inf, in place (the AVX-512
+// kernels' apply_token_bitmask_, decode_ops.cpp, on 8 lanes). Bit j of word w of a row's mask
+// allows token 32 w + j (llguidance's and xgrammar's layout); tokens past the mask's words are
+// disallowed. Each word's lanes take -inf by a blend of 8 (fp32) or 16 (16-bit) values; a word
+// of all ones is skipped, and the row's last, partial word goes value by value.
+void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask) {
+  TORCH_CHECK(logits.dim() == 2 && bitmask.dim() == 2 && logits.size(0) == bitmask.size(0),
+              "apply_token_bitmask_: logits (rows, V) and bitmask (rows, words)");
+  TORCH_CHECK(bitmask.scalar_type() == at::kInt, "apply_token_bitmask_: the bitmask is int32");
+  TORCH_CHECK(logits.is_contiguous() && bitmask.is_contiguous() && logits.device().is_cpu() && bitmask.device().is_cpu(),
+              "apply_token_bitmask_: contiguous CPU tensors");
+  const auto dtype = logits.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "apply_token_bitmask_: float32, bfloat16 or float16 logits");
+  const int64_t rows = logits.size(0), V = logits.size(1), words = bitmask.size(1);
+  const uint32_t* mp = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const bool f32 = dtype == at::kFloat;
+  const uint16_t ninf16 = dtype == at::kBFloat16 ? 0xFF80 : 0xFC00;  // -inf in bf16, fp16
+  char* lp = static_cast<char*>(logits.data_ptr());
+  const int64_t row_bytes = V * logits.element_size();
+  const __m256i bit32 = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i bit16 = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                          static_cast<short>(0x8000));
+  const __m256 ninf32 = _mm256_set1_ps(-INFINITY);
+  at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      char* row = lp + r * row_bytes;
+      const uint32_t* m = mp + r * words;
+      for (int64_t base = 0, w = 0; base < V; base += 32, ++w) {
+        const uint32_t off = w < words ? ~m[w] : 0xFFFFFFFFu;  // the tokens to disallow
+        if (!off) continue;
+        if (V - base < 32) {  // the row's last word: value by value, nothing past the row
+          for (int64_t j = 0; j < V - base; ++j) {
+            if (!(off >> j & 1u)) continue;
+            if (f32)
+              reinterpret_cast<float*>(row)[base + j] = -INFINITY;
+            else
+              reinterpret_cast<uint16_t*>(row)[base + j] = ninf16;
+          }
+          continue;
+        }
+        if (f32) {
+          float* p = reinterpret_cast<float*>(row) + base;
+          for (int g = 0; g < 4; ++g) {
+            const __m256i bits = _mm256_and_si256(_mm256_set1_epi32(static_cast<int>((off >> (8 * g)) & 0xFFu)), bit32);
+            const __m256 lanes = _mm256_castsi256_ps(_mm256_cmpeq_epi32(bits, bit32));
+            _mm256_storeu_ps(p + 8 * g, _mm256_blendv_ps(_mm256_loadu_ps(p + 8 * g), ninf32, lanes));
+          }
+        } else {
+          uint16_t* p = reinterpret_cast<uint16_t*>(row) + base;
+          for (int g = 0; g < 2; ++g) {
+            const __m256i bits = _mm256_and_si256(_mm256_set1_epi16(static_cast<short>((off >> (16 * g)) & 0xFFFFu)), bit16);
+            const __m256i lanes = _mm256_cmpeq_epi16(bits, bit16);
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * g));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * g),
+                                _mm256_blendv_epi8(v, _mm256_set1_epi16(static_cast<short>(ninf16)), lanes));
+          }
+        }
+      }
+    }
+  });
+}

@@ -1,13 +1,20 @@
-"""The MoE router kernel's cases, for each CPU extension's (``CpuKernels`` in
-test_cpu_kernels.py, ``Avx2Kernels`` in test_avx2_ops.py): the experts topk_route picks, best
-first, their weights within a bf16 rounding of its, a token's choice whatever its batch, and
-the groups a config names checked before anything runs."""
+"""The cases both CPU extensions' kernels run (``CpuKernels`` in test_cpu_kernels.py,
+``Avx2Kernels`` in test_avx2_ops.py), each against torch's path (``TorchKernels``):
+
+- MoE routing: the experts topk_route picks, best first, their weights within a bf16 rounding
+  of its, a token's choice whatever its batch, the groups a config names checked first;
+- prefill attention as each token's decode: within a rounding of scaled_dot_product_attention
+  over the gathered context, a prompt in one chunk and in three the same bytes, each row the
+  decode of that token, slots past the context (NaN here) never read;
+- structured output's token bitmask: what llguidance's own reading of the mask gives."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from ridge.kv.cache import PagedKV, quantize
+from ridge.layers.attention import AttentionMetadata, PrefillChunk
 from ridge.layers.kernels import TorchKernels
 
 # Mixtral / Qwen3-MoE / a sigmoid router renormalized and scaled; widths with a tail that 8 and
@@ -81,3 +88,61 @@ def check_refusals(fast) -> None:
     xf, args = x.float(), (2, True, False, 0.0, 1.0)
     got, want = fast.route_topk(xf, router, *args), TorchKernels().route_topk(xf, router, *args)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def check_prefill_as_decodes(fast, dtype: torch.dtype = torch.bfloat16, kind: str | None = None) -> None:
+    """``kind``: an int8 or fp8 cache (the codes of the same K/V), else one of ``dtype``."""
+    ctx, block_size, heads, kv_heads, dim = 45, 4, 8, 2, 64
+    blocks = -(-ctx // block_size)
+    gen = torch.Generator().manual_seed(7)
+    k, v, q = (torch.randn(ctx, h, dim, generator=gen).to(dtype) for h in (kv_heads, kv_heads, heads))
+    table = torch.randperm(40, generator=torch.Generator().manual_seed(3))[:blocks]
+    slots = (table.repeat_interleave(block_size) * block_size + torch.arange(block_size).repeat(blocks))[:ctx]
+    k_cache, v_cache = (torch.full((40, block_size, kv_heads, dim), float("nan"), dtype=dtype) for _ in range(2))
+    k_cache.view(-1, kv_heads, dim)[slots], v_cache.view(-1, kv_heads, dim)[slots] = k, v
+    cache = PagedKV(k_cache, v_cache)
+    if kind is not None:
+        (k8, ks), (v8, vs) = quantize(k_cache, kind), quantize(v_cache, kind)
+        cache = PagedKV(k8, v8, ks, vs, kind)
+
+    def chunked(ops, cuts):
+        return torch.cat(
+            [
+                ops.prefill_attention(q[s:e], k[s:e], v[s:e], cache, PrefillChunk(s, e, e, table))
+                for s, e in zip(cuts, cuts[1:])
+            ]
+        )
+
+    whole = chunked(fast, [0, ctx])
+    want = chunked(TorchKernels(), [0, ctx]).float()
+    tolerance = 0.01 if dtype is torch.bfloat16 else 1e-5
+    assert (whole.float() - want).abs().max().item() <= tolerance * want.abs().max().item()
+    assert torch.equal(chunked(fast, [0, 7, 30, ctx]), whole)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(3, dtype=torch.long),
+        num_decode_tokens=3,
+        decode_block_tables=table.expand(3, blocks),
+        decode_context_lens=torch.tensor([1, 20, ctx]),
+    )
+    assert torch.equal(fast.decode_attention(q[[0, 19, ctx - 1]], cache, meta), whole[[0, 19, ctx - 1]])
+
+
+# a vocabulary of whole words, one with a partial last word, one past 4 x 32 (the tail disallowed)
+BITMASK = pytest.mark.parametrize("vocab,words", [(100, 4), (96, 3), (130, 4)])
+
+
+def check_token_bitmask(fast, dtype: torch.dtype, vocab: int, words: int) -> None:
+    import llguidance.torch
+
+    gen = torch.Generator().manual_seed(vocab)
+    mask = torch.randint(-(2**31), 2**31, (5, words), dtype=torch.int32, generator=gen)
+    mask[1] = -1  # every token allowed
+    mask[2] = 0  # none
+    logits = torch.randn(5, vocab, generator=gen).to(dtype)
+    expected = logits.clone()
+    llguidance.torch.apply_token_bitmask_inplace(expected, mask)  # the grammar engine's own reading
+    for kernels in (TorchKernels(), fast):
+        got = logits.clone()
+        kernels.apply_token_bitmask_(got, mask)
+        assert torch.equal(got, expected), kernels.name
+    assert torch.isinf(expected[2]).all() and torch.equal(expected[1, : 32 * words], logits[1, : 32 * words])
