@@ -396,7 +396,8 @@ class Avx2Kernels(TorchKernels):
     - An MoE's top-k routing runs ``csrc/avx2_ops.cpp``'s ``route_topk`` (the AVX-512 router
       kernel's arithmetic on 8 lanes); each expert's rows run ``linear`` on its slice.
     - Prefill attention runs each query as a decode of its own through the decode attention
-      kernel (``prefill_attention``), as ``CpuKernels`` does.
+      kernel (``prefill_attention``), as ``CpuKernels`` does; greedy sampling's argmax and
+      structured output's token mask are one call each.
     - Everything else (other dense matmuls, a quantized cache's writes) is torch's."""
 
     name = "avx2"
