@@ -2,8 +2,9 @@
 // or bfloat16: RMSNorm (with the residual add), SiLU-and-multiply, rotate-half RoPE in place,
 // decode attention straight from the paged KV cache, and an MoE's routing and weighted sum.
 // Each is one call where torch's path runs several ops (and attention a gathered copy of the
-// context, two batched matmuls, a mask and a softmax). Measured on a 2-core Zen 3 EPYC, the random TinyLlama-1.1B's Q4_K_M file at batch
-// 1: these ops took ~30 ms of a 91 ms decode step through torch.
+// context, two batched matmuls, a mask and a softmax). Measured on a 2-core Zen 3 EPYC, the
+// random TinyLlama-1.1B's Q4_K_M file at batch 1: these ops took ~30 ms of a 91 ms decode step
+// through torch.
 //
 // Roundings follow torch's path: in bf16 every product and sum torch rounds is rounded here
 // (as decode_ops.cpp does for the AVX-512 kernels), so the two agree up to the order of fp32
