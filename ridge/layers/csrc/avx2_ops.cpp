@@ -24,7 +24,7 @@
 
 #include "avx2_kernels.h"
 #include "avx2_simd.h"
-#include "route_choice.h"
+#include "plan_shared.h"
 
 #include <algorithm>
 #include <cmath>
@@ -645,14 +645,14 @@ namespace ridge_avx2 {
 // Top-k routing of T tokens over E experts, as Router.forward routes (the AVX-512 kernels'
 // route_topk_into, decode_ops.cpp, on 8 lanes): logits x . router_e in fp32 (x widened from
 // bf16; four 8-lane sums over k in steps of 32, then added and summed across lanes), then the
-// choice route_choice.h makes. A token's ids and weights never depend on the other tokens of
+// choice plan_shared.h makes. A token's ids and weights never depend on the other tokens of
 // its batch.
 void route_topk_into(const at::BFloat16* x, int64_t T, int64_t K, const float* router, int64_t E, int64_t top_k,
                      bool softmax, bool norm_topk, double norm_eps, double scaling, int64_t n_group,
                      int64_t topk_group, const float* bias, int64_t* ids, at::BFloat16* weights) {
-  ridge_route::check(E, top_k, n_group, topk_group, bias != nullptr);
+  ridge_shared::check(E, top_k, n_group, topk_group, bias != nullptr);
   at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
-    ridge_route::Chooser chooser(E, top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group, bias);
+    ridge_shared::Chooser chooser(E, top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group, bias);
     for (int64_t t = begin; t < end; ++t) {
       const at::BFloat16* xr = x + t * K;
       for (int64_t e = 0; e < E; ++e) {
@@ -770,7 +770,7 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 std::vector<torch::Tensor> route_topk(torch::Tensor x, torch::Tensor router, int64_t top_k, bool softmax, bool norm_topk,
                                       double norm_eps, double scaling, int64_t n_group, int64_t topk_group,
                                       c10::optional<torch::Tensor> bias) {
-  return ridge_route::route_topk_tensors(x, router, top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group,
+  return ridge_shared::route_topk_tensors(x, router, top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group,
                                          bias, ridge_avx2::route_topk_into);
 }
 

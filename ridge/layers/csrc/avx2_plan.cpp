@@ -29,7 +29,7 @@
 
 #include "avx2_kernels.h"
 #include "kv_write.h"
-#include "route_choice.h"
+#include "plan_shared.h"
 
 namespace {
 
@@ -341,7 +341,7 @@ class Avx2DecodePlan {
     std::vector<int64_t> touched;
     for (int64_t s = 0; s < steps; ++s) {
       if (s)  // run() checked the tensors' kinds and shapes on the pass before
-        ridge_route::next_greedy_pass(h.data_ptr<bf16>(), T, hidden_, embed_.data_ptr<bf16>(), vocab, tp + s - 1, steps,
+        ridge_shared::next_greedy_pass(h.data_ptr<bf16>(), T, hidden_, embed_.data_ptr<bf16>(), vocab, tp + s - 1, steps,
                                       positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
                                       context_lens.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(), width, BS);
       auto ran = run(h, slots, block_tables, context_lens, positions, cos, sin);
@@ -502,14 +502,7 @@ class Avx2DecodePlan {
     ridge_avx2::route_topk_into(x, T, H, m.router.data_ptr<float>(), E, k, m.softmax, m.norm_topk, m.norm_eps,
                                 m.scaling, m.n_group, m.topk_group, m.bias.has_value() ? m.bias->data_ptr<float>() : nullptr,
                                 moe_ids_.data(), moe_weights_.data());
-    moe_counts_.assign(E, 0);
-    for (int64_t j = 0; j < pairs; ++j) ++moe_counts_[moe_ids_[j]];
-    std::vector<int64_t> next(E, 0);
-    int64_t used = 0;
-    for (int64_t e = 0, start = 0; e < E; start += moe_counts_[e], ++e) next[e] = start, used += moe_counts_[e] > 0;
-    moe_order_.resize(pairs), moe_unsort_.resize(pairs);
-    for (int64_t j = 0; j < pairs; ++j) moe_order_[next[moe_ids_[j]]++] = j;  // place -> pair
-    for (int64_t p = 0; p < pairs; ++p) moe_unsort_[moe_order_[p]] = p;     // pair -> place
+    const int64_t used = ridge_shared::sort_by_expert(moe_ids_.data(), pairs, E, moe_counts_, moe_order_, moe_unsort_);
     bf16 *rows = moe_x_.data(), *gu = moe_gu_.data(), *act = moe_act_.data(), *ys = moe_ys_.data();
     for (int64_t p = 0; p < pairs; ++p) std::memcpy(rows + p * H, x + (moe_order_[p] / k) * H, H * sizeof(bf16));
     {

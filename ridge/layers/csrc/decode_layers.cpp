@@ -24,7 +24,7 @@
 
 #include "kernels.h"
 #include "kv_write.h"
-#include "route_choice.h"
+#include "plan_shared.h"
 
 namespace {
 
@@ -368,7 +368,7 @@ class DecodePlan {
     std::vector<int64_t> touched;
     for (int64_t s = 0; s < steps; ++s) {
       if (s)  // run() checked the tensors' kinds and shapes on the pass before
-        ridge_route::next_greedy_pass(h.data_ptr<bf16>(), T, hidden, embed_.data_ptr<bf16>(), vocab, tp + s - 1, steps,
+        ridge_shared::next_greedy_pass(h.data_ptr<bf16>(), T, hidden, embed_.data_ptr<bf16>(), vocab, tp + s - 1, steps,
                                       positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
                                       context_lens.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(), width, BS);
       auto [mm, used] = run(h, slots, block_tables, context_lens, positions, cos, sin);
@@ -782,29 +782,6 @@ class DecodePlan {
     return out;
   }
 
-  // The (token, choice) pairs of ids (T x k, row-major) sorted by expert, stably (a counting
-  // sort: argsort(stable) of the ids), each expert's tokens side by side: counts per expert,
-  // order[j] = the pair at place j, unsort[pair] = its place. Returns the experts used.
-  static int64_t sort_by_expert(const int64_t* idp, int64_t pairs, int64_t E, std::vector<int64_t>& counts,
-                                std::vector<int64_t>& order, std::vector<int64_t>& unsort) {
-    counts.assign(E, 0);
-    order.resize(pairs);
-    unsort.resize(pairs);
-    for (int64_t i = 0; i < pairs; ++i) {
-      TORCH_CHECK(idp[i] >= 0 && idp[i] < E, "decode plan: expert id out of range");
-      ++counts[idp[i]];
-    }
-    std::vector<int64_t> next(E, 0);
-    int64_t used = 0;
-    for (int64_t e = 0, start = 0; e < E; start += counts[e], ++e) {
-      next[e] = start;
-      used += counts[e] > 0;
-    }
-    for (int64_t i = 0; i < pairs; ++i) order[next[idp[i]]++] = i;
-    for (int64_t j = 0; j < pairs; ++j) unsort[order[j]] = j;
-    return used;
-  }
-
   // SparseMoE.forward on raw rows: x (T, H) -> out (T, H). Routing by route_topk_into (greedy or
   // group-limited, as CpuKernels.route_topk), the rest into the plan's buffers (ensure_rows for T
   // rows), the same kernels and roundings as the Python forward, in its order
@@ -819,7 +796,7 @@ class DecodePlan {
                     m.topk_group, m.bias.has_value() ? m.bias->data_ptr<float>() : nullptr, moe_ids_.data(),
                     moe_weights_.data());
     const bf16* weights = moe_weights_.data();
-    used = sort_by_expert(moe_ids_.data(), pairs, E, moe_counts_, moe_order_, moe_unsort_);
+    used = ridge_shared::sort_by_expert(moe_ids_.data(), pairs, E, moe_counts_, moe_order_, moe_unsort_);
     bf16 *rows = ws_moe_x_.data_ptr<bf16>(), *gu = ws_moe_gu_.data_ptr<bf16>();
     bf16 *act = ws_moe_act_.data_ptr<bf16>(), *ys = ws_moe_ys_.data_ptr<bf16>();
     for (int64_t j = 0; j < pairs; ++j) std::memcpy(rows + j * H, x + (moe_order_[j] / k) * H, H * sizeof(bf16));

@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "paged_rows.h"
-#include "route_choice.h"
+#include "plan_shared.h"
 #include "simd_math.h"
 
 namespace {
@@ -277,16 +277,16 @@ torch::Tensor silu_mul_bf16(torch::Tensor gate_up) {
 
 // Top-k routing of T tokens over E experts, as Router.forward routes: logits x . router_e in
 // fp32 (x widened from bf16; four 16-lane sums over k in steps of 64, then added and summed
-// across lanes), then the choice that route_choice.h makes (softmax or sigmoid, groups, the
+// across lanes), then the choice that plan_shared.h makes (softmax or sigmoid, groups, the
 // top_k best first, their weights). A token's ids and weights never depend on the other tokens
 // of its batch; tokens are shared out over the threads (a prompt's:
 // 512 tokens x 32 experts x 2048 is 34M multiply-adds a layer).
 void route_topk_into(const bf16* x, int64_t T, int64_t K, const float* router, int64_t E, int64_t top_k, bool softmax,
                      bool norm_topk, double norm_eps, double scaling, int64_t n_group, int64_t topk_group,
                      const float* bias, int64_t* ids, bf16* weights) {
-  ridge_route::check(E, top_k, n_group, topk_group, bias != nullptr);
+  ridge_shared::check(E, top_k, n_group, topk_group, bias != nullptr);
   at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
-    ridge_route::Chooser chooser(E, top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group, bias);
+    ridge_shared::Chooser chooser(E, top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group, bias);
     for (int64_t t = begin; t < end; ++t) {
       const bf16* xr = x + t * K;
       for (int64_t e = 0; e < E; ++e) {
@@ -309,7 +309,7 @@ void route_topk_into(const bf16* x, int64_t T, int64_t K, const float* router, i
 std::vector<torch::Tensor> route_topk(torch::Tensor x, torch::Tensor router, int64_t top_k, bool softmax, bool norm_topk,
                                       double norm_eps, double scaling, int64_t n_group, int64_t topk_group,
                                       c10::optional<torch::Tensor> bias) {
-  return ridge_route::route_topk_tensors(x, router, top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group,
+  return ridge_shared::route_topk_tensors(x, router, top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group,
                                          bias, route_topk_into);
 }
 

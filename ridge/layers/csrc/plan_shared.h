@@ -1,7 +1,8 @@
-// What an MoE router does once a token's logits are in, and a greedy run's next pass: one
-// scalar definition that both CPU extensions compile (decode_ops.cpp and decode_layers.cpp for
-// AVX-512, avx2_ops.cpp and avx2_plan.cpp for AVX2), so their routers and their plans' greedy
-// runs agree by construction; each computes the logits and runs the layers with its own SIMD.
+// What both CPU extensions' routers and decode plans do alike, in one scalar definition each
+// compiles (decode_ops.cpp and decode_layers.cpp for AVX-512, avx2_ops.cpp and avx2_plan.cpp for
+// AVX2): an MoE router's choice once a token's logits are in, the (token, choice) pairs sorted
+// by expert, and a greedy run's next pass. Each computes the logits and runs the layers with its
+// own SIMD.
 #pragma once
 #include <torch/extension.h>
 
@@ -11,7 +12,7 @@
 #include <cstring>
 #include <vector>
 
-namespace ridge_route {
+namespace ridge_shared {
 
 // The arguments Router.route_args gives, checked once before any token is routed
 inline void check(int64_t E, int64_t top_k, int64_t n_group, int64_t topk_group, bool biased) {
@@ -129,6 +130,29 @@ std::vector<torch::Tensor> route_topk_tensors(const torch::Tensor& x, const torc
   return {ids, weights};
 }
 
+// The (token, choice) pairs of ids (T x k, row-major) sorted by expert, stably (a counting
+// sort: argsort(stable) of the ids), each expert's tokens side by side: counts per expert,
+// order[j] = the pair at place j, unsort[pair] = its place. Returns the experts used.
+inline int64_t sort_by_expert(const int64_t* idp, int64_t pairs, int64_t E, std::vector<int64_t>& counts,
+                              std::vector<int64_t>& order, std::vector<int64_t>& unsort) {
+  counts.assign(E, 0);
+  order.resize(pairs);
+  unsort.resize(pairs);
+  for (int64_t i = 0; i < pairs; ++i) {
+    TORCH_CHECK(idp[i] >= 0 && idp[i] < E, "decode plan: expert id out of range");
+    ++counts[idp[i]];
+  }
+  std::vector<int64_t> next(E, 0);
+  int64_t used = 0;
+  for (int64_t e = 0, start = 0; e < E; start += counts[e], ++e) {
+    next[e] = start;
+    used += counts[e] > 0;
+  }
+  for (int64_t i = 0; i < pairs; ++i) order[next[idp[i]]++] = i;
+  for (int64_t j = 0; j < pairs; ++j) unsort[order[j]] = j;
+  return used;
+}
+
 // A greedy run's next pass (DecodePlan.run_greedy): each row's last token's embedding into h,
 // one position on, its slot from the row's block table, one more token to attend. tokens: the
 // row's token of the pass before, at tokens[t * stride].
@@ -145,4 +169,4 @@ inline void next_greedy_pass(at::BFloat16* h, int64_t T, int64_t hidden, const a
   }
 }
 
-}  // namespace ridge_route
+}  // namespace ridge_shared
