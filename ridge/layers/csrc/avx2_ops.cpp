@@ -24,6 +24,7 @@
 
 #include "avx2_kernels.h"
 #include "avx2_simd.h"
+#include "paged_rows.h"
 #include "plan_shared.h"
 
 #include <algorithm>
@@ -337,12 +338,18 @@ void rope_write_kv_(torch::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, 
 
 namespace {
 
-// A KV head's rows of the context, 8 values at a time: row(t) then load(row, d)
+// A KV head's rows of the context, 8 values at a time: row(t) then load(row, d); fetch(t0, t1,
+// D) asks for rows [t0, t1) into L1 (all of each row's lines)
 template <typename T>
 struct PlainRows {  // a cache in T
   std::vector<const T*> rows;
   void resize(int64_t L) { rows.resize(L); }
   const T* row(int64_t t) const { return rows[t]; }
+  void fetch(int64_t t0, int64_t t1, int64_t D) const {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t c = 0; c < D * static_cast<int64_t>(sizeof(T)); c += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(rows[t]) + c, _MM_HINT_T0);
+  }
   static __m256 load(const T* r, int64_t d) { return load8(r + d); }
 };
 
@@ -359,6 +366,10 @@ struct CodeRows {
   int64_t G = 1, shift = 63;  // dim d's group: d >> shift (groups of 32, or one)
   void resize(int64_t L) { rows.resize(L), scales.resize(L * G); }
   Row row(int64_t t) const { return rows[t]; }
+  void fetch(int64_t t0, int64_t t1, int64_t D) const {  // the codes (the scales are read at set)
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t c = 0; c < D; c += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[t].codes) + c, _MM_HINT_T0);
+  }
   // row t's codes and its G fp16 scales
   void set(int64_t t, const uint8_t* codes, const at::Half* sc) {
     float* f = scales.data() + t * G;
@@ -390,12 +401,15 @@ inline __m256 sums8(const __m256 a[8]) {
 // Query heads [0, G) of a KV head (qf: their float32 rows, D apart) against its K rows [0, L),
 // 8 rows at a time: the rows' values made once into kb (8 D floats; rows past L zero), then
 // each head's 8 dots as 8 fmadd chains over D, summed across lanes together, rounded to T and
-// times scale, into s[j L + t].
+// times scale, into s[j L + t]. Rows KV_PREFETCH_TOKENS ahead are fetched as it goes (see
+// weigh_values).
 template <typename T, class Rows>
 void score_heads(const float* qf, int64_t G, const Rows& kr, int64_t L, int64_t D, float scale, float* s, float* kb) {
   const __m256 scale8 = _mm256_set1_ps(scale);
+  kr.fetch(0, std::min(L, KV_PREFETCH_TOKENS), D);
   for (int64_t t0 = 0; t0 < L; t0 += 8) {
     const int64_t n = std::min<int64_t>(8, L - t0);
+    kr.fetch(std::min(L, t0 + KV_PREFETCH_TOKENS), std::min(L, t0 + KV_PREFETCH_TOKENS + 8), D);
     for (int64_t i = 0; i < 8; ++i) {
       if (i < n) {
         const auto row = kr.row(t0 + i);
@@ -429,12 +443,20 @@ constexpr int64_t VALUE_ROWS = 32;
 // Query heads [0, N) of a KV head: probabilities p[j L + t] times the V rows [0, L), into acc
 // (N D float32, j's at j D), each head's 8 dims an fmadd chain over t in order. The rows go a
 // run of VALUE_ROWS at a time, its D / 8 chunks in turn (each chain carried over in acc); the N
-// chains share each load of a V row.
+// chains share each load of a V row. Each run fetches the rows KV_PREFETCH_TOKENS ahead of it
+// (paged_rows.h: a KV head's rows lie a pool row apart within a block and blocks anywhere, so
+// the hardware prefetcher hardly helps). Measured on 2 Zen 3 cores (2026-12-02), TinyLlama's
+// heads, 22 layers' caches in turn, with and without the fetches (here and in score_heads)
+// alternated in one process: one sequence of 4,096 tokens 1.54x (bf16) and 1.53x (int8), of
+// 256 tokens 1.50x and 1.35x; 16 of 1,024 tokens (4 layers) 1.33x and 1.26x. (Fetching 32
+// tokens ahead gave the same.)
 template <int N, class Rows>
 void weigh_values(const float* p, const Rows& vr, int64_t L, int64_t D, float* acc) {
   for (int64_t i = 0; i < N * D; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
+  vr.fetch(0, std::min(L, KV_PREFETCH_TOKENS), D);
   for (int64_t t0 = 0; t0 < L; t0 += VALUE_ROWS) {
     const int64_t t1 = std::min(L, t0 + VALUE_ROWS);
+    vr.fetch(std::min(L, t0 + KV_PREFETCH_TOKENS), std::min(L, t1 + KV_PREFETCH_TOKENS), D);
     for (int64_t d = 0; d < D; d += 8) {
       __m256 o[N];
       for (int j = 0; j < N; ++j) o[j] = _mm256_loadu_ps(acc + j * D + d);
