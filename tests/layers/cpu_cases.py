@@ -115,7 +115,8 @@ def check_prefill_as_decodes(fast, dtype: torch.dtype = torch.bfloat16, kind: st
 
     whole = chunked(fast, [0, ctx])
     want = chunked(TorchKernels(), [0, ctx]).float()
-    tolerance = 0.01 if dtype is torch.bfloat16 else 1e-5
+    # an int8 cache: the kernels quantize the query to int8 per group too (outputs within 1%)
+    tolerance = 0.01 if dtype is torch.bfloat16 or kind == "int8" else 1e-5
     assert (whole.float() - want).abs().max().item() <= tolerance * want.abs().max().item()
     assert torch.equal(chunked(fast, [0, 7, 30, ctx]), whole)
     meta = AttentionMetadata(

@@ -207,15 +207,15 @@ def _quantized(cache, kind):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("kind", ["fp8"])
 # groups of 32 dims, one group a head (40), 8 query heads and then 2
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (4, 4, 40), (20, 2, 128)])
 def test_decode_attention_reads_a_quantized_cache_as_its_dequantized_values(
     kernels, dtype, kind, heads, kv_heads, head_dim
 ):
-    """Each K and V value made in registers is dequantize's (codes times scale in float32,
-    rounded to q's dtype): the kernel over the codes equals the kernel over the dequantized
-    cache, bit for bit, and torch's path over the codes to float rounding. An e4m3 cache's
+    """Each K and V value of an e4m3 cache made in registers is dequantize's (codes times
+    scale in float32, rounded to q's dtype): the kernel over the codes equals the kernel over
+    the dequantized cache, bit for bit, and torch's path over the codes to float rounding. Its
     subnormal codes (small values of a group) decode exactly too."""
     q, cache, tables, lens = _attention_case(dtype, head_dim, heads, kv_heads)
     cache.k[5, :4] *= 1e-3  # a few values far under their group's amax: e4m3 subnormals
@@ -230,6 +230,67 @@ def test_decode_attention_reads_a_quantized_cache_as_its_dequantized_values(
     want = TorchKernels().decode_attention(q, qcache, _meta(tables, lens))
     tol = 2e-2 if dtype is torch.bfloat16 else 1e-5
     assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def _int8_in_groups(x, groups):
+    """kv/cache.py's int8 quantization with any number of groups a head (it makes 1 or D / 32):
+    codes and fp16 scales (amax / 127)."""
+    xf = x.float().unflatten(-1, (groups, -1))
+    scale = (xf.abs().amax(-1) / 127).half()
+    codes = (xf / scale.float().unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+    return codes.flatten(-2), scale
+
+
+def _int8_query_attention(q, qcache, tables, lens, scale):
+    """The AVX-512 kernel's int8 attention in float64 (decode_attention_quant.cpp): each group
+    of the query quantized to int8 (scale amax / 127, rounded half to even, in float32), its
+    integer dots with K's codes times both scales, softmax, then V's codes times their scales."""
+    bs, groups = qcache.k.shape[1], qcache.k_scale.shape[-1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    heads, head_dim = q.shape[1:]
+    per_kv = heads // qcache.k.shape[2]
+    for b, length in enumerate(lens.tolist()):
+        slots = torch.tensor([tables[b, t // bs].item() * bs + t % bs for t in range(length)])
+        flat = (-1,) + qcache.k.shape[2:]
+        k, v = qcache.k.reshape(flat)[slots].double(), qcache.v.reshape(flat)[slots].double()
+        sflat = (-1,) + qcache.k_scale.shape[2:]
+        ks, vs = qcache.k_scale.reshape(sflat)[slots].double(), qcache.v_scale.reshape(sflat)[slots].double()
+        for h in range(heads):
+            kv = h // per_kv
+            x = q[b, h].float().view(groups, -1)
+            amax = x.abs().amax(-1, keepdim=True)
+            inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+            codes = (x * inv).round()
+            qscale = (amax / 127.0 * scale).double()  # float32 ops, as the kernel's
+            dots = (codes.double().view(1, groups, -1) * k[:, kv].view(length, groups, -1)).sum(-1)
+            scores = (dots * ks[:, kv] * qscale.view(1, groups)).sum(-1)
+            p = torch.softmax(scores, 0)
+            values = (v[:, kv].view(length, groups, -1) * vs[:, kv].view(length, groups, 1)).view(length, head_dim)
+            out[b, h] = p @ values
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+# groups of 32 dims, one group a head (40: padded to 64 for the transpose), groups of 8 dims
+# (an 8-dim group is 2 quads), 8 query heads and then 2
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,groups", [(8, 2, 64, 2), (4, 4, 40, 1), (20, 2, 128, 4), (8, 2, 48, 6)]
+)
+def test_int8_cache_attention_is_the_avx512_kernels_formula(kernels, dtype, heads, kv_heads, head_dim, groups):
+    """Over an int8 cache the query is quantized to int8 per group of the cache's scales too, as
+    the AVX-512 kernel does (integer dot products, exact), and V is its codes times the scales
+    in float32: within float rounding of that formula in float64. The query's quantization is
+    seen: torch's float path is farther off than the tolerance (float32)."""
+    q, cache, tables, lens = _attention_case(dtype, head_dim, heads, kv_heads)
+    (k8, ks), (v8, vs) = _int8_in_groups(cache.k, groups), _int8_in_groups(cache.v, groups)
+    qcache = PagedKV(k8, v8, ks, vs, "int8")
+    got = kernels.decode_attention(q, qcache, _meta(tables, lens), scale=0.2)
+    want = _int8_query_attention(q, qcache, tables, lens, 0.2)
+    tol = 1e-2 if dtype is torch.bfloat16 else 2e-6
+    assert got.dtype == dtype and (got.double() - want).abs().max().item() <= tol * want.abs().max().item()
+    if dtype is torch.float32:
+        float_query = TorchKernels().decode_attention(q, qcache, _meta(tables, lens), scale=0.2)
+        assert (float_query.double() - want).abs().max().item() > 10 * tol * want.abs().max().item()
 
 
 def test_a_quantized_cache_the_kernel_does_not_read_runs_torchs_path(kernels):

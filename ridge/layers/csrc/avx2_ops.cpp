@@ -17,13 +17,19 @@
 // share each K/V row read. Scores go 8 K rows at a time (their values made once, each head's 8
 // dots summed across lanes together) and V a run of 32 rows at a time (its lines stay in L1
 // across the head's D / 8 chunks): 1.04-1.2x (bf16) and 1.17-1.3x (int8) the kernel's speed
-// row by row at 4,096 tokens, 32 heads on 4, head 64, Zen 3 (2026-11-29, 3 rounds).
+// row by row at 4,096 tokens, 32 heads on 4, head 64, Zen 3 (2026-11-29, 3 rounds). An int8
+// cache's scores are integer dot products against an int8 query (score_heads_int8: the
+// AVX-512 kernel's formula, not torch's path), and its V scales are folded into the
+// probabilities: 1.17-1.34x the float path over the same codes (2 Zen 3 cores, 2026-12-02,
+// 512-4,096 tokens at batch 1 and 16, alternated in one process), 1.18-1.31x bf16 attention
+// where the context comes from memory.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
 #include "avx2_kernels.h"
 #include "avx2_simd.h"
+#include "kv_query.h"
 #include "paged_rows.h"
 #include "plan_shared.h"
 
@@ -342,6 +348,8 @@ namespace {
 // D) asks for rows [t0, t1) into L1 (all of each row's lines)
 template <typename T>
 struct PlainRows {  // a cache in T
+  static constexpr bool INT8_QUERY = false;
+  static constexpr int64_t G = 1;  // no scales
   std::vector<const T*> rows;
   void resize(int64_t L) { rows.resize(L); }
   const T* row(int64_t t) const { return rows[t]; }
@@ -353,10 +361,13 @@ struct PlainRows {  // a cache in T
   static __m256 load(const T* r, int64_t d) { return load8(r + d); }
 };
 
-// A cache of codes, int8 or e4m3, under one fp16 scale per group of dims: kv/cache.py's
-// dequantize (codes times the scale in float32, rounded to T), 8 values at a time
+// A cache of codes, int8 or e4m3, under one fp16 scale per group of dims, 8 values at a time:
+// an e4m3 cache's values are kv/cache.py's dequantize (codes times the scale in float32,
+// rounded to T); an int8 cache's the codes times the scale in float32 (the AVX-512 kernel's V),
+// and its scores come from score_heads_int8.
 template <typename T, bool FP8>
 struct CodeRows {
+  static constexpr bool INT8_QUERY = !FP8;
   struct Row {
     const uint8_t* codes;
     const float* scales;  // the row's group scales in float32 (an e4m3 row's times 256)
@@ -373,7 +384,14 @@ struct CodeRows {
   // row t's codes and its G fp16 scales
   void set(int64_t t, const uint8_t* codes, const at::Half* sc) {
     float* f = scales.data() + t * G;
-    for (int64_t g = 0; g < G; ++g) f[g] = static_cast<float>(sc[g]) * (FP8 ? 256.f : 1.f);
+    if (G == 2) {  // one conversion for the row's two (TinyLlama's heads of 64: a scalar each was 6% of int8 attention)
+      uint32_t w;
+      std::memcpy(&w, sc, 4);
+      const __m128 x = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(w))), _mm_set1_ps(FP8 ? 256.f : 1.f));
+      _mm_storel_pi(reinterpret_cast<__m64*>(f), x);
+    } else {
+      for (int64_t g = 0; g < G; ++g) f[g] = static_cast<float>(sc[g]) * (FP8 ? 256.f : 1.f);
+    }
     rows[t] = {codes, f};
   }
   __m256 load(const Row& r, int64_t d) const {
@@ -387,8 +405,13 @@ struct CodeRows {
     } else {
       v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
     }
-    return round_as<T>(_mm256_mul_ps(v, _mm256_set1_ps(r.scales[d >> shift])));
+    const __m256 x = _mm256_mul_ps(v, _mm256_set1_ps(r.scales[d >> shift]));
+    if constexpr (FP8)
+      return round_as<T>(x);
+    else
+      return x;
   }
+  float scale(int64_t t, int64_t g) const { return scales[t * G + g]; }
 };
 
 // The 8 vectors' sums across lanes, as one vector (lane i: a[i]'s sum)
@@ -437,10 +460,111 @@ void score_heads(const float* qf, int64_t G, const Rows& kr, int64_t L, int64_t 
   }
 }
 
+// 8 dwords' 8 x 8 transpose: c[j] lane i = r[i] lane j
+inline void transpose8(const __m256i r[8], __m256i c[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    c[j] = _mm256_permute2x128_si256(u[j], u[j + 4], 0x20);
+    c[j + 4] = _mm256_permute2x128_si256(u[j], u[j + 4], 0x31);
+  }
+}
+
+// Scores over an int8 K with the query in int8 too, the AVX-512 kernel's formula
+// (decode_attention_quant.cpp, kv_codes.h's quantize_query): each group of GS query values
+// quantized to int8 (scale amax / 127), so that a token's score is
+//
+//   q.k_t = sum_groups (sq_g sk_t,g) sum_d q_d k_t,d      (integer sums: exact)
+//
+// 8 tokens at a time, their codes transposed (col[p] lane i: token i's dims 4p .. 4p + 3), so
+// each query quad multiplies 8 tokens at once with no sums across lanes: vpmaddubsw takes the
+// query's |codes| (unsigned) and K's codes with the query's signs (vpsignb), then vpmaddwd
+// adds the pairs into int32. No saturation: a pair is at most 2 x 127 x 127, as the cache's
+// codes lie in [-127, 127] (kv/cache.py, kv_write.h). Scores per (head, token) into s[j L + t],
+// the attention scale folded into the query's group scales.
+// One head's score of 8 tokens over the group of quads [p0, p1) (an even count): two chains
+template <int QG>
+inline __m256i int8_group_dots(const __m256i* col, const int32_t* qsgn, const int32_t* qabs, int64_t p0, int64_t p1) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+  const auto dot = [&](int64_t p) {
+    return _mm256_madd_epi16(
+        _mm256_maddubs_epi16(_mm256_set1_epi32(qabs[p]), _mm256_sign_epi8(col[p], _mm256_set1_epi32(qsgn[p]))), ones);
+  };
+  if constexpr (QG > 0) {
+#pragma GCC unroll 8
+    for (int64_t i = 0; i < QG; i += 2) a0 = _mm256_add_epi32(a0, dot(p0 + i)), a1 = _mm256_add_epi32(a1, dot(p0 + i + 1));
+  } else {
+    for (int64_t p = p0; p < p1; p += 2) a0 = _mm256_add_epi32(a0, dot(p)), a1 = _mm256_add_epi32(a1, dot(p + 1));
+  }
+  return _mm256_add_epi32(a0, a1);
+}
+
+template <typename T, int QG>
+void score_heads_int8(const float* qf, int64_t G, const CodeRows<T, false>& kr, int64_t L, int64_t D, float scale,
+                      float* s) {
+  const int64_t NGR = kr.G, GS = D / NGR, Q = D / 4, DP = (D + 31) / 32 * 32;
+  std::vector<int8_t> qq(G * D);
+  std::vector<int32_t> qsum(G * NGR), qabs(G * Q), qsgn(G * Q);
+  std::vector<float> qscale(G * NGR), ks(8 * NGR);
+  for (int64_t j = 0; j < G; ++j)
+    quantize_query(qf + j * D, D, GS, scale, &qq[j * D], &qsum[j * NGR], &qscale[j * NGR]);
+  for (int64_t i = 0; i < G * Q; ++i) {
+    uint8_t a[4];
+    for (int b = 0; b < 4; ++b) a[b] = static_cast<uint8_t>(std::abs(qq[4 * i + b]));
+    std::memcpy(&qsgn[i], &qq[4 * i], 4), std::memcpy(&qabs[i], a, 4);
+  }
+  std::vector<__m256i> col(DP / 4);
+  const bool padded = D % 32 != 0;
+  std::vector<uint8_t> pad(padded ? 8 * DP : 0);  // rows whose D is not a multiple of 32, zero-padded
+  kr.fetch(0, std::min(L, KV_PREFETCH_TOKENS), D);
+  for (int64_t t0 = 0; t0 < L; t0 += 8) {
+    const int64_t n = std::min<int64_t>(8, L - t0);
+    kr.fetch(std::min(L, t0 + KV_PREFETCH_TOKENS), std::min(L, t0 + KV_PREFETCH_TOKENS + 8), D);
+    const uint8_t* src[8];
+    for (int64_t i = 0; i < 8; ++i) {
+      const int64_t t = t0 + std::min(i, n - 1);  // tail lanes repeat a token (not stored)
+      const uint8_t* codes = kr.row(t).codes;
+      if (padded) std::memcpy(&pad[i * DP], codes, D), codes = &pad[i * DP];
+      src[i] = codes;
+      for (int64_t gi = 0; gi < NGR; ++gi) ks[gi * 8 + i] = kr.scale(t, gi);
+    }
+    for (int64_t c = 0; c < DP; c += 32) {
+      __m256i r[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[i] + c));
+      transpose8(r, &col[c / 4]);
+    }
+    for (int64_t j = 0; j < G; ++j) {
+      __m256 sacc = _mm256_setzero_ps();
+      for (int64_t gi = 0; gi < NGR; ++gi) {
+        const __m256i acc = int8_group_dots<QG>(col.data(), &qsgn[j * Q], &qabs[j * Q], gi * (GS / 4), (gi + 1) * (GS / 4));
+        sacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc),
+                               _mm256_mul_ps(_mm256_loadu_ps(&ks[gi * 8]), _mm256_set1_ps(qscale[j * NGR + gi])), sacc);
+      }
+      if (n == 8) {
+        _mm256_storeu_ps(s + j * L + t0, sacc);
+      } else {
+        alignas(32) float tail[8];
+        _mm256_store_ps(tail, sacc);
+        std::memcpy(s + j * L + t0, tail, n * sizeof(float));
+      }
+    }
+  }
+}
+
 // Rows of V a pass of weigh_values takes: their lines stay in L1 across its D / 8 chunks
 constexpr int64_t VALUE_ROWS = 32;
 
-// Query heads [0, N) of a KV head: probabilities p[j L + t] times the V rows [0, L), into acc
+// Query heads [0, N) of a KV head: probabilities p[t N + j] times the V rows [0, L), into acc
 // (N D float32, j's at j D), each head's 8 dims an fmadd chain over t in order. The rows go a
 // run of VALUE_ROWS at a time, its D / 8 chunks in turn (each chain carried over in acc); the N
 // chains share each load of a V row. Each run fetches the rows KV_PREFETCH_TOKENS ahead of it
@@ -462,7 +586,34 @@ void weigh_values(const float* p, const Rows& vr, int64_t L, int64_t D, float* a
       for (int j = 0; j < N; ++j) o[j] = _mm256_loadu_ps(acc + j * D + d);
       for (int64_t t = t0; t < t1; ++t) {
         const __m256 v = vr.load(vr.row(t), d);
-        for (int j = 0; j < N; ++j) o[j] = _mm256_fmadd_ps(_mm256_set1_ps(p[j * L + t]), v, o[j]);
+        for (int j = 0; j < N; ++j) o[j] = _mm256_fmadd_ps(_mm256_set1_ps(p[t * N + j]), v, o[j]);
+      }
+      for (int j = 0; j < N; ++j) _mm256_storeu_ps(acc + j * D + d, o[j]);
+    }
+  }
+}
+
+// weigh_values over an int8 V with each token's V scales folded into the probabilities:
+// ps[(t NGR + g) N + j] = p_j,t times token t's scale of group g (GS dims), so a row's codes
+// go to float and straight into the heads' chains (sum_t (p s) c: the AVX-512 kernel's
+// sum_t p (c s) to a rounding).
+template <int N, class Rows>
+void weigh_values_int8(const float* ps, const Rows& vr, int64_t L, int64_t D, int64_t GS, float* acc) {
+  const int64_t NGR = D / GS;
+  for (int64_t i = 0; i < N * D; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
+  vr.fetch(0, std::min(L, KV_PREFETCH_TOKENS), D);
+  for (int64_t t0 = 0; t0 < L; t0 += VALUE_ROWS) {
+    const int64_t t1 = std::min(L, t0 + VALUE_ROWS);
+    vr.fetch(std::min(L, t0 + KV_PREFETCH_TOKENS), std::min(L, t1 + KV_PREFETCH_TOKENS), D);
+    for (int64_t d = 0; d < D; d += 8) {
+      const float* pg = ps + (d / GS) * N;
+      __m256 o[N];
+      for (int j = 0; j < N; ++j) o[j] = _mm256_loadu_ps(acc + j * D + d);
+      for (int64_t t = t0; t < t1; ++t) {
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(vr.rows[t].codes + d));
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+        const float* pt = pg + t * NGR * N;
+        for (int j = 0; j < N; ++j) o[j] = _mm256_fmadd_ps(_mm256_set1_ps(pt[j]), v, o[j]);
       }
       for (int j = 0; j < N; ++j) _mm256_storeu_ps(acc + j * D + d, o[j]);
     }
@@ -580,7 +731,7 @@ void attend(const T* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, int
             float scale, T* op, const Rows& proto, Fill&& fill) {
   const int64_t G = Hq / Hkv;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), scores, kb(8 * D), acc(8 * D);
+    std::vector<float> qf(G * D), scores, kb(8 * D), acc(8 * D), pt;
     Rows kr = proto, vr = proto;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / Hkv, h = job % Hkv, L = lp[b];
@@ -588,13 +739,49 @@ void attend(const T* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, int
       for (int64_t i = 0; i < G * D; i += 8) _mm256_storeu_ps(qf.data() + i, load8(qb + i));
       kr.resize(L), vr.resize(L), scores.resize(G * L);
       fill(kr, vr, b, h, L);
-      score_heads<T>(qf.data(), G, kr, L, D, scale, scores.data(), kb.data());
-      for (int64_t g = 0; g < G; ++g) softmax_row<T>(scores.data() + g * L, L);
+      if constexpr (Rows::INT8_QUERY) {  // the AVX-512 kernel's formula: fp32 probabilities
+        if (D / kr.G == 32)  // groups of 32 (every head of a multiple of 32 dims): 8 quads unrolled
+          score_heads_int8<T, 8>(qf.data(), G, kr, L, D, scale, scores.data());
+        else
+          score_heads_int8<T, 0>(qf.data(), G, kr, L, D, scale, scores.data());
+        for (int64_t g = 0; g < G; ++g) softmax_row<float>(scores.data() + g * L, L);
+      } else {
+        score_heads<T>(qf.data(), G, kr, L, D, scale, scores.data(), kb.data());
+        for (int64_t g = 0; g < G; ++g) softmax_row<T>(scores.data() + g * L, L);
+      }
       T* ob = op + (b * Hq + h * G) * D;
       for (int64_t g0 = 0; g0 < G; g0 += 8)
         with_heads(std::min<int64_t>(8, G - g0), [&](auto n) {
           constexpr int N = decltype(n)::value;
-          weigh_values<N>(scores.data() + g0 * L, vr, L, D, acc.data());
+          // the probabilities token-major (a token's N in one line, not N lines L floats apart)
+          const int64_t NGR = Rows::INT8_QUERY ? vr.G : 1;  // int8: V's group scales folded in
+          pt.resize(L * NGR * N);
+          const auto put = [&](int64_t t, const __m256 p) {  // token t's N probabilities, 8 lanes
+            for (int64_t g = 0; g < NGR; ++g) {
+              __m256 heads = p;
+              alignas(32) float row[8];
+              if constexpr (Rows::INT8_QUERY) heads = _mm256_mul_ps(heads, _mm256_set1_ps(vr.scale(t, g)));
+              _mm256_store_ps(row, heads);
+              std::memcpy(&pt[(t * NGR + g) * N], row, N * sizeof(float));
+            }
+          };
+          int64_t t = 0;
+          if constexpr (N == 8)  // 8 x 8 blocks transposed in registers
+            for (; t + 8 <= L; t += 8) {
+              __m256i r[8], c[8];
+              for (int j = 0; j < 8; ++j) r[j] = _mm256_castps_si256(_mm256_loadu_ps(&scores[(g0 + j) * L + t]));
+              transpose8(r, c);
+              for (int i = 0; i < 8; ++i) put(t + i, _mm256_castsi256_ps(c[i]));
+            }
+          for (; t < L; ++t) {
+            alignas(32) float heads[8] = {};
+            for (int j = 0; j < N; ++j) heads[j] = scores[(g0 + j) * L + t];
+            put(t, _mm256_load_ps(heads));
+          }
+          if constexpr (Rows::INT8_QUERY)
+            weigh_values_int8<N>(pt.data(), vr, L, D, D / NGR, acc.data());
+          else
+            weigh_values<N>(pt.data(), vr, L, D, acc.data());
           for (int64_t i = 0; i < N * D; i += 8) store8(ob + g0 * D + i, _mm256_loadu_ps(acc.data() + i));
         });
     }

@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kv_query.h"
+
 // 16 fp8 e4m3 codes -> 16 fp32 values / 256: e4m3's bits placed in an fp16 (sign to bit 15,
 // exponent and mantissa to bits 7-13) read as the same number divided by 2^8, subnormals too.
 inline __m512 fp8x16(const uint8_t* p) {
@@ -26,24 +28,3 @@ inline __m512 int8x16(const uint8_t* p) {
 }
 
 inline float half_to_float(const at::Half* p) { return _cvtsh_ss(*reinterpret_cast<const uint16_t*>(p)); }
-
-// The query of one head to int8 per group of GS dims (scale s = amax / 127 of the group), as
-// llama.cpp quantizes Q to q8_0 against a q8_0 cache. qsum holds -128 times each group's code
-// sum (the start of its dot products against K's codes + 128); qf the group's s times the
-// attention scale.
-inline void quantize_query(const float* q, int64_t D, int64_t GS, float scale, int8_t* codes, int32_t* qsum, float* qf) {
-  for (int64_t gi = 0; gi < D / GS; ++gi) {
-    const float* x = q + gi * GS;
-    float amax = 0.f;
-    for (int64_t d = 0; d < GS; ++d) amax = std::max(amax, std::fabs(x[d]));
-    const float inv = amax > 0 ? 127.f / amax : 0.f;
-    int32_t sum = 0;
-    for (int64_t d = 0; d < GS; ++d) {
-      const int32_t c = static_cast<int32_t>(std::nearbyint(x[d] * inv));
-      codes[gi * GS + d] = static_cast<int8_t>(c);
-      sum += c;
-    }
-    qsum[gi] = -128 * sum;
-    qf[gi] = amax / 127.f * scale;
-  }
-}
