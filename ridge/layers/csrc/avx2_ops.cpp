@@ -361,10 +361,10 @@ struct PlainRows {  // a cache in T
   static __m256 load(const T* r, int64_t d) { return load8(r + d); }
 };
 
-// A cache of codes, int8 or e4m3, under one fp16 scale per group of dims, 8 values at a time:
-// an e4m3 cache's values are kv/cache.py's dequantize (codes times the scale in float32,
-// rounded to T); an int8 cache's the codes times the scale in float32 (the AVX-512 kernel's V),
-// and its scores come from score_heads_int8.
+// A cache of codes, int8 or e4m3, under one fp16 scale per group of dims: kv/cache.py's
+// dequantize (codes times the scale in float32, rounded to T), 8 values at a time. That is how
+// score_heads and weigh_values read an e4m3 cache; an int8 cache's rows go to
+// score_heads_int8 and weigh_values_int8 instead (the AVX-512 kernel's formula).
 template <typename T, bool FP8>
 struct CodeRows {
   static constexpr bool INT8_QUERY = !FP8;
@@ -384,7 +384,7 @@ struct CodeRows {
   // row t's codes and its G fp16 scales
   void set(int64_t t, const uint8_t* codes, const at::Half* sc) {
     float* f = scales.data() + t * G;
-    if (G == 2) {  // one conversion for the row's two (TinyLlama's heads of 64: a scalar each was 6% of int8 attention)
+    if (G == 2) {  // one conversion for both (heads of 64: two scalar ones were a hot spot of int8 attention)
       uint32_t w;
       std::memcpy(&w, sc, 4);
       const __m128 x = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(w))), _mm_set1_ps(FP8 ? 256.f : 1.f));
@@ -405,11 +405,7 @@ struct CodeRows {
     } else {
       v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
     }
-    const __m256 x = _mm256_mul_ps(v, _mm256_set1_ps(r.scales[d >> shift]));
-    if constexpr (FP8)
-      return round_as<T>(x);
-    else
-      return x;
+    return round_as<T>(_mm256_mul_ps(v, _mm256_set1_ps(r.scales[d >> shift])));
   }
   float scale(int64_t t, int64_t g) const { return scales[t * G + g]; }
 };
@@ -479,18 +475,6 @@ inline void transpose8(const __m256i r[8], __m256i c[8]) {
   }
 }
 
-// Scores over an int8 K with the query in int8 too, the AVX-512 kernel's formula
-// (decode_attention_quant.cpp, kv_codes.h's quantize_query): each group of GS query values
-// quantized to int8 (scale amax / 127), so that a token's score is
-//
-//   q.k_t = sum_groups (sq_g sk_t,g) sum_d q_d k_t,d      (integer sums: exact)
-//
-// 8 tokens at a time, their codes transposed (col[p] lane i: token i's dims 4p .. 4p + 3), so
-// each query quad multiplies 8 tokens at once with no sums across lanes: vpmaddubsw takes the
-// query's |codes| (unsigned) and K's codes with the query's signs (vpsignb), then vpmaddwd
-// adds the pairs into int32. No saturation: a pair is at most 2 x 127 x 127, as the cache's
-// codes lie in [-127, 127] (kv/cache.py, kv_write.h). Scores per (head, token) into s[j L + t],
-// the attention scale folded into the query's group scales.
 // One head's score of 8 tokens over the group of quads [p0, p1) (an even count): two chains
 template <int QG>
 inline __m256i int8_group_dots(const __m256i* col, const int32_t* qsgn, const int32_t* qabs, int64_t p0, int64_t p1) {
@@ -509,6 +493,18 @@ inline __m256i int8_group_dots(const __m256i* col, const int32_t* qsgn, const in
   return _mm256_add_epi32(a0, a1);
 }
 
+// Scores over an int8 K with the query in int8 too, the AVX-512 kernel's formula
+// (decode_attention_quant.cpp; kv_query.h's quantize_query): each group of GS query values
+// quantized to int8 (scale amax / 127), so that a token's score is
+//
+//   q.k_t = sum_groups (sq_g sk_t,g) sum_d q_d k_t,d      (integer sums: exact)
+//
+// 8 tokens at a time, their codes transposed (col[p] lane i: token i's dims 4p .. 4p + 3), so
+// each query quad multiplies 8 tokens at once with no sums across lanes: vpmaddubsw takes the
+// query's |codes| (unsigned) and K's codes with the query's signs (vpsignb), then vpmaddwd
+// adds the pairs into int32. No saturation: a pair is at most 2 x 127 x 127, as the cache's
+// codes lie in [-127, 127] (kv/cache.py, kv_write.h). Scores per (head, token) into s[j L + t],
+// the attention scale folded into the query's group scales.
 template <typename T, int QG>
 void score_heads_int8(const float* qf, int64_t G, const CodeRows<T, false>& kr, int64_t L, int64_t D, float scale,
                       float* s) {
