@@ -386,8 +386,9 @@ class Avx2Kernels(TorchKernels):
       Q6_K's blocks of 8 rows as it goes in calls of 32 rows or more: prefill).
     - A decode step's other ops in float32 or bfloat16 run ``csrc/avx2_ops.cpp``: RMSNorm (with
       the residual add), SiLU-and-multiply, RoPE, and decode attention from the paged cache (an
-      int8 / fp8 one's codes dequantized in registers as rows are read). Each rounds where
-      torch's op rounds.
+      fp8 one's codes dequantized in registers as rows are read; over an int8 one the AVX-512
+      kernel's formula: the query in int8 per group, integer dot products). Each other op
+      rounds where torch's op rounds.
     - Dense bf16 layers run ``csrc/avx2_dense.cpp`` below FLOAT32_GEMM_MIN_ROWS rows (decode:
       the weight streamed once for up to 4 rows at a time, widened in registers), and torch's
       float32 GEMM on the weight widened a slice at a time from there (prefill). Without
