@@ -410,6 +410,17 @@ struct CodeRows {
   float scale(int64_t t, int64_t g) const { return scales[t * G + g]; }
 };
 
+// v's first n lanes (1-8) to p
+inline void store_lanes(float* p, __m256 v, int64_t n) {
+  if (n == 8) {
+    _mm256_storeu_ps(p, v);
+  } else {
+    alignas(32) float tail[8];
+    _mm256_store_ps(tail, v);
+    std::memcpy(p, tail, n * sizeof(float));
+  }
+}
+
 // The 8 vectors' sums across lanes, as one vector (lane i: a[i]'s sum)
 inline __m256 sums8(const __m256 a[8]) {
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -444,14 +455,7 @@ void score_heads(const float* qf, int64_t G, const Rows& kr, int64_t L, int64_t 
         const __m256 q = _mm256_loadu_ps(qf + j * D + d);
         for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(q, _mm256_loadu_ps(kb + i * D + d), a[i]);
       }
-      const __m256 dots = _mm256_mul_ps(round_as<T>(sums8(a)), scale8);
-      if (n == 8) {
-        _mm256_storeu_ps(s + j * L + t0, dots);
-      } else {
-        alignas(32) float tail[8];
-        _mm256_store_ps(tail, dots);
-        std::memcpy(s + j * L + t0, tail, n * sizeof(float));
-      }
+      store_lanes(s + j * L + t0, _mm256_mul_ps(round_as<T>(sums8(a)), scale8), n);
     }
   }
 }
@@ -546,13 +550,7 @@ void score_heads_int8(const float* qf, int64_t G, const CodeRows<T, false>& kr, 
         sacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc),
                                _mm256_mul_ps(_mm256_loadu_ps(&ks[gi * 8]), _mm256_set1_ps(qscale[j * NGR + gi])), sacc);
       }
-      if (n == 8) {
-        _mm256_storeu_ps(s + j * L + t0, sacc);
-      } else {
-        alignas(32) float tail[8];
-        _mm256_store_ps(tail, sacc);
-        std::memcpy(s + j * L + t0, tail, n * sizeof(float));
-      }
+      store_lanes(s + j * L + t0, sacc, n);
     }
   }
 }
@@ -592,7 +590,9 @@ void weigh_values(const float* p, const Rows& vr, int64_t L, int64_t D, float* a
 // weigh_values over an int8 V with each token's V scales folded into the probabilities:
 // ps[(t NGR + g) N + j] = p_j,t times token t's scale of group g (GS dims), so a row's codes
 // go to float and straight into the heads' chains (sum_t (p s) c: the AVX-512 kernel's
-// sum_t p (c s) to a rounding).
+// sum_t p (c s) to a rounding). The same loops as weigh_values, written out: one loop taking
+// the row's values and weights as lambdas ran bf16 attention 0.90x (2 Zen 3 cores, 4,096
+// tokens, alternated in one process).
 template <int N, class Rows>
 void weigh_values_int8(const float* ps, const Rows& vr, int64_t L, int64_t D, int64_t GS, float* acc) {
   const int64_t NGR = D / GS;
