@@ -84,6 +84,9 @@ def decode_meta(batch: int, context: int, block_size: int) -> tuple[AttentionMet
 
 def step_seconds(engine: LLMEngine, batch: int, context: int, caches=None) -> float:
     meta, positions = decode_meta(batch, context, engine.config.block_size)
+    # RoPE's tables end at the model's context (TinyLlama's 2,048): a position only picks an
+    # angle, the context's length sets the cost, so a longer context is timed at the last one
+    positions = positions.clamp(max=engine.executor.worker.model.model.rotary.cos.shape[0] - 1)
     ids = torch.randint(3, 200, (batch,))
     t = time.perf_counter()
     with torch.inference_mode():
