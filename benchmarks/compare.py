@@ -491,6 +491,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=1,
         help="ridge's multi-step scheduling: plain decode steps run up to this many forward passes a plan",
     )
+    p.add_argument(
+        "--kernels",
+        default="auto",
+        help="ridge's CPU kernels: auto, or avx2 (the AVX2 kernels on an AVX-512 CPU too, as a CPU without AVX-512 runs)",
+    )
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {','.join(SCENARIOS)}")
     p.add_argument("--mixed-requests", type=int, default=32)
     p.add_argument("--mixed-prompt-len", default="16:128", help="N or LO:HI (uniform)")
@@ -557,6 +562,7 @@ def main(argv=None) -> int:
         max_num_seqs=max_seqs,
         max_model_len=longest + 16,
         num_scheduler_steps=args.num_scheduler_steps,
+        kernels=args.kernels,
     )
     hf_config, vocab = llm.engine.hf_config, llm.engine.model_config.vocab_size
     cache_root = args.cache_dir or (
@@ -586,6 +592,7 @@ def main(argv=None) -> int:
         max_num_seqs=max_seqs,
         max_model_len=longest + 16,
         num_scheduler_steps=args.num_scheduler_steps,
+        kernels=args.kernels,
     )
     files: dict[str, str] = {}  # each format's file, as both engines loaded it
     for fmt in [f for f in args.formats.split(",") if f and f != "bf16"]:

@@ -13,7 +13,7 @@ from ridge.layers import cpu_kernels
 from ridge.layers.cpu_kernels import cpu_has_avx2, load_avx2_extension
 from ridge.layers.kernels import AVX2_PACKED_FORMATS, Avx2Kernels
 from ridge.layers.linear import Linear, PackedLinear
-from ridge.quantization.formats import FORMATS, IQ4_XS, Q4_0, Q4_K, Q5_K, Q6_K
+from ridge.quantization.formats import FORMATS, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_K, Q5_K, Q6_K
 from ridge.quantization.methods import BlockQuantLinearMethod, ShardedLinearMethod
 from ridge.quantization.random_blocks import random_blocks
 
@@ -114,16 +114,13 @@ def test_a_rows_output_does_not_depend_on_its_batch(ext, name, m):
     assert torch.equal(ext.linear_blocks(x[3:9], blocks, fmt.ggml_type, None), batch[3:9])
 
 
-# The formats repack_rows takes: all but Q3_K and Q2_K (AVX2_PACKED_FORMATS at load; Q8_0 and
-# Q6_K as the kernel goes, in calls of many rows)
-ROWS8_FORMATS = sorted(set(FORMATS) - {"q3_k", "q2_k"})
-
-
 def test_the_formats_packed_at_load_have_rows_of_8():
-    assert AVX2_PACKED_FORMATS < set(ROWS8_FORMATS)
+    """Every format has rows of 8 (AVX2_PACKED_FORMATS at load; the others as the kernel
+    goes, in calls of many rows)."""
+    assert AVX2_PACKED_FORMATS < set(FORMATS)
 
 
-@pytest.mark.parametrize("name", ROWS8_FORMATS)
+@pytest.mark.parametrize("name", sorted(FORMATS))
 def test_rows_of_8_keep_the_bytes_and_the_outputs_bit_for_bit(ext, name):
     """The packed layout: the same bytes in blocks of 8 rows (its inverse gives GGUF's back),
     and the same outputs as the GGUF layout for every tile height (m), every shape of a row's
@@ -145,11 +142,6 @@ def test_rows_of_8_keep_the_bytes_and_the_outputs_bit_for_bit(ext, name):
             if m == 33:  # packed as it goes, against each row alone in GGUF's layout
                 rows = torch.cat([ext.linear_blocks(x[i : i + 1], blocks, fmt.ggml_type, None) for i in range(m)])
                 torch.testing.assert_close(gguf, rows, rtol=0, atol=0)
-    q2_k = FORMATS["q2_k"]
-    with pytest.raises(RuntimeError, match="linear_blocks_packed: Q3_K and Q2_K have no rows of 8"):
-        ext.linear_blocks_packed(torch.randn(1, 256), _blocks("q2_k", 8, 256, seed=0), q2_k.ggml_type, None)
-    with pytest.raises(RuntimeError, match="repack_rows: Q3_K and Q2_K have no rows of 8"):
-        ext.repack_rows(_blocks("q2_k", 8, 256, seed=0), q2_k.ggml_type, True)
     with pytest.raises(RuntimeError, match="rows of 35 bytes are not whole blocks of 34"):
         ext.repack_rows(torch.zeros(8, 35, dtype=torch.uint8), FORMATS["int8"].ggml_type, True)
     k = 2 * fmt.block
@@ -214,7 +206,7 @@ def _layer(fmt, n: int, k: int, seed: int, bias: bool = False) -> Linear:
 
 
 def test_the_kernels_read_a_layers_gguf_bytes_as_loaded(ext):
-    """Q8_0, Q6_K, Q3_K and Q2_K keep the file's bytes; the other formats (AVX2_PACKED_FORMATS)
+    """Q8_0 and Q6_K keep the file's bytes; the other formats (AVX2_PACKED_FORMATS)
     the same bytes in blocks of 8 rows. Every way a model reaches a matmul: a plain layer with its
     bias, a layer held per shard in two formats (Q4_K_M's qkv), and one expert's rows of a
     stacked layer."""
@@ -233,7 +225,7 @@ def test_the_kernels_read_a_layers_gguf_bytes_as_loaded(ext):
         kernels.matmul(x, layer, slice(16, 32)), ext.linear_blocks(x, before[16:32], Q6_K.ggml_type, None)
     )
 
-    for fmt in (Q4_0, Q4_K, Q5_K, IQ4_XS):  # repacked, 8 rows at a time (an expert's rows still slice)
+    for fmt in (Q4_0, Q4_K, Q5_K, IQ4_XS, Q3_K, Q2_K):  # repacked, 8 rows at a time (an expert's rows still slice)
         layer = _layer(fmt, 48, k, seed=3, bias=True)
         before = layer.blocks.clone()
         layer.method.process_weights_after_loading(layer, kernels)

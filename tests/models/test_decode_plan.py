@@ -159,3 +159,31 @@ def test_deepseek_with_fewer_than_16_heads_runs_op_by_op(tmp_path):
     build("deepseek-v2-lite", tmp_path)
     _, model = _generate(tmp_path)
     assert model._plan is None
+
+
+def test_the_plan_refuses_an_index_outside_the_pools_before_touching_anything(tmp_path):
+    """The plan's kernels index without checks: a position past the rotary tables, a slot or a
+    block id outside the pool, or a context its table cannot hold is one clear error, checked
+    before any layer runs (h untouched); rope_bf16_ checks its positions alike."""
+    from ridge.layers.cpu_kernels import load_extension
+
+    build("llama-gqa", tmp_path)
+    _, model = _generate(tmp_path)
+    plan, rotary = model._plan.plan, model.model.rotary
+    h = torch.ones(1, COMMON["hidden_size"], dtype=torch.bfloat16)
+    one, table = torch.ones(1, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="decode plan: slot 100000 is outside the pool"):
+        plan.run(h, torch.tensor([100000]), table, one, one, rotary.cos, rotary.sin)
+    with pytest.raises(RuntimeError, match="decode plan: block id outside the pool"):
+        plan.run(h, one, table + 1000, one, one, rotary.cos, rotary.sin)
+    with pytest.raises(RuntimeError, match="decode plan: context length 100000 does not fit its table"):
+        plan.run(h, one, table, torch.tensor([100000]), one, rotary.cos, rotary.sin)
+    with pytest.raises(RuntimeError, match="decode plan: position 100000 is outside the tables"):
+        plan.run(h, one, table, one, torch.tensor([100000]), rotary.cos, rotary.sin)
+    assert torch.equal(h, torch.ones_like(h))
+    ext = load_extension()
+    d = rotary.cos.shape[1]
+    x = torch.ones(1, 2, d, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=f"rope: position {rotary.cos.shape[0]} is outside the tables"):
+        ext.rope_bf16_(x, torch.tensor([rotary.cos.shape[0]]), rotary.cos, rotary.sin)
+    assert torch.equal(x, torch.ones_like(x))

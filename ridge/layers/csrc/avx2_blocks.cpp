@@ -11,7 +11,7 @@
 // - Each group of 32 weights is unpacked into 32 byte codes in one register: unsigned (0-63)
 //   for the formats with an offset or a minimum, signed for Q8_0 and the IQ4 codebook's values
 //   (those multiply through vpsignb, since vpmaddubsw takes one unsigned operand).
-// - Every format but Q3_K and Q2_K can be repacked, at its size, into blocks of 8 rows
+// - Every format can be repacked, at its size, into blocks of 8 rows
 //   (repack_rows, ik_llama.cpp's _R8 idea): W's rows sit in a vector's 8 int32 lanes, so a
 //   block's products need no horizontal sums and each lane's tree over the blocks is
 //   tree_sum's, vertically (see "Rows of 8" below). linear_blocks takes GGUF's layout, as
@@ -108,11 +108,9 @@ inline __m256i two_bits(__m256i bytes, int j) {
 // D_AT is where a block's fp16 factor d sits, M_AT its fp16 minimum m (MIN: w = d q + m),
 // HEADER the bytes of fp16 factors (from FACTORS_AT: 0, before the codes, in all but Q6_K), and
 // OFFSET_SHIFT gives Q4_0's offset, 8 (w = d (q - 8)). NIBBLES: codes 0-15, unsigned (see widen).
-// ROWS8 (here and in the super-block formats): repack_rows and linear_blocks_packed take the
-// format (see "Rows of 8").
 struct Q8_0 {
   static constexpr int64_t BLOCK = 32, BYTES = 34, D_AT = 0, M_AT = 0;
-  static constexpr bool SIGNED = true, OFFSET = false, MIN = false, NIBBLES = false, ROWS8 = true;
+  static constexpr bool SIGNED = true, OFFSET = false, MIN = false, NIBBLES = false;
   static constexpr int OFFSET_SHIFT = 0;
   static constexpr int64_t HEADER = 2, FACTORS_AT = 0;
   static __m256i codes(const uint8_t* p) { return load32(p + 2); }
@@ -120,7 +118,7 @@ struct Q8_0 {
 
 struct Q4_0 {
   static constexpr int64_t BLOCK = 32, BYTES = 18, D_AT = 0, M_AT = 0;
-  static constexpr bool SIGNED = false, OFFSET = true, MIN = false, NIBBLES = true, ROWS8 = true;
+  static constexpr bool SIGNED = false, OFFSET = true, MIN = false, NIBBLES = true;
   static constexpr int OFFSET_SHIFT = 3;
   static constexpr int64_t HEADER = 2, FACTORS_AT = 0;
   static __m256i codes(const uint8_t* p) { return nibbles16(p + 2); }
@@ -128,7 +126,7 @@ struct Q4_0 {
 
 struct Q4_1 {
   static constexpr int64_t BLOCK = 32, BYTES = 20, D_AT = 0, M_AT = 2;
-  static constexpr bool SIGNED = false, OFFSET = false, MIN = true, NIBBLES = true, ROWS8 = true;
+  static constexpr bool SIGNED = false, OFFSET = false, MIN = true, NIBBLES = true;
   static constexpr int OFFSET_SHIFT = 0;
   static constexpr int64_t HEADER = 4, FACTORS_AT = 0;
   static __m256i codes(const uint8_t* p) { return nibbles16(p + 4); }
@@ -136,7 +134,7 @@ struct Q4_1 {
 
 struct IQ4_NL {
   static constexpr int64_t BLOCK = 32, BYTES = 18, D_AT = 0, M_AT = 0;
-  static constexpr bool SIGNED = true, OFFSET = false, MIN = false, NIBBLES = false, ROWS8 = true;
+  static constexpr bool SIGNED = true, OFFSET = false, MIN = false, NIBBLES = false;
   static constexpr int OFFSET_SHIFT = 0;
   static __m256i codes(const uint8_t* p) {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_VALUES)));
@@ -208,7 +206,7 @@ inline __m256i k_header(const uint8_t* p, Header& h) {
 
 struct Q4_K {
   static constexpr int64_t BLOCK = 256, BYTES = 144;
-  static constexpr bool SIGNED = false, OFFSET = false, MIN = true, ROWS8 = true;
+  static constexpr bool SIGNED = false, OFFSET = false, MIN = true;
   static constexpr int64_t HEADER = 4, FACTORS_AT = 0;  // d, dmin
   template <class Sink>
   static void block(const uint8_t* p, Header& h, Sink&& sink) {
@@ -224,7 +222,7 @@ struct Q4_K {
 
 struct Q5_K {
   static constexpr int64_t BLOCK = 256, BYTES = 176;
-  static constexpr bool SIGNED = false, OFFSET = false, MIN = true, ROWS8 = true;
+  static constexpr bool SIGNED = false, OFFSET = false, MIN = true;
   static constexpr int64_t HEADER = 4, FACTORS_AT = 0;  // d, dmin
   template <class Sink>
   static void block(const uint8_t* p, Header& h, Sink&& sink) {
@@ -242,7 +240,7 @@ struct Q5_K {
 
 struct IQ4_XS {
   static constexpr int64_t BLOCK = 256, BYTES = 136;
-  static constexpr bool SIGNED = true, OFFSET = false, MIN = false, ROWS8 = true;
+  static constexpr bool SIGNED = true, OFFSET = false, MIN = false;
   static constexpr int64_t HEADER = 4, FACTORS_AT = 0;  // d and scales_h, as 2-byte fields
   template <class Sink>
   static void block(const uint8_t* p, Header& h, Sink&& sink) {
@@ -264,7 +262,7 @@ struct IQ4_XS {
 
 struct Q6_K {
   static constexpr int64_t BLOCK = 256, BYTES = 210;
-  static constexpr bool SIGNED = false, OFFSET = true, MIN = false, ROWS8 = true;
+  static constexpr bool SIGNED = false, OFFSET = true, MIN = false;
   static constexpr int64_t HEADER = 2, FACTORS_AT = 208;  // d, at the block's end
   template <class Sink>
   static void block(const uint8_t* p, Header& h, Sink&& sink) {
@@ -288,7 +286,8 @@ struct Q6_K {
 
 struct Q3_K {
   static constexpr int64_t BLOCK = 256, BYTES = 110;
-  static constexpr bool SIGNED = false, OFFSET = true, MIN = false, ROWS8 = false;
+  static constexpr bool SIGNED = false, OFFSET = true, MIN = false;
+  static constexpr int64_t HEADER = 2, FACTORS_AT = 108;  // d, at the block's end
   template <class Sink>
   static void block(const uint8_t* p, Header& h, Sink&& sink) {
     h.d = f16(p + 108), h.dmin = 0.f, h.mins = _mm256_setzero_si256();
@@ -317,7 +316,8 @@ struct Q3_K {
 
 struct Q2_K {
   static constexpr int64_t BLOCK = 256, BYTES = 84;
-  static constexpr bool SIGNED = false, OFFSET = false, MIN = true, ROWS8 = false;
+  static constexpr bool SIGNED = false, OFFSET = false, MIN = true;
+  static constexpr int64_t HEADER = 4, FACTORS_AT = 80;  // d, dmin, at the block's end
   template <class Sink>
   static void block(const uint8_t* p, Header& h, Sink&& sink) {
     h.d = f16(p + 80), h.dmin = f16(p + 82), h.offsets = _mm256_setzero_si256();
@@ -661,7 +661,7 @@ bool with_format(int64_t ggml_type, Fn&& fn) {
 // The packed layout: W's rows in blocks of 8 (N a multiple of 8), and in each, block b of the 8
 // rows (8 BYTES, as GGUF's 8 blocks) reads
 //   its HEADER / 2 fp16 fields, each as 8 (row r at 2r): d[8], then m[8] (Q4_1), dmin[8] (Q4_K,
-//   Q5_K) or IQ4_XS's 2-byte high scale bits | the block's other bytes (scales and codes, in
+//   Q5_K, Q2_K) or IQ4_XS's 2-byte high scale bits | the block's other bytes (scales and codes, in
 //   GGUF's order) 4 at a time, bytes [4i, 4i + 4) of row r at 32 i + 4 r
 // so a 32-byte vector of codes holds 4 code bytes of each of the 8 rows, one row an int32 lane
 // (ik_llama.cpp's _R8 types interleave rows the same way; the super-block formats' kernels,
@@ -1059,6 +1059,131 @@ void rows8_dot_q6_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, __m256* su
   }
 }
 
+// Q3_K in blocks of 8 rows: d[8] | GGUF's first 108 bytes of each row 4 at a time (hmask:
+// chunks 0-7, qs: 8-23, the 12 scale bytes: 24-26). Group g = 4n + j's weights [4t, 4t + 4)
+// take their low 2 bits from bits 2j of qs chunk 8 + 8n + t and their third (the code's 4) from
+// bit g of hmask chunk t: codes 0-7, as super_block_row's. The 16 6-bit scales decode for the 8
+// rows at once into 4 vectors of bytes (scale i: byte i % 4 of sv[i / 4], less 32), each a
+// vpshufb away from int16 pairs (s, s). Codes times x reach 2 * 7 * 127 a vpmaddubsw lane, so a
+// scale's 4 chunks sum in int16, then vpmaddwd by it; the offset, 4, comes out of x's code sums.
+template <int R>
+void rows8_dot_q3_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, __m256* sums) {
+  using L = Rows8<Q3_K>;
+  const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4), low = _mm256_set1_epi8(15);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = g + b * L::BYTES;
+    prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
+    const __m256 dv = halves8(p);
+    const uint8_t* q = p + L::CODES_AT;
+    // scale i: 4 bits (nibble i / 8 of byte i % 8: chunk 24 + i % 8 / 4) and 2 (bits 2 (i / 4)
+    // of byte i % 4 of chunk 26)
+    const __m256i a = load32(q + 32 * 24), bb = load32(q + 32 * 25), c = load32(q + 32 * 26);
+    const auto high2 = [&](int k) { return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 2 * k), three), 4); };
+    const __m256i bias = _mm256_set1_epi8(32);
+    const __m256i sv[4] = {
+        _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(a, low), high2(0)), bias),
+        _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(bb, low), high2(1)), bias),
+        _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low), high2(2)), bias),
+        _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bb, 4), low), high2(3)), bias)};
+    __m256i acc[R], off[R];
+    for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int grp = 0; grp < 8; ++grp) {
+      const int n = grp / 4, j = grp % 4;
+      const __m256i s0 = pick_i8(sv[grp / 2], Q6K_PICKS.same[2 * (grp % 2)]);
+      const __m256i s1 = pick_i8(sv[grp / 2], Q6K_PICKS.same[2 * (grp % 2) + 1]);
+      __m256i part[R];
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const __m256i lo2 = _mm256_and_si256(_mm256_srli_epi16(load32(q + 32 * (8 + 8 * n + t)), 2 * j), three);
+        const __m256i hm = load32(q + 32 * t);
+        const __m256i hi = _mm256_and_si256(grp <= 2 ? _mm256_slli_epi16(hm, 2 - grp) : _mm256_srli_epi16(hm, grp - 2), four);
+        const __m256i codes = _mm256_or_si256(lo2, hi);
+        for (int r = 0; r < R; ++r) {
+          const __m256i pr = _mm256_maddubs_epi16(codes, broadcast4(xr.codes[r] + b * 256 + 32 * grp + 4 * t));
+          part[r] = t % 4 ? _mm256_add_epi16(part[r], pr) : pr;  // |.| <= 4 * 2 * 7 * 127
+          in_register(part[r]);
+          if (t % 4 == 3) {
+            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(part[r], t < 4 ? s0 : s1));
+            in_register(acc[r]);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {  // the offset: 4 sum_i s_i qsum16_i, scales i = 4k.. 4k + 3
+      const __m256i pa = pick_i8(sv[k], Q6K_PICKS.pair[0]), pb = pick_i8(sv[k], Q6K_PICKS.pair[1]);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* qs = reinterpret_cast<const int8_t*>(xr.qsums16[r] + 16 * b + 4 * k);
+        off[r] = _mm256_add_epi32(off[r], _mm256_add_epi32(_mm256_madd_epi16(pa, broadcast4(qs)),
+                                                           _mm256_madd_epi16(pb, broadcast4(qs + 4))));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_broadcast_ss(xr.scales[r] + b);
+      const __m256i dot = _mm256_sub_epi32(acc[r], _mm256_slli_epi32(off[r], 2));
+      _mm256_storeu_ps(reinterpret_cast<float*>(sums + r * nb + b),
+                       _mm256_mul_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(dot)));
+    }
+  }
+}
+
+// Q2_K in blocks of 8 rows: d[8] | dmin[8] | GGUF's first 80 bytes of each row 4 at a time (the
+// 16 scale bytes: chunks 0-3, qs: 4-19). Group g = 4n + j's weights [4t, 4t + 4) are bits 2j of
+// qs chunk 4 + 8n + t (codes 0-3); scale and minimum i are the low and high nibbles of byte i % 4
+// of chunk i / 4. The integer sums and float ops are super_block_row's, the minimums' part as
+// Q4_K's in rows8_dot_k.
+template <int R>
+void rows8_dot_q2_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, __m256* sums) {
+  using L = Rows8<Q2_K>;
+  const __m256i three = _mm256_set1_epi8(3), low = _mm256_set1_epi8(15);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = g + b * L::BYTES;
+    prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
+    const __m256 dv = halves8(p), dminv = halves8(p + 16);
+    const uint8_t* q = p + L::CODES_AT;
+    __m256i acc[R], macc[R];
+    for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int grp = 0; grp < 8; ++grp) {
+      const int n = grp / 4, j = grp % 4;
+      const __m256i sc = _mm256_and_si256(load32(q + 32 * (grp / 2)), low);  // scales 4 (grp / 2).. as bytes
+      const __m256i s0 = pick_i8(sc, Q6K_PICKS.same[2 * (grp % 2)]);
+      const __m256i s1 = pick_i8(sc, Q6K_PICKS.same[2 * (grp % 2) + 1]);
+      __m256i part[R];
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const __m256i codes = _mm256_and_si256(_mm256_srli_epi16(load32(q + 32 * (4 + 8 * n + t)), 2 * j), three);
+        for (int r = 0; r < R; ++r) {
+          const __m256i pr = _mm256_maddubs_epi16(codes, broadcast4(xr.codes[r] + b * 256 + 32 * grp + 4 * t));
+          part[r] = t % 4 ? _mm256_add_epi16(part[r], pr) : pr;  // |.| <= 4 * 2 * 3 * 127
+          in_register(part[r]);
+          if (t % 4 == 3) {
+            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(part[r], t < 4 ? s0 : s1));
+            in_register(acc[r]);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {  // the minimums' part: sum_i m_i qsum16_i, i = 4k.. 4k + 3
+      const __m256i mn = _mm256_and_si256(_mm256_srli_epi16(load32(q + 32 * k), 4), low);
+      const __m256i pa = pick_i8(mn, Q6K_PICKS.pair[0]), pb = pick_i8(mn, Q6K_PICKS.pair[1]);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* qs = reinterpret_cast<const int8_t*>(xr.qsums16[r] + 16 * b + 4 * k);
+        macc[r] = _mm256_add_epi32(macc[r], _mm256_add_epi32(_mm256_madd_epi16(pa, broadcast4(qs)),
+                                                             _mm256_madd_epi16(pb, broadcast4(qs + 4))));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_broadcast_ss(xr.scales[r] + b);
+      __m256 s = _mm256_mul_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(acc[r]));
+      s = _mm256_sub_ps(s, _mm256_mul_ps(_mm256_mul_ps(dminv, dx), _mm256_cvtepi32_ps(macc[r])));
+      _mm256_storeu_ps(reinterpret_cast<float*>(sums + r * nb + b), s);
+    }
+  }
+}
+
 // A block of 8 rows of W (at g, nb blocks a row) against rows [m0, m0 + R) of x: each block's
 // sums by the format's kernel into sums[r nb + b], then y[(m0 + r) N + l] for its rows l, each
 // row of x's tree over the blocks
@@ -1071,6 +1196,10 @@ void rows8_call(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, _
     rows8_dot_k<F, R>(g, nb, xr, sums);
   else if constexpr (std::is_same_v<F, IQ4_XS>)
     rows8_dot_iq4_xs<R>(g, nb, xr, sums);
+  else if constexpr (std::is_same_v<F, Q3_K>)
+    rows8_dot_q3_k<R>(g, nb, xr, sums);
+  else if constexpr (std::is_same_v<F, Q2_K>)
+    rows8_dot_q2_k<R>(g, nb, xr, sums);
   else
     rows8_dot_q6_k<R>(g, nb, xr, sums);
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N, tree_sum8(sums + r * nb, nb));
@@ -1104,7 +1233,7 @@ void gemm_rows8(const QuantizedX& x, const uint8_t* w, int64_t row_bytes, int64_
 
 }  // namespace
 
-// A 32-weight format's rows: GGUF's (N, row_bytes) into blocks of 8 rows, (N / 8, 8 row_bytes)
+// A format's rows: GGUF's (N, row_bytes) into blocks of 8 rows, (N / 8, 8 row_bytes)
 // (pack), or back
 torch::Tensor repack_rows(torch::Tensor blocks, int64_t ggml_type, bool pack) {
   TORCH_CHECK(blocks.device().is_cpu() && blocks.dim() == 2 && blocks.scalar_type() == at::kByte,
@@ -1113,23 +1242,18 @@ torch::Tensor repack_rows(torch::Tensor blocks, int64_t ggml_type, bool pack) {
   torch::Tensor out;
   const bool known = with_format(ggml_type, [&](auto fmt) {
     using F = decltype(fmt);
-    if constexpr (!F::ROWS8) {
-      TORCH_CHECK(false, "repack_rows: Q3_K and Q2_K have no rows of 8");
-    } else {
-      TORCH_CHECK(!pack || in.size(0) % 8 == 0, "repack_rows: ", in.size(0), " rows are not blocks of 8");
-      const int64_t groups = pack ? in.size(0) / 8 : in.size(0), row_bytes = pack ? in.size(1) : in.size(1) / 8;
-      TORCH_CHECK(row_bytes % F::BYTES == 0 && (pack || in.size(1) % 8 == 0), "repack_rows: rows of ", row_bytes,
-                  " bytes are not whole blocks of ", F::BYTES);
-      out = pack ? torch::empty({groups, 8 * row_bytes}, in.options())
-                 : torch::empty({8 * groups, row_bytes}, in.options());
-      const uint8_t* src = in.data_ptr<uint8_t>();
-      uint8_t* dst = out.data_ptr<uint8_t>();
-      at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i)
-          pack ? repack_rows8<F, true>(src + i * 8 * row_bytes, dst + i * 8 * row_bytes, row_bytes)
-               : repack_rows8<F, false>(src + i * 8 * row_bytes, dst + i * 8 * row_bytes, row_bytes);
-      });
-    }
+    TORCH_CHECK(!pack || in.size(0) % 8 == 0, "repack_rows: ", in.size(0), " rows are not blocks of 8");
+    const int64_t groups = pack ? in.size(0) / 8 : in.size(0), row_bytes = pack ? in.size(1) : in.size(1) / 8;
+    TORCH_CHECK(row_bytes % F::BYTES == 0 && (pack || in.size(1) % 8 == 0), "repack_rows: rows of ", row_bytes,
+                " bytes are not whole blocks of ", F::BYTES);
+    out = pack ? torch::empty({groups, 8 * row_bytes}, in.options()) : torch::empty({8 * groups, row_bytes}, in.options());
+    const uint8_t* src = in.data_ptr<uint8_t>();
+    uint8_t* dst = out.data_ptr<uint8_t>();
+    at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        pack ? repack_rows8<F, true>(src + i * 8 * row_bytes, dst + i * 8 * row_bytes, row_bytes)
+             : repack_rows8<F, false>(src + i * 8 * row_bytes, dst + i * 8 * row_bytes, row_bytes);
+    });
   });
   TORCH_CHECK(known, "repack_rows: GGUF type ", ggml_type, " has no AVX2 kernel");
   return out;
@@ -1163,10 +1287,8 @@ void linear_blocks_into(const T* x, int64_t M, int64_t K, const uint8_t* w, int6
     using F = decltype(fmt);
     const int64_t row_bytes = K / F::BLOCK * F::BYTES;
     quantize_x(x, M, K, F::BLOCK, qx);
-    if constexpr (F::ROWS8) {
-      if (packed) return gemm_rows8<F, false>(qx, w, row_bytes, N, out);
-      if (M >= PACK_FROM_ROWS && N % 8 == 0) return gemm_rows8<F, true>(qx, w, row_bytes, N, out);
-    }
+    if (packed) return gemm_rows8<F, false>(qx, w, row_bytes, N, out);
+    if (M >= PACK_FROM_ROWS && N % 8 == 0) return gemm_rows8<F, true>(qx, w, row_bytes, N, out);
     gemm<F>(qx, w, row_bytes, N, out);
   });
   if (direct) {
@@ -1196,7 +1318,6 @@ torch::Tensor linear_blocks_impl(torch::Tensor x, torch::Tensor blocks, int64_t 
   const bool known = with_format(ggml_type, [&](auto fmt) {
     using F = decltype(fmt);
     TORCH_CHECK(K % F::BLOCK == 0, "linear_blocks: K = ", K, " is not a multiple of the format's block, ", F::BLOCK);
-    TORCH_CHECK(!packed || F::ROWS8, "linear_blocks_packed: Q3_K and Q2_K have no rows of 8");
     const int64_t row_bytes = K / F::BLOCK * F::BYTES;
     TORCH_CHECK(blocks.size(1) == (packed ? 8 : 1) * row_bytes, "linear_blocks: blocks of ", blocks.size(1),
                 packed ? " bytes a block of 8 rows" : " bytes a row", ", K = ", K, " needs ",
@@ -1235,7 +1356,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("linear_blocks", &linear_blocks, nogil, "y = x @ W.T (+ bias), W as GGUF blocks of the given GGUF type (AVX2)");
   m.def("linear_blocks_packed", &linear_blocks_packed, nogil, "linear_blocks on blocks of 8 rows (repack_rows)");
-  m.def("repack_rows", &repack_rows, nogil, "a 32-weight format's GGUF rows into blocks of 8 rows (pack), or back");
+  m.def("repack_rows", &repack_rows, nogil, "a block format's GGUF rows into blocks of 8 rows (pack), or back");
   m.def("supports_format", &supports_format, "whether linear_blocks takes this GGUF type");
   m.def("linear_bf16", &linear_bf16, nogil, "y = x @ W.T (+ bias), W (N, K) bf16, y in x's dtype (AVX2)");
   m.def("rms_norm", &rms_norm, nogil, "RMSNorm, float32 or bfloat16 (rounded as Hugging Face's bf16 path)");

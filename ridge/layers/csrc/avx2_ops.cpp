@@ -509,23 +509,35 @@ inline __m256i int8_group_dots(const __m256i* col, const int32_t* qsgn, const in
 // adds the pairs into int32. No saturation: a pair is at most 2 x 127 x 127, as the cache's
 // codes lie in [-127, 127] (kv/cache.py, kv_write.h). Scores per (head, token) into s[j L + t],
 // the attention scale folded into the query's group scales.
+// A thread's buffers for score_heads_int8, kept across its (sequence, KV head) jobs
+struct Int8Scores {
+  std::vector<int8_t> qq;
+  std::vector<int32_t> qsum, qabs, qsgn;
+  std::vector<float> qscale, ks;
+  std::vector<__m256i> col;
+  std::vector<uint8_t> pad;
+};
+
 template <typename T, int QG>
 void score_heads_int8(const float* qf, int64_t G, const CodeRows<T, false>& kr, int64_t L, int64_t D, float scale,
-                      float* s) {
+                      float* s, Int8Scores& buf) {
   const int64_t NGR = kr.G, GS = D / NGR, Q = D / 4, DP = (D + 31) / 32 * 32;
-  std::vector<int8_t> qq(G * D);
-  std::vector<int32_t> qsum(G * NGR), qabs(G * Q), qsgn(G * Q);
-  std::vector<float> qscale(G * NGR), ks(8 * NGR);
+  buf.qq.resize(G * D), buf.qsum.resize(G * NGR), buf.qabs.resize(G * Q), buf.qsgn.resize(G * Q);
+  buf.qscale.resize(G * NGR), buf.ks.resize(8 * NGR), buf.col.resize(DP / 4);
+  int8_t* qq = buf.qq.data();
+  int32_t *qabs = buf.qabs.data(), *qsgn = buf.qsgn.data();
+  float *qscale = buf.qscale.data(), *ks = buf.ks.data();
+  __m256i* col = buf.col.data();
   for (int64_t j = 0; j < G; ++j)
-    quantize_query(qf + j * D, D, GS, scale, &qq[j * D], &qsum[j * NGR], &qscale[j * NGR]);
+    quantize_query(qf + j * D, D, GS, scale, qq + j * D, buf.qsum.data() + j * NGR, qscale + j * NGR);
   for (int64_t i = 0; i < G * Q; ++i) {
     uint8_t a[4];
     for (int b = 0; b < 4; ++b) a[b] = static_cast<uint8_t>(std::abs(qq[4 * i + b]));
     std::memcpy(&qsgn[i], &qq[4 * i], 4), std::memcpy(&qabs[i], a, 4);
   }
-  std::vector<__m256i> col(DP / 4);
   const bool padded = D % 32 != 0;
-  std::vector<uint8_t> pad(padded ? 8 * DP : 0);  // rows whose D is not a multiple of 32, zero-padded
+  if (padded) buf.pad.assign(8 * DP, 0);  // rows whose D is not a multiple of 32, zero-padded
+  uint8_t* pad = buf.pad.data();
   kr.fetch(0, std::min(L, KV_PREFETCH_TOKENS), D);
   for (int64_t t0 = 0; t0 < L; t0 += 8) {
     const int64_t n = std::min<int64_t>(8, L - t0);
@@ -534,19 +546,19 @@ void score_heads_int8(const float* qf, int64_t G, const CodeRows<T, false>& kr, 
     for (int64_t i = 0; i < 8; ++i) {
       const int64_t t = t0 + std::min(i, n - 1);  // tail lanes repeat a token (not stored)
       const uint8_t* codes = kr.row(t).codes;
-      if (padded) std::memcpy(&pad[i * DP], codes, D), codes = &pad[i * DP];
+      if (padded) std::memcpy(pad + i * DP, codes, D), codes = pad + i * DP;
       src[i] = codes;
       for (int64_t gi = 0; gi < NGR; ++gi) ks[gi * 8 + i] = kr.scale(t, gi);
     }
     for (int64_t c = 0; c < DP; c += 32) {
       __m256i r[8];
       for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[i] + c));
-      transpose8(r, &col[c / 4]);
+      transpose8(r, col + c / 4);
     }
     for (int64_t j = 0; j < G; ++j) {
       __m256 sacc = _mm256_setzero_ps();
       for (int64_t gi = 0; gi < NGR; ++gi) {
-        const __m256i acc = int8_group_dots<QG>(col.data(), &qsgn[j * Q], &qabs[j * Q], gi * (GS / 4), (gi + 1) * (GS / 4));
+        const __m256i acc = int8_group_dots<QG>(col, qsgn + j * Q, qabs + j * Q, gi * (GS / 4), (gi + 1) * (GS / 4));
         sacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc),
                                _mm256_mul_ps(_mm256_loadu_ps(&ks[gi * 8]), _mm256_set1_ps(qscale[j * NGR + gi])), sacc);
       }
@@ -728,6 +740,7 @@ void attend(const T* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, int
   const int64_t G = Hq / Hkv;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), scores, kb(8 * D), acc(8 * D), pt;
+    Int8Scores int8_buf;
     Rows kr = proto, vr = proto;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / Hkv, h = job % Hkv, L = lp[b];
@@ -737,9 +750,9 @@ void attend(const T* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, int
       fill(kr, vr, b, h, L);
       if constexpr (Rows::INT8_QUERY) {  // the AVX-512 kernel's formula: fp32 probabilities
         if (D / kr.G == 32)  // groups of 32 (every head of a multiple of 32 dims): 8 quads unrolled
-          score_heads_int8<T, 8>(qf.data(), G, kr, L, D, scale, scores.data());
+          score_heads_int8<T, 8>(qf.data(), G, kr, L, D, scale, scores.data(), int8_buf);
         else
-          score_heads_int8<T, 0>(qf.data(), G, kr, L, D, scale, scores.data());
+          score_heads_int8<T, 0>(qf.data(), G, kr, L, D, scale, scores.data(), int8_buf);
         for (int64_t g = 0; g < G; ++g) softmax_row<float>(scores.data() + g * L, L);
       } else {
         score_heads<T>(qf.data(), G, kr, L, D, scale, scores.data(), kb.data());

@@ -390,19 +390,7 @@ class Avx2DecodePlan {
     const int64_t* tables = block_tables.data_ptr<int64_t>();
     const int64_t* lens = context_lens.data_ptr<int64_t>();
     const int64_t max_blocks = block_tables.size(1);
-    for (int64_t t = 0; t < T; ++t)
-      TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "AVX2 decode plan: position ", pos[t], " is outside the tables");
-    for (const auto& l : layers_) {  // every index the step reads or writes, in every layer's pools
-      const int64_t BS = l.k_pool.size(1), pool = l.k_pool.size(0);
-      for (int64_t t = 0; t < T; ++t) {
-        TORCH_CHECK(sp[t] >= 0 && sp[t] < pool * BS, "AVX2 decode plan: slot ", sp[t], " is outside the pool");
-        TORCH_CHECK(lens[t] >= 1 && lens[t] <= max_blocks * BS, "AVX2 decode plan: context length ", lens[t],
-                    " does not fit its table");
-        for (int64_t i = 0; i < (lens[t] + BS - 1) / BS; ++i)
-          TORCH_CHECK(tables[t * max_blocks + i] >= 0 && tables[t * max_blocks + i] < pool,
-                      "AVX2 decode plan: block id outside the pool");
-      }
-    }
+    ridge_shared::check_step("AVX2 decode plan", T, pos, cos.size(0), sp, lens, tables, max_blocks, layers_);
     ensure_buffers(T);
     bf16* hp = h.data_ptr<bf16>();
     bf16 *x = x_.data(), *o = o_.data(), *gu = gu_.data(), *act = act_.data(), *ffn = ffn_.data();

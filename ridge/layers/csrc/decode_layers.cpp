@@ -405,7 +405,11 @@ class DecodePlan {
                     context_lens.is_contiguous() && context_lens.numel() == T,
                 "decode plan: (T, blocks) int64 block tables and T int64 context lengths");
     TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                    sin.is_contiguous(), "decode plan: float32 rotary tables");
+                    sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes(),
+                "decode plan: float32 (positions, dim) rotary tables");
+    ridge_shared::check_step("decode plan", T, positions.data_ptr<int64_t>(), cos.size(0), slots.data_ptr<int64_t>(),
+                             context_lens.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(), block_tables.size(1),
+                             layers_);
     if (rows_path()) return run_rows(h, slots, block_tables, context_lens, positions, cos, sin);
     double matmul_s = 0.0;
     std::vector<int64_t> touched;

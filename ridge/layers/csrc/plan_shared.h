@@ -153,6 +153,37 @@ inline int64_t sort_by_expert(const int64_t* idp, int64_t pairs, int64_t E, std:
   return used;
 }
 
+// Every index a decode step reads or writes, checked before it runs (a plan's kernels index
+// without checks): each token's position within the rotary tables (positions rows), its slot
+// within a pool of `pool` blocks of `block_size`, its context within its block table (width
+// ids) and those ids within the pool. `plan` names the caller in the errors.
+inline void check_step(const char* plan, int64_t T, const int64_t* positions, int64_t table_positions,
+                       const int64_t* slots, const int64_t* context_lens, const int64_t* block_tables, int64_t width,
+                       int64_t pool, int64_t block_size) {
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(positions[t] >= 0 && positions[t] < table_positions, plan, ": position ", positions[t],
+                " is outside the tables");
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < pool * block_size, plan, ": slot ", slots[t], " is outside the pool");
+    TORCH_CHECK(context_lens[t] >= 1 && context_lens[t] <= width * block_size, plan, ": context length ",
+                context_lens[t], " does not fit its table");
+    for (int64_t i = 0; i < (context_lens[t] + block_size - 1) / block_size; ++i)
+      TORCH_CHECK(block_tables[t * width + i] >= 0 && block_tables[t * width + i] < pool, plan,
+                  ": block id outside the pool");
+  }
+}
+
+// check_step for every layer's pool (layers alike checked once)
+template <class Layers>
+void check_step(const char* plan, int64_t T, const int64_t* positions, int64_t table_positions, const int64_t* slots,
+                const int64_t* context_lens, const int64_t* block_tables, int64_t width, const Layers& layers) {
+  int64_t pool = -1, block_size = -1;
+  for (const auto& l : layers) {
+    if (l.k_pool.size(0) == pool && l.k_pool.size(1) == block_size) continue;
+    pool = l.k_pool.size(0), block_size = l.k_pool.size(1);
+    check_step(plan, T, positions, table_positions, slots, context_lens, block_tables, width, pool, block_size);
+  }
+}
+
 // A greedy run's next pass (DecodePlan.run_greedy): each row's last token's embedding into h,
 // one position on, its slot from the row's block table, one more token to attend. tokens: the
 // row's token of the pass before, at tokens[t * stride].
