@@ -494,7 +494,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--kernels",
         default="auto",
-        help="ridge's CPU kernels: auto, or avx2 (the AVX2 kernels on an AVX-512 CPU too, as a CPU without AVX-512 runs)",
+        help="ridge's CPU kernels: auto, or avx2 (the AVX2 kernels on an AVX-512 CPU too, as an AVX2-only CPU runs)",
     )
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {','.join(SCENARIOS)}")
     p.add_argument("--mixed-requests", type=int, default=32)

@@ -19,6 +19,7 @@ from ridge.layers.kernels import Avx2Kernels
 from ridge.models import llama
 
 from .hf_tiny import COMMON, build
+from .plan_cases import assert_refuses_bad_indices
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.cpu_has_avx2(), reason="this CPU has no AVX2 + FMA + F16C")
 
@@ -174,16 +175,7 @@ def test_what_the_plan_does_not_cover_runs_op_by_op(tmp_path, variant, options):
 def test_the_plan_refuses_an_index_outside_the_pools_before_touching_anything(tmp_path):
     build("llama-gqa", tmp_path)
     _, model = _generate(tmp_path, quantization="int4")
-    plan, rotary = model._plan.plan, model.model.rotary
-    h = torch.ones(1, COMMON["hidden_size"], dtype=torch.bfloat16)
-    one, table = torch.ones(1, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)
-    with pytest.raises(RuntimeError, match="slot 100000 is outside the pool"):
-        plan.run(h, torch.tensor([100000]), table, one, one, rotary.cos, rotary.sin)
-    with pytest.raises(RuntimeError, match="block id outside the pool"):
-        plan.run(h, one, table + 1000, one, one, rotary.cos, rotary.sin)
-    with pytest.raises(RuntimeError, match="position 100000 is outside the tables"):
-        plan.run(h, one, table, one, torch.tensor([100000]), rotary.cos, rotary.sin)
-    assert torch.equal(h, torch.ones_like(h))
+    assert_refuses_bad_indices(model._plan.plan, model.model.rotary, COMMON["hidden_size"], "AVX2 decode plan")
 
 
 def test_an_moe_the_plan_cannot_hold_is_refused_with_a_clear_error(tmp_path):

@@ -11,6 +11,7 @@ from ridge import LLM, SamplingParams
 from ridge.layers.cpu_kernels import cpu_has_avx512_bf16
 
 from .hf_tiny import COMMON, VARIANTS, build, save_spread
+from .plan_cases import assert_refuses_bad_indices
 
 pytestmark = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="ridge's CPU kernels need AVX-512 BF16")
 
@@ -162,28 +163,16 @@ def test_deepseek_with_fewer_than_16_heads_runs_op_by_op(tmp_path):
 
 
 def test_the_plan_refuses_an_index_outside_the_pools_before_touching_anything(tmp_path):
-    """The plan's kernels index without checks: a position past the rotary tables, a slot or a
-    block id outside the pool, or a context its table cannot hold is one clear error, checked
-    before any layer runs (h untouched); rope_bf16_ checks its positions alike."""
+    """Checked before any layer runs (plan_shared.h's check_step, as the AVX2 plan's);
+    rope_bf16_ checks its positions alike."""
     from ridge.layers.cpu_kernels import load_extension
 
     build("llama-gqa", tmp_path)
     _, model = _generate(tmp_path)
-    plan, rotary = model._plan.plan, model.model.rotary
-    h = torch.ones(1, COMMON["hidden_size"], dtype=torch.bfloat16)
-    one, table = torch.ones(1, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)
-    with pytest.raises(RuntimeError, match="decode plan: slot 100000 is outside the pool"):
-        plan.run(h, torch.tensor([100000]), table, one, one, rotary.cos, rotary.sin)
-    with pytest.raises(RuntimeError, match="decode plan: block id outside the pool"):
-        plan.run(h, one, table + 1000, one, one, rotary.cos, rotary.sin)
-    with pytest.raises(RuntimeError, match="decode plan: context length 100000 does not fit its table"):
-        plan.run(h, one, table, torch.tensor([100000]), one, rotary.cos, rotary.sin)
-    with pytest.raises(RuntimeError, match="decode plan: position 100000 is outside the tables"):
-        plan.run(h, one, table, one, torch.tensor([100000]), rotary.cos, rotary.sin)
-    assert torch.equal(h, torch.ones_like(h))
-    ext = load_extension()
-    d = rotary.cos.shape[1]
-    x = torch.ones(1, 2, d, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match=f"rope: position {rotary.cos.shape[0]} is outside the tables"):
-        ext.rope_bf16_(x, torch.tensor([rotary.cos.shape[0]]), rotary.cos, rotary.sin)
+    rotary = model.model.rotary
+    assert_refuses_bad_indices(model._plan.plan, rotary, COMMON["hidden_size"], "decode plan")
+    x = torch.ones(1, 2, rotary.cos.shape[1], dtype=torch.bfloat16)
+    end = rotary.cos.shape[0]
+    with pytest.raises(RuntimeError, match=f"rope: position {end} is outside the tables"):
+        load_extension().rope_bf16_(x, torch.tensor([end]), rotary.cos, rotary.sin)
     assert torch.equal(x, torch.ones_like(x))

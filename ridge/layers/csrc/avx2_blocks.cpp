@@ -1001,6 +1001,43 @@ inline __m256i pick_i8(__m256i v, const uint8_t* mask) {
   return _mm256_srai_epi16(_mm256_shuffle_epi8(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(mask))), 8);
 }
 
+// acc[r] += sum_i v_i qsum16_i over the 4 sub-blocks i = 4k.. 4k + 3 of block b: v_i the
+// 8 rows' int8 (or 0-127) byte i % 4 of each lane of v, qsum16 row r's sums of x's codes per 16
+// (an offset's or a minimum's part of the K-quants' sums)
+template <int R>
+inline __attribute__((always_inline)) void add_x_sums(__m256i v, const XRows<R>& xr, int64_t b, int k, __m256i* acc) {
+  const __m256i pa = pick_i8(v, Q6K_PICKS.pair[0]), pb = pick_i8(v, Q6K_PICKS.pair[1]);
+  for (int r = 0; r < R; ++r) {
+    const int8_t* qs = reinterpret_cast<const int8_t*>(xr.qsums16[r] + 16 * b + 4 * k);
+    acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(pa, broadcast4(qs)),
+                                                       _mm256_madd_epi16(pb, broadcast4(qs + 4))));
+  }
+}
+
+// Group grp of block b for codes of at most 3 bits (Q3_K, Q2_K): codes(t) its chunk t (weights
+// 4t.. 4t + 3 of the 8 rows), each row of x's products summed in int16 over the 4 chunks of a
+// sub-block (at most 4 x 2 x 7 x 127), then vpmaddwd by its scale into acc[r]. The 8 rows' scales
+// of sub-blocks 2 grp and 2 grp + 1 are bytes 2 (grp % 2) and 2 (grp % 2) + 1 of each lane of sv.
+template <int R, class Codes>
+inline __attribute__((always_inline)) void add_group_3bit(int grp, __m256i sv, Codes&& codes, const XRows<R>& xr,
+                                                          int64_t b, __m256i* acc) {
+  const __m256i s0 = pick_i8(sv, Q6K_PICKS.same[2 * (grp % 2)]), s1 = pick_i8(sv, Q6K_PICKS.same[2 * (grp % 2) + 1]);
+  __m256i part[R];
+#pragma GCC unroll 8
+  for (int t = 0; t < 8; ++t) {
+    const __m256i c = codes(t);
+    for (int r = 0; r < R; ++r) {
+      const __m256i pr = _mm256_maddubs_epi16(c, broadcast4(xr.codes[r] + b * 256 + 32 * grp + 4 * t));
+      part[r] = t % 4 ? _mm256_add_epi16(part[r], pr) : pr;
+      in_register(part[r]);
+      if (t % 4 == 3) {
+        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(part[r], t < 4 ? s0 : s1));
+        in_register(acc[r]);
+      }
+    }
+  }
+}
+
 template <int R>
 void rows8_dot_q6_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, __m256* sums) {
   using L = Rows8<Q6_K>;
@@ -1041,15 +1078,7 @@ void rows8_dot_q6_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, __m256* su
         }
       }
 #pragma GCC unroll 2
-    for (int c = 0; c < 4; ++c) {  // the offset: 32 sum_k s_k qsum16_k, scales k = 4c.. 4c + 3
-      const __m256i scales = load32(q + 32 * (48 + c));
-      const __m256i pa = pick_i8(scales, Q6K_PICKS.pair[0]), pb = pick_i8(scales, Q6K_PICKS.pair[1]);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* qs = reinterpret_cast<const int8_t*>(xr.qsums16[r] + 16 * b + 4 * c);
-        off[r] = _mm256_add_epi32(off[r], _mm256_add_epi32(_mm256_madd_epi16(pa, broadcast4(qs)),
-                                                           _mm256_madd_epi16(pb, broadcast4(qs + 4))));
-      }
-    }
+    for (int c = 0; c < 4; ++c) add_x_sums<R>(load32(q + 32 * (48 + c)), xr, b, c, off);  // the offset: 32 sum_k s_k qsum16_k
     for (int r = 0; r < R; ++r) {
       const __m256 dx = _mm256_broadcast_ss(xr.scales[r] + b);
       const __m256i dot = _mm256_sub_epi32(acc[r], _mm256_slli_epi32(off[r], 5));
@@ -1065,7 +1094,8 @@ void rows8_dot_q6_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, __m256* su
 // bit g of hmask chunk t: codes 0-7, as super_block_row's. The 16 6-bit scales decode for the 8
 // rows at once into 4 vectors of bytes (scale i: byte i % 4 of sv[i / 4], less 32), each a
 // vpshufb away from int16 pairs (s, s). Codes times x reach 2 * 7 * 127 a vpmaddubsw lane, so a
-// scale's 4 chunks sum in int16, then vpmaddwd by it; the offset, 4, comes out of x's code sums.
+// scale's 4 chunks sum in int16, then vpmaddwd by it (add_group_3bit); the offset, 4, comes out
+// of x's code sums (add_x_sums).
 template <int R>
 void rows8_dot_q3_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, __m256* sums) {
   using L = Rows8<Q3_K>;
@@ -1090,35 +1120,16 @@ void rows8_dot_q3_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, __m256* su
 #pragma GCC unroll 8
     for (int grp = 0; grp < 8; ++grp) {
       const int n = grp / 4, j = grp % 4;
-      const __m256i s0 = pick_i8(sv[grp / 2], Q6K_PICKS.same[2 * (grp % 2)]);
-      const __m256i s1 = pick_i8(sv[grp / 2], Q6K_PICKS.same[2 * (grp % 2) + 1]);
-      __m256i part[R];
-#pragma GCC unroll 8
-      for (int t = 0; t < 8; ++t) {
+      const auto codes = [&](int t) __attribute__((always_inline)) {
         const __m256i lo2 = _mm256_and_si256(_mm256_srli_epi16(load32(q + 32 * (8 + 8 * n + t)), 2 * j), three);
         const __m256i hm = load32(q + 32 * t);
-        const __m256i hi = _mm256_and_si256(grp <= 2 ? _mm256_slli_epi16(hm, 2 - grp) : _mm256_srli_epi16(hm, grp - 2), four);
-        const __m256i codes = _mm256_or_si256(lo2, hi);
-        for (int r = 0; r < R; ++r) {
-          const __m256i pr = _mm256_maddubs_epi16(codes, broadcast4(xr.codes[r] + b * 256 + 32 * grp + 4 * t));
-          part[r] = t % 4 ? _mm256_add_epi16(part[r], pr) : pr;  // |.| <= 4 * 2 * 7 * 127
-          in_register(part[r]);
-          if (t % 4 == 3) {
-            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(part[r], t < 4 ? s0 : s1));
-            in_register(acc[r]);
-          }
-        }
-      }
+        return _mm256_or_si256(
+            lo2, _mm256_and_si256(grp <= 2 ? _mm256_slli_epi16(hm, 2 - grp) : _mm256_srli_epi16(hm, grp - 2), four));
+      };
+      add_group_3bit<R>(grp, sv[grp / 2], codes, xr, b, acc);
     }
 #pragma GCC unroll 4
-    for (int k = 0; k < 4; ++k) {  // the offset: 4 sum_i s_i qsum16_i, scales i = 4k.. 4k + 3
-      const __m256i pa = pick_i8(sv[k], Q6K_PICKS.pair[0]), pb = pick_i8(sv[k], Q6K_PICKS.pair[1]);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* qs = reinterpret_cast<const int8_t*>(xr.qsums16[r] + 16 * b + 4 * k);
-        off[r] = _mm256_add_epi32(off[r], _mm256_add_epi32(_mm256_madd_epi16(pa, broadcast4(qs)),
-                                                           _mm256_madd_epi16(pb, broadcast4(qs + 4))));
-      }
-    }
+    for (int k = 0; k < 4; ++k) add_x_sums<R>(sv[k], xr, b, k, off);  // the offset: 4 sum_i s_i qsum16_i
     for (int r = 0; r < R; ++r) {
       const __m256 dx = _mm256_broadcast_ss(xr.scales[r] + b);
       const __m256i dot = _mm256_sub_epi32(acc[r], _mm256_slli_epi32(off[r], 2));
@@ -1131,8 +1142,8 @@ void rows8_dot_q3_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, __m256* su
 // Q2_K in blocks of 8 rows: d[8] | dmin[8] | GGUF's first 80 bytes of each row 4 at a time (the
 // 16 scale bytes: chunks 0-3, qs: 4-19). Group g = 4n + j's weights [4t, 4t + 4) are bits 2j of
 // qs chunk 4 + 8n + t (codes 0-3); scale and minimum i are the low and high nibbles of byte i % 4
-// of chunk i / 4. The integer sums and float ops are super_block_row's, the minimums' part as
-// Q4_K's in rows8_dot_k.
+// of chunk i / 4. The integer sums and float ops are super_block_row's (add_group_3bit as
+// Q3_K's; the minimums' part from x's code sums, add_x_sums).
 template <int R>
 void rows8_dot_q2_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, __m256* sums) {
   using L = Rows8<Q2_K>;
@@ -1147,34 +1158,15 @@ void rows8_dot_q2_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, __m256* su
 #pragma GCC unroll 8
     for (int grp = 0; grp < 8; ++grp) {
       const int n = grp / 4, j = grp % 4;
-      const __m256i sc = _mm256_and_si256(load32(q + 32 * (grp / 2)), low);  // scales 4 (grp / 2).. as bytes
-      const __m256i s0 = pick_i8(sc, Q6K_PICKS.same[2 * (grp % 2)]);
-      const __m256i s1 = pick_i8(sc, Q6K_PICKS.same[2 * (grp % 2) + 1]);
-      __m256i part[R];
-#pragma GCC unroll 8
-      for (int t = 0; t < 8; ++t) {
-        const __m256i codes = _mm256_and_si256(_mm256_srli_epi16(load32(q + 32 * (4 + 8 * n + t)), 2 * j), three);
-        for (int r = 0; r < R; ++r) {
-          const __m256i pr = _mm256_maddubs_epi16(codes, broadcast4(xr.codes[r] + b * 256 + 32 * grp + 4 * t));
-          part[r] = t % 4 ? _mm256_add_epi16(part[r], pr) : pr;  // |.| <= 4 * 2 * 3 * 127
-          in_register(part[r]);
-          if (t % 4 == 3) {
-            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(part[r], t < 4 ? s0 : s1));
-            in_register(acc[r]);
-          }
-        }
-      }
+      const auto codes = [&](int t) __attribute__((always_inline)) {
+        return _mm256_and_si256(_mm256_srli_epi16(load32(q + 32 * (4 + 8 * n + t)), 2 * j), three);
+      };
+      // scales 4 (grp / 2).. 4 (grp / 2) + 3 as bytes
+      add_group_3bit<R>(grp, _mm256_and_si256(load32(q + 32 * (grp / 2)), low), codes, xr, b, acc);
     }
 #pragma GCC unroll 4
-    for (int k = 0; k < 4; ++k) {  // the minimums' part: sum_i m_i qsum16_i, i = 4k.. 4k + 3
-      const __m256i mn = _mm256_and_si256(_mm256_srli_epi16(load32(q + 32 * k), 4), low);
-      const __m256i pa = pick_i8(mn, Q6K_PICKS.pair[0]), pb = pick_i8(mn, Q6K_PICKS.pair[1]);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* qs = reinterpret_cast<const int8_t*>(xr.qsums16[r] + 16 * b + 4 * k);
-        macc[r] = _mm256_add_epi32(macc[r], _mm256_add_epi32(_mm256_madd_epi16(pa, broadcast4(qs)),
-                                                             _mm256_madd_epi16(pb, broadcast4(qs + 4))));
-      }
-    }
+    for (int k = 0; k < 4; ++k)  // the minimums' part: sum_i m_i qsum16_i
+      add_x_sums<R>(_mm256_and_si256(_mm256_srli_epi16(load32(q + 32 * k), 4), low), xr, b, k, macc);
     for (int r = 0; r < R; ++r) {
       const __m256 dx = _mm256_broadcast_ss(xr.scales[r] + b);
       __m256 s = _mm256_mul_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(acc[r]));
