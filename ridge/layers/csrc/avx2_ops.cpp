@@ -302,8 +302,7 @@ void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::T
   const int64_t T_ = x.size(0), H = x.size(1), D = x.size(2), row_stride = x.stride(0);
   const int64_t* pp = pos.data_ptr<int64_t>();
   TORCH_CHECK(pos.numel() == T_, "rope: one position a row expected");
-  for (int64_t t = 0; t < T_; ++t)
-    TORCH_CHECK(pp[t] >= 0 && pp[t] < cos.size(0), "rope: position ", pp[t], " is outside the tables");
+  ridge_shared::check_positions("rope", T_, pp, cos.size(0));
   with_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     ridge_avx2::rope_into(x.data_ptr<T>(), T_, H, D, row_stride, pp, cos.data_ptr<float>(), sin.data_ptr<float>());
@@ -497,6 +496,15 @@ inline __m256i int8_group_dots(const __m256i* col, const int32_t* qsgn, const in
   return _mm256_add_epi32(a0, a1);
 }
 
+// A thread's buffers for score_heads_int8, kept across its (sequence, KV head) jobs
+struct Int8Scores {
+  std::vector<int8_t> qq;
+  std::vector<int32_t> qsum, qabs, qsgn;
+  std::vector<float> qscale, ks;
+  std::vector<__m256i> col;
+  std::vector<uint8_t> pad;
+};
+
 // Scores over an int8 K with the query in int8 too, the AVX-512 kernel's formula
 // (decode_attention_quant.cpp; kv_query.h's quantize_query): each group of GS query values
 // quantized to int8 (scale amax / 127), so that a token's score is
@@ -509,15 +517,6 @@ inline __m256i int8_group_dots(const __m256i* col, const int32_t* qsgn, const in
 // adds the pairs into int32. No saturation: a pair is at most 2 x 127 x 127, as the cache's
 // codes lie in [-127, 127] (kv/cache.py, kv_write.h). Scores per (head, token) into s[j L + t],
 // the attention scale folded into the query's group scales.
-// A thread's buffers for score_heads_int8, kept across its (sequence, KV head) jobs
-struct Int8Scores {
-  std::vector<int8_t> qq;
-  std::vector<int32_t> qsum, qabs, qsgn;
-  std::vector<float> qscale, ks;
-  std::vector<__m256i> col;
-  std::vector<uint8_t> pad;
-};
-
 template <typename T, int QG>
 void score_heads_int8(const float* qf, int64_t G, const CodeRows<T, false>& kr, int64_t L, int64_t D, float scale,
                       float* s, Int8Scores& buf) {
@@ -536,7 +535,8 @@ void score_heads_int8(const float* qf, int64_t G, const CodeRows<T, false>& kr, 
     std::memcpy(&qsgn[i], &qq[4 * i], 4), std::memcpy(&qabs[i], a, 4);
   }
   const bool padded = D % 32 != 0;
-  if (padded) buf.pad.assign(8 * DP, 0);  // rows whose D is not a multiple of 32, zero-padded
+  // rows whose D is not a multiple of 32, zero-padded (only their first D bytes are ever written)
+  if (padded && buf.pad.size() != static_cast<size_t>(8 * DP)) buf.pad.assign(8 * DP, 0);
   uint8_t* pad = buf.pad.data();
   kr.fetch(0, std::min(L, KV_PREFETCH_TOKENS), D);
   for (int64_t t0 = 0; t0 < L; t0 += 8) {

@@ -238,11 +238,9 @@ void rope_bf16_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, tor
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) == x.size(2),
               "rope: float32 (positions, D) cos and sin tables expected");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == x.size(0), "rope: one int64 position a row expected");
-  auto pos = positions.contiguous();
-  const int64_t* pp = pos.data_ptr<int64_t>();
-  for (int64_t t = 0; t < x.size(0); ++t)
-    TORCH_CHECK(pp[t] >= 0 && pp[t] < cos.size(0), "rope: position ", pp[t], " is outside the tables");
+  auto pos = positions.to(at::kLong).contiguous();
+  TORCH_CHECK(pos.numel() == x.size(0), "rope: one position a row expected");
+  ridge_shared::check_positions("rope", x.size(0), pos.data_ptr<int64_t>(), cos.size(0));
   rope_into(x.data_ptr<bf16>(), x.size(0), x.size(1), x.size(2), x.stride(0), pos.data_ptr<int64_t>(),
             cos.data_ptr<float>(), sin.data_ptr<float>(), x.size(2));
 }

@@ -1,8 +1,9 @@
 // What both CPU extensions' routers and decode plans do alike, in one scalar definition each
 // compiles (decode_ops.cpp and decode_layers.cpp for AVX-512, avx2_ops.cpp and avx2_plan.cpp for
 // AVX2): an MoE router's choice once a token's logits are in, the (token, choice) pairs sorted
-// by expert, and a greedy run's next pass. Each computes the logits and runs the layers with its
-// own SIMD.
+// by expert, a greedy run's next pass, and the checks of a step's indices (positions, slots,
+// block tables) before a plan or a RoPE kernel reads them. Each computes the logits and runs the
+// layers with its own SIMD.
 #pragma once
 #include <torch/extension.h>
 
@@ -153,6 +154,14 @@ inline int64_t sort_by_expert(const int64_t* idp, int64_t pairs, int64_t E, std:
   return used;
 }
 
+// Each of T positions within rotary tables of table_positions rows (`what` names the caller in
+// the error): the kernels read a position's row of cos and sin unchecked
+inline void check_positions(const char* what, int64_t T, const int64_t* positions, int64_t table_positions) {
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(positions[t] >= 0 && positions[t] < table_positions, what, ": position ", positions[t],
+                " is outside the tables");
+}
+
 // Every index a decode step reads or writes, checked before it runs (a plan's kernels index
 // without checks): each token's position within the rotary tables (positions rows), its slot
 // within a pool of `pool` blocks of `block_size`, its context within its block table (width
@@ -160,9 +169,8 @@ inline int64_t sort_by_expert(const int64_t* idp, int64_t pairs, int64_t E, std:
 inline void check_step(const char* plan, int64_t T, const int64_t* positions, int64_t table_positions,
                        const int64_t* slots, const int64_t* context_lens, const int64_t* block_tables, int64_t width,
                        int64_t pool, int64_t block_size) {
+  check_positions(plan, T, positions, table_positions);
   for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(positions[t] >= 0 && positions[t] < table_positions, plan, ": position ", positions[t],
-                " is outside the tables");
     TORCH_CHECK(slots[t] >= 0 && slots[t] < pool * block_size, plan, ": slot ", slots[t], " is outside the pool");
     TORCH_CHECK(context_lens[t] >= 1 && context_lens[t] <= width * block_size, plan, ": context length ",
                 context_lens[t], " does not fit its table");
