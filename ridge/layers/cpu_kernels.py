@@ -53,6 +53,7 @@ HEADERS = (
     "paged_rows.h",
     "plan_shared.h",
     "simd_math.h",
+    "weight_arena.h",
 )
 EXTENSION_NAME = "ridge_cpu"
 
@@ -101,7 +102,7 @@ AVX2 = ExtensionSpec(
     "ridge_cpu_avx2",
     "the AVX2 kernels",
     ("avx2_blocks.cpp", "avx2_dense.cpp", "avx2_ops.cpp", "avx2_plan.cpp"),
-    ("avx2_kernels.h", "avx2_simd.h", "kv_query.h", "kv_write.h", "paged_rows.h", "plan_shared.h"),
+    ("avx2_kernels.h", "avx2_simd.h", "kv_query.h", "kv_write.h", "paged_rows.h", "plan_shared.h", "weight_arena.h"),
     # no contraction into FMAs but the kernel's own: one row's float ops must not depend on how
     # many rows a tile holds (a row's output does not depend on its batch)
     ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"),

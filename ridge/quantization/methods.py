@@ -49,7 +49,8 @@ class LinearMethod:
         raise NotImplementedError
 
     def process_weights_after_loading(self, layer: Linear, kernels) -> None:
-        """Repack for ``kernels`` (which may decline and return None)."""
+        """Repack for ``kernels`` (which may decline and return None); a weight kept as loaded
+        goes where ``kernels.place_weight`` puts it."""
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """The torch reference: any device, any float dtype."""
@@ -99,7 +100,8 @@ class UnquantizedLinearMethod(LinearMethod):
             return
         weight = layer.weight
         packed = kernels.pack_dense(weight.detach())
-        if packed is None:
+        if packed is None:  # read as loaded (a tied lm_head's placed weight is the embedding's too)
+            layer.weight.data = kernels.place_weight(weight.detach())
             return
         layer.packed, layer.unpacker = packed, kernels
         if not layer.weight_is_shared:  # a tied lm_head keeps the embedding's
@@ -158,7 +160,8 @@ class BlockQuantLinearMethod(LinearMethod):
         if layer.packed is not None:  # already repacked
             return
         packed = kernels.pack_blocks(self.format, layer.blocks, layer.out_features, layer.in_features)
-        if packed is None:
+        if packed is None:  # read as loaded
+            layer.blocks = kernels.place_weight(layer.blocks)
             return
         layer.packed, layer.unpacker = packed, kernels
         layer.blocks = torch.empty(0, dtype=torch.uint8, device=layer.blocks.device)

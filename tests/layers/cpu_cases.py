@@ -6,9 +6,12 @@
 - prefill attention as each token's decode: within a rounding of scaled_dot_product_attention
   over the gathered context, a prompt in one chunk and in three the same bytes, each row the
   decode of that token, slots past the context (NaN here) never read;
-- structured output's token bitmask: what llguidance's own reading of the mask gives."""
+- structured output's token bitmask: what llguidance's own reading of the mask gives;
+- where a kernel set keeps the weights it streams: 2 MiB pages (``anon_huge_bytes``)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,3 +150,24 @@ def check_token_bitmask(fast, dtype: torch.dtype, vocab: int, words: int) -> Non
         kernels.apply_token_bitmask_(got, mask)
         assert torch.equal(got, expected), kernels.name
     assert torch.isinf(expected[2]).all() and torch.equal(expected[1, : 32 * words], logits[1, : 32 * words])
+
+
+def thp_enabled() -> bool:
+    """Whether this system gives memory that asks for them (madvise) transparent huge pages."""
+    try:
+        return "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+
+
+def anon_huge_bytes(t: torch.Tensor) -> int:
+    """Bytes of 2 MiB pages (smaps' AnonHugePages) in the mapping that holds t's first byte."""
+    addr, inside = t.data_ptr(), False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if not head.endswith(":"):  # a mapping's first line: start-end perms offset ...
+            start, end = (int(a, 16) for a in head.split("-"))
+            inside = start <= addr < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    return 0

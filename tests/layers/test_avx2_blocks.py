@@ -17,6 +17,8 @@ from ridge.quantization.formats import FORMATS, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_K, 
 from ridge.quantization.methods import BlockQuantLinearMethod, ShardedLinearMethod
 from ridge.quantization.random_blocks import random_blocks
 
+from .cpu_cases import anon_huge_bytes, thp_enabled
+
 pytestmark = pytest.mark.skipif(not cpu_has_avx2(), reason="this CPU has no AVX2 + FMA + F16C")
 
 
@@ -251,3 +253,33 @@ def test_the_kernels_read_a_layers_gguf_bytes_as_loaded(ext):
     got = kernels.matmul(x, packed)
     for shard, (fmt, blocks) in enumerate(zip((Q4_K, Q4_K, Q6_K), parts, strict=True)):
         assert torch.equal(got[:, 32 * shard : 32 * shard + 32], ext.linear_blocks(x, blocks, fmt.ggml_type, None))
+
+
+def test_weights_read_as_loaded_move_into_2mib_pages_with_their_values(ext):
+    """A dense bf16 weight and Q6_K blocks (both read as loaded) are copied into 2 MiB pages
+    at load, as the blocks of 8 rows are packed into them; the outputs do not change. A weight
+    under 64 KiB stays where it is."""
+    kernels = Avx2Kernels(ext)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4096, generator=gen).bfloat16()
+    dense = Linear(4096, 1024, False)  # 8 MiB of bf16
+    dense.weight.data = torch.randn(1024, 4096, generator=gen).bfloat16()
+    q6 = _layer(Q6_K, 1024, 4096, seed=1)  # 6.6 MiB
+    q4 = _layer(Q4_K, 1024, 4096, seed=2)  # packed
+    small = Linear(512, 16, False)
+    small.weight.data = torch.randn(16, 512, generator=gen).bfloat16()
+    before = {
+        "dense": (dense.weight.detach().clone(), dense.weight.data_ptr(), ext.linear_bf16(x, dense.weight, None)),
+        "q6": (q6.blocks.clone(), q6.blocks.data_ptr(), ext.linear_blocks(x, q6.blocks, Q6_K.ggml_type, None)),
+    }
+    small_ptr = small.weight.data_ptr()
+    for layer in (dense, q6, q4, small):
+        layer.method.process_weights_after_loading(layer, kernels)
+    for name, held in (("dense", dense.weight), ("q6", q6.blocks)):
+        values, ptr, y = before[name]
+        assert held.data_ptr() != ptr and held.is_contiguous() and torch.equal(held, values)
+        assert torch.equal(kernels.matmul(x, dense if name == "dense" else q6), y)
+    assert small.weight.data_ptr() == small_ptr
+    if thp_enabled():
+        for held in (dense.weight, q6.blocks, q4.packed):
+            assert anon_huge_bytes(held) >= 2 << 20

@@ -36,6 +36,7 @@
 
 #include "avx2_kernels.h"
 #include "avx2_simd.h"
+#include "weight_arena.h"
 
 #include <cstdint>
 #include <cstring>
@@ -1238,7 +1239,9 @@ torch::Tensor repack_rows(torch::Tensor blocks, int64_t ggml_type, bool pack) {
     const int64_t groups = pack ? in.size(0) / 8 : in.size(0), row_bytes = pack ? in.size(1) : in.size(1) / 8;
     TORCH_CHECK(row_bytes % F::BYTES == 0 && (pack || in.size(1) % 8 == 0), "repack_rows: rows of ", row_bytes,
                 " bytes are not whole blocks of ", F::BYTES);
-    out = pack ? torch::empty({groups, 8 * row_bytes}, in.options()) : torch::empty({8 * groups, row_bytes}, in.options());
+    // packing makes a layer's weight (in 2 MiB pages); unpacking, a copy to read
+    out = pack ? ridge_shared::huge_page_empty({groups, 8 * row_bytes}, in.options())
+               : torch::empty({8 * groups, row_bytes}, in.options());
     const uint8_t* src = in.data_ptr<uint8_t>();
     uint8_t* dst = out.data_ptr<uint8_t>();
     at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
@@ -1350,6 +1353,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_blocks_packed", &linear_blocks_packed, nogil, "linear_blocks on blocks of 8 rows (repack_rows)");
   m.def("repack_rows", &repack_rows, nogil, "a block format's GGUF rows into blocks of 8 rows (pack), or back");
   m.def("supports_format", &supports_format, "whether linear_blocks takes this GGUF type");
+  m.def("huge_page_copy", &ridge_shared::huge_page_copy, nogil, "a CPU weight's values, contiguous, in 2 MiB pages (weight_arena.h)");
   m.def("linear_bf16", &linear_bf16, nogil, "y = x @ W.T (+ bias), W (N, K) bf16, y in x's dtype (AVX2)");
   m.def("rms_norm", &rms_norm, nogil, "RMSNorm, float32 or bfloat16 (rounded as Hugging Face's bf16 path)");
   m.def("add_rms_norm", &add_rms_norm, nogil, "residual += x (in place), then RMSNorm(residual)");

@@ -336,68 +336,6 @@ bool amx_int8_ready() { return amx_features() & (1u << 25); }
 
 bool linear_bf16_uses_amx(int64_t K) { return K % 32 == 0 && amx_ready(); }  // for M >= 2
 
-namespace {
-
-// Packed weights live in 2 MiB pages: streaming gigabytes through 4 KiB pages costs a TLB miss
-// every 64 cache lines (torch's allocator does not ask for huge pages, and transparent huge
-// pages here are "madvise" only). They are carved one after another, 4 KiB aligned, out of
-// slabs of address space that ask for huge pages (WeightArena); each was its own allocation
-// rounded up to whole 2 MiB pages, which took 658 MB of memory for TinyLlama-1.1B's 520 MB of
-// Q4_K matrices (2.4-13 MB each); carved, 522 MB, and the kernels stream them as fast (2-core
-// Zen 5, one row over the 88 matrices alternated: q4_k 0.99x, int4 1.01x, bf16 0.99x). A
-// slab's pages are faulted in as the packing first writes them, so its unused tail costs only
-// address space. A freed weight gives its whole pages back to the system at once (a slab's
-// space is never carved twice), and the slab is freed with the last weight carved from it.
-class WeightArena {
- public:
-  static constexpr size_t kHuge = 2u << 20, kSlab = 64u << 20, kAlign = 4096;
-  static constexpr size_t kMinCarve = 64u << 10;  // smaller weights are torch's allocations
-
-  // Room for bytes: ptr into the slab returned (which the tensor keeps alive), or nullptr
-  // where no slab could be had. A weight larger than a slab gets a slab of its own.
-  std::shared_ptr<void> carve(size_t bytes, void*& ptr) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    std::shared_ptr<void> slab = current_.lock();
-    if (!slab || used_ + bytes > size_) {
-      const size_t size = std::max(kSlab, (bytes + kHuge - 1) / kHuge * kHuge);
-      void* base = nullptr;
-      if (posix_memalign(&base, kHuge, size) != 0) return nullptr;
-      madvise(base, size, MADV_HUGEPAGE);  // before the first touch, so faults take huge pages
-      slab = std::shared_ptr<void>(base, [](void* p) { std::free(p); });
-      current_ = slab, size_ = size, used_ = 0;
-    }
-    ptr = static_cast<char*>(slab.get()) + used_;
-    used_ = (used_ + bytes + kAlign - 1) / kAlign * kAlign;
-    return slab;
-  }
-
-  // a freed weight's whole 2 MiB pages back to the system (its partial ones stay with the slab)
-  static void release(void* ptr, size_t bytes) {
-    const uintptr_t begin = (reinterpret_cast<uintptr_t>(ptr) + kHuge - 1) / kHuge * kHuge;
-    const uintptr_t end = (reinterpret_cast<uintptr_t>(ptr) + bytes) / kHuge * kHuge;
-    if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
-  }
-
- private:
-  std::mutex mutex_;
-  std::weak_ptr<void> current_;  // the slab being filled, alive while a weight holds it
-  size_t size_ = 0, used_ = 0;
-};
-
-}  // namespace
-
-torch::Tensor huge_page_empty(at::IntArrayRef shape, const at::TensorOptions& options) {
-  static WeightArena arena;
-  int64_t numel = 1;
-  for (auto d : shape) numel *= d;
-  const size_t bytes = static_cast<size_t>(numel) * options.dtype().itemsize();
-  void* ptr = nullptr;
-  std::shared_ptr<void> slab = bytes >= WeightArena::kMinCarve ? arena.carve(bytes, ptr) : nullptr;
-  if (!slab) return torch::empty(shape, options);
-  // the deleter's copy of slab keeps it alive
-  return torch::from_blob(ptr, shape, [slab, bytes](void* p) { WeightArena::release(p, bytes); }, options);
-}
-
 torch::Tensor pack_vnni(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.device().is_cpu(), "pack_vnni: (N, K) bf16 CPU");
   const int64_t N = w.size(0), K = w.size(1), NB = (N + 15) / 16, KP = (K + 1) / 2;

@@ -5,8 +5,10 @@
 
 #include <vector>
 
-// Packed weights, carved from shared slabs of 2 MiB pages (linear_bf16.cpp's WeightArena).
-torch::Tensor huge_page_empty(at::IntArrayRef shape, const at::TensorOptions& options);
+#include "weight_arena.h"
+
+// Packed weights, carved from shared slabs of 2 MiB pages (weight_arena.h)
+using ridge_shared::huge_page_empty;
 
 // How far ahead of its loads a streaming kernel (bf16 and every block format) fetches each line
 // of its weights into L2 (prefetcht2), and a block-format kernel each group into L1
