@@ -1015,6 +1015,20 @@ inline __attribute__((always_inline)) void add_x_sums(__m256i v, const XRows<R>&
   }
 }
 
+// Block b's sums of an offset format (Q6_K's 32, Q3_K's 4 = 1 << SHIFT): each row of x's
+// integer products less the offset times its code sums (off, from add_x_sums), times d and
+// x's scale, into sums[r nb + b]
+template <int SHIFT, int R>
+inline __attribute__((always_inline)) void store_offset_sums(const __m256i* acc, const __m256i* off, __m256 dv,
+                                                             const XRows<R>& xr, int64_t b, int64_t nb, __m256* sums) {
+  for (int r = 0; r < R; ++r) {
+    const __m256 dx = _mm256_broadcast_ss(xr.scales[r] + b);
+    const __m256i dot = _mm256_sub_epi32(acc[r], _mm256_slli_epi32(off[r], SHIFT));
+    _mm256_storeu_ps(reinterpret_cast<float*>(sums + r * nb + b),
+                     _mm256_mul_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(dot)));
+  }
+}
+
 // Group grp of block b for codes of at most 3 bits (Q3_K, Q2_K): codes(t) its chunk t (weights
 // 4t.. 4t + 3 of the 8 rows), each row of x's products summed in int16 over the 4 chunks of a
 // sub-block (at most 4 x 2 x 7 x 127), then vpmaddwd by its scale into acc[r]. The 8 rows' scales
@@ -1080,12 +1094,7 @@ void rows8_dot_q6_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, __m256* su
       }
 #pragma GCC unroll 2
     for (int c = 0; c < 4; ++c) add_x_sums<R>(load32(q + 32 * (48 + c)), xr, b, c, off);  // the offset: 32 sum_k s_k qsum16_k
-    for (int r = 0; r < R; ++r) {
-      const __m256 dx = _mm256_broadcast_ss(xr.scales[r] + b);
-      const __m256i dot = _mm256_sub_epi32(acc[r], _mm256_slli_epi32(off[r], 5));
-      _mm256_storeu_ps(reinterpret_cast<float*>(sums + r * nb + b),
-                       _mm256_mul_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(dot)));
-    }
+    store_offset_sums<5, R>(acc, off, dv, xr, b, nb, sums);
   }
 }
 
@@ -1131,12 +1140,7 @@ void rows8_dot_q3_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, __m256* su
     }
 #pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) add_x_sums<R>(sv[k], xr, b, k, off);  // the offset: 4 sum_i s_i qsum16_i
-    for (int r = 0; r < R; ++r) {
-      const __m256 dx = _mm256_broadcast_ss(xr.scales[r] + b);
-      const __m256i dot = _mm256_sub_epi32(acc[r], _mm256_slli_epi32(off[r], 2));
-      _mm256_storeu_ps(reinterpret_cast<float*>(sums + r * nb + b),
-                       _mm256_mul_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(dot)));
-    }
+    store_offset_sums<2, R>(acc, off, dv, xr, b, nb, sums);
   }
 }
 
