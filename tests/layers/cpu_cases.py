@@ -7,7 +7,8 @@
   over the gathered context, a prompt in one chunk and in three the same bytes, each row the
   decode of that token, slots past the context (NaN here) never read;
 - structured output's token bitmask: what llguidance's own reading of the mask gives;
-- where a kernel set keeps the weights it streams: 2 MiB pages (``anon_huge_bytes``)."""
+- where a kernel set keeps the weights it streams: memory that asks for 2 MiB pages
+  (``asks_for_huge_pages``)."""
 
 from __future__ import annotations
 
@@ -152,22 +153,25 @@ def check_token_bitmask(fast, dtype: torch.dtype, vocab: int, words: int) -> Non
     assert torch.isinf(expected[2]).all() and torch.equal(expected[1, : 32 * words], logits[1, : 32 * words])
 
 
-def thp_enabled() -> bool:
-    """Whether this system gives memory that asks for them (madvise) transparent huge pages."""
+def thp_mode() -> str:
+    """The system's transparent huge page mode: always, madvise or never."""
     try:
-        return "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     except OSError:
-        return False
+        return "never"
+    return text[text.index("[") + 1 : text.index("]")]
 
 
-def anon_huge_bytes(t: torch.Tensor) -> int:
-    """Bytes of 2 MiB pages (smaps' AnonHugePages) in the mapping that holds t's first byte."""
+def asks_for_huge_pages(t: torch.Tensor) -> bool:
+    """Whether the mapping that holds t's first byte may take 2 MiB pages (smaps' THPeligible:
+    memory that asked for them, where the mode is madvise). Whether the kernel then found free
+    2 MiB pages for it depends on the machine's memory, not on ridge."""
     addr, inside = t.data_ptr(), False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if not head.endswith(":"):  # a mapping's first line: start-end perms offset ...
             start, end = (int(a, 16) for a in head.split("-"))
             inside = start <= addr < end
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1]) * 1024
-    return 0
+        elif inside and head == "THPeligible:":
+            return line.split()[1] == "1"
+    return False
