@@ -45,6 +45,7 @@ SOURCES = (
 HEADERS = (
     "amx.h",
     "block_runs.h",
+    "cpu_vendor.h",
     "kernels.h",
     "kv_codes.h",
     "kv_query.h",
@@ -102,7 +103,16 @@ AVX2 = ExtensionSpec(
     "ridge_cpu_avx2",
     "the AVX2 kernels",
     ("avx2_blocks.cpp", "avx2_dense.cpp", "avx2_ops.cpp", "avx2_plan.cpp"),
-    ("avx2_kernels.h", "avx2_simd.h", "kv_query.h", "kv_write.h", "paged_rows.h", "plan_shared.h", "weight_arena.h"),
+    (
+        "avx2_kernels.h",
+        "avx2_simd.h",
+        "cpu_vendor.h",
+        "kv_query.h",
+        "kv_write.h",
+        "paged_rows.h",
+        "plan_shared.h",
+        "weight_arena.h",
+    ),
     # no contraction into FMAs but the kernel's own: one row's float ops must not depend on how
     # many rows a tile holds (a row's output does not depend on its batch)
     ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"),
@@ -151,7 +161,7 @@ def prefetch_setting(text: str) -> tuple[str | None, dict[str, int]]:
     Comma-separated items, each a table (``amd``: Zen 4 and older, ``zen5``, ``intel``,
     ``cpu``: this CPU's) or ``key=value`` (``bf16_far``, ``quant_near_rows``,
     ``quant_near_every``, ``int8_near_rows``, ``quant_far_nta``, ``quant_far_lines``,
-    ``quant_far_kib``, ``q3_k_set1_rows``;
+    ``quant_far_kib``, ``quant_interleave``, ``q3_k_set1_rows``;
     csrc/linear_call.h), applied over the table,
     e.g. ``amd,quant_near_rows=1``."""
     preset, values = None, {}

@@ -154,6 +154,35 @@ def test_rows_of_8_keep_the_bytes_and_the_outputs_bit_for_bit(ext, name):
         ext.linear_blocks_packed(torch.randn(1, k), torch.zeros(2, 36, dtype=torch.uint8), fmt.ggml_type, None)
 
 
+@pytest.mark.parametrize("name", ["int8", "int4", "q4_k", "q6_k", "q2_k"])
+def test_where_w_is_fetched_ahead_never_changes_an_output(ext, name):
+    """The matmuls fetch W ahead into L1 on AMD and into L2 elsewhere (avx2_simd.h): both ways
+    give the same outputs bit for bit, in either layout and at any height, and the default is
+    the CPU vendor's."""
+    with open("/proc/cpuinfo") as f:
+        amd = "AuthenticAMD" in f.read()
+    assert ext.fetch_into_l2() is not amd
+    fmt = FORMATS[name]
+    k = 2048  # 40 rows: 70-140 KB, past both fetch distances
+    blocks = _blocks(name, 40, k, seed=5)
+    packed = ext.repack_rows(blocks, fmt.ggml_type, True)
+    xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16() for m in (1, 2, 4, 9)]
+    outputs = {}
+    try:
+        for into_l2 in (False, True):
+            ext.set_fetch_into_l2(into_l2)
+            assert ext.fetch_into_l2() is into_l2
+            outputs[into_l2] = [
+                run(x, w, fmt.ggml_type, None)
+                for x in xs
+                for run, w in ((ext.linear_blocks, blocks), (ext.linear_blocks_packed, packed))
+            ]
+    finally:
+        ext.set_fetch_into_l2(not amd)
+    for got, want in zip(outputs[True], outputs[False]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_exact_on_exactly_representable_inputs(ext):
     # x already on an int8 grid per block and W's codes small: the integer path is exact (the
     # float sums of the blocks' products are not ordered as torch's)

@@ -31,6 +31,7 @@ KEYS = {
     "quant_far_nta",
     "quant_far_lines",
     "quant_far_kib",
+    "quant_interleave",
     "q3_k_set1_rows",
 }
 
@@ -92,6 +93,7 @@ def test_bad_policies_are_refused_and_change_nothing(ext):
         ("arm", "unknown prefetch preset 'arm'"),
         ("amd,quant_near=4", "unknown prefetch key 'quant_near'"),
         ("bf16_far=2", "prefetch bf16_far must be 0 or 1, got 2"),
+        ("quant_interleave=2", "prefetch quant_interleave must be 0 or 1, got 2"),
         ("quant_near_rows=-1", "prefetch quant_near_rows must be >= 0, got -1"),
         ("int8_near_rows=-2", "prefetch int8_near_rows must be >= 0, got -2"),
         ("quant_far_kib=2000000", "prefetch quant_far_kib must be at most 1048576, got 2000000"),
@@ -128,6 +130,9 @@ def test_no_policy_changes_a_result(ext, name):
         "intel,quant_far_kib=0",
         "intel,q3_k_set1_rows=1",
         "zen5,q3_k_set1_rows=17",
+        "intel,quant_interleave=0",
+        "zen5,quant_interleave=1",
+        "amd,quant_interleave=1,quant_near_rows=1,int8_near_rows=1",
     ):
         apply_prefetch(ext, text)
         quant = [ext.linear_quant(x, packed, code, n, None) for x in xs]
@@ -143,7 +148,7 @@ def test_no_policy_changes_a_result(ext, name):
     [
         (
             "amd,quant_near_rows=2",
-            '{"bf16_far": 0, "int8_near_rows": 8, "q3_k_set1_rows": 17, "quant_far_kib": 64, "quant_far_lines": 0, "quant_far_nta": 0, "quant_near_every": 0, "quant_near_rows": 2}',  # noqa: E501
+            '{"bf16_far": 0, "int8_near_rows": 8, "q3_k_set1_rows": 17, "quant_far_kib": 64, "quant_far_lines": 0, "quant_far_nta": 0, "quant_interleave": 0, "quant_near_every": 0, "quant_near_rows": 2}',  # noqa: E501
         ),
         (
             "bf16_far",

@@ -36,6 +36,7 @@
 
 #include "avx2_kernels.h"
 #include "avx2_simd.h"
+#include "cpu_vendor.h"
 #include "weight_arena.h"
 
 #include <cstdint>
@@ -54,7 +55,9 @@ constexpr int64_t QK = 32;  // weights per group (a block, or a K-quant's sub-bl
 // kernel alone, 8 matrices of 5632 x 2048 from memory, 2 threads, on the 2-core Zen 3 EPYC
 // (2026-11-29, 3 rounds): Q4_K 11.1 -> 14.0 GB/s at 4 KiB ahead, 14.8 at 8; Q6_K 13.8 -> 18.0 /
 // 18.2; Q8_0 13.1 -> 16.9 at 4 KiB; Q4_0 9.2 -> 10.0 (compute-bound). Without it a thread
-// computes and then waits for memory, in turn.
+// computes and then waits for memory, in turn. These are the L1 distances, AMD's; on Intel W is
+// fetched into L2 instead (avx2_simd.h's fetch_ahead; the 2-core Xeon, 22 layers alternated in
+// one process, at its slow level: one row 1.23-1.40x, 2 rows 0.97-1.48x, 4 rows 0.94-1.25x).
 constexpr int64_t PREFETCH_SUPER_BLOCKS = 8192, PREFETCH_BLOCKS = 4096;
 // Rows of x from which a call on GGUF's layout packs W's blocks of 8 rows as it goes (packing
 // reads each block once per call, then computes in rows of 8): the kernel alone, 8 matrices of
@@ -63,11 +66,11 @@ constexpr int64_t PREFETCH_SUPER_BLOCKS = 8192, PREFETCH_BLOCKS = 4096;
 // Q6_K 0.52, 0.57, 0.93, 1.02, 1.01.
 constexpr int64_t PACK_FROM_ROWS = 32;
 
-// Prefetch the BYTES at p + AHEAD into L1, a line at a time (a prefetch past the matrix's
-// end does not fault)
+// Fetch the BYTES at p + AHEAD into L1, or on Intel the BYTES L2_FETCH_AHEAD on into L2
+// (avx2_simd.h), a line at a time (a prefetch past the matrix's end does not fault)
 template <int64_t AHEAD, int64_t BYTES>
 inline void prefetch_ahead(const uint8_t* p) {
-  for (int64_t o = 0; o < BYTES; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + AHEAD + o), _MM_HINT_T0);
+  for (int64_t o = 0; o < BYTES; o += 64) ridge_avx2::fetch_ahead<AHEAD>(reinterpret_cast<const char*>(p + o));
 }
 
 // llama.cpp's kvalues_iq4nl (formats.py IQ4_NL_VALUES)
@@ -1350,6 +1353,10 @@ torch::Tensor linear_blocks_packed(torch::Tensor x, torch::Tensor blocks, int64_
 
 void register_decode_plan(pybind11::module_& m);  // avx2_plan.cpp
 
+namespace ridge_avx2 {
+bool g_fetch_into_l2 = !ridge_shared::cpu_is_amd();
+}  // namespace ridge_avx2
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   const auto nogil = py::call_guard<py::gil_scoped_release>();
@@ -1357,6 +1364,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_blocks_packed", &linear_blocks_packed, nogil, "linear_blocks on blocks of 8 rows (repack_rows)");
   m.def("repack_rows", &repack_rows, nogil, "a block format's GGUF rows into blocks of 8 rows (pack), or back");
   m.def("supports_format", &supports_format, "whether linear_blocks takes this GGUF type");
+  m.def("fetch_into_l2", [] { return ridge_avx2::g_fetch_into_l2; }, "whether the block formats' matmul fetches W ahead into L2 (avx2_simd.h)");
+  m.def("set_fetch_into_l2", [](bool on) { ridge_avx2::g_fetch_into_l2 = on; },
+        "fetch W ahead into L2 (true) or L1 (false), between calls; never changes a result");
   m.def("huge_page_copy", &ridge_shared::huge_page_copy, nogil, "a CPU weight's values, contiguous, in 2 MiB pages (weight_arena.h)");
   m.def("linear_bf16", &linear_bf16, nogil, "y = x @ W.T (+ bias), W (N, K) bf16, y in x's dtype (AVX2)");
   m.def("rms_norm", &rms_norm, nogil, "RMSNorm, float32 or bfloat16 (rounded as Hugging Face's bf16 path)");

@@ -1,6 +1,7 @@
-// What the AVX2 extension's sources share (avx2_blocks.cpp, avx2_dense.cpp, avx2_ops.cpp): 8
-// floats loaded from float32 or bf16, a vector's horizontal sum in one fixed order, and how
-// both matmuls split y = x @ W^T over threads and tiles.
+// What the AVX2 extension's sources share (avx2_blocks.cpp, avx2_dense.cpp, avx2_ops.cpp): where
+// the block formats' matmul fetches its weights ahead, 8 floats loaded from float32 or bf16, a
+// vector's horizontal sum in one fixed order, and how both matmuls split y = x @ W^T over threads
+// and tiles.
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -11,6 +12,27 @@
 #include <type_traits>
 
 namespace ridge_avx2 {
+
+// Where the block-format matmuls (avx2_blocks.cpp) fetch their weights ahead of their loads:
+// into L1 (prefetcht0, L1_AHEAD bytes on, as each kernel measured best on the 2-core Zen 3 EPYC)
+// or, on Intel, into L2 (prefetcht2, L2_FETCH_AHEAD on). An L1 fetch of a line still in memory
+// holds one of the core's few L1 fill buffers until the line comes. On the 2-core Xeon with AMX
+// running these kernels (22 TinyLlama layers' weights, both ways alternated in one process), Q4_K
+// in rows of 8 at one row of x streamed 15-16 GB/s with L1 fetches against 25 with L2 ones in
+// three runs, and 26-27 either way an hour later (this VM's speed level moves; L2 fetches
+// held it at both); whole batch-1 steps at the slow level: Q4_K_M 1.39x, Q6_K 1.29x, Q8_0 1.25x. The dense bf16 kernel keeps L1 fetches (0.93-0.97x with L2 ones), and the AMD machines,
+// measured with L1 fetches only, keep them. set_fetch_into_l2 in the bindings switches it
+// (benchmarks, tests: where a line is fetched never changes a result).
+extern bool g_fetch_into_l2;  // avx2_blocks.cpp: !cpu_is_amd() at load
+constexpr int64_t L2_FETCH_AHEAD = 16384;
+
+template <int64_t L1_AHEAD>
+inline void fetch_ahead(const char* line) {
+  if (g_fetch_into_l2)
+    _mm_prefetch(line + L2_FETCH_AHEAD, _MM_HINT_T2);
+  else
+    _mm_prefetch(line + L1_AHEAD, _MM_HINT_T0);
+}
 
 constexpr int MAX_ROWS = 4;  // rows of x one pass over a row of W takes
 constexpr int64_t ROW_CHUNK = 16;  // rows of W a thread takes at a time (their bytes stay in L2 across x's rows)

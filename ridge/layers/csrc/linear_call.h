@@ -32,6 +32,9 @@ struct PrefetchPolicy {
                              // once, where linear_quant.cpp's LINE_WALK says; 0: a chunk's lines a group
   int64_t quant_far_kib;     // block formats: how far ahead one-row tiles fetch, in KiB (other tiles
                              // fetch L2_PREFETCH_AHEAD ahead)
+  int64_t quant_interleave;  // block formats: 1: a group's far and near fetches go one after each of
+                             // its weight loads (VNNI tiles; linear_quant.cpp's GroupFetches); 0: in a
+                             // run before the loads
   // Not a fetch but the one other choice of the loops that the CPUs measured apart, kept in
   // the same per-CPU table: Q3_K tiles of this many rows up to 8 broadcast each x code with its
   // own vpbroadcastd rather than vpdpbusd's embedded broadcast (linear_quant.cpp; 17: never)

@@ -224,16 +224,27 @@ constexpr uint64_t bit_move(int in, int out, int count) {
   return a;
 }
 
-template <int FMT>
-inline void load_weights(const uint8_t* chunk, __m512i w[8]) {
+struct NoFetch {
+  __attribute__((always_inline)) void operator()() const {}
+};
+
+// A group's weights unpacked into w; after each of its 64-byte loads, loaded() (the group's
+// fetches, one at a time: GroupFetches)
+template <int FMT, class Loaded = NoFetch>
+inline void load_weights(const uint8_t* chunk, __m512i w[8], Loaded&& loaded = {}) {
+  auto load = [&](const uint8_t* p) __attribute__((always_inline)) {
+    const __m512i v = _mm512_loadu_si512(p);
+    loaded();
+    return v;
+  };
   if constexpr (FMT == Q8_0) {
-    for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(chunk + 64 * j);
+    for (int j = 0; j < 8; ++j) w[j] = load(chunk + 64 * j);
   } else if constexpr (FMT == Q5_K) {  // Q4_K's nibbles; bit q of plane byte p: quad q's fifth bit at p
     const __m512i low = _mm512_set1_epi8(0x0F);
-    const __m512i plane = _mm512_loadu_si512(chunk + 256);
+    const __m512i plane = load(chunk + 256);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_loadu_si512(chunk + 64 * j);
+      const __m512i v = load(chunk + 64 * j);
       const __m512i top_j = _mm512_gf2p8affine_epi64_epi8(plane, _mm512_set1_epi64(static_cast<long long>(bit_move(j, 4, 1))), 0);
       const __m512i top_j4 =
           _mm512_gf2p8affine_epi64_epi8(plane, _mm512_set1_epi64(static_cast<long long>(bit_move(j + 4, 4, 1))), 0);
@@ -248,10 +259,10 @@ inline void load_weights(const uint8_t* chunk, __m512i w[8]) {
     const __m512i high_nibble = _mm512_set1_epi64(static_cast<long long>(bit_move(4, 0, 4)));
     const __m512i tops[4] = {_mm512_set1_epi64(static_cast<long long>(TOP[0])), _mm512_set1_epi64(static_cast<long long>(TOP[1])),
                              _mm512_set1_epi64(static_cast<long long>(TOP[2])), _mm512_set1_epi64(static_cast<long long>(TOP[3]))};
-    const __m512i planes[2] = {_mm512_loadu_si512(chunk + 256), _mm512_loadu_si512(chunk + 320)};
+    const __m512i planes[2] = {load(chunk + 256), load(chunk + 320)};
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_loadu_si512(chunk + 64 * j);
+      const __m512i v = load(chunk + 64 * j);
       const __m512i h = planes[j >> 1];
       const __m512i top_j = _mm512_gf2p8affine_epi64_epi8(h, tops[2 * (j & 1)], 0);
       const __m512i top_j4 = _mm512_gf2p8affine_epi64_epi8(h, tops[2 * (j & 1) + 1], 0);
@@ -260,7 +271,7 @@ inline void load_weights(const uint8_t* chunk, __m512i w[8]) {
     }
   } else if constexpr (FMT == Q3_K) {  // 3-bit codes in three planes (see q3_k_place): one GFNI op
     // takes a quad's code out of its plane byte, two for quads 6 and 7, whose top bits lie apart
-    const __m512i p0 = _mm512_loadu_si512(chunk), p1 = _mm512_loadu_si512(chunk + 64), p2 = _mm512_loadu_si512(chunk + 128);
+    const __m512i p0 = load(chunk), p1 = load(chunk + 64), p2 = load(chunk + 128);
     auto take = [](__m512i v, uint64_t a) { return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(static_cast<long long>(a)), 0); };
     w[0] = take(p0, bit_move(0, 0, 3));
     w[1] = take(p0, bit_move(3, 0, 3));
@@ -271,7 +282,7 @@ inline void load_weights(const uint8_t* chunk, __m512i w[8]) {
     w[6] = _mm512_or_si512(take(p0, bit_move(6, 0, 2)), take(p2, bit_move(6, 2, 1)));
     w[7] = _mm512_or_si512(take(p1, bit_move(6, 0, 2)), take(p2, bit_move(7, 2, 1)));
   } else if constexpr (FMT == Q2_K) {  // 2-bit codes: plane P holds quads 4P .. 4P + 3 in bits 0-1 .. 6-7
-    const __m512i planes[2] = {_mm512_loadu_si512(chunk), _mm512_loadu_si512(chunk + 64)};
+    const __m512i planes[2] = {load(chunk), load(chunk + 64)};
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j)
       w[j] = _mm512_gf2p8affine_epi64_epi8(planes[j >> 2], _mm512_set1_epi64(static_cast<long long>(bit_move(2 * (j & 3), 0, 2))), 0);
@@ -279,7 +290,7 @@ inline void load_weights(const uint8_t* chunk, __m512i w[8]) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     const __m512i high_nibble = _mm512_set1_epi64(static_cast<long long>(bit_move(4, 0, 4)));
     for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_loadu_si512(chunk + 64 * j);
+      const __m512i v = load(chunk + 64 * j);
       w[j] = _mm512_and_si512(v, low);
       w[j + 4] = _mm512_gf2p8affine_epi64_epi8(v, high_nibble, 0);
     }
@@ -429,6 +440,33 @@ inline void amx_chunk_dots(const uint8_t* block, const int8_t* xa, int64_t g0, i
     if (d < n) amx_store(d, c + d * 256);
 }
 
+// A group's fetches as quant_interleave issues them (linear_call.h): far_count lines from far
+// (into L2, or prefetchnta) and near_count from near, near_step apart (into L1), the i-th of
+// each right after the group's i-th weight load, the rest after its last. On the 2-core Xeon
+// a loop of loads alone over 600 MB streamed 39 GB/s with one fetch after each load and 31
+// with the same fetches in a run before each 4-8 loads, the form the loop had; the kernels
+// gained 1.04-1.16x at 1-2 rows (prefetch.cpp). Every call is inlined: one left as a call
+// made GCC keep the weights' vectors on the stack across it (0.7-0.98x).
+struct GroupFetches {
+  const char* far = nullptr;
+  const char* near = nullptr;
+  int64_t far_count = 0, near_count = 0, near_step = 64, at = 0;
+  bool nta = false;
+  __attribute__((always_inline)) void one(int64_t i) const {
+    if (i < far_count) {
+      if (nta)
+        _mm_prefetch(far + 64 * i, _MM_HINT_NTA);
+      else
+        _mm_prefetch(far + 64 * i, _MM_HINT_T2);
+    }
+    if (i < near_count) _mm_prefetch(near + near_step * i, _MM_HINT_T0);
+  }
+  __attribute__((always_inline)) void next() { one(at++); }
+  __attribute__((always_inline)) void rest() {
+    for (const int64_t n = std::max(far_count, near_count); at < n; ++at) one(at);
+  }
+};
+
 // dpbusd_x (simd_math.h) is used where a group's x codes are read per half group (Q6_K, Q3_K,
 // Q2_K); the plain loop below measured 0.93-0.98x with it at 8 rows (int4) and keeps the
 // intrinsics.
@@ -472,6 +510,7 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
   const bool near_on = MR >= (FMT == Q8_0 ? g_prefetch.int8_near_rows : g_prefetch.quant_near_rows);  // linear_call.h
   const bool near_every = near_on && g_prefetch.quant_near_every, near_first = near_on && !near_every;
   const bool far_nta = g_prefetch.quant_far_nta;
+  const bool interleave = !AMX && g_prefetch.quant_interleave;
   // The far fetch line by line (quant_far_lines): each line of the window once, as the loop
   // reaches the bytes far_ahead before it, where the fixed CHUNK's lines a group fetch some lines
   // twice (a chunk is not whole lines). Only where it measured faster (prefetch.cpp): Q8_0
@@ -500,7 +539,19 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
     // hole of 6-14% of the bytes that the loop then waited on; on 2 Zen 5 cores, one row over
     // 22 layers, 9 rounds alternated: int4 1.12x, Q4_K 1.10x, Q5_K 1.11x, Q3_K 1.14x, Q2_K
     // 1.16x, IQ4_XS 1.08x, Q6_K 1.04x, int8 1.01x.)
-    if (far_lines) {  // the lines that start in this group's bytes, far_ahead on (a block is 64-byte aligned)
+    GroupFetches fetches;
+    if (interleave) {  // the same lines as below, issued one at a time between the group's loads
+      const uint8_t* far = block + far_ahead;
+      const int64_t from = far_lines ? (g * CHUNK + 63) & ~int64_t{63} : g * CHUNK;
+      const int64_t to = far_lines ? (g + 1) * CHUNK : g * CHUNK + (CHUNK + 63) / 64 * 64;
+      const int64_t before_end = far + from < pf_end ? (pf_end - (far + from) + 63) / 64 : 0;
+      fetches.far = reinterpret_cast<const char*>(far + from);
+      fetches.far_count = from < to ? std::min<int64_t>((to - from + 63) / 64, before_end) : 0;
+      fetches.near = reinterpret_cast<const char*>(chunk + near);
+      fetches.near_step = near_every ? 64 : 256;
+      fetches.near_count = near_on ? (WB + fetches.near_step - 1) / fetches.near_step : 0;
+      fetches.nta = far_nta;
+    } else if (far_lines) {  // the lines that start in this group's bytes, far_ahead on (a block is 64-byte aligned)
       const uint8_t* far = block + far_ahead;
       for (int64_t at = (g * CHUNK + 63) & ~int64_t{63}; at < (g + 1) * CHUNK && far + at < pf_end; at += 64) {
         if (far_nta)  // the policy's hint (prefetch.cpp says where each was measured best)
@@ -514,7 +565,8 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
       else
         for (int64_t line = 0; line < CHUNK; line += 64) _mm_prefetch(reinterpret_cast<const char*>(far + line), _MM_HINT_T2);
     }
-    if (near_every) {  // near, into L1: every line of the group
+    if (interleave) {  // (the near lines go with the far ones, between the loads)
+    } else if (near_every) {  // near, into L1: every line of the group
       for (int64_t line = 0; line < WB; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(chunk + near + line), _MM_HINT_T0);
     } else if (near_first) {  // or its first line and the one 256 bytes on
@@ -555,6 +607,9 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
       if (j == 0 && g + AMX_CHUNK < G)  // the next chunk's tile work, before this one is scaled
         amx_chunk_dots<FMT, WB, MR>(block, t.xa, g + AMX_CHUNK, G, cbuf[(k + 1) & 1]);
       dots = cbuf[k & 1] + j * 256;
+    } else if (interleave) {
+      load_weights<FMT>(chunk, w, [&]() __attribute__((always_inline)) { fetches.next(); });
+      fetches.rest();
     } else {
       load_weights<FMT>(chunk, w);
     }

@@ -79,39 +79,35 @@
 //   0.995x, Q6_K 0.972x and 1.012x (two runs, 0.93-1.07 a round). Other distances without it:
 //   16 KiB 0.99-1.05x, 32 KiB 1.01-1.02x, 48 KiB 1.00-1.01x of 24. Without the scales' fetches
 //   too: 0.91-1.00x. Zen 4 and Intel, not measured with it, keep their values.
+// - 2-core Intel Xeon with AMX, 2026-12-02 (stop 73): a group's fetches (far and near) one
+//   after each of its weight loads (quant_interleave) instead of in a run before them. A loop
+//   of 64-byte loads alone over 600 MB, 2 threads, a prefetcht2 64 KiB ahead for each line:
+//   38-39 GB/s with each fetch after its load, 31 with a run of 4 or 8 fetches and then the
+//   loads (either order), 37 with one fetch and one load a loop; the bf16 kernel, one fetch a
+//   load, streamed 37-39 where the block formats read 27-30. benchmarks/prefetch.py, 22 layers,
+//   7 rounds alternated, this table with it against without: one row int8 1.10x, int4 1.13x,
+//   Q4_K 1.10x, Q6_K 1.04-1.06x, Q3_K 1.11x, Q2_K 1.06x, IQ4_XS 1.16x; 2 rows 1.05-1.19x; 4 rows
+//   1.01-1.19x; 8 rows 0.99-1.15x. Whole batch-1 steps of the files (loaded once, the policies
+//   alternated, 5-7 rounds of 64 tokens): Q4_K_M 1.094x (1.058-1.106 a round), Q8_0 1.104x,
+//   Q6_K 1.069x, Q2_K 1.081x. Other keys with it (near_rows 2, near_every 0, far_lines 1, the
+//   near lines in a run after the loads): 0.95-1.03x. Intel takes it; the AMD tables, not
+//   measured with it, keep 0.
 // - q3_k_set1_rows is not a fetch: how the Q3_K loop broadcasts x, the one other choice the CPUs
 //   measured apart (Zen 5 8, the others 17: never; linear_quant.cpp says what was measured).
 // benchmarks/prefetch.py compares the tables (and any other policy) on one machine's bytes.
 // quant_near_rows (int8_near_rows for int8) 17 turns the near fetch off (tiles have at most 16 rows).
-#include <cpuid.h>
-
-#include <cstring>
 #include <map>
 #include <string>
 
+#include "cpu_vendor.h"
 #include "kernels.h"
 #include "linear_call.h"
 
 namespace {
 
-constexpr PrefetchPolicy AMD = {0, 8, 0, 8, 0, 0, 64, 17};  // Zen 4 and older
-constexpr PrefetchPolicy ZEN5 = {1, 2, 1, 2, 1, 1, 24, 8};  // AMD family 26 (0x1A) and later
-constexpr PrefetchPolicy INTEL = {1, 1, 1, 1, 0, 0, 64, 17};
-
-bool cpu_is_amd() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
-  char vendor[13] = {};
-  std::memcpy(vendor, &b, 4), std::memcpy(vendor + 4, &d, 4), std::memcpy(vendor + 8, &c, 4);
-  return std::strcmp(vendor, "AuthenticAMD") == 0;
-}
-
-unsigned cpu_family() {  // base family, plus the extended family where the base is 15
-  unsigned a, b, c, d;
-  if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
-  const unsigned base = (a >> 8) & 0xF;
-  return base == 0xF ? base + ((a >> 20) & 0xFF) : base;
-}
+constexpr PrefetchPolicy AMD = {0, 8, 0, 8, 0, 0, 64, 0, 17};  // Zen 4 and older
+constexpr PrefetchPolicy ZEN5 = {1, 2, 1, 2, 1, 1, 24, 0, 8};  // AMD family 26 (0x1A) and later
+constexpr PrefetchPolicy INTEL = {1, 1, 1, 1, 0, 0, 64, 1, 17};
 
 // Every key of a policy, its member and whether it is a switch (0 or 1) or a row count (>= 0):
 // the one list that naming, checking and setting a policy read
@@ -128,6 +124,7 @@ constexpr Key KEYS[] = {
     {"quant_far_nta", &PrefetchPolicy::quant_far_nta, true},
     {"quant_far_lines", &PrefetchPolicy::quant_far_lines, true},
     {"quant_far_kib", &PrefetchPolicy::quant_far_kib, false},
+    {"quant_interleave", &PrefetchPolicy::quant_interleave, true},
     {"q3_k_set1_rows", &PrefetchPolicy::q3_k_set1_rows, false},
 };
 
@@ -150,7 +147,7 @@ std::map<std::string, int64_t> as_map(const PrefetchPolicy& p) {
 }
 
 const PrefetchPolicy& vendor_table() {
-  static const PrefetchPolicy table = !cpu_is_amd() ? INTEL : cpu_family() >= 0x1A ? ZEN5 : AMD;
+  static const PrefetchPolicy table = !ridge_shared::cpu_is_amd() ? INTEL : ridge_shared::cpu_family() >= 0x1A ? ZEN5 : AMD;
   return table;
 }
 
