@@ -1364,7 +1364,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_blocks_packed", &linear_blocks_packed, nogil, "linear_blocks on blocks of 8 rows (repack_rows)");
   m.def("repack_rows", &repack_rows, nogil, "a block format's GGUF rows into blocks of 8 rows (pack), or back");
   m.def("supports_format", &supports_format, "whether linear_blocks takes this GGUF type");
-  m.def("fetch_into_l2", [] { return ridge_avx2::g_fetch_into_l2; }, "whether the block formats' matmul fetches W ahead into L2 (avx2_simd.h)");
+  m.def("fetch_into_l2", [] { return ridge_avx2::g_fetch_into_l2; },
+        "whether the block formats' matmul fetches W ahead into L2 (avx2_simd.h)");
   m.def("set_fetch_into_l2", [](bool on) { ridge_avx2::g_fetch_into_l2 = on; },
         "fetch W ahead into L2 (true) or L1 (false), between calls; never changes a result");
   m.def("huge_page_copy", &ridge_shared::huge_page_copy, nogil, "a CPU weight's values, contiguous, in 2 MiB pages (weight_arena.h)");

@@ -19,10 +19,11 @@ namespace ridge_avx2 {
 // holds one of the core's few L1 fill buffers until the line comes. On the 2-core Xeon with AMX
 // running these kernels (22 TinyLlama layers' weights, both ways alternated in one process), Q4_K
 // in rows of 8 at one row of x streamed 15-16 GB/s with L1 fetches against 25 with L2 ones in
-// three runs, and 26-27 either way an hour later (this VM's speed level moves; L2 fetches
-// held it at both); whole batch-1 steps at the slow level: Q4_K_M 1.39x, Q6_K 1.29x, Q8_0 1.25x. The dense bf16 kernel keeps L1 fetches (0.93-0.97x with L2 ones), and the AMD machines,
-// measured with L1 fetches only, keep them. set_fetch_into_l2 in the bindings switches it
-// (benchmarks, tests: where a line is fetched never changes a result).
+// three runs, and 26-27 either way an hour later (this VM's speed level moves; L2 fetches held
+// it at both); whole batch-1 steps at the slow level: Q4_K_M 1.39x, Q6_K 1.29x, Q8_0 1.25x. The
+// dense bf16 kernel keeps L1 fetches (0.93-0.97x with L2 ones), and the AMD machines, measured
+// with L1 fetches only, keep them. set_fetch_into_l2 in the bindings switches it (benchmarks,
+// tests: where a line is fetched never changes a result).
 extern bool g_fetch_into_l2;  // avx2_blocks.cpp: !cpu_is_amd() at load
 constexpr int64_t L2_FETCH_AHEAD = 16384;
 
