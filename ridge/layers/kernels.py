@@ -46,9 +46,6 @@ _BIT_VALUES = torch.tensor([1 << j if j < 31 else -(1 << 31) for j in range(32)]
 # row, 1.11x and 1.13x at two, 1.42x and 1.90x at four, 1.71x and 2.01x at eight (Q6_K, kept
 # as loaded, 0.81x at one row on that machine too).
 AVX2_PACKED_FORMATS = frozenset(f.name for f in (Q4_0, Q4_1, IQ4_NL, Q4_K, Q5_K, IQ4_XS, Q3_K, Q2_K))
-# Weights from which Avx2Kernels.place_weight copies them into 2 MiB pages (csrc/weight_arena.h's
-# kMinCarve: smaller ones would be torch's allocations anyway)
-HUGE_PAGE_MIN_BYTES = 64 << 10
 # The extension's format codes (csrc/linear_quant.cpp)
 QUANT_KERNEL_CODES = {
     Q8_0.name: 0,
@@ -473,9 +470,9 @@ class Avx2Kernels(TorchKernels):
         2026-12-02, 22 TinyLlama-1.1B layers from memory, 2 threads: one row bf16 1.48x, Q6_K
         1.41x, Q8_0 1.05x; 4 rows 1.32x, 1.09x, 1.15x. Whole files, loaded twice in one process,
         5 alternated rounds of batch-1 decode: bf16 1.29x, Q6_K 1.29x, Q8_0 1.02x, Q4_K_M 1.02x."""
-        if weight.device.type != "cpu" or weight.numel() * weight.element_size() < HUGE_PAGE_MIN_BYTES:
+        if weight.device.type != "cpu":
             return weight
-        return self.ext.huge_page_copy(weight)
+        return self.ext.huge_page_copy(weight)  # a weight under 64 KiB (kMinCarve) stays itself
 
     @staticmethod
     def _dense_bf16(x, layer) -> bool:

@@ -1368,7 +1368,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether the block formats' matmul fetches W ahead into L2 (avx2_simd.h)");
   m.def("set_fetch_into_l2", [](bool on) { ridge_avx2::g_fetch_into_l2 = on; },
         "fetch W ahead into L2 (true) or L1 (false), between calls; never changes a result");
-  m.def("huge_page_copy", &ridge_shared::huge_page_copy, nogil, "a CPU weight's values, contiguous, in 2 MiB pages (weight_arena.h)");
+  m.def("huge_page_copy", &ridge_shared::huge_page_copy, nogil,
+        "a CPU weight's values, contiguous, in 2 MiB pages (weight_arena.h; under 64 KiB, itself)");
   m.def("linear_bf16", &linear_bf16, nogil, "y = x @ W.T (+ bias), W (N, K) bf16, y in x's dtype (AVX2)");
   m.def("rms_norm", &rms_norm, nogil, "RMSNorm, float32 or bfloat16 (rounded as Hugging Face's bf16 path)");
   m.def("add_rms_norm", &add_rms_norm, nogil, "residual += x (in place), then RMSNorm(residual)");

@@ -74,9 +74,11 @@ inline torch::Tensor huge_page_empty(at::IntArrayRef shape, const at::TensorOpti
   return torch::from_blob(ptr, shape, [slab, bytes](void* p) { WeightArena::release(p, bytes); }, options);
 }
 
-// A CPU weight's values in a contiguous tensor of the arena (the same shape and dtype)
+// A CPU weight's values in a contiguous tensor of the arena (the same shape and dtype); one
+// under kMinCarve bytes, which the arena would not take, stays itself (made contiguous)
 inline torch::Tensor huge_page_copy(const torch::Tensor& t) {
   TORCH_CHECK(t.device().is_cpu(), "huge_page_copy: a CPU tensor");
+  if (static_cast<size_t>(t.numel()) * t.element_size() < WeightArena::kMinCarve) return t.contiguous();
   torch::Tensor out = huge_page_empty(t.sizes(), t.options());
   out.copy_(t);
   return out;
