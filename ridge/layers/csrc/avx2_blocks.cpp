@@ -56,8 +56,7 @@ constexpr int64_t QK = 32;  // weights per group (a block, or a K-quant's sub-bl
 // (2026-11-29, 3 rounds): Q4_K 11.1 -> 14.0 GB/s at 4 KiB ahead, 14.8 at 8; Q6_K 13.8 -> 18.0 /
 // 18.2; Q8_0 13.1 -> 16.9 at 4 KiB; Q4_0 9.2 -> 10.0 (compute-bound). Without it a thread
 // computes and then waits for memory, in turn. These are the L1 distances, AMD's; on Intel W is
-// fetched into L2 instead (avx2_simd.h's fetch_ahead; the 2-core Xeon, 22 layers alternated in
-// one process, at its slow level: one row 1.23-1.40x, 2 rows 0.97-1.48x, 4 rows 0.94-1.25x).
+// fetched into L2 instead (avx2_simd.h's fetch_ahead, which says what the Xeon measured).
 constexpr int64_t PREFETCH_SUPER_BLOCKS = 8192, PREFETCH_BLOCKS = 4096;
 // Rows of x from which a call on GGUF's layout packs W's blocks of 8 rows as it goes (packing
 // reads each block once per call, then computes in rows of 8): the kernel alone, 8 matrices of
@@ -71,6 +70,12 @@ constexpr int64_t PACK_FROM_ROWS = 32;
 template <int64_t AHEAD, int64_t BYTES>
 inline void prefetch_ahead(const uint8_t* p) {
   for (int64_t o = 0; o < BYTES; o += 64) ridge_avx2::fetch_ahead<AHEAD>(reinterpret_cast<const char*>(p + o));
+}
+// ... into L1 on every CPU (Q6_K's one-row kernel on GGUF's layout: on the Xeon 0.91x as fast with
+// L2 fetches, its file's batch-1 steps 0.92x, where every other kernel gained or held)
+template <int64_t AHEAD, int64_t BYTES>
+inline void prefetch_ahead_l1(const uint8_t* p) {
+  for (int64_t o = 0; o < BYTES; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + AHEAD + o), _MM_HINT_T0);
 }
 
 // llama.cpp's kvalues_iq4nl (formats.py IQ4_NL_VALUES)
@@ -447,7 +452,10 @@ template <class F, int R>
 void super_block_row(const uint8_t* w, int64_t nb, int64_t nbp, const QuantizedX& x, int64_t m0, __m256i* dots,
                      __m256i* mins, float* d, float* dmin, float* c) {
   for (int64_t b = 0; b < nb; ++b) {
-    prefetch_ahead<PREFETCH_SUPER_BLOCKS, F::BYTES>(w + b * F::BYTES);
+    if constexpr (std::is_same_v<F, Q6_K>)
+      prefetch_ahead_l1<PREFETCH_SUPER_BLOCKS, F::BYTES>(w + b * F::BYTES);
+    else
+      prefetch_ahead<PREFETCH_SUPER_BLOCKS, F::BYTES>(w + b * F::BYTES);
     Header h;
     __m256i acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();

@@ -17,22 +17,24 @@ namespace ridge_avx2 {
 // into L1 (prefetcht0, L1_AHEAD bytes on, as each kernel measured best on the 2-core Zen 3 EPYC)
 // or, on Intel, into L2 (prefetcht2, L2_FETCH_AHEAD on). An L1 fetch of a line still in memory
 // holds one of the core's few L1 fill buffers until the line comes. On the 2-core Xeon with AMX
-// running these kernels (22 TinyLlama layers' weights, both ways alternated in one process), Q4_K
-// in rows of 8 at one row of x streamed 15-16 GB/s with L1 fetches against 25 with L2 ones in
-// three runs, and 26-27 either way an hour later (this VM's speed level moves; L2 fetches held
-// it at both); whole batch-1 steps at the slow level: Q4_K_M 1.39x, Q6_K 1.29x, Q8_0 1.25x. The
-// dense bf16 kernel keeps L1 fetches (0.93-0.97x with L2 ones), and the AMD machines, measured
-// with L1 fetches only, keep them. set_fetch_into_l2 in the bindings switches it (benchmarks,
-// tests: where a line is fetched never changes a result).
+// running these kernels (22 TinyLlama layers' weights, both ways alternated in one process, at
+// its slow level), one row of x: Q4_K 1.65x, IQ4_XS 1.56x, Q3_K 1.48x, Q5_K 1.34x, Q8_0 1.25x,
+// Q2_K 1.03x, Q4_0 0.96x; 4 rows 0.97-1.18x; whole batch-1 steps Q4_K_M 1.55x, Q8_0 1.25x (at
+// its fast level both ways read the same). Q6_K's one-row kernel keeps L1 (prefetch_ahead_l1),
+// as do the dense bf16 kernel (0.93-0.97x with L2) and the AMD machines, measured with L1
+// fetches only. set_fetch_into_l2 in the bindings switches it (benchmarks, tests: where a line
+// is fetched never changes a result).
 extern bool g_fetch_into_l2;  // avx2_blocks.cpp: !cpu_is_amd() at load
 constexpr int64_t L2_FETCH_AHEAD = 16384;
 
 template <int64_t L1_AHEAD>
 inline void fetch_ahead(const char* line) {
-  if (g_fetch_into_l2)
-    _mm_prefetch(line + L2_FETCH_AHEAD, _MM_HINT_T2);
-  else
-    _mm_prefetch(line + L1_AHEAD, _MM_HINT_T0);
+  // both fetches, the one not wanted of the line itself (in L1 by its load right after): no
+  // branch, so the compiler spreads the fetches among the loads (as a branch's block, they ran
+  // back to back: Q6_K's one-row kernel 0.65x on the Xeon)
+  const bool l2 = g_fetch_into_l2;
+  _mm_prefetch(l2 ? line + L2_FETCH_AHEAD : line, _MM_HINT_T2);
+  _mm_prefetch(l2 ? line : line + L1_AHEAD, _MM_HINT_T0);
 }
 
 constexpr int MAX_ROWS = 4;  // rows of x one pass over a row of W takes
