@@ -23,7 +23,7 @@ from ridge.layers.attention import (
     prefill_attention,
     write_kv,
 )
-from ridge.layers.linear import Linear
+from ridge.layers.linear import ExpertLinear, Linear
 from ridge.layers.rotary import RotaryEmbedding, rotate_half
 from ridge.quantization.formats import IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, BlockFormat
 from ridge.quantization.methods import PACKED_ROW_BLOCK, UnquantizedLinearMethod
@@ -350,6 +350,12 @@ class TorchKernels:
         the kernel decode_attention would run on it."""
         return False
 
+    def plan_takes_latent_cache(self, cache: PagedKV) -> bool:
+        """Whether a decode plan's latent attention (one vector a token, K and V alike) reads
+        ``cache`` with the kernel decode_attention would run on it (the model's own checks
+        aside: ``DeepseekAttention.add_to_plan``)."""
+        return True
+
     def plan_linear(self, layer: Linear) -> tuple[list, torch.Tensor | None] | None:
         """``layer`` as a decode plan takes it: its packed parts (weight, format code, rows)
         and its bias; None where this layer is not packed for these kernels."""
@@ -358,6 +364,11 @@ class TorchKernels:
     def plan_experts(self, layer) -> tuple[torch.Tensor, int, int] | None:
         """A stacked-expert layer as a decode plan takes it: (packed, format code, rows per expert)."""
         return None
+
+    def absorbed_heads(self, w: torch.Tensor) -> torch.Tensor | Linear:
+        """Dense per-head matrices (H, K, N) as ``head_linear`` is to run them: here as they are
+        (torch's batched matmul)."""
+        return w
 
     def plan_heads(self, w: torch.Tensor | Linear) -> tuple[torch.Tensor, int, int] | None:
         """``head_matmul``'s per-head matrices as a decode plan takes them: (the dense bf16 (H,
@@ -517,6 +528,9 @@ class Avx2Kernels(TorchKernels):
             return False
         return self._reads_codes(cache, head_dim) if cache.quantized else cache.k.dtype is torch.bfloat16
 
+    def plan_takes_latent_cache(self, cache):
+        return self._reads_codes(cache, cache.k.shape[-1]) if cache.quantized else cache.k.dtype is torch.bfloat16
+
     def plan_linear(self, layer):
         """Each part of ``layer`` as ``linear`` runs it: (weight, -1, rows) for a dense bf16
         one, (GGUF rows or blocks of 8 rows, GGUF type, rows) for a block format; None where
@@ -541,6 +555,25 @@ class Avx2Kernels(TorchKernels):
             return None
         weight = self._planned_weight(layer)
         return None if weight is None else (*weight, n)
+
+    def absorbed_heads(self, w):
+        """bf16 per-head matrices (H, K, N) as a stacked layer of each head's N rows over K, so
+        that ``head_linear`` runs each head through ``linear`` (the dense kernel: the weight
+        streamed once, sums in float32, one rounding) and a decode plan can hold them; torch's
+        batched bf16 matmul is a slow path without AVX-512 BF16."""
+        if w.dtype is not torch.bfloat16 or w.device.type != "cpu" or w.dim() != 3:
+            return w
+        heads, k, n = w.shape
+        layer = ExpertLinear(heads, k, [n], method=UnquantizedLinearMethod())
+        layer.weight.data = w.transpose(1, 2).reshape(heads * n, k).contiguous()
+        layer.method.process_weights_after_loading(layer, self)
+        return layer
+
+    def plan_heads(self, w):
+        """MLA's per-head matrices as ``head_linear`` runs a stacked layer (``grouped_linear``:
+        each head's rows an expert's), so ``plan_experts``'s form: a block format read at its
+        own size, or bf16 rows (``absorbed_heads``); None for dense (H, K, N) ones."""
+        return self.plan_experts(w) if isinstance(w, Linear) else None
 
     def _planned_weight(self, layer) -> tuple[torch.Tensor, int] | None:
         """The weight ``linear`` runs for this (unsharded) layer and its code: the dense bf16
@@ -660,7 +693,9 @@ class Avx2Kernels(TorchKernels):
     def decode_attention(self, q, cache, meta, scale=None, value_dim=None):
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = cache.k.shape[2]
-        few_jobs = num_seqs * num_kv_heads < torch.get_num_threads()
+        # the kernel's jobs: a (sequence, KV head) each, its query heads split in runs of 8+
+        # where those are fewer than the threads (MLA's one latent at batch 1: two runs of 8+)
+        few_jobs = self.ext.decode_attention_jobs(num_seqs, num_heads, num_kv_heads) < torch.get_num_threads()
         if (
             q.dtype not in (torch.float32, torch.bfloat16)
             or not (self._reads_codes(cache, head_dim) if cache.quantized else cache.k.dtype is q.dtype)

@@ -131,7 +131,8 @@ class DeepseekAttention(nn.Module):
         - kv_b_proj in a block format: W_uv is its own rows' blocks (the same bytes). W_uk^T
           runs along nope where kv_b_proj's blocks run along r, so it is requantized to int8
           (Q8_0) from kv_b_proj's values, adding at most 1/254 of each block's largest value.
-        - Otherwise (or where ``ops`` does not pack blocks): dense, from kv_b_proj's values.
+        - Otherwise (or where ``ops`` does not pack blocks): dense, from kv_b_proj's values, in
+          the form ``ops.absorbed_heads`` gives (the AVX2 kernels: bf16 rows a head).
         """
         mla, heads = self.mla, self.num_heads
         nope, v, rank = mla.qk_nope_head_dim, mla.v_head_dim, mla.kv_lora_rank
@@ -159,7 +160,10 @@ class DeepseekAttention(nn.Module):
             self.absorbed = (_per_head(w_uk, heads, dtype, ops, device), _per_head(w_uv, heads, dtype, ops, device))
             return
         w = kv_b.dense_weight().to(device=device, dtype=dtype).view(heads, nope + v, -1)
-        self.absorbed = (w[:, :nope].contiguous(), w[:, nope:].transpose(1, 2).contiguous())
+        self.absorbed = (
+            ops.absorbed_heads(w[:, :nope].contiguous()),
+            ops.absorbed_heads(w[:, nope:].transpose(1, 2).contiguous()),
+        )
 
     def add_to_plan(self, plan, norm, post_norm, cache: PagedKV, ops) -> bool:
         """This layer into the kernels' decode plan (``csrc/decode_layers.cpp``), absorbed as
@@ -176,6 +180,8 @@ class DeepseekAttention(nn.Module):
         if not one_vector or not widths or self.num_heads < SHARED_KV_MIN_HEADS:
             return False
         if cache.quantized and mla.cache_dim % 16 or not cache.quantized and k.dtype is not torch.bfloat16:
+            return False
+        if not ops.plan_takes_latent_cache(cache):
             return False
         qkv_a, o = ops.plan_linear(self.fused_qkv_a_proj), ops.plan_linear(self.o_proj)
         q_b = ops.plan_linear(self.q_b_proj) if mla.q_lora_rank else ([], None)
@@ -259,13 +265,14 @@ def _per_head(
     """Per-head matrices as head_matmul takes them: a stacked layer (H matrices of N rows
     over K) in a block format as it is where ``ops`` runs it in one call (``plan_heads``),
     else dense (H, K, N) in ``dtype`` on the model's ``device`` (from the layer's values, which
-    a block format dequantizes on the host, or ``w`` already (H, K, N))."""
+    a block format dequantizes on the host, or ``w`` already (H, K, N)), in the form ``ops``
+    runs dense heads in (``absorbed_heads``)."""
     if isinstance(w, torch.Tensor):
-        return w.to(device=device, dtype=dtype).contiguous()
+        return ops.absorbed_heads(w.to(device=device, dtype=dtype).contiguous())
     if w.method.format is not None and ops.plan_heads(w) is not None:
         return w
     dense = w.dense_weight().to(device=device, dtype=dtype)
-    return dense.view(heads, w.rows_per_expert, w.in_features).transpose(1, 2).contiguous()
+    return ops.absorbed_heads(dense.view(heads, w.rows_per_expert, w.in_features).transpose(1, 2).contiguous())
 
 
 class DeepseekForCausalLM(LlamaForCausalLM):

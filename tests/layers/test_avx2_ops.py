@@ -200,6 +200,36 @@ def test_decode_attention_scale_value_dim_and_a_sliced_query(kernels):
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", [None, "int8", "fp8"])
+def test_one_sequence_on_one_latent_splits_its_heads_over_the_threads_bit_for_bit(kernels, kind):
+    """MLA's decode shape (one sequence, 16 or 20 query heads on one KV head, K and V the one
+    pool, the first rank dims the values): with fewer (sequence, KV head) jobs than threads the
+    kernel splits the heads into runs of 8+ (decode_attention_jobs), where torch's path ran it
+    before; each head's output is the same bits as on one thread, and torch's to rounding."""
+    gen = torch.Generator().manual_seed(3)
+    pool = torch.randn(24, 16, 1, 96, generator=gen).to(torch.bfloat16)
+    cache = PagedKV(pool, pool)
+    if kind is not None:
+        codes, scales = quantize(pool, kind)
+        cache = PagedKV(codes, codes, scales, scales, kind)
+    tables, lens = torch.tensor([[5, 2, 17, 0, 0]]), torch.tensor([37])
+    for heads in (16, 20):
+        q = torch.randn(1, heads, 96, generator=gen).to(torch.bfloat16)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(2)
+            assert kernels.ext.decode_attention_jobs(1, heads, 1) == 2  # two runs of 8+ heads
+            split = kernels.decode_attention(q, cache, _meta(tables, lens), scale=0.2, value_dim=64)
+            torch.set_num_threads(1)
+            assert kernels.ext.decode_attention_jobs(1, heads, 1) == 1
+            whole = kernels.decode_attention(q, cache, _meta(tables, lens), scale=0.2, value_dim=64)
+        finally:
+            torch.set_num_threads(threads)
+        assert split.shape == (1, heads, 64) and torch.equal(split, whole)
+        want = TorchKernels().decode_attention(q, cache, _meta(tables, lens), scale=0.2, value_dim=64)
+        assert torch.allclose(split.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
 def _quantized(cache, kind):
     k8, ks = quantize(cache.k, kind)
     v8, vs = quantize(cache.v, kind)

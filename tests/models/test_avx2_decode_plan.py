@@ -1,8 +1,9 @@
 """The AVX2 decode plan (``csrc/avx2_plan.cpp``, ``Avx2Kernels.decode_plan``): a bf16 decode
-step's Llama layers, dense or MoE, in one call computes what the op-by-op forward on the same
-kernels computes, bit for bit (bf16, int8 and fp8 KV caches); what it does not cover (latent
-attention, float32) runs op by op, and a step the Python path would send elsewhere is declined
-and runs op by op.
+step's Llama layers, dense or MoE, and DeepSeek's latent attention (its per-head matrices in a
+block format or bf16 rows) in one call computes what the op-by-op forward on the same kernels
+computes, bit for bit (bf16, int8 and fp8 KV caches); what it does not cover (latent attention
+with fewer than 16 heads, float32) runs op by op, and a step the Python path would send
+elsewhere is declined and runs op by op.
 
 The AVX2 kernels run on every x86 CPU with AVX2 (an AVX-512 one too): each test here picks
 them as a CPU without AVX-512 would."""
@@ -16,9 +17,10 @@ import transformers
 from ridge import LLM, SamplingParams
 from ridge.layers import cpu_kernels
 from ridge.layers.kernels import Avx2Kernels
+from ridge.layers.linear import Linear
 from ridge.models import llama
 
-from .hf_tiny import COMMON, build
+from .hf_tiny import COMMON, VARIANTS, build, save_spread
 from .plan_cases import assert_refuses_bad_indices
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.cpu_has_avx2(), reason="this CPU has no AVX2 + FMA + F16C")
@@ -155,10 +157,34 @@ def test_the_plan_runs_moe_layers_as_the_op_by_op_forward_does(tmp_path, variant
     assert touched == [m.experts_touched for m in eager_moes if hasattr(m, "experts_touched")]
 
 
+@pytest.mark.parametrize("variant", ["deepseek-v2-lite", "deepseek-v3-yarn"])
+@pytest.mark.parametrize("quantization,kv", [(None, "auto"), ("int4", "auto"), ("int4", "int8"), (None, "fp8")])
+def test_deepseek_latent_attention_plans_as_it_runs(tmp_path, variant, quantization, kv, plan_runs):
+    """DeepSeek's layers in the plan: latent attention with and without q_lora_rank, rotary
+    pairs interleaved, YaRN, a bf16, int8 or fp8 latent cache, 16 heads on the one latent (the
+    kernel splits them over the threads at one sequence), the routers and shared experts; the
+    per-head matrices stacked, each head's rows through them as grouped_linear runs them (bf16
+    rows, or at int4 W_uk^T in Q8_0 rows and W_uv in blocks of 8 rows): the same tokens and
+    logprobs as op by op."""
+    config_cls, model_cls, extra = VARIANTS[variant]
+    widths = {"num_attention_heads": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "qk_rope_head_dim": 16}
+    save_spread(model_cls, config_cls(**{**COMMON, **extra, **widths}), tmp_path, jitter_norms=True)
+    options = dict(quantization=quantization, kv_cache_dtype=kv)
+    planned, model = _generate(tmp_path, **options)
+    assert model._plan is not None and model._plan.plan.num_layers() == len(model.model.layers)
+    assert plan_runs and all(plan_runs)
+    absorbed = model.model.layers[0].self_attn.absorbed
+    assert all(isinstance(w, Linear) for w in absorbed)  # stacked heads
+    assert all((w.method.format is None) == (quantization is None) for w in absorbed)
+    eager, eager_model = _generate(tmp_path, enforce_eager=True, **options)
+    assert eager_model._plan is None
+    assert planned == eager
+
+
 @pytest.mark.parametrize(
     "variant,options",
     [("deepseek-v2-lite", {}), ("llama-gqa", {"dtype": "float32"})],
-    ids=["latent-attention", "float32"],
+    ids=["latent-attention-4-heads", "float32"],
 )
 def test_what_the_plan_does_not_cover_runs_op_by_op(tmp_path, variant, options):
     build(variant, tmp_path)

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from ridge import LLM, SamplingParams
-from ridge.layers.cpu_kernels import cpu_has_avx512_bf16
+from ridge.layers.cpu_kernels import cpu_has_avx2
 from ridge.models.export import write_gguf
 from ridge.models.gguf_file import GGUFModel
 
@@ -127,7 +127,8 @@ def _q8(name, values):
     return None
 
 
-def test_a_quantized_deepseek2_file_keeps_its_blocks(tmp_path):
+@pytest.mark.parametrize("kernels", ["auto", "avx2"])
+def test_a_quantized_deepseek2_file_keeps_its_blocks(tmp_path, kernels):
     """Q8_0 matrices stay Q8_0: the latent attention's projections (q_a, kv_a, q_b: the fused
     a-projection and q_b_proj, o_proj), stacked experts too. attn_k_b and attn_v_b are the
     absorbed decode's per-head matrices, the file's bytes as they are (k_b_proj, v_b_proj);
@@ -138,8 +139,10 @@ def test_a_quantized_deepseek2_file_keeps_its_blocks(tmp_path):
     hf_config = transformers.AutoConfig.from_pretrained(tmp_path / "hf").to_dict()
     dense = write_gguf(tmp_path / "hf", hf_config, tmp_path / "f32.gguf")
     path = rewrite(dense, tmp_path / "q8.gguf", _q8)
+    if kernels == "avx2" and not cpu_has_avx2():
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
     on_cpu = {**OPTIONS, "device": "cpu"}  # the CPU kernels' layouts (a GPU dequantizes the per-head blocks)
-    llm = LLM(str(path), **on_cpu)
+    llm = LLM(str(path), kernels=kernels, **on_cpu)
     layer = llm.engine.executor.worker.model.model.layers[1]
     attention = layer.self_attn
     for linear in (attention.fused_qkv_a_proj, attention.q_b_proj, attention.o_proj, layer.mlp.experts.gate_up_proj):
@@ -167,7 +170,7 @@ def test_a_quantized_deepseek2_file_keeps_its_blocks(tmp_path):
     # the torch kernels on the same file (its blocks dequantized, x not quantized): the same
     # greedy tokens, summed logprobs of 10 tokens within the int8 rounding of the activations
     tokens, logprobs = _run(llm)
-    if cpu_has_avx512_bf16():  # decode reads the file's blocks (the AVX2 kernels: dense per-head copies)
+    if cpu_has_avx2():  # decode reads the file's blocks (either CPU kernel set; torch's: dense copies)
         assert attention.absorbed == (attention.k_b_proj, attention.v_b_proj)
     torch_tokens, torch_logprobs = _run(LLM(str(path), kernels="torch", **on_cpu))
     assert tokens == torch_tokens

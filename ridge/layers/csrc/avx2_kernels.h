@@ -64,6 +64,11 @@ template <class T>  // q (B, Hq, D), rows q_stride apart -> out (B, Hq, D); tabl
 void decode_attention_into(const T* q, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, const T* k_cache,
                            const T* v_cache, int64_t BS, int64_t Hkv, const int64_t* tables, int64_t max_blocks,
                            const int64_t* lens, float scale, T* out);
+// the jobs decode_attention_into splits B sequences of Hq query heads over Hkv KV heads into (a
+// (sequence, KV head) each, its query heads in runs of 8 or more where those are fewer than
+// the threads): Avx2Kernels.decode_attention and the decode plan give way to torch's GEMMs
+// below the threads where many query heads share a KV head
+int64_t decode_attention_jobs(int64_t B, int64_t Hq, int64_t Hkv);
 template <class T>  // the same over int8 / e4m3 codes (k, v) and their fp16 scales, `groups` a row
 void decode_attention_quant_into(const T* q, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, const uint8_t* k_codes,
                                  const uint8_t* v_codes, const at::Half* k_scales, const at::Half* v_scales,

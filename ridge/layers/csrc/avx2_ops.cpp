@@ -733,34 +733,46 @@ namespace {
 
 // One query per sequence over its context, for rows of any kind (Rows: PlainRows, CodeRows):
 // fill(kr, vr, b, h, L) points kr and vr at sequence b's L rows of KV head h. Work is split over
-// (sequence, KV head); the G = Hq / Hkv query heads of a KV head share each row's loads.
+// (sequence, KV head); the query heads of a KV head share each row's loads. Where those jobs are
+// fewer than the threads (one sequence over MLA's one latent, or a few over one or two KV heads),
+// a KV head's G = Hq / Hkv query heads are split into runs of 8 or more, one job each: each
+// reads the KV head's rows, and a head's arithmetic does not depend on the heads beside it, so
+// the outputs are the same bits however the heads are split (torch's GEMMs took these steps
+// before, Avx2Kernels.decode_attention).
+// The runs of query heads each KV head's heads are split into (attend)
+int64_t head_parts(int64_t B, int64_t Hq, int64_t Hkv) {
+  const int64_t jobs = B * Hkv, threads = at::get_num_threads();
+  return jobs >= threads ? 1 : std::max<int64_t>(1, std::min((threads + jobs - 1) / jobs, Hq / Hkv / 8));
+}
+
 template <class T, class Rows, class Fill>
 void attend(const T* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, int64_t Hkv, const int64_t* lp,
             float scale, T* op, const Rows& proto, Fill&& fill) {
-  const int64_t G = Hq / Hkv;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  const int64_t G = Hq / Hkv, parts = head_parts(B, Hq, Hkv);
+  at::parallel_for(0, B * Hkv * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), scores, kb(8 * D), acc(8 * D), pt;
     Int8Scores int8_buf;
     Rows kr = proto, vr = proto;
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t b = job / Hkv, h = job % Hkv, L = lp[b];
-      const T* qb = qp + b * q_stride + h * G * D;
-      for (int64_t i = 0; i < G * D; i += 8) _mm256_storeu_ps(qf.data() + i, load8(qb + i));
-      kr.resize(L), vr.resize(L), scores.resize(G * L);
+      const int64_t part = job % parts, b = job / parts / Hkv, h = job / parts % Hkv, L = lp[b];
+      const int64_t h0 = part * G / parts, GP = (part + 1) * G / parts - h0;  // this job's query heads of the KV head
+      const T* qb = qp + b * q_stride + (h * G + h0) * D;
+      for (int64_t i = 0; i < GP * D; i += 8) _mm256_storeu_ps(qf.data() + i, load8(qb + i));
+      kr.resize(L), vr.resize(L), scores.resize(GP * L);
       fill(kr, vr, b, h, L);
       if constexpr (Rows::INT8_QUERY) {  // the AVX-512 kernel's formula: fp32 probabilities
         if (D / kr.G == 32)  // groups of 32 (every head of a multiple of 32 dims): 8 quads unrolled
-          score_heads_int8<T, 8>(qf.data(), G, kr, L, D, scale, scores.data(), int8_buf);
+          score_heads_int8<T, 8>(qf.data(), GP, kr, L, D, scale, scores.data(), int8_buf);
         else
-          score_heads_int8<T, 0>(qf.data(), G, kr, L, D, scale, scores.data(), int8_buf);
-        for (int64_t g = 0; g < G; ++g) softmax_row<float>(scores.data() + g * L, L);
+          score_heads_int8<T, 0>(qf.data(), GP, kr, L, D, scale, scores.data(), int8_buf);
+        for (int64_t g = 0; g < GP; ++g) softmax_row<float>(scores.data() + g * L, L);
       } else {
-        score_heads<T>(qf.data(), G, kr, L, D, scale, scores.data(), kb.data());
-        for (int64_t g = 0; g < G; ++g) softmax_row<T>(scores.data() + g * L, L);
+        score_heads<T>(qf.data(), GP, kr, L, D, scale, scores.data(), kb.data());
+        for (int64_t g = 0; g < GP; ++g) softmax_row<T>(scores.data() + g * L, L);
       }
-      T* ob = op + (b * Hq + h * G) * D;
-      for (int64_t g0 = 0; g0 < G; g0 += 8)
-        with_heads(std::min<int64_t>(8, G - g0), [&](auto n) {
+      T* ob = op + (b * Hq + h * G + h0) * D;
+      for (int64_t g0 = 0; g0 < GP; g0 += 8)
+        with_heads(std::min<int64_t>(8, GP - g0), [&](auto n) {
           constexpr int N = decltype(n)::value;
           // the probabilities token-major (a token's N in one line, not N lines L floats apart)
           const int64_t NGR = Rows::INT8_QUERY ? vr.G : 1;  // int8: V's group scales folded in
@@ -800,6 +812,8 @@ void attend(const T* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, int
 }  // namespace
 
 namespace ridge_avx2 {
+
+int64_t decode_attention_jobs(int64_t B, int64_t Hq, int64_t Hkv) { return B * Hkv * head_parts(B, Hq, Hkv); }
 
 template <class T>
 void decode_attention_into(const T* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, const T* kp, const T* vp,

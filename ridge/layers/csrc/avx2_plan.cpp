@@ -10,13 +10,14 @@
 // buffers it keeps, so its results are the Python path's bit for bit
 // (tests/models/test_decode_plan.py).
 //
-// What it covers: Llama attention (q/k norms too) over bf16, int8 or fp8 pools, dense MLPs and
-// MoEs (greedy, group-limited or noaux_tc routers through Avx2Kernels.route_topk's kernel; a
-// shared expert, gated or not). Anything else (latent attention) is refused when the plan is built
-// (Avx2Kernels.plan_*), and a step the Python path would run elsewhere (a dense layer on
-// FLOAT32_GEMM_MIN_ROWS rows or more, attention's GEMM path for few (sequence, KV head) jobs)
-// is declined when it comes: run() returns None before touching anything, and the caller runs
-// the step op by op.
+// What it covers: Llama attention (q/k norms too) over bf16, int8 or fp8 pools, DeepSeek's latent
+// attention absorbed (DeepseekAttention.forward and layers/mla.py: its per-head matrices in a
+// block format, Avx2Kernels.plan_heads), dense MLPs and MoEs (greedy, group-limited or noaux_tc
+// routers through Avx2Kernels.route_topk's kernel; a shared expert, gated or not). Anything else
+// is refused when the plan is built (Avx2Kernels.plan_*), and a step the Python path would run
+// elsewhere (a dense layer on FLOAT32_GEMM_MIN_ROWS rows or more, attention's GEMM path for
+// fewer jobs than threads, decode_attention_jobs) is declined when it comes: run() returns None
+// before touching anything, and the caller runs the step op by op.
 #include <ATen/Parallel.h>
 #include <pybind11/stl.h>
 #include <torch/extension.h>
@@ -168,7 +169,7 @@ struct Moe {
 struct Layer {
   torch::Tensor in_norm, post_norm;
   float eps = 0.f;
-  Lin qkv, o, gate_up, down;
+  Lin qkv, o, gate_up, down;  // a latent attention's qkv: fused_qkv_a_proj
   c10::optional<Moe> moe;  // the feed-forward: an MoE, else the dense gate_up / down
   int64_t heads = 0, kv_heads = 0, head_dim = 0;
   float scale = 0.f;
@@ -177,6 +178,16 @@ struct Layer {
   torch::Tensor k_pool, v_pool;  // bf16, or int8 / e4m3 codes under the scales below
   c10::optional<torch::Tensor> k_scale, v_scale;  // fp16 (blocks, block_size, kv_heads, groups)
   bool fp8 = false;
+  // DeepSeek's latent attention (add_mla_layer): one KV head of head_dim rank + rope, k_pool the
+  // latent pool (also the values)
+  bool mla = false;
+  int64_t q_width = 0, nope = 0, rope = 0, rank = 0;
+  c10::optional<torch::Tensor> q_a_norm;  // with q_b (q_lora_rank)
+  c10::optional<Lin> q_b;
+  torch::Tensor kv_a_norm;
+  float latent_eps = 0.f;
+  bool interleave = false;  // the rotary pairs interleaved (de-interleaved before the rotation)
+  Experts w_uk, w_uv;  // per-head matrices, one "expert" a head: W_uk^T (rank rows over nope), W_uv (v over rank)
 };
 
 struct Timer {
@@ -197,8 +208,8 @@ class Avx2DecodePlan {
  public:
   // dense_max_rows: the rows from which Avx2Kernels runs a dense layer through torch's GEMM
   // (FLOAT32_GEMM_MIN_ROWS); many_heads: the query heads per KV head from which its decode
-  // attention gives way to torch's GEMMs when there are fewer (sequence, KV head) jobs than
-  // threads (MANY_HEADS_PER_KV_HEAD). A step either would take is declined.
+  // attention gives way to torch's GEMMs when the kernel's jobs are fewer than the threads
+  // (MANY_HEADS_PER_KV_HEAD, decode_attention_jobs). A step either would take is declined.
   Avx2DecodePlan(int64_t dense_max_rows, int64_t many_heads) : dense_max_rows_(dense_max_rows), many_heads_(many_heads) {}
 
   // The same arguments as the AVX-512 DecodePlan's add_layer (LlamaAttention.add_to_plan):
@@ -245,6 +256,61 @@ class Avx2DecodePlan {
     }
     l.q_norm = q_norm, l.k_norm = k_norm, l.qk_eps = static_cast<float>(qk_eps);
     l.k_pool = k_pool, l.v_pool = v_pool, l.k_scale = k_scale, l.v_scale = v_scale, l.fp8 = fp8;
+    layers_.push_back(std::move(l));
+  }
+
+  // The same arguments as the AVX-512 DecodePlan's add_mla_layer (DeepseekAttention.add_to_plan):
+  // the per-head matrices as Avx2Kernels.plan_heads gives them (a stacked layer's GGUF rows or
+  // blocks of 8 rows, its type, rows a head), a bf16 latent pool or int8 / fp8 codes under fp16
+  // scales that its decode attention reads.
+  void add_mla_layer(torch::Tensor in_norm, torch::Tensor post_norm, double eps, std::vector<PartSpec> qkv_a,
+                     int64_t q_width, c10::optional<torch::Tensor> q_a_norm, std::vector<PartSpec> q_b,
+                     torch::Tensor kv_a_norm, double latent_eps, std::vector<PartSpec> o, int64_t heads, int64_t nope,
+                     int64_t rope, int64_t rank, bool interleave, PartSpec w_uk, PartSpec w_uv_t, double scale,
+                     torch::Tensor pool, c10::optional<torch::Tensor> scales, bool fp8) {
+    const int64_t E = rank + rope;
+    TORCH_CHECK(pool.is_contiguous() && pool.dim() == 4 && pool.size(2) == 1 && pool.size(3) == E &&
+                    (scales.has_value() ? pool.element_size() == 1 : pool.scalar_type() == at::kBFloat16),
+                "AVX2 decode plan: one contiguous latent pool (blocks, block_size, 1, rank + rope) expected");
+    if (scales.has_value()) {
+      const auto& sc = *scales;
+      const int64_t groups = sc.dim() == 4 ? sc.size(3) : 0, width = groups ? E / groups : 0;
+      TORCH_CHECK(sc.scalar_type() == at::kHalf && sc.is_contiguous() && sc.size(0) == pool.size(0) &&
+                      sc.size(1) == pool.size(1) && sc.size(2) == 1 &&
+                      (groups == 1 || (width * groups == E && width >= 8 && (width & (width - 1)) == 0)),
+                  "AVX2 decode plan: contiguous fp16 (blocks, block_size, 1, groups) latent scales expected");
+    }
+    TORCH_CHECK(heads > 0 && nope > 0 && rope % 16 == 0 && rope > 0 && rank % 8 == 0 && rank > 0,
+                "AVX2 decode plan: a latent attention's heads, rank (a multiple of 8) and rotary dims (of 16)");
+    TORCH_CHECK(q_a_norm.has_value() == !q_b.empty(), "AVX2 decode plan: q_a_layernorm and q_b_proj go together");
+    const int64_t hidden = in_norm.numel();
+    TORCH_CHECK(hidden_ == 0 || hidden == hidden_, "AVX2 decode plan: layers of one hidden size");
+    hidden_ = hidden;
+    check_bf16_vector(in_norm, hidden, "input_layernorm");
+    check_bf16_vector(post_norm, hidden, "post_attention_layernorm");
+    check_bf16_vector(kv_a_norm, rank, "kv_a_layernorm");
+    Layer l;
+    l.in_norm = in_norm, l.post_norm = post_norm, l.eps = static_cast<float>(eps);
+    l.qkv = make_lin(qkv_a, c10::nullopt, hidden);
+    TORCH_CHECK(l.qkv.width == q_width + E, "AVX2 decode plan: fused_qkv_a_proj is not q's width plus rank + rope");
+    const int64_t qh = heads * (nope + rope);
+    if (q_a_norm.has_value()) {
+      check_bf16_vector(*q_a_norm, q_width, "q_a_layernorm");
+      l.q_b = make_lin(q_b, c10::nullopt, q_width);
+      TORCH_CHECK(l.q_b->width == qh, "AVX2 decode plan: q_b_proj does not give the heads' queries");
+    } else {
+      TORCH_CHECK(q_width == qh, "AVX2 decode plan: q_proj does not give the heads' queries");
+    }
+    l.w_uk = make_experts(w_uk, nope, heads);
+    TORCH_CHECK(l.w_uk.n == rank, "AVX2 decode plan: W_uk^T must give rank values a head");
+    l.w_uv = make_experts(w_uv_t, rank, heads);
+    l.o = make_lin(o, c10::nullopt, heads * l.w_uv.n);
+    TORCH_CHECK(l.o.width == hidden, "AVX2 decode plan: o_proj does not give the hidden size");
+    l.heads = heads, l.kv_heads = 1, l.head_dim = E, l.scale = static_cast<float>(scale);
+    l.k_pool = pool, l.v_pool = pool, l.k_scale = scales, l.v_scale = scales, l.fp8 = fp8;
+    l.mla = true, l.q_width = q_width, l.nope = nope, l.rope = rope, l.rank = rank;
+    l.q_a_norm = q_a_norm, l.kv_a_norm = kv_a_norm, l.latent_eps = static_cast<float>(latent_eps);
+    l.interleave = interleave;
     layers_.push_back(std::move(l));
   }
 
@@ -404,7 +470,10 @@ class Avx2DecodePlan {
         ridge_avx2::rms_norm_into<bf16>(hp, l.in_norm.data_ptr<bf16>(), x, T, hidden_, l.eps);
       else
         ridge_avx2::add_rms_norm_into<bf16>(ffn, hp, l.in_norm.data_ptr<bf16>(), x, T, hidden_, l.eps);
-      attention(l, x, T, sp, tables, max_blocks, lens, pos, cp, snp, o, matmul_s);
+      if (l.mla)
+        latent_attention(l, x, T, sp, tables, max_blocks, lens, pos, cp, snp, o, matmul_s);
+      else
+        attention(l, x, T, sp, tables, max_blocks, lens, pos, cp, snp, o, matmul_s);
       ridge_avx2::add_rms_norm_into<bf16>(o, hp, l.post_norm.data_ptr<bf16>(), x, T, hidden_, l.eps);
       if (l.moe.has_value()) {
         touched[i] = run_moe(*l.moe, x, T, ffn, matmul_s);
@@ -427,12 +496,14 @@ class Avx2DecodePlan {
   // whether the Python path runs this step's T rows through the kernels the plan calls
   bool takes(int64_t T, int64_t rotary_dim) const {
     for (const auto& l : layers_) {
-      if (rotary_dim != l.head_dim) return false;  // rope_ takes full-width tables only
+      if (rotary_dim != (l.mla ? l.rope : l.head_dim)) return false;  // rope_ takes full-width tables only
       const bool shared_dense =
           l.moe.has_value() && l.moe->shared && (l.moe->shared_gate_up.dense || l.moe->shared_down.dense);
-      if ((l.qkv.dense || l.o.dense || l.gate_up.dense || l.down.dense || shared_dense) && T >= dense_max_rows_)
+      const bool q_b_dense = l.q_b.has_value() && l.q_b->dense;
+      if ((l.qkv.dense || l.o.dense || l.gate_up.dense || l.down.dense || shared_dense || q_b_dense) &&
+          T >= dense_max_rows_)
         return false;
-      const bool few_jobs = T * l.kv_heads < at::get_num_threads();
+      const bool few_jobs = ridge_avx2::decode_attention_jobs(T, l.heads, l.kv_heads) < at::get_num_threads();
       if (l.heads / l.kv_heads >= many_heads_ && few_jobs) return false;
     }
     return true;
@@ -477,6 +548,97 @@ class Avx2DecodePlan {
     }
     Timer t(matmul_s);
     l.o.into(attn, T, o);
+  }
+
+  // DeepseekAttention.forward and layers/mla.py's absorbed decode, op for op, on raw rows: x (T,
+  // hidden) -> o (T, hidden) through o_proj. The per-head matrices take x head-major (head h's T
+  // rows together), as TorchKernels.head_linear's grouped_linear does.
+  void latent_attention(const Layer& l, const bf16* x, int64_t T, const int64_t* sp, const int64_t* tables,
+                        int64_t max_blocks, const int64_t* lens, const int64_t* pos, const float* cp,
+                        const float* snp, bf16* o, double& matmul_s) {
+    const int64_t H = l.heads, QH = l.nope + l.rope, E = l.rank + l.rope, P = l.rope, yw = l.qkv.width;
+    const int64_t V = l.w_uv.n;
+    bf16 *y = qkv_.data(), *qk_rope = mla_rope_.data(), *entry = mla_entry_.data(), *heads_x = mla_x_.data();
+    bf16 *lat = mla_lat_.data(), *query = mla_query_.data(), *attn = attn_.data(), *vals = mla_v_.data();
+    {
+      Timer t(matmul_s);
+      l.qkv.into(x, T, y);  // (T, q | latent | rotary key)
+    }
+    const bf16* q = y;  // (T, H, nope + rope), rows qs apart
+    int64_t qs = yw;
+    if (l.q_b.has_value()) {
+      bf16 *qa = mla_qa_.data(), *qb = mla_qb_.data();
+      for (int64_t t = 0; t < T; ++t)
+        ridge_avx2::rms_norm_into<bf16>(y + t * yw, l.q_a_norm->data_ptr<bf16>(), qa + t * l.q_width, 1, l.q_width,
+                                        l.latent_eps);
+      {
+        Timer t(matmul_s);
+        l.q_b->into(qa, T, qb);
+      }
+      q = qb, qs = l.q_b->width;
+    }
+    // the latent normed into the cache entry; every head's rotary query and the rotary key in
+    // one (T, H + 1, rope) run, de-interleaved where asked, rotated together (as forward's cat)
+    for (int64_t t = 0; t < T; ++t) {
+      const bf16* kv_a = y + t * yw + l.q_width;
+      ridge_avx2::rms_norm_into<bf16>(kv_a, l.kv_a_norm.data_ptr<bf16>(), entry + t * E, 1, l.rank, l.latent_eps);
+      for (int64_t h = 0; h <= H; ++h) {
+        const bf16* src = h < H ? q + t * qs + h * QH + l.nope : kv_a + l.rank;
+        bf16* dst = qk_rope + (t * (H + 1) + h) * P;
+        if (!l.interleave) {
+          std::memcpy(dst, src, P * sizeof(bf16));
+        } else {  // (x0, x1, x2, ..) -> (x0, x2, .., x1, x3, ..): forward's unflatten / transpose / flatten
+          for (int64_t j = 0; j < P / 2; ++j) dst[j] = src[2 * j], dst[P / 2 + j] = src[2 * j + 1];
+        }
+      }
+    }
+    ridge_avx2::rope_into<bf16>(qk_rope, T, H + 1, P, (H + 1) * P, pos, cp, snp);
+    for (int64_t t = 0; t < T; ++t) std::memcpy(entry + t * E + l.rank, qk_rope + (t * (H + 1) + H) * P, P * sizeof(bf16));
+    const int64_t BS = l.k_pool.size(1), num_slots = l.k_pool.size(0) * BS;
+    if (l.k_scale.has_value())  // write_slots' quantize
+      write_kv_quant_into(static_cast<uint8_t*>(l.k_pool.data_ptr()), l.k_scale->data_ptr<at::Half>(), num_slots, 1,
+                          E, l.k_scale->size(3), entry, E, sp, T, l.fp8);
+    else
+      for (int64_t t = 0; t < T; ++t) std::memcpy(l.k_pool.data_ptr<bf16>() + sp[t] * E, entry + t * E, E * sizeof(bf16));
+    // each head's latent query: q_nope through W_uk^T, head-major, then beside its rotary query
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < T; ++t)
+        std::memcpy(heads_x + (h * T + t) * l.nope, q + t * qs + h * QH, l.nope * sizeof(bf16));
+    const std::vector<int64_t> counts(H, T);
+    {
+      Timer t(matmul_s);
+      l.w_uk.into(heads_x, counts, lat);  // (H T, rank)
+    }
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        std::memcpy(query + (t * H + h) * E, lat + (h * T + t) * l.rank, l.rank * sizeof(bf16));
+        std::memcpy(query + (t * H + h) * E + l.rank, qk_rope + (t * (H + 1) + h) * P, P * sizeof(bf16));
+      }
+    // multi-query attention over the latents (K: the entry, V: its first rank dims)
+    if (l.k_scale.has_value()) {
+      const auto* codes = static_cast<const uint8_t*>(l.k_pool.data_ptr());
+      const at::Half* sc = l.k_scale->data_ptr<at::Half>();
+      ridge_avx2::decode_attention_quant_into<bf16>(query, H * E, T, H, E, codes, codes, sc, sc, l.k_scale->size(3), l.fp8,
+                                                    BS, 1, tables, max_blocks, lens, l.scale, attn);
+    } else {
+      const bf16* pool = l.k_pool.data_ptr<bf16>();
+      ridge_avx2::decode_attention_into<bf16>(query, H * E, T, H, E, pool, pool, BS, 1, tables, max_blocks, lens, l.scale,
+                                              attn);
+    }
+    // the attended latents (each head's first rank dims) out through W_uv, head-major, then
+    // token-major for o_proj
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < T; ++t)
+        std::memcpy(lat + (h * T + t) * l.rank, attn + (t * H + h) * E, l.rank * sizeof(bf16));
+    {
+      Timer t(matmul_s);
+      l.w_uv.into(lat, counts, vals);  // (H T, V)
+    }
+    bf16* heads_v = mla_query_.data();  // the query is spent
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < H; ++h) std::memcpy(heads_v + (t * H + h) * V, vals + (h * T + t) * V, V * sizeof(bf16));
+    Timer t(matmul_s);
+    l.o.into(heads_v, T, o);
   }
 
   // SparseMoE.forward on raw rows: x (T, hidden) -> out (T, hidden), with the kernels and the
@@ -526,10 +688,17 @@ class Avx2DecodePlan {
 
   void ensure_buffers(int64_t T) {
     if (T <= rows_) return;
-    int64_t qkv = 0, q = 0, gu = 0, top_k = 0, moe_gu = 0;
+    int64_t qkv = 0, q = 0, gu = 0, top_k = 0, moe_gu = 0, qa = 0, qb = 0, rope = 0, entry = 0, hx = 0, lat = 0, v = 0;
     for (const auto& l : layers_) {
       qkv = std::max(qkv, l.qkv.width);
       q = std::max(q, l.heads * l.head_dim);
+      if (l.mla) {
+        qa = std::max(qa, l.q_width), qb = std::max(qb, l.q_b.has_value() ? l.q_b->width : 0);
+        rope = std::max(rope, (l.heads + 1) * l.rope), entry = std::max(entry, l.head_dim);
+        hx = std::max(hx, l.heads * l.nope), lat = std::max(lat, l.heads * l.rank);
+        v = std::max(v, l.heads * l.w_uv.n);
+        q = std::max(q, v);  // the query buffer takes the heads' values after the attention
+      }
       gu = std::max(gu, l.gate_up.width);
       if (l.moe.has_value()) {
         top_k = std::max(top_k, l.moe->top_k);
@@ -541,6 +710,8 @@ class Avx2DecodePlan {
     qkv_.resize(T * qkv), attn_.resize(T * q), gu_.resize(T * gu), act_.resize(T * gu / 2);
     moe_x_.resize(T * top_k * hidden_), moe_gu_.resize(T * top_k * moe_gu), moe_act_.resize(T * top_k * moe_gu / 2);
     moe_ys_.resize(T * top_k * hidden_);
+    mla_qa_.resize(T * qa), mla_qb_.resize(T * qb), mla_rope_.resize(T * rope), mla_entry_.resize(T * entry);
+    mla_x_.resize(T * hx), mla_lat_.resize(T * lat), mla_query_.resize(T * q), mla_v_.resize(T * v);
     rows_ = T;
   }
 
@@ -553,6 +724,7 @@ class Avx2DecodePlan {
   Lin head_;  // the lm_head
   std::vector<bf16> moe_x_, moe_gu_, moe_act_, moe_ys_, moe_weights_;  // an MoE's rows, sorted by expert
   std::vector<int64_t> moe_ids_, moe_counts_, moe_order_, moe_unsort_;  // its routing and sort
+  std::vector<bf16> mla_qa_, mla_qb_, mla_rope_, mla_entry_, mla_x_, mla_lat_, mla_query_, mla_v_;  // a latent attention's
 };
 
 void register_decode_plan(pybind11::module_& m) {
@@ -560,6 +732,7 @@ void register_decode_plan(pybind11::module_& m) {
   py::class_<Avx2DecodePlan>(m, "DecodePlan", py::module_local(), "every decoder layer of a bf16 decode step in one call (AVX2)")
       .def(py::init<int64_t, int64_t>())
       .def("add_layer", &Avx2DecodePlan::add_layer)
+      .def("add_mla_layer", &Avx2DecodePlan::add_mla_layer)
       .def("set_mlp", &Avx2DecodePlan::set_mlp)
       .def("set_moe", &Avx2DecodePlan::set_moe)
       .def("set_shared_expert", &Avx2DecodePlan::set_shared_expert)
