@@ -417,6 +417,8 @@ class Avx2Kernels(TorchKernels):
       on 23.
     - An MoE's top-k routing runs ``csrc/avx2_ops.cpp``'s ``route_topk`` (the AVX-512 router
       kernel's arithmetic on 8 lanes); each expert's rows run ``linear`` on its slice.
+    - MLA's absorbed per-head matrices are stacked layers (``plan_heads``, ``absorbed_heads``):
+      each head's rows through ``linear``, in their block format or as bf16 rows.
     - Prefill attention runs each query as a decode of its own through the decode attention
       kernel (``prefill_attention``), as ``CpuKernels`` does; greedy sampling's argmax and
       structured output's token mask are one call each.
