@@ -698,13 +698,16 @@ class Avx2Kernels(TorchKernels):
         # the kernel's jobs: a (sequence, KV head) each, its query heads split in runs of 8+
         # where those are fewer than the threads (MLA's one latent at batch 1: two runs of 8+)
         few_jobs = self.ext.decode_attention_jobs(num_seqs, num_heads, num_kv_heads) < torch.get_num_threads()
+        latent = cache.v.data_ptr() == cache.k.data_ptr()  # MLA: K and V one pool
         if (
             q.dtype not in (torch.float32, torch.bfloat16)
             or not (self._reads_codes(cache, head_dim) if cache.quantized else cache.k.dtype is q.dtype)
             or head_dim % 8
-            # many heads on one KV head and fewer (sequence, KV head) jobs than threads: torch's
-            # batched GEMMs over the gathered copy keep every core busy, the kernel would not
-            or (num_heads // num_kv_heads >= MANY_HEADS_PER_KV_HEAD and few_jobs)
+            # many heads on one KV head and fewer jobs than threads: torch's batched GEMMs over
+            # the gathered copy keep every core busy, the kernel would not. Not for a latent
+            # pool, which torch's path gathers twice (as K and as V) and whose steps the decode
+            # plan holds (the plan's decline follows this test)
+            or (not latent and num_heads // num_kv_heads >= MANY_HEADS_PER_KV_HEAD and few_jobs)
         ):
             return super().decode_attention(q, cache, meta, scale, value_dim)
         scale = head_dim**-0.5 if scale is None else scale

@@ -181,6 +181,26 @@ def test_deepseek_latent_attention_plans_as_it_runs(tmp_path, variant, quantizat
     assert planned == eager
 
 
+def test_a_latent_pool_takes_the_kernel_with_fewer_jobs_than_threads(tmp_path, plan_runs):
+    """One sequence on 4 threads: the 16 heads on the one latent split into 2 jobs, fewer than
+    the threads, where a Llama attention of 8+ heads a KV head gives way to torch's GEMMs. A
+    latent pool keeps the kernel (torch's path gathers it twice), so the plan runs every step,
+    and op by op computes the same tokens."""
+    config_cls, model_cls, extra = VARIANTS["deepseek-v3-yarn"]
+    widths = {"num_attention_heads": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "qk_rope_head_dim": 16}
+    save_spread(model_cls, config_cls(**{**COMMON, **extra, **widths}), tmp_path, jitter_norms=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        planned, model = _generate(tmp_path, [PROMPTS[1]], quantization="int4")
+        assert model.kernels.ext.decode_attention_jobs(1, 16, 1) == 2
+        assert model._plan is not None and plan_runs and all(plan_runs)
+        eager, _ = _generate(tmp_path, [PROMPTS[1]], quantization="int4", enforce_eager=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert planned == eager
+
+
 @pytest.mark.parametrize(
     "variant,options",
     [("deepseek-v2-lite", {}), ("llama-gqa", {"dtype": "float32"})],

@@ -12,12 +12,13 @@
 //
 // What it covers: Llama attention (q/k norms too) over bf16, int8 or fp8 pools, DeepSeek's latent
 // attention absorbed (DeepseekAttention.forward and layers/mla.py: its per-head matrices in a
-// block format, Avx2Kernels.plan_heads), dense MLPs and MoEs (greedy, group-limited or noaux_tc
-// routers through Avx2Kernels.route_topk's kernel; a shared expert, gated or not). Anything else
-// is refused when the plan is built (Avx2Kernels.plan_*), and a step the Python path would run
-// elsewhere (a dense layer on FLOAT32_GEMM_MIN_ROWS rows or more, attention's GEMM path for
-// fewer jobs than threads, decode_attention_jobs) is declined when it comes: run() returns None
-// before touching anything, and the caller runs the step op by op.
+// block format or bf16 rows, Avx2Kernels.plan_heads), dense MLPs and MoEs (greedy,
+// group-limited or noaux_tc routers through Avx2Kernels.route_topk's kernel; a shared expert,
+// gated or not). Anything else is refused when the plan is built (Avx2Kernels.plan_*), and a
+// step the Python path would run elsewhere (a dense layer on FLOAT32_GEMM_MIN_ROWS rows or
+// more, a Llama attention's GEMM path for fewer jobs than threads, decode_attention_jobs) is
+// declined when it comes: run() returns None before touching anything, and the caller runs
+// the step op by op.
 #include <ATen/Parallel.h>
 #include <pybind11/stl.h>
 #include <torch/extension.h>
@@ -519,7 +520,7 @@ class Avx2DecodePlan {
           T >= dense_max_rows_)
         return false;
       const bool few_jobs = ridge_avx2::decode_attention_jobs(T, l.heads, l.kv_heads) < at::get_num_threads();
-      if (l.heads / l.kv_heads >= many_heads_ && few_jobs) return false;
+      if (!l.mla && l.heads / l.kv_heads >= many_heads_ && few_jobs) return false;  // a latent pool takes the kernel
     }
     return true;
   }
