@@ -6,6 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from .hf_tiny import COMMON, VARIANTS, save_spread
+
+
+def save_latent_model(variant: str, path) -> None:
+    """A tiny DeepSeek (``variant``) of widths both plans' latent attention takes: 16 heads (the
+    AVX-512 shared-KV decode kernels' minimum) and nope 32 (W_uk^T in Q8_0 blocks where
+    kv_b_proj is quantized), its norms jittered."""
+    config_cls, model_cls, extra = VARIANTS[variant]
+    widths = {"num_attention_heads": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "qk_rope_head_dim": 16}
+    save_spread(model_cls, config_cls(**{**COMMON, **extra, **widths}), path, jitter_norms=True)
+
 
 def assert_refuses_bad_indices(plan, rotary, hidden: int, name: str) -> None:
     """A step whose slot, block id, context length or position lies outside what the plan

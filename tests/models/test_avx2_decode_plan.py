@@ -20,8 +20,8 @@ from ridge.layers.kernels import Avx2Kernels
 from ridge.layers.linear import Linear
 from ridge.models import llama
 
-from .hf_tiny import COMMON, VARIANTS, build, save_spread
-from .plan_cases import assert_refuses_bad_indices
+from .hf_tiny import COMMON, build
+from .plan_cases import assert_refuses_bad_indices, save_latent_model
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.cpu_has_avx2(), reason="this CPU has no AVX2 + FMA + F16C")
 
@@ -166,9 +166,7 @@ def test_deepseek_latent_attention_plans_as_it_runs(tmp_path, variant, quantizat
     per-head matrices stacked, each head's rows through them as grouped_linear runs them (bf16
     rows, or at int4 W_uk^T in Q8_0 rows and W_uv in blocks of 8 rows): the same tokens and
     logprobs as op by op."""
-    config_cls, model_cls, extra = VARIANTS[variant]
-    widths = {"num_attention_heads": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "qk_rope_head_dim": 16}
-    save_spread(model_cls, config_cls(**{**COMMON, **extra, **widths}), tmp_path, jitter_norms=True)
+    save_latent_model(variant, tmp_path)
     options = dict(quantization=quantization, kv_cache_dtype=kv)
     planned, model = _generate(tmp_path, **options)
     assert model._plan is not None and model._plan.plan.num_layers() == len(model.model.layers)
@@ -186,9 +184,7 @@ def test_a_latent_pool_takes_the_kernel_with_fewer_jobs_than_threads(tmp_path, p
     the threads, where a Llama attention of 8+ heads a KV head gives way to torch's GEMMs. A
     latent pool keeps the kernel (torch's path gathers it twice), so the plan runs every step,
     and op by op computes the same tokens."""
-    config_cls, model_cls, extra = VARIANTS["deepseek-v3-yarn"]
-    widths = {"num_attention_heads": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "qk_rope_head_dim": 16}
-    save_spread(model_cls, config_cls(**{**COMMON, **extra, **widths}), tmp_path, jitter_norms=True)
+    save_latent_model("deepseek-v3-yarn", tmp_path)
     threads = torch.get_num_threads()
     torch.set_num_threads(4)
     try:

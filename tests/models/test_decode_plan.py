@@ -10,8 +10,8 @@ import torch
 from ridge import LLM, SamplingParams
 from ridge.layers.cpu_kernels import cpu_has_avx512_bf16
 
-from .hf_tiny import COMMON, VARIANTS, build, save_spread
-from .plan_cases import assert_refuses_bad_indices
+from .hf_tiny import COMMON, build
+from .plan_cases import assert_refuses_bad_indices, save_latent_model
 
 pytestmark = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="ridge's CPU kernels need AVX-512 BF16")
 
@@ -141,10 +141,7 @@ def test_deepseek_latent_attention_and_grouped_routers_plan_as_they_run(tmp_path
     latent cache, group-limited (V2, softmax) and noaux_tc (V3, sigmoid + bias) routers, shared
     experts and a dense first layer: the same tokens and logprobs as op by op. int4 weights
     absorb W_uk and W_uv in block formats (head_matmul_quant)."""
-    config_cls, model_cls, extra = VARIANTS[variant]
-    # widths the kernels take (nope 32: W_uk in Q8_0 blocks where kv_b_proj is quantized)
-    widths = {"num_attention_heads": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "qk_rope_head_dim": 16}
-    save_spread(model_cls, config_cls(**{**COMMON, **extra, **widths}), tmp_path, jitter_norms=True)
+    save_latent_model(variant, tmp_path)
     options = dict(quantization=quantization, kv_cache_dtype=kv)
     planned, model = _generate(tmp_path, **options)
     assert model._plan is not None and model._plan.plan.num_layers() == len(model.model.layers)
