@@ -166,10 +166,10 @@ class DeepseekAttention(nn.Module):
         )
 
     def add_to_plan(self, plan, norm, post_norm, cache: PagedKV, ops) -> bool:
-        """This layer into the kernels' decode plan (``csrc/decode_layers.cpp``), absorbed as
-        forward() decodes, through the same kernels: False where forward() would take another
-        path (fewer than 16 heads, widths the shared-KV kernels and head_matmul do not take, a
-        cache they do not read)."""
+        """This layer into the kernels' decode plan (``csrc/decode_layers.cpp``, or the AVX2
+        kernels' ``csrc/avx2_plan.cpp``), absorbed as forward() decodes, through the same
+        kernels: False where forward() would take another path (fewer than 16 heads, widths the
+        shared-KV kernels and head_matmul do not take, a cache they do not read)."""
         mla = self.mla
         if self.absorbed is None:
             self.absorb(ops)
