@@ -526,12 +526,14 @@ class Avx2Kernels(TorchKernels):
         return self.ext.DecodePlan(FLOAT32_GEMM_MIN_ROWS, MANY_HEADS_PER_KV_HEAD)
 
     def plan_takes_cache(self, cache, head_dim):
-        if cache.v is cache.k:
-            return False
-        return self._reads_codes(cache, head_dim) if cache.quantized else cache.k.dtype is torch.bfloat16
+        return cache.v is not cache.k and self._plan_reads(cache, head_dim)
 
     def plan_takes_latent_cache(self, cache):
-        return self._reads_codes(cache, cache.k.shape[-1]) if cache.quantized else cache.k.dtype is torch.bfloat16
+        return self._plan_reads(cache, cache.k.shape[-1])
+
+    def _plan_reads(self, cache, head_dim) -> bool:
+        """Whether the plan's attention reads this pool (a bf16 one, or codes _reads_codes takes)."""
+        return self._reads_codes(cache, head_dim) if cache.quantized else cache.k.dtype is torch.bfloat16
 
     def plan_linear(self, layer):
         """Each part of ``layer`` as ``linear`` runs it: (weight, -1, rows) for a dense bf16

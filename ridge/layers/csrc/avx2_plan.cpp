@@ -213,6 +213,17 @@ struct Timer {
   ~Timer() { total += std::chrono::duration<double>(Clock::now() - start).count(); }
 };
 
+// An int8 / fp8 pool's scales as its decode attention reads them (Avx2Kernels._reads_codes):
+// fp16 (blocks, block_size, kv_heads, groups) beside the pool, one group a head or groups of a
+// power of two of 8+ dims
+void check_scales(const torch::Tensor& sc, const torch::Tensor& pool, int64_t head_dim) {
+  const int64_t groups = sc.dim() == 4 ? sc.size(3) : 0, width = groups ? head_dim / groups : 0;
+  TORCH_CHECK(sc.scalar_type() == at::kHalf && sc.is_contiguous() && groups > 0 && sc.size(0) == pool.size(0) &&
+                  sc.size(1) == pool.size(1) && sc.size(2) == pool.size(2) &&
+                  (groups == 1 || (width * groups == head_dim && width >= 8 && (width & (width - 1)) == 0)),
+              "AVX2 decode plan: contiguous fp16 (blocks, block_size, kv_heads, groups) scales expected");
+}
+
 void check_bf16_vector(const torch::Tensor& t, int64_t n, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.numel() == n, "AVX2 decode plan: ", what,
               " must be ", n, " contiguous bf16 values");
@@ -243,13 +254,9 @@ class Avx2DecodePlan {
                     k_pool.sizes() == v_pool.sizes() && k_pool.size(2) == kv_heads && k_pool.size(3) == head_dim,
                 "AVX2 decode plan: contiguous bf16 or 1-byte (blocks, block_size, kv_heads, head_dim) pools expected");
     if (quantized) {
-      const auto& ks = *k_scale;
-      const int64_t groups = ks.dim() == 4 ? ks.size(3) : 0, width = groups ? head_dim / groups : 0;
-      TORCH_CHECK(ks.scalar_type() == at::kHalf && v_scale->scalar_type() == at::kHalf && ks.is_contiguous() &&
-                      v_scale->is_contiguous() && ks.sizes() == v_scale->sizes() && ks.size(0) == k_pool.size(0) &&
-                      ks.size(1) == k_pool.size(1) && ks.size(2) == kv_heads &&
-                      (groups == 1 || (width * groups == head_dim && width >= 8 && (width & (width - 1)) == 0)),
-                  "AVX2 decode plan: contiguous fp16 (blocks, block_size, kv_heads, groups) scales expected");
+      check_scales(*k_scale, k_pool, head_dim);
+      TORCH_CHECK(v_scale->scalar_type() == at::kHalf && v_scale->is_contiguous() && k_scale->sizes() == v_scale->sizes(),
+                  "AVX2 decode plan: V's scales must be K's kind and shape");
     }
     TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim % 16 == 0,
                 "AVX2 decode plan: query heads a multiple of the KV heads, head_dim a multiple of 16");
@@ -288,14 +295,7 @@ class Avx2DecodePlan {
     TORCH_CHECK(pool.is_contiguous() && pool.dim() == 4 && pool.size(2) == 1 && pool.size(3) == E &&
                     (scales.has_value() ? pool.element_size() == 1 : pool.scalar_type() == at::kBFloat16),
                 "AVX2 decode plan: one contiguous latent pool (blocks, block_size, 1, rank + rope) expected");
-    if (scales.has_value()) {
-      const auto& sc = *scales;
-      const int64_t groups = sc.dim() == 4 ? sc.size(3) : 0, width = groups ? E / groups : 0;
-      TORCH_CHECK(sc.scalar_type() == at::kHalf && sc.is_contiguous() && sc.size(0) == pool.size(0) &&
-                      sc.size(1) == pool.size(1) && sc.size(2) == 1 &&
-                      (groups == 1 || (width * groups == E && width >= 8 && (width & (width - 1)) == 0)),
-                  "AVX2 decode plan: contiguous fp16 (blocks, block_size, 1, groups) latent scales expected");
-    }
+    if (scales.has_value()) check_scales(*scales, pool, E);
     TORCH_CHECK(heads > 0 && nope > 0 && rope % 16 == 0 && rope > 0 && rank % 8 == 0 && rank > 0,
                 "AVX2 decode plan: a latent attention's heads, rank (a multiple of 8) and rotary dims (of 16)");
     TORCH_CHECK(q_a_norm.has_value() == !q_b.empty(), "AVX2 decode plan: q_a_layernorm and q_b_proj go together");
@@ -598,15 +598,9 @@ class Avx2DecodePlan {
     for (int64_t t = 0; t < T; ++t) {
       const bf16* kv_a = y + t * yw + l.q_width;
       ridge_avx2::rms_norm_into<bf16>(kv_a, l.kv_a_norm.data_ptr<bf16>(), entry + t * E, 1, l.rank, l.latent_eps);
-      for (int64_t h = 0; h <= H; ++h) {
-        const bf16* src = h < H ? q + t * qs + h * QH + l.nope : kv_a + l.rank;
-        bf16* dst = qk_rope + (t * (H + 1) + h) * P;
-        if (!l.interleave) {
-          std::memcpy(dst, src, P * sizeof(bf16));
-        } else {  // (x0, x1, x2, ..) -> (x0, x2, .., x1, x3, ..): forward's unflatten / transpose / flatten
-          for (int64_t j = 0; j < P / 2; ++j) dst[j] = src[2 * j], dst[P / 2 + j] = src[2 * j + 1];
-        }
-      }
+      for (int64_t h = 0; h <= H; ++h)
+        ridge_shared::place_rope(h < H ? q + t * qs + h * QH + l.nope : kv_a + l.rank, qk_rope + (t * (H + 1) + h) * P,
+                                 P, l.interleave);
     }
     ridge_avx2::rope_into<bf16>(qk_rope, T, H + 1, P, (H + 1) * P, pos, cp, snp);
     for (int64_t t = 0; t < T; ++t) std::memcpy(entry + t * E + l.rank, qk_rope + (t * (H + 1) + H) * P, P * sizeof(bf16));

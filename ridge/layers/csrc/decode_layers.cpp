@@ -105,16 +105,6 @@ static void head_matmul_into(const Packed& w, const at::BFloat16* x, int64_t sxr
     head_matmul_quant_into(x, sxr, sxh, D, H, K, w.weight.data_ptr<uint8_t>(), w.fmt, w.n, y);
 }
 
-// p rotary values from src to dst, de-interleaved where asked ((x0, x1, x2, ..) -> (x0, x2, .., x1, x3, ..),
-// what DeepseekAttention's unflatten / transpose / flatten does before the rotation)
-static void place_rope(const at::BFloat16* src, at::BFloat16* dst, int64_t p, bool interleave) {
-  if (!interleave) {
-    std::memcpy(dst, src, p * sizeof(at::BFloat16));
-    return;
-  }
-  for (int64_t j = 0; j < p / 2; ++j) dst[j] = src[2 * j], dst[p / 2 + j] = src[2 * j + 1];
-}
-
 // (weight, format code, rows) as kernels.plan_linear / plan_experts / plan_heads give it
 Packed make_packed(const std::tuple<torch::Tensor, int64_t, int64_t>& p) {
   return {std::get<0>(p), std::get<1>(p), std::get<2>(p)};
@@ -608,9 +598,9 @@ class DecodePlan {
     for (int64_t t = 0; t < T; ++t) {
       const bf16* kv_a = y + t * yw + l.q_width;
       rms_norm_into(kv_a, kv_norm, entry + t * E, 1, l.rank, l.latent_eps);
-      place_rope(kv_a + l.rank, entry + t * E + l.rank, l.rope, l.interleave);
+      ridge_shared::place_rope(kv_a + l.rank, entry + t * E + l.rank, l.rope, l.interleave);
       for (int64_t h = 0; h < H; ++h)
-        place_rope(q + t * qs + h * QH + l.nope, query + (t * H + h) * E + l.rank, l.rope, l.interleave);
+        ridge_shared::place_rope(q + t * qs + h * QH + l.nope, query + (t * H + h) * E + l.rank, l.rope, l.interleave);
     }
     rope_into(query + l.rank, T, H, l.rope, H * E, pos, cp, snp, E);
     rope_into(entry + l.rank, T, 1, l.rope, E, pos, cp, snp);

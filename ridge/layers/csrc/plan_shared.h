@@ -192,6 +192,17 @@ void check_step(const char* plan, int64_t T, const int64_t* positions, int64_t t
   }
 }
 
+// p rotary values from src to dst, de-interleaved where asked ((x0, x1, x2, ..) -> (x0, x2, .., x1, x3, ..),
+// what DeepseekAttention's unflatten / transpose / flatten does before the rotation): both
+// plans' latent attention
+inline void place_rope(const at::BFloat16* src, at::BFloat16* dst, int64_t p, bool interleave) {
+  if (!interleave) {
+    std::memcpy(dst, src, p * sizeof(at::BFloat16));
+    return;
+  }
+  for (int64_t j = 0; j < p / 2; ++j) dst[j] = src[2 * j], dst[p / 2 + j] = src[2 * j + 1];
+}
+
 // A greedy run's next pass (DecodePlan.run_greedy): each row's last token's embedding into h,
 // one position on, its slot from the row's block table, one more token to attend. tokens: the
 // row's token of the pass before, at tokens[t * stride].
