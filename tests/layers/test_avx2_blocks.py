@@ -126,10 +126,10 @@ def test_the_formats_packed_at_load_have_rows_of_8():
 def test_rows_of_8_keep_the_bytes_and_the_outputs_bit_for_bit(ext, name):
     """The packed layout: the same bytes in blocks of 8 rows (its inverse gives GGUF's back),
     and the same outputs as the GGUF layout for every tile height (m), every shape of a row's
-    tree over its blocks (their count a power of 2, odd, or neither), and GGUF's layout packed
-    as the kernel goes (m = 33: 32 rows or more)."""
+    tree over its blocks (their count a power of 2, odd, or neither; up to 512 leaves), and
+    GGUF's layout packed as the kernel goes (m = 33: 32 rows or more)."""
     fmt = FORMATS[name]
-    for k in (32, 96, 256, 416, 768, 2048, 2816):
+    for k in (32, 96, 256, 416, 768, 2048, 2816, 12288, 16384):
         if k % fmt.block:
             continue
         blocks = _blocks(name, 24, k, seed=k)
