@@ -738,7 +738,7 @@ template <int R>
 class TreeSums {
  public:
   explicit TreeSums(int64_t n) : odd_(n), top_(0) {
-    while (odd_ % 2 == 0) odd_ /= 2, ++top_;
+    while (odd_ > 1 && odd_ % 2 == 0) odd_ /= 2, ++top_;
   }
   // the next block's sums, s[r] row r of x's
   inline __attribute__((always_inline)) void put(const __m256* s) {
@@ -1060,7 +1060,7 @@ inline __attribute__((always_inline)) void add_x_sums(__m256i v, const XRows<R>&
 // x's scale, into the tree
 template <int SHIFT, int R>
 inline __attribute__((always_inline)) void put_offset_sums(const __m256i* acc, const __m256i* off, __m256 dv,
-                                                             const XRows<R>& xr, int64_t b, TreeSums<R>& tree) {
+                                                           const XRows<R>& xr, int64_t b, TreeSums<R>& tree) {
   __m256 out[R];
   for (int r = 0; r < R; ++r) {
     const __m256 dx = _mm256_broadcast_ss(xr.scales[r] + b);
