@@ -6,6 +6,11 @@ every x86 machine with AVX2 (the AVX-512 ones too)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -314,3 +319,34 @@ def test_weights_read_as_loaded_move_into_2mib_pages_with_their_values(ext):
             assert asks_for_huge_pages(held)
     if thp_mode() == "madvise":  # torch's allocation does not ask
         assert not asks_for_huge_pages(before["dense"][0])
+
+
+_FREED_SLAB = """
+import ctypes, json
+import torch
+from ridge.layers.cpu_kernels import load_avx2_extension
+from tests.layers.cpu_cases import asks_for_huge_pages
+
+ext = load_avx2_extension()
+ctypes.CDLL(None).mallopt(-3, 512 << 20)  # M_MMAP_THRESHOLD: malloc's heap serves all of it
+weight = ext.huge_page_copy(torch.ones(1 << 20, dtype=torch.uint8))  # a new 64 MiB slab
+guard = torch.ones(1 << 20, dtype=torch.uint8)  # above it, so the freed slab is not trimmed
+slab_asks = asks_for_huge_pages(weight)
+del weight  # the slab goes with its last weight
+after = [torch.empty(8 << 20, dtype=torch.uint8) for _ in range(12)]  # where the slab was
+print(json.dumps([slab_asks, [asks_for_huge_pages(t) for t in after]]))
+"""
+
+
+@pytest.mark.skipif(thp_mode() != "madvise", reason="where only memory that asks takes huge pages")
+def test_a_freed_slab_leaves_no_memory_asking_for_huge_pages():
+    """The weights' slabs are mapped from the system and unmapped when freed. Carved from
+    malloc's heap (a large aligned request was, where enough freed memory lay there), a freed
+    slab's pages kept asking for 2 MiB pages, and torch's next tensors there took them. In a
+    process of its own: malloc's heap is made to serve every request."""
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run(
+        [sys.executable, "-c", _FREED_SLAB], cwd=root, capture_output=True, text=True, timeout=300, check=True
+    )
+    slab_asks, after = json.loads(run.stdout.strip().splitlines()[-1])
+    assert slab_asks and after and not any(after)

@@ -6,7 +6,6 @@
 #include <sys/mman.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -36,15 +35,29 @@ class WeightArena {
     std::shared_ptr<void> slab = current_.lock();
     if (!slab || used_ + bytes > size_) {
       const size_t size = std::max(kSlab, (bytes + kHuge - 1) / kHuge * kHuge);
-      void* base = nullptr;
-      if (posix_memalign(&base, kHuge, size) != 0) return nullptr;
+      void* base = map_slab(size);
+      if (!base) return nullptr;
       madvise(base, size, MADV_HUGEPAGE);  // before the first touch, so faults take huge pages
-      slab = std::shared_ptr<void>(base, [](void* p) { std::free(p); });
+      slab = std::shared_ptr<void>(base, [size](void* p) { munmap(p, size); });
       current_ = slab, size_ = size, used_ = 0;
     }
     ptr = static_cast<char*>(slab.get()) + used_;
     used_ = (used_ + bytes + kAlign - 1) / kAlign * kAlign;
     return slab;
+  }
+
+  // size bytes (whole 2 MiB pages) at a 2 MiB boundary, mapped from the system, or nullptr. Not
+  // malloc's: a slab carved from its heap (as a large aligned request can be, once freed memory
+  // lies there) would leave that heap's pages asking for huge pages after the slab is freed, and
+  // torch's tensors would go on to take them.
+  static void* map_slab(size_t size) {
+    const size_t span = size + kHuge;
+    void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) return nullptr;
+    const uintptr_t start = reinterpret_cast<uintptr_t>(raw), base = (start + kHuge - 1) / kHuge * kHuge;
+    if (base > start) munmap(raw, base - start);  // the unaligned head and tail back
+    if (start + span > base + size) munmap(reinterpret_cast<void*>(base + size), start + span - base - size);
+    return reinterpret_cast<void*>(base);
   }
 
   // a freed weight's whole 2 MiB pages back to the system (its partial ones stay with the slab)
