@@ -731,6 +731,14 @@ torch::Tensor paged_decode_attention_quant(torch::Tensor q, torch::Tensor k_cach
 
 namespace {
 
+// How many runs of query heads attend splits each KV head's G = Hq / Hkv heads into: 1, or
+// where the (sequence, KV head) jobs are fewer than the threads, enough runs of 8 or more heads
+// to give each thread one
+int64_t head_parts(int64_t B, int64_t Hq, int64_t Hkv) {
+  const int64_t jobs = B * Hkv, threads = at::get_num_threads();
+  return jobs >= threads ? 1 : std::max<int64_t>(1, std::min((threads + jobs - 1) / jobs, Hq / Hkv / 8));
+}
+
 // One query per sequence over its context, for rows of any kind (Rows: PlainRows, CodeRows):
 // fill(kr, vr, b, h, L) points kr and vr at sequence b's L rows of KV head h. Work is split over
 // (sequence, KV head); the query heads of a KV head share each row's loads. Where those jobs are
@@ -739,12 +747,6 @@ namespace {
 // reads the KV head's rows, and a head's arithmetic does not depend on the heads beside it, so
 // the outputs are the same bits however the heads are split (torch's GEMMs took these steps
 // before, Avx2Kernels.decode_attention).
-// The runs of query heads each KV head's heads are split into (attend)
-int64_t head_parts(int64_t B, int64_t Hq, int64_t Hkv) {
-  const int64_t jobs = B * Hkv, threads = at::get_num_threads();
-  return jobs >= threads ? 1 : std::max<int64_t>(1, std::min((threads + jobs - 1) / jobs, Hq / Hkv / 8));
-}
-
 template <class T, class Rows, class Fill>
 void attend(const T* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, int64_t Hkv, const int64_t* lp,
             float scale, T* op, const Rows& proto, Fill&& fill) {
