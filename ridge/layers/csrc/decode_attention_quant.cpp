@@ -19,7 +19,7 @@
 // tokens that every head's fp32 query value multiplies (no reduction per token and head). V of
 // either kind: each row's codes times its group scales, weighted
 // by p_t, accumulated in fp32 registers. Work is split over
-// (sequence, KV head) as in decode_ops.cpp.
+// (sequence, run of KV heads) as in decode_ops.cpp.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -168,17 +168,18 @@ inline void qk_int8(const __m512i* col, const int8_t* qq, const int32_t* qsum, c
   for (int g = 0; g < NG; ++g) _mm512_mask_storeu_ps(scores + g * L, valid, sacc[g]);
 }
 
-// out[g][d0 : d0 + 16 dn] += sum_t p[g][t] * v_t[d0 : ...], v_t the row's codes times its
-// scale of each 16 dims' group (fp32 registers; the scaling is shared by the NG heads)
+// out[g][d0 : d0 + 16 dn] += sum_t p[g][t] * v_t[d0 : ...] over tokens [t0, t1), v_t the row's
+// codes times its scale of each 16 dims' group (fp32 registers over the run, in token order;
+// the scaling is shared by the NG heads)
 template <int NG, int DN, bool FP8>
-inline void pv_chunk(const uint8_t* vp, const int64_t* rows, int64_t D, int64_t d0, const float* probs, int64_t L,
-                     const float* vscale, int64_t NGR, int64_t GS, float* out) {
+inline void pv_chunk(const uint8_t* vp, const int64_t* rows, int64_t t0, int64_t t1, int64_t D, int64_t d0,
+                     const float* probs, int64_t L, const float* vscale, int64_t NGR, int64_t GS, float* out) {
   __m512 acc[NG][DN];
   int64_t group[DN];
   for (int j = 0; j < DN; ++j) group[j] = (d0 + 16 * j) / GS;
   for (int g = 0; g < NG; ++g)
-    for (int j = 0; j < DN; ++j) acc[g][j] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < L; ++t) {
+    for (int j = 0; j < DN; ++j) acc[g][j] = _mm512_loadu_ps(out + g * D + 16 * j);
+  for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* row = vp + rows[t] * D + d0;
     // blocks are scattered over the pool: fetch ahead, the hardware prefetcher cannot
     if (t + KV_PREFETCH_TOKENS < L)
@@ -196,27 +197,28 @@ inline void pv_chunk(const uint8_t* vp, const int64_t* rows, int64_t D, int64_t 
 }
 
 template <int NG, bool FP8>
-inline void pv_any_dn(int64_t dn, const uint8_t* vp, const int64_t* rows, int64_t D, int64_t d0, const float* p,
-                      int64_t L, const float* vscale, int64_t NGR, int64_t GS, float* out) {
+inline void pv_any_dn(int64_t dn, const uint8_t* vp, const int64_t* rows, int64_t t0, int64_t t1, int64_t D, int64_t d0,
+                      const float* p, int64_t L, const float* vscale, int64_t NGR, int64_t GS, float* out) {
   switch (dn) {
-    case 1: return pv_chunk<NG, 1, FP8>(vp, rows, D, d0, p, L, vscale, NGR, GS, out);
-    case 2: return pv_chunk<NG, 2, FP8>(vp, rows, D, d0, p, L, vscale, NGR, GS, out);
-    case 3: return pv_chunk<NG, 3, FP8>(vp, rows, D, d0, p, L, vscale, NGR, GS, out);
-    default: return pv_chunk<NG, 4, FP8>(vp, rows, D, d0, p, L, vscale, NGR, GS, out);
+    case 1: return pv_chunk<NG, 1, FP8>(vp, rows, t0, t1, D, d0, p, L, vscale, NGR, GS, out);
+    case 2: return pv_chunk<NG, 2, FP8>(vp, rows, t0, t1, D, d0, p, L, vscale, NGR, GS, out);
+    case 3: return pv_chunk<NG, 3, FP8>(vp, rows, t0, t1, D, d0, p, L, vscale, NGR, GS, out);
+    default: return pv_chunk<NG, 4, FP8>(vp, rows, t0, t1, D, d0, p, L, vscale, NGR, GS, out);
   }
 }
 
+// out[g] += sum over tokens [t0, t1) of p[g][t] v_t for a KV head's G query heads
 template <bool FP8>
-void pv(int64_t G, const uint8_t* vp, const int64_t* rows, int64_t D, const float* probs, int64_t L,
-        const float* vscale, int64_t NGR, int64_t GS, float* out) {
+void pv(int64_t G, const uint8_t* vp, const int64_t* rows, int64_t t0, int64_t t1, int64_t D, const float* probs,
+        int64_t L, const float* vscale, int64_t NGR, int64_t GS, float* out) {
   if (G % 8 == 0) {  // 8 heads x 32 dims a pass: each V row dequantized once, not once per 4 heads
     // (1.09x for int8 over 22 layers at 4,096 tokens, TinyLlama's heads, Xeon; the same sums)
     for (int64_t g0 = 0; g0 < G; g0 += 8)
       for (int64_t d0 = 0; d0 < D; d0 += 32) {
         if (D - d0 >= 32)
-          pv_chunk<8, 2, FP8>(vp, rows, D, d0, probs + g0 * L, L, vscale, NGR, GS, out + g0 * D + d0);
+          pv_chunk<8, 2, FP8>(vp, rows, t0, t1, D, d0, probs + g0 * L, L, vscale, NGR, GS, out + g0 * D + d0);
         else
-          pv_chunk<8, 1, FP8>(vp, rows, D, d0, probs + g0 * L, L, vscale, NGR, GS, out + g0 * D + d0);
+          pv_chunk<8, 1, FP8>(vp, rows, t0, t1, D, d0, probs + g0 * L, L, vscale, NGR, GS, out + g0 * D + d0);
       }
     return;
   }
@@ -226,10 +228,10 @@ void pv(int64_t G, const uint8_t* vp, const int64_t* rows, int64_t D, const floa
       const float* p = probs + g0 * L;
       float* o = out + g0 * D + d0;
       switch (std::min<int64_t>(4, G - g0)) {
-        case 1: pv_any_dn<1, FP8>(dn, vp, rows, D, d0, p, L, vscale, NGR, GS, o); break;
-        case 2: pv_any_dn<2, FP8>(dn, vp, rows, D, d0, p, L, vscale, NGR, GS, o); break;
-        case 3: pv_any_dn<3, FP8>(dn, vp, rows, D, d0, p, L, vscale, NGR, GS, o); break;
-        default: pv_any_dn<4, FP8>(dn, vp, rows, D, d0, p, L, vscale, NGR, GS, o);
+        case 1: pv_any_dn<1, FP8>(dn, vp, rows, t0, t1, D, d0, p, L, vscale, NGR, GS, o); break;
+        case 2: pv_any_dn<2, FP8>(dn, vp, rows, t0, t1, D, d0, p, L, vscale, NGR, GS, o); break;
+        case 3: pv_any_dn<3, FP8>(dn, vp, rows, t0, t1, D, d0, p, L, vscale, NGR, GS, o); break;
+        default: pv_any_dn<4, FP8>(dn, vp, rows, t0, t1, D, d0, p, L, vscale, NGR, GS, o);
       }
     }
 }
@@ -240,26 +242,34 @@ void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* k
             int64_t max_blocks, int64_t NGR, float scale, int64_t q_stride) {
   const int64_t G = Hq / Hkv, GS = D / NGR;
   const float code_unit = FP8 ? FP8_CODE_UNIT : 1.f;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), qscale(G * NGR), scores, vscale, acc(G * D);
-    std::vector<int8_t> qq(G * D);
-    std::vector<int32_t> qsum(G * NGR);
+  // A job: a sequence and a run of HJ of its KV heads, whose rows and scales lie side by side
+  // in the pool (paged_rows.h, kv_head_jobs): head h0 + j's row of a token is rows[t] + j, so
+  // its pool pointers start j rows on. A job of one head fetches V into L2 during the scores'
+  // pass, where its rows still lie at the PV pass; a job of several reads V in runs of
+  // PV_TOKENS tokens (each run's rows of its heads in L1 for all of them) and fetches only as
+  // the PV pass goes (with V's fetch in the scores' pass too: 0.90-1.00x, alternated).
+  const int64_t split = kv_head_jobs(B, Hkv, lp, Hkv * 2 * (D + 2 * NGR));
+  const int64_t HJ = Hkv / split, HG = HJ * G;
+  at::parallel_for(0, B * split, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(HG * D), qscale(HG * NGR), scores, vscale, acc(HG * D);
+    std::vector<int8_t> qq(HG * D);
+    std::vector<int32_t> qsum(HG * NGR);
     std::vector<__m512i> col(FP8 ? 0 : D / 4);
     std::vector<__m512> colv(FP8 ? D : 0);  // fp8: [d][16 tokens] fp32
     float* colf = reinterpret_cast<float*>(colv.data());
     std::vector<int64_t> rows;
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t b = job / Hkv, h = job % Hkv, L = lp[b];
-      paged_rows(tp + b * max_blocks, L, BS, Hkv, h, rows);
+      const int64_t b = job / split, h0 = job % split * HJ, L = lp[b];
+      paged_rows(tp + b * max_blocks, L, BS, Hkv, h0, rows);
       const int64_t first = std::min<int64_t>(L, KV_PREFETCH_TOKENS);  // the window before the loops' fetch
-      prefetch_rows<_MM_HINT_T0>(kp, rows.data(), 0, first, D);
-      prefetch_rows<_MM_HINT_T0>(ksp, rows.data(), 0, first, 2 * NGR);
-      prefetch_rows<_MM_HINT_T1>(vp, rows.data(), 0, first, D);
-      prefetch_rows<_MM_HINT_T1>(vsp, rows.data(), 0, first, 2 * NGR);
-      for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(qp[b * q_stride + h * G * D + i]);
-      scores.assign(G * L, 0.f);
+      prefetch_rows<_MM_HINT_T0>(kp, rows.data(), 0, first, D, HJ);
+      prefetch_rows<_MM_HINT_T0>(ksp, rows.data(), 0, first, 2 * NGR, HJ);
+      prefetch_rows<_MM_HINT_T1>(vp, rows.data(), 0, first, D, HJ);
+      prefetch_rows<_MM_HINT_T1>(vsp, rows.data(), 0, first, 2 * NGR, HJ);
+      for (int64_t i = 0; i < HG * D; ++i) qf[i] = static_cast<float>(qp[b * q_stride + h0 * G * D + i]);
+      scores.resize(HG * L);  // every score is written below
       if constexpr (!FP8)
-        for (int64_t g = 0; g < G; ++g) quantize_query(&qf[g * D], D, GS, scale, &qq[g * D], &qsum[g * NGR], &qscale[g * NGR]);
+        for (int64_t g = 0; g < HG; ++g) quantize_query(&qf[g * D], D, GS, scale, &qq[g * D], &qsum[g * NGR], &qscale[g * NGR]);
       const __m512 unit_scale = _mm512_set1_ps(code_unit * scale);
       const bool eight = !FP8 && GS == 32 && G % 8 == 0;  // int8 scores 8 heads a pass (see qk_int8)
       for (int64_t t0 = 0; t0 < L; t0 += 16) {
@@ -267,7 +277,6 @@ void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* k
         alignas(64) int64_t rows16[16];
         alignas(64) float ks[16 * 64];  // [group][token], up to 64 groups
         for (int64_t i = 0; i < 16; ++i) rows16[i] = rows[t0 + std::min<int64_t>(i, n - 1)];  // tail lanes repeat a valid token
-        token_scales16(ksp, rows16, NGR, ks);
         // the rows and scales of the chunk KV_PREFETCH_TOKENS ahead (the scales' gather waited on
         // memory: fetching them a chunk ahead measured 1.13x for int8 over 22 layers at 4,096
         // tokens, Xeon), and V's into L2 for the pass after the scores (int8, 2 Zen 5 cores,
@@ -275,47 +284,58 @@ void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* k
         // 1.08x, 1,900 1.035x; the bf16 kernel measured 0.95x with it at 1,900 and does not)
         const int64_t ahead_end = std::min<int64_t>(L, t0 + KV_PREFETCH_TOKENS + 16);
         const int64_t ahead = std::min<int64_t>(ahead_end, t0 + KV_PREFETCH_TOKENS);
-        prefetch_rows<_MM_HINT_T0>(kp, rows.data(), ahead, ahead_end, D);
-        prefetch_rows<_MM_HINT_T0>(ksp, rows.data(), ahead, ahead_end, 2 * NGR);
-        prefetch_rows<_MM_HINT_T1>(vp, rows.data(), ahead, ahead_end, D);
-        prefetch_rows<_MM_HINT_T1>(vsp, rows.data(), ahead, ahead_end, 2 * NGR);
-        if constexpr (FP8)
-          k_columns_fp8(kp, rows16, D, colf);
-        else
-          // 16 tokens' codes as vpdpbusd takes them: col[p] lane i holds token i's dims 4p .. 4p + 3, + 128
-          row_columns(kp, rows16, D, _mm512_set1_epi32(static_cast<int32_t>(0x80808080u)), col.data());
-        for (int64_t g0 = 0; g0 < G; g0 += eight ? 8 : 4) {
-          float* s = &scores[g0 * L + t0];
-          if constexpr (FP8) {
-            const float* q = &qf[g0 * D];
-            switch (std::min<int64_t>(4, G - g0)) {
-              case 1: qk_fp8<1>(colf, q, D, GS, ks, unit_scale, s, L, n); break;
-              case 2: qk_fp8<2>(colf, q, D, GS, ks, unit_scale, s, L, n); break;
-              case 3: qk_fp8<3>(colf, q, D, GS, ks, unit_scale, s, L, n); break;
-              default: qk_fp8<4>(colf, q, D, GS, ks, unit_scale, s, L, n);
-            }
-          } else {
-            const int8_t* q = &qq[g0 * D];
-            const int32_t* qs = &qsum[g0 * NGR];
-            const float* qfs = &qscale[g0 * NGR];
-            if (eight)
-              qk_int8<8, 8>(col.data(), q, qs, qfs, D, GS, ks, s, L, n);
-            else
+        prefetch_rows<_MM_HINT_T0>(kp, rows.data(), ahead, ahead_end, D, HJ);
+        prefetch_rows<_MM_HINT_T0>(ksp, rows.data(), ahead, ahead_end, 2 * NGR, HJ);
+        if (HJ == 1) {
+          prefetch_rows<_MM_HINT_T1>(vp, rows.data(), ahead, ahead_end, D, HJ);
+          prefetch_rows<_MM_HINT_T1>(vsp, rows.data(), ahead, ahead_end, 2 * NGR, HJ);
+        }
+        for (int64_t j = 0; j < HJ; ++j) {
+          token_scales16(ksp + j * NGR, rows16, NGR, ks);
+          if constexpr (FP8)
+            k_columns_fp8(kp + j * D, rows16, D, colf);
+          else
+            // 16 tokens' codes as vpdpbusd takes them: col[p] lane i holds token i's dims 4p .. 4p + 3, + 128
+            row_columns(kp + j * D, rows16, D, _mm512_set1_epi32(static_cast<int32_t>(0x80808080u)), col.data());
+          for (int64_t g0 = 0; g0 < G; g0 += eight ? 8 : 4) {
+            float* s = &scores[(j * G + g0) * L + t0];
+            if constexpr (FP8) {
+              const float* q = &qf[(j * G + g0) * D];
               switch (std::min<int64_t>(4, G - g0)) {
-                case 1: qk_int8<1>(col.data(), q, qs, qfs, D, GS, ks, s, L, n); break;
-                case 2: qk_int8<2>(col.data(), q, qs, qfs, D, GS, ks, s, L, n); break;
-                case 3: qk_int8<3>(col.data(), q, qs, qfs, D, GS, ks, s, L, n); break;
-                default: qk_int8<4>(col.data(), q, qs, qfs, D, GS, ks, s, L, n);
+                case 1: qk_fp8<1>(colf, q, D, GS, ks, unit_scale, s, L, n); break;
+                case 2: qk_fp8<2>(colf, q, D, GS, ks, unit_scale, s, L, n); break;
+                case 3: qk_fp8<3>(colf, q, D, GS, ks, unit_scale, s, L, n); break;
+                default: qk_fp8<4>(colf, q, D, GS, ks, unit_scale, s, L, n);
               }
+            } else {
+              const int8_t* q = &qq[(j * G + g0) * D];
+              const int32_t* qs = &qsum[(j * G + g0) * NGR];
+              const float* qfs = &qscale[(j * G + g0) * NGR];
+              if (eight)
+                qk_int8<8, 8>(col.data(), q, qs, qfs, D, GS, ks, s, L, n);
+              else
+                switch (std::min<int64_t>(4, G - g0)) {
+                  case 1: qk_int8<1>(col.data(), q, qs, qfs, D, GS, ks, s, L, n); break;
+                  case 2: qk_int8<2>(col.data(), q, qs, qfs, D, GS, ks, s, L, n); break;
+                  case 3: qk_int8<3>(col.data(), q, qs, qfs, D, GS, ks, s, L, n); break;
+                  default: qk_int8<4>(col.data(), q, qs, qfs, D, GS, ks, s, L, n);
+                }
+            }
           }
         }
       }
-      for (int64_t g = 0; g < G; ++g) ridge::softmax_row(&scores[g * L], L, false);
-      // V's scales per (token, group), code units folded in
-      vscale.resize(L * NGR);
-      token_scales(vsp, rows.data(), L, NGR, code_unit, vscale.data());
-      pv<FP8>(G, vp, rows.data(), D, scores.data(), L, vscale.data(), NGR, GS, acc.data());
-      for (int64_t i = 0; i < G * D; ++i) op[(b * Hq + h * G) * D + i] = static_cast<T>(acc[i]);
+      for (int64_t g = 0; g < HG; ++g) ridge::softmax_row(&scores[g * L], L, false);
+      // V's scales per (head, token, group), code units folded in
+      vscale.resize(HJ * L * NGR);
+      for (int64_t j = 0; j < HJ; ++j) token_scales(vsp + j * NGR, rows.data(), L, NGR, code_unit, &vscale[j * L * NGR]);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      const int64_t run = HJ == 1 ? L : PV_TOKENS;
+      for (int64_t t0 = 0; t0 < L; t0 += run) {
+        const int64_t t1 = std::min<int64_t>(L, t0 + run);
+        for (int64_t j = 0; j < HJ; ++j)
+          pv<FP8>(G, vp + j * D, rows.data(), t0, t1, D, &scores[j * G * L], L, &vscale[j * L * NGR], NGR, GS, &acc[j * G * D]);
+      }
+      for (int64_t i = 0; i < HG * D; ++i) op[(b * Hq + h0 * G) * D + i] = static_cast<T>(acc[i]);
     }
   });
 }

@@ -119,14 +119,16 @@ inline void qk_chunk(const __m512i* col, const int32_t* qpairs, int64_t DP, floa
     _mm512_mask_storeu_ps(scores + g * L, valid, _mm512_mul_ps(round16(acc[g]), _mm512_set1_ps(scale)));
 }
 
-// out[g][d0 .. d0 + 16 DN) = sum_t p[g][t] v_t for GN heads, accumulators in registers
+// acc[g][d0 .. d0 + 16 DN) += p[g][t] v_t over tokens [t0, t1) for GN heads (probs[g L + t]),
+// in token order: the accumulators stay in registers over the run, and a head's sums are the
+// same fp32 ops in the same order however its tokens are cut into runs
 template <int GN, int DN>
-inline void pv_block(const bf16* vp, const int64_t* rows, int64_t D, int64_t d0, const float* probs, int64_t L,
-                     bf16* out) {
+inline void pv_block(const bf16* vp, const int64_t* rows, int64_t t0, int64_t t1, int64_t L, int64_t D, int64_t d0,
+                     const float* probs, float* acc_io) {
   __m512 acc[GN][DN];
   for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < DN; ++j) acc[g][j] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < L; ++t) {
+    for (int j = 0; j < DN; ++j) acc[g][j] = _mm512_loadu_ps(acc_io + g * D + 16 * j);
+  for (int64_t t = t0; t < t1; ++t) {
     const bf16* vrow = vp + rows[t] * D + d0;
     // blocks are scattered over the pool: fetch ahead, the hardware prefetcher cannot
     if (t + KV_PREFETCH_TOKENS < L) _mm_prefetch((const char*)(vp + rows[t + KV_PREFETCH_TOKENS] * D + d0), _MM_HINT_T0);
@@ -138,17 +140,17 @@ inline void pv_block(const bf16* vp, const int64_t* rows, int64_t D, int64_t d0,
     }
   }
   for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < DN; ++j) store16(out + g * D + 16 * j, acc[g][j]);
+    for (int j = 0; j < DN; ++j) _mm512_storeu_ps(acc_io + g * D + 16 * j, acc[g][j]);
 }
 
 template <int GN>
-inline void pv_any_dn(int64_t dn, const bf16* vp, const int64_t* rows, int64_t D, int64_t d0, const float* probs,
-                      int64_t L, bf16* out) {
+inline void pv_any_dn(int64_t dn, const bf16* vp, const int64_t* rows, int64_t t0, int64_t t1, int64_t L, int64_t D,
+                      int64_t d0, const float* probs, float* acc) {
   switch (dn) {
-    case 1: return pv_block<GN, 1>(vp, rows, D, d0, probs, L, out);
-    case 2: return pv_block<GN, 2>(vp, rows, D, d0, probs, L, out);
-    case 3: return pv_block<GN, 3>(vp, rows, D, d0, probs, L, out);
-    default: return pv_block<GN, 4>(vp, rows, D, d0, probs, L, out);
+    case 1: return pv_block<GN, 1>(vp, rows, t0, t1, L, D, d0, probs, acc);
+    case 2: return pv_block<GN, 2>(vp, rows, t0, t1, L, D, d0, probs, acc);
+    case 3: return pv_block<GN, 3>(vp, rows, t0, t1, L, D, d0, probs, acc);
+    default: return pv_block<GN, 4>(vp, rows, t0, t1, L, D, d0, probs, acc);
   }
 }
 
@@ -328,77 +330,97 @@ void paged_decode_attention_bf16_into(const bf16* qp, int64_t q_stride, int64_t 
   // all 16 scores (qk_chunk).
   //
   //   token t  ->  slot = table[t / BS] * BS + t % BS  ->  its K row at k_cache + (slot * Hkv + h) * D
+  //
+  // A job is a sequence and a run of HJ of its KV heads, which lie side by side in the pool: a
+  // job reads each token's rows of its heads as one run of HJ D values (a block of BS tokens,
+  // one stretch of memory), where a job of one head read D of every Hkv D (kv_head_jobs).
   const int64_t DP = D / 2;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> qpairs(G * DP);
+  const int64_t split = kv_head_jobs(B, Hkv, lp, Hkv * D * 2 * static_cast<int64_t>(sizeof(bf16)));
+  const int64_t HJ = Hkv / split;
+  at::parallel_for(0, B * split, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> qpairs(HJ * G * DP);
     std::vector<__m512i> col(DP);
-    std::vector<float> scores;
-    std::vector<int64_t> rows;
+    std::vector<float> scores, acc;
+    std::vector<int64_t> rows;  // token t's pool row of the job's first head
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t b = job / Hkv, h = job % Hkv;
+      const int64_t b = job / split, h0 = job % split * HJ;
       const int64_t L = lp[b];
-      paged_rows(tp + b * max_blocks, L, BS, Hkv, h, rows);
-      std::memcpy(qpairs.data(), qp + b * q_stride + h * G * D, G * D * sizeof(bf16));
-      scores.assign(G * L, 0.f);
+      paged_rows(tp + b * max_blocks, L, BS, Hkv, h0, rows);
+      std::memcpy(qpairs.data(), qp + b * q_stride + h0 * G * D, HJ * G * D * sizeof(bf16));
+      scores.resize(HJ * G * L);  // every score is written below
       const int64_t first = std::min<int64_t>(L, KV_PREFETCH_TOKENS);  // the window before the loops' fetch
-      prefetch_rows<_MM_HINT_T0>(kp, rows.data(), 0, first, 2 * D);
-      prefetch_rows<_MM_HINT_T1>(vp, rows.data(), 0, first, 2 * D);
+      prefetch_rows<_MM_HINT_T0>(kp, rows.data(), 0, first, 2 * D, HJ);
+      prefetch_rows<_MM_HINT_T1>(vp, rows.data(), 0, first, 2 * D, HJ);
       for (int64_t t0 = 0; t0 < L; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, L - t0);
-        alignas(64) int64_t rows16[16];
-        for (int64_t i = 0; i < 16; ++i) rows16[i] = rows[t0 + std::min<int64_t>(i, n - 1)];  // tail lanes repeat a valid token
         // the rows of the chunk KV_PREFETCH_TOKENS ahead
         const int64_t ahead_end = std::min<int64_t>(L, t0 + KV_PREFETCH_TOKENS + 16);
-        prefetch_rows<_MM_HINT_T0>(kp, rows.data(), std::min<int64_t>(ahead_end, t0 + KV_PREFETCH_TOKENS), ahead_end, 2 * D);
-        // col[p] lane i holds token i's (k[2p], k[2p+1]) (row_columns; a gather per pair, as this
-        // kernel read before, measured 1.03-1.07x slower for the whole attention, 2-core Xeon)
-        row_columns(reinterpret_cast<const uint8_t*>(kp), rows16, 2 * D, _mm512_setzero_si512(), col.data());
-        for (int64_t g0 = 0; g0 < G; g0 += 8) {
-          const int32_t* qg = qpairs.data() + g0 * DP;
-          float* sg = &scores[g0 * L + t0];
-          switch (std::min<int64_t>(8, G - g0)) {
-            case 1: qk_chunk<1>(col.data(), qg, DP, sg, L, n, fscale); break;
-            case 2: qk_chunk<2>(col.data(), qg, DP, sg, L, n, fscale); break;
-            case 3: qk_chunk<3>(col.data(), qg, DP, sg, L, n, fscale); break;
-            case 4: qk_chunk<4>(col.data(), qg, DP, sg, L, n, fscale); break;
-            case 5: qk_chunk<5>(col.data(), qg, DP, sg, L, n, fscale); break;
-            case 6: qk_chunk<6>(col.data(), qg, DP, sg, L, n, fscale); break;
-            case 7: qk_chunk<7>(col.data(), qg, DP, sg, L, n, fscale); break;
-            default: qk_chunk<8>(col.data(), qg, DP, sg, L, n, fscale);
+        prefetch_rows<_MM_HINT_T0>(kp, rows.data(), std::min<int64_t>(ahead_end, t0 + KV_PREFETCH_TOKENS), ahead_end, 2 * D, HJ);
+        for (int64_t j = 0; j < HJ; ++j) {
+          alignas(64) int64_t rows16[16];
+          for (int64_t i = 0; i < 16; ++i) rows16[i] = rows[t0 + std::min<int64_t>(i, n - 1)] + j;  // tail lanes repeat a valid token
+          // col[p] lane i holds token i's (k[2p], k[2p+1]) (row_columns; a gather per pair, as this
+          // kernel read before, measured 1.03-1.07x slower for the whole attention, 2-core Xeon)
+          row_columns(reinterpret_cast<const uint8_t*>(kp), rows16, 2 * D, _mm512_setzero_si512(), col.data());
+          for (int64_t g0 = 0; g0 < G; g0 += 8) {
+            const int32_t* qg = qpairs.data() + (j * G + g0) * DP;
+            float* sg = &scores[(j * G + g0) * L + t0];
+            switch (std::min<int64_t>(8, G - g0)) {
+              case 1: qk_chunk<1>(col.data(), qg, DP, sg, L, n, fscale); break;
+              case 2: qk_chunk<2>(col.data(), qg, DP, sg, L, n, fscale); break;
+              case 3: qk_chunk<3>(col.data(), qg, DP, sg, L, n, fscale); break;
+              case 4: qk_chunk<4>(col.data(), qg, DP, sg, L, n, fscale); break;
+              case 5: qk_chunk<5>(col.data(), qg, DP, sg, L, n, fscale); break;
+              case 6: qk_chunk<6>(col.data(), qg, DP, sg, L, n, fscale); break;
+              case 7: qk_chunk<7>(col.data(), qg, DP, sg, L, n, fscale); break;
+              default: qk_chunk<8>(col.data(), qg, DP, sg, L, n, fscale);
+            }
           }
         }
       }
       // softmax per query head (fp32), probabilities rounded to bf16
-      for (int64_t g = 0; g < G; ++g) softmax_row(&scores[g * L], L, true);
-      // out[g] = sum_t p[g][t] * v_t, fp32 accumulation in registers, one bf16 rounding: 8
-      // heads x 32 dims a pass where the group has 8k heads (each V value widened once; 4 heads
-      // x 64 widened each twice, and measured 1.14x slower for TinyLlama's 8 heads a group at
-      // 4,096 tokens, 2-core Xeon), else 4 heads x up to 64 dims. Each sum takes the same
-      // products in the same order either way.
-      if (G % 8 == 0) {
-        for (int64_t g0 = 0; g0 < G; g0 += 8)
-          for (int64_t d0 = 0; d0 < D; d0 += 32) {
-            bf16* out_g = op + (b * Hq + h * G + g0) * D + d0;
-            if (D - d0 >= 32)
-              pv_block<8, 2>(vp, rows.data(), D, d0, &scores[g0 * L], L, out_g);
-            else
-              pv_block<8, 1>(vp, rows.data(), D, d0, &scores[g0 * L], L, out_g);
+      for (int64_t g = 0; g < HJ * G; ++g) softmax_row(&scores[g * L], L, true);
+      // out[g] = sum_t p[g][t] * v_t, fp32 accumulation, one bf16 rounding. A job of several
+      // heads in runs of PV_TOKENS tokens (their rows of the job's heads in L1 for all of them),
+      // one of one head in one run; each head's accumulators in registers over a run: 8 heads x
+      // 32 dims a pass where the group has 8k
+      // heads (each V value widened once; 4 heads x 64 widened each twice, and measured 1.14x
+      // slower for TinyLlama's 8 heads a group at 4,096 tokens, 2-core Xeon), else 4 heads x up
+      // to 64 dims. Each sum takes the same products in the same order either way.
+      acc.assign(HJ * G * D, 0.f);
+      const int64_t run = HJ == 1 ? L : PV_TOKENS;
+      for (int64_t t0 = 0; t0 < L; t0 += run) {
+        const int64_t t1 = std::min<int64_t>(L, t0 + run);
+        for (int64_t j = 0; j < HJ; ++j) {
+          const bf16* vj = vp + j * D;  // head h0 + j's row of a token: rows[t] + j
+          const float* pj = &scores[j * G * L];
+          float* aj = &acc[j * G * D];
+          if (G % 8 == 0) {
+            for (int64_t g0 = 0; g0 < G; g0 += 8)
+              for (int64_t d0 = 0; d0 < D; d0 += 32) {
+                if (D - d0 >= 32)
+                  pv_block<8, 2>(vj, rows.data(), t0, t1, L, D, d0, pj + g0 * L, aj + g0 * D + d0);
+                else
+                  pv_block<8, 1>(vj, rows.data(), t0, t1, L, D, d0, pj + g0 * L, aj + g0 * D + d0);
+              }
+            continue;
           }
-        continue;
-      }
-      for (int64_t g0 = 0; g0 < G; g0 += 4) {
-        bf16* out_g = op + (b * Hq + h * G + g0) * D;
-        const float* probs = &scores[g0 * L];
-        for (int64_t d0 = 0; d0 < D; d0 += 64) {
-          const int64_t dn = std::min<int64_t>(4, (D - d0) / 16);
-          switch (std::min<int64_t>(4, G - g0)) {
-            case 1: pv_any_dn<1>(dn, vp, rows.data(), D, d0, probs, L, out_g + d0); break;
-            case 2: pv_any_dn<2>(dn, vp, rows.data(), D, d0, probs, L, out_g + d0); break;
-            case 3: pv_any_dn<3>(dn, vp, rows.data(), D, d0, probs, L, out_g + d0); break;
-            default: pv_any_dn<4>(dn, vp, rows.data(), D, d0, probs, L, out_g + d0);
-          }
+          for (int64_t g0 = 0; g0 < G; g0 += 4)
+            for (int64_t d0 = 0; d0 < D; d0 += 64) {
+              const int64_t dn = std::min<int64_t>(4, (D - d0) / 16);
+              const float* probs = pj + g0 * L;
+              float* a = aj + g0 * D + d0;
+              switch (std::min<int64_t>(4, G - g0)) {
+                case 1: pv_any_dn<1>(dn, vj, rows.data(), t0, t1, L, D, d0, probs, a); break;
+                case 2: pv_any_dn<2>(dn, vj, rows.data(), t0, t1, L, D, d0, probs, a); break;
+                case 3: pv_any_dn<3>(dn, vj, rows.data(), t0, t1, L, D, d0, probs, a); break;
+                default: pv_any_dn<4>(dn, vj, rows.data(), t0, t1, L, D, d0, probs, a);
+              }
+            }
         }
       }
+      bf16* out = op + (b * Hq + h0 * G) * D;  // the job's HJ G heads are consecutive
+      for (int64_t i = 0; i + 16 <= HJ * G * D; i += 16) store16(out + i, _mm512_loadu_ps(&acc[i]));
     }
   });
 }

@@ -5,6 +5,7 @@
 // computed once per (sequence, KV head) by walking the block table (no division per token:
 // a 64-bit divide per token and read path cost more than the arithmetic of a head).
 #pragma once
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -35,16 +36,50 @@ inline void paged_rows(const int64_t* table, int64_t L, int64_t BS, int64_t Hkv,
   paged_rows_from(table, 0, L, BS, Hkv, h, rows);
 }
 
-// Fetch the pool rows of tokens begin .. end (rows[t] rows of row_bytes into base), every line
-// of each. A kernel calls it for a KV head's first KV_PREFETCH_TOKENS tokens as it starts the
-// head, where its loops' fetch ahead has not begun: K's rows for the scores, V's (into L2) for
-// the pass after them. Measured on 2 Zen 5 cores (2026-11-28), Q4_K_M's TinyLlama file at
-// batch 1, both versions alternated in one process, 8 rounds each, the plan's attention time
-// (whole steps within the runs' noise, 0.98-1.01x): 160 tokens bf16 1.05x and 1.10x (two runs),
-// int8 1.10x; 1,100 tokens bf16 1.00x and 1.02x, int8 1.05x.
+// Fetch the pool rows of tokens begin .. end (rows[t] rows of row_bytes into base, and the
+// heads - 1 rows after each: a job's KV heads side by side), every line of each. A kernel calls
+// it for a KV head's first KV_PREFETCH_TOKENS tokens as it starts the head, where its loops'
+// fetch ahead has not begun: K's rows for the scores, V's (into L2) for the pass after them.
+// Measured on 2 Zen 5 cores (2026-11-28), Q4_K_M's TinyLlama file at batch 1, both versions
+// alternated in one process, 8 rounds each, the plan's attention time (whole steps within the
+// runs' noise, 0.98-1.01x): 160 tokens bf16 1.05x and 1.10x (two runs), int8 1.10x; 1,100
+// tokens bf16 1.00x and 1.02x, int8 1.05x.
 template <_mm_hint HINT>
-inline void prefetch_rows(const void* base, const int64_t* rows, int64_t begin, int64_t end, int64_t row_bytes) {
+inline void prefetch_rows(const void* base, const int64_t* rows, int64_t begin, int64_t end, int64_t row_bytes,
+                          int64_t heads = 1) {
   const char* b = static_cast<const char*>(base);
   for (int64_t t = begin; t < end; ++t)
-    for (int64_t c = 0; c < row_bytes; c += 64) _mm_prefetch(b + rows[t] * row_bytes + c, HINT);
+    for (int64_t c = 0; c < heads * row_bytes; c += 64) _mm_prefetch(b + rows[t] * row_bytes + c, HINT);
 }
+
+// How many jobs a sequence's KV heads are cut into (a divisor of Hkv; each job takes Hkv / that
+// many heads). A token's rows of all KV heads lie side by side in the pool (token_bytes of K
+// and V together), so a job of one head reads one row of every Hkv; where a sequence's context
+// (the batch's mean, all heads, K and V) is past KV_GROUPED_BYTES, the L2 cache no longer holds
+// the lines the hardware fetched beside each row (the other heads') until those heads' jobs
+// come, and they were read from memory again. There a job takes as many heads as still give
+// the busiest thread the least work (threads take equal counts of jobs: at batch 1 on 2
+// threads, half the heads each) and reads each token's rows of its heads as one run. bf16,
+// TinyLlama's heads (32 on 4, 64 dims), 2-core Xeon, both kernels alternated in one process:
+// 16 x 4,096 tokens 1.31x, 4 x 4,096 1.35x, 16 x 2,048 1.10x, 16 x 1,024 1.03x; Llama-3-8B's
+// (32 on 8, 128 dims) 8 x 1,024 1.34x; contexts of 512 tokens ran 0.90-0.95x grouped and keep
+// one head a job. The int8 / fp8 kernel the same way (without its fetch of V in the scores'
+// pass where a job has several heads): int8 1 x 4,096 1.10x, 16 x 4,096 1.22x, 16 x 2,048 1.07x,
+// Llama-3-8B's 8 x 1,024 1.11x; fp8 1.04-1.08x.
+constexpr int64_t KV_GROUPED_BYTES = int64_t{1} << 20;
+
+inline int64_t kv_head_jobs(int64_t B, int64_t Hkv, const int64_t* lens, int64_t token_bytes) {
+  int64_t tokens = 0;
+  for (int64_t b = 0; b < B; ++b) tokens += lens[b];
+  if (B == 0 || tokens * token_bytes <= KV_GROUPED_BYTES * B) return Hkv;
+  const int64_t threads = at::get_num_threads();
+  int64_t split = 1;
+  for (int64_t s = 2; s <= Hkv; ++s)  // the busiest thread's sequences' worth: ceil(B s / threads) / s
+    if (Hkv % s == 0 && (B * s + threads - 1) / threads * split < (B * split + threads - 1) / threads * s) split = s;
+  return split;
+}
+
+// Tokens a run of the decode kernels' PV pass where a job has several KV heads: the run's rows
+// of the job's heads stay in L1 while each head (and each 32 or 64 of its dims) sums over
+// them, its accumulators in registers over the run and in memory between runs
+constexpr int64_t PV_TOKENS = 32;
