@@ -422,6 +422,33 @@ def test_long_contexts_read_a_jobs_kv_heads_together_with_the_same_results(pair,
     assert torch.equal(run([0, 1], cache_of(*poisoned)), grouped)
 
 
+@pytest.mark.parametrize("kind", ["auto", "int8", "fp8"])
+def test_the_kv_grouping_bound_is_a_setting_that_never_changes_a_result(kernel, pair, kind):
+    """set_kv_grouped_bytes (what benchmarks/decode_attention.py alternates): 0 groups a job's
+    KV heads at any context, a huge bound never; the same bits either way, and back to the
+    default after."""
+    from ridge.kv import cache as kv_cache
+
+    _, fast = pair
+    k_cache, v_cache, _, q, meta = _paged_case([5, 40, 17], dim=64, heads=16, kv_heads=4)
+    cache = PagedKV(k_cache, v_cache)
+    if kind != "auto":
+        (kc, ks), (vc, vs) = kv_cache.quantize(k_cache, kind), kv_cache.quantize(v_cache, kind)
+        cache = PagedKV(kc, vc, ks, vs, kind)
+    default = kernel.kv_grouped_bytes()
+    assert default == 1 << 20
+    outputs = []
+    try:
+        for bound in (0, 1 << 62, default):
+            kernel.set_kv_grouped_bytes(bound)
+            outputs.append(fast.decode_attention(q, cache, meta()))
+        with pytest.raises(RuntimeError, match="byte count"):
+            kernel.set_kv_grouped_bytes(-1)
+    finally:
+        kernel.set_kv_grouped_bytes(default)
+    assert all(torch.equal(out, outputs[-1]) for out in outputs)
+
+
 def test_a_build_at_first_use_says_what_it_is_doing(monkeypatch):
     """The first run compiled silently for ~2 minutes and looked hung."""
     import io

@@ -247,8 +247,10 @@ void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* k
   // its pool pointers start j rows on. A job of one head fetches V into L2 during the scores'
   // pass, where its rows still lie at the PV pass; a job of several reads V in runs of
   // PV_TOKENS tokens (each run's rows of its heads in L1 for all of them) and fetches only as
-  // the PV pass goes (with V's fetch in the scores' pass too: 0.90-1.00x, alternated).
-  const int64_t split = kv_head_jobs(B, Hkv, lp, Hkv * 2 * (D + 2 * NGR));
+  // the PV pass goes (with V's fetch in the scores' pass too: 0.90-1.00x, alternated). An fp8
+  // cache keeps one head a job: its scores decode and transpose every K value in float, 6-10
+  // GB/s where the rows' order hardly shows (grouped 0.95-1.07x, benchmarks/decode_attention.py).
+  const int64_t split = FP8 ? Hkv : kv_head_jobs(B, Hkv, lp, Hkv * 2 * (D + 2 * NGR));
   const int64_t HJ = Hkv / split, HG = HJ * G;
   at::parallel_for(0, B * split, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(HG * D), qscale(HG * NGR), scores, vscale, acc(HG * D);
