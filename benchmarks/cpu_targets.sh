@@ -3,7 +3,7 @@
 # then every target against them (benchmarks/targets.py). Run from the repository root after
 # `make setup`, with nothing else running; the steps run in the order given:
 #
-#   bash benchmarks/cpu_targets.sh prefetch peers files ik plan rows kv targets   # about 90 minutes
+#   bash benchmarks/cpu_targets.sh prefetch peers files ik plan rows kv jobs targets   # about 95 minutes
 #
 #   prefetch prefetch.py: the prefetch tables (csrc/prefetch.cpp: Zen 4's "amd", "zen5",
 #            "intel") alternated on the same bytes, the kernels alone (about 3 minutes); where
@@ -22,6 +22,8 @@
 #            step's weights (22 layers; about 7 minutes, 14 where the CPU has AMX: two paths)
 #   kv       quantized_decode.py: bf16, int8 and int4 weights' decode steps, and decode attention
 #            over a bf16, int8 and fp8 KV cache at 4,096 tokens (about 10 minutes)
+#   jobs     decode_attention.py: decode attention's jobs of several KV heads against one head a
+#            job, on the same pools (csrc/paged_rows.h's bound; about 6 minutes)
 #   targets  benchmarks/targets.py: each target, its figure, met or not
 #
 # Environment: ROUNDS (default 2), THREADS (2), STEPS (ridge's --num-scheduler-steps in the
@@ -122,11 +124,14 @@ for step in "$@"; do
   kv)
     "$PYTHON" benchmarks/quantized_decode.py --rounds 3 2>&1 | tee "$OUT/quantized_decode.log" | tail -n 30
     ;;
+  jobs)
+    "$PYTHON" benchmarks/decode_attention.py --rounds 5 --threads "$THREADS" 2>&1 | tee "$OUT/decode_attention.log" | tail -n 20
+    ;;
   targets)
     "$PYTHON" benchmarks/targets.py --compare "$COMPARE_JSON" | tee "$OUT/targets.md"
     ;;
   *)
-    echo "unknown step $step (prefetch peers files ik plan rows kv targets)" >&2
+    echo "unknown step $step (prefetch peers files ik plan rows kv jobs targets)" >&2
     exit 2
     ;;
   esac
