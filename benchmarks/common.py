@@ -3,6 +3,11 @@ folder Python puts on the path, so they import this as ``common``)."""
 
 from __future__ import annotations
 
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
 
 def cpu_engine_options(args, **options) -> dict:
     """An ``LLM``'s options for a CPU benchmark of one process: bf16 on the CPU, the weights
@@ -21,3 +26,29 @@ def cpu_engine_options(args, **options) -> dict:
         )
         | options
     )
+
+
+def time_alternated(
+    names: list[str], rounds: int, prepare: Callable[[str], object], run: Callable[[], object]
+) -> dict[str, list[float]]:
+    """{name: seconds of ``run()`` after ``prepare(name)`` (untimed), a round each}: every round
+    runs every name once, the order rotated each round, so a machine whose speed drifts favours
+    none; round 0 warms them all untimed."""
+    times = {name: [] for name in names}
+    for r in range(rounds + 1):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            prepare(name)
+            begin = time.perf_counter()
+            run()
+            if r:
+                times[name].append(time.perf_counter() - begin)
+    return times
+
+
+def write_cpu_entry(path: Path, cpu: str, record: dict) -> None:
+    """Put ``record`` under ``cpu`` in the JSON file at ``path`` (one entry per CPU: a rerun
+    replaces its own CPU's, the others stay) and say so."""
+    old = json.loads(path.read_text()) if path.exists() else {}
+    old[cpu] = record
+    path.write_text(json.dumps(old, indent=1) + "\n")
+    print(f"wrote {path}")

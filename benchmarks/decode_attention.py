@@ -23,12 +23,12 @@ A shape is ``BxCONTEXT`` (TinyLlama's 32 query heads on 4 KV heads of 64 dims) o
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from common import time_alternated, write_cpu_entry
 
 OUT = Path(__file__).with_name("decode_attention.json")
 BLOCK = 16  # tokens a block
@@ -108,15 +108,13 @@ def main() -> None:
                     ext.set_kv_grouped_bytes(settings[name])
                     outputs[name] = call(pools[0])
                 assert all(torch.equal(outputs[n], outputs["never"]) for n in names), f"{kind} {text}: results differ"
-                times = {n: [] for n in names}
-                for r in range(args.rounds + 1):
-                    for name in names[r % len(names) :] + names[: r % len(names)]:
-                        ext.set_kv_grouped_bytes(settings[name])
-                        begin = time.perf_counter()
-                        for p in pools:
-                            call(p)
-                        if r:  # round 0 warms every setting untimed
-                            times[name].append((time.perf_counter() - begin) / len(pools))
+
+                def one_pass(pools=pools, call=call) -> None:
+                    for p in pools:
+                        call(p)
+
+                times = time_alternated(names, args.rounds, lambda n: ext.set_kv_grouped_bytes(settings[n]), one_pass)
+                times = {n: [t / len(pools) for t in ts] for n, ts in times.items()}  # a layer's
                 cell = {}
                 for name in names:
                     ratios = [a / b for a, b in zip(times["never"], times[name])]
@@ -146,10 +144,7 @@ def main() -> None:
         "default_bound_bytes": default,
         "results": results,
     }
-    old = json.loads(args.json.read_text()) if args.json.exists() else {}
-    old[cpu_model()] = record
-    args.json.write_text(json.dumps(old, indent=1) + "\n")
-    print(f"wrote {args.json}")
+    write_cpu_entry(args.json, cpu_model(), record)
 
 
 if __name__ == "__main__":

@@ -20,12 +20,12 @@ csrc/prefetch.cpp. Writes ``benchmarks/prefetch.json`` (one entry per CPU; a rer
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from common import time_alternated, write_cpu_entry
 
 OUT = Path(__file__).with_name("prefetch.json")
 SHAPES = ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))  # (N, K) of one layer
@@ -56,21 +56,17 @@ def build_layers(ext, name: str, layers: int) -> tuple[list, int, object]:
 
 
 def time_policies(ext, policies: list[str], mats: list, call, m: int, rounds: int) -> dict[str, list[float]]:
-    """{policy: seconds of one pass over every matrix at ``m`` rows, a round each}: every round
-    runs every policy once, the order rotated each round; round 0 warms them untimed."""
+    """{policy: seconds of one pass over every matrix at ``m`` rows, a round each}, the policies
+    alternated (``time_alternated``)."""
     from ridge.layers.cpu_kernels import apply_prefetch
 
     xs = {k: torch.randn(m, k).bfloat16() for k in {k for _, _, k in mats}}
-    times = {p: [] for p in policies}
-    for r in range(rounds + 1):
-        for p in policies[r % len(policies) :] + policies[: r % len(policies)]:
-            apply_prefetch(ext, p)
-            begin = time.perf_counter()
-            for packed, n, k in mats:
-                call(xs[k], packed, n)
-            if r:
-                times[p].append(time.perf_counter() - begin)
-    return times
+
+    def one_pass() -> None:
+        for packed, n, k in mats:
+            call(xs[k], packed, n)
+
+    return time_alternated(policies, rounds, lambda p: apply_prefetch(ext, p), one_pass)
 
 
 def main() -> None:
@@ -131,10 +127,7 @@ def main() -> None:
         "policies": resolved,
         "formats": results,
     }
-    old = json.loads(args.json.read_text()) if args.json.exists() else {}
-    old[cpu_model()] = record
-    args.json.write_text(json.dumps(old, indent=1) + "\n")
-    print(f"wrote {args.json}")
+    write_cpu_entry(args.json, cpu_model(), record)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import write_cpu_entry
 
 OUT = Path(__file__).with_name("quant_rows.json")
 SHAPES = ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))  # (N, K) of one layer
@@ -203,10 +204,7 @@ def main() -> None:
         "formats": table,
         "engine": {"model": args.model, "runs": engine} if engine else None,
     }
-    old = json.loads(OUT.read_text()) if OUT.exists() else {}
-    old[cpu_model()] = record
-    OUT.write_text(json.dumps(old, indent=1) + "\n")
-    print(f"wrote {OUT}")
+    write_cpu_entry(OUT, cpu_model(), record)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import write_cpu_entry
+
 OUT = Path(__file__).with_name("vs_ik.json")
 
 
@@ -118,7 +120,6 @@ def main() -> None:
             entry[f"{test}_ratios"] = ratios
         table[Path(f).name] = entry
         print(f"  {Path(f).name:32s} pp512 {entry['pp512_ratio']:.2f}x   tg64 {entry['tg64_ratio']:.2f}x")
-    old = json.loads(OUT.read_text()) if OUT.exists() else {}
     record = {
         "threads": args.threads,
         "rounds": args.rounds,
@@ -126,9 +127,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "files": table,
     }
-    old[cpu_model()] = record
-    OUT.write_text(json.dumps(old, indent=1) + "\n")
-    print(f"wrote {OUT}")
+    write_cpu_entry(OUT, cpu_model(), record)
 
 
 if __name__ == "__main__":
