@@ -28,6 +28,22 @@ def cpu_engine_options(args, **options) -> dict:
     )
 
 
+def add_kernel_run_args(parser, rounds: int, layers: int, out: Path) -> None:
+    """The options of a script that times the CPU kernels alone over layers' weights or pools
+    from memory: --rounds, --layers, --threads (2) and --json (``out``)."""
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--layers", type=int, default=layers, help="layers' weights or pools a pass (from memory)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=out)
+
+
+def kernel_run_record(args, cpu: str, **fields) -> dict:
+    """What such a script records of its run (``add_kernel_run_args``'s options, the CPU, the
+    date), then ``fields``."""
+    run = {"cpu": cpu, "date": time.strftime("%Y-%m-%d"), "threads": args.threads, "rounds": args.rounds}
+    return run | {"layers": args.layers} | fields
+
+
 def time_alternated(
     names: list[str], rounds: int, prepare: Callable[[str], object], run: Callable[[], object]
 ) -> dict[str, list[float]]:

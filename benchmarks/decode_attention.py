@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import torch
-from common import time_alternated, write_cpu_entry
+from common import add_kernel_run_args, kernel_run_record, time_alternated, write_cpu_entry
 
 OUT = Path(__file__).with_name("decode_attention.json")
 BLOCK = 16  # tokens a block
@@ -82,10 +81,7 @@ def main() -> None:
     parser.add_argument(
         "--shapes", default="1x512,4x1024,1x4096,16x2048,16x4096,8x1024:32:8:128,1x4096:32:8:128,4x2048:28:4:128"
     )
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--layers", type=int, default=8, help="layers' pools a pass (from memory)")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", type=Path, default=OUT)
+    add_kernel_run_args(parser, rounds=7, layers=8, out=OUT)
     args = parser.parse_args()
 
     from ridge.layers.cpu_kernels import load_extension
@@ -134,16 +130,7 @@ def main() -> None:
                 del pools
     finally:
         ext.set_kv_grouped_bytes(default)
-    record = {
-        "cpu": cpu_model(),
-        "date": time.strftime("%Y-%m-%d"),
-        "threads": args.threads,
-        "rounds": args.rounds,
-        "layers": args.layers,
-        "block_size": BLOCK,
-        "default_bound_bytes": default,
-        "results": results,
-    }
+    record = kernel_run_record(args, cpu_model(), block_size=BLOCK, default_bound_bytes=default, results=results)
     write_cpu_entry(args.json, cpu_model(), record)
 
 

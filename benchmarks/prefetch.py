@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import torch
-from common import time_alternated, write_cpu_entry
+from common import add_kernel_run_args, kernel_run_record, time_alternated, write_cpu_entry
 
 OUT = Path(__file__).with_name("prefetch.json")
 SHAPES = ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))  # (N, K) of one layer
@@ -74,10 +73,7 @@ def main() -> None:
     parser.add_argument("--policies", default="amd;zen5;intel", help="RIDGE_PREFETCH-style texts, ';' between")
     parser.add_argument("--formats", default="bf16,int8,int4,iq4_xs,q4_k,q5_k,q6_k,q3_k,q2_k")
     parser.add_argument("--rows", default="1,2,4,8")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--layers", type=int, default=22)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", type=Path, default=OUT)
+    add_kernel_run_args(parser, rounds=7, layers=22, out=OUT)
     args = parser.parse_args()
 
     from ridge.layers.cpu_kernels import apply_prefetch, load_extension
@@ -116,17 +112,14 @@ def main() -> None:
             print(f"{name:7s} {m:2d} rows  {line}", flush=True)
         del mats
     ext.set_prefetch_policy(start_policy)
-    record = {
-        "cpu": cpu_model(),
-        "date": time.strftime("%Y-%m-%d"),
-        "threads": args.threads,
-        "rounds": args.rounds,
-        "layers": args.layers,
-        "shapes": SHAPES,
-        "cpu_table": dict(ext.prefetch_preset("cpu")),
-        "policies": resolved,
-        "formats": results,
-    }
+    record = kernel_run_record(
+        args,
+        cpu_model(),
+        shapes=SHAPES,
+        cpu_table=dict(ext.prefetch_preset("cpu")),
+        policies=resolved,
+        formats=results,
+    )
     write_cpu_entry(args.json, cpu_model(), record)
 
 
