@@ -79,7 +79,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", default="bf16,int8")
     parser.add_argument(
-        "--shapes", default="1x512,4x1024,1x4096,16x2048,16x4096,8x1024:32:8:128,1x4096:32:8:128,4x2048:28:4:128"
+        "--shapes",
+        default="1x512,4x1024,1x2048,1x4096,16x2048,16x4096,8x1024:32:8:128,1x4096:32:8:128,4x2048:28:4:128",
     )
     add_kernel_run_args(parser, rounds=7, layers=8, out=OUT)
     args = parser.parse_args()

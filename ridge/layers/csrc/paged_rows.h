@@ -55,31 +55,33 @@ inline void prefetch_rows(const void* base, const int64_t* rows, int64_t begin, 
 // How many jobs a sequence's KV heads are cut into (a divisor of Hkv; each job takes Hkv / that
 // many heads). A token's rows of all KV heads lie side by side in the pool (token_bytes of K
 // and V together), so a job of one head reads one row of every Hkv; where a sequence's context
-// (the batch's mean, all heads, K and V) is past g_kv_grouped_bytes, the L2 cache no longer
-// holds the lines the hardware fetched beside each row (the other heads') until those heads'
-// jobs come, and they were read from memory again. There a job takes as many heads as still
-// give the busiest thread the least work (threads take equal counts of jobs: at batch 1 on 2
-// threads, half the heads each) and reads each token's rows of its heads as one run (the int8
-// kernel without its fetch of V in the scores' pass; fp8, compute-bound, keeps one head a
-// job). benchmarks/decode_attention.py, 2-core Xeon, 8 layers' pools, grouped against one head
-// a job on the same pools: bf16 TinyLlama's heads (32 on 4, 64 dims) 16 x 4,096 tokens 1.26x,
-// 16 x 2,048 1.12x, 1 x 4,096 1.07x; Llama-3-8B's (32 on 8, 128 dims) 8 x 1,024 1.35x, 1 x
-// 4,096 1.28x; int8 1.06-1.23x there; shorter contexts 0.94-1.0x grouped, and keep one head.
-// The bound is the process's setting (the extension's set_kv_grouped_bytes: 0 groups every
-// call, a huge one none), so that the benchmark compares them on the same pools; which heads
-// a job takes never changes a result.
+// (the batch's mean, all heads, K and V) is past g_kv_grouped_bytes (times the jobs a sequence
+// is cut into), the L2 cache no longer holds the lines the hardware fetched beside each row
+// (the other heads') until those heads' jobs come, and they were read from memory again. There
+// a job takes as many heads as still give the busiest thread the least work (threads take
+// equal counts of jobs: at batch 1 on 2 threads, half the heads each) and reads each token's
+// rows of its heads as one run (the int8 kernel without its fetch of V in the scores' pass;
+// fp8, compute-bound, keeps one head a job). benchmarks/decode_attention.py, 2-core Xeon, 8
+// layers' pools, grouped against one head a job on the same pools: bf16 TinyLlama's heads (32
+// on 4, 64 dims) 16 x 4,096 tokens 1.32x, 16 x 2,048 1.17x, 1 x 4,096 1.08x; Llama-3-8B's (32
+// on 8, 128 dims) 8 x 1,024 1.34x; int8 1.09-1.29x there; shorter contexts 0.89-1.0x grouped,
+// and keep one head. The bound is the process's setting (the extension's
+// set_kv_grouped_bytes: 0 groups every call, a huge one none), so that the benchmark compares
+// them on the same pools; which heads a job takes never changes a result.
 constexpr int64_t KV_GROUPED_BYTES = int64_t{1} << 20;
 inline int64_t g_kv_grouped_bytes = KV_GROUPED_BYTES;  // read by each call; written only between calls
 
 inline int64_t kv_head_jobs(int64_t B, int64_t Hkv, const int64_t* lens, int64_t token_bytes) {
+  if (B == 0) return Hkv;
   int64_t tokens = 0;
   for (int64_t b = 0; b < B; ++b) tokens += lens[b];
-  if (B == 0 || tokens * token_bytes / B <= g_kv_grouped_bytes) return Hkv;  // the mean context
   const int64_t threads = at::get_num_threads();
   int64_t split = 1;
   for (int64_t s = 2; s <= Hkv; ++s)  // the busiest thread's sequences' worth: ceil(B s / threads) / s
     if (Hkv % s == 0 && (B * s + threads - 1) / threads * split < (B * split + threads - 1) / threads * s) split = s;
-  return split;
+  // a job of 1 / split of the heads reads runs split times shorter: it pays past a context
+  // split times longer (batch 1 on 2 threads, half the heads a job: 1,900 tokens 0.97x, 3,000 1.05x)
+  return tokens * token_bytes / B / split > g_kv_grouped_bytes ? split : Hkv;
 }
 
 // Tokens a run of the decode kernels' PV pass where a job has several KV heads: the run's rows
