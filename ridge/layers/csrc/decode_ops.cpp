@@ -355,10 +355,12 @@ void paged_decode_attention_bf16_into(const bf16* qp, int64_t q_stride, int64_t 
         const int64_t n = std::min<int64_t>(16, L - t0);
         // the rows of the chunk KV_PREFETCH_TOKENS ahead
         const int64_t ahead_end = std::min<int64_t>(L, t0 + KV_PREFETCH_TOKENS + 16);
-        prefetch_rows<_MM_HINT_T0>(kp, rows.data(), std::min<int64_t>(ahead_end, t0 + KV_PREFETCH_TOKENS), ahead_end, 2 * D, HJ);
+        const int64_t ahead = std::min<int64_t>(ahead_end, t0 + KV_PREFETCH_TOKENS);
+        prefetch_rows<_MM_HINT_T0>(kp, rows.data(), ahead, ahead_end, 2 * D, HJ);
         for (int64_t j = 0; j < HJ; ++j) {
           alignas(64) int64_t rows16[16];
-          for (int64_t i = 0; i < 16; ++i) rows16[i] = rows[t0 + std::min<int64_t>(i, n - 1)] + j;  // tail lanes repeat a valid token
+          for (int64_t i = 0; i < 16; ++i)  // tail lanes repeat a valid token
+            rows16[i] = rows[t0 + std::min<int64_t>(i, n - 1)] + j;
           // col[p] lane i holds token i's (k[2p], k[2p+1]) (row_columns; a gather per pair, as this
           // kernel read before, measured 1.03-1.07x slower for the whole attention, 2-core Xeon)
           row_columns(reinterpret_cast<const uint8_t*>(kp), rows16, 2 * D, _mm512_setzero_si512(), col.data());
