@@ -385,10 +385,10 @@ void paged_decode_attention_bf16_into(const bf16* qp, int64_t q_stride, int64_t 
       // out[g] = sum_t p[g][t] * v_t, fp32 accumulation, one bf16 rounding. A job of several
       // heads in runs of PV_TOKENS tokens (their rows of the job's heads in L1 for all of them),
       // one of one head in one run; each head's accumulators in registers over a run: 8 heads x
-      // 32 dims a pass where the group has 8k
-      // heads (each V value widened once; 4 heads x 64 widened each twice, and measured 1.14x
-      // slower for TinyLlama's 8 heads a group at 4,096 tokens, 2-core Xeon), else 4 heads x up
-      // to 64 dims. Each sum takes the same products in the same order either way.
+      // 32 dims a pass where the group has 8k heads (each V value widened once; 4 heads x 64
+      // widened each twice, and measured 1.14x slower for TinyLlama's 8 heads a group at 4,096
+      // tokens, 2-core Xeon), else 4 heads x up to 64 dims. Each sum takes the same products in
+      // the same order either way.
       acc.assign(HJ * G * D, 0.f);
       const int64_t run = HJ == 1 ? L : PV_TOKENS;
       for (int64_t t0 = 0; t0 < L; t0 += run) {
