@@ -143,17 +143,6 @@ inline void pv_block(const bf16* vp, const int64_t* rows, int64_t t0, int64_t t1
     for (int j = 0; j < DN; ++j) _mm512_storeu_ps(acc_io + g * D + 16 * j, acc[g][j]);
 }
 
-template <int GN>
-inline void pv_any_dn(int64_t dn, const bf16* vp, const int64_t* rows, int64_t t0, int64_t t1, int64_t L, int64_t D,
-                      int64_t d0, const float* probs, float* acc) {
-  switch (dn) {
-    case 1: return pv_block<GN, 1>(vp, rows, t0, t1, L, D, d0, probs, acc);
-    case 2: return pv_block<GN, 2>(vp, rows, t0, t1, L, D, d0, probs, acc);
-    case 3: return pv_block<GN, 3>(vp, rows, t0, t1, L, D, d0, probs, acc);
-    default: return pv_block<GN, 4>(vp, rows, t0, t1, L, D, d0, probs, acc);
-  }
-}
-
 }  // namespace
 
 void rms_norm_into(const bf16* x, const bf16* w, bf16* y, int64_t rows, int64_t n, double eps) {
@@ -384,11 +373,8 @@ void paged_decode_attention_bf16_into(const bf16* qp, int64_t q_stride, int64_t 
       for (int64_t g = 0; g < HJ * G; ++g) softmax_row(&scores[g * L], L, true);
       // out[g] = sum_t p[g][t] * v_t, fp32 accumulation, one bf16 rounding. A job of several
       // heads in runs of PV_TOKENS tokens (their rows of the job's heads in L1 for all of them),
-      // one of one head in one run; each head's accumulators in registers over a run: 8 heads x
-      // 32 dims a pass where the group has 8k heads (each V value widened once; 4 heads x 64
-      // widened each twice, and measured 1.14x slower for TinyLlama's 8 heads a group at 4,096
-      // tokens, 2-core Xeon), else 4 heads x up to 64 dims. Each sum takes the same products in
-      // the same order either way.
+      // one of one head in one run; each cut of a head's query heads and dims (pv_cuts) keeps
+      // its accumulators in registers over a run.
       acc.assign(HJ * G * D, 0.f);
       const int64_t run = HJ == 1 ? L : PV_TOKENS;
       for (int64_t t0 = 0; t0 < L; t0 += run) {
@@ -397,28 +383,10 @@ void paged_decode_attention_bf16_into(const bf16* qp, int64_t q_stride, int64_t 
           const bf16* vj = vp + j * D;  // head h0 + j's row of a token: rows[t] + j
           const float* pj = &scores[j * G * L];
           float* aj = &acc[j * G * D];
-          if (G % 8 == 0) {
-            for (int64_t g0 = 0; g0 < G; g0 += 8)
-              for (int64_t d0 = 0; d0 < D; d0 += 32) {
-                if (D - d0 >= 32)
-                  pv_block<8, 2>(vj, rows.data(), t0, t1, L, D, d0, pj + g0 * L, aj + g0 * D + d0);
-                else
-                  pv_block<8, 1>(vj, rows.data(), t0, t1, L, D, d0, pj + g0 * L, aj + g0 * D + d0);
-              }
-            continue;
-          }
-          for (int64_t g0 = 0; g0 < G; g0 += 4)
-            for (int64_t d0 = 0; d0 < D; d0 += 64) {
-              const int64_t dn = std::min<int64_t>(4, (D - d0) / 16);
-              const float* probs = pj + g0 * L;
-              float* a = aj + g0 * D + d0;
-              switch (std::min<int64_t>(4, G - g0)) {
-                case 1: pv_any_dn<1>(dn, vj, rows.data(), t0, t1, L, D, d0, probs, a); break;
-                case 2: pv_any_dn<2>(dn, vj, rows.data(), t0, t1, L, D, d0, probs, a); break;
-                case 3: pv_any_dn<3>(dn, vj, rows.data(), t0, t1, L, D, d0, probs, a); break;
-                default: pv_any_dn<4>(dn, vj, rows.data(), t0, t1, L, D, d0, probs, a);
-              }
-            }
+          pv_cuts(G, D, [&](auto heads, auto dims16, int64_t g0, int64_t d0) {
+            constexpr int GN = decltype(heads)::value, DN = decltype(dims16)::value;
+            pv_block<GN, DN>(vj, rows.data(), t0, t1, L, D, d0, pj + g0 * L, aj + g0 * D + d0);
+          });
         }
       }
       bf16* out = op + (b * Hq + h0 * G) * D;  // the job's HJ G heads are consecutive
