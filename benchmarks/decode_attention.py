@@ -6,7 +6,8 @@ several KV heads of a sequence where the batch's mean context is past a bound
 (``kv_head_jobs`` in csrc/paged_rows.h; 1 MiB of K and V), and one head otherwise (an fp8
 cache always one: ``--kinds fp8`` shows the settings alike). This times
 one call per layer over ``--layers`` layers' pools (far more bytes than the caches hold; blocks
-of 16 tokens handed out in a shuffled order, as a busy server's pool has them) per cache kind
+of 16 tokens handed out in a shuffled order, as a busy server's pool has them; each pool in
+the memory the engine gives one, ``kv_cache.pool_empty``'s 2 MiB pages) per cache kind
 and shape, under each setting of the bound in turn: ``default``, ``never`` (one head a job) and
 ``always`` (several whenever the threads allow). Every round runs every setting once, the order
 rotated. Reported per kind and shape: each setting's median ms a layer, GB/s of K and V (codes
@@ -54,9 +55,12 @@ def build(ext, kind: str, shape: tuple, layers: int, seed: int = 0):
     q = torch.randn(batch, hq, dim, generator=gen).bfloat16()
     scale = dim**-0.5
 
+    def placed(t: torch.Tensor) -> torch.Tensor:  # where the engine's pools live
+        return kv_cache.pool_empty(t.shape, t.dtype, t.device).copy_(t)
+
     def pool():
         x = torch.randn(batch * width, BLOCK, hkv, dim, generator=gen).bfloat16()
-        return (x,) if kind == "bf16" else kv_cache.quantize(x, kind)
+        return (placed(x),) if kind == "bf16" else tuple(placed(t) for t in kv_cache.quantize(x, kind))
 
     pools = [(*pool(), *pool()) for _ in range(layers)]
     if kind == "bf16":

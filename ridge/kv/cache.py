@@ -20,6 +20,8 @@ A block's bytes hold its tokens' scales too, so the block arithmetic, the prefix
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -29,6 +31,7 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANT_MAX = {"int8": 127.0, "fp8": 448.0}  # largest code: int8, float8 e4m3
 SCALE_DTYPE = torch.float16
 SCALE_GROUP = 32  # values per scale along a head (a whole head where head_dim is not a multiple)
+HUGE_PAGE = 2 << 20  # bytes of an x86 transparent huge page
 
 
 class PagedKV(NamedTuple):
@@ -101,16 +104,42 @@ def allocate(
     code_dtype = dtype if kind == "auto" else torch.int8 if kind == "int8" else torch.uint8  # fp8 as bytes
 
     def layer() -> PagedKV:
-        k = torch.empty(shape, dtype=code_dtype, device=device)
-        v = k if spec.keys_only else torch.empty(shape, dtype=code_dtype, device=device)
+        k = pool_empty(shape, code_dtype, device)
+        v = k if spec.keys_only else pool_empty(shape, code_dtype, device)
         if kind == "auto":
             return PagedKV(k, v)
         scales = (*shape[:-1], scale_groups(spec.head_dim))
-        k_scale = torch.empty(scales, dtype=SCALE_DTYPE, device=device)
-        v_scale = k_scale if spec.keys_only else torch.empty(scales, dtype=SCALE_DTYPE, device=device)
+        k_scale = pool_empty(scales, SCALE_DTYPE, device)
+        v_scale = k_scale if spec.keys_only else pool_empty(scales, SCALE_DTYPE, device)
         return PagedKV(k, v, k_scale, v_scale, kind)
 
     return [layer() for _ in range(spec.num_layers)]
+
+
+def pool_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized pool tensor; in host memory, in 2 MiB pages where the OS grants them.
+
+    A decode step reads each sequence's blocks from all over its layer's pool: in 4 KiB pages
+    every block is its own TLB miss, and after a step's weights have streamed through the
+    caches each miss walks page tables from memory. torch's allocator never asks for huge pages
+    (transparent huge pages are "madvise" on most hosts), so a host pool is its own private
+    anonymous mapping that asks for them before its first touch (its pages still cost nothing
+    until written), 2 MiB aligned, unmapped when the last tensor on it goes. Measured on a
+    2-core Xeon (2026-12-03; README "The pool in 2 MiB pages"): whole decode steps of a Q4_K_M
+    TinyLlama over shuffled blocks, alternated in one process, 1.00x at 160 tokens, 1.02-1.03x
+    at 512-900, 1.06-1.07x at 1,024-2,048 and batch 1-16, int8 16 x 4,096 1.10x.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(shape, dtype=dtype, device=device)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel without transparent huge pages: 4 KiB pages, as torch's
+        pass
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
+    start = -raw.data_ptr() % HUGE_PAGE
+    return raw[start : start + nbytes].view(dtype).view(shape)
 
 
 def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
