@@ -879,18 +879,14 @@ namespace ridge_avx2 {
 // Top-k routing of T tokens over E experts, as Router.forward routes (the AVX-512 kernels'
 // route_topk_into, decode_ops.cpp, on 8 lanes): logits x . router_e in fp32 (x widened from
 // bf16; four 8-lane sums over k in steps of 32, then added and summed across lanes), then the
-// choice plan_shared.h makes. A token's ids and weights never depend on the other tokens of
-// its batch.
+// choice plan_shared.h makes; ridge_shared::route_topk_with shares the pairs out over the
+// threads. A token's ids and weights never depend on the other tokens of its batch.
 void route_topk_into(const at::BFloat16* x, int64_t T, int64_t K, const float* router, int64_t E, int64_t top_k,
                      bool softmax, bool norm_topk, double norm_eps, double scaling, int64_t n_group,
                      int64_t topk_group, const float* bias, int64_t* ids, at::BFloat16* weights) {
-  ridge_shared::check(E, top_k, n_group, topk_group, bias != nullptr);
-  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
-    ridge_shared::Chooser chooser(E, top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group, bias);
-    for (int64_t t = begin; t < end; ++t) {
-      const at::BFloat16* xr = x + t * K;
-      for (int64_t e = 0; e < E; ++e) {
-        const float* w = router + e * K;
+  ridge_shared::route_topk_with(
+      x, T, K, router, E, top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group, bias, ids, weights,
+      [](const at::BFloat16* xr, const float* w, int64_t K) {
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
         int64_t k = 0;
         for (; k + 32 <= K; k += 32)
@@ -898,11 +894,8 @@ void route_topk_into(const at::BFloat16* x, int64_t T, int64_t K, const float* r
         for (; k + 8 <= K; k += 8) acc[0] = _mm256_fmadd_ps(load8(xr + k), _mm256_loadu_ps(w + k), acc[0]);
         float sum = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
         for (; k < K; ++k) sum += static_cast<float>(xr[k]) * w[k];
-        chooser.scores[e] = sum;
-      }
-      chooser.choose(ids + t * top_k, weights + t * top_k);
-    }
-  });
+        return sum;
+      });
 }
 
 // SparseMoE.forward's weighted sum: out[t] = sum over j of bf16(ys[unsort[t k + j]] * w[t k + j]),

@@ -274,19 +274,14 @@ torch::Tensor silu_mul_bf16(torch::Tensor gate_up) {
 // Top-k routing of T tokens over E experts, as Router.forward routes: logits x . router_e in
 // fp32 (x widened from bf16; four 16-lane sums over k in steps of 64, then added and summed
 // across lanes), then the choice that plan_shared.h makes (softmax or sigmoid, groups, the
-// top_k best first, their weights). A token's ids and weights never depend on the other tokens
-// of its batch; tokens are shared out over the threads (a prompt's:
-// 512 tokens x 32 experts x 2048 is 34M multiply-adds a layer).
+// top_k best first, their weights); ridge_shared::route_topk_with shares the pairs out over
+// the threads. A token's ids and weights never depend on the other tokens of its batch.
 void route_topk_into(const bf16* x, int64_t T, int64_t K, const float* router, int64_t E, int64_t top_k, bool softmax,
                      bool norm_topk, double norm_eps, double scaling, int64_t n_group, int64_t topk_group,
                      const float* bias, int64_t* ids, bf16* weights) {
-  ridge_shared::check(E, top_k, n_group, topk_group, bias != nullptr);
-  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
-    ridge_shared::Chooser chooser(E, top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group, bias);
-    for (int64_t t = begin; t < end; ++t) {
-      const bf16* xr = x + t * K;
-      for (int64_t e = 0; e < E; ++e) {
-        const float* w = router + e * K;
+  ridge_shared::route_topk_with(
+      x, T, K, router, E, top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group, bias, ids, weights,
+      [](const bf16* xr, const float* w, int64_t K) {
         __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
         int64_t k = 0;
         for (; k + 64 <= K; k += 64)
@@ -295,11 +290,8 @@ void route_topk_into(const bf16* x, int64_t T, int64_t K, const float* router, i
         for (; k + 16 <= K; k += 16) acc[0] = _mm512_fmadd_ps(load16(xr + k), _mm512_loadu_ps(w + k), acc[0]);
         float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
         for (; k < K; ++k) sum += static_cast<float>(xr[k]) * w[k];
-        chooser.scores[e] = sum;
-      }
-      chooser.choose(ids + t * top_k, weights + t * top_k);
-    }
-  });
+        return sum;
+      });
 }
 
 std::vector<torch::Tensor> route_topk(torch::Tensor x, torch::Tensor router, int64_t top_k, bool softmax, bool norm_topk,

@@ -6,6 +6,7 @@
 // layers with its own SIMD.
 #pragma once
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -103,6 +104,32 @@ class Chooser {
   std::vector<int64_t> order_, groups_;
   std::vector<char> keep_;
 };
+
+// Top-k routing of T tokens (bf16 x, T x K) over E experts (a float32 router, E x K): each
+// (token, expert) logit is dot(x_t, router_e, K), the extension's SIMD sum, then each token's
+// choice (Chooser). The logits go over the threads as one run of pairs each, token-major: a
+// prompt's tokens are shared out as before, and at decode's one or few tokens the threads
+// split the experts' router rows (a whole E x K float32 router, 256 KiB for 32 experts of
+// 2,048, 7 MiB for DeepSeek-V3's 256 of 7,168, was read by one thread a layer while the other
+// waited). Which thread sums a pair never changes its bits; a token's choice depends on its
+// own logits only.
+template <class Dot>
+void route_topk_with(const at::BFloat16* x, int64_t T, int64_t K, const float* router, int64_t E, int64_t top_k,
+                     bool softmax, bool norm_topk, double norm_eps, double scaling, int64_t n_group,
+                     int64_t topk_group, const float* bias, int64_t* ids, at::BFloat16* weights, Dot dot) {
+  check(E, top_k, n_group, topk_group, bias != nullptr);
+  std::vector<float> logits(T * E);
+  at::parallel_for(0, T * E, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) logits[i] = dot(x + i / E * K, router + i % E * K, K);
+  });
+  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    Chooser chooser(E, top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group, bias);
+    for (int64_t t = begin; t < end; ++t) {
+      std::copy(logits.begin() + t * E, logits.begin() + (t + 1) * E, chooser.scores.begin());
+      chooser.choose(ids + t * top_k, weights + t * top_k);
+    }
+  });
+}
 
 // route_topk's tensor entry for either extension: bf16 x (T, K) and a float32 router (E, K)
 // (and bias, E values) checked, then into(x, T, K, router, E, top_k, ..., ids, weights) -> (T,
