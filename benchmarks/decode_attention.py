@@ -1,10 +1,11 @@
 """Decode attention over paged caches read from memory: jobs of one KV head against jobs of
 several, alternated on the same pools.
 
-The AVX-512 decode kernels (csrc/decode_ops.cpp, csrc/decode_attention_quant.cpp) give a job
-several KV heads of a sequence where the batch's mean context is past a bound
-(``kv_head_jobs`` in csrc/paged_rows.h; 1 MiB of K and V), and one head otherwise (an fp8
-cache always one: ``--kinds fp8`` shows the settings alike). This times
+The decode kernels (AVX-512: csrc/decode_ops.cpp, csrc/decode_attention_quant.cpp; AVX2 with
+``--kernels avx2``: csrc/avx2_ops.cpp, on an AVX-512 CPU too) give a job several KV heads of a
+sequence where the batch's mean context is past a bound (``kv_head_jobs`` in
+csrc/paged_rows.h; 1 MiB of K and V), and one head otherwise (an fp8 cache always one:
+``--kinds fp8`` shows the settings alike). This times
 one call per layer over ``--layers`` layers' pools (far more bytes than the caches hold; blocks
 of 16 tokens handed out in a shuffled order, as a busy server's pool has them; each pool in
 the memory the engine gives one, ``kv_cache.pool_empty``'s 2 MiB pages) per cache kind
@@ -13,9 +14,9 @@ and shape, under each setting of the bound in turn: ``default``, ``never`` (one 
 rotated. Reported per kind and shape: each setting's median ms a layer, GB/s of K and V (codes
 and scales), and the median over rounds of its speed against ``never`` in the same round. The
 outputs are checked equal bit for bit (the jobs never change a result). Writes
-``benchmarks/decode_attention.json`` (one entry per CPU; a rerun replaces it).
+``benchmarks/decode_attention.json`` (one entry per CPU and kernel set; a rerun replaces it).
 
-    python benchmarks/decode_attention.py [--kinds bf16,int8] [--shapes 16x4096,1x512:32:8:128]
+    python benchmarks/decode_attention.py [--kinds bf16,int8] [--shapes 16x4096,1x512:32:8:128] [--kernels avx2]
 
 A shape is ``BxCONTEXT`` (TinyLlama's 32 query heads on 4 KV heads of 64 dims) or
 ``BxCONTEXT:HQ:HKV:D``.
@@ -43,7 +44,7 @@ def parse_shape(text: str) -> tuple[int, int, int, int, int]:
     return batch, context, hq, hkv, dim
 
 
-def build(ext, kind: str, shape: tuple, layers: int, seed: int = 0):
+def build(ext, kind: str, shape: tuple, layers: int, avx2: bool, seed: int = 0):
     """(call(pools) -> output, [pools of each layer], bytes of K and V a layer) for one shape."""
     from ridge.kv import cache as kv_cache
 
@@ -64,9 +65,10 @@ def build(ext, kind: str, shape: tuple, layers: int, seed: int = 0):
 
     pools = [(*pool(), *pool()) for _ in range(layers)]
     if kind == "bf16":
+        dense = ext.paged_decode_attention if avx2 else ext.paged_decode_attention_bf16
 
         def call(p):
-            return ext.paged_decode_attention_bf16(q, p[0], p[1], tables, lens, scale)
+            return dense(q, p[0], p[1], tables, lens, scale)
 
         row_bytes = 2 * dim
     else:
@@ -86,24 +88,27 @@ def main() -> None:
         "--shapes",
         default="1x512,4x1024,1x2048,1x4096,16x2048,16x4096,8x1024:32:8:128,1x4096:32:8:128,4x2048:28:4:128",
     )
+    parser.add_argument("--kernels", default="auto", help="auto, or avx2: the AVX2 kernels on an AVX-512 CPU too")
     add_kernel_run_args(parser, rounds=7, layers=8, out=OUT)
     args = parser.parse_args()
 
-    from ridge.layers.cpu_kernels import load_extension
+    from ridge.layers.cpu_kernels import load_avx2_extension, load_extension
     from ridge.roofline.probe import cpu_model
 
     torch.set_num_threads(args.threads)
-    ext = load_extension()
+    avx2 = args.kernels == "avx2"
+    ext = load_avx2_extension() if avx2 else load_extension()
+    entry = f"{cpu_model()}, AVX2 kernels" if avx2 else cpu_model()
     default = ext.kv_grouped_bytes()
     settings = {"default": default, **SETTINGS}
     names = list(settings)
-    print(f"{cpu_model()}, {args.threads} threads; default bound {default} bytes of K and V a sequence")
+    print(f"{entry}, {args.threads} threads; default bound {default} bytes of K and V a sequence")
     results = {}
     try:
         for kind in args.kinds.split(","):
             results[kind] = {}
             for text in args.shapes.split(","):
-                call, pools, nbytes = build(ext, kind, parse_shape(text), args.layers)
+                call, pools, nbytes = build(ext, kind, parse_shape(text), args.layers, avx2)
                 outputs = {}
                 for name in names:
                     ext.set_kv_grouped_bytes(settings[name])
@@ -135,8 +140,10 @@ def main() -> None:
                 del pools
     finally:
         ext.set_kv_grouped_bytes(default)
-    record = kernel_run_record(args, cpu_model(), block_size=BLOCK, default_bound_bytes=default, results=results)
-    write_cpu_entry(args.json, cpu_model(), record)
+    record = kernel_run_record(
+        args, cpu_model(), kernels=args.kernels, block_size=BLOCK, default_bound_bytes=default, results=results
+    )
+    write_cpu_entry(args.json, entry, record)
 
 
 if __name__ == "__main__":

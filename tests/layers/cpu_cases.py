@@ -6,6 +6,8 @@
 - prefill attention as each token's decode: within a rounding of scaled_dot_product_attention
   over the gathered context, a prompt in one chunk and in three the same bytes, each row the
   decode of that token, slots past the context (NaN here) never read;
+- decode attention's jobs of several KV heads past a long context: each head's output the same
+  bits as in a job of its own, whatever the batch, the threads or the grouping bound;
 - structured output's token bitmask: what llguidance's own reading of the mask gives;
 - where a kernel set keeps the weights it streams: memory that asks for 2 MiB pages
   (``asks_for_huge_pages``)."""
@@ -130,6 +132,113 @@ def check_prefill_as_decodes(fast, dtype: torch.dtype = torch.bfloat16, kind: st
         decode_context_lens=torch.tensor([1, 20, ctx]),
     )
     assert torch.equal(fast.decode_attention(q[[0, 19, ctx - 1]], cache, meta), whole[[0, 19, ctx - 1]])
+
+
+# a cache of q's dtype, int8 or e4m3 codes
+KV_KINDS = pytest.mark.parametrize("kind", ["auto", "int8", "fp8"])
+# groups of 4 and 3 query heads a KV head (the PV passes' two ways of cutting them)
+KV_GROUPS = pytest.mark.parametrize("heads,kv_heads,dim", [(16, 4, 64), (12, 4, 32)])
+
+
+def _kv_cache_of(k: torch.Tensor, v: torch.Tensor, kind: str) -> PagedKV:
+    if kind == "auto":
+        return PagedKV(k, v)
+    (kc, ks), (vc, vs) = quantize(k, kind), quantize(v, kind)
+    return PagedKV(kc, vc, ks, vs, kind)
+
+
+def check_kv_heads_read_together(
+    fast, kind: str, heads: int, kv_heads: int, dim: int, dtype: torch.dtype = torch.bfloat16
+) -> None:
+    """Past a mean context of 1 MiB (kv_head_jobs, csrc/paged_rows.h) a job of the decode
+    kernels (a cache of q's dtype or int8; fp8 keeps one head a job) takes several KV heads of a
+    sequence, however many the batch and the threads leave it: each head's output is the same
+    bits in any such job as in a job of its own, as the gathered torch path gives within its
+    bounds, and never reads past its context."""
+    from ridge.kv import cache as kv_cache
+
+    block_size, mib = 16, 1 << 20
+    row_bytes = dim * dtype.itemsize if kind == "auto" else dim + 2 * kv_cache.scale_groups(dim)  # codes, fp16 scales
+    token_bytes = 2 * kv_heads * row_bytes  # K and V rows of every KV head
+    # 2.25 and 2.5 MiB of K and V: grouped, alone too (on 2 threads a job of half the heads, which
+    # pays past twice the bound); with three one-token sequences the batch's mean is short
+    long = [mib // token_bytes * 9 // 4, mib // token_bytes * 5 // 2 + 5]
+    lens = [*long, 1, 1, 1]
+    assert min(long) * token_bytes > 2 * mib and (sum(long) + 3) * token_bytes <= 5 * mib
+    width = -(-max(lens) // block_size)
+    blocks = len(lens) * width
+    dense = [_bf16(blocks, block_size, kv_heads, dim, seed=seed).to(dtype) for seed in (21, 22)]
+    tables = torch.randperm(blocks, generator=torch.Generator().manual_seed(23)).view(len(lens), width)
+    q = _bf16(len(lens), heads, dim, seed=24).to(dtype)
+
+    def run(rows, cache, kernels=fast, q_dtype=dtype):
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(len(rows), dtype=torch.long),
+            num_decode_tokens=len(rows),
+            decode_block_tables=tables[rows],
+            decode_context_lens=torch.tensor(lens)[rows],
+        )
+        return kernels.decode_attention(q[rows].to(q_dtype), cache, meta)
+
+    cache = _kv_cache_of(*dense, kind)
+    grouped = run([0, 1], cache)
+    one_head_a_job = run([0, 1, 2, 3, 4], cache)[:2]
+    assert torch.equal(grouped, one_head_a_job)
+    for i in (0, 1):
+        assert torch.equal(run([i], cache)[0], grouped[i])  # alone: more jobs a sequence on 2+ threads
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(run([0, 1], cache), grouped)  # one job a sequence
+    finally:
+        torch.set_num_threads(threads)
+    if kind == "auto":
+        want = run([0, 1], cache, kernels=TorchKernels())
+    else:  # the dequantized values through the gathered path (the int8 query adds its rounding)
+        pairs = ((cache.k, cache.k_scale), (cache.v, cache.v_scale))
+        values = [kv_cache.dequantize(codes, scales, kind, torch.float32) for codes, scales in pairs]
+        want = run([0, 1], PagedKV(*values), kernels=TorchKernels(), q_dtype=torch.float32)
+    assert (grouped.float() - want.float()).abs().max().item() <= 0.02 * want.float().abs().max().item()
+    written = torch.zeros(blocks * block_size, dtype=torch.bool)
+    for row, n in zip(tables[:2], long):
+        written[(row.repeat_interleave(block_size) * block_size + torch.arange(block_size).repeat(width))[:n]] = True
+    poisoned = [d.clone() for d in dense]
+    for d in poisoned:
+        d.view(-1, kv_heads, dim)[~written] = float("nan")  # a quantized pool: NaN codes and scales there
+    assert torch.equal(run([0, 1], _kv_cache_of(*poisoned, kind)), grouped)
+
+
+def check_kv_grouping_bound(fast, kind: str, dtype: torch.dtype = torch.bfloat16) -> None:
+    """set_kv_grouped_bytes (what benchmarks/decode_attention.py alternates): 0 groups a job's
+    KV heads at any context, a huge bound never; the same bits either way, and back to the
+    default after. Each extension has its own setting."""
+    lens, block_size, heads, kv_heads, dim = [5, 40, 17], 4, 16, 4, 64
+    width = max(-(-n // block_size) for n in lens)
+    k, v = (_bf16(40, block_size, kv_heads, dim, seed=seed).to(dtype) for seed in (6, 7))
+    tables = torch.randperm(40, generator=torch.Generator().manual_seed(8))[: len(lens) * width].view(len(lens), width)
+    q = _bf16(len(lens), heads, dim, seed=9).to(dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(len(lens), dtype=torch.long),
+        num_decode_tokens=len(lens),
+        decode_block_tables=tables,
+        decode_context_lens=torch.tensor(lens),
+    )
+    cache, ext = _kv_cache_of(k, v, kind), fast.ext
+    default = ext.kv_grouped_bytes()
+    assert default == 1 << 20
+    outputs = []
+    try:
+        for bound in (0, 1 << 62, default):
+            ext.set_kv_grouped_bytes(bound)
+            outputs.append(fast.decode_attention(q, cache, meta))
+        with pytest.raises(RuntimeError, match="byte count"):
+            ext.set_kv_grouped_bytes(-1)
+    finally:
+        ext.set_kv_grouped_bytes(default)
+    assert all(torch.equal(out, outputs[-1]) for out in outputs)
+    if kind == "auto":  # grouped at these short contexts too, in runs cut short: torch's to rounding
+        want = TorchKernels().decode_attention(q, cache, meta).float()
+        assert (outputs[0].float() - want).abs().max().item() <= 0.02 * want.abs().max().item()
 
 
 # a vocabulary of whole words, one with a partial last word, one past 4 x 32 (the tail disallowed)

@@ -230,6 +230,21 @@ def test_one_sequence_on_one_latent_splits_its_heads_over_the_threads_bit_for_bi
         assert torch.allclose(split.float(), want.float(), atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@cpu_cases.KV_KINDS
+@cpu_cases.KV_GROUPS
+def test_long_contexts_read_a_jobs_kv_heads_together_with_the_same_results(kernels, dtype, kind, heads, kv_heads, dim):
+    """A job of several KV heads past a long mean context, in runs of 32 tokens (cpu_cases.py)."""
+    cpu_cases.check_kv_heads_read_together(kernels, kind, heads, kv_heads, dim, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@cpu_cases.KV_KINDS
+def test_the_kv_grouping_bound_is_a_setting_that_never_changes_a_result(kernels, dtype, kind):
+    """set_kv_grouped_bytes, the AVX2 extension's own (cpu_cases.py)."""
+    cpu_cases.check_kv_grouping_bound(kernels, kind, dtype)
+
+
 def _quantized(cache, kind):
     k8, ks = quantize(cache.k, kind)
     v8, vs = quantize(cache.v, kind)

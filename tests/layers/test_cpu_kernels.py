@@ -355,100 +355,17 @@ def test_paged_decode_attention_reads_the_pool_like_the_gathered_path(pair, lens
     assert (got.float() - want.float()).abs().max().item() <= 0.02 * want.float().abs().max().item()
 
 
-@pytest.mark.parametrize("kind", ["auto", "int8", "fp8"])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(16, 4, 64), (12, 4, 32)])  # groups of 4 and 3 heads (V's two paths)
+@cpu_cases.KV_KINDS
+@cpu_cases.KV_GROUPS
 def test_long_contexts_read_a_jobs_kv_heads_together_with_the_same_results(pair, kind, heads, kv_heads, dim):
-    """Past a mean context of 1 MiB (kv_head_jobs, csrc/paged_rows.h) a job of the decode
-    kernels (bf16 and int8 caches; fp8 keeps one head a job) takes several KV heads of a
-    sequence, however many the batch and the threads leave it: each head's output is the same
-    bits in any such job as in a job of its own, as the gathered torch path gives within its
-    bounds, and never reads past its context."""
-    from ridge.kv import cache as kv_cache
-    from ridge.layers.attention import AttentionMetadata
-
-    ref, fast = pair
-    block_size, mib = 16, 1 << 20
-    row_bytes = 2 * dim if kind == "auto" else dim + 2 * kv_cache.scale_groups(dim)  # codes and fp16 scales
-    token_bytes = 2 * kv_heads * row_bytes  # K and V rows of every KV head
-    # 2.25 and 2.5 MiB of K and V: grouped, alone too (on 2 threads a job of half the heads, which
-    # pays past twice the bound); with three one-token sequences the batch's mean is short
-    long = [mib // token_bytes * 9 // 4, mib // token_bytes * 5 // 2 + 5]
-    lens = [*long, 1, 1, 1]
-    assert min(long) * token_bytes > 2 * mib and (sum(long) + 3) * token_bytes <= 5 * mib
-    width = -(-max(lens) // block_size)
-    blocks = len(lens) * width
-    dense = [_bf16(blocks, block_size, kv_heads, dim, seed=seed) for seed in (21, 22)]
-    tables = torch.randperm(blocks, generator=torch.Generator().manual_seed(23)).view(len(lens), width)
-    q = _bf16(len(lens), heads, dim, seed=24)
-
-    def cache_of(k, v) -> PagedKV:
-        if kind == "auto":
-            return PagedKV(k, v)
-        (kc, ks), (vc, vs) = kv_cache.quantize(k, kind), kv_cache.quantize(v, kind)
-        return PagedKV(kc, vc, ks, vs, kind)
-
-    def run(rows, cache, kernels=fast, dtype=torch.bfloat16):
-        meta = AttentionMetadata(
-            slot_mapping=torch.zeros(len(rows), dtype=torch.long),
-            num_decode_tokens=len(rows),
-            decode_block_tables=tables[rows],
-            decode_context_lens=torch.tensor(lens)[rows],
-        )
-        return kernels.decode_attention(q[rows].to(dtype), cache, meta)
-
-    cache = cache_of(*dense)
-    grouped = run([0, 1], cache)
-    one_head_a_job = run([0, 1, 2, 3, 4], cache)[:2]
-    assert torch.equal(grouped, one_head_a_job)
-    for i in (0, 1):
-        assert torch.equal(run([i], cache)[0], grouped[i])  # alone: more jobs a sequence on 2+ threads
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(run([0, 1], cache), grouped)  # one job a sequence
-    finally:
-        torch.set_num_threads(threads)
-    if kind == "auto":
-        want = run([0, 1], cache, kernels=ref)
-    else:  # the dequantized values through the gathered path (the int8 query adds its rounding)
-        pairs = ((cache.k, cache.k_scale), (cache.v, cache.v_scale))
-        values = [kv_cache.dequantize(codes, scales, kind, torch.float32) for codes, scales in pairs]
-        want = run([0, 1], PagedKV(*values), kernels=ref, dtype=torch.float32)
-    assert (grouped.float() - want.float()).abs().max().item() <= 0.02 * want.float().abs().max().item()
-    written = torch.zeros(blocks * block_size, dtype=torch.bool)
-    for row, n in zip(tables[:2], long):
-        written[(row.repeat_interleave(block_size) * block_size + torch.arange(block_size).repeat(width))[:n]] = True
-    poisoned = [d.clone() for d in dense]
-    for d in poisoned:
-        d.view(-1, kv_heads, dim)[~written] = float("nan")  # a quantized pool: NaN codes and scales there
-    assert torch.equal(run([0, 1], cache_of(*poisoned)), grouped)
+    """A job of several KV heads past a long mean context (cpu_cases.py)."""
+    cpu_cases.check_kv_heads_read_together(pair[1], kind, heads, kv_heads, dim)
 
 
-@pytest.mark.parametrize("kind", ["auto", "int8", "fp8"])
-def test_the_kv_grouping_bound_is_a_setting_that_never_changes_a_result(kernel, pair, kind):
-    """set_kv_grouped_bytes (what benchmarks/decode_attention.py alternates): 0 groups a job's
-    KV heads at any context, a huge bound never; the same bits either way, and back to the
-    default after."""
-    from ridge.kv import cache as kv_cache
-
-    _, fast = pair
-    k_cache, v_cache, _, q, meta = _paged_case([5, 40, 17], dim=64, heads=16, kv_heads=4)
-    cache = PagedKV(k_cache, v_cache)
-    if kind != "auto":
-        (kc, ks), (vc, vs) = kv_cache.quantize(k_cache, kind), kv_cache.quantize(v_cache, kind)
-        cache = PagedKV(kc, vc, ks, vs, kind)
-    default = kernel.kv_grouped_bytes()
-    assert default == 1 << 20
-    outputs = []
-    try:
-        for bound in (0, 1 << 62, default):
-            kernel.set_kv_grouped_bytes(bound)
-            outputs.append(fast.decode_attention(q, cache, meta()))
-        with pytest.raises(RuntimeError, match="byte count"):
-            kernel.set_kv_grouped_bytes(-1)
-    finally:
-        kernel.set_kv_grouped_bytes(default)
-    assert all(torch.equal(out, outputs[-1]) for out in outputs)
+@cpu_cases.KV_KINDS
+def test_the_kv_grouping_bound_is_a_setting_that_never_changes_a_result(pair, kind):
+    """set_kv_grouped_bytes (cpu_cases.py)."""
+    cpu_cases.check_kv_grouping_bound(pair[1], kind)
 
 
 def test_a_build_at_first_use_says_what_it_is_doing(monkeypatch):

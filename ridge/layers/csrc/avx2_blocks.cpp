@@ -37,6 +37,7 @@
 #include "avx2_kernels.h"
 #include "avx2_simd.h"
 #include "cpu_vendor.h"
+#include "paged_rows.h"
 #include "weight_arena.h"
 
 #include <cstdint>
@@ -1416,6 +1417,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up for (T, 2I) -> (T, I)");
   m.def("rope_", &rope_, nogil, "rotate-half RoPE in place on (T, H, D) rows");
   m.def("rope_write_kv_", &rope_write_kv_, nogil, "rope_ on qkv's q and k heads, then k and v into the pools at slots");
+  def_kv_grouped_bytes(m);
   m.def("decode_attention_jobs", &ridge_avx2::decode_attention_jobs, nogil,
         "the jobs paged_decode_attention splits (sequences, query heads, KV heads) into on this process's threads");
   m.def("paged_decode_attention", &paged_decode_attention, nogil,

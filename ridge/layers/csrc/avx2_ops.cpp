@@ -13,8 +13,8 @@
 //   token t of sequence b  ->  block_tables[b][t / BS], slot t % BS
 //   k_cache[block][slot][kv_head][:]   (no gathered copy of the context)
 //
-// Attention's work is split over (sequence, KV head): the G = Hq / Hkv query heads of a group
-// share each K/V row read. Scores go 8 K rows at a time (their values made once, each head's 8
+// Attention's work is split over (sequence, KV head), or past a long context over a sequence's
+// runs of KV heads (attend): the G = Hq / Hkv query heads of a group share each K/V row read. Scores go 8 K rows at a time (their values made once, each head's 8
 // dots summed across lanes together) and V a run of 32 rows at a time (its lines stay in L1
 // across the head's D / 8 chunks): 1.04-1.2x (bf16) and 1.17-1.3x (int8) the kernel's speed
 // row by row at 4,096 tokens, 32 heads on 4, head 64, Zen 3 (2026-11-29, 3 rounds). An int8
@@ -343,7 +343,7 @@ void rope_write_kv_(torch::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, 
 
 namespace {
 
-// A KV head's rows of the context, 8 values at a time: row(t) then load(row, d); fetch(t0, t1,
+// A KV head's rows of the context, 8 values at a time: rows[t] then load(row, d); fetch(t0, t1,
 // D) asks for rows [t0, t1) into L1 (all of each row's lines)
 template <typename T>
 struct PlainRows {  // a cache in T
@@ -351,7 +351,6 @@ struct PlainRows {  // a cache in T
   static constexpr int64_t G = 1;  // no scales
   std::vector<const T*> rows;
   void resize(int64_t L) { rows.resize(L); }
-  const T* row(int64_t t) const { return rows[t]; }
   void fetch(int64_t t0, int64_t t1, int64_t D) const {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t c = 0; c < D * static_cast<int64_t>(sizeof(T)); c += 64)
@@ -375,7 +374,6 @@ struct CodeRows {
   std::vector<float> scales;  // L rows of G
   int64_t G = 1, shift = 63;  // dim d's group: d >> shift (groups of 32, or one)
   void resize(int64_t L) { rows.resize(L), scales.resize(L * G); }
-  Row row(int64_t t) const { return rows[t]; }
   void fetch(int64_t t0, int64_t t1, int64_t D) const {  // the codes (the scales are read at set)
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t c = 0; c < D; c += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[t].codes) + c, _MM_HINT_T0);
@@ -406,7 +404,6 @@ struct CodeRows {
     }
     return round_as<T>(_mm256_mul_ps(v, _mm256_set1_ps(r.scales[d >> shift])));
   }
-  float scale(int64_t t, int64_t g) const { return scales[t * G + g]; }
 };
 
 // v's first n lanes (1-8) to p
@@ -427,21 +424,23 @@ inline __m256 sums8(const __m256 a[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// Query heads [0, G) of a KV head (qf: their float32 rows, D apart) against its K rows [0, L),
-// 8 rows at a time: the rows' values made once into kb (8 D floats; rows past L zero), then
-// each head's 8 dots as 8 fmadd chains over D, summed across lanes together, rounded to T and
-// times scale, into s[j L + t]. Rows KV_PREFETCH_TOKENS ahead are fetched as it goes (see
-// weigh_values).
+// Query heads [0, G) of a KV head (qf: their float32 rows, D apart) against its K rows
+// [t_begin, t_end) of L, 8 rows at a time: the rows' values made once into kb (8 D floats; rows
+// past t_end zero), then each head's 8 dots as 8 fmadd chains over D, summed across lanes
+// together, rounded to T and times scale, into s[j L + t]. Rows KV_PREFETCH_TOKENS ahead are
+// fetched as it goes (see weigh_values; the caller fetches the first window). A score depends
+// on its head and token only: a run of tokens gives the same bits as the whole context.
 template <typename T, class Rows>
-void score_heads(const float* qf, int64_t G, const Rows& kr, int64_t L, int64_t D, float scale, float* s, float* kb) {
+void score_heads(const float* qf, int64_t G, const Rows& kr, int64_t t_begin, int64_t t_end, int64_t L, int64_t D,
+                 float scale, float* s, float* kb) {
   const __m256 scale8 = _mm256_set1_ps(scale);
-  kr.fetch(0, std::min(L, KV_PREFETCH_TOKENS), D);
-  for (int64_t t0 = 0; t0 < L; t0 += 8) {
-    const int64_t n = std::min<int64_t>(8, L - t0);
+  const auto* rows = kr.rows.data();  // read once: the stores below may alias a vector's pointer
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += 8) {
+    const int64_t n = std::min<int64_t>(8, t_end - t0);
     kr.fetch(std::min(L, t0 + KV_PREFETCH_TOKENS), std::min(L, t0 + KV_PREFETCH_TOKENS + 8), D);
     for (int64_t i = 0; i < 8; ++i) {
       if (i < n) {
-        const auto row = kr.row(t0 + i);
+        const auto row = rows[t0 + i];
         for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(kb + i * D + d, kr.load(row, d));
       } else {
         for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(kb + i * D + d, _mm256_setzero_ps());
@@ -496,7 +495,8 @@ inline __m256i int8_group_dots(const __m256i* col, const int32_t* qsgn, const in
   return _mm256_add_epi32(a0, a1);
 }
 
-// A thread's buffers for score_heads_int8, kept across its (sequence, KV head) jobs
+// A thread's buffers for score_heads_int8, kept across its jobs: the job's query heads in
+// int8 (int8_query) and one chunk's columns, scales and padded rows
 struct Int8Scores {
   std::vector<int8_t> qq;
   std::vector<int32_t> qsum, qabs, qsgn;
@@ -511,44 +511,52 @@ struct Int8Scores {
 //
 //   q.k_t = sum_groups (sq_g sk_t,g) sum_d q_d k_t,d      (integer sums: exact)
 //
-// 8 tokens at a time, their codes transposed (col[p] lane i: token i's dims 4p .. 4p + 3), so
-// each query quad multiplies 8 tokens at once with no sums across lanes: vpmaddubsw takes the
-// query's |codes| (unsigned) and K's codes with the query's signs (vpsignb), then vpmaddwd
-// adds the pairs into int32. No saturation: a pair is at most 2 x 127 x 127, as the cache's
-// codes lie in [-127, 127] (kv/cache.py, kv_write.h). Scores per (head, token) into s[j L + t],
-// the attention scale folded into the query's group scales.
-template <typename T, int QG>
-void score_heads_int8(const float* qf, int64_t G, const CodeRows<T, false>& kr, int64_t L, int64_t D, float scale,
-                      float* s, Int8Scores& buf) {
-  const int64_t NGR = kr.G, GS = D / NGR, Q = D / 4, DP = (D + 31) / 32 * 32;
-  buf.qq.resize(G * D), buf.qsum.resize(G * NGR), buf.qabs.resize(G * Q), buf.qsgn.resize(G * Q);
-  buf.qscale.resize(G * NGR), buf.ks.resize(8 * NGR), buf.col.resize(DP / 4);
+// int8_query quantizes a job's H query heads (qf: their float32 rows, D apart) once, the
+// attention scale folded into their group scales; score_heads_int8 then scores heads [h0, h0 +
+// G) of them against K rows [t_begin, t_end) of L, 8 tokens at a time, their codes transposed
+// (col[p] lane i: token i's dims 4p .. 4p + 3), so each query quad multiplies 8 tokens at once
+// with no sums across lanes: vpmaddubsw takes the query's |codes| (unsigned) and K's codes with
+// the query's signs (vpsignb), then vpmaddwd adds the pairs into int32. No saturation: a pair is
+// at most 2 x 127 x 127, as the cache's codes lie in [-127, 127] (kv/cache.py, kv_write.h).
+// Scores per (head, token) into s[j L + t].
+inline void int8_query(const float* qf, int64_t H, int64_t D, int64_t GS, float scale, Int8Scores& buf) {
+  const int64_t NGR = D / GS, Q = D / 4;
+  buf.qq.resize(H * D), buf.qsum.resize(H * NGR), buf.qabs.resize(H * Q), buf.qsgn.resize(H * Q), buf.qscale.resize(H * NGR);
   int8_t* qq = buf.qq.data();
-  int32_t *qabs = buf.qabs.data(), *qsgn = buf.qsgn.data();
-  float *qscale = buf.qscale.data(), *ks = buf.ks.data();
-  __m256i* col = buf.col.data();
-  for (int64_t j = 0; j < G; ++j)
-    quantize_query(qf + j * D, D, GS, scale, qq + j * D, buf.qsum.data() + j * NGR, qscale + j * NGR);
-  for (int64_t i = 0; i < G * Q; ++i) {
+  for (int64_t j = 0; j < H; ++j)
+    quantize_query(qf + j * D, D, GS, scale, qq + j * D, buf.qsum.data() + j * NGR, buf.qscale.data() + j * NGR);
+  for (int64_t i = 0; i < H * Q; ++i) {
     uint8_t a[4];
     for (int b = 0; b < 4; ++b) a[b] = static_cast<uint8_t>(std::abs(qq[4 * i + b]));
-    std::memcpy(&qsgn[i], &qq[4 * i], 4), std::memcpy(&qabs[i], a, 4);
+    std::memcpy(&buf.qsgn[i], &qq[4 * i], 4), std::memcpy(&buf.qabs[i], a, 4);
   }
+}
+
+template <typename T, int QG>
+void score_heads_int8(int64_t h0, int64_t G, const CodeRows<T, false>& kr, int64_t t_begin, int64_t t_end, int64_t L,
+                      int64_t D, float* s, Int8Scores& buf) {
+  const int64_t NGR = kr.G, GS = D / NGR, Q = D / 4, DP = (D + 31) / 32 * 32;
+  buf.ks.resize(8 * NGR), buf.col.resize(DP / 4);
+  const int32_t *qabs = buf.qabs.data() + h0 * Q, *qsgn = buf.qsgn.data() + h0 * Q;
+  const float* qscale = buf.qscale.data() + h0 * NGR;
+  float* ks = buf.ks.data();
+  __m256i* col = buf.col.data();
   const bool padded = D % 32 != 0;
   // rows whose D is not a multiple of 32, zero-padded (only their first D bytes are ever written)
   if (padded && buf.pad.size() != static_cast<size_t>(8 * DP)) buf.pad.assign(8 * DP, 0);
   uint8_t* pad = buf.pad.data();
-  kr.fetch(0, std::min(L, KV_PREFETCH_TOKENS), D);
-  for (int64_t t0 = 0; t0 < L; t0 += 8) {
-    const int64_t n = std::min<int64_t>(8, L - t0);
+  const auto* rows = kr.rows.data();  // read once: the stores below may alias a vector's pointer
+  const float* kscale = kr.scales.data();
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += 8) {
+    const int64_t n = std::min<int64_t>(8, t_end - t0);
     kr.fetch(std::min(L, t0 + KV_PREFETCH_TOKENS), std::min(L, t0 + KV_PREFETCH_TOKENS + 8), D);
     const uint8_t* src[8];
     for (int64_t i = 0; i < 8; ++i) {
       const int64_t t = t0 + std::min(i, n - 1);  // tail lanes repeat a token (not stored)
-      const uint8_t* codes = kr.row(t).codes;
+      const uint8_t* codes = rows[t].codes;
       if (padded) std::memcpy(pad + i * DP, codes, D), codes = pad + i * DP;
       src[i] = codes;
-      for (int64_t gi = 0; gi < NGR; ++gi) ks[gi * 8 + i] = kr.scale(t, gi);
+      for (int64_t gi = 0; gi < NGR; ++gi) ks[gi * 8 + i] = kscale[t * NGR + gi];
     }
     for (int64_t c = 0; c < DP; c += 32) {
       __m256i r[8];
@@ -570,28 +578,28 @@ void score_heads_int8(const float* qf, int64_t G, const CodeRows<T, false>& kr, 
 // Rows of V a pass of weigh_values takes: their lines stay in L1 across its D / 8 chunks
 constexpr int64_t VALUE_ROWS = 32;
 
-// Query heads [0, N) of a KV head: probabilities p[t N + j] times the V rows [0, L), into acc
-// (N D float32, j's at j D), each head's 8 dims an fmadd chain over t in order. The rows go a
-// run of VALUE_ROWS at a time, its D / 8 chunks in turn (each chain carried over in acc); the N
-// chains share each load of a V row. Each run fetches the rows KV_PREFETCH_TOKENS ahead of it
-// (paged_rows.h: a KV head's rows lie a pool row apart within a block and blocks anywhere, so
-// the hardware prefetcher hardly helps). Measured on 2 Zen 3 cores (2026-12-02), TinyLlama's
+// Query heads [0, N) of a KV head: probabilities p[t N + j] times the V rows [t_begin, t_end)
+// of L, added into acc (N D float32, j's at j D), each head's 8 dims an fmadd chain over t in
+// order (the same bits however the context is cut into calls). The rows go a run of VALUE_ROWS
+// at a time, its D / 8 chunks in turn (each chain carried over in acc); the N chains share each
+// load of a V row. Each run fetches the rows KV_PREFETCH_TOKENS ahead of it (paged_rows.h: a KV
+// head's rows lie a pool row apart within a block and blocks anywhere, so the hardware
+// prefetcher hardly helps; the caller fetches the first window). Measured on 2 Zen 3 cores (2026-12-02), TinyLlama's
 // heads, 22 layers' caches in turn, with and without the fetches (here and in score_heads)
 // alternated in one process: one sequence of 4,096 tokens 1.54x (bf16) and 1.53x (int8), of
 // 256 tokens 1.50x and 1.35x; 16 of 1,024 tokens (4 layers) 1.33x and 1.26x. (Fetching 32
 // tokens ahead gave the same.)
 template <int N, class Rows>
-void weigh_values(const float* p, const Rows& vr, int64_t L, int64_t D, float* acc) {
-  for (int64_t i = 0; i < N * D; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
-  vr.fetch(0, std::min(L, KV_PREFETCH_TOKENS), D);
-  for (int64_t t0 = 0; t0 < L; t0 += VALUE_ROWS) {
-    const int64_t t1 = std::min(L, t0 + VALUE_ROWS);
+void weigh_values(const float* p, const Rows& vr, int64_t t_begin, int64_t t_end, int64_t L, int64_t D, float* acc) {
+  const auto* rows = vr.rows.data();  // read once: the stores below may alias a vector's pointer
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += VALUE_ROWS) {
+    const int64_t t1 = std::min(t_end, t0 + VALUE_ROWS);
     vr.fetch(std::min(L, t0 + KV_PREFETCH_TOKENS), std::min(L, t1 + KV_PREFETCH_TOKENS), D);
     for (int64_t d = 0; d < D; d += 8) {
       __m256 o[N];
       for (int j = 0; j < N; ++j) o[j] = _mm256_loadu_ps(acc + j * D + d);
       for (int64_t t = t0; t < t1; ++t) {
-        const __m256 v = vr.load(vr.row(t), d);
+        const __m256 v = vr.load(rows[t], d);
         for (int j = 0; j < N; ++j) o[j] = _mm256_fmadd_ps(_mm256_set1_ps(p[t * N + j]), v, o[j]);
       }
       for (int j = 0; j < N; ++j) _mm256_storeu_ps(acc + j * D + d, o[j]);
@@ -606,19 +614,19 @@ void weigh_values(const float* p, const Rows& vr, int64_t L, int64_t D, float* a
 // the row's values and weights as lambdas ran bf16 attention 0.90x (2 Zen 3 cores, 4,096
 // tokens, alternated in one process).
 template <int N, class Rows>
-void weigh_values_int8(const float* ps, const Rows& vr, int64_t L, int64_t D, int64_t GS, float* acc) {
+void weigh_values_int8(const float* ps, const Rows& vr, int64_t t_begin, int64_t t_end, int64_t L, int64_t D,
+                       int64_t GS, float* acc) {
   const int64_t NGR = D / GS;
-  for (int64_t i = 0; i < N * D; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
-  vr.fetch(0, std::min(L, KV_PREFETCH_TOKENS), D);
-  for (int64_t t0 = 0; t0 < L; t0 += VALUE_ROWS) {
-    const int64_t t1 = std::min(L, t0 + VALUE_ROWS);
+  const auto* rows = vr.rows.data();  // read once: the stores below may alias a vector's pointer
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += VALUE_ROWS) {
+    const int64_t t1 = std::min(t_end, t0 + VALUE_ROWS);
     vr.fetch(std::min(L, t0 + KV_PREFETCH_TOKENS), std::min(L, t1 + KV_PREFETCH_TOKENS), D);
     for (int64_t d = 0; d < D; d += 8) {
       const float* pg = ps + (d / GS) * N;
       __m256 o[N];
       for (int j = 0; j < N; ++j) o[j] = _mm256_loadu_ps(acc + j * D + d);
       for (int64_t t = t0; t < t1; ++t) {
-        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(vr.rows[t].codes + d));
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[t].codes + d));
         const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
         const float* pt = pg + t * NGR * N;
         for (int j = 0; j < N; ++j) o[j] = _mm256_fmadd_ps(_mm256_set1_ps(pt[j]), v, o[j]);
@@ -740,73 +748,103 @@ int64_t head_parts(int64_t B, int64_t Hq, int64_t Hkv) {
 }
 
 // One query per sequence over its context, for rows of any kind (Rows: PlainRows, CodeRows):
-// fill(kr, vr, b, h, L) points kr and vr at sequence b's L rows of KV head h. Work is split over
-// (sequence, KV head); the query heads of a KV head share each row's loads. Where those jobs are
-// fewer than the threads (one sequence over MLA's one latent, or a few over one or two KV heads),
-// a KV head's G = Hq / Hkv query heads are split into runs of 8 or more, one job each: each
-// reads the KV head's rows, and a head's arithmetic does not depend on the heads beside it, so
-// the outputs are the same bits however the heads are split (torch's GEMMs took these steps
-// before, Avx2Kernels.decode_attention).
+// fill(kr, vr, b, h, L) points kr and vr at sequence b's L rows of KV head h. A job is a
+// sequence and a run of HJ = Hkv / split of its KV heads (split from kv_head_jobs, paged_rows.h:
+// past a long mean context a job reads each token's rows of its heads, which lie side by side
+// in the pool, as one run of memory); the query heads of a KV head share each row's loads. A
+// job of one head scores its whole context, then weighs V over it; a job of several goes in
+// runs of PV_TOKENS tokens, each run's rows of all its heads read before the next run's, in
+// both passes. Where the (sequence, KV head) jobs are fewer than the threads (one sequence over
+// MLA's one latent, or a few over one or two KV heads), a KV head's G = Hq / Hkv query heads are
+// split into runs of 8 or more, one job each: each reads the KV head's rows. A head's arithmetic
+// depends neither on the heads beside it nor on how its tokens are cut into runs, so the outputs
+// are the same bits however the heads are split (torch's GEMMs took the few-job steps before,
+// Avx2Kernels.decode_attention).
 template <class T, class Rows, class Fill>
-void attend(const T* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, int64_t Hkv, const int64_t* lp,
-            float scale, T* op, const Rows& proto, Fill&& fill) {
-  const int64_t G = Hq / Hkv, parts = head_parts(B, Hq, Hkv);
-  at::parallel_for(0, B * Hkv * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), scores, kb(8 * D), acc(8 * D), pt;
+void attend(const T* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, int64_t Hkv, int64_t split,
+            const int64_t* lp, float scale, T* op, const Rows& proto, Fill&& fill) {
+  const int64_t G = Hq / Hkv, HJ = Hkv / split, parts = HJ == 1 ? head_parts(B, Hq, Hkv) : 1;
+  at::parallel_for(0, B * split * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(HJ * G * D), scores, kb(8 * D), acc(HJ * G * D), pt;
     Int8Scores int8_buf;
-    Rows kr = proto, vr = proto;
+    std::vector<Rows> krs(HJ, proto), vrs(HJ, proto);
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t part = job % parts, b = job / parts / Hkv, h = job / parts % Hkv, L = lp[b];
-      const int64_t h0 = part * G / parts, GP = (part + 1) * G / parts - h0;  // this job's query heads of the KV head
-      const T* qb = qp + b * q_stride + (h * G + h0) * D;
-      for (int64_t i = 0; i < GP * D; i += 8) _mm256_storeu_ps(qf.data() + i, load8(qb + i));
-      kr.resize(L), vr.resize(L), scores.resize(GP * L);
-      fill(kr, vr, b, h, L);
+      const int64_t part = job % parts, b = job / parts / split, h0 = job / parts % split * HJ, L = lp[b];
+      const int64_t g0 = part * G / parts, GP = (part + 1) * G / parts - g0;  // the job's query heads of a KV head
+      const int64_t HG = HJ * GP;  // all of them: consecutive heads of q and of the output (GP = G where HJ > 1)
+      const T* qb = qp + b * q_stride + (h0 * G + g0) * D;
+      for (int64_t i = 0; i < HG * D; i += 8) _mm256_storeu_ps(qf.data() + i, load8(qb + i));
+      for (int64_t j = 0; j < HJ; ++j) krs[j].resize(L), vrs[j].resize(L), fill(krs[j], vrs[j], b, h0 + j, L);
+      scores.resize(HG * L);
+      const int64_t run = HJ == 1 ? L : PV_TOKENS, first = std::min(L, KV_PREFETCH_TOKENS);
+      for (int64_t j = 0; j < HJ; ++j) krs[j].fetch(0, first, D);  // the window before the loops' fetch
       if constexpr (Rows::INT8_QUERY) {  // the AVX-512 kernel's formula: fp32 probabilities
-        if (D / kr.G == 32)  // groups of 32 (every head of a multiple of 32 dims): 8 quads unrolled
-          score_heads_int8<T, 8>(qf.data(), GP, kr, L, D, scale, scores.data(), int8_buf);
-        else
-          score_heads_int8<T, 0>(qf.data(), GP, kr, L, D, scale, scores.data(), int8_buf);
-        for (int64_t g = 0; g < GP; ++g) softmax_row<float>(scores.data() + g * L, L);
-      } else {
-        score_heads<T>(qf.data(), GP, kr, L, D, scale, scores.data(), kb.data());
-        for (int64_t g = 0; g < GP; ++g) softmax_row<T>(scores.data() + g * L, L);
-      }
-      T* ob = op + (b * Hq + h * G + h0) * D;
-      for (int64_t g0 = 0; g0 < GP; g0 += 8)
-        with_heads(std::min<int64_t>(8, GP - g0), [&](auto n) {
-          constexpr int N = decltype(n)::value;
-          // the probabilities token-major (a token's N in one line, not N lines L floats apart)
-          const int64_t NGR = Rows::INT8_QUERY ? vr.G : 1;  // int8: V's group scales folded in
-          pt.resize(L * NGR * N);
-          const auto put = [&](int64_t t, const __m256 p) {  // token t's N probabilities, 8 lanes
-            for (int64_t g = 0; g < NGR; ++g) {
-              __m256 heads = p;
-              alignas(32) float row[8];
-              if constexpr (Rows::INT8_QUERY) heads = _mm256_mul_ps(heads, _mm256_set1_ps(vr.scale(t, g)));
-              _mm256_store_ps(row, heads);
-              std::memcpy(&pt[(t * NGR + g) * N], row, N * sizeof(float));
-            }
-          };
-          int64_t t = 0;
-          if constexpr (N == 8)  // 8 x 8 blocks transposed in registers
-            for (; t + 8 <= L; t += 8) {
-              __m256i r[8], c[8];
-              for (int j = 0; j < 8; ++j) r[j] = _mm256_castps_si256(_mm256_loadu_ps(&scores[(g0 + j) * L + t]));
-              transpose8(r, c);
-              for (int i = 0; i < 8; ++i) put(t + i, _mm256_castsi256_ps(c[i]));
-            }
-          for (; t < L; ++t) {
-            alignas(32) float heads[8] = {};
-            for (int j = 0; j < N; ++j) heads[j] = scores[(g0 + j) * L + t];
-            put(t, _mm256_load_ps(heads));
+        int8_query(qf.data(), HG, D, D / proto.G, scale, int8_buf);
+        for (int64_t t0 = 0; t0 < L; t0 += run)
+          for (int64_t j = 0; j < HJ; ++j) {
+            float* s = scores.data() + j * GP * L;
+            if (D / proto.G == 32)  // groups of 32 (every head of a multiple of 32 dims): 8 quads unrolled
+              score_heads_int8<T, 8>(j * GP, GP, krs[j], t0, std::min(L, t0 + run), L, D, s, int8_buf);
+            else
+              score_heads_int8<T, 0>(j * GP, GP, krs[j], t0, std::min(L, t0 + run), L, D, s, int8_buf);
           }
+        for (int64_t g = 0; g < HG; ++g) softmax_row<float>(scores.data() + g * L, L);
+      } else {
+        for (int64_t t0 = 0; t0 < L; t0 += run)
+          for (int64_t j = 0; j < HJ; ++j)
+            score_heads<T>(qf.data() + j * GP * D, GP, krs[j], t0, std::min(L, t0 + run), L, D, scale,
+                           scores.data() + j * GP * L, kb.data());
+        for (int64_t g = 0; g < HG; ++g) softmax_row<T>(scores.data() + g * L, L);
+      }
+      // Each cut of up to 8 of a KV head's query heads: its probabilities token-major (a token's N
+      // in one line, not N lines L floats apart), at pt + cut's first head L NGR
+      const int64_t NGR = Rows::INT8_QUERY ? proto.G : 1;  // int8: V's group scales folded in
+      pt.resize(HG * L * NGR);
+      const auto cuts = [&](auto&& fn) {  // fn(N, j, first head of the cut among the job's)
+        for (int64_t j = 0; j < HJ; ++j)
+          for (int64_t c = 0; c < GP; c += 8) with_heads(std::min<int64_t>(8, GP - c), [&](auto n) { fn(n, j, j * GP + c); });
+      };
+      cuts([&](auto n, int64_t j, int64_t c) {
+        constexpr int N = decltype(n)::value;
+        float* pc = pt.data() + c * L * NGR;
+        [[maybe_unused]] const float* vscale = nullptr;  // int8: V's scales, [token][group]
+        if constexpr (Rows::INT8_QUERY) vscale = vrs[j].scales.data();
+        const auto put = [&](int64_t t, const __m256 p) {  // token t's N probabilities, 8 lanes
+          for (int64_t g = 0; g < NGR; ++g) {
+            __m256 heads = p;
+            alignas(32) float row[8];
+            if constexpr (Rows::INT8_QUERY) heads = _mm256_mul_ps(heads, _mm256_set1_ps(vscale[t * NGR + g]));
+            _mm256_store_ps(row, heads);
+            std::memcpy(&pc[(t * NGR + g) * N], row, N * sizeof(float));
+          }
+        };
+        int64_t t = 0;
+        if constexpr (N == 8)  // 8 x 8 blocks transposed in registers
+          for (; t + 8 <= L; t += 8) {
+            __m256i r[8], col[8];
+            for (int i = 0; i < 8; ++i) r[i] = _mm256_castps_si256(_mm256_loadu_ps(&scores[(c + i) * L + t]));
+            transpose8(r, col);
+            for (int i = 0; i < 8; ++i) put(t + i, _mm256_castsi256_ps(col[i]));
+          }
+        for (; t < L; ++t) {
+          alignas(32) float heads[8] = {};
+          for (int i = 0; i < N; ++i) heads[i] = scores[(c + i) * L + t];
+          put(t, _mm256_load_ps(heads));
+        }
+      });
+      std::fill(acc.begin(), acc.begin() + HG * D, 0.f);
+      for (int64_t j = 0; j < HJ; ++j) vrs[j].fetch(0, first, D);
+      for (int64_t t0 = 0; t0 < L; t0 += run)
+        cuts([&](auto n, int64_t j, int64_t c) {
+          constexpr int N = decltype(n)::value;
+          const int64_t t1 = std::min(L, t0 + run);
           if constexpr (Rows::INT8_QUERY)
-            weigh_values_int8<N>(pt.data(), vr, L, D, D / NGR, acc.data());
+            weigh_values_int8<N>(pt.data() + c * L * NGR, vrs[j], t0, t1, L, D, D / NGR, acc.data() + c * D);
           else
-            weigh_values<N>(pt.data(), vr, L, D, acc.data());
-          for (int64_t i = 0; i < N * D; i += 8) store8(ob + g0 * D + i, _mm256_loadu_ps(acc.data() + i));
+            weigh_values<N>(pt.data() + c * L * NGR, vrs[j], t0, t1, L, D, acc.data() + c * D);
         });
+      T* ob = op + (b * Hq + h0 * G + g0) * D;
+      for (int64_t i = 0; i < HG * D; i += 8) store8(ob + i, _mm256_loadu_ps(acc.data() + i));
     }
   });
 }
@@ -821,7 +859,8 @@ template <class T>
 void decode_attention_into(const T* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, const T* kp, const T* vp,
                            int64_t BS, int64_t Hkv, const int64_t* tp, int64_t max_blocks, const int64_t* lp,
                            float scale, T* op) {
-  attend<T>(qp, q_stride, B, Hq, D, Hkv, lp, scale, op, PlainRows<T>{},
+  const int64_t split = kv_head_jobs(B, Hkv, lp, Hkv * 2 * D * static_cast<int64_t>(sizeof(T)));
+  attend<T>(qp, q_stride, B, Hq, D, Hkv, split, lp, scale, op, PlainRows<T>{},
             [&](PlainRows<T>& kr, PlainRows<T>& vr, int64_t b, int64_t h, int64_t L) {
               const int64_t* table = tp + b * max_blocks;
               for (int64_t t = 0; t < L; ++t) {
@@ -841,7 +880,10 @@ void decode_attention_quant_into(const T* qp, int64_t q_stride, int64_t B, int64
     Rows proto;
     proto.G = groups;
     proto.shift = groups == 1 ? 63 : __builtin_ctzll(static_cast<uint64_t>(D / groups));
-    attend<T>(qp, q_stride, B, Hq, D, Hkv, lp, scale, op, proto, [&](Rows& kr, Rows& vr, int64_t b, int64_t h, int64_t L) {
+    // an e4m3 cache keeps one KV head a job, as the AVX-512 kernel's does (decode_attention_quant.cpp)
+    const int64_t split = Rows::INT8_QUERY ? kv_head_jobs(B, Hkv, lp, Hkv * 2 * (D + 2 * groups)) : Hkv;
+    attend<T>(qp, q_stride, B, Hq, D, Hkv, split, lp, scale, op, proto,
+              [&](Rows& kr, Rows& vr, int64_t b, int64_t h, int64_t L) {
       const int64_t* table = tp + b * max_blocks;
       for (int64_t t = 0; t < L; ++t) {
         const int64_t row = (table[t / BS] * BS + t % BS) * Hkv + h;

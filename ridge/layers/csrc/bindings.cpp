@@ -31,12 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_bf16", &silu_mul_bf16, py::call_guard<py::gil_scoped_release>(), "silu(gate) * up for (T, 2I) -> (T, I)");
   m.def("route_topk", &route_topk, py::call_guard<py::gil_scoped_release>(),
         "an MoE's top-k routing, greedy or group-limited (n_group, topk_group, bias): (ids, bf16 weights), best first");
-  m.def("kv_grouped_bytes", [] { return g_kv_grouped_bytes; },
-        "the mean context (bytes of K and V, all heads) past which a decode attention job takes several KV heads");
-  m.def("set_kv_grouped_bytes", [](int64_t n) {
-    TORCH_CHECK(n >= 0, "kv_grouped_bytes: a byte count >= 0");
-    g_kv_grouped_bytes = n;
-  }, "change it (between kernel calls; 0: always, a huge one: never); never changes a result");
+  def_kv_grouped_bytes(m);
   m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16, py::call_guard<py::gil_scoped_release>(),
         "one query per sequence over its paged K/V, no gather");
   m.def("paged_decode_attention_quant", &paged_decode_attention_quant, py::call_guard<py::gil_scoped_release>(),

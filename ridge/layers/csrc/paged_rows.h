@@ -66,11 +66,23 @@ inline void prefetch_rows(const void* base, const int64_t* rows, int64_t begin, 
 // layers' pools, grouped against one head a job on the same pools: bf16 TinyLlama's heads (32
 // on 4, 64 dims) 16 x 4,096 tokens 1.32x, 16 x 2,048 1.17x, 1 x 4,096 1.08x; Llama-3-8B's (32
 // on 8, 128 dims) 8 x 1,024 1.34x; int8 1.09-1.29x there; shorter contexts 0.89-1.0x grouped,
-// and keep one head. The bound is the process's setting (the extension's
-// set_kv_grouped_bytes: 0 groups every call, a huge one none), so that the benchmark compares
-// them on the same pools; which heads a job takes never changes a result.
+// and keep one head. The AVX2 kernels (avx2_ops.cpp) take the same bound: bf16 1.02-1.20x past
+// it, int8 0.95-1.12x (bound by their arithmetic there). The bound is the process's setting
+// (each extension's set_kv_grouped_bytes: 0 groups every call, a huge one none), so that the
+// benchmark compares them on the same pools; which heads a job takes never changes a result.
 constexpr int64_t KV_GROUPED_BYTES = int64_t{1} << 20;
 inline int64_t g_kv_grouped_bytes = KV_GROUPED_BYTES;  // read by each call; written only between calls
+
+// The setting's two bindings, for each extension's module (each has its own g_kv_grouped_bytes)
+template <class Module>
+void def_kv_grouped_bytes(Module& m) {
+  m.def("kv_grouped_bytes", [] { return g_kv_grouped_bytes; },
+        "the mean context (bytes of K and V, all heads) past which a decode attention job takes several KV heads");
+  m.def("set_kv_grouped_bytes", [](int64_t n) {
+    TORCH_CHECK(n >= 0, "kv_grouped_bytes: a byte count >= 0");
+    g_kv_grouped_bytes = n;
+  }, "change it (between kernel calls; 0: always, a huge one: never); never changes a result");
+}
 
 inline int64_t kv_head_jobs(int64_t B, int64_t Hkv, const int64_t* lens, int64_t token_bytes) {
   if (B == 0) return Hkv;
