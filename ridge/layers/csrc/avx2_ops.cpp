@@ -350,7 +350,10 @@ struct PlainRows {  // a cache in T
   static constexpr bool INT8_QUERY = false;
   static constexpr int64_t G = 1;  // no scales
   std::vector<const T*> rows;
-  void resize(int64_t L) { rows.resize(L); }
+  void like(const PlainRows&) {}  // nothing but the rows
+  void resize(int64_t L) {  // grown only (a thread's rows are kept from call to call: attend)
+    if (static_cast<int64_t>(rows.size()) < L) rows.resize(L);
+  }
   void fetch(int64_t t0, int64_t t1, int64_t D) const {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t c = 0; c < D * static_cast<int64_t>(sizeof(T)); c += 64)
@@ -373,7 +376,11 @@ struct CodeRows {
   std::vector<Row> rows;
   std::vector<float> scales;  // L rows of G
   int64_t G = 1, shift = 63;  // dim d's group: d >> shift (groups of 32, or one)
-  void resize(int64_t L) { rows.resize(L), scales.resize(L * G); }
+  void like(const CodeRows& proto) { G = proto.G, shift = proto.shift; }  // the cache's groups
+  void resize(int64_t L) {  // grown only (a thread's rows are kept from call to call: attend)
+    if (static_cast<int64_t>(rows.size()) < L) rows.resize(L);
+    if (static_cast<int64_t>(scales.size()) < L * G) scales.resize(L * G);
+  }
   void fetch(int64_t t0, int64_t t1, int64_t D) const {  // the codes (the scales are read at set)
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t c = 0; c < D; c += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[t].codes) + c, _MM_HINT_T0);
@@ -765,48 +772,53 @@ void attend(const T* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, int
             const int64_t* lp, float scale, T* op, const Rows& proto, Fill&& fill) {
   const int64_t G = Hq / Hkv, HJ = Hkv / split, parts = HJ == 1 ? head_parts(B, Hq, Hkv) : 1;
   at::parallel_for(0, B * split * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(HJ * G * D), scores, kb(8 * D), acc(HJ * G * D), pt;
-    Int8Scores int8_buf;
-    std::vector<Rows> krs(HJ, proto), vrs(HJ, proto);
+    // the thread's buffers, kept from call to call (paged_rows.h's Scratch): the rows of its
+    // jobs' heads, the query in float32, scores, probabilities and sums
+    thread_local std::vector<Rows> krs, vrs;
+    thread_local Scratch<float> qf_buf, score_buf, kb_buf, acc_buf, pt_buf;
+    thread_local Int8Scores int8_buf;
+    if (static_cast<int64_t>(krs.size()) < HJ) krs.resize(HJ), vrs.resize(HJ);
+    for (int64_t j = 0; j < HJ; ++j) krs[j].like(proto), vrs[j].like(proto);
+    float *qf = qf_buf.get(HJ * G * D), *kb = kb_buf.get(8 * D), *acc = acc_buf.get(HJ * G * D);
     for (int64_t job = begin; job < end; ++job) {
       const int64_t part = job % parts, b = job / parts / split, h0 = job / parts % split * HJ, L = lp[b];
       const int64_t g0 = part * G / parts, GP = (part + 1) * G / parts - g0;  // the job's query heads of a KV head
       const int64_t HG = HJ * GP;  // all of them: consecutive heads of q and of the output (GP = G where HJ > 1)
       const T* qb = qp + b * q_stride + (h0 * G + g0) * D;
-      for (int64_t i = 0; i < HG * D; i += 8) _mm256_storeu_ps(qf.data() + i, load8(qb + i));
+      for (int64_t i = 0; i < HG * D; i += 8) _mm256_storeu_ps(qf + i, load8(qb + i));
       for (int64_t j = 0; j < HJ; ++j) krs[j].resize(L), vrs[j].resize(L), fill(krs[j], vrs[j], b, h0 + j, L);
-      scores.resize(HG * L);
+      float* scores = score_buf.get(HG * L);
       const int64_t run = HJ == 1 ? L : PV_TOKENS, first = std::min(L, KV_PREFETCH_TOKENS);
       for (int64_t j = 0; j < HJ; ++j) krs[j].fetch(0, first, D);  // the window before the loops' fetch
       if constexpr (Rows::INT8_QUERY) {  // the AVX-512 kernel's formula: fp32 probabilities
-        int8_query(qf.data(), HG, D, D / proto.G, scale, int8_buf);
+        int8_query(qf, HG, D, D / proto.G, scale, int8_buf);
         for (int64_t t0 = 0; t0 < L; t0 += run)
           for (int64_t j = 0; j < HJ; ++j) {
-            float* s = scores.data() + j * GP * L;
+            float* s = scores + j * GP * L;
             if (D / proto.G == 32)  // groups of 32 (every head of a multiple of 32 dims): 8 quads unrolled
               score_heads_int8<T, 8>(j * GP, GP, krs[j], t0, std::min(L, t0 + run), L, D, s, int8_buf);
             else
               score_heads_int8<T, 0>(j * GP, GP, krs[j], t0, std::min(L, t0 + run), L, D, s, int8_buf);
           }
-        for (int64_t g = 0; g < HG; ++g) softmax_row<float>(scores.data() + g * L, L);
+        for (int64_t g = 0; g < HG; ++g) softmax_row<float>(scores + g * L, L);
       } else {
         for (int64_t t0 = 0; t0 < L; t0 += run)
           for (int64_t j = 0; j < HJ; ++j)
-            score_heads<T>(qf.data() + j * GP * D, GP, krs[j], t0, std::min(L, t0 + run), L, D, scale,
-                           scores.data() + j * GP * L, kb.data());
-        for (int64_t g = 0; g < HG; ++g) softmax_row<T>(scores.data() + g * L, L);
+            score_heads<T>(qf + j * GP * D, GP, krs[j], t0, std::min(L, t0 + run), L, D, scale,
+                           scores + j * GP * L, kb);
+        for (int64_t g = 0; g < HG; ++g) softmax_row<T>(scores + g * L, L);
       }
       // Each cut of up to 8 of a KV head's query heads: its probabilities token-major (a token's N
       // in one line, not N lines L floats apart), at pt + cut's first head L NGR
       const int64_t NGR = Rows::INT8_QUERY ? proto.G : 1;  // int8: V's group scales folded in
-      pt.resize(HG * L * NGR);
+      float* pt = pt_buf.get(HG * L * NGR);
       const auto cuts = [&](auto&& fn) {  // fn(N, j, first head of the cut among the job's)
         for (int64_t j = 0; j < HJ; ++j)
           for (int64_t c = 0; c < GP; c += 8) with_heads(std::min<int64_t>(8, GP - c), [&](auto n) { fn(n, j, j * GP + c); });
       };
       cuts([&](auto n, int64_t j, int64_t c) {
         constexpr int N = decltype(n)::value;
-        float* pc = pt.data() + c * L * NGR;
+        float* pc = pt + c * L * NGR;
         [[maybe_unused]] const float* vscale = nullptr;  // int8: V's scales, [token][group]
         if constexpr (Rows::INT8_QUERY) vscale = vrs[j].scales.data();
         const auto put = [&](int64_t t, const __m256 p) {  // token t's N probabilities, 8 lanes
@@ -832,19 +844,19 @@ void attend(const T* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, int
           put(t, _mm256_load_ps(heads));
         }
       });
-      std::fill(acc.begin(), acc.begin() + HG * D, 0.f);
+      std::fill(acc, acc + HG * D, 0.f);
       for (int64_t j = 0; j < HJ; ++j) vrs[j].fetch(0, first, D);
       for (int64_t t0 = 0; t0 < L; t0 += run)
         cuts([&](auto n, int64_t j, int64_t c) {
           constexpr int N = decltype(n)::value;
           const int64_t t1 = std::min(L, t0 + run);
           if constexpr (Rows::INT8_QUERY)
-            weigh_values_int8<N>(pt.data() + c * L * NGR, vrs[j], t0, t1, L, D, D / NGR, acc.data() + c * D);
+            weigh_values_int8<N>(pt + c * L * NGR, vrs[j], t0, t1, L, D, D / NGR, acc + c * D);
           else
-            weigh_values<N>(pt.data() + c * L * NGR, vrs[j], t0, t1, L, D, acc.data() + c * D);
+            weigh_values<N>(pt + c * L * NGR, vrs[j], t0, t1, L, D, acc + c * D);
         });
       T* ob = op + (b * Hq + h0 * G + g0) * D;
-      for (int64_t i = 0; i < HG * D; i += 8) store8(ob + i, _mm256_loadu_ps(acc.data() + i));
+      for (int64_t i = 0; i < HG * D; i += 8) store8(ob + i, _mm256_loadu_ps(acc + i));
     }
   });
 }
