@@ -37,6 +37,7 @@ from ridge.models.registry import ARCHITECTURES
 _WRITES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
     "Qwen2MoeForCausalLM",
     "DeepseekV2ForCausalLM",
@@ -72,6 +73,17 @@ _GGUF_QWEN3MOE_LAYER_NAMES = {
     "mlp.experts.up_proj.weight": "ffn_up_exps.weight",
     "mlp.experts.down_proj.weight": "ffn_down_exps.weight",
 }
+# Mixtral, as llama.cpp's converter writes it: the llama architecture (q/k rows permuted) with
+# the router and each projection's experts stacked (w1 gate, w3 up, w2 down), every layer sparse
+_GGUF_MIXTRAL_LAYER_NAMES = {
+    **{k: v for k, v in _GGUF_LAYER_NAMES.items() if not k.startswith("mlp.")},
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.experts.w1.weight": "ffn_gate_exps.weight",
+    "block_sparse_moe.experts.w3.weight": "ffn_up_exps.weight",
+    "block_sparse_moe.experts.w2.weight": "ffn_down_exps.weight",
+}
+# the routers, written in f32 as llama.cpp's converter leaves them
+_ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
 # qwen2moe: no q/k norms but q/k/v biases, and the shared expert with its sigmoid gate (1-D)
 _GGUF_QWEN2MOE_LAYER_NAMES = {
     **{
@@ -213,6 +225,7 @@ def write_gguf(directory_or_state: str | Path | Mapping[str, torch.Tensor], hf_c
     cfg = ModelConfig.from_hf_config(hf_config)
     arch = GGUF_ARCHITECTURES.get(cfg.architecture)
     plain_llama = arch == "llama" and not (cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or cfg.qk_norm)
+    mixtral = plain_llama and cfg.architecture == "MixtralForCausalLM"
     # llama.cpp's qwen3moe: every layer MoE, top-k renormalized, no shared expert; its
     # qwen2moe: every layer MoE, top-k as the softmax gives it, one sigmoid-gated shared expert
     moe = cfg.moe
@@ -222,9 +235,9 @@ def write_gguf(directory_or_state: str | Path | Mapping[str, torch.Tensor], hf_c
     deepseek2 = arch == "deepseek2" and cfg.mla is not None
     if not (plain_llama or qwen3moe or qwen2moe or deepseek2):
         raise ValueError(
-            "write_gguf writes plain Llama models (no biases, no q/k norm), Qwen3-MoE models with every "
-            "layer sparse and norm_topk_prob, Qwen2-MoE models with every layer sparse, and DeepSeek "
-            f"V2/V3, not this {cfg.architecture}"
+            "write_gguf writes plain Llama, Mistral and Mixtral models (no biases, no q/k norm), Qwen3-MoE "
+            "models with every layer sparse and norm_topk_prob, Qwen2-MoE models with every layer sparse, "
+            f"and DeepSeek V2/V3, not this {cfg.architecture}"
         )
     if deepseek2:
         return _write_deepseek2(directory_or_state, hf_config, cfg, Path(path), gguf)
@@ -232,6 +245,8 @@ def write_gguf(directory_or_state: str | Path | Mapping[str, torch.Tensor], hf_c
     state = dict(_read_state(directory_or_state))
     if qwen3moe:
         state = _stack_experts(state, cfg)
+    if mixtral:
+        state = _stack_experts(state, cfg, "block_sparse_moe", ("w1", "w3", "w2"))
     path = Path(path)
     writer = _open_writer(path, arch, hf_config, cfg, state, gguf)
     writer.add_head_count_kv(cfg.num_kv_heads)
@@ -247,6 +262,9 @@ def write_gguf(directory_or_state: str | Path | Mapping[str, torch.Tensor], hf_c
         writer.add_expert_feed_forward_length(moe.intermediate_size)
     if qwen2moe:
         writer.add_expert_shared_feed_forward_length(moe.shared_intermediate_size)
+    if mixtral:  # its experts are feed_forward_length wide
+        writer.add_expert_count(moe.num_experts)
+        writer.add_expert_used_count(moe.top_k)
     rope_factors = _add_rope_scaling(writer, gguf, cfg)
     entries = list(_gguf_tensors(state, cfg))
     if rope_factors is not None:
@@ -327,16 +345,22 @@ class _ExpertStack:
         return torch.stack(self.parts)
 
 
-def _stack_experts(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict:
-    """experts.{e}.{proj}.weight of every sparse layer -> one (E, rows, K) experts.{proj}.weight."""
-    out: dict = {n: t for n, t in state.items() if ".mlp.experts." not in n}
+def _stack_experts(
+    state: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    ffn: str = "mlp",
+    projs: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj"),
+) -> dict:
+    """{ffn}.experts.{e}.{proj}.weight of every sparse layer -> one (E, rows, K)
+    {ffn}.experts.{proj}.weight (Mixtral's ffn is block_sparse_moe, its projs w1, w3, w2)."""
+    out: dict = {n: t for n, t in state.items() if f".{ffn}.experts." not in n}
     for layer in cfg.moe.sparse_layers:
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            names = [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight" for e in range(cfg.moe.num_experts)]
+        for proj in projs:
+            names = [f"model.layers.{layer}.{ffn}.experts.{e}.{proj}.weight" for e in range(cfg.moe.num_experts)]
             missing = [n for n in names if n not in state]
             if missing:
                 raise ValueError(f"write_gguf: missing {missing[:2]}")
-            out[f"model.layers.{layer}.mlp.experts.{proj}.weight"] = _ExpertStack([state[n] for n in names])
+            out[f"model.layers.{layer}.{ffn}.experts.{proj}.weight"] = _ExpertStack([state[n] for n in names])
     return out
 
 
@@ -345,7 +369,7 @@ def _gguf_tensors(state: dict, cfg: ModelConfig) -> Iterator[_Entry]:
     arch = GGUF_ARCHITECTURES[cfg.architecture]
     qwen3moe = arch in ("qwen3moe", "qwen2moe")
     layer_names = {"qwen3moe": _GGUF_QWEN3MOE_LAYER_NAMES, "qwen2moe": _GGUF_QWEN2MOE_LAYER_NAMES}.get(
-        arch, _GGUF_LAYER_NAMES
+        arch, _GGUF_MIXTRAL_LAYER_NAMES if cfg.architecture == "MixtralForCausalLM" else _GGUF_LAYER_NAMES
     )
     expected = {f"model.layers.{i}.{k}" for i in range(cfg.num_layers) for k in layer_names}
     expected |= {"model.embed_tokens.weight", "model.norm.weight"}
@@ -366,7 +390,7 @@ def _gguf_tensors(state: dict, cfg: ModelConfig) -> Iterator[_Entry]:
         if rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight") and not qwen3moe:
             heads = cfg.num_heads if rest == "self_attn.q_proj.weight" else cfg.num_kv_heads
             make = lambda t=tensor, h=heads: permute_for_llama_cpp(t, h)  # noqa: E731
-        if rest == "mlp.gate.weight":  # the router in f32, as llama.cpp's converter leaves it
+        if rest in _ROUTERS:  # the router in f32, as llama.cpp's converter leaves it
             make, dtype = (lambda t=tensor: t.float()), torch.float32
         if rest == "mlp.shared_expert_gate.weight":  # llama.cpp's (hidden,): 1-D, f32
             make, dtype, shape = (lambda t=tensor: t.float().reshape(-1)), torch.float32, (tensor.shape[-1],)

@@ -65,13 +65,15 @@ LAYER_TENSORS = {
     "attn_kv_a_norm": "self_attn.kv_a_layernorm",
     "attn_kv_b": "self_attn.kv_b_proj",
 }
-# Per architecture, names that differ: deepseek2's shared experts (one MLP of their summed width)
+# Per family (a file's architecture, or "mixtral": see GGUFModel.family), names that differ:
+# deepseek2's shared experts (one MLP of their summed width), Mixtral's router
 ARCH_LAYER_TENSORS = {
     "deepseek2": {
         "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
         "ffn_up_shexp": "mlp.shared_experts.up_proj",
         "ffn_down_shexp": "mlp.shared_experts.down_proj",
-    }
+    },
+    "mixtral": {"ffn_gate_inp": "block_sparse_moe.gate"},
 }
 # deepseek2's kv_b_proj as llama.cpp writes it since its MLA support: per head, W_uk transposed
 # (H, r, nope) and W_uv (H, v, r). Each is also kept as it is, the absorbed decode's per-head
@@ -83,6 +85,12 @@ SPLIT_KV_B = {"attn_k_b": "self_attn.k_b_proj", "attn_v_b": "self_attn.v_b_proj"
 # expert's (rows, K) (views of the mapped file) under Hugging Face's per-expert names, which
 # the loader stacks again into ridge's experts.gate_up_proj / experts.down_proj.
 EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# ... and each expert's Hugging Face name per family: Qwen's and DeepSeek's mlp.experts.{e}.{proj},
+# Mixtral's block_sparse_moe.experts.{e}.w1 (gate), w3 (up), w2 (down). A Mixtral file written
+# before llama.cpp stacked experts (early 2024; many still downloaded) holds each expert as its
+# own 2-D tensor, blk.N.ffn_gate.E (ffn_up.E, ffn_down.E): read as the same names.
+EXPERT_NAMES = {"mixtral": ("block_sparse_moe.experts", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})}
+PER_EXPERT_TENSORS = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -167,6 +175,10 @@ class GGUFModel:
                 f"{self.path.name}: architecture {self.arch!r} is not supported; ridge runs GGUF files of "
                 f"{', '.join(GGUF_ARCHITECTURES)}"
             )
+        # llama.cpp writes Mixtral as its llama architecture with experts: the family picks the
+        # Hugging Face names and config (MixtralForCausalLM) the file's tensors and metadata map to
+        mixtral = self.arch == "llama" and int(self._field("llama.expert_count", 0) or 0) > 0
+        self.family = "mixtral" if mixtral else self.arch
         self.tensors = self._read_tensors()
         self.hf_config = self._hf_config()
 
@@ -226,12 +238,19 @@ class GGUFModel:
             }
         if a == "qwen2moe":  # plus one shared expert for every token, under a sigmoid gate
             moe["shared_expert_intermediate_size"] = self._required(f"{a}.expert_shared_feed_forward_length")
+        if self.family == "mixtral":  # every layer MoE, softmax top-k renormalized (llama.cpp's llama MoE)
+            moe = {
+                "num_local_experts": self._required(f"{a}.expert_count"),
+                "num_experts_per_tok": self._required(f"{a}.expert_used_count"),
+            }
+        name = "MixtralForCausalLM" if self.family == "mixtral" else GGUF_ARCHITECTURES[a]
         if a == "deepseek2":
             return self._deepseek2_config(hidden, heads, embed, tokens)
         config = {
-            "architectures": [GGUF_ARCHITECTURES[a]],
-            "model_type": architecture(GGUF_ARCHITECTURES[a]).model_type,
+            "architectures": [name],
+            "model_type": architecture(name).model_type,
             "hidden_size": hidden,
+            # Mixtral's experts are feed_forward_length wide (the config's intermediate_size)
             "intermediate_size": int(self._field(f"{a}.feed_forward_length", 0))
             or self._required(f"{a}.expert_feed_forward_length" if moe else f"{a}.feed_forward_length"),
             **moe,
@@ -240,7 +259,7 @@ class GGUFModel:
             "num_key_value_heads": int(self._field(f"{a}.attention.head_count_kv", heads)),
             "head_dim": int(self._field(f"{a}.attention.key_length", hidden // heads)),
             **self._shared_config(embed, tokens),
-            "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self.tensors and a == "llama",
+            "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self.tensors and name == "LlamaForCausalLM",
         }
         self._add_special_tokens(config)
         scaling = self._field(f"{a}.rope.scaling.type")
@@ -359,6 +378,19 @@ class GGUFModel:
             if len(parts) == 4 and parts[0] == "blk" and parts[2] in EXPERT_TENSORS and type_name in SUPPORTED_TYPES:
                 tensors.update(self._split_experts(t, int(parts[1]), EXPERT_TENSORS[parts[2]]))
                 continue
+            if (  # blk.N.ffn_gate.E.weight: one expert's matrix (Mixtral files before stacked experts)
+                self.family == "mixtral"
+                and len(parts) == 5
+                and parts[0] == "blk"
+                and parts[2] in PER_EXPERT_TENSORS
+                and parts[3].isdigit()
+                and parts[4] == "weight"
+            ):
+                name = self._expert_name(int(parts[1]), int(parts[3]), PER_EXPERT_TENSORS[parts[2]])
+                shape = self._checked(t, dims=2)
+                data = t.data if type_name in GGUF_DENSE_TYPES else t.data.reshape(shape[0], -1)
+                tensors[name] = GGUFTensor(name, type_name, shape, data)
+                continue
             if len(parts) == 4 and parts[2] in SPLIT_KV_B and self.arch == "deepseek2":
                 split_kv_b.setdefault(int(parts[1]), {})[parts[2]] = t
                 shape = self._checked(t, dims=3)  # (H, rows, K): H matrices stacked along the rows
@@ -367,7 +399,7 @@ class GGUFModel:
                 data = t.data.reshape(rows[0], -1)
                 tensors[name] = GGUFTensor(name, type_name, rows, data)
                 continue
-            hf_name = _hf_name(t.name, self.arch)
+            hf_name = _hf_name(t.name, self.family)
             if hf_name is None:
                 raise ValueError(f"{self.path.name}: unexpected tensor {t.name!r} for architecture {self.arch!r}")
             shape = self._checked(t)
@@ -428,8 +460,13 @@ class GGUFModel:
         return {
             name: GGUFTensor(name, type_name, shape[1:], data[e])
             for e in range(experts)
-            for name in [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"]
+            for name in [self._expert_name(layer, e, proj)]
         }
+
+    def _expert_name(self, layer: int, expert: int, proj: str) -> str:
+        """Expert ``expert``'s ``proj`` (gate_proj, up_proj, down_proj) under its family's name."""
+        owner, names = EXPERT_NAMES.get(self.family, ("mlp.experts", {}))
+        return f"model.layers.{layer}.{owner}.{expert}.{names.get(proj, proj)}.weight"
 
     def tensor_formats(self) -> dict[str, str]:
         return {name: t.type_name for name, t in self.tensors.items()}
@@ -495,6 +532,10 @@ PROJECTIONS = (
     "up_proj",
     "down_proj",
     "lm_head",
+    # Mixtral's experts: w1 (gate), w3 (up), w2 (down)
+    "w1",
+    "w3",
+    "w2",
     # deepseek2's latent attention
     "q_a_proj",
     "q_b_proj",

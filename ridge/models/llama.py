@@ -237,6 +237,12 @@ class LlamaForCausalLM(nn.Module):
     attention_cls = LlamaAttention
     file_copies: tuple[str, ...] = ()  # layers that are no Hugging Face checkpoint tensor (DeepSeek's)
 
+    @classmethod
+    def stacking_for(cls, cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
+        """The checkpoint's expert projections -> the stacked layers they load into (Mixtral
+        names its experts' w1, w3 and w2); what the loader reads a GGUF file's formats by too."""
+        return MIXTRAL_EXPERT_STACKING if cfg.architecture == "MixtralForCausalLM" else cls.expert_stacking
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -252,8 +258,7 @@ class LlamaForCausalLM(nn.Module):
         self.quant_config = quant
         self.max_positions = max_positions
         self._moe_layers: list | None = None  # found on first use (experts_touched)
-        if cfg.architecture == "MixtralForCausalLM":
-            self.expert_stacking = MIXTRAL_EXPERT_STACKING
+        self.expert_stacking = self.stacking_for(cfg)
         self.model = LlamaModel(cfg, max_positions, quant, self.attention_cls, tp)
         tied = cfg.tie_word_embeddings
         self.vocab_rows = tp.vocab(cfg.vocab_size)  # lm_head: this rank's share of the vocabulary

@@ -82,7 +82,7 @@ def load_model(
     tp = tp or TensorParallel()
     if isinstance(model_dir, GGUFModel):
         cls = model_class(config.architecture)
-        quantization.file_formats = gguf_layer_formats(model_dir, cls.packed_modules, cls.expert_stacking)
+        quantization.file_formats = gguf_layer_formats(model_dir, cls.packed_modules, cls.stacking_for(config))
     model = _empty_model(config, context_limit, dtype, device, quantization, tp)
     if model_dir is None:
         _init_random(model, seed)

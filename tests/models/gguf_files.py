@@ -32,14 +32,7 @@ def rewrite(
     (bytes or values, type), None to keep the tensor as it is, or "drop"; ``rename`` replaces
     parts of tensor names."""
     reader = GGUFReader(src)
-    arch = arch or reader.fields["general.architecture"].contents()
-    writer = GGUFWriter(dst, arch)
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in skip_keys or key in (uints or {}):
-            continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    writer = _writer_with_metadata(reader, dst, arch, (*skip_keys, *(uints or {})))
     for key, value in (bools or {}).items():
         writer.add_bool(key, value)
     for key, value in (uints or {}).items():
@@ -55,6 +48,39 @@ def rewrite(
         elif out != "drop":
             data, qtype = out
             writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def _writer_with_metadata(reader: GGUFReader, dst: Path, arch: str | None, skip_keys=()) -> GGUFWriter:
+    """A writer of ``dst`` holding the reader's metadata (less ``skip_keys``)."""
+    writer = GGUFWriter(dst, arch or reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in skip_keys:
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    return writer
+
+
+def one_tensor_per_expert(src: Path, dst: Path) -> Path:
+    """``src`` with each stacked expert tensor (blk.N.ffn_gate_exps: E experts' matrices) written
+    as E tensors of its own (blk.N.ffn_gate.E), as llama.cpp wrote Mixtral's files until early
+    2024 (dense tensors only: the test files' F32)."""
+    reader = GGUFReader(src)
+    writer = _writer_with_metadata(reader, dst, None)
+    for t in reader.tensors:
+        values = np.array(t.data)
+        stem, _, leaf = t.name.rpartition(".")
+        if stem.endswith("_exps"):
+            for e, matrix in enumerate(values):
+                writer.add_tensor(f"{stem.removesuffix('_exps')}.{e}.{leaf}", np.ascontiguousarray(matrix))
+        else:
+            writer.add_tensor(t.name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

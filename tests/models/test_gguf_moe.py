@@ -11,7 +11,7 @@ import transformers
 from ridge import LLM, SamplingParams
 from ridge.models.export import hf_state_dict, write_gguf
 
-from .gguf_files import llama_cpp_greedy
+from .gguf_files import llama_cpp_greedy, one_tensor_per_expert
 from .hf_tiny import COMMON, save_spread
 
 gguf = pytest.importorskip("gguf")
@@ -145,3 +145,89 @@ def test_qwen2moe_round_trips_through_its_gguf(qwen2moe_dir, tmp_path):
         ids = torch.tensor([PROMPTS[0] + tokens_file[0]])
         ref = hf(ids).logits[0, len(PROMPTS[0]) - 1 : -1].argmax(-1).tolist()
     assert ref == tokens_file[0]
+
+
+# -- Mixtral: llama.cpp's llama architecture with experts (w1 gate, w3 up, w2 down) -------------
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory):
+    config = transformers.MixtralConfig(
+        # experts 96 wide: K of the down projection a multiple of 32, so llama.cpp quantizes it too
+        **{
+            **COMMON,
+            "intermediate_size": 96,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "tie_word_embeddings": False,
+        }
+    )
+    directory = tmp_path_factory.mktemp("mixtral")
+    save_spread(transformers.MixtralForCausalLM, config, directory, seed=2)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def mixtral_gguf(mixtral_dir, tmp_path_factory):
+    llm = LLM(str(mixtral_dir), tokenizer="bytes", dtype="float32", num_kv_blocks=64, kernels="torch")
+    path = tmp_path_factory.mktemp("gguf") / "tiny-mixtral-f32.gguf"
+    write_gguf(hf_state_dict(llm), llm.engine.hf_config, path)
+    return path
+
+
+def test_a_mixtral_gguf_is_llamas_architecture_with_stacked_experts(mixtral_gguf):
+    """As llama.cpp's converter writes Mixtral: general.architecture llama, expert_count and
+    expert_used_count, the router and each projection's experts as one 3-D tensor."""
+    reader = gguf.GGUFReader(mixtral_gguf)
+    assert reader.fields["general.architecture"].contents() == "llama"
+    assert reader.fields["llama.expert_count"].contents() == 4
+    assert reader.fields["llama.expert_used_count"].contents() == 2
+    assert reader.fields["llama.feed_forward_length"].contents() == 96
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    assert shapes["blk.0.ffn_gate_inp.weight"] == (4, 64)
+    assert shapes["blk.1.ffn_gate_exps.weight"] == (4, 96, 64) and shapes["blk.1.ffn_down_exps.weight"] == (4, 64, 96)
+    assert not any(name.startswith("blk.0.ffn_gate.") for name in shapes)
+
+
+def test_a_mixtral_gguf_runs_as_mixtral_with_the_directorys_outputs(mixtral_dir, mixtral_gguf, tmp_path):
+    """Read as MixtralForCausalLM (not a dense Llama): the Hugging Face directory's tokens and
+    log-probabilities; a file of the layout before stacked experts (one tensor an expert) the same."""
+    from_dir = LLM(str(mixtral_dir), tokenizer="bytes", dtype="float32", num_kv_blocks=64)
+    from_file = LLM(str(mixtral_gguf), tokenizer="bytes", dtype="float32", num_kv_blocks=64)
+    assert from_file.engine.hf_config["architectures"] == ["MixtralForCausalLM"]
+    assert from_file.engine.model_config.moe == from_dir.engine.model_config.moe
+    assert from_file.engine.model_config.moe.num_experts == 4
+    tokens_dir, logprob_dir = _run(from_dir)
+    tokens_file, logprob_file = _run(from_file)
+    assert tokens_file == tokens_dir
+    torch.testing.assert_close(torch.stack(logprob_file), torch.stack(logprob_dir), rtol=1e-4, atol=1e-4)
+
+    early = one_tensor_per_expert(mixtral_gguf, tmp_path / "tiny-mixtral-per-expert.gguf")
+    assert "blk.0.ffn_gate.3.weight" in {t.name for t in gguf.GGUFReader(early).tensors}
+    from_early = LLM(str(early), tokenizer="bytes", dtype="float32", num_kv_blocks=64)
+    assert _run(from_early)[0] == tokens_file
+
+
+def test_llama_cpp_decodes_mixtrals_file_to_the_same_greedy_tokens(mixtral_gguf):
+    pytest.importorskip("llama_cpp")
+    theirs = llama_cpp_greedy(mixtral_gguf, PROMPTS[0], 12)
+    ours = LLM(str(mixtral_gguf), tokenizer="bytes", dtype="float32", num_kv_blocks=64)
+    assert _run(ours)[0][0][:8] == theirs[:8]
+
+
+def test_a_q8_0_mixtral_file_loads_its_experts_as_int8_blocks(mixtral_dir, mixtral_gguf, tmp_path):
+    """llama.cpp's quantizer on the Mixtral file: ridge loads its Q8_0 experts' bytes as they are."""
+    lc = pytest.importorskip("llama_cpp")
+    import ctypes
+
+    target = tmp_path / "tiny-mixtral-q8_0.gguf"
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = lc.LLAMA_FTYPE_MOSTLY_Q8_0
+    assert lc.llama_model_quantize(str(mixtral_gguf).encode(), str(target).encode(), ctypes.byref(params)) == 0
+    quantized = LLM(str(target), tokenizer="bytes", dtype="float32", num_kv_blocks=64)
+    experts = quantized.engine.executor.worker.model.model.layers[0].block_sparse_moe.experts
+    assert experts.gate_up_proj.method.name == "int8" and experts.down_proj.method.name == "int8"
+    tokens, _ = _run(quantized)
+    reference, _ = _run(LLM(str(mixtral_dir), tokenizer="bytes", dtype="float32", num_kv_blocks=64))
+    agree = sum(a == b for x, y in zip(tokens, reference) for a, b in zip(x, y)) / sum(map(len, reference))
+    assert agree >= 0.75  # int8 weights: nearly every greedy token the same
