@@ -211,7 +211,7 @@ def check_kv_heads_read_together(
 def check_kv_grouping_bound(fast, kind: str, dtype: torch.dtype = torch.bfloat16) -> None:
     """set_kv_grouped_bytes (what benchmarks/decode_attention.py alternates): 0 groups a job's
     KV heads at any context, a huge bound never; the same bits either way, and back to the
-    default after. Each extension has its own setting."""
+    default after."""
     lens, block_size, heads, kv_heads, dim = [5, 40, 17], 4, 16, 4, 64
     width = max(-(-n // block_size) for n in lens)
     k, v = (_bf16(40, block_size, kv_heads, dim, seed=seed).to(dtype) for seed in (6, 7))

@@ -241,7 +241,7 @@ def test_long_contexts_read_a_jobs_kv_heads_together_with_the_same_results(kerne
 @pytest.mark.parametrize("dtype", DTYPES)
 @cpu_cases.KV_KINDS
 def test_the_kv_grouping_bound_is_a_setting_that_never_changes_a_result(kernels, dtype, kind):
-    """set_kv_grouped_bytes, the AVX2 extension's own (cpu_cases.py)."""
+    """set_kv_grouped_bytes through the AVX2 extension (cpu_cases.py)."""
     cpu_cases.check_kv_grouping_bound(kernels, kind, dtype)
 
 

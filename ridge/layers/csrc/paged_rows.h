@@ -84,12 +84,13 @@ inline void prefetch_rows(const void* base, const int64_t* rows, int64_t begin, 
 // on 8, 128 dims) 8 x 1,024 1.34x; int8 1.09-1.29x there; shorter contexts 0.89-1.0x grouped,
 // and keep one head. The AVX2 kernels (avx2_ops.cpp) take the same bound: bf16 1.02-1.20x past
 // it, int8 0.95-1.12x (bound by their arithmetic there). The bound is the process's setting
-// (each extension's set_kv_grouped_bytes: 0 groups every call, a huge one none), so that the
+// (either extension's set_kv_grouped_bytes: 0 groups every call, a huge one none), so that the
 // benchmark compares them on the same pools; which heads a job takes never changes a result.
 constexpr int64_t KV_GROUPED_BYTES = int64_t{1} << 20;
 inline int64_t g_kv_grouped_bytes = KV_GROUPED_BYTES;  // read by each call; written only between calls
 
-// The setting's two bindings, for each extension's module (each has its own g_kv_grouped_bytes)
+// The setting's two bindings, for each extension's module. An inline variable is one object in
+// the process (GCC makes it a unique global): where both extensions are loaded, both read it.
 template <class Module>
 void def_kv_grouped_bytes(Module& m) {
   m.def("kv_grouped_bytes", [] { return g_kv_grouped_bytes; },
