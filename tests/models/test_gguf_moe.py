@@ -19,22 +19,27 @@ gguf = pytest.importorskip("gguf")
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 250, 3, 3, 3, 17]]
 
 
+def _tiny_dir(tmp_path_factory, family: str, seed: int, **fields):
+    """A random tiny model of ``family`` (transformers' {family}Config / {family}ForCausalLM):
+    COMMON's sizes, an untied lm_head, and ``fields``, saved as a Hugging Face directory."""
+    config = getattr(transformers, f"{family}Config")(**{**COMMON, "tie_word_embeddings": False, **fields})
+    directory = tmp_path_factory.mktemp(family.lower())
+    save_spread(getattr(transformers, f"{family}ForCausalLM"), config, directory, seed=seed)
+    return directory
+
+
 @pytest.fixture(scope="module")
 def qwen3moe_dir(tmp_path_factory):
-    config = transformers.Qwen3MoeConfig(
-        **{
-            **COMMON,
-            "num_experts": 8,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "norm_topk_prob": True,
-            "head_dim": 16,
-            "tie_word_embeddings": False,
-        }
+    return _tiny_dir(
+        tmp_path_factory,
+        "Qwen3Moe",
+        0,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        head_dim=16,
     )
-    directory = tmp_path_factory.mktemp("qwen3moe")
-    save_spread(transformers.Qwen3MoeForCausalLM, config, directory, seed=0)
-    return directory
 
 
 def _run(llm) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -44,12 +49,49 @@ def _run(llm) -> tuple[list[list[int]], list[torch.Tensor]]:
     return [o.outputs[0].token_ids for o in outs], [torch.tensor(o.outputs[0].cumulative_logprob) for o in outs]
 
 
+def _exported(directory, path):
+    """The Hugging Face directory's model written as llama.cpp's GGUF at ``path``."""
+    llm = LLM(str(directory), tokenizer="bytes", dtype="float32", num_kv_blocks=64, kernels="torch")
+    return write_gguf(hf_state_dict(llm), llm.engine.hf_config, path)
+
+
+def _assert_same_outputs(from_file, from_dir) -> list[list[int]]:
+    """The same greedy tokens and log-probabilities (to float rounding); the tokens."""
+    tokens_dir, logprob_dir = _run(from_dir)
+    tokens_file, logprob_file = _run(from_file)
+    assert tokens_file == tokens_dir
+    torch.testing.assert_close(torch.stack(logprob_file), torch.stack(logprob_dir), rtol=1e-4, atol=1e-4)
+    return tokens_file
+
+
+def _check_q8_0_experts(source, directory, target, ffn: str) -> None:
+    """llama.cpp's quantizer writes Q8_0 experts into ``target``; ridge loads their bytes as they
+    are (int8 blocks), and decodes nearly every greedy token the directory's model does."""
+    lc = pytest.importorskip("llama_cpp")
+    import ctypes
+
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = lc.LLAMA_FTYPE_MOSTLY_Q8_0
+    assert lc.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) == 0
+    quantized = LLM(str(target), tokenizer="bytes", dtype="float32", num_kv_blocks=64)
+    experts = getattr(quantized.engine.executor.worker.model.model.layers[0], ffn).experts
+    assert experts.gate_up_proj.method.name == "int8" and experts.down_proj.method.name == "int8"
+    tokens, _ = _run(quantized)
+    reference, _ = _run(LLM(str(directory), tokenizer="bytes", dtype="float32", num_kv_blocks=64))
+    agree = sum(a == b for x, y in zip(tokens, reference) for a, b in zip(x, y)) / sum(map(len, reference))
+    assert agree >= 0.75  # int8 weights: nearly every greedy token the same
+
+
+def _check_llama_cpp_greedy(path) -> None:
+    pytest.importorskip("llama_cpp")
+    theirs = llama_cpp_greedy(path, PROMPTS[0], 12)
+    ours = LLM(str(path), tokenizer="bytes", dtype="float32", num_kv_blocks=64)
+    assert _run(ours)[0][0][:8] == theirs[:8]
+
+
 @pytest.fixture(scope="module")
 def qwen3moe_gguf(qwen3moe_dir, tmp_path_factory):
-    llm = LLM(str(qwen3moe_dir), tokenizer="bytes", dtype="float32", num_kv_blocks=64, kernels="torch")
-    path = tmp_path_factory.mktemp("gguf") / "tiny-qwen3moe-f32.gguf"
-    write_gguf(hf_state_dict(llm), llm.engine.hf_config, path)
-    return path
+    return _exported(qwen3moe_dir, tmp_path_factory.mktemp("gguf") / "tiny-qwen3moe-f32.gguf")
 
 
 def test_the_qwen3moe_file_holds_stacked_experts(qwen3moe_gguf):
@@ -66,38 +108,15 @@ def test_ridge_reads_its_qwen3moe_gguf_back_to_the_same_outputs(qwen3moe_dir, qw
     from_dir = LLM(str(qwen3moe_dir), tokenizer="bytes", dtype="float32", num_kv_blocks=64)
     from_file = LLM(str(qwen3moe_gguf), tokenizer="bytes", dtype="float32", num_kv_blocks=64)
     assert from_file.engine.model_config.moe == from_dir.engine.model_config.moe
-    tokens_dir, logprob_dir = _run(from_dir)
-    tokens_file, logprob_file = _run(from_file)
-    assert tokens_file == tokens_dir
-    torch.testing.assert_close(torch.stack(logprob_file), torch.stack(logprob_dir), rtol=1e-4, atol=1e-4)
+    _assert_same_outputs(from_file, from_dir)
 
 
-def test_a_q8_0_qwen3moe_file_loads_its_experts_as_int8_blocks(qwen3moe_dir, tmp_path):
-    """llama.cpp's quantizer writes Q8_0 experts; ridge loads their bytes as they are."""
-    lc = pytest.importorskip("llama_cpp")
-    import ctypes
-
-    llm = LLM(str(qwen3moe_dir), tokenizer="bytes", dtype="float32", num_kv_blocks=64, kernels="torch")
-    source = tmp_path / "f32.gguf"
-    write_gguf(hf_state_dict(llm), llm.engine.hf_config, source)
-    target = tmp_path / "q8_0.gguf"
-    params = lc.llama_model_quantize_default_params()
-    params.ftype = lc.LLAMA_FTYPE_MOSTLY_Q8_0
-    assert lc.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) == 0
-    quantized = LLM(str(target), tokenizer="bytes", dtype="float32", num_kv_blocks=64)
-    experts = quantized.engine.executor.worker.model.model.layers[0].mlp.experts
-    assert experts.gate_up_proj.method.name == "int8" and experts.down_proj.method.name == "int8"
-    tokens, _ = _run(quantized)
-    reference, _ = _run(llm)
-    agree = sum(a == b for x, y in zip(tokens, reference) for a, b in zip(x, y)) / sum(map(len, reference))
-    assert agree >= 0.75  # int8 weights: nearly every greedy token the same
+def test_a_q8_0_qwen3moe_file_loads_its_experts_as_int8_blocks(qwen3moe_dir, qwen3moe_gguf, tmp_path):
+    _check_q8_0_experts(qwen3moe_gguf, qwen3moe_dir, tmp_path / "q8_0.gguf", "mlp")
 
 
-def test_llama_cpp_decodes_the_same_greedy_tokens(qwen3moe_dir, qwen3moe_gguf):
-    pytest.importorskip("llama_cpp")
-    theirs = llama_cpp_greedy(qwen3moe_gguf, PROMPTS[0], 12)
-    ours = LLM(str(qwen3moe_gguf), tokenizer="bytes", dtype="float32", num_kv_blocks=64)
-    assert _run(ours)[0][0][:8] == theirs[:8]
+def test_llama_cpp_decodes_the_same_greedy_tokens(qwen3moe_gguf):
+    _check_llama_cpp_greedy(qwen3moe_gguf)
 
 
 # -- qwen2moe: the shared expert under its sigmoid gate, q/k/v biases, top-k not renormalized ----
@@ -105,20 +124,16 @@ def test_llama_cpp_decodes_the_same_greedy_tokens(qwen3moe_dir, qwen3moe_gguf):
 
 @pytest.fixture(scope="module")
 def qwen2moe_dir(tmp_path_factory):
-    config = transformers.Qwen2MoeConfig(
-        **{
-            **COMMON,
-            "num_experts": 8,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 48,
-            "norm_topk_prob": False,
-            "tie_word_embeddings": False,
-        }
+    return _tiny_dir(
+        tmp_path_factory,
+        "Qwen2Moe",
+        1,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=False,
     )
-    directory = tmp_path_factory.mktemp("qwen2moe")
-    save_spread(transformers.Qwen2MoeForCausalLM, config, directory, seed=1)
-    return directory
 
 
 def test_qwen2moe_round_trips_through_its_gguf(qwen2moe_dir, tmp_path):
@@ -136,10 +151,7 @@ def test_qwen2moe_round_trips_through_its_gguf(qwen2moe_dir, tmp_path):
     from_file = LLM(str(path), tokenizer="bytes", dtype="float32", num_kv_blocks=64)
     assert from_file.engine.model_config.moe == from_dir.engine.model_config.moe
     assert from_file.engine.model_config.qkv_bias
-    tokens_dir, logprob_dir = _run(from_dir)
-    tokens_file, logprob_file = _run(from_file)
-    assert tokens_file == tokens_dir
-    torch.testing.assert_close(torch.stack(logprob_file), torch.stack(logprob_dir), rtol=1e-4, atol=1e-4)
+    tokens_file = _assert_same_outputs(from_file, from_dir)
     hf = transformers.Qwen2MoeForCausalLM.from_pretrained(qwen2moe_dir, dtype=torch.float32).eval()
     with torch.no_grad():  # the greedy tokens are transformers' too
         ids = torch.tensor([PROMPTS[0] + tokens_file[0]])
@@ -152,27 +164,13 @@ def test_qwen2moe_round_trips_through_its_gguf(qwen2moe_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def mixtral_dir(tmp_path_factory):
-    config = transformers.MixtralConfig(
-        # experts 96 wide: K of the down projection a multiple of 32, so llama.cpp quantizes it too
-        **{
-            **COMMON,
-            "intermediate_size": 96,
-            "num_local_experts": 4,
-            "num_experts_per_tok": 2,
-            "tie_word_embeddings": False,
-        }
-    )
-    directory = tmp_path_factory.mktemp("mixtral")
-    save_spread(transformers.MixtralForCausalLM, config, directory, seed=2)
-    return directory
+    # experts 96 wide: K of the down projection a multiple of 32, so llama.cpp quantizes it too
+    return _tiny_dir(tmp_path_factory, "Mixtral", 2, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2)
 
 
 @pytest.fixture(scope="module")
 def mixtral_gguf(mixtral_dir, tmp_path_factory):
-    llm = LLM(str(mixtral_dir), tokenizer="bytes", dtype="float32", num_kv_blocks=64, kernels="torch")
-    path = tmp_path_factory.mktemp("gguf") / "tiny-mixtral-f32.gguf"
-    write_gguf(hf_state_dict(llm), llm.engine.hf_config, path)
-    return path
+    return _exported(mixtral_dir, tmp_path_factory.mktemp("gguf") / "tiny-mixtral-f32.gguf")
 
 
 def test_a_mixtral_gguf_is_llamas_architecture_with_stacked_experts(mixtral_gguf):
@@ -197,10 +195,7 @@ def test_a_mixtral_gguf_runs_as_mixtral_with_the_directorys_outputs(mixtral_dir,
     assert from_file.engine.hf_config["architectures"] == ["MixtralForCausalLM"]
     assert from_file.engine.model_config.moe == from_dir.engine.model_config.moe
     assert from_file.engine.model_config.moe.num_experts == 4
-    tokens_dir, logprob_dir = _run(from_dir)
-    tokens_file, logprob_file = _run(from_file)
-    assert tokens_file == tokens_dir
-    torch.testing.assert_close(torch.stack(logprob_file), torch.stack(logprob_dir), rtol=1e-4, atol=1e-4)
+    tokens_file = _assert_same_outputs(from_file, from_dir)
 
     early = one_tensor_per_expert(mixtral_gguf, tmp_path / "tiny-mixtral-per-expert.gguf")
     assert "blk.0.ffn_gate.3.weight" in {t.name for t in gguf.GGUFReader(early).tensors}
@@ -209,25 +204,8 @@ def test_a_mixtral_gguf_runs_as_mixtral_with_the_directorys_outputs(mixtral_dir,
 
 
 def test_llama_cpp_decodes_mixtrals_file_to_the_same_greedy_tokens(mixtral_gguf):
-    pytest.importorskip("llama_cpp")
-    theirs = llama_cpp_greedy(mixtral_gguf, PROMPTS[0], 12)
-    ours = LLM(str(mixtral_gguf), tokenizer="bytes", dtype="float32", num_kv_blocks=64)
-    assert _run(ours)[0][0][:8] == theirs[:8]
+    _check_llama_cpp_greedy(mixtral_gguf)
 
 
 def test_a_q8_0_mixtral_file_loads_its_experts_as_int8_blocks(mixtral_dir, mixtral_gguf, tmp_path):
-    """llama.cpp's quantizer on the Mixtral file: ridge loads its Q8_0 experts' bytes as they are."""
-    lc = pytest.importorskip("llama_cpp")
-    import ctypes
-
-    target = tmp_path / "tiny-mixtral-q8_0.gguf"
-    params = lc.llama_model_quantize_default_params()
-    params.ftype = lc.LLAMA_FTYPE_MOSTLY_Q8_0
-    assert lc.llama_model_quantize(str(mixtral_gguf).encode(), str(target).encode(), ctypes.byref(params)) == 0
-    quantized = LLM(str(target), tokenizer="bytes", dtype="float32", num_kv_blocks=64)
-    experts = quantized.engine.executor.worker.model.model.layers[0].block_sparse_moe.experts
-    assert experts.gate_up_proj.method.name == "int8" and experts.down_proj.method.name == "int8"
-    tokens, _ = _run(quantized)
-    reference, _ = _run(LLM(str(mixtral_dir), tokenizer="bytes", dtype="float32", num_kv_blocks=64))
-    agree = sum(a == b for x, y in zip(tokens, reference) for a, b in zip(x, y)) / sum(map(len, reference))
-    assert agree >= 0.75  # int8 weights: nearly every greedy token the same
+    _check_q8_0_experts(mixtral_gguf, mixtral_dir, tmp_path / "tiny-mixtral-q8_0.gguf", "block_sparse_moe")
