@@ -14,10 +14,11 @@
 //   k_cache[block][slot][kv_head][:]   (no gathered copy of the context)
 //
 // Attention's work is split over (sequence, KV head), or past a long context over a sequence's
-// runs of KV heads (attend): the G = Hq / Hkv query heads of a group share each K/V row read. Scores go 8 K rows at a time (their values made once, each head's 8
-// dots summed across lanes together) and V a run of 32 rows at a time (its lines stay in L1
-// across the head's D / 8 chunks): 1.04-1.2x (bf16) and 1.17-1.3x (int8) the kernel's speed
-// row by row at 4,096 tokens, 32 heads on 4, head 64, Zen 3 (2026-11-29, 3 rounds). An int8
+// runs of KV heads (attend): the G = Hq / Hkv query heads of a group share each K/V row read.
+// Scores go 8 K rows at a time (their values made once, each head's 8 dots summed across lanes
+// together) and V a run of 32 rows at a time (its lines stay in L1 across the head's D / 8
+// chunks): 1.04-1.2x (bf16) and 1.17-1.3x (int8) the kernel's speed row by row at 4,096
+// tokens, 32 heads on 4, head 64, Zen 3 (2026-11-29, 3 rounds). An int8
 // cache's scores are integer dot products against an int8 query (score_heads_int8: the
 // AVX-512 kernel's formula, not torch's path), and its V scales are folded into the
 // probabilities: 1.17-1.34x the float path over the same codes (2 Zen 3 cores, 2026-12-02,
@@ -528,7 +529,8 @@ struct Int8Scores {
 // Scores per (head, token) into s[j L + t].
 inline void int8_query(const float* qf, int64_t H, int64_t D, int64_t GS, float scale, Int8Scores& buf) {
   const int64_t NGR = D / GS, Q = D / 4;
-  buf.qq.resize(H * D), buf.qsum.resize(H * NGR), buf.qabs.resize(H * Q), buf.qsgn.resize(H * Q), buf.qscale.resize(H * NGR);
+  buf.qq.resize(H * D), buf.qabs.resize(H * Q), buf.qsgn.resize(H * Q);
+  buf.qsum.resize(H * NGR), buf.qscale.resize(H * NGR);
   int8_t* qq = buf.qq.data();
   for (int64_t j = 0; j < H; ++j)
     quantize_query(qf + j * D, D, GS, scale, qq + j * D, buf.qsum.data() + j * NGR, buf.qscale.data() + j * NGR);
@@ -591,11 +593,11 @@ constexpr int64_t VALUE_ROWS = 32;
 // at a time, its D / 8 chunks in turn (each chain carried over in acc); the N chains share each
 // load of a V row. Each run fetches the rows KV_PREFETCH_TOKENS ahead of it (paged_rows.h: a KV
 // head's rows lie a pool row apart within a block and blocks anywhere, so the hardware
-// prefetcher hardly helps; the caller fetches the first window). Measured on 2 Zen 3 cores (2026-12-02), TinyLlama's
-// heads, 22 layers' caches in turn, with and without the fetches (here and in score_heads)
-// alternated in one process: one sequence of 4,096 tokens 1.54x (bf16) and 1.53x (int8), of
-// 256 tokens 1.50x and 1.35x; 16 of 1,024 tokens (4 layers) 1.33x and 1.26x. (Fetching 32
-// tokens ahead gave the same.)
+// prefetcher hardly helps; the caller fetches the first window). Measured on 2 Zen 3 cores
+// (2026-12-02), TinyLlama's heads, 22 layers' caches in turn, with and without the fetches
+// (here and in score_heads) alternated in one process: one sequence of 4,096 tokens 1.54x
+// (bf16) and 1.53x (int8), of 256 tokens 1.50x and 1.35x; 16 of 1,024 tokens (4 layers) 1.33x
+// and 1.26x. (Fetching 32 tokens ahead gave the same.)
 template <int N, class Rows>
 void weigh_values(const float* p, const Rows& vr, int64_t t_begin, int64_t t_end, int64_t L, int64_t D, float* acc) {
   const auto* rows = vr.rows.data();  // read once: the stores below may alias a vector's pointer
@@ -814,7 +816,8 @@ void attend(const T* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, int
       float* pt = pt_buf.get(HG * L * NGR);
       const auto cuts = [&](auto&& fn) {  // fn(N, j, first head of the cut among the job's)
         for (int64_t j = 0; j < HJ; ++j)
-          for (int64_t c = 0; c < GP; c += 8) with_heads(std::min<int64_t>(8, GP - c), [&](auto n) { fn(n, j, j * GP + c); });
+          for (int64_t c = 0; c < GP; c += 8)
+            with_heads(std::min<int64_t>(8, GP - c), [&](auto n) { fn(n, j, j * GP + c); });
       };
       cuts([&](auto n, int64_t j, int64_t c) {
         constexpr int N = decltype(n)::value;
