@@ -378,19 +378,6 @@ class GGUFModel:
             if len(parts) == 4 and parts[0] == "blk" and parts[2] in EXPERT_TENSORS and type_name in SUPPORTED_TYPES:
                 tensors.update(self._split_experts(t, int(parts[1]), EXPERT_TENSORS[parts[2]]))
                 continue
-            if (  # blk.N.ffn_gate.E.weight: one expert's matrix (Mixtral files before stacked experts)
-                self.family == "mixtral"
-                and len(parts) == 5
-                and parts[0] == "blk"
-                and parts[2] in PER_EXPERT_TENSORS
-                and parts[3].isdigit()
-                and parts[4] == "weight"
-            ):
-                name = self._expert_name(int(parts[1]), int(parts[3]), PER_EXPERT_TENSORS[parts[2]])
-                shape = self._checked(t, dims=2)
-                data = t.data if type_name in GGUF_DENSE_TYPES else t.data.reshape(shape[0], -1)
-                tensors[name] = GGUFTensor(name, type_name, shape, data)
-                continue
             if len(parts) == 4 and parts[2] in SPLIT_KV_B and self.arch == "deepseek2":
                 split_kv_b.setdefault(int(parts[1]), {})[parts[2]] = t
                 shape = self._checked(t, dims=3)  # (H, rows, K): H matrices stacked along the rows
@@ -460,19 +447,21 @@ class GGUFModel:
         return {
             name: GGUFTensor(name, type_name, shape[1:], data[e])
             for e in range(experts)
-            for name in [self._expert_name(layer, e, proj)]
+            for name in [_expert_name(self.family, layer, e, proj)]
         }
-
-    def _expert_name(self, layer: int, expert: int, proj: str) -> str:
-        """Expert ``expert``'s ``proj`` (gate_proj, up_proj, down_proj) under its family's name."""
-        owner, names = EXPERT_NAMES.get(self.family, ("mlp.experts", {}))
-        return f"model.layers.{layer}.{owner}.{expert}.{names.get(proj, proj)}.weight"
 
     def tensor_formats(self) -> dict[str, str]:
         return {name: t.type_name for name, t in self.tensors.items()}
 
 
+def _expert_name(family: str, layer: int, expert: int, proj: str) -> str:
+    """Expert ``expert``'s ``proj`` (gate_proj, up_proj, down_proj) under its family's name."""
+    owner, names = EXPERT_NAMES.get(family, ("mlp.experts", {}))
+    return f"model.layers.{layer}.{owner}.{expert}.{names.get(proj, proj)}.weight"
+
+
 def _hf_name(name: str, arch: str = "llama") -> str | None:
+    """A GGUF tensor's Hugging Face name in family ``arch`` (GGUFModel.family); None: unknown."""
     stem, _, leaf = name.rpartition(".")
     if leaf not in ("weight", "bias"):
         return None
@@ -481,7 +470,12 @@ def _hf_name(name: str, arch: str = "llama") -> str | None:
     if stem in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[stem]}.{leaf}"
     parts = stem.split(".")
-    if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit():
+    if len(parts) < 3 or parts[0] != "blk" or not parts[1].isdigit():
+        return None
+    if len(parts) == 4:  # blk.N.ffn_gate.E: one expert's matrix (Mixtral files before stacked experts)
+        expert = arch == "mixtral" and parts[2] in PER_EXPERT_TENSORS and parts[3].isdigit() and leaf == "weight"
+        return _expert_name(arch, int(parts[1]), int(parts[3]), PER_EXPERT_TENSORS[parts[2]]) if expert else None
+    if len(parts) != 3:
         return None
     if parts[2] == "exp_probs_b" and leaf == "bias":  # DeepSeek-V3's router bias (noaux_tc)
         return f"model.layers.{parts[1]}.mlp.gate.e_score_correction_bias"
