@@ -3,7 +3,9 @@
 Loads each model twice in one process, planned (the default) and with ``enforce_eager``, and
 alternates them round by round: greedy decode of ``--tokens`` tokens after a 4-token prompt
 at batch ``--batch``. Per engine and round: the median step and the median of each step's
-wall time minus the matmul time the telemetry measured (CPU kernels time their matmuls).
+wall time minus the matmul time the telemetry measured (CPU kernels time their matmuls), and
+the median of each kind of op the kernels timed (the telemetry's step parts: attention, norms,
+rope_kv, ...; matmul_setup and matmul_wait lie within the matmuls' time).
 Prints a table and records the run in ``benchmarks/decode_plan.json`` (one entry per model,
 weights, KV cache and batch; a rerun replaces its entry).
 
@@ -29,13 +31,14 @@ from ridge.roofline.probe import cpu_model
 OUT = Path(__file__).with_name("decode_plan.json")
 
 
-def decode_round(llm: LLM, tokens: int, batch: int) -> tuple[float, float]:
-    """(median step, median step outside the matmuls) in seconds, over the decode steps."""
+def decode_round(llm: LLM, tokens: int, batch: int) -> tuple[float, float, dict[str, float]]:
+    """(median step, median step outside the matmuls, {part: median seconds}) over the decode
+    steps."""
     engine = llm.engine
     params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)
     for i in range(batch):
         engine.add_request(None, [10 + i, 11, 12, 13], params)
-    walls, outside = [], []
+    walls, outside, parts = [], [], {}
     while engine.has_unfinished_requests():
         start = time.perf_counter()
         engine.step()
@@ -44,7 +47,9 @@ def decode_round(llm: LLM, tokens: int, batch: int) -> tuple[float, float]:
         if record.phase == "decode" and record.matmul_s is not None:
             walls.append(wall)
             outside.append(wall - record.matmul_s)
-    return statistics.median(walls), statistics.median(outside)
+            for part, s in (record.step_parts or {}).items():
+                parts.setdefault(part, []).append(s)
+    return statistics.median(walls), statistics.median(outside), {p: statistics.median(v) for p, v in parts.items()}
 
 
 def main() -> None:
@@ -75,12 +80,18 @@ def main() -> None:
     rounds = {name: [] for name in engines}
     for _ in range(args.rounds):
         for name, llm in engines.items():  # alternated: both see the same machine state
-            step_s, outside_s = decode_round(llm, args.tokens, args.batch)
-            rounds[name].append({"step_ms": step_s * 1e3, "outside_matmul_ms": outside_s * 1e3})
+            step_s, outside_s, parts = decode_round(llm, args.tokens, args.batch)
+            parts_ms = {part: s * 1e3 for part, s in parts.items()}
+            rounds[name].append({"step_ms": step_s * 1e3, "outside_matmul_ms": outside_s * 1e3, "parts_ms": parts_ms})
     print(f"{args.model} (batch {args.batch}, {args.tokens} tokens, kv {args.kv_cache_dtype}), ms per decode step:")
     for name, rows in rounds.items():
         cells = ", ".join(f"{r['step_ms']:.2f} ({r['outside_matmul_ms']:.2f} outside matmuls)" for r in rows)
         print(f"  {name:8s} {cells}")
+    for name, rows in rounds.items():
+        names = [part for part in rows[0]["parts_ms"] if any(r["parts_ms"].get(part, 0.0) > 0 for r in rows)]
+        if names:
+            cells = ", ".join(f"{part} {statistics.median(r['parts_ms'][part] for r in rows):.3f}" for part in names)
+            print(f"  {name:8s} by part (median ms/step): {cells}")
     speedups = [e["step_ms"] / p["step_ms"] for p, e in zip(rounds["planned"], rounds["eager"])]
     print(f"  planned / eager speed per round: {', '.join(f'{s:.2f}x' for s in speedups)}")
     result = {

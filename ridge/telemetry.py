@@ -43,6 +43,9 @@ class StepRecord:
     comm_s: float = 0.0  # measured: seconds rank 0 spent in collectives (tensor parallelism)
     mask_s: float = 0.0  # measured: seconds filling structured output's token bitmasks
     matmul_s: float | None = None  # measured: seconds in the linear kernels (CPU; None: not timed)
+    # measured: seconds by kind of op (RunnerOutput.step_parts: attention, norms, ...; the
+    # matmul_* parts lie within matmul_s); None: not timed
+    step_parts: dict[str, float] | None = None
     # asynchronous scheduling: wall_s is the pipeline's period (from the later of the step's
     # scheduling and the last collection to its own), not the step's own span; summed over
     # steps it is the time they took, but one period can be shorter than its step's device time
@@ -81,6 +84,7 @@ class PhaseStats:
     matmul_s: float = 0.0
     matmul_timed_wall_s: float = 0.0
     matmul_steps: int = 0
+    step_parts: dict[str, float] = field(default_factory=dict)  # summed over the steps that timed them
 
     @property
     def achieved_bytes_per_s(self) -> float:
@@ -110,6 +114,7 @@ class PhaseStats:
             "matmul_s": self.matmul_s,
             "matmul_timed_wall_s": self.matmul_timed_wall_s,
             "matmul_steps": self.matmul_steps,
+            "step_parts": dict(self.step_parts),
             "achieved_gb_per_s": self.achieved_bytes_per_s / 1e9,
             "achieved_gflop_per_s": self.achieved_flops_per_s / 1e9,
             "roofline_fraction": self.roofline_fraction,
@@ -238,6 +243,7 @@ class Telemetry:
         comm_s: float = 0.0,
         mask_s: float = 0.0,
         matmul_s: float | None = None,
+        step_parts: dict[str, float] | None = None,
         pipelined: bool = False,
     ) -> None:
         """Hot path: keep the shape and the time; pricing happens on read."""
@@ -251,6 +257,7 @@ class Telemetry:
             comm_s,
             mask_s,
             matmul_s,
+            step_parts,
             pipelined,
         )
         self.recent.append(rec)
@@ -324,6 +331,8 @@ class Telemetry:
                 stats.matmul_s += rec.matmul_s
                 stats.matmul_timed_wall_s += rec.wall_s
                 stats.matmul_steps += 1
+                for part, s in (rec.step_parts or {}).items():
+                    stats.step_parts[part] = stats.step_parts.get(part, 0.0) + s
             if self._link is not None:
                 stats.predicted_comm_s += self._link.time_s(cost.comm)
             stats.flops += cost.flops
@@ -393,12 +402,21 @@ class Telemetry:
 
 
 def _outside_matmuls(s: dict) -> str:
-    """A phase's measured time outside the linear kernels, per step and as a share of it."""
+    """A phase's measured time outside the linear kernels, per step and as a share of it, and
+    where the kernels timed their ops, by kind (the rest, "other": the engine, Python, untimed
+    ops), then the matmuls' own setup and waiting threads."""
+    steps, parts = s["matmul_steps"], dict(s.get("step_parts") or {})
     outside = s["matmul_timed_wall_s"] - s["matmul_s"]
-    return (
-        f"  outside matmuls {1e3 * outside / s['matmul_steps']:.2f} ms/step "
-        f"({100 * outside / s['matmul_timed_wall_s']:.0f}%)"
-    )
+    text = f"  outside matmuls {1e3 * outside / steps:.2f} ms/step ({100 * outside / s['matmul_timed_wall_s']:.0f}%)"
+    inside = {part: parts.pop(part) for part in list(parts) if part.startswith("matmul_")}  # within matmul_s
+    if any(t > 0 for t in parts.values()):  # (a prefill runs no timed op outside its matmuls)
+        shown = {part: t for part, t in parts.items() if t > 0} | {"other": outside - sum(parts.values())}
+        text += ": " + ", ".join(f"{part} {1e3 * t / steps:.2f}" for part, t in shown.items())
+    if any(inside.values()):
+        text += "; in matmuls " + ", ".join(
+            f"{part.removeprefix('matmul_')} {1e3 * t / steps:.2f}" for part, t in inside.items()
+        )
+    return text
 
 
 def cuda_hardware(device, reprobe: bool = False) -> Hardware:

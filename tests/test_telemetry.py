@@ -233,6 +233,27 @@ def test_format_has_a_line_per_phase():
         assert f"{rep['phases'][phase]['steps']:>5} steps" in line
 
 
+def test_the_ops_a_step_timed_add_up_per_phase_and_the_rest_is_other():
+    """Steps that timed their ops by kind (the CPU kernels' step parts): the phase sums them,
+    the line lists each part outside the matmuls, the untimed rest as "other", and the matmuls'
+    own parts apart; a phase whose ops outside the matmuls were not timed lists none."""
+    t = make_telemetry()
+    parts = {"attention": 0.002, "norms": 0.001, "routing": 0.0, "matmul_setup": 0.0005, "matmul_wait": 0.001}
+    for _ in range(2):  # 10 ms steps, 6 of them in the matmuls
+        t.record((), DECODE, 0.010, matmul_s=0.006, step_parts=parts)
+    t.record(PREFILL, (), 0.020, matmul_s=0.015, step_parts={"attention": 0.0, "matmul_setup": 0.001})
+    rep = t.report()["phases"]
+    assert rep["decode"]["step_parts"] == pytest.approx({part: 2 * s for part, s in parts.items()})
+    lines = {line.split()[0]: line for line in t.format().splitlines()[1:]}
+    decode, prefill = lines["decode"], lines["prefill"]
+    assert (
+        "outside matmuls 4.00 ms/step (40%): attention 2.00, norms 1.00, other 1.00; in matmuls setup 0.50, wait 1.00"
+        in decode
+    )
+    assert "routing" not in decode  # a part that took nothing is left out
+    assert "outside matmuls 5.00 ms/step (25%); in matmuls setup 1.00" in prefill
+
+
 def test_a_step_faster_than_its_floor_reprobes_once_then_raises_the_roofline():
     """A roofline a step beats is wrong (a busy probe, a peak ridge's kernels beat): the first
     time the machine is probed again; a step that still beats it raises the beaten term to its

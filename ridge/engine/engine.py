@@ -529,6 +529,7 @@ class LLMEngine:
                 out.comm_s / n,
                 mask_s / n,
                 None if out.matmul_s is None else out.matmul_s / n,
+                None if out.step_parts is None else {part: s / n for part, s in out.step_parts.items()},
                 pipelined=end is not None,
             )
 

@@ -151,4 +151,8 @@ class RunnerOutput:
     experts_touched: float | None = None  # distinct experts read per MoE layer (mean); None: dense
     comm_s: float = 0.0  # seconds this step spent in collectives (tensor parallelism)
     matmul_s: float | None = None  # seconds in the linear kernels (CPU; None where not timed)
+    # seconds by kind of op where the kernels time them (the CPU extensions' step_parts.h:
+    # attention, norms, ..., and inside matmul_s the block formats' matmul_setup and
+    # matmul_wait); None where not timed
+    step_parts: dict[str, float] | None = None
     generator_states: dict[str, bytes] = field(default_factory=dict)  # export_generator requests, seeded

@@ -54,6 +54,7 @@ HEADERS = (
     "paged_rows.h",
     "plan_shared.h",
     "simd_math.h",
+    "step_parts.h",
     "weight_arena.h",
 )
 EXTENSION_NAME = "ridge_cpu"
@@ -111,6 +112,7 @@ AVX2 = ExtensionSpec(
         "kv_write.h",
         "paged_rows.h",
         "plan_shared.h",
+        "step_parts.h",
         "weight_arena.h",
     ),
     # no contraction into FMAs but the kernel's own: one row's float ops must not depend on how

@@ -172,6 +172,13 @@ class TorchKernels:
         spent, self.matmul_s = self.matmul_s, 0.0
         return spent
 
+    def take_step_parts(self) -> dict[str, float]:
+        """Seconds by kind of op since the last call, where the kernels time them (the CPU
+        extensions: ``csrc/step_parts.h``): the decode plans' attention, norms, ``rope_kv``,
+        activation, MoE routing and combine, greedy sampling, and inside the matmuls' time the
+        block-format matmul's ``matmul_setup`` and ``matmul_wait``. Empty here."""
+        return {}
+
     def matmul(self, x: torch.Tensor, layer: Linear, rows: slice | None = None) -> torch.Tensor:
         """x @ W^T (+ b) in whatever form the layer's method holds W (``linear``), timed.
 
@@ -429,6 +436,9 @@ class Avx2Kernels(TorchKernels):
 
     def __init__(self, ext) -> None:
         self.ext = ext
+
+    def take_step_parts(self) -> dict[str, float]:
+        return dict(self.ext.take_step_parts())
 
     def linear(self, x, layer, rows=None):
         if layer.parts is not None and rows is None:
@@ -746,6 +756,9 @@ class CpuKernels(TorchKernels):
 
     def __init__(self, ext) -> None:
         self.ext = ext
+
+    def take_step_parts(self) -> dict[str, float]:
+        return dict(self.ext.take_step_parts())
 
     def linear(self, x: torch.Tensor, layer: Linear, rows: slice | None = None) -> torch.Tensor:
         # a layer held in parts has no packed weight of its own: the base class splits it, and

@@ -192,6 +192,16 @@ def telemetry_samples(stats: EngineStats) -> list[Sample]:
                     labels,
                 )
             )
+            samples += [  # the ops the kernels timed, by kind (the matmul_* parts lie within the matmuls)
+                Sample(
+                    "ridge_step_part_fraction",
+                    "Share of the phase's wall time in one kind of op, as the CPU kernels timed it "
+                    "(attention, norms, ...; matmul_setup and matmul_wait lie within the matmuls' share).",
+                    seconds / totals.matmul_timed_wall_s,
+                    labels | {"part": part},
+                )
+                for part, seconds in totals.step_parts.items()
+            ]
         if stats.roofline_resolved:
             samples.append(
                 Sample(

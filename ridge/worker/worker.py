@@ -284,9 +284,11 @@ class Worker:
         comm_s = self.tp.take_comm()
         # a CUDA kernel returns at launch: only the CPU's matmuls are timed where they run
         matmul_s = self.model.kernels.take_matmul_s()
+        parts = self.model.kernels.take_step_parts()
         if out is not None:
             out.comm_s = comm_s
             out.matmul_s = matmul_s if self.device.type == "cpu" else None
+            out.step_parts = parts if self.device.type == "cpu" and parts else None
         return out
 
     @torch.inference_mode()

@@ -6,6 +6,7 @@ super-block of 256) inside the kernel (as llama.cpp does), so the tolerance is t
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -207,6 +208,25 @@ def test_blocks_shared_out_by_stealing_give_the_same_bits(ext):
             assert torch.equal(ext.linear_quant(x, packed, code, n, None), want)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_matmul_times_its_setup_and_waiting_threads(ext):
+    """step_parts.h: a block-format matmul adds what it did before its threads started (x
+    quantized, the tiles set up) and its threads' time not computing within the region;
+    take_step_parts returns every part in order and starts the count again."""
+    _, packed = _packed(ext, "int4", 1024, 256, seed=3)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
+    ext.take_step_parts()
+    start = time.perf_counter()
+    ext.linear_quant(x, packed, QUANT_KERNEL_CODES["int4"], 1024, None)
+    wall = time.perf_counter() - start
+    parts = ext.take_step_parts()
+    assert [name for name, _ in parts][-2:] == ["matmul_setup", "matmul_wait"]
+    timed = dict(parts)
+    assert timed["matmul_setup"] > 0.0 and timed["matmul_wait"] >= 0.0
+    assert timed["matmul_setup"] + timed["matmul_wait"] < wall
+    assert all(t == 0.0 for name, t in parts if not name.startswith("matmul_"))  # no plan ran
+    assert all(t == 0.0 for _, t in ext.take_step_parts())
 
 
 def test_head_matmul_checks_its_weight(ext):

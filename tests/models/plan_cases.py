@@ -35,3 +35,27 @@ def assert_refuses_bad_indices(plan, rotary, hidden: int, name: str) -> None:
         with pytest.raises(RuntimeError, match=f"^{name}: {message}"):
             plan.run(h, *step, rotary.cos, rotary.sin)
     assert torch.equal(h, torch.ones_like(h))
+
+
+STEP_PARTS = ("attention", "norms", "rope_kv", "activation", "routing", "combine")
+
+
+def assert_step_parts_timed(llm, matmul_parts: bool) -> None:
+    """After an MoE model's planned decode (dense and sparse layers): every decode step's
+    telemetry names the seconds its ops took by kind (csrc/step_parts.h), each of the plan's
+    kinds above nothing, the ones outside the matmuls within the step's time outside them and
+    the matmuls' own (setup, wait) within theirs, above nothing where the block formats'
+    AVX-512 kernel ran (``matmul_parts``); the report lists them."""
+    decodes = [r for r in llm.engine.telemetry.recent if r.phase == "decode"]
+    assert decodes
+    for record in decodes:
+        parts = record.step_parts
+        assert parts is not None and min(parts.values()) >= 0.0
+        assert all(parts[part] > 0.0 for part in STEP_PARTS), parts
+        outside = sum(t for part, t in parts.items() if not part.startswith("matmul_"))
+        assert outside < record.wall_s - record.matmul_s
+        assert parts["matmul_setup"] + parts["matmul_wait"] <= record.matmul_s
+        assert (parts["matmul_setup"] > 0.0) == matmul_parts
+    text = llm.engine.telemetry.format()
+    assert all(f"{part} " in text for part in STEP_PARTS)
+    assert ("in matmuls setup" in text) == matmul_parts

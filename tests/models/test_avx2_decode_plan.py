@@ -21,7 +21,7 @@ from ridge.layers.linear import Linear
 from ridge.models import llama
 
 from .hf_tiny import COMMON, build
-from .plan_cases import assert_refuses_bad_indices, save_latent_model
+from .plan_cases import assert_refuses_bad_indices, assert_step_parts_timed, save_latent_model
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.cpu_has_avx2(), reason="this CPU has no AVX2 + FMA + F16C")
 
@@ -155,6 +155,19 @@ def test_the_plan_runs_moe_layers_as_the_op_by_op_forward_does(tmp_path, variant
     assert planned == eager
     eager_moes = [getattr(layer, layer.ffn_name) for layer in eager_model.model.layers]
     assert touched == [m.experts_touched for m in eager_moes if hasattr(m, "experts_touched")]
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_the_telemetry_times_a_planned_steps_ops_by_kind(tmp_path, quantization, plan_runs):
+    """The AVX2 plan times its ops by kind as the AVX-512 one does (its matmuls have no
+    setup or wait parts): each decode step's telemetry holds them."""
+    build("qwen3-moe-dense-mixed", tmp_path)
+    llm = LLM(
+        str(tmp_path), dtype="bfloat16", num_kv_blocks=64, device="cpu", tokenizer="bytes", quantization=quantization
+    )
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert plan_runs and all(plan_runs)
+    assert_step_parts_timed(llm, matmul_parts=False)
 
 
 @pytest.mark.parametrize("variant", ["deepseek-v2-lite", "deepseek-v3-yarn"])

@@ -11,7 +11,7 @@ from ridge import LLM, SamplingParams
 from ridge.layers.cpu_kernels import cpu_has_avx512_bf16
 
 from .hf_tiny import COMMON, build
-from .plan_cases import assert_refuses_bad_indices, save_latent_model
+from .plan_cases import assert_refuses_bad_indices, assert_step_parts_timed, save_latent_model
 
 pytestmark = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="ridge's CPU kernels need AVX-512 BF16")
 
@@ -131,6 +131,19 @@ def test_the_telemetry_times_the_matmuls_of_planned_and_eager_steps(tmp_path):
         decode = llm.engine.telemetry.report()["phases"]["decode"]
         assert decode["matmul_steps"] == decode["steps"] == 5
         assert "outside matmuls" in llm.engine.telemetry.format()
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_the_telemetry_times_a_planned_steps_ops_by_kind(tmp_path, quantization):
+    """The plan times its ops by kind and the block formats' matmul its setup and waiting
+    threads: each decode step's telemetry holds them (bf16 weights: no block-format matmul)."""
+    build("qwen3-moe-dense-mixed", tmp_path)
+    llm = LLM(
+        str(tmp_path), dtype="bfloat16", num_kv_blocks=64, device="cpu", tokenizer="bytes", quantization=quantization
+    )
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert llm.engine.executor.worker.model._plan is not None
+    assert_step_parts_timed(llm, matmul_parts=quantization is not None)
 
 
 @pytest.mark.parametrize("variant", ["deepseek-v2-lite", "deepseek-v3-yarn"])

@@ -187,6 +187,10 @@ def test_roofline_telemetry_per_phase(server, http, client):
         assert fraction not in samples
     else:
         assert 0 < value(samples, fraction[0], phase="decode") < 1  # CPU: measured
+    # the ops the CPU kernels timed, by kind (none timed: no part)
+    parts = {dict(labels)["part"]: v for (name, labels), v in samples.items() if name == "ridge_step_part_fraction"}
+    assert all(0 <= v < 1 for v in parts.values())
+    assert not parts or {"attention", "norms", "matmul_setup", "matmul_wait"} <= parts.keys()
     telemetry = server.engine.telemetry  # the test's own engine object, not the server's view
     if not telemetry.hardware_resolved:  # as `ridge serve` does at start-up; a preset keeps the test fast
         telemetry._hardware = resolve_hardware("h100-sxm")

@@ -38,6 +38,7 @@
 #include "avx2_simd.h"
 #include "cpu_vendor.h"
 #include "paged_rows.h"
+#include "step_parts.h"
 #include "weight_arena.h"
 
 #include <cstdint>
@@ -1418,6 +1419,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, nogil, "rotate-half RoPE in place on (T, H, D) rows");
   m.def("rope_write_kv_", &rope_write_kv_, nogil, "rope_ on qkv's q and k heads, then k and v into the pools at slots");
   def_kv_grouped_bytes(m);
+  ridge_shared::def_step_parts(m);
   m.def("decode_attention_jobs", &ridge_avx2::decode_attention_jobs, nogil,
         "the jobs paged_decode_attention splits (sequences, query heads, KV heads) into on this process's threads");
   m.def("paged_decode_attention", &paged_decode_attention, nogil,

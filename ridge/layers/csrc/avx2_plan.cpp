@@ -32,11 +32,13 @@
 #include "avx2_kernels.h"
 #include "kv_write.h"
 #include "plan_shared.h"
+#include "step_parts.h"
 
 namespace {
 
 using bf16 = at::BFloat16;
 using Clock = std::chrono::steady_clock;
+using ridge_shared::PartTimer;
 using PartSpec = std::tuple<torch::Tensor, int64_t, int64_t>;  // (weight, format code, rows), as plan_linear gives
 
 // One weight of a layer: code -1 a dense bf16 (n, K); else a GGUF type's rows (n, row bytes),
@@ -422,19 +424,25 @@ class Avx2DecodePlan {
     double matmul_s = 0.0;
     std::vector<int64_t> touched;
     for (int64_t s = 0; s < steps; ++s) {
-      if (s)  // run() checked the tensors' kinds and shapes on the pass before
+      if (s) {  // run() checked the tensors' kinds and shapes on the pass before
+        PartTimer pt(ridge_shared::PART_SAMPLING);
         ridge_shared::next_greedy_pass(h.data_ptr<bf16>(), T, hidden_, embed_.data_ptr<bf16>(), vocab, tp + s - 1, steps,
                                       positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
                                       context_lens.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(), width, BS);
+      }
       auto ran = run(h, slots, block_tables, context_lens, positions, cos, sin);
       TORCH_CHECK(ran.has_value(), "AVX2 decode plan: a pass declined the rows the first took");  // takes() is T's alone
       matmul_s += std::get<0>(*ran);
       touched = std::move(std::get<1>(*ran));
-      ridge_avx2::rms_norm_into<bf16>(h.data_ptr<bf16>(), head_norm_.data_ptr<bf16>(), x.data(), T, hidden_, head_eps_);
+      {
+        PartTimer pt(ridge_shared::PART_NORMS);
+        ridge_avx2::rms_norm_into<bf16>(h.data_ptr<bf16>(), head_norm_.data_ptr<bf16>(), x.data(), T, hidden_, head_eps_);
+      }
       {
         Timer t(matmul_s);
         head_.into(x.data(), T, logits.data());
       }
+      PartTimer pt(ridge_shared::PART_SAMPLING);
       ridge_avx2::argmax_rows_into<bf16>(logits.data(), T, V, best.data());
       for (int64_t t = 0; t < T; ++t) tp[t * steps + s] = best[t];
     }
@@ -482,15 +490,21 @@ class Avx2DecodePlan {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       // the previous layer's feed-forward output added into h with this layer's input norm
-      if (i == 0)
-        ridge_avx2::rms_norm_into<bf16>(hp, l.in_norm.data_ptr<bf16>(), x, T, hidden_, l.eps);
-      else
-        ridge_avx2::add_rms_norm_into<bf16>(ffn, hp, l.in_norm.data_ptr<bf16>(), x, T, hidden_, l.eps);
+      {
+        PartTimer pt(ridge_shared::PART_NORMS);
+        if (i == 0)
+          ridge_avx2::rms_norm_into<bf16>(hp, l.in_norm.data_ptr<bf16>(), x, T, hidden_, l.eps);
+        else
+          ridge_avx2::add_rms_norm_into<bf16>(ffn, hp, l.in_norm.data_ptr<bf16>(), x, T, hidden_, l.eps);
+      }
       if (l.mla)
         latent_attention(l, x, T, sp, tables, max_blocks, lens, pos, cp, snp, o, matmul_s);
       else
         attention(l, x, T, sp, tables, max_blocks, lens, pos, cp, snp, o, matmul_s);
-      ridge_avx2::add_rms_norm_into<bf16>(o, hp, l.post_norm.data_ptr<bf16>(), x, T, hidden_, l.eps);
+      {
+        PartTimer pt(ridge_shared::PART_NORMS);
+        ridge_avx2::add_rms_norm_into<bf16>(o, hp, l.post_norm.data_ptr<bf16>(), x, T, hidden_, l.eps);
+      }
       if (l.moe.has_value()) {
         touched[i] = run_moe(*l.moe, x, T, ffn, matmul_s);
         continue;
@@ -499,10 +513,14 @@ class Avx2DecodePlan {
         Timer t(matmul_s);
         l.gate_up.into(x, T, gu);
       }
-      ridge_avx2::silu_mul_into<bf16>(gu, T, l.gate_up.width / 2, act);
+      {
+        PartTimer pt(ridge_shared::PART_ACTIVATION);
+        ridge_avx2::silu_mul_into<bf16>(gu, T, l.gate_up.width / 2, act);
+      }
       Timer t(matmul_s);
       l.down.into(act, T, ffn);
     }
+    PartTimer pt(ridge_shared::PART_NORMS);  // (the residual adds are timed with the norms)
     for (int64_t i = 0; i < T * hidden_; ++i)  // the last layer's feed-forward into h (h.add_ rounds once)
       hp[i] = static_cast<bf16>(static_cast<float>(hp[i]) + static_cast<float>(ffn[i]));
     return std::make_tuple(matmul_s, std::move(touched));
@@ -536,6 +554,7 @@ class Avx2DecodePlan {
       l.qkv.into(x, T, qkv);
     }
     if (l.q_norm.has_value()) {  // each head's q and k normed in place (rms_row reads a row before writing it)
+      PartTimer pt(ridge_shared::PART_NORMS);
       for (int64_t t = 0; t < T; ++t) {
         bf16* row = qkv + t * qkv_n;
         ridge_avx2::rms_norm_into<bf16>(row, l.q_norm->data_ptr<bf16>(), row, l.heads, D, l.qk_eps);
@@ -543,6 +562,7 @@ class Avx2DecodePlan {
                                         l.qk_eps);
       }
     }
+    std::optional<PartTimer> rope_kv(std::in_place, ridge_shared::PART_ROPE_KV);
     ridge_avx2::rope_into<bf16>(qkv, T, l.heads + l.kv_heads, D, qkv_n, pos, cp, snp);
     const int64_t BS = l.k_pool.size(1), num_slots = l.k_pool.size(0) * BS;
     if (l.k_scale.has_value()) {  // write_kv's quantize and copies, then the kernel over the codes
@@ -551,6 +571,8 @@ class Avx2DecodePlan {
       const int64_t groups = l.k_scale->size(3);
       write_kv_quant_into(kp, ks, num_slots, l.kv_heads, D, groups, qkv + q_size, qkv_n, sp, T, l.fp8);
       write_kv_quant_into(vp, vs, num_slots, l.kv_heads, D, groups, qkv + q_size + kv_size, qkv_n, sp, T, l.fp8);
+      rope_kv.reset();
+      PartTimer pt(ridge_shared::PART_ATTENTION);
       ridge_avx2::decode_attention_quant_into<bf16>(qkv, qkv_n, T, l.heads, D, kp, vp, ks, vs, groups, l.fp8, BS,
                                                     l.kv_heads, tables, max_blocks, lens, l.scale, attn);
     } else {
@@ -559,6 +581,8 @@ class Avx2DecodePlan {
         std::memcpy(kp + sp[t] * kv_size, qkv + t * qkv_n + q_size, kv_size * sizeof(bf16));
         std::memcpy(vp + sp[t] * kv_size, qkv + t * qkv_n + q_size + kv_size, kv_size * sizeof(bf16));
       }
+      rope_kv.reset();
+      PartTimer pt(ridge_shared::PART_ATTENTION);
       ridge_avx2::decode_attention_into<bf16>(qkv, qkv_n, T, l.heads, D, kp, vp, BS, l.kv_heads, tables, max_blocks,
                                               lens, l.scale, attn);
     }
@@ -584,9 +608,12 @@ class Avx2DecodePlan {
     int64_t qs = yw;
     if (l.q_b.has_value()) {
       bf16 *qa = mla_qa_.data(), *qb = mla_qb_.data();
-      for (int64_t t = 0; t < T; ++t)
-        ridge_avx2::rms_norm_into<bf16>(y + t * yw, l.q_a_norm->data_ptr<bf16>(), qa + t * l.q_width, 1, l.q_width,
-                                        l.latent_eps);
+      {
+        PartTimer pt(ridge_shared::PART_NORMS);
+        for (int64_t t = 0; t < T; ++t)
+          ridge_avx2::rms_norm_into<bf16>(y + t * yw, l.q_a_norm->data_ptr<bf16>(), qa + t * l.q_width, 1, l.q_width,
+                                          l.latent_eps);
+      }
       {
         Timer t(matmul_s);
         l.q_b->into(qa, T, qb);
@@ -595,6 +622,8 @@ class Avx2DecodePlan {
     }
     // the latent normed into the cache entry; every head's rotary query and the rotary key in
     // one (T, H + 1, rope) run, de-interleaved where asked, rotated together (as forward's cat)
+    // (the latent's norm timed with the rotations)
+    std::optional<PartTimer> rope_kv(std::in_place, ridge_shared::PART_ROPE_KV);
     for (int64_t t = 0; t < T; ++t) {
       const bf16* kv_a = y + t * yw + l.q_width;
       ridge_avx2::rms_norm_into<bf16>(kv_a, l.kv_a_norm.data_ptr<bf16>(), entry + t * E, 1, l.rank, l.latent_eps);
@@ -610,6 +639,7 @@ class Avx2DecodePlan {
                           E, l.k_scale->size(3), entry, E, sp, T, l.fp8);
     else
       for (int64_t t = 0; t < T; ++t) std::memcpy(l.k_pool.data_ptr<bf16>() + sp[t] * E, entry + t * E, E * sizeof(bf16));
+    rope_kv.reset();
     // each head's latent query: q_nope through W_uk^T, head-major, then beside its rotary query
     for (int64_t h = 0; h < H; ++h)
       for (int64_t t = 0; t < T; ++t)
@@ -625,6 +655,7 @@ class Avx2DecodePlan {
         std::memcpy(query + (t * H + h) * E + l.rank, qk_rope + (t * (H + 1) + h) * P, P * sizeof(bf16));
       }
     // multi-query attention over the latents (K: the entry, V: its first rank dims)
+    std::optional<PartTimer> attention(std::in_place, ridge_shared::PART_ATTENTION);
     if (l.k_scale.has_value()) {
       const auto* codes = static_cast<const uint8_t*>(l.k_pool.data_ptr());
       const at::Half* sc = l.k_scale->data_ptr<at::Half>();
@@ -635,6 +666,7 @@ class Avx2DecodePlan {
       ridge_avx2::decode_attention_into<bf16>(query, H * E, T, H, E, pool, pool, BS, 1, tables, max_blocks, lens, l.scale,
                                               attn);
     }
+    attention.reset();
     // the attended latents (each head's first rank dims) out through W_uv, head-major, then
     // token-major for o_proj
     for (int64_t h = 0; h < H; ++h)
@@ -659,22 +691,30 @@ class Avx2DecodePlan {
   int64_t run_moe(const Moe& m, const bf16* x, int64_t T, bf16* out, double& matmul_s) {
     const int64_t E = m.router.size(0), k = m.top_k, pairs = T * k, I = m.gate_up.n / 2, H = hidden_;
     moe_ids_.resize(pairs), moe_weights_.resize(pairs);
+    std::optional<PartTimer> routing(std::in_place, ridge_shared::PART_ROUTING);
     ridge_avx2::route_topk_into(x, T, H, m.router.data_ptr<float>(), E, k, m.softmax, m.norm_topk, m.norm_eps,
                                 m.scaling, m.n_group, m.topk_group, m.bias.has_value() ? m.bias->data_ptr<float>() : nullptr,
                                 moe_ids_.data(), moe_weights_.data());
     const int64_t used = ridge_shared::sort_by_expert(moe_ids_.data(), pairs, E, moe_counts_, moe_order_, moe_unsort_);
     bf16 *rows = moe_x_.data(), *gu = moe_gu_.data(), *act = moe_act_.data(), *ys = moe_ys_.data();
     for (int64_t p = 0; p < pairs; ++p) std::memcpy(rows + p * H, x + (moe_order_[p] / k) * H, H * sizeof(bf16));
+    routing.reset();
     {
       Timer t(matmul_s);
       m.gate_up.into(rows, moe_counts_, gu);
     }
-    ridge_avx2::silu_mul_into<bf16>(gu, pairs, I, act);
+    {
+      PartTimer pt(ridge_shared::PART_ACTIVATION);
+      ridge_avx2::silu_mul_into<bf16>(gu, pairs, I, act);
+    }
     {
       Timer t(matmul_s);
       m.down.into(act, moe_counts_, ys);
     }
-    ridge_avx2::moe_combine_into(ys, moe_weights_.data(), moe_unsort_.data(), T, k, H, out);
+    {
+      PartTimer pt(ridge_shared::PART_COMBINE);
+      ridge_avx2::moe_combine_into(ys, moe_weights_.data(), moe_unsort_.data(), T, k, H, out);
+    }
     if (!m.shared) return used;
     const int64_t SI = m.shared_gate_up.width / 2;  // the shared expert, through the dense MLP's buffers
     bf16 *sgu = gu_.data(), *sact = act_.data(), *sy = o_.data();
@@ -682,11 +722,15 @@ class Avx2DecodePlan {
       Timer t(matmul_s);
       m.shared_gate_up.into(x, T, sgu);
     }
-    ridge_avx2::silu_mul_into<bf16>(sgu, T, SI, sact);
+    {
+      PartTimer pt(ridge_shared::PART_ACTIVATION);
+      ridge_avx2::silu_mul_into<bf16>(sgu, T, SI, sact);
+    }
     {
       Timer t(matmul_s);
       m.shared_down.into(sact, T, sy);
     }
+    PartTimer pt(ridge_shared::PART_COMBINE);
     if (m.shared_gate.has_value()) {  // sigmoid(F.linear(x, gate)) * y: torch's ops, then a bf16 product
       const auto xt = at::from_blob(const_cast<bf16*>(x), {T, H}, torch::TensorOptions().dtype(at::kBFloat16));
       const auto gate = at::sigmoid(at::linear(xt, *m.shared_gate)).contiguous();

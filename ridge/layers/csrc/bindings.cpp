@@ -4,6 +4,7 @@
 
 #include "kernels.h"
 #include "paged_rows.h"
+#include "step_parts.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Each call releases the GIL while it computes (ATen needs none): a server's event loop
@@ -32,6 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("route_topk", &route_topk, py::call_guard<py::gil_scoped_release>(),
         "an MoE's top-k routing, greedy or group-limited (n_group, topk_group, bias): (ids, bf16 weights), best first");
   def_kv_grouped_bytes(m);
+  ridge_shared::def_step_parts(m);
   m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16, py::call_guard<py::gil_scoped_release>(),
         "one query per sequence over its paged K/V, no gather");
   m.def("paged_decode_attention_quant", &paged_decode_attention_quant, py::call_guard<py::gil_scoped_release>(),

@@ -20,15 +20,19 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "kernels.h"
 #include "kv_write.h"
 #include "plan_shared.h"
+#include "step_parts.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using ridge_shared::PartTimer;
+using ridge_shared::timed;
 
 // One packed weight: fmt < 0 is bf16 (linear_bf16), else a linear_quant format code.
 struct Packed {
@@ -357,18 +361,24 @@ class DecodePlan {
     double matmul_s = 0.0;
     std::vector<int64_t> touched;
     for (int64_t s = 0; s < steps; ++s) {
-      if (s)  // run() checked the tensors' kinds and shapes on the pass before
+      if (s) {  // run() checked the tensors' kinds and shapes on the pass before
+        PartTimer pt(ridge_shared::PART_SAMPLING);
         ridge_shared::next_greedy_pass(h.data_ptr<bf16>(), T, hidden, embed_.data_ptr<bf16>(), vocab, tp + s - 1, steps,
                                       positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
                                       context_lens.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(), width, BS);
+      }
       auto [mm, used] = run(h, slots, block_tables, context_lens, positions, cos, sin);
       matmul_s += mm;
       touched = std::move(used);
-      rms_norm_into(h.data_ptr<bf16>(), head_norm_.data_ptr<bf16>(), x.data_ptr<bf16>(), T, hidden, head_eps_);
+      {
+        PartTimer pt(ridge_shared::PART_NORMS);
+        rms_norm_into(h.data_ptr<bf16>(), head_norm_.data_ptr<bf16>(), x.data_ptr<bf16>(), T, hidden, head_eps_);
+      }
       {
         Timer t(matmul_s);
         head_.into(x.data_ptr<bf16>(), T, hidden, logits.data_ptr<bf16>());
       }
+      PartTimer pt(ridge_shared::PART_SAMPLING);
       const auto best = argmax_rows(logits);
       const int64_t* bp = best.data_ptr<int64_t>();
       for (int64_t t = 0; t < T; ++t) tp[t * steps + s] = bp[t];
@@ -410,14 +420,16 @@ class DecodePlan {
       const Layer& l = layers_[i];
       // attention (LlamaAttention.forward); the previous layer's residual add fused into its
       // norm (add_rms_norm_bf16 adds as h.add_ rounds: one bf16 rounding of the fp32 sum)
-      auto x = i == 0 ? rms_norm_bf16(h, l.in_norm, l.eps) : add_rms_norm_bf16(ffn_out, h, l.in_norm, l.eps);
+      auto x = timed(ridge_shared::PART_NORMS, [&] {
+        return i == 0 ? rms_norm_bf16(h, l.in_norm, l.eps) : add_rms_norm_bf16(ffn_out, h, l.in_norm, l.eps);
+      });
       if (l.mla) {  // run_mla_rows, into a tensor (its buffers sized for x's rows)
         ensure_rows(T, hidden);
         auto attn_out = at::empty_like(x);
         run_mla_rows(l, x.data_ptr<at::BFloat16>(), T, hidden, sp, block_tables.data_ptr<int64_t>(),
                      block_tables.size(1), context_lens.data_ptr<int64_t>(), positions.data_ptr<int64_t>(),
                      cos.data_ptr<float>(), sin.data_ptr<float>(), attn_out.data_ptr<at::BFloat16>(), matmul_s);
-        auto y = add_rms_norm_bf16(attn_out, h, l.post_norm, l.eps);
+        auto y = timed(ridge_shared::PART_NORMS, [&] { return add_rms_norm_bf16(attn_out, h, l.post_norm, l.eps); });
         ffn_out = run_ffn(l, y, matmul_s, touched);
         continue;
       }
@@ -429,13 +441,19 @@ class DecodePlan {
       const int64_t q_size = l.heads * l.head_dim, kv_size = l.kv_heads * l.head_dim;
       auto v = qkv.slice(1, q_size + kv_size).view({T, l.kv_heads, l.head_dim});
       torch::Tensor q, k;
+      std::optional<PartTimer> rope_kv;
       if (l.q_norm.has_value()) {
-        q = rms_norm_bf16(qkv.slice(1, 0, q_size).view({T, l.heads, l.head_dim}), *l.q_norm, l.qk_eps);
-        k = rms_norm_bf16(qkv.slice(1, q_size, q_size + kv_size).view({T, l.kv_heads, l.head_dim}), *l.k_norm,
-                          l.qk_eps);
+        {
+          PartTimer pt(ridge_shared::PART_NORMS);
+          q = rms_norm_bf16(qkv.slice(1, 0, q_size).view({T, l.heads, l.head_dim}), *l.q_norm, l.qk_eps);
+          k = rms_norm_bf16(qkv.slice(1, q_size, q_size + kv_size).view({T, l.kv_heads, l.head_dim}), *l.k_norm,
+                            l.qk_eps);
+        }
+        rope_kv.emplace(ridge_shared::PART_ROPE_KV);
         rope_bf16_(q, positions, cos, sin);
         rope_bf16_(k, positions, cos, sin);
       } else {
+        rope_kv.emplace(ridge_shared::PART_ROPE_KV);
         auto qk = qkv.slice(1, 0, q_size + kv_size).view({T, -1, l.head_dim});
         rope_bf16_(qk, positions, cos, sin);
         q = qk.slice(1, 0, l.heads);
@@ -446,11 +464,15 @@ class DecodePlan {
       if (l.k_scale.has_value()) {
         write_kv_quant_(l.k_pool, *l.k_scale, k, slots, l.fp8);
         write_kv_quant_(l.v_pool, *l.v_scale, v, slots, l.fp8);
+        rope_kv.reset();
+        PartTimer pt(ridge_shared::PART_ATTENTION);
         attn = paged_decode_attention_quant(q, l.k_pool, l.v_pool, *l.k_scale, *l.v_scale, block_tables, context_lens,
                                             l.scale, l.fp8);
       } else {
         write_rows(l.k_pool, k, sp, T);
         write_rows(l.v_pool, v, sp, T);
+        rope_kv.reset();
+        PartTimer pt(ridge_shared::PART_ATTENTION);
         attn = paged_decode_attention_bf16(q, l.k_pool, l.v_pool, block_tables, context_lens, l.scale);
       }
       torch::Tensor attn_out;
@@ -458,9 +480,10 @@ class DecodePlan {
         Timer t(matmul_s);
         attn_out = l.o.run(attn.flatten(1));
       }
-      auto y = add_rms_norm_bf16(attn_out, h, l.post_norm, l.eps);
+      auto y = timed(ridge_shared::PART_NORMS, [&] { return add_rms_norm_bf16(attn_out, h, l.post_norm, l.eps); });
       ffn_out = run_ffn(l, y, matmul_s, touched);
     }
+    PartTimer pt(ridge_shared::PART_NORMS);  // (the residual adds are timed with the norms)
     if (ffn_out.defined()) h.add_(ffn_out);
     return {matmul_s, touched};
   }
@@ -492,15 +515,21 @@ class DecodePlan {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       const bf16* in_norm = l.in_norm.data_ptr<bf16>();
-      if (i == 0)
-        rms_norm_into(hp, in_norm, x, T, hidden, l.eps);
-      else
-        add_rms_norm_into(ffn, hp, in_norm, x, T, hidden, l.eps);
+      {
+        PartTimer pt(ridge_shared::PART_NORMS);
+        if (i == 0)
+          rms_norm_into(hp, in_norm, x, T, hidden, l.eps);
+        else
+          add_rms_norm_into(ffn, hp, in_norm, x, T, hidden, l.eps);
+      }
       if (l.mla)
         run_mla_rows(l, x, T, hidden, sp, tables, block_tables.size(1), lens, pos, cp, snp, o, matmul_s);
       else
         run_attention_rows(l, x, T, hidden, sp, tables, block_tables.size(1), lens, pos, cp, snp, o, matmul_s);
-      add_rms_norm_into(o, hp, l.post_norm.data_ptr<bf16>(), x, T, hidden, l.eps);
+      {
+        PartTimer pt(ridge_shared::PART_NORMS);
+        add_rms_norm_into(o, hp, l.post_norm.data_ptr<bf16>(), x, T, hidden, l.eps);
+      }
       if (l.moe.has_value()) {
         run_moe_rows(*l.moe, x, T, hidden, ffn, matmul_s, touched[i]);
         continue;
@@ -510,12 +539,16 @@ class DecodePlan {
         Timer t(matmul_s);
         l.gate_up.into(x, T, hidden, gu);
       }
-      silu_mul_into(gu, T, I, act);
+      {
+        PartTimer pt(ridge_shared::PART_ACTIVATION);
+        silu_mul_into(gu, T, I, act);
+      }
       {
         Timer t(matmul_s);
         l.down.into(act, T, I, ffn);
       }
     }
+    PartTimer pt(ridge_shared::PART_NORMS);  // (the residual adds are timed with the norms)
     add_rows_into(hp, ffn, T * hidden);  // the last layer's feed-forward into h (h.add_'s rounding)
     return {matmul_s, touched};
   }
@@ -533,6 +566,7 @@ class DecodePlan {
       l.qkv.into(x, T, hidden, qkv);
     }
     if (l.q_norm.has_value()) {  // each head's q and k normed in place (rms_row reads a row before writing it)
+      PartTimer pt(ridge_shared::PART_NORMS);
       const bf16* qn = l.q_norm->data_ptr<bf16>();
       const bf16* kn = l.k_norm->data_ptr<bf16>();
       for (int64_t t = 0; t < T; ++t) {
@@ -541,25 +575,33 @@ class DecodePlan {
         rms_norm_into(row + q_size, kn, row + q_size, l.kv_heads, D, l.qk_eps);
       }
     }
-    rope_into(qkv, T, l.heads + l.kv_heads, D, qkv_n, pos, cp, snp);
     const int64_t num_slots = l.k_pool.size(0) * l.k_pool.size(1), BS = l.k_pool.size(1);
-    if (l.k_scale.has_value()) {  // write_kv_quant_ twice, then the int8 / fp8 decode kernel
-      auto* kp = static_cast<uint8_t*>(l.k_pool.data_ptr());
-      auto* vp = static_cast<uint8_t*>(l.v_pool.data_ptr());
-      at::Half* ks = l.k_scale->data_ptr<at::Half>();
-      at::Half* vs = l.v_scale->data_ptr<at::Half>();
-      const int64_t groups = l.k_scale->size(-1);
-      write_kv_quant_into(kp, ks, num_slots, l.kv_heads, D, groups, qkv + q_size, qkv_n, sp, T, l.fp8);
-      write_kv_quant_into(vp, vs, num_slots, l.kv_heads, D, groups, qkv + q_size + kv_size, qkv_n, sp, T, l.fp8);
-      paged_decode_attention_quant_into(qkv, qkv_n, T, l.heads, D, kp, vp, ks, vs, BS, l.kv_heads, groups, tables,
-                                        max_blocks, lens, l.scale, l.fp8, attn);
-    } else {
-      bf16* kp = l.k_pool.data_ptr<bf16>();
-      bf16* vp = l.v_pool.data_ptr<bf16>();
-      write_rows_into(kp, kv_size, num_slots, qkv + q_size, qkv_n, sp, T);
-      write_rows_into(vp, kv_size, num_slots, qkv + q_size + kv_size, qkv_n, sp, T);
-      paged_decode_attention_bf16_into(qkv, qkv_n, T, l.heads, D, kp, vp, BS, l.kv_heads, tables, max_blocks, lens,
-                                       l.scale, attn);
+    const bool quant = l.k_scale.has_value();  // an int8 / fp8 pool: write_kv_quant_, the quant kernel
+    const int64_t groups = quant ? l.k_scale->size(-1) : 0;
+    {
+      PartTimer pt(ridge_shared::PART_ROPE_KV);
+      rope_into(qkv, T, l.heads + l.kv_heads, D, qkv_n, pos, cp, snp);
+      if (quant) {
+        write_kv_quant_into(static_cast<uint8_t*>(l.k_pool.data_ptr()), l.k_scale->data_ptr<at::Half>(), num_slots,
+                            l.kv_heads, D, groups, qkv + q_size, qkv_n, sp, T, l.fp8);
+        write_kv_quant_into(static_cast<uint8_t*>(l.v_pool.data_ptr()), l.v_scale->data_ptr<at::Half>(), num_slots,
+                            l.kv_heads, D, groups, qkv + q_size + kv_size, qkv_n, sp, T, l.fp8);
+      } else {
+        write_rows_into(l.k_pool.data_ptr<bf16>(), kv_size, num_slots, qkv + q_size, qkv_n, sp, T);
+        write_rows_into(l.v_pool.data_ptr<bf16>(), kv_size, num_slots, qkv + q_size + kv_size, qkv_n, sp, T);
+      }
+    }
+    {
+      PartTimer pt(ridge_shared::PART_ATTENTION);
+      if (quant)
+        paged_decode_attention_quant_into(qkv, qkv_n, T, l.heads, D, static_cast<const uint8_t*>(l.k_pool.data_ptr()),
+                                          static_cast<const uint8_t*>(l.v_pool.data_ptr()),
+                                          l.k_scale->data_ptr<at::Half>(), l.v_scale->data_ptr<at::Half>(), BS,
+                                          l.kv_heads, groups, tables, max_blocks, lens, l.scale, l.fp8, attn);
+      else
+        paged_decode_attention_bf16_into(qkv, qkv_n, T, l.heads, D, l.k_pool.data_ptr<bf16>(),
+                                         l.v_pool.data_ptr<bf16>(), BS, l.kv_heads, tables, max_blocks, lens, l.scale,
+                                         attn);
     }
     Timer t(matmul_s);
     l.o.into(attn, T, q_size, o);
@@ -584,7 +626,10 @@ class DecodePlan {
     if (l.q_b.has_value()) {
       bf16 *qa = ws_mla_qa_.data_ptr<bf16>(), *qb = ws_mla_q_.data_ptr<bf16>();
       const bf16* w = l.q_a_norm->data_ptr<bf16>();
-      for (int64_t t = 0; t < T; ++t) rms_norm_into(y + t * yw, w, qa + t * l.q_width, 1, l.q_width, l.latent_eps);
+      {
+        PartTimer pt(ridge_shared::PART_NORMS);
+        for (int64_t t = 0; t < T; ++t) rms_norm_into(y + t * yw, w, qa + t * l.q_width, 1, l.q_width, l.latent_eps);
+      }
       {
         Timer t(matmul_s);
         l.q_b->into(qa, T, l.q_width, qb);
@@ -593,7 +638,8 @@ class DecodePlan {
       qs = l.q_b->width();
     }
     // the cache entry (the normed latent, the rotary key) and each head's rotary query after
-    // its latent query's place, both rotated
+    // its latent query's place, both rotated (the latent's norm timed with the rotations)
+    std::optional<PartTimer> rope_kv(std::in_place, ridge_shared::PART_ROPE_KV);
     const bf16* kv_norm = l.kv_a_norm.data_ptr<bf16>();
     for (int64_t t = 0; t < T; ++t) {
       const bf16* kv_a = y + t * yw + l.q_width;
@@ -611,10 +657,12 @@ class DecodePlan {
                           groups, entry, E, sp, T, l.fp8);
     else
       write_rows_into(l.k_pool.data_ptr<bf16>(), E, num_slots, entry, E, sp, T);
+    rope_kv.reset();
     {
       Timer t(matmul_s);
       head_matmul_into(l.w_uk, q, qs, QH, T, H, l.nope, lat);  // the latent queries (T, H, rank)
     }
+    std::optional<PartTimer> attention(std::in_place, ridge_shared::PART_ATTENTION);
     for (int64_t r = 0; r < T * H; ++r) std::memcpy(query + r * E, lat + r * l.rank, l.rank * sizeof(bf16));
     if (l.k_scale.has_value())
       paged_decode_attention_shared_quant_into(query, T, H, E, static_cast<const uint8_t*>(l.k_pool.data_ptr()),
@@ -623,6 +671,7 @@ class DecodePlan {
     else
       paged_decode_attention_shared_into(query, T, H, E, l.k_pool.data_ptr<bf16>(), BS, tables, max_blocks, lens, l.scale,
                                          l.rank, lat);
+    attention.reset();
     Timer t(matmul_s);
     head_matmul_into(l.w_uv_t, lat, H * l.rank, l.rank, T, H, l.rank, attn);  // (T, H, v)
     l.o.into(attn, T, H * head_width(l.w_uv_t), out);
@@ -767,7 +816,7 @@ class DecodePlan {
       Timer t(matmul_s);
       out = l.gate_up.run(y);
     }
-    auto act = silu_mul_bf16(out);
+    auto act = timed(ridge_shared::PART_ACTIVATION, [&] { return silu_mul_bf16(out); });
     {
       Timer t(matmul_s);
       out = l.down.run(act);
@@ -786,6 +835,7 @@ class DecodePlan {
     const int64_t E = m.router.size(0), k = m.top_k, pairs = T * k, I = m.gate_up.n / 2;
     moe_ids_.resize(pairs);
     moe_weights_.resize(pairs);
+    std::optional<PartTimer> routing(std::in_place, ridge_shared::PART_ROUTING);
     route_topk_into(x, T, H, m.router.data_ptr<float>(), E, k, m.softmax, m.norm_topk, m.norm_eps, m.scaling, m.n_group,
                     m.topk_group, m.bias.has_value() ? m.bias->data_ptr<float>() : nullptr, moe_ids_.data(),
                     moe_weights_.data());
@@ -794,16 +844,23 @@ class DecodePlan {
     bf16 *rows = ws_moe_x_.data_ptr<bf16>(), *gu = ws_moe_gu_.data_ptr<bf16>();
     bf16 *act = ws_moe_act_.data_ptr<bf16>(), *ys = ws_moe_ys_.data_ptr<bf16>();
     for (int64_t j = 0; j < pairs; ++j) std::memcpy(rows + j * H, x + (moe_order_[j] / k) * H, H * sizeof(bf16));
+    routing.reset();
     {
       Timer t(matmul_s);
       Moe::grouped_into(m.gate_up, rows, H, moe_counts_, gu);
     }
-    silu_mul_into(gu, pairs, I, act);
+    {
+      PartTimer pt(ridge_shared::PART_ACTIVATION);
+      silu_mul_into(gu, pairs, I, act);
+    }
     {
       Timer t(matmul_s);
       Moe::grouped_into(m.down, act, I, moe_counts_, ys);
     }
-    combine_into(ys, weights, moe_unsort_, T, k, H, out);
+    {
+      PartTimer pt(ridge_shared::PART_COMBINE);
+      combine_into(ys, weights, moe_unsort_, T, k, H, out);
+    }
     if (!m.shared) return;
     const int64_t SI = m.shared_gate_up.width() / 2;  // the shared expert into the step's MLP buffers
     bf16 *sgu = ws_gu_.data_ptr<bf16>(), *sact = ws_act_.data_ptr<bf16>(), *sy = ws_o_.data_ptr<bf16>();
@@ -811,11 +868,15 @@ class DecodePlan {
       Timer t(matmul_s);
       m.shared_gate_up.into(x, T, H, sgu);
     }
-    silu_mul_into(sgu, T, SI, sact);
+    {
+      PartTimer pt(ridge_shared::PART_ACTIVATION);
+      silu_mul_into(sgu, T, SI, sact);
+    }
     {
       Timer t(matmul_s);
       m.shared_down.into(sact, T, SI, sy);
     }
+    PartTimer pt(ridge_shared::PART_COMBINE);
     if (m.shared_gate.has_value()) {  // sigmoid(x gate^T) * y: a bf16 product, rounded once
       const auto xt = at::from_blob(const_cast<bf16*>(x), {T, H}, torch::TensorOptions().dtype(at::kBFloat16));
       const auto gate = at::sigmoid(at::linear(xt, *m.shared_gate)).contiguous();

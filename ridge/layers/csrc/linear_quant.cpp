@@ -44,6 +44,7 @@
 
 #include "amx.h"
 #include "block_runs.h"
+#include "step_parts.h"
 #include "kernels.h"
 #include "linear_call.h"
 #include "simd_math.h"
@@ -822,6 +823,7 @@ struct SlabBuffers {
   std::vector<int32_t> q, qs, qsa, hs;
   std::vector<float> d, s;
   std::vector<int8_t> xa;
+  std::vector<double> busy;  // each thread's seconds on blocks in the last region (step_parts.h)
 };
 
 // The calling thread's buffers: one set whatever the format and x's type (a thread_local in
@@ -840,6 +842,7 @@ SlabBuffers& slab_buffers() {
 // each paid one before: at batch 1 a (1536 x 2048) int4 expert is ~60 us of weights).
 template <int FMT, typename T>
 void segments_slab(const std::vector<Segment<T>>& segs, int64_t K, int64_t N, const float* bias, int64_t ldy) {
+  const double entered = ridge_shared::clock_s();
   const Layout L = layout_of(FMT);
   const int64_t G = K / QK, NB = (N + ROWS - 1) / ROWS, block_bytes = G * L.chunk;
   const int64_t S = static_cast<int64_t>(segs.size());
@@ -904,7 +907,11 @@ void segments_slab(const std::vector<Segment<T>>& segs, int64_t K, int64_t N, co
   // other (block_runs.h)
   const int64_t slots = std::min<int64_t>(at::get_num_threads(), S * NB);
   BlockRuns runs(S * NB, slots);
+  B.busy.assign(slots, 0.0);
+  const double region = ridge_shared::clock_s();
+  ridge_shared::g_step_parts[ridge_shared::PART_MATMUL_SETUP] += region - entered;
   at::parallel_for(0, slots, 1, [&](int64_t t_begin, int64_t t_end) {
+    const double started = ridge_shared::clock_s();
     int64_t configured = 0;  // AMX tiles are configured per thread, for the tile's rows
     const uint8_t* pf_end = nullptr;
     int64_t j, run_end, prev = -2;
@@ -922,7 +929,14 @@ void segments_slab(const std::vector<Segment<T>>& segs, int64_t K, int64_t N, co
         }
       }
     if (configured) _tile_release();
+    B.busy[t_begin] = ridge_shared::clock_s() - started;
   });
+  // the region's time less the mean busy time of the threads that ran (one, where the region
+  // ran inline): late starts, the wait for the slower thread, the join
+  double busy = 0.0;
+  int64_t ran = 0;
+  for (const double b : B.busy) busy += b, ran += b > 0.0;
+  ridge_shared::g_step_parts[ridge_shared::PART_MATMUL_WAIT] += ridge_shared::clock_s() - region - busy / std::max<int64_t>(ran, 1);
 }
 
 // segments_slab for the format code fmt (every segment at most SLAB rows)
