@@ -280,6 +280,14 @@ class SamplingState:
         """True while stop / eos ids must still be masked."""
         return len(self.output_token_ids) < self.params.min_tokens
 
+    def plain_greedy(self) -> bool:
+        """Whether the row's token is its logits' argmax and nothing else is asked of it: greedy,
+        no logprobs, no penalties, no min_tokens holding EOS back. The sampler's fast path (one
+        argmax for a batch of them), the verification of plain-greedy draft runs together, and
+        the decode plan's greedy passes (which compute exactly that argmax) take such rows."""
+        p = self.params
+        return p.greedy and p.logprobs is None and not p.has_penalties and not self.min_tokens_active()
+
 
 @dataclass
 class SamplerOutput:
@@ -483,10 +491,7 @@ class Sampler:
             return PendingSample(torch.empty(0, dtype=torch.long, device=logits.device), batch)
 
         # Fast path: plain greedy everywhere is a single argmax, no copies, no per-row tensors.
-        if all(
-            s.params.greedy and s.params.logprobs is None and not s.params.has_penalties and not s.min_tokens_active()
-            for s in states
-        ):
+        if all(s.plain_greedy() for s in states):
             return PendingSample(self.argmax(logits), batch)
 
         device = logits.device

@@ -85,13 +85,6 @@ def verify(
     return VerifyResult(tokens, accepted, logprobs)
 
 
-def plain_greedy(state: SamplingState) -> bool:
-    """Greedy with nothing that changes the logits per position or asks for logprobs: its
-    runs can be verified together, from one argmax over all their rows."""
-    p = state.params
-    return p.greedy and not p.has_penalties and not state.min_tokens_active() and p.logprobs is None
-
-
 def verify_greedy_batch(
     logits: torch.Tensor, runs: list[list[int]], argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
 ) -> list[VerifyResult]:

@@ -24,7 +24,7 @@ from ridge.engine.step import ChunkKind, PromptLogprob, RunnerOutput, SchedulerO
 from ridge.kv.cache import PagedKV
 from ridge.layers.attention import AttentionMetadata, PrefillChunk
 from ridge.sampling import PendingSample, Sampler, SamplerOutput, SamplingParams, SamplingState
-from ridge.spec_decode.rejection import plain_greedy, verify, verify_greedy_batch
+from ridge.spec_decode.rejection import verify, verify_greedy_batch
 
 __all__ = [
     "ChunkInput",
@@ -405,7 +405,7 @@ class ModelRunner:
             state = self.requests[rid].sampling
             rows = range(row, row + 1 + len(drafts))
             row += 1 + len(drafts)
-            if plain_greedy(state):  # verified together below
+            if state.plain_greedy():  # verified together below
                 greedy_rows.extend(rows)
                 greedy_runs.append((rid, drafts))
             else:
