@@ -23,7 +23,6 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
-#include <chrono>
 #include <cstring>
 #include <optional>
 #include <tuple>
@@ -37,8 +36,8 @@
 namespace {
 
 using bf16 = at::BFloat16;
-using Clock = std::chrono::steady_clock;
 using ridge_shared::PartTimer;
+using Timer = ridge_shared::AddTime;  // the seconds in the linear kernels
 using PartSpec = std::tuple<torch::Tensor, int64_t, int64_t>;  // (weight, format code, rows), as plan_linear gives
 
 // One weight of a layer: code -1 a dense bf16 (n, K); else a GGUF type's rows (n, row bytes),
@@ -208,12 +207,6 @@ struct Layer {
   Experts w_uk, w_uv;  // per-head matrices, one "expert" a head: W_uk^T (rank rows over nope), W_uv (v over rank)
 };
 
-struct Timer {
-  double& total;
-  Clock::time_point start = Clock::now();
-  explicit Timer(double& t) : total(t) {}
-  ~Timer() { total += std::chrono::duration<double>(Clock::now() - start).count(); }
-};
 
 // An int8 / fp8 pool's scales as its decode attention reads them (Avx2Kernels._reads_codes):
 // fp16 (blocks, block_size, kv_heads, groups) beside the pool, one group a head or groups of a

@@ -17,7 +17,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -30,8 +29,8 @@
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
 using ridge_shared::PartTimer;
+using Timer = ridge_shared::AddTime;  // the seconds in the linear kernels
 using ridge_shared::timed;
 
 // One packed weight: fmt < 0 is bf16 (linear_bf16), else a linear_quant format code.
@@ -210,17 +209,6 @@ void write_kv_quant_(torch::Tensor pool, torch::Tensor scales, torch::Tensor x, 
   write_kv_quant_into(static_cast<uint8_t*>(pool.data_ptr()), scales.data_ptr<at::Half>(), num_slots, H, D, G,
                       x.data_ptr<at::BFloat16>(), x.stride(0), slots.data_ptr<int64_t>(), T, fp8);
 }
-
-namespace {
-
-struct Timer {
-  double& total;
-  Clock::time_point start = Clock::now();
-  explicit Timer(double& t) : total(t) {}
-  ~Timer() { total += std::chrono::duration<double>(Clock::now() - start).count(); }
-};
-
-}  // namespace
 
 class DecodePlan {
  public:

@@ -44,10 +44,10 @@
 
 #include "amx.h"
 #include "block_runs.h"
-#include "step_parts.h"
 #include "kernels.h"
 #include "linear_call.h"
 #include "simd_math.h"
+#include "step_parts.h"
 
 namespace {
 
@@ -936,7 +936,8 @@ void segments_slab(const std::vector<Segment<T>>& segs, int64_t K, int64_t N, co
   double busy = 0.0;
   int64_t ran = 0;
   for (const double b : B.busy) busy += b, ran += b > 0.0;
-  ridge_shared::g_step_parts[ridge_shared::PART_MATMUL_WAIT] += ridge_shared::clock_s() - region - busy / std::max<int64_t>(ran, 1);
+  ridge_shared::g_step_parts[ridge_shared::PART_MATMUL_WAIT] +=
+      ridge_shared::clock_s() - region - busy / std::max<int64_t>(ran, 1);
 }
 
 // segments_slab for the format code fmt (every segment at most SLAB rows)

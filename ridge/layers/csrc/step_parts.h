@@ -45,14 +45,18 @@ inline double clock_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// Adds the seconds from its construction to its end to one part.
-struct PartTimer {
-  StepPart part;
+// Adds the seconds from its construction to its end to a total (the plans' matmul time, a part).
+struct AddTime {
+  double& total;
   double start = clock_s();
-  explicit PartTimer(StepPart p) : part(p) {}
-  PartTimer(const PartTimer&) = delete;
-  PartTimer& operator=(const PartTimer&) = delete;
-  ~PartTimer() { g_step_parts[part] += clock_s() - start; }
+  explicit AddTime(double& t) : total(t) {}
+  AddTime(const AddTime&) = delete;
+  AddTime& operator=(const AddTime&) = delete;
+  ~AddTime() { total += clock_s() - start; }
+};
+
+struct PartTimer : AddTime {
+  explicit PartTimer(StepPart p) : AddTime(g_step_parts[p]) {}
 };
 
 // f() with its time added to part p
