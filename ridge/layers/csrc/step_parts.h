@@ -7,9 +7,10 @@
 // spend not computing while the region lasts ("matmul_wait": the region's wall time less the
 // mean of the threads' busy times, i.e. starting late, waiting for the slower one, the join).
 // The engine's telemetry reads them after each step (worker.py), next to the matmuls' time: a
-// step's time outside its matmuls, op by op, and the matmuls' own overhead. Timing costs two
-// clock reads an op (~40 ns; ~10 us a step of a 22-layer model), always on, as the matmuls'
-// time is. Never changes a result.
+// step's time outside its matmuls, op by op, and the matmuls' own overhead (a draft model's
+// passes, run in the same process after the step is read, count with the next step). Timing
+// costs two clock reads an op (~40 ns; ~10 us a step of a 22-layer model), always on, as the
+// matmuls' time is. Never changes a result.
 #pragma once
 #include <chrono>
 #include <cstdint>
