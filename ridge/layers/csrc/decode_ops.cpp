@@ -319,16 +319,21 @@ void paged_decode_attention_bf16_into(const bf16* qp, int64_t q_stride, int64_t 
   const int64_t split = kv_head_jobs(B, Hkv, lp, Hkv * D * 2 * static_cast<int64_t>(sizeof(bf16)));
   const int64_t HJ = Hkv / split;
   at::parallel_for(0, B * split, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> qpairs(HJ * G * DP);
-    std::vector<__m512i> col(DP);
-    std::vector<float> scores, acc;
+    // the thread's buffers, kept from call to call (paged_rows.h's Scratch; every element is
+    // written before it is read): the query's pairs, K's columns, the scores, the sums
+    thread_local Scratch<int32_t> qpairs_buf;
+    thread_local Scratch<__m512i> col_buf;
+    thread_local Scratch<float> score_buf, acc_buf;
+    int32_t* qpairs = qpairs_buf.get(HJ * G * DP);
+    __m512i* col = col_buf.get(DP);
+    float* acc = acc_buf.get(HJ * G * D);
     std::vector<int64_t> rows;  // token t's pool row of the job's first head
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / split, h0 = job % split * HJ;
       const int64_t L = lp[b];
       paged_rows(tp + b * max_blocks, L, BS, Hkv, h0, rows);
-      std::memcpy(qpairs.data(), qp + b * q_stride + h0 * G * D, HJ * G * D * sizeof(bf16));
-      scores.resize(HJ * G * L);  // every score is written below
+      std::memcpy(qpairs, qp + b * q_stride + h0 * G * D, HJ * G * D * sizeof(bf16));
+      float* scores = score_buf.get(HJ * G * L);  // every score is written below
       const int64_t first = std::min<int64_t>(L, KV_PREFETCH_TOKENS);  // the window before the loops' fetch
       prefetch_rows<_MM_HINT_T0>(kp, rows.data(), 0, first, 2 * D, HJ);
       prefetch_rows<_MM_HINT_T1>(vp, rows.data(), 0, first, 2 * D, HJ);
@@ -344,19 +349,19 @@ void paged_decode_attention_bf16_into(const bf16* qp, int64_t q_stride, int64_t 
             rows16[i] = rows[t0 + std::min<int64_t>(i, n - 1)] + j;
           // col[p] lane i holds token i's (k[2p], k[2p+1]) (row_columns; a gather per pair, as this
           // kernel read before, measured 1.03-1.07x slower for the whole attention, 2-core Xeon)
-          row_columns(reinterpret_cast<const uint8_t*>(kp), rows16, 2 * D, _mm512_setzero_si512(), col.data());
+          row_columns(reinterpret_cast<const uint8_t*>(kp), rows16, 2 * D, _mm512_setzero_si512(), col);
           for (int64_t g0 = 0; g0 < G; g0 += 8) {
-            const int32_t* qg = qpairs.data() + (j * G + g0) * DP;
+            const int32_t* qg = qpairs + (j * G + g0) * DP;
             float* sg = &scores[(j * G + g0) * L + t0];
             switch (std::min<int64_t>(8, G - g0)) {
-              case 1: qk_chunk<1>(col.data(), qg, DP, sg, L, n, fscale); break;
-              case 2: qk_chunk<2>(col.data(), qg, DP, sg, L, n, fscale); break;
-              case 3: qk_chunk<3>(col.data(), qg, DP, sg, L, n, fscale); break;
-              case 4: qk_chunk<4>(col.data(), qg, DP, sg, L, n, fscale); break;
-              case 5: qk_chunk<5>(col.data(), qg, DP, sg, L, n, fscale); break;
-              case 6: qk_chunk<6>(col.data(), qg, DP, sg, L, n, fscale); break;
-              case 7: qk_chunk<7>(col.data(), qg, DP, sg, L, n, fscale); break;
-              default: qk_chunk<8>(col.data(), qg, DP, sg, L, n, fscale);
+              case 1: qk_chunk<1>(col, qg, DP, sg, L, n, fscale); break;
+              case 2: qk_chunk<2>(col, qg, DP, sg, L, n, fscale); break;
+              case 3: qk_chunk<3>(col, qg, DP, sg, L, n, fscale); break;
+              case 4: qk_chunk<4>(col, qg, DP, sg, L, n, fscale); break;
+              case 5: qk_chunk<5>(col, qg, DP, sg, L, n, fscale); break;
+              case 6: qk_chunk<6>(col, qg, DP, sg, L, n, fscale); break;
+              case 7: qk_chunk<7>(col, qg, DP, sg, L, n, fscale); break;
+              default: qk_chunk<8>(col, qg, DP, sg, L, n, fscale);
             }
           }
         }
@@ -367,7 +372,7 @@ void paged_decode_attention_bf16_into(const bf16* qp, int64_t q_stride, int64_t 
       // heads in runs of PV_TOKENS tokens (their rows of the job's heads in L1 for all of them),
       // one of one head in one run; each cut of a head's query heads and dims (pv_cuts) keeps
       // its accumulators in registers over a run.
-      acc.assign(HJ * G * D, 0.f);
+      std::fill(acc, acc + HJ * G * D, 0.f);
       const int64_t run = HJ == 1 ? L : PV_TOKENS;
       for (int64_t t0 = 0; t0 < L; t0 += run) {
         const int64_t t1 = std::min<int64_t>(L, t0 + run);
