@@ -160,6 +160,7 @@ def prefill_rows_as_decodes(chunk, block_size: int) -> AttentionMetadata:
 
 class TorchKernels:
     name = "torch"
+    ext = None  # the CPU extension a subclass calls (CpuKernels, Avx2Kernels); None: torch alone
     # Prompt chunks of at most this many tokens run as decode rows (each row a query over its
     # context up to itself), batched in the step's one decode-attention call, instead of
     # through prefill attention per chunk (0: never; the runner asks, ``worker/runner.py``).
@@ -176,8 +177,8 @@ class TorchKernels:
         """Seconds by kind of op since the last call, where the kernels time them (the CPU
         extensions: ``csrc/step_parts.h``): the decode plans' attention, norms, ``rope_kv``,
         activation, MoE routing and combine, greedy sampling, and inside the matmuls' time the
-        block-format matmul's ``matmul_setup`` and ``matmul_wait``. Empty here."""
-        return {}
+        block-format matmul's ``matmul_setup`` and ``matmul_wait``. Empty without an extension."""
+        return {} if self.ext is None else dict(self.ext.take_step_parts())
 
     def matmul(self, x: torch.Tensor, layer: Linear, rows: slice | None = None) -> torch.Tensor:
         """x @ W^T (+ b) in whatever form the layer's method holds W (``linear``), timed.
@@ -436,9 +437,6 @@ class Avx2Kernels(TorchKernels):
 
     def __init__(self, ext) -> None:
         self.ext = ext
-
-    def take_step_parts(self) -> dict[str, float]:
-        return dict(self.ext.take_step_parts())
 
     def linear(self, x, layer, rows=None):
         if layer.parts is not None and rows is None:
@@ -756,9 +754,6 @@ class CpuKernels(TorchKernels):
 
     def __init__(self, ext) -> None:
         self.ext = ext
-
-    def take_step_parts(self) -> dict[str, float]:
-        return dict(self.ext.take_step_parts())
 
     def linear(self, x: torch.Tensor, layer: Linear, rows: slice | None = None) -> torch.Tensor:
         # a layer held in parts has no packed weight of its own: the base class splits it, and
