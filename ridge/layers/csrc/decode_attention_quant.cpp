@@ -224,12 +224,21 @@ void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* k
   const int64_t split = FP8 ? Hkv : kv_head_jobs(B, Hkv, lp, Hkv * 2 * (D + 2 * NGR));
   const int64_t HJ = Hkv / split, HG = HJ * G;
   at::parallel_for(0, B * split, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(HG * D), qscale(HG * NGR), scores, vscale, acc(HG * D);
-    std::vector<int8_t> qq(HG * D);
-    std::vector<int32_t> qsum(HG * NGR);
-    std::vector<__m512i> col(FP8 ? 0 : D / 4);
-    std::vector<__m512> colv(FP8 ? D : 0);  // fp8: [d][16 tokens] fp32
-    float* colf = reinterpret_cast<float*>(colv.data());
+    // the thread's buffers, kept from call to call (paged_rows.h's Scratch; every element is
+    // written before it is read): the query in float, its int8 codes, their sums and scales,
+    // K's columns, the scores, V's scales, the sums
+    thread_local Scratch<float> qf_buf, qscale_buf, score_buf, vscale_buf, acc_buf;
+    thread_local Scratch<int8_t> qq_buf;
+    thread_local Scratch<int32_t> qsum_buf;
+    thread_local Scratch<__m512i> col_buf;
+    thread_local Scratch<__m512> colv_buf;  // fp8: [d][16 tokens] fp32
+    float* qf = qf_buf.get(HG * D);
+    float* qscale = qscale_buf.get(HG * NGR);
+    float* acc = acc_buf.get(HG * D);
+    int8_t* qq = qq_buf.get(HG * D);
+    int32_t* qsum = qsum_buf.get(HG * NGR);
+    __m512i* col = col_buf.get(FP8 ? 1 : D / 4);
+    float* colf = reinterpret_cast<float*>(colv_buf.get(FP8 ? D : 1));
     std::vector<int64_t> rows;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / split, h0 = job % split * HJ, L = lp[b];
@@ -240,9 +249,9 @@ void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* k
       prefetch_rows<_MM_HINT_T1>(vp, rows.data(), 0, first, D, HJ);
       prefetch_rows<_MM_HINT_T1>(vsp, rows.data(), 0, first, 2 * NGR, HJ);
       for (int64_t i = 0; i < HG * D; ++i) qf[i] = static_cast<float>(qp[b * q_stride + h0 * G * D + i]);
-      scores.resize(HG * L);  // every score is written below
+      float* scores = score_buf.get(HG * L);  // every score is written below
       if constexpr (!FP8)
-        for (int64_t g = 0; g < HG; ++g) quantize_query(&qf[g * D], D, GS, scale, &qq[g * D], &qsum[g * NGR], &qscale[g * NGR]);
+        for (int64_t g = 0; g < HG; ++g) quantize_query(qf + g * D, D, GS, scale, qq + g * D, qsum + g * NGR, qscale + g * NGR);
       const __m512 unit_scale = _mm512_set1_ps(code_unit * scale);
       const bool eight = !FP8 && GS == 32 && G % 8 == 0;  // int8 scores 8 heads a pass (see qk_int8)
       for (int64_t t0 = 0; t0 < L; t0 += 16) {
@@ -269,11 +278,11 @@ void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* k
             k_columns_fp8(kp + j * D, rows16, D, colf);
           else
             // 16 tokens' codes as vpdpbusd takes them: col[p] lane i holds token i's dims 4p .. 4p + 3, + 128
-            row_columns(kp + j * D, rows16, D, _mm512_set1_epi32(static_cast<int32_t>(0x80808080u)), col.data());
+            row_columns(kp + j * D, rows16, D, _mm512_set1_epi32(static_cast<int32_t>(0x80808080u)), col);
           for (int64_t g0 = 0; g0 < G; g0 += eight ? 8 : 4) {
             float* s = &scores[(j * G + g0) * L + t0];
             if constexpr (FP8) {
-              const float* q = &qf[(j * G + g0) * D];
+              const float* q = qf + (j * G + g0) * D;
               switch (std::min<int64_t>(4, G - g0)) {
                 case 1: qk_fp8<1>(colf, q, D, GS, ks, unit_scale, s, L, n); break;
                 case 2: qk_fp8<2>(colf, q, D, GS, ks, unit_scale, s, L, n); break;
@@ -281,17 +290,17 @@ void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* k
                 default: qk_fp8<4>(colf, q, D, GS, ks, unit_scale, s, L, n);
               }
             } else {
-              const int8_t* q = &qq[(j * G + g0) * D];
-              const int32_t* qs = &qsum[(j * G + g0) * NGR];
-              const float* qfs = &qscale[(j * G + g0) * NGR];
+              const int8_t* q = qq + (j * G + g0) * D;
+              const int32_t* qs = qsum + (j * G + g0) * NGR;
+              const float* qfs = qscale + (j * G + g0) * NGR;
               if (eight)
-                qk_int8<8, 8>(col.data(), q, qs, qfs, D, GS, ks, s, L, n);
+                qk_int8<8, 8>(col, q, qs, qfs, D, GS, ks, s, L, n);
               else
                 switch (std::min<int64_t>(4, G - g0)) {
-                  case 1: qk_int8<1>(col.data(), q, qs, qfs, D, GS, ks, s, L, n); break;
-                  case 2: qk_int8<2>(col.data(), q, qs, qfs, D, GS, ks, s, L, n); break;
-                  case 3: qk_int8<3>(col.data(), q, qs, qfs, D, GS, ks, s, L, n); break;
-                  default: qk_int8<4>(col.data(), q, qs, qfs, D, GS, ks, s, L, n);
+                  case 1: qk_int8<1>(col, q, qs, qfs, D, GS, ks, s, L, n); break;
+                  case 2: qk_int8<2>(col, q, qs, qfs, D, GS, ks, s, L, n); break;
+                  case 3: qk_int8<3>(col, q, qs, qfs, D, GS, ks, s, L, n); break;
+                  default: qk_int8<4>(col, q, qs, qfs, D, GS, ks, s, L, n);
                 }
             }
           }
@@ -299,14 +308,14 @@ void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* k
       }
       for (int64_t g = 0; g < HG; ++g) ridge::softmax_row(&scores[g * L], L, false);
       // V's scales per (head, token, group), code units folded in
-      vscale.resize(HJ * L * NGR);
-      for (int64_t j = 0; j < HJ; ++j) token_scales(vsp + j * NGR, rows.data(), L, NGR, code_unit, &vscale[j * L * NGR]);
-      std::fill(acc.begin(), acc.end(), 0.f);
+      float* vscale = vscale_buf.get(HJ * L * NGR);
+      for (int64_t j = 0; j < HJ; ++j) token_scales(vsp + j * NGR, rows.data(), L, NGR, code_unit, vscale + j * L * NGR);
+      std::fill(acc, acc + HG * D, 0.f);
       const int64_t run = HJ == 1 ? L : PV_TOKENS;
       for (int64_t t0 = 0; t0 < L; t0 += run) {
         const int64_t t1 = std::min<int64_t>(L, t0 + run);
         for (int64_t j = 0; j < HJ; ++j)
-          pv<FP8>(G, vp + j * D, rows.data(), t0, t1, D, &scores[j * G * L], L, &vscale[j * L * NGR], NGR, GS, &acc[j * G * D]);
+          pv<FP8>(G, vp + j * D, rows.data(), t0, t1, D, &scores[j * G * L], L, vscale + j * L * NGR, NGR, GS, acc + j * G * D);
       }
       for (int64_t i = 0; i < HG * D; ++i) op[(b * Hq + h0 * G) * D + i] = static_cast<T>(acc[i]);
     }
