@@ -100,7 +100,7 @@ def topk_route(
                       -> mask the other groups' experts -> top_k of what is left
     """
     check_route_groups(router.shape[0], n_group, topk_group)
-    logits = F.linear(x.float(), router.float())  # (a no-op conversion for a float32 router)
+    logits = F.linear(x.float(), router.float())  # (a no-op for a float32 router; a bf16 one widens exactly)
     scores = logits.softmax(dim=-1) if softmax else logits.sigmoid()
     if n_group == 1 and bias is None:
         weights, ids = scores.topk(top_k, dim=-1)
@@ -123,13 +123,13 @@ def topk_route(
 def kernel_route(ext, x: torch.Tensor, router: torch.Tensor, args: tuple) -> tuple | None:
     """``topk_route`` (args: what follows x and the router) through a CPU extension's router
     kernel (``CpuKernels``, ``Avx2Kernels``, and their decode plans); None where the kernel does
-    not take these inputs (CPU bf16 rows, a float32 router and bias)."""
+    not take these inputs (CPU bf16 rows, a float32 or bf16 router, a float32 bias)."""
     n_group, topk_group, bias = args[5], args[6], args[7]
     check_route_groups(router.shape[0], n_group, topk_group)
     if (
         x.dtype is not torch.bfloat16
         or x.device.type != "cpu"
-        or router.dtype is not torch.float32
+        or router.dtype not in (torch.float32, torch.bfloat16)
         or x.dim() != 2
         or (bias is not None and bias.dtype is not torch.float32)
     ):
@@ -282,6 +282,9 @@ class TorchKernels:
     # An MoE's routing, greedy or group-limited: (T, k) expert ids, best first, and their
     # weights in x's dtype (the torch reference; the CPU kernels fuse it)
     route_topk = staticmethod(topk_route)
+    # Whether route_topk reads a bf16 router as it reads a float32 one (Router.for_kernels
+    # stores a bf16-exact router so); torch's converts it to float32 every call
+    reads_bf16_router = False
 
     def apply_token_bitmask_(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         """Structured output: the tokens a row's grammar does not allow get -inf, in place.
@@ -434,6 +437,7 @@ class Avx2Kernels(TorchKernels):
 
     name = "avx2"
     packed_row_block = 8  # rows pack 8 at a time
+    reads_bf16_router = True
 
     def __init__(self, ext) -> None:
         self.ext = ext
@@ -751,6 +755,7 @@ class CpuKernels(TorchKernels):
     any dtype (integer dot products), float32 decode attention; anything else falls back to torch."""
 
     name = "ridge-cpu"
+    reads_bf16_router = True
 
     def __init__(self, ext) -> None:
         self.ext = ext

@@ -398,6 +398,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.method.process_weights_after_loading(module, kernels)
+            elif isinstance(module, Router):
+                module.for_kernels(kernels)
 
 
 @dataclass
@@ -501,7 +503,7 @@ def _plan_moe(plan, moe: SparseMoE, ops) -> bool:
     """The MoE's router, experts and shared expert into the plan's last layer (False: not covered)."""
     cfg = moe.gate.moe
     gate_up, down = ops.plan_experts(moe.experts.gate_up_proj), ops.plan_experts(moe.experts.down_proj)
-    if gate_up is None or down is None or moe.gate.weight.dtype is not torch.float32:
+    if gate_up is None or down is None or moe.gate.weight.dtype not in (torch.float32, torch.bfloat16):
         return False
     if cfg.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
         return False

@@ -89,11 +89,32 @@ def check_refusals(fast) -> None:
         fast.route_topk(x, router, 2, True, False, 0.0, 1.0, 5, 2, None)
     with pytest.raises(RuntimeError, match="top_k must be in 1..12"):
         fast.ext.route_topk(x, router, 13, True, False, 0.0, 1.0, 1, 1, None)
-    with pytest.raises(RuntimeError, match=r"\(T, K\) bf16 x and an \(E, K\) float32 router"):
+    with pytest.raises(RuntimeError, match=r"\(T, K\) bf16 x and an \(E, K\) float32 or bf16 router"):
         fast.ext.route_topk(x, router[:, :16], 2, True, False, 0.0, 1.0, 1, 1, None)
+    with pytest.raises(RuntimeError, match=r"float32 or bf16 router"):
+        fast.ext.route_topk(x, router.half(), 2, True, False, 0.0, 1.0, 1, 1, None)
     xf, args = x.float(), (2, True, False, 0.0, 1.0)
     got, want = fast.route_topk(xf, router, *args), TorchKernels().route_topk(xf, router, *args)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def check_bf16_router(fast) -> None:
+    """A router whose values are all bf16 (Router.for_kernels stores it so) gives the kernel the
+    same logits read from half the bytes: ids and weights equal to the float32 copy's bit for
+    bit, greedy and grouped with a bias, any width (the vector loop and its tail), a token alone
+    as in its batch."""
+    for width, n_group, topk_group, bias_seed in [(96, 1, 1, None), (70, 4, 2, 23), (2048, 1, 1, None)]:
+        x = _bf16(9, width, seed=31)
+        router = (torch.randn(32, width, generator=torch.Generator().manual_seed(32)) * 0.3).bfloat16()
+        bias = None if bias_seed is None else torch.randn(32, generator=torch.Generator().manual_seed(bias_seed))
+        args = (4, bias is None, True, 0.0 if bias is None else 1e-20, 2.5, n_group, topk_group, bias)
+        got_ids, got_w = fast.ext.route_topk(x, router, *args)  # the kernel itself, on the bf16 rows
+        want_ids, want_w = fast.route_topk(x, router.float(), *args)
+        assert torch.equal(got_ids, want_ids) and torch.equal(got_w, want_w)
+        ref_ids, ref_w = TorchKernels().route_topk(x, router, *args)
+        assert torch.equal(got_ids, ref_ids) and _ulps(got_w, ref_w) <= 1
+        alone_ids, alone_w = fast.ext.route_topk(x[4:5], router, *args)
+        assert torch.equal(alone_ids, got_ids[4:5]) and torch.equal(alone_w, got_w[4:5])
 
 
 def check_prefill_as_decodes(fast, dtype: torch.dtype = torch.bfloat16, kind: str | None = None) -> None:

@@ -445,6 +445,10 @@ def test_routing_refuses_what_it_does_not_take_and_leaves_float32_to_torch(kerne
     cpu_cases.check_refusals(kernels)
 
 
+def test_a_bf16_router_routes_as_its_float32_copy(kernels):
+    cpu_cases.check_bf16_router(kernels)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("vocab", [32000, 37, 5, 1])  # a tail past whole 8-lane runs; under 16 (no lanes)
 def test_argmax_is_torchs_argmax_first_of_ties_and_nans(kernels, dtype, vocab):

@@ -259,6 +259,10 @@ def test_routing_refuses_what_it_does_not_take(pair):
     cpu_cases.check_refusals(pair[1])
 
 
+def test_a_bf16_router_routes_as_its_float32_copy(pair):
+    cpu_cases.check_bf16_router(pair[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @cpu_cases.BITMASK
 def test_token_bitmask_matches_llguidance_and_the_torch_path(pair, dtype, vocab, words):

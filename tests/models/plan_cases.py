@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .hf_tiny import COMMON, VARIANTS, save_spread
+from .hf_tiny import COMMON, VARIANTS, build, save_spread
 
 
 def save_latent_model(variant: str, path) -> None:
@@ -16,6 +16,37 @@ def save_latent_model(variant: str, path) -> None:
     config_cls, model_cls, extra = VARIANTS[variant]
     widths = {"num_attention_heads": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "qk_rope_head_dim": 16}
     save_spread(model_cls, config_cls(**{**COMMON, **extra, **widths}), path, jitter_norms=True)
+
+
+def assert_bf16_router_routes_as_float32(path, variant: str, generate, kernels_cls, monkeypatch) -> None:
+    """A router whose values are all bf16 (a bf16 checkpoint's) is held in bf16 on the CPU
+    kernels (Router.for_kernels: half the bytes a step), planned and op by op, with the tokens
+    and logprobs of the float32 router (``kernels_cls.reads_bf16_router`` off); a router that is
+    not bf16-exact stays float32. ``generate(path, **options)`` -> (outputs, model)."""
+    from ridge.models.moe import Router
+
+    def routers(model) -> list:
+        return [m for m in model.modules() if isinstance(m, Router)]
+
+    hf = build(variant, path)
+    with torch.no_grad():
+        for module in hf.modules():
+            gate = getattr(module, "gate", None)
+            if isinstance(getattr(gate, "weight", None), torch.Tensor) and gate.weight.dim() == 2:
+                gate.weight.copy_(gate.weight.bfloat16().float())
+    hf.save_pretrained(path)
+    planned, model = generate(path)
+    assert routers(model) and all(r.weight.dtype is torch.bfloat16 for r in routers(model))
+    assert model._plan is not None
+    eager, _ = generate(path, enforce_eager=True)
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels_cls, "reads_bf16_router", False)
+        kept, model32 = generate(path)
+    assert all(r.weight.dtype is torch.float32 for r in routers(model32))
+    assert planned == eager == kept
+    build(variant, path)  # random float32 values
+    _, model = generate(path)
+    assert all(r.weight.dtype is torch.float32 for r in routers(model))
 
 
 def assert_refuses_bad_indices(plan, rotary, hidden: int, name: str) -> None:

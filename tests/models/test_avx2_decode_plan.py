@@ -21,7 +21,12 @@ from ridge.layers.linear import Linear
 from ridge.models import llama
 
 from .hf_tiny import COMMON, build
-from .plan_cases import assert_refuses_bad_indices, assert_step_parts_timed, save_latent_model
+from .plan_cases import (
+    assert_bf16_router_routes_as_float32,
+    assert_refuses_bad_indices,
+    assert_step_parts_timed,
+    save_latent_model,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.cpu_has_avx2(), reason="this CPU has no AVX2 + FMA + F16C")
 
@@ -233,6 +238,11 @@ def test_the_plan_refuses_an_index_outside_the_pools_before_touching_anything(tm
     assert_refuses_bad_indices(model._plan.plan, model.model.rotary, COMMON["hidden_size"], "AVX2 decode plan")
 
 
+@pytest.mark.parametrize("variant", ["mixtral-moe", "qwen2-moe-shared"])
+def test_a_bf16_exact_router_is_held_in_bf16_and_routes_as_in_float32(tmp_path, variant, monkeypatch):
+    assert_bf16_router_routes_as_float32(tmp_path, variant, _generate, Avx2Kernels, monkeypatch)
+
+
 def test_an_moe_the_plan_cannot_hold_is_refused_with_a_clear_error(tmp_path):
     """set_moe checks the router and each stacked projection against the layer before it keeps
     anything: a router of another width, experts whose rows do not match, a shared expert
@@ -243,7 +253,7 @@ def test_an_moe_the_plan_cannot_hold_is_refused_with_a_clear_error(tmp_path):
     moe = model.model.layers[0].block_sparse_moe
     gate_up, down = ops.plan_experts(moe.experts.gate_up_proj), ops.plan_experts(moe.experts.down_proj)
     args = moe.gate.route_args()
-    with pytest.raises(RuntimeError, match="float32 \\(experts, hidden\\) router"):
+    with pytest.raises(RuntimeError, match="float32 or bf16 \\(experts, hidden\\) router"):
         plan.set_moe(moe.gate.weight[:, :16].contiguous(), *args, gate_up, down)
     with pytest.raises(RuntimeError, match="do not match a weight"):
         plan.set_moe(moe.gate.weight, *args, (gate_up[0][:-8], *gate_up[1:]), down)

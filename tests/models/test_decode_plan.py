@@ -11,7 +11,12 @@ from ridge import LLM, SamplingParams
 from ridge.layers.cpu_kernels import cpu_has_avx512_bf16
 
 from .hf_tiny import COMMON, build
-from .plan_cases import assert_refuses_bad_indices, assert_step_parts_timed, save_latent_model
+from .plan_cases import (
+    assert_bf16_router_routes_as_float32,
+    assert_refuses_bad_indices,
+    assert_step_parts_timed,
+    save_latent_model,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="ridge's CPU kernels need AVX-512 BF16")
 
@@ -99,6 +104,13 @@ def test_the_plan_writes_and_reads_a_quantized_kv_cache_as_op_by_op_does(tmp_pat
     assert model._plan.plan.runs_on_rows()  # raw rows over the 1-byte pools too
     eager, _ = _generate(tmp_path, kv_cache_dtype=kind, enforce_eager=True)
     assert planned == eager
+
+
+@pytest.mark.parametrize("variant", ["mixtral-moe", "qwen2-moe-shared"])
+def test_a_bf16_exact_router_is_held_in_bf16_and_routes_as_in_float32(tmp_path, variant, monkeypatch):
+    from ridge.layers.kernels import CpuKernels
+
+    assert_bf16_router_routes_as_float32(tmp_path, variant, _generate, CpuKernels, monkeypatch)
 
 
 @pytest.mark.parametrize(

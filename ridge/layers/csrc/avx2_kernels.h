@@ -5,6 +5,8 @@
 #pragma once
 #include <torch/extension.h>
 
+#include "plan_shared.h"
+
 #include <cstdint>
 
 // avx2_blocks.cpp: y = x @ W^T (+ bias) for a GGUF block format's rows, or blocks of 8 rows
@@ -77,7 +79,7 @@ void decode_attention_quant_into(const T* q, int64_t q_stride, int64_t B, int64_
 
 // avx2_ops.cpp: an MoE's top-k routing (Router.forward) of bf16 rows against a float32 router
 // (E, K); bias: E floats or null
-void route_topk_into(const at::BFloat16* x, int64_t T, int64_t K, const float* router, int64_t E, int64_t top_k,
+void route_topk_into(const at::BFloat16* x, int64_t T, int64_t K, ridge_shared::RouterRows router, int64_t E, int64_t top_k,
                      bool softmax, bool norm_topk, double norm_eps, double scaling, int64_t n_group,
                      int64_t topk_group, const float* bias, int64_t* ids, at::BFloat16* weights);
 // avx2_ops.cpp: the rest of an MoE's bf16 arithmetic, H and n multiples of 8: the weighted sum

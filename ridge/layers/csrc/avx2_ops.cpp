@@ -938,19 +938,19 @@ namespace ridge_avx2 {
 // bf16; four 8-lane sums over k in steps of 32, then added and summed across lanes), then the
 // choice plan_shared.h makes; ridge_shared::route_topk_with shares the pairs out over the
 // threads. A token's ids and weights never depend on the other tokens of its batch.
-void route_topk_into(const at::BFloat16* x, int64_t T, int64_t K, const float* router, int64_t E, int64_t top_k,
+void route_topk_into(const at::BFloat16* x, int64_t T, int64_t K, ridge_shared::RouterRows router, int64_t E, int64_t top_k,
                      bool softmax, bool norm_topk, double norm_eps, double scaling, int64_t n_group,
                      int64_t topk_group, const float* bias, int64_t* ids, at::BFloat16* weights) {
   ridge_shared::route_topk_with(
       x, T, K, router, E, top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group, bias, ids, weights,
-      [](const at::BFloat16* xr, const float* w, int64_t K) {
+      [](const at::BFloat16* xr, const auto* w, int64_t K) {
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
         int64_t k = 0;
         for (; k + 32 <= K; k += 32)
-          for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(load8(xr + k + 8 * j), _mm256_loadu_ps(w + k + 8 * j), acc[j]);
-        for (; k + 8 <= K; k += 8) acc[0] = _mm256_fmadd_ps(load8(xr + k), _mm256_loadu_ps(w + k), acc[0]);
+          for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(load8(xr + k + 8 * j), load8(w + k + 8 * j), acc[j]);
+        for (; k + 8 <= K; k += 8) acc[0] = _mm256_fmadd_ps(load8(xr + k), load8(w + k), acc[0]);
         float sum = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-        for (; k < K; ++k) sum += static_cast<float>(xr[k]) * w[k];
+        for (; k < K; ++k) sum += static_cast<float>(xr[k]) * static_cast<float>(w[k]);
         return sum;
       });
 }

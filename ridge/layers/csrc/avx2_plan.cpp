@@ -172,7 +172,7 @@ Experts make_experts(const PartSpec& spec, int64_t k, int64_t num_experts) {
 // A layer's MoE (SparseMoE): the router as Router.route_args gives it, the stacked experts,
 // and the shared expert (Qwen2-MoE's under a sigmoid gate; DeepSeek's ungated)
 struct Moe {
-  torch::Tensor router;  // (E, K) float32
+  torch::Tensor router;  // (E, K) float32 or bf16 (plan_shared.h RouterRows)
   int64_t top_k = 0, n_group = 1, topk_group = 1;
   bool softmax = true, norm_topk = false;
   double norm_eps = 0.0, scaling = 1.0;
@@ -341,9 +341,9 @@ class Avx2DecodePlan {
                int64_t n_group, int64_t topk_group, c10::optional<torch::Tensor> bias, PartSpec gate_up,
                PartSpec down) {
     TORCH_CHECK(!layers_.empty(), "AVX2 decode plan: set_moe before add_layer");
-    TORCH_CHECK(router.scalar_type() == at::kFloat && router.is_contiguous() && router.dim() == 2 &&
-                    router.size(1) == hidden_,
-                "AVX2 decode plan: a contiguous float32 (experts, hidden) router expected");
+    TORCH_CHECK((router.scalar_type() == at::kFloat || router.scalar_type() == at::kBFloat16) && router.is_contiguous() &&
+                    router.dim() == 2 && router.size(1) == hidden_,
+                "AVX2 decode plan: a contiguous float32 or bf16 (experts, hidden) router expected");
     const int64_t E = router.size(0);
     TORCH_CHECK(top_k >= 1 && top_k <= E && n_group >= 1 && E % n_group == 0 && topk_group >= 1 &&
                     topk_group <= n_group,
@@ -685,7 +685,7 @@ class Avx2DecodePlan {
     const int64_t E = m.router.size(0), k = m.top_k, pairs = T * k, I = m.gate_up.n / 2, H = hidden_;
     moe_ids_.resize(pairs), moe_weights_.resize(pairs);
     std::optional<PartTimer> routing(std::in_place, ridge_shared::PART_ROUTING);
-    ridge_avx2::route_topk_into(x, T, H, m.router.data_ptr<float>(), E, k, m.softmax, m.norm_topk, m.norm_eps,
+    ridge_avx2::route_topk_into(x, T, H, ridge_shared::RouterRows::of(m.router), E, k, m.softmax, m.norm_topk, m.norm_eps,
                                 m.scaling, m.n_group, m.topk_group, m.bias.has_value() ? m.bias->data_ptr<float>() : nullptr,
                                 moe_ids_.data(), moe_weights_.data());
     const int64_t used = ridge_shared::sort_by_expert(moe_ids_.data(), pairs, E, moe_counts_, moe_order_, moe_unsort_);

@@ -123,7 +123,7 @@ Lin make_lin(const std::vector<std::tuple<torch::Tensor, int64_t, int64_t>>& par
 }
 
 struct Moe {
-  torch::Tensor router;  // (E, K) float32
+  torch::Tensor router;  // (E, K) float32 or bf16 (plan_shared.h RouterRows)
   int64_t top_k = 0;
   int64_t n_group = 1, topk_group = 1;  // group-limited routing (DeepSeek; 1, 1: greedy)
   c10::optional<torch::Tensor> bias;  // noaux_tc's e_score_correction_bias (float32)
@@ -276,7 +276,9 @@ class DecodePlan {
                int64_t n_group, int64_t topk_group, c10::optional<torch::Tensor> bias,
                std::tuple<torch::Tensor, int64_t, int64_t> gate_up, std::tuple<torch::Tensor, int64_t, int64_t> down) {
     TORCH_CHECK(!layers_.empty(), "decode plan: set_moe before add_layer");
-    TORCH_CHECK(router.scalar_type() == at::kFloat, "decode plan: a float32 router expected");
+    TORCH_CHECK((router.scalar_type() == at::kFloat || router.scalar_type() == at::kBFloat16) && router.is_contiguous() &&
+                    router.dim() == 2,
+                "decode plan: a contiguous float32 or bf16 (experts, hidden) router expected");
     Moe m;
     m.router = router;
     m.top_k = top_k;
@@ -824,7 +826,7 @@ class DecodePlan {
     moe_ids_.resize(pairs);
     moe_weights_.resize(pairs);
     std::optional<PartTimer> routing(std::in_place, ridge_shared::PART_ROUTING);
-    route_topk_into(x, T, H, m.router.data_ptr<float>(), E, k, m.softmax, m.norm_topk, m.norm_eps, m.scaling, m.n_group,
+    route_topk_into(x, T, H, ridge_shared::RouterRows::of(m.router), E, k, m.softmax, m.norm_topk, m.norm_eps, m.scaling, m.n_group,
                     m.topk_group, m.bias.has_value() ? m.bias->data_ptr<float>() : nullptr, moe_ids_.data(),
                     moe_weights_.data());
     const bf16* weights = moe_weights_.data();

@@ -39,6 +39,7 @@ inline __m512 load16(const bf16* p) {
   __m256i raw = _mm256_loadu_si256((const __m256i*)p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
 // 16 fp32 -> 16 bf16, round to nearest even (as c10::BFloat16 rounds)
 inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
@@ -276,20 +277,19 @@ torch::Tensor silu_mul_bf16(torch::Tensor gate_up) {
 // across lanes), then the choice that plan_shared.h makes (softmax or sigmoid, groups, the
 // top_k best first, their weights); ridge_shared::route_topk_with shares the pairs out over
 // the threads. A token's ids and weights never depend on the other tokens of its batch.
-void route_topk_into(const bf16* x, int64_t T, int64_t K, const float* router, int64_t E, int64_t top_k, bool softmax,
+void route_topk_into(const bf16* x, int64_t T, int64_t K, ridge_shared::RouterRows router, int64_t E, int64_t top_k, bool softmax,
                      bool norm_topk, double norm_eps, double scaling, int64_t n_group, int64_t topk_group,
                      const float* bias, int64_t* ids, bf16* weights) {
   ridge_shared::route_topk_with(
       x, T, K, router, E, top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group, bias, ids, weights,
-      [](const bf16* xr, const float* w, int64_t K) {
+      [](const bf16* xr, const auto* w, int64_t K) {
         __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
         int64_t k = 0;
         for (; k + 64 <= K; k += 64)
-          for (int j = 0; j < 4; ++j)
-            acc[j] = _mm512_fmadd_ps(load16(xr + k + 16 * j), _mm512_loadu_ps(w + k + 16 * j), acc[j]);
-        for (; k + 16 <= K; k += 16) acc[0] = _mm512_fmadd_ps(load16(xr + k), _mm512_loadu_ps(w + k), acc[0]);
+          for (int j = 0; j < 4; ++j) acc[j] = _mm512_fmadd_ps(load16(xr + k + 16 * j), load16(w + k + 16 * j), acc[j]);
+        for (; k + 16 <= K; k += 16) acc[0] = _mm512_fmadd_ps(load16(xr + k), load16(w + k), acc[0]);
         float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
-        for (; k < K; ++k) sum += static_cast<float>(xr[k]) * w[k];
+        for (; k < K; ++k) sum += static_cast<float>(xr[k]) * static_cast<float>(w[k]);
         return sum;
       });
 }

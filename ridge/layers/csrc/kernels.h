@@ -3,6 +3,8 @@
 #pragma once
 #include <torch/extension.h>
 
+#include "plan_shared.h"
+
 #include <map>
 #include <string>
 #include <vector>
@@ -76,7 +78,7 @@ void add_rows_into(at::BFloat16* residual, const at::BFloat16* x, int64_t n);  /
 void rope_into(at::BFloat16* x, int64_t T, int64_t H, int64_t D, int64_t row_stride, const int64_t* positions,
                const float* cos, const float* sin, int64_t head_stride = 0);
 void silu_mul_into(const at::BFloat16* gate_up, int64_t rows, int64_t I, at::BFloat16* y);
-void route_topk_into(const at::BFloat16* x, int64_t T, int64_t K, const float* router, int64_t E, int64_t top_k,
+void route_topk_into(const at::BFloat16* x, int64_t T, int64_t K, ridge_shared::RouterRows router, int64_t E, int64_t top_k,
                      bool softmax, bool norm_topk, double norm_eps, double scaling, int64_t n_group, int64_t topk_group,
                      const float* bias, int64_t* ids, at::BFloat16* weights);
 // q: B rows of Hq x D, q_stride apart; out (B, Hq, D) contiguous; pools (slots / BS, BS, Hkv, D)

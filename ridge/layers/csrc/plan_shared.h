@@ -105,8 +105,29 @@ class Chooser {
   std::vector<char> keep_;
 };
 
-// Top-k routing of T tokens (bf16 x, T x K) over E experts (a float32 router, E x K): each
-// (token, expert) logit is dot(x_t, router_e, K), the extension's SIMD sum, then each token's
+// An (E, K) router's rows as a kernel reads them: float32, or bf16 (Router.for_kernels stores a
+// float32 router whose every value is a bf16 so: half the bytes a step, and the same logits,
+// since a bf16 widens to its float32 exactly)
+struct RouterRows {
+  const void* data;
+  bool bf16;
+
+  static RouterRows of(const torch::Tensor& router) {
+    return {router.data_ptr(), router.scalar_type() == at::kBFloat16};
+  }
+  // fn(rows) with rows a const float* or a const at::BFloat16*
+  template <class Fn>
+  void visit(Fn&& fn) const {
+    if (bf16)
+      fn(static_cast<const at::BFloat16*>(data));
+    else
+      fn(static_cast<const float*>(data));
+  }
+};
+
+// Top-k routing of T tokens (bf16 x, T x K) over E experts (router rows E x K): each
+// (token, expert) logit is dot(x_t, router_e, K), the extension's SIMD sum (a generic lambda
+// over the rows' element type), then each token's
 // choice (Chooser). The logits go over the threads as one run of pairs each, token-major: a
 // prompt's tokens are shared out as before, and at decode's one or few tokens the threads
 // split the experts' router rows (a whole E x K float32 router, 256 KiB for 32 experts of
@@ -114,13 +135,15 @@ class Chooser {
 // waited). Which thread sums a pair never changes its bits; a token's choice depends on its
 // own logits only.
 template <class Dot>
-void route_topk_with(const at::BFloat16* x, int64_t T, int64_t K, const float* router, int64_t E, int64_t top_k,
+void route_topk_with(const at::BFloat16* x, int64_t T, int64_t K, RouterRows router, int64_t E, int64_t top_k,
                      bool softmax, bool norm_topk, double norm_eps, double scaling, int64_t n_group,
                      int64_t topk_group, const float* bias, int64_t* ids, at::BFloat16* weights, Dot dot) {
   check(E, top_k, n_group, topk_group, bias != nullptr);
   std::vector<float> logits(T * E);
-  at::parallel_for(0, T * E, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) logits[i] = dot(x + i / E * K, router + i % E * K, K);
+  router.visit([&](const auto* rows) {
+    at::parallel_for(0, T * E, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) logits[i] = dot(x + i / E * K, rows + i % E * K, K);
+    });
   });
   at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
     Chooser chooser(E, top_k, softmax, norm_topk, norm_eps, scaling, n_group, topk_group, bias);
@@ -131,17 +154,18 @@ void route_topk_with(const at::BFloat16* x, int64_t T, int64_t K, const float* r
   });
 }
 
-// route_topk's tensor entry for either extension: bf16 x (T, K) and a float32 router (E, K)
-// (and bias, E values) checked, then into(x, T, K, router, E, top_k, ..., ids, weights) -> (T,
-// top_k) int64 ids and bf16 weights
+// route_topk's tensor entry for either extension: bf16 x (T, K) and a float32 or bf16 router
+// (E, K) (and bias, E values) checked, then into(x, T, K, router, E, top_k, ..., ids, weights)
+// -> (T, top_k) int64 ids and bf16 weights
 template <class Into>
 std::vector<torch::Tensor> route_topk_tensors(const torch::Tensor& x, const torch::Tensor& router, int64_t top_k,
                                               bool softmax, bool norm_topk, double norm_eps, double scaling,
                                               int64_t n_group, int64_t topk_group,
                                               const c10::optional<torch::Tensor>& bias, Into into) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && router.dim() == 2 &&
-                  router.scalar_type() == at::kFloat && router.device().is_cpu() && router.size(1) == x.size(1),
-              "route_topk: (T, K) bf16 x and an (E, K) float32 router");
+                  (router.scalar_type() == at::kFloat || router.scalar_type() == at::kBFloat16) &&
+                  router.device().is_cpu() && router.size(1) == x.size(1),
+              "route_topk: (T, K) bf16 x and an (E, K) float32 or bf16 router");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->device().is_cpu() &&
                                     bias->numel() == router.size(0)),
               "route_topk: a float32 bias of one value an expert");
@@ -152,7 +176,7 @@ std::vector<torch::Tensor> route_topk_tensors(const torch::Tensor& x, const torc
   const int64_t T = xc.size(0);
   auto ids = torch::empty({T, top_k}, xc.options().dtype(at::kLong));
   auto weights = torch::empty({T, top_k}, xc.options());
-  into(xc.data_ptr<at::BFloat16>(), T, xc.size(1), rc.data_ptr<float>(), rc.size(0), top_k, softmax, norm_topk,
+  into(xc.data_ptr<at::BFloat16>(), T, xc.size(1), RouterRows::of(rc), rc.size(0), top_k, softmax, norm_topk,
        norm_eps, scaling, n_group, topk_group, bc.defined() ? bc.data_ptr<float>() : nullptr, ids.data_ptr<int64_t>(),
        weights.data_ptr<at::BFloat16>());
   return {ids, weights};
