@@ -113,6 +113,18 @@ def test_a_bf16_exact_router_is_held_in_bf16_and_routes_as_in_float32(tmp_path, 
     assert_bf16_router_routes_as_float32(tmp_path, variant, _generate, CpuKernels, monkeypatch)
 
 
+def test_an_moe_router_of_another_width_is_refused(tmp_path):
+    """set_moe checks the router's type and width against the layer before it keeps it."""
+    build("mixtral-moe", tmp_path)
+    _, model = _generate(tmp_path)
+    plan, ops = model._plan.plan, model.kernels
+    moe = model.model.layers[0].block_sparse_moe
+    gate_up, down = ops.plan_experts(moe.experts.gate_up_proj), ops.plan_experts(moe.experts.down_proj)
+    for router in (moe.gate.weight[:, :16].contiguous(), moe.gate.weight.half()):
+        with pytest.raises(RuntimeError, match="float32 or bf16 \\(experts, hidden\\) router"):
+            plan.set_moe(router, *moe.gate.route_args(), gate_up, down)
+
+
 @pytest.mark.parametrize(
     "options",
     [{"kernels": "torch"}, {"dtype": "float32"}],

@@ -77,8 +77,8 @@ void decode_attention_quant_into(const T* q, int64_t q_stride, int64_t B, int64_
                                  int64_t groups, bool fp8, int64_t BS, int64_t Hkv, const int64_t* tables,
                                  int64_t max_blocks, const int64_t* lens, float scale, T* out);
 
-// avx2_ops.cpp: an MoE's top-k routing (Router.forward) of bf16 rows against a float32 router
-// (E, K); bias: E floats or null
+// avx2_ops.cpp: an MoE's top-k routing (Router.forward) of bf16 rows against a float32 or bf16
+// router (E, K); bias: E floats or null
 void route_topk_into(const at::BFloat16* x, int64_t T, int64_t K, ridge_shared::RouterRows router, int64_t E, int64_t top_k,
                      bool softmax, bool norm_topk, double norm_eps, double scaling, int64_t n_group,
                      int64_t topk_group, const float* bias, int64_t* ids, at::BFloat16* weights);

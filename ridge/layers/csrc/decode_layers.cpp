@@ -277,7 +277,7 @@ class DecodePlan {
                std::tuple<torch::Tensor, int64_t, int64_t> gate_up, std::tuple<torch::Tensor, int64_t, int64_t> down) {
     TORCH_CHECK(!layers_.empty(), "decode plan: set_moe before add_layer");
     TORCH_CHECK((router.scalar_type() == at::kFloat || router.scalar_type() == at::kBFloat16) && router.is_contiguous() &&
-                    router.dim() == 2,
+                    router.dim() == 2 && router.size(1) == layers_.back().post_norm.numel(),
                 "decode plan: a contiguous float32 or bf16 (experts, hidden) router expected");
     Moe m;
     m.router = router;
