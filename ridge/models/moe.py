@@ -129,13 +129,12 @@ class Router(nn.Module):
         (``reads_bf16_router``: the CPU kernels and their decode plans) and every value is
         exactly a bf16 (a bf16 checkpoint's router, or a GGUF file's F32 router converted from
         one): half the bytes a step reads, the same logits, since a bf16 widens to its float32
-        exactly. Otherwise float32 (``keep_float32``'s)."""
+        exactly. Otherwise float32 (``keep_float32``)."""
         w = self.weight.detach()
-        if getattr(kernels, "reads_bf16_router", False):
-            if w.dtype is torch.float32 and torch.equal(w, w.bfloat16().float()):
-                self.weight = nn.Parameter(w.bfloat16(), requires_grad=False)
-        elif w.dtype is torch.bfloat16:
-            self.weight = nn.Parameter(w.float(), requires_grad=False)
+        if not kernels.reads_bf16_router:
+            self.keep_float32()
+        elif w.dtype is torch.float32 and torch.equal(w, w.bfloat16().float()):
+            self.weight = nn.Parameter(w.bfloat16(), requires_grad=False)
 
     def route_args(self) -> tuple:
         """What ``topk_route`` (and the router kernel) takes after x and the router's weight:
