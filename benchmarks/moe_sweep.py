@@ -73,6 +73,7 @@ def sweep_point(llm, batch: int, args, seed: int) -> dict:
                 telemetry.kv_bytes,
                 telemetry.act_bytes,
                 experts_touched=touched,
+                router_bytes_per_param=telemetry.router_bytes,
             )
             priced[label] = cost.time_s(peak, bw)  # each op at its own bound, summed (ridge's one floor)
         rows.append((r.wall_s, r.experts_touched, priced["predicted"], priced["floor"]))

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ridge.roofline.hardware import Hardware
-from ridge.roofline.ops import CostConventions, Link, StepCost, step_cost
+from ridge.roofline.ops import ROUTER_BYTES_PER_PARAM, CostConventions, Link, StepCost, step_cost
 from ridge.roofline.shapes import ModelShape
 
 PHASES = ("prefill", "decode", "mixed")
@@ -191,16 +191,19 @@ class ModelPricing:
     weight_bytes: float  # per parameter
     kv_bytes: float  # per cached element
     act_bytes: float
+    router_bytes: float = ROUTER_BYTES_PER_PARAM  # per parameter of an MoE's routers
 
     @classmethod
     def of(cls, info) -> ModelPricing:
         """From a worker's ``ModelInfo``: weights priced by what the loaded layers hold (a
-        quantized layer's blocks and scales, a repacked layer's padding), not by the dtype."""
+        quantized layer's blocks and scales, a repacked layer's padding), not by the dtype;
+        an MoE's routers as held (float32, or bf16 where the CPU kernels read it so)."""
         return cls(
             ModelShape.from_model_config(info.config, info.source),
             info.weight_bytes / max(1, info.weight_params),
             info.kv_bytes_per_element,  # codes plus each token-head's scale
             info.dtype.itemsize,
+            info.router_bytes_per_param or ROUTER_BYTES_PER_PARAM,
         )
 
 
@@ -231,6 +234,7 @@ class Telemetry:
     tensor_parallel: int = 1
     link_fn: Callable[[], Link] | None = None
     _link: Link | None = None
+    router_bytes: float = ROUTER_BYTES_PER_PARAM  # per parameter of an MoE's routers
 
     def record(
         self,
@@ -276,12 +280,21 @@ class Telemetry:
                 conventions=CostConventions(tensor_parallel=self.tensor_parallel),
                 logit_rows=rows,
                 experts_touched=rec.experts_touched,
+                router_bytes_per_param=self.router_bytes,
             )
             if rec.draft_passes and self.draft is not None:  # the draft's reads and FLOPs too
                 d = self.draft
                 ops = list(rec.cost.ops)
                 for chunks in rec.draft_passes:
-                    cost = step_cost(d.model, chunks, (), d.weight_bytes, d.kv_bytes, d.act_bytes)
+                    cost = step_cost(
+                        d.model,
+                        chunks,
+                        (),
+                        d.weight_bytes,
+                        d.kv_bytes,
+                        d.act_bytes,
+                        router_bytes_per_param=d.router_bytes,
+                    )
                     ops += [dataclasses.replace(op, name=f"draft {op.name}") for op in cost.ops]
                 rec.cost = StepCost(tuple(ops), rec.cost.tokens, rec.cost.sequences, rec.cost.comm)
         return rec.cost

@@ -165,6 +165,7 @@ class LLMEngine:
             weight_bytes=pricing.weight_bytes,
             kv_bytes=pricing.kv_bytes,
             act_bytes=pricing.act_bytes,
+            router_bytes=pricing.router_bytes,
             compute_dtype=TORCH_TO_ROOFLINE_DTYPE[str(self.dtype)],
             hardware_fn=hardware_fn,
             tensor_parallel=self.config.tensor_parallel_size,
@@ -194,6 +195,7 @@ class LLMEngine:
                 telemetry.act_bytes,
                 conventions=CostConventions(tensor_parallel=self.config.tensor_parallel_size),
                 logit_rows=batch * rows,
+                router_bytes_per_param=telemetry.router_bytes,
             )
             return cost.time_s(peak[0], telemetry.hardware.bandwidth_bytes_per_s)
 

@@ -89,6 +89,12 @@ EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_d
 # Mixtral's block_sparse_moe.experts.{e}.w1 (gate), w3 (up), w2 (down). A Mixtral file written
 # before llama.cpp stacked experts (early 2024; many still downloaded) holds each expert as its
 # own 2-D tensor, blk.N.ffn_gate.E (ffn_up.E, ffn_down.E): read as the same names.
+# An MoE layer's router, in every family's names (ffn_gate_inp's)
+ROUTER_SUFFIXES = tuple(
+    f".{names['ffn_gate_inp']}.weight"
+    for names in (LAYER_TENSORS, *ARCH_LAYER_TENSORS.values())
+    if "ffn_gate_inp" in names
+)
 EXPERT_NAMES = {"mixtral": ("block_sparse_moe.experts", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})}
 PER_EXPERT_TENSORS = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -202,11 +208,13 @@ class GGUFModel:
         the model's dtype, bf16 by default). Every 2-D weight counts but the token embedding,
         whose rows a step only gathers, unless the lm_head is tied to it, and deepseek2's joined
         ``kv_b_proj`` where the file also gives its per-head halves (the absorbed decode reads
-        those). An MoE layer's experts count whole, as if every one were read."""
+        those), and an MoE layer's router (held and priced in float32 whatever the others'
+        formats: ``roofline.ops.ROUTER_BYTES_PER_PARAM``). An MoE layer's experts count whole,
+        as if every one were read."""
         tied = "lm_head.weight" not in self.tensors
         counts: dict[str, int] = {}
         for name, tensor in self.tensors.items():
-            if len(tensor.shape) != 2 or not name.endswith(".weight"):
+            if len(tensor.shape) != 2 or not name.endswith(".weight") or name.endswith(ROUTER_SUFFIXES):
                 continue
             if name == "model.embed_tokens.weight" and not tied:
                 continue

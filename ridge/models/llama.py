@@ -390,6 +390,14 @@ class LlamaForCausalLM(nn.Module):
         """The parameters behind ``linear_weight_bytes``."""
         return sum(m.in_features * m.out_features for m in self.decode_read_layers())
 
+    def router_bytes_per_param(self) -> float | None:
+        """Bytes per weight of the MoE routers as held now (float32, or bf16 where the kernels
+        read one: ``Router.for_kernels``); None for a model without routers."""
+        routers = [m.weight for m in self.modules() if isinstance(m, Router)]
+        if not routers:
+            return None
+        return sum(w.nbytes for w in routers) / sum(w.numel() for w in routers)
+
     def set_kernels(self, kernels) -> None:
         """Run on ``kernels`` (``layers/kernels.py``): its matmul for every linear layer, its ops
         elsewhere. Each layer's method repacks its loaded weight for them."""

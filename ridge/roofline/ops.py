@@ -333,12 +333,21 @@ class ShardWidths:
         )
 
 
+# An MoE router's bytes per weight unless told otherwise: ridge scores experts in float32 and
+# holds the router so, whatever the other weights' precision (models/moe.py Router.keep_float32;
+# a GGUF file's router is F32 too). The CPU kernels read a router whose values are all bf16 as
+# bf16 (Router.for_kernels): the engine prices its routers as it holds them (ModelInfo).
+ROUTER_BYTES_PER_PARAM = 4.0
+
+
 @dataclass(frozen=True)
 class ParamGroup:
     """Parameters of one kind: ``params`` per layer (per GPU when sharded) x ``layers``.
 
     ``matrix`` groups are stored at the weight precision, the others (norm weights, biases)
-    at 16 bits; ``routed_expert`` marks the routed experts, of which a token uses k of E.
+    at 16 bits; ``router`` groups (an MoE's router and its bias) at the router's own precision
+    (``ROUTER_BYTES_PER_PARAM``); ``routed_expert`` marks the routed experts, of which a token
+    uses k of E.
     """
 
     name: str
@@ -346,10 +355,16 @@ class ParamGroup:
     layers: int
     matrix: bool = True
     routed_expert: bool = False
+    router: bool = False
 
     @property
     def total(self) -> int:
         return self.params * self.layers
+
+    def bytes_per_param(self, weight_bytes_per_param: float, router_bytes_per_param: float) -> float:
+        if self.router:
+            return router_bytes_per_param
+        return weight_bytes_per_param if self.matrix else vector_bytes_per_param(weight_bytes_per_param)
 
 
 def vector_bytes_per_param(weight_bytes_per_param: float) -> float:
@@ -399,11 +414,11 @@ def parameter_inventory(model: ModelShape, tensor_parallel: int = 1) -> tuple[Pa
     if model.is_moe:
         moe, Lm = model.moe, model.moe_layers
         groups += [
-            ParamGroup("router", d * moe.num_experts, Lm),
+            ParamGroup("router", d * moe.num_experts, Lm, router=True),
             ParamGroup("experts", moe.num_experts * 3 * d * w.expert_intermediate, Lm, routed_expert=True),
         ]
         if moe.router_bias:
-            groups.append(ParamGroup("router_bias", moe.num_experts, Lm, matrix=False))
+            groups.append(ParamGroup("router_bias", moe.num_experts, Lm, matrix=False, router=True))
         if moe.shared_intermediate_size:
             groups.append(ParamGroup("shared_expert", 3 * d * w.shared_intermediate, Lm))
         if moe.shared_expert_gate:
@@ -421,11 +436,17 @@ def params_active(model: ModelShape) -> float:
     return sum(g.total * (fraction if g.routed_expert else 1) for g in parameter_inventory(model))
 
 
-def weight_bytes(model: ModelShape, weight_bytes_per_param: float, tensor_parallel: int = 1) -> float:
-    """Bytes of all weights (per GPU under tensor parallelism)."""
-    vector = vector_bytes_per_param(weight_bytes_per_param)
+def weight_bytes(
+    model: ModelShape,
+    weight_bytes_per_param: float,
+    tensor_parallel: int = 1,
+    router_bytes_per_param: float = ROUTER_BYTES_PER_PARAM,
+) -> float:
+    """Bytes of all weights (per GPU under tensor parallelism); an MoE's routers at
+    ``router_bytes_per_param``."""
     return sum(
-        g.total * (weight_bytes_per_param if g.matrix else vector) for g in parameter_inventory(model, tensor_parallel)
+        g.total * g.bytes_per_param(weight_bytes_per_param, router_bytes_per_param)
+        for g in parameter_inventory(model, tensor_parallel)
     )
 
 
@@ -513,6 +534,7 @@ def step_cost(
     conventions: CostConventions = CostConventions(),
     logit_rows: int | None = None,
     experts_touched: float | None = None,
+    router_bytes_per_param: float = ROUTER_BYTES_PER_PARAM,
 ) -> StepCost:
     """FLOPs and bytes of one forward step, per GPU, operator by operator.
 
@@ -522,7 +544,8 @@ def step_cost(
     attention is priced per sequence. ``logit_rows`` defaults to one row per sequence (the
     position that is sampled); pass more for speculative verification. ``experts_touched``:
     the distinct experts an MoE layer read in this step (mean over layers, as the engine
-    measured it); default, the analyzer's expectation under uniform routing.
+    measured it); default, the analyzer's expectation under uniform routing. An MoE's
+    router is read at ``router_bytes_per_param``, not the weights' precision.
     Raises ValueError for an empty step or an inconsistent chunk.
     """
     sequences: Counter = Counter(tuple(chunk) for chunk in prefill_chunks)
@@ -537,6 +560,7 @@ def step_cost(
         conventions=conventions,
         logit_rows=logit_rows,
         experts_touched=experts_touched,
+        router_bytes_per_param=router_bytes_per_param,
     )
 
 
@@ -550,6 +574,7 @@ def step_cost_from_counts(
     conventions: CostConventions = CostConventions(),
     logit_rows: int | None = None,
     experts_touched: float | None = None,
+    router_bytes_per_param: float = ROUTER_BYTES_PER_PARAM,
 ) -> StepCost:
     """``step_cost`` with the step given as {(num_query_tokens, context_len): how many sequences}
     (a decode is num_query_tokens 1): O(distinct shapes), for sweeps over huge batches."""
@@ -567,10 +592,12 @@ def step_cost_from_counts(
         ("weight_bytes_per_param", weight_bytes_per_param),
         ("kv_bytes_per_elem", kv_bytes_per_elem),
         ("act_bytes", act_bytes),
+        ("router_bytes_per_param", router_bytes_per_param),
     ):
         if value <= 0:
             raise ValueError(f"{label} must be positive, got {value}")
     builder = _StepBuilder(model, conventions, weight_bytes_per_param, kv_bytes_per_elem, act_bytes)
+    builder.router_bytes = router_bytes_per_param
     builder.experts_touched = experts_touched
     tokens = sum(q * n for (q, _), n in shapes.items())
     count = sum(shapes.values())
@@ -592,6 +619,7 @@ class _StepBuilder:
         self.vb = vector_bytes_per_param(wb)
         self.causal = conventions.attention == "causal"
         self.experts_touched: float | None = None  # measured per MoE layer (else expected)
+        self.router_bytes = ROUTER_BYTES_PER_PARAM  # an MoE router's bytes per weight
 
     # -- primitives --
     def linear(
@@ -607,15 +635,18 @@ class _StepBuilder:
         kv_out_cols: int = 0,
         kv_in: bool = False,
         m: int | None = None,
+        router: bool = False,
     ) -> OpCost:
         """``count`` matmuls of (m, k) x (k, n) whose rows total ``rows``; weights read once each.
 
         kv_out_cols of the output go to the KV cache instead of activations; kv_in reads the
-        input from the KV cache (MLA's latent).
+        input from the KV cache (MLA's latent); a router's weights and bias are read at the
+        router's precision.
         """
         in_bytes = rows * k * (self.kvb if kv_in else self.ab)
         out_act = rows * (n - kv_out_cols) * self.ab
-        weights = count * (k * n * self.wb + (n * self.vb if bias else 0))
+        wb, vb = (self.router_bytes, self.router_bytes) if router else (self.wb, self.vb)
+        weights = count * (k * n * wb + (n * vb if bias else 0))
         return OpCost(
             name=name,
             kind="linear",
@@ -885,7 +916,7 @@ class _StepBuilder:
         routed = T * moe.experts_per_token
         touched = moe.expected_experts_touched(T) if self.experts_touched is None else self.experts_touched
         touched = min(max(touched, 1.0), float(moe.num_experts))
-        ops = [self.linear("router", T, d, moe.num_experts, Lm, bias=moe.router_bias)]
+        ops = [self.linear("router", T, d, moe.num_experts, Lm, bias=moe.router_bias, router=True)]
         ops += self.gated_mlp(
             "experts_",
             routed,

@@ -93,6 +93,7 @@ class ModelInfo:
     block_size: int
     weight_bytes: int  # the linear layers' weights as held (this rank's shard)
     weight_params: int
+    router_bytes_per_param: float | None  # an MoE's routers as held (None: no router)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -149,6 +150,7 @@ class Worker:
             block_size=config.block_size,
             weight_bytes=self.model.linear_weight_bytes(),
             weight_params=self.model.linear_weight_params(),
+            router_bytes_per_param=self.model.router_bytes_per_param(),
         )
         self.kv_caches: list = []
         self.runner: ModelRunner | None = None

@@ -37,12 +37,14 @@ def assert_bf16_router_routes_as_float32(path, variant: str, generate, kernels_c
     hf.save_pretrained(path)
     planned, model = generate(path)
     assert routers(model) and all(r.weight.dtype is torch.bfloat16 for r in routers(model))
+    assert model.router_bytes_per_param() == 2  # what the telemetry prices a router's weights at
     assert model._plan is not None
     eager, _ = generate(path, enforce_eager=True)
     with monkeypatch.context() as patch:
         patch.setattr(kernels_cls, "reads_bf16_router", False)
         kept, model32 = generate(path)
     assert all(r.weight.dtype is torch.float32 for r in routers(model32))
+    assert model32.router_bytes_per_param() == 4
     assert planned == eager == kept
     build(variant, path)  # random float32 values
     _, model = generate(path)

@@ -82,6 +82,22 @@ def _check_q8_0_experts(source, directory, target, ffn: str) -> None:
     assert agree >= 0.75  # int8 weights: nearly every greedy token the same
 
 
+def _check_routers_left_out_of_the_weight_mix(path, router: str) -> None:
+    """weights_by_format (the analyzer's weight mix) counts every matrix a decode step reads
+    but the routers, which are priced apart at float32 (and the untied embedding)."""
+    from ridge.models.gguf_file import GGUFModel
+
+    model = GGUFModel(path)
+    matrices = {
+        name: t.shape[0] * t.shape[1]
+        for name, t in model.tensors.items()
+        if len(t.shape) == 2 and name.endswith(".weight") and name != "model.embed_tokens.weight"
+    }
+    routers = [name for name in matrices if name.endswith(f".{router}.weight")]
+    assert len(routers) == model.hf_config["num_hidden_layers"]
+    assert sum(model.weights_by_format().values()) == sum(matrices.values()) - sum(matrices[n] for n in routers)
+
+
 def _check_llama_cpp_greedy(path) -> None:
     pytest.importorskip("llama_cpp")
     theirs = llama_cpp_greedy(path, PROMPTS[0], 12)
@@ -102,6 +118,7 @@ def test_the_qwen3moe_file_holds_stacked_experts(qwen3moe_gguf):
     assert shapes["blk.0.ffn_gate_exps.weight"] == (8, 32, 64)
     assert shapes["blk.1.ffn_down_exps.weight"] == (8, 64, 32)
     assert shapes["blk.0.ffn_gate_inp.weight"] == (8, 64)
+    _check_routers_left_out_of_the_weight_mix(qwen3moe_gguf, "mlp.gate")
 
 
 def test_ridge_reads_its_qwen3moe_gguf_back_to_the_same_outputs(qwen3moe_dir, qwen3moe_gguf):
@@ -185,6 +202,7 @@ def test_a_mixtral_gguf_is_llamas_architecture_with_stacked_experts(mixtral_gguf
     assert shapes["blk.0.ffn_gate_inp.weight"] == (4, 64)
     assert shapes["blk.1.ffn_gate_exps.weight"] == (4, 96, 64) and shapes["blk.1.ffn_down_exps.weight"] == (4, 64, 96)
     assert not any(name.startswith("blk.0.ffn_gate.") for name in shapes)
+    _check_routers_left_out_of_the_weight_mix(mixtral_gguf, "block_sparse_moe.gate")
 
 
 def test_a_mixtral_gguf_runs_as_mixtral_with_the_directorys_outputs(mixtral_dir, mixtral_gguf, tmp_path):

@@ -218,6 +218,20 @@ def test_telemetry_prices_the_experts_a_step_touched():
     assert experts and all(op.count == 4 for op in experts)
 
 
+def test_telemetry_prices_the_router_as_held():
+    """bf16 weights, a float32 router (torch's kernels keep it so): the router's reads are
+    priced at 4 bytes a weight, the rest at 2."""
+    from ridge import LLM, SamplingParams
+
+    llm = LLM("random:tiny-qwen3-moe", device="cpu", num_kv_blocks=64, dtype="bfloat16", kernels="torch")
+    telemetry = llm.engine.telemetry
+    assert telemetry.router_bytes == 4 and telemetry.weight_bytes == pytest.approx(2)
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    cost, shape = telemetry.price(telemetry.recent[-1]), telemetry.model
+    assert cost.op("router").weight_bytes == shape.moe.num_experts * shape.hidden_size * 4 * shape.moe_layers
+    assert cost.op("o_proj").weight_bytes == shape.hidden_size * shape.num_heads * shape.head_dim * 2 * shape.num_layers
+
+
 def test_a_moe_config_with_unsupported_routing_names_the_fields():
     from ridge.models.presets import get_preset
 
