@@ -51,6 +51,8 @@ case $(lscpu | sed -n 's/^Model name: *//p' | head -n 1) in
   *Intel*) CPU=xeon ;;
   *) CPU=cpu ;;
 esac
+# an AVX2-only CPU (a Zen 3 EPYC) runs other kernels: its figures must not replace the AVX-512 ones
+grep -q -w avx512f /proc/cpuinfo || CPU=${CPU}_avx2
 COMPARE_JSON=benchmarks/compare_targets_$CPU.json
 files_of() {  # the files of the given types that the 'files' step ran, comma-separated
   "$PYTHON" - "$COMPARE_JSON" "$1" <<'EOF'
