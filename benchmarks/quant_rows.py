@@ -44,50 +44,76 @@ SHAPES = ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))  # (N, K) of 
 SAMPLES = 9  # timed passes over the layers per row count and worker
 
 
-def run_layers(ext, layers, xs, code: int) -> None:
+def run_layers(run, layers, xs) -> None:
     for layer in layers:
         for (packed, n, _), x in zip(layer, xs):
-            ext.linear_quant(x, packed, code, n, None)
+            run(x, packed, n)
 
 
-def worker(formats: list[str], rows: list[int], threads: int, n_layers: int) -> dict:
+def kernel_format(avx2: bool, name: str):
+    """(the extension, pack(blocks, n, k) -> the weight as the engine holds it for these kernels,
+    run(x, weight, n)) for block format ``name``: the AVX-512 kernels' packed layout, or the
+    AVX2 kernels' blocks of 8 rows (``AVX2_PACKED_FORMATS``; the others as loaded), in 2 MiB
+    pages as ``Avx2Kernels.place_weight`` puts them."""
+    from ridge.layers.cpu_kernels import load_avx2_extension, load_extension
+    from ridge.layers.kernels import AVX2_PACKED_FORMATS, QUANT_KERNEL_CODES
+    from ridge.quantization.formats import FORMATS
+
+    if not avx2:
+        ext, code = load_extension(), QUANT_KERNEL_CODES[name]
+        return (
+            ext,
+            lambda blocks, n, k: ext.pack_quant(blocks, code, n, k),
+            lambda x, w, n: ext.linear_quant(x, w, code, n, None),
+        )
+    ext, ggml_type = load_avx2_extension(), FORMATS[name].ggml_type
+    if name in AVX2_PACKED_FORMATS:
+        return (
+            ext,
+            lambda blocks, n, k: ext.huge_page_copy(ext.repack_rows(blocks, ggml_type, True)),
+            lambda x, w, n: ext.linear_blocks_packed(x, w, ggml_type, None),
+        )
+    return (
+        ext,
+        lambda blocks, n, k: ext.huge_page_copy(blocks),
+        lambda x, w, n: ext.linear_blocks(x, w, ggml_type, None),
+    )
+
+
+def worker(formats: list[str], rows: list[int], threads: int, n_layers: int, avx2: bool) -> dict:
     """{format: {rows: ms per layer}} for this process's path, and the packed bytes of a layer per format."""
-    from ridge.layers.cpu_kernels import load_extension
-    from ridge.layers.kernels import QUANT_KERNEL_CODES
     from ridge.quantization.formats import FORMATS
     from ridge.quantization.random_blocks import random_blocks
 
     torch.set_num_threads(threads)
-    ext = load_extension()
     times, sizes = {}, {}
     for name in formats:
-        code = QUANT_KERNEL_CODES[name]
-        layer = [
-            (ext.pack_quant(random_blocks(FORMATS[name], n, k, seed=i), code, n, k), n, k)
-            for i, (n, k) in enumerate(SHAPES)
-        ]
-        # copies of one layer's blocks: distinct memory, and timings do not depend on the values
-        layers = [layer] + [[(p.clone(), n, k) for p, n, k in layer] for _ in range(n_layers - 1)]
+        ext, pack, run = kernel_format(avx2, name)
+        blocks = [(random_blocks(FORMATS[name], n, k, seed=i), n, k) for i, (n, k) in enumerate(SHAPES)]
+        # each layer packed from the same blocks: distinct memory where the engine puts weights
+        # (2 MiB pages; a clone would not be), and timings do not depend on the values
+        layers = [[(pack(b, n, k), n, k) for b, n, k in blocks] for _ in range(n_layers)]
+        layer = layers[0]
         sizes[name] = sum(p.numel() for p, _, _ in layer)
         xs = {m: [torch.randn(m, k).bfloat16() for _, _, k in layer] for m in rows}
         samples = {m: [] for m in rows}
         for i in range(SAMPLES + 1):  # the row counts in turn, so that a drift in speed meets them all
             for m in rows:
                 start = time.perf_counter()
-                run_layers(ext, layers, xs[m], code)
+                run_layers(run, layers, xs[m])
                 if i:  # pass 0 warms
                     samples[m].append((time.perf_counter() - start) / n_layers)
         times[name] = {str(m): statistics.median(samples[m]) * 1e3 for m in rows}
         del layers, layer
-    return {"ms": times, "bytes": sizes, "amx_int8": bool(ext.amx_int8_ready())}
+    return {"ms": times, "bytes": sizes, "amx_int8": not avx2 and bool(ext.amx_int8_ready())}
 
 
-def engine_worker(model: str, quantization: str, threads: int) -> dict:
+def engine_worker(model: str, quantization: str, threads: int, kernels: str) -> dict:
     """Median decode step (ms) at batch 1, 8 and 16 and a 512-token prefill (ms), this path."""
     from ridge import LLM, SamplingParams
 
     torch.set_num_threads(threads)
-    engine = LLM(model, dtype="bfloat16", quantization=quantization, max_num_seqs=16).engine
+    engine = LLM(model, dtype="bfloat16", quantization=quantization, max_num_seqs=16, kernels=kernels).engine
 
     def decode(batch: int, tokens: int = 24) -> float:
         params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)
@@ -116,6 +142,7 @@ def run_worker(path: str, args, engine: str | None = None) -> dict:
     env = dict(os.environ, RIDGE_AMX="0" if path == "vnni" else os.environ.get("RIDGE_AMX", "1"))
     cmd = [sys.executable, __file__, "--worker", "--formats", args.formats, "--rows", args.rows]
     cmd += ["--threads", str(args.threads), "--layers", str(args.layers), "--model", args.model]
+    cmd += ["--kernels", args.kernels]
     if engine:
         cmd += ["--engine", engine]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
@@ -131,18 +158,29 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=22, help="layers of weights the kernel walks (TinyLlama: 22)")
     parser.add_argument("--engine", default="", help="quantizations whose whole steps to time too")
     parser.add_argument("--model", default="random:tinyllama-1.1b")
+    parser.add_argument(
+        "--kernels",
+        default="auto",
+        choices=("auto", "avx2"),
+        help="auto: the AVX-512 kernels, or the AVX2 ones on a CPU without AVX-512 BF16; avx2: the AVX2 kernels",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     formats, rows = args.formats.split(","), [int(r) for r in args.rows.split(",")]
     quantizations = [q for q in args.engine.split(",") if q]
+    from ridge.layers.cpu_kernels import cpu_has_avx512_bf16
+
+    avx2 = args.kernels == "avx2" or not cpu_has_avx512_bf16()
     if args.worker:
         if quantizations:
-            print(json.dumps(engine_worker(args.model, quantizations[0], args.threads)))
+            print(json.dumps(engine_worker(args.model, quantizations[0], args.threads, "avx2" if avx2 else "auto")))
         else:
-            print(json.dumps(worker(formats, rows, args.threads, args.layers)))
+            print(json.dumps(worker(formats, rows, args.threads, args.layers, avx2)))
         return
 
     from ridge.roofline.probe import cpu_model
+
+    cpu_entry = f"{cpu_model()}, AVX2 kernels" if avx2 else cpu_model()
 
     first = run_worker("dispatched", args)
     paths = ["dispatched", "vnni"] if first["amx_int8"] else ["dispatched"]
@@ -169,7 +207,7 @@ def main() -> None:
         return statistics.median(a[name][str(m)] / b[name][str(under_m)] for a, b in zip(runs[over], runs[under]))
 
     table = {}
-    print(f"{cpu_model()}, {args.threads} threads, AMX-INT8: {first['amx_int8']}, {args.layers} layers")
+    print(f"{cpu_entry}, {args.threads} threads, AMX-INT8: {first['amx_int8']}, {args.layers} layers")
     head = "format     rows ms/layer x one row" + ("   VNNI ms  AMX speedup" if len(paths) == 2 else "")
     print(head)
     for name in formats:
@@ -194,6 +232,7 @@ def main() -> None:
             print(f"{args.model} {q} {k}: {cells}")
     record = {
         "cpu": cpu_model(),
+        "kernels": "avx2" if avx2 else "avx512",
         "machine": platform.machine(),
         "threads": args.threads,
         "layers": args.layers,
@@ -204,7 +243,7 @@ def main() -> None:
         "formats": table,
         "engine": {"model": args.model, "runs": engine} if engine else None,
     }
-    write_cpu_entry(OUT, cpu_model(), record)
+    write_cpu_entry(OUT, cpu_entry, record)
 
 
 if __name__ == "__main__":

@@ -36,16 +36,22 @@ SHARED_KV_MIN_HEADS = 16
 # Each bit of an int32 word as an int32 (bit 31 is the sign): token bitmasks unpacked in one op
 _BIT_VALUES = torch.tensor([1 << j if j < 31 else -(1 << 31) for j in range(32)], dtype=torch.int32)
 # The formats the AVX2 kernels repack at load into blocks of 8 rows (csrc/avx2_blocks.cpp).
-# Its repack_rows takes Q8_0 and Q6_K too, but their layers stay in GGUF's layout: on the Zen 3
-# EPYC a one-row matmul from memory ran 5-15% slower in rows of 8 (faster in cache, and from
-# 32 rows of x on, where the kernel packs as it goes). Q5_K and IQ4_XS in rows of 8, against
-# GGUF's layout (same machine, 8 matrices of 5632 x 2048 from memory, 2 threads): 1.27x and
-# 1.18x at one row, 1.50x and 1.40x at two. Q3_K and Q2_K, whose one-row kernels on GGUF's
+# Its repack_rows takes Q6_K too, but its layers stay in GGUF's layout (the kernel packs their
+# blocks of 8 rows as it goes from 32 rows of x on: prefill). Q6_K in rows of 8 against GGUF's
+# layout, both in 2 MiB pages, 22 TinyLlama-1.1B layers from memory, 2 threads, 9 alternated
+# rounds on the 2-core Zen 3 EPYC (2026-12-03): 0.89x at one row, 1.19x at 2, 1.33x at 4; the
+# Q6_K file's batch-1 decode 0.92x (6 alternated rounds, two engines in one process). Q8_0,
+# which had stayed as loaded too (one row ran 5-15% slower in rows of 8 there, 2026-11-29, in
+# 4 KiB pages and before the kernels stopped spilling registers), ran 1.30x at one row, 1.90x
+# at 2, 2.1x at 4 and 8 in the same measurement, and its file decodes 1.24x faster at batch 1
+# (1.05-1.39 a round, the same tokens): packed since stop 81. Q5_K and IQ4_XS in rows of 8,
+# against GGUF's layout (same machine, 8 matrices of 5632 x 2048 from memory, 2 threads): 1.27x
+# and 1.18x at one row, 1.50x and 1.40x at two. Q3_K and Q2_K, whose one-row kernels on GGUF's
 # layout are compute-bound (2-core Intel Xeon running the AVX2 kernels, 2026-12-02, 80 matrices
 # of 5632 x 2048 from memory, 2 threads, 5 alternated rounds): rows of 8 1.16x and 1.09x at one
 # row, 1.11x and 1.13x at two, 1.42x and 1.90x at four, 1.71x and 2.01x at eight (Q6_K, kept
 # as loaded, 0.81x at one row on that machine too).
-AVX2_PACKED_FORMATS = frozenset(f.name for f in (Q4_0, Q4_1, IQ4_NL, Q4_K, Q5_K, IQ4_XS, Q3_K, Q2_K))
+AVX2_PACKED_FORMATS = frozenset(f.name for f in (Q8_0, Q4_0, Q4_1, IQ4_NL, Q4_K, Q5_K, IQ4_XS, Q3_K, Q2_K))
 # The extension's format codes (csrc/linear_quant.cpp)
 QUANT_KERNEL_CODES = {
     Q8_0.name: 0,
@@ -410,11 +416,11 @@ class Avx2Kernels(TorchKernels):
     - The matmuls of block-format layers run ``csrc/avx2_blocks.cpp`` on the GGUF bytes the
       layer holds, every format of ``formats.FORMATS``. (Torch's reference would dequantize
       the whole weight to float32 on every call: 8 bytes read and written a weight where a
-      Q4_K_M file holds 0.6.) The 2- to 5-bit formats Q4_0, Q4_1, IQ4_NL, Q4_K, Q5_K,
-      IQ4_XS, Q3_K and Q2_K (``AVX2_PACKED_FORMATS``) are repacked at load, at their size, into
-      blocks of 8 rows whose codes put a row in each int32 lane (``repack_rows``), where the
-      layer's rows are a multiple of 8; Q8_0 and Q6_K stay as loaded (and the kernel packs
-      their blocks of 8 rows as it goes in calls of 32 rows or more: prefill). Every weight
+      Q4_K_M file holds 0.6.) Every format but Q6_K (``AVX2_PACKED_FORMATS``: Q8_0, Q4_0, Q4_1,
+      IQ4_NL, Q4_K, Q5_K, IQ4_XS, Q3_K and Q2_K) is repacked at load, at its size, into blocks
+      of 8 rows whose codes put a row in each int32 lane (``repack_rows``), where the layer's
+      rows are a multiple of 8; Q6_K stays as loaded (and the kernel packs its blocks of 8 rows
+      as it goes in calls of 32 rows or more: prefill). Every weight
       they stream lies in 2 MiB pages (``place_weight``).
     - A decode step's other ops in float32 or bfloat16 run ``csrc/avx2_ops.cpp``: RMSNorm (with
       the residual add), SiLU-and-multiply, RoPE, and decode attention from the paged cache (an

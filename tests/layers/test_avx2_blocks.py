@@ -18,7 +18,7 @@ from ridge.layers import cpu_kernels
 from ridge.layers.cpu_kernels import cpu_has_avx2, load_avx2_extension
 from ridge.layers.kernels import AVX2_PACKED_FORMATS, Avx2Kernels
 from ridge.layers.linear import Linear, PackedLinear
-from ridge.quantization.formats import FORMATS, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_K, Q5_K, Q6_K
+from ridge.quantization.formats import FORMATS, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0
 from ridge.quantization.methods import BlockQuantLinearMethod, ShardedLinearMethod
 from ridge.quantization.random_blocks import random_blocks
 
@@ -242,7 +242,7 @@ def _layer(fmt, n: int, k: int, seed: int, bias: bool = False) -> Linear:
 
 
 def test_the_kernels_read_a_layers_gguf_bytes_as_loaded(ext):
-    """Q8_0 and Q6_K keep the file's bytes; the other formats (AVX2_PACKED_FORMATS)
+    """Q6_K keeps the file's bytes; the other formats (AVX2_PACKED_FORMATS, Q8_0 among them)
     the same bytes in blocks of 8 rows. Every way a model reaches a matmul: a plain layer with its
     bias, a layer held per shard in two formats (Q4_K_M's qkv), and one expert's rows of a
     stacked layer."""
@@ -261,7 +261,7 @@ def test_the_kernels_read_a_layers_gguf_bytes_as_loaded(ext):
         kernels.matmul(x, layer, slice(16, 32)), ext.linear_blocks(x, before[16:32], Q6_K.ggml_type, None)
     )
 
-    for fmt in (Q4_0, Q4_K, Q5_K, IQ4_XS, Q3_K, Q2_K):  # repacked, 8 rows at a time (an expert's rows still slice)
+    for fmt in (Q8_0, Q4_0, Q4_K, Q5_K, IQ4_XS, Q3_K, Q2_K):  # repacked, 8 rows at a time (expert rows slice)
         layer = _layer(fmt, 48, k, seed=3, bias=True)
         before = layer.blocks.clone()
         layer.method.process_weights_after_loading(layer, kernels)

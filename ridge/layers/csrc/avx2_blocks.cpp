@@ -16,9 +16,10 @@
 //   block's products need no horizontal sums and each lane's tree over the blocks is
 //   tree_sum's, vertically (see "Rows of 8" below). linear_blocks takes GGUF's layout, as
 //   loaded; linear_blocks_packed the rows of 8, with the same outputs bit for bit. Which
-//   layers ridge packs at load is kernels.py's AVX2_PACKED_FORMATS (not Q8_0's or Q6_K's: read
-//   from memory for one row, they ran slower in rows of 8); a call of PACK_FROM_ROWS rows of x
-//   or more (a prefill) on GGUF's layout packs each block of 8 rows as it goes.
+//   layers ridge packs at load is kernels.py's AVX2_PACKED_FORMATS (every format but Q6_K, which
+//   read from memory for one row runs slower in rows of 8; Q8_0 since stop 81, which measured
+//   it faster once weights lay in 2 MiB pages); a call of PACK_FROM_ROWS rows of x or more (a
+//   prefill) on GGUF's layout packs each block of 8 rows as it goes.
 // - vpmaddubsw with an x row's codes, then vpmaddwd with the group's integer sub-scales (one
 //   per 16 weights: lanes 0-3 of the result hold weights 0-15), into float lanes times the
 //   block's fp16 factor and the x group's scale.
