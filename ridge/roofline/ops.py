@@ -345,9 +345,9 @@ class ParamGroup:
     """Parameters of one kind: ``params`` per layer (per GPU when sharded) x ``layers``.
 
     ``matrix`` groups are stored at the weight precision, the others (norm weights, biases)
-    at 16 bits; ``router`` groups (an MoE's router and its bias) at the router's own precision
-    (``ROUTER_BYTES_PER_PARAM``); ``routed_expert`` marks the routed experts, of which a token
-    uses k of E.
+    at 16 bits; ``router`` groups: an MoE's router at its own precision (``router_bytes_per_param``)
+    and its bias in float32 (``Router`` keeps it so: a rounded bias would change choices);
+    ``routed_expert`` marks the routed experts, of which a token uses k of E.
     """
 
     name: str
@@ -363,7 +363,7 @@ class ParamGroup:
 
     def bytes_per_param(self, weight_bytes_per_param: float, router_bytes_per_param: float) -> float:
         if self.router:
-            return router_bytes_per_param
+            return router_bytes_per_param if self.matrix else ROUTER_BYTES_PER_PARAM
         return weight_bytes_per_param if self.matrix else vector_bytes_per_param(weight_bytes_per_param)
 
 
@@ -640,12 +640,12 @@ class _StepBuilder:
         """``count`` matmuls of (m, k) x (k, n) whose rows total ``rows``; weights read once each.
 
         kv_out_cols of the output go to the KV cache instead of activations; kv_in reads the
-        input from the KV cache (MLA's latent); a router's weights and bias are read at the
-        router's precision.
+        input from the KV cache (MLA's latent); a router's weights are read at the router's
+        precision, its bias in float32 (``ParamGroup``).
         """
         in_bytes = rows * k * (self.kvb if kv_in else self.ab)
         out_act = rows * (n - kv_out_cols) * self.ab
-        wb, vb = (self.router_bytes, self.router_bytes) if router else (self.wb, self.vb)
+        wb, vb = (self.router_bytes, ROUTER_BYTES_PER_PARAM) if router else (self.wb, self.vb)
         weights = count * (k * n * wb + (n * vb if bias else 0))
         return OpCost(
             name=name,
