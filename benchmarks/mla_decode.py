@@ -77,7 +77,7 @@ def main(argv=None) -> int:
         max_num_batched_tokens=1024,
     )
     engine = llm.engine
-    cfg, shape = engine.model_config, engine.telemetry.model
+    cfg, shape = engine.model_config, engine.telemetry.pricing.model
     mla = cfg.mla
     elem = engine.dtype.itemsize
     cache = {

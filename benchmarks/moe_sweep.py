@@ -34,7 +34,6 @@ import torch
 
 from ridge import LLM
 from ridge.bench.common import machine, random_prompts
-from ridge.roofline.ops import step_cost
 from ridge.roofline.probe import ProbeSettings, probe_read_bandwidth
 from ridge.sampling import SamplingParams
 
@@ -59,25 +58,16 @@ def sweep_point(llm, batch: int, args, seed: int) -> dict:
     llm.generate(prompts, params, use_tqdm=False)
     bw = max(bw_before, bandwidth())
     peak = telemetry.ceiling.peak_flops
-    model = telemetry.model
+    pricing = telemetry.pricing
     steps = [r for r in telemetry.recent if r.phase == "decode" and len(r.decode_contexts) == batch]
     rows = []
     for r in steps:
         priced = {}
         for label, touched in (("predicted", None), ("floor", r.experts_touched)):
-            cost = step_cost(
-                model,
-                (),
-                r.decode_contexts,
-                telemetry.weight_bytes,
-                telemetry.kv_bytes,
-                telemetry.act_bytes,
-                experts_touched=touched,
-                router_bytes_per_param=telemetry.router_bytes,
-            )
+            cost = pricing.cost((), r.decode_contexts, experts_touched=touched)
             priced[label] = cost.time_s(peak, bw)  # each op at its own bound, summed (ridge's one floor)
         rows.append((r.wall_s, r.experts_touched, priced["predicted"], priced["floor"]))
-    expected = model.moe.expected_experts_touched(batch)
+    expected = pricing.model.moe.expected_experts_touched(batch)
     return {
         "batch": batch,
         "bandwidth_gb_per_s": bw / 1e9,

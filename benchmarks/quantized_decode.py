@@ -21,6 +21,7 @@ context needs no prefill. Writes ``benchmarks/quantized_decode.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -32,7 +33,6 @@ from ridge.config import EngineConfig
 from ridge.engine.engine import LLMEngine
 from ridge.kv import cache as kv_cache
 from ridge.layers.attention import AttentionMetadata
-from ridge.roofline.ops import step_cost
 from ridge.roofline.probe import ProbeSettings, cpu_model, probe_read_bandwidth
 
 OUT = Path(__file__).with_name("quantized_decode.json")
@@ -109,9 +109,10 @@ def floor_seconds(
 ) -> tuple[float, float]:
     """(floor, predicted) of one decode step: the telemetry's own pricing of the step (the KV
     bytes of ``kv_kind``)."""
-    tel, cfg = engine.telemetry, engine.model_config
+    cfg = engine.model_config
     kv_bytes = kv_cache.bytes_per_token_head(kv_kind, cfg.head_dim, engine.dtype) / cfg.head_dim
-    cost = step_cost(tel.model, (), tuple([context] * batch), tel.weight_bytes, kv_bytes, tel.act_bytes)
+    pricing = dataclasses.replace(engine.telemetry.pricing, kv_bytes=kv_bytes)
+    cost = pricing.cost((), tuple([context] * batch))
     return cost.bytes / bandwidth, max(cost.flops / peak, cost.bytes / bandwidth)
 
 

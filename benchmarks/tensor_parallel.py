@@ -24,7 +24,7 @@ import torch
 
 from ridge import LLM, SamplingParams
 from ridge.distributed.probe import local_link
-from ridge.roofline.ops import CostConventions, step_cost_from_counts
+from ridge.roofline.ops import CostConventions
 from ridge.roofline.probe import local_hardware
 from ridge.telemetry import TORCH_TO_ROOFLINE_DTYPE
 
@@ -56,15 +56,9 @@ def decode_steps(llm: LLM, batch: int, tp: int, cores: set[int]) -> dict:
 
 def predicted(llm: LLM, batch: int, tp: int, hardware, link) -> dict:
     """The analyzer's decode step at mid-generation: roofline floor per rank + collectives."""
-    t = llm.engine.telemetry
     context = PROMPT_LEN + OUTPUT_LEN // 2
-    cost = step_cost_from_counts(
-        t.model,
-        {(1, context): batch},
-        t.weight_bytes,
-        t.kv_bytes,
-        t.act_bytes,
-        conventions=CostConventions(tensor_parallel=tp),
+    cost = llm.engine.telemetry.pricing.cost_from_counts(
+        {(1, context): batch}, conventions=CostConventions(tensor_parallel=tp)
     )
     peak = hardware.peak(TORCH_TO_ROOFLINE_DTYPE[str(llm.engine.dtype)])
     floor = cost.time_s(peak, hardware.bandwidth_bytes_per_s)

@@ -22,7 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ridge.roofline.hardware import Hardware
-from ridge.roofline.ops import ROUTER_BYTES_PER_PARAM, CostConventions, Link, StepCost, step_cost
+from ridge.roofline.ops import (
+    ROUTER_BYTES_PER_PARAM,
+    CostConventions,
+    Link,
+    StepCost,
+    step_cost,
+    step_cost_from_counts,
+)
 from ridge.roofline.shapes import ModelShape
 
 PHASES = ("prefill", "decode", "mixed")
@@ -185,7 +192,9 @@ class Ceiling:
 
 @dataclass(frozen=True)
 class ModelPricing:
-    """What the cost model needs of a second model (a speculative draft) besides its shape."""
+    """A loaded model as the cost model prices it: its shape and the bytes it holds. The one
+    place the telemetry, the speculation policy and the benchmarks turn a step into
+    ``step_cost``'s arguments."""
 
     model: ModelShape
     weight_bytes: float  # per parameter
@@ -206,6 +215,31 @@ class ModelPricing:
             info.router_bytes_per_param or ROUTER_BYTES_PER_PARAM,
         )
 
+    def cost(self, prefill_chunks, decode_contexts, **kwargs) -> StepCost:
+        """``step_cost`` of one step of this model (``kwargs``: its keyword arguments)."""
+        return step_cost(
+            self.model,
+            prefill_chunks,
+            decode_contexts,
+            self.weight_bytes,
+            self.kv_bytes,
+            self.act_bytes,
+            router_bytes_per_param=self.router_bytes,
+            **kwargs,
+        )
+
+    def cost_from_counts(self, sequences, **kwargs) -> StepCost:
+        """``step_cost_from_counts`` of one step of this model: {(query tokens, context): count}."""
+        return step_cost_from_counts(
+            self.model,
+            sequences,
+            self.weight_bytes,
+            self.kv_bytes,
+            self.act_bytes,
+            router_bytes_per_param=self.router_bytes,
+            **kwargs,
+        )
+
 
 @dataclass
 class Telemetry:
@@ -216,10 +250,7 @@ class Telemetry:
     since the last ``reset``; ``recent`` keeps the last steps in full.
     """
 
-    model: ModelShape
-    weight_bytes: float  # per parameter
-    kv_bytes: float  # per cached element
-    act_bytes: float
+    pricing: ModelPricing  # the model whose steps these are
     compute_dtype: str  # the roofline dtype of the peak ("bf16", ...)
     hardware_fn: Callable[..., Hardware]
     recent: deque = field(default_factory=lambda: deque(maxlen=4096))
@@ -234,7 +265,6 @@ class Telemetry:
     tensor_parallel: int = 1
     link_fn: Callable[[], Link] | None = None
     _link: Link | None = None
-    router_bytes: float = ROUTER_BYTES_PER_PARAM  # per parameter of an MoE's routers
 
     def record(
         self,
@@ -270,31 +300,17 @@ class Telemetry:
     def price(self, rec: StepRecord) -> StepCost:
         if rec.cost is None:
             rows = len(rec.prefill_chunks) + len(rec.decode_contexts) + sum(q for q, _ in rec.verify_chunks)
-            rec.cost = step_cost(
-                self.model,
+            rec.cost = self.pricing.cost(
                 rec.prefill_chunks + rec.verify_chunks,
                 rec.decode_contexts,
-                self.weight_bytes,
-                self.kv_bytes,
-                self.act_bytes,
                 conventions=CostConventions(tensor_parallel=self.tensor_parallel),
                 logit_rows=rows,
                 experts_touched=rec.experts_touched,
-                router_bytes_per_param=self.router_bytes,
             )
             if rec.draft_passes and self.draft is not None:  # the draft's reads and FLOPs too
-                d = self.draft
                 ops = list(rec.cost.ops)
                 for chunks in rec.draft_passes:
-                    cost = step_cost(
-                        d.model,
-                        chunks,
-                        (),
-                        d.weight_bytes,
-                        d.kv_bytes,
-                        d.act_bytes,
-                        router_bytes_per_param=d.router_bytes,
-                    )
+                    cost = self.draft.cost(chunks, ())
                     ops += [dataclasses.replace(op, name=f"draft {op.name}") for op in cost.ops]
                 rec.cost = StepCost(tuple(ops), rec.cost.tokens, rec.cost.sequences, rec.cost.comm)
         return rec.cost

@@ -22,7 +22,7 @@ from ridge.roofline.hardware import GIB, HARDWARE_PRESETS, Hardware, Measurement
 from ridge.roofline.ops import Precision, step_cost
 from ridge.roofline.probe import ProbeSettings, local_hardware, probe_bandwidth
 from ridge.roofline.shapes import ModelShape
-from ridge.telemetry import PHASES, TORCH_TO_ROOFLINE_DTYPE, Ceiling, StepRecord, Telemetry
+from ridge.telemetry import PHASES, TORCH_TO_ROOFLINE_DTYPE, Ceiling, ModelPricing, StepRecord, Telemetry
 
 TINY_SHAPE = ModelShape.from_hf_config(PRESETS["tiny"])
 # A roofline with round numbers: 1 TFLOP/s bf16 and 100 GB/s (ridge point 10 FLOP/byte).
@@ -42,10 +42,7 @@ def make_telemetry(hardware=HW, bytes_per_elem=2, dtype="bf16", model=TINY_SHAPE
         return hardware
 
     return Telemetry(
-        model=model,
-        weight_bytes=bytes_per_elem,
-        kv_bytes=bytes_per_elem,
-        act_bytes=bytes_per_elem,
+        pricing=ModelPricing(model, bytes_per_elem, bytes_per_elem, bytes_per_elem),
         compute_dtype=dtype,
         hardware_fn=hardware_fn,
     )
@@ -265,9 +262,7 @@ def test_a_step_faster_than_its_floor_reprobes_once_then_raises_the_roofline():
         probes.append(reprobe)
         return faster if reprobe else HW
 
-    t = Telemetry(
-        model=TINY_SHAPE, weight_bytes=2, kv_bytes=2, act_bytes=2, compute_dtype="bf16", hardware_fn=hardware_fn
-    )
+    t = Telemetry(pricing=ModelPricing(TINY_SHAPE, 2, 2, 2), compute_dtype="bf16", hardware_fn=hardware_fn)
     cost = step_cost(TINY_SHAPE, [], DECODE, 2, 2, 2)
     memory_floor = cost.bytes / HW.bandwidth_bytes_per_s
     assert cost.flops / HW.peak("bf16") < memory_floor  # memory-bound: the bandwidth is what gets raised
@@ -298,9 +293,7 @@ def test_a_pipelined_step_never_moves_the_roofline():
         probes.append(reprobe)
         return HW
 
-    t = Telemetry(
-        model=TINY_SHAPE, weight_bytes=2, kv_bytes=2, act_bytes=2, compute_dtype="bf16", hardware_fn=hardware_fn
-    )
+    t = Telemetry(pricing=ModelPricing(TINY_SHAPE, 2, 2, 2), compute_dtype="bf16", hardware_fn=hardware_fn)
     cost = step_cost(TINY_SHAPE, [], DECODE, 2, 2, 2)
     floor = cost.bytes / HW.bandwidth_bytes_per_s
     t.record([], DECODE, floor / 4, pipelined=True)
@@ -366,7 +359,8 @@ def test_an_engine_records_the_analyzers_generation(stories_dir):
 
     llm = LLM(str(stories_dir), dtype="float32")
     t = llm.engine.telemetry
-    assert (t.weight_bytes, t.kv_bytes, t.act_bytes, t.compute_dtype) == (4, 4, 4, "fp32")
+    p = t.pricing
+    assert (p.weight_bytes, p.kv_bytes, p.act_bytes, p.router_bytes, t.compute_dtype) == (4, 4, 4, 4, "fp32")
     t._hardware = HW  # no probe
     t.reset()
     llm.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
@@ -374,7 +368,7 @@ def test_an_engine_records_the_analyzers_generation(stories_dir):
     assert [r.phase for r in records] == ["prefill"] + ["decode"] * 5
     assert records[0].prefill_chunks == ((5, 5),)
     az = Analyzer(
-        t.model,
+        p.model,
         Roof("fp32", HW.peak("fp32"), HW.bandwidth_bytes_per_s),
         Workload(prompt_len=5, output_len=6, precision=Precision(32, 32, 32)),
         Conventions(),

@@ -37,7 +37,7 @@ from ridge.engine.structured import StructuredOutputs
 from ridge.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer, load_tokenizer
 from ridge.kv.manager import KVCacheManager
 from ridge.kv_transfer.config import KVTransferParams, RemoteKV
-from ridge.roofline.ops import CostConventions, step_cost_from_counts
+from ridge.roofline.ops import CostConventions
 from ridge.roofline.probe import local_hardware
 from ridge.sampling import SamplingParams
 from ridge.spec_decode.config import SpeculativeConfig
@@ -159,13 +159,8 @@ class LLMEngine:
             hardware_fn = functools.partial(cuda_hardware, self.device)
         else:
             hardware_fn = local_hardware
-        pricing = ModelPricing.of(self.model_info)
         return Telemetry(
-            model=pricing.model,
-            weight_bytes=pricing.weight_bytes,
-            kv_bytes=pricing.kv_bytes,
-            act_bytes=pricing.act_bytes,
-            router_bytes=pricing.router_bytes,
+            pricing=ModelPricing.of(self.model_info),
             compute_dtype=TORCH_TO_ROOFLINE_DTYPE[str(self.dtype)],
             hardware_fn=hardware_fn,
             tensor_parallel=self.config.tensor_parallel_size,
@@ -187,15 +182,10 @@ class LLMEngine:
                 kernel = self.executor.probe_matmul_flops(2048 if self.device.type == "cuda" else 32)
                 peak.append(min(kernel, telemetry.hardware.peak(telemetry.compute_dtype)))
                 logger.info("speculation cost model: matmul kernel %.0f GFLOP/s", peak[0] / 1e9)
-            cost = step_cost_from_counts(
-                telemetry.model,
+            cost = telemetry.pricing.cost_from_counts(
                 {(rows, max(rows, context)): batch},
-                telemetry.weight_bytes,
-                telemetry.kv_bytes,
-                telemetry.act_bytes,
                 conventions=CostConventions(tensor_parallel=self.config.tensor_parallel_size),
                 logit_rows=batch * rows,
-                router_bytes_per_param=telemetry.router_bytes,
             )
             return cost.time_s(peak[0], telemetry.hardware.bandwidth_bytes_per_s)
 

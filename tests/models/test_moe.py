@@ -225,9 +225,9 @@ def test_telemetry_prices_the_router_as_held():
 
     llm = LLM("random:tiny-qwen3-moe", device="cpu", num_kv_blocks=64, dtype="bfloat16", kernels="torch")
     telemetry = llm.engine.telemetry
-    assert telemetry.router_bytes == 4 and telemetry.weight_bytes == pytest.approx(2)
+    assert telemetry.pricing.router_bytes == 4 and telemetry.pricing.weight_bytes == pytest.approx(2)
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
-    cost, shape = telemetry.price(telemetry.recent[-1]), telemetry.model
+    cost, shape = telemetry.price(telemetry.recent[-1]), telemetry.pricing.model
     assert cost.op("router").weight_bytes == shape.moe.num_experts * shape.hidden_size * 4 * shape.moe_layers
     assert cost.op("o_proj").weight_bytes == shape.hidden_size * shape.num_heads * shape.head_dim * 2 * shape.num_layers
 
