@@ -110,8 +110,9 @@ def test_a_layer_split_along_k_sums_to_the_unsplit_layers_outputs_exactly(ext, n
 @pytest.mark.parametrize("name", sorted(FORMATS))
 @pytest.mark.parametrize("m", [11, 40])
 def test_a_rows_output_does_not_depend_on_its_batch(ext, name, m):
-    """Also across the kernel's switch to packing W's rows as it goes (from 32 rows of x: the
-    batch of 40 packs, its rows alone and the slice of 6 do not)."""
+    """Also across the kernel's switches to packing W's rows as it goes (from 32 rows of x: the
+    batch of 40 packs, its rows alone and the slice of 6 do not) and to decoding a K-quant's
+    codes once for all rows of x (from 16 rows: the batch of 40 does)."""
     fmt, k = FORMATS[name], 512
     blocks = _blocks(name, 40, k, seed=3)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(4))
@@ -131,8 +132,9 @@ def test_the_formats_packed_at_load_have_rows_of_8():
 def test_rows_of_8_keep_the_bytes_and_the_outputs_bit_for_bit(ext, name):
     """The packed layout: the same bytes in blocks of 8 rows (its inverse gives GGUF's back),
     and the same outputs as the GGUF layout for every tile height (m), every shape of a row's
-    tree over its blocks (their count a power of 2, odd, or neither; up to 512 leaves), and
-    GGUF's layout packed as the kernel goes (m = 33: 32 rows or more)."""
+    tree over its blocks (their count a power of 2, odd, or neither; up to 512 leaves), a
+    K-quant's codes decoded once for all rows (m = 17 and 33: 16 rows or more), and GGUF's
+    layout packed as the kernel goes (m = 33: 32 rows or more)."""
     fmt = FORMATS[name]
     for k in (32, 96, 256, 416, 768, 2048, 2816, 12288, 16384):
         if k % fmt.block:
@@ -142,7 +144,7 @@ def test_rows_of_8_keep_the_bytes_and_the_outputs_bit_for_bit(ext, name):
         assert packed.shape == (3, 8 * blocks.shape[1])
         assert torch.equal(ext.repack_rows(packed, fmt.ggml_type, False), blocks)
         assert not torch.equal(packed.view(-1), blocks.view(-1))
-        for m in (1, 3, 4, 5, 9, 33):
+        for m in (1, 3, 4, 5, 9, 17, 33):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             gguf = ext.linear_blocks(x, blocks, fmt.ggml_type, None)
             torch.testing.assert_close(ext.linear_blocks_packed(x, packed, fmt.ggml_type, None), gguf, rtol=0, atol=0)

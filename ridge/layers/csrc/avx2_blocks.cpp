@@ -27,7 +27,8 @@
 //   of the sums of x's codes: one scalar a group and row. (The sums of x itself would take the
 //   minimum exactly but leave the codes' products, all of one sign, with the activations'
 //   error: on a 2-layer model 0.5 nats off float32's log-probabilities, against 0.03 so.)
-// - A group is unpacked once for up to 4 rows of x. Every output (row of x, row of W) is
+// - A group is unpacked once for up to 4 rows of x; in calls of EXPAND_FROM_ROWS rows or more
+//   (prefill) a K-quant's block of 8 rows is unpacked once for all of them (expand_codes). Every output (row of x, row of W) is
 //   computed by one thread, in the same order whatever the batch: a row's output does not
 //   depend on the rows beside it. It is a sum of its blocks' sums as a tree (tree_sum), so a
 //   layer split by tensor parallelism sums to the unsplit layer's outputs exactly.
@@ -67,6 +68,8 @@ constexpr int64_t PREFETCH_SUPER_BLOCKS = 8192, PREFETCH_BLOCKS = 4096;
 // speed packing / not: Q8_0 0.60 at 1 row, 0.75 at 4, 1.13 at 16, 1.27 at 32, 1.36 at 128;
 // Q6_K 0.52, 0.57, 0.93, 1.02, 1.01.
 constexpr int64_t PACK_FROM_ROWS = 32;
+// A super-block of 8 rows' codes decoded, a byte a weight (expand_codes)
+constexpr int64_t EXPANDED_BYTES = 8 * 256;
 
 // Fetch the BYTES at p + AHEAD into L1, or on Intel the BYTES L2_FETCH_AHEAD on into L2
 // (avx2_simd.h), a line at a time (a prefetch past the matrix's end does not fault)
@@ -896,21 +899,36 @@ inline __attribute__((always_inline)) void k_scales8(const uint8_t* q, __m256i s
                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(u1, 6), two), 4));
 }
 
+// Group j's chunk t of a Q4_K / Q5_K block of 8 rows: cp the group's code chunks (a run of 8,
+// low nibbles for j even), hp Q5_K's 8 chunks of high bits (bit j of each byte, moved to bit 4)
+template <class F>
+inline __attribute__((always_inline)) __m256i k_codes(const uint8_t* cp, const uint8_t* hp, int j, int t) {
+  const __m256i low = _mm256_set1_epi8(15), sixteen = _mm256_set1_epi8(16);
+  const __m256i v = load32(cp + 32 * t);
+  __m256i cv = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, low);
+  if constexpr (std::is_same_v<F, Q5_K>) {
+    const __m256i h = load32(hp + 32 * t);
+    cv = _mm256_or_si256(
+        cv, _mm256_and_si256(j <= 4 ? _mm256_slli_epi16(h, 4 - j) : _mm256_srli_epi16(h, j - 4), sixteen));
+  }
+  return cv;
+}
+
 // Q4_K and Q5_K: each group's chunks in turn (its own loads: the two groups of a code vector
 // at once keep twice the sums live, and the kernel spilled them), each row of x's products
-// summed in int16 over T chunks, then vpmaddwd by the group's scale
-template <class F, int R>
-void rows8_dot_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& tree) {
+// summed in int16 over T chunks, then vpmaddwd by the group's scale. EXP: the codes come
+// decoded from ex (expand_codes), not from the block.
+template <class F, int R, bool EXP>
+void rows8_dot_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& tree, const uint8_t* ex) {
   using L = Rows8<F>;
   constexpr bool Q5 = std::is_same_v<F, Q5_K>;
   // int16 lanes sum the products of T chunks: at most 2 T 15 * 127 (Q4_K, T = 8) or 2 T 31 *
   // 127 (Q5_K, T = 4) < 2^15
   constexpr int T = Q5 ? 4 : 8;
   constexpr int64_t HIGH_BYTES = Q5 ? 256 : 0;  // Q5_K's 8 chunks of high bits
-  const __m256i low = _mm256_set1_epi8(15), sixteen = _mm256_set1_epi8(16);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
-    prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
+    if constexpr (!EXP) prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
     const __m256 dv = halves8(p);
     const __m256 dminv = halves8(p + 16);
     const uint8_t* q = p + L::CODES_AT;
@@ -922,19 +940,13 @@ void rows8_dot_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& 
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {  // group j: code chunks 8 (j / 2) + t, their low nibbles (j even) or high ones
       const __m256i s = pick_q4k(sc[j / 4], j % 4);
-      const uint8_t *cp = codes + 32 * 8 * (j / 2), *hp = high;
+      const uint8_t *cp = EXP ? ex + EXPANDED_BYTES * b + 256 * j : codes + 32 * 8 * (j / 2), *hp = high;
       asm volatile("" : "+r"(cp), "+r"(hp));  // chunks loaded anew for each group, not kept live across them
 #pragma GCC unroll 2
       for (int t0 = 0; t0 < 8; t0 += T) {
         __m256i part[R];
         for (int t = t0; t < t0 + T; ++t) {
-          const __m256i v = load32(cp + 32 * t);
-          __m256i cv = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, low);
-          if constexpr (Q5) {  // bit j of the high-bit chunk, moved to bit 4
-            const __m256i h = load32(hp + 32 * t);
-            cv = _mm256_or_si256(
-                cv, _mm256_and_si256(j <= 4 ? _mm256_slli_epi16(h, 4 - j) : _mm256_srli_epi16(h, j - 4), sixteen));
-          }
+          const __m256i cv = EXP ? load32(cp + 32 * t) : k_codes<F>(cp, hp, j, t);
           for (int r = 0; r < R; ++r) {
             const __m256i pr = _mm256_maddubs_epi16(cv, broadcast4(xr.codes[r] + b * 256 + 32 * j + 4 * t));
             part[r] = t > t0 ? _mm256_add_epi16(part[r], pr) : pr;
@@ -1097,13 +1109,23 @@ inline __attribute__((always_inline)) void add_group_3bit(int grp, __m256i sv, C
   }
 }
 
-template <int R>
-void rows8_dot_q6_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& tree) {
-  using L = Rows8<Q6_K>;
+// Group grp = 4h + i's chunk t of a Q6_K block of 8 rows (its codes at q): codes 0-63
+inline __attribute__((always_inline)) __m256i q6k_codes(const uint8_t* q, int grp, int t) {
   const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
+  const int h = grp / 4, i = grp % 4;
+  __m256i lo4 = load32(q + 32 * (16 * h + 8 * (i % 2) + t));
+  if (i >= 2) lo4 = _mm256_srli_epi16(lo4, 4);
+  const __m256i qh = load32(q + 32 * (32 + 8 * h + t));
+  const __m256i hi2 = i < 2 ? _mm256_slli_epi16(qh, 4 - 2 * i) : _mm256_srli_epi16(qh, 2 * i - 4);
+  return _mm256_or_si256(_mm256_and_si256(lo4, low), _mm256_and_si256(hi2, top));
+}
+
+template <int R, bool EXP>
+void rows8_dot_q6_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& tree, const uint8_t* ex) {
+  using L = Rows8<Q6_K>;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
-    prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
+    if constexpr (!EXP) prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
     const __m256 dv = halves8(p);
     const uint8_t* q = p + L::CODES_AT;
     __m256i acc[R], off[R];
@@ -1119,11 +1141,7 @@ void rows8_dot_q6_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R
         __m256i part[R];
 #pragma GCC unroll 8
         for (int t = 0; t < 8; ++t) {
-          __m256i lo4 = load32(q + 32 * (16 * h + 8 * (i % 2) + t));
-          if (i >= 2) lo4 = _mm256_srli_epi16(lo4, 4);
-          const __m256i qh = load32(q + 32 * (32 + 8 * h + t));
-          const __m256i hi2 = i < 2 ? _mm256_slli_epi16(qh, 4 - 2 * i) : _mm256_srli_epi16(qh, 2 * i - 4);
-          const __m256i codes = _mm256_or_si256(_mm256_and_si256(lo4, low), _mm256_and_si256(hi2, top));
+          const __m256i codes = EXP ? load32(ex + EXPANDED_BYTES * b + 32 * (8 * grp + t)) : q6k_codes(q, grp, t);
           for (int r = 0; r < R; ++r) {
             const __m256i pr = _mm256_maddubs_epi16(codes, broadcast4(xr.codes[r] + b * 256 + 32 * grp + 4 * t));
             if (t % 2 == 0) {
@@ -1150,13 +1168,23 @@ void rows8_dot_q6_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R
 // vpshufb away from int16 pairs (s, s). Codes times x reach 2 * 7 * 127 a vpmaddubsw lane, so a
 // scale's 4 chunks sum in int16, then vpmaddwd by it (add_group_3bit); the offset, 4, comes out
 // of x's code sums (add_x_sums).
-template <int R>
-void rows8_dot_q3_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& tree) {
+// Group grp = 4n + j's chunk t of a Q3_K block of 8 rows (its codes at q): codes 0-7
+inline __attribute__((always_inline)) __m256i q3k_codes(const uint8_t* q, int grp, int t) {
+  const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+  const int n = grp / 4, j = grp % 4;
+  const __m256i lo2 = _mm256_and_si256(_mm256_srli_epi16(load32(q + 32 * (8 + 8 * n + t)), 2 * j), three);
+  const __m256i hm = load32(q + 32 * t);
+  return _mm256_or_si256(
+      lo2, _mm256_and_si256(grp <= 2 ? _mm256_slli_epi16(hm, 2 - grp) : _mm256_srli_epi16(hm, grp - 2), four));
+}
+
+template <int R, bool EXP>
+void rows8_dot_q3_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& tree, const uint8_t* ex) {
   using L = Rows8<Q3_K>;
-  const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4), low = _mm256_set1_epi8(15);
+  const __m256i three = _mm256_set1_epi8(3), low = _mm256_set1_epi8(15);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
-    prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
+    if constexpr (!EXP) prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
     const __m256 dv = halves8(p);
     const uint8_t* q = p + L::CODES_AT;
     // scale i: 4 bits (nibble i / 8 of byte i % 8: chunk 24 + i % 8 / 4) and 2 (bits 2 (i / 4)
@@ -1173,12 +1201,8 @@ void rows8_dot_q3_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R
     for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int grp = 0; grp < 8; ++grp) {
-      const int n = grp / 4, j = grp % 4;
       const auto codes = [&](int t) __attribute__((always_inline)) {
-        const __m256i lo2 = _mm256_and_si256(_mm256_srli_epi16(load32(q + 32 * (8 + 8 * n + t)), 2 * j), three);
-        const __m256i hm = load32(q + 32 * t);
-        return _mm256_or_si256(
-            lo2, _mm256_and_si256(grp <= 2 ? _mm256_slli_epi16(hm, 2 - grp) : _mm256_srli_epi16(hm, grp - 2), four));
+        return EXP ? load32(ex + EXPANDED_BYTES * b + 32 * (8 * grp + t)) : q3k_codes(q, grp, t);
       };
       add_group_3bit<R>(grp, sv[grp / 2], codes, xr, b, acc);
     }
@@ -1193,22 +1217,27 @@ void rows8_dot_q3_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R
 // qs chunk 4 + 8n + t (codes 0-3); scale and minimum i are the low and high nibbles of byte i % 4
 // of chunk i / 4. The integer sums and float ops are super_block_row's (add_group_3bit as
 // Q3_K's; the minimums' part from x's code sums, add_x_sums).
-template <int R>
-void rows8_dot_q2_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& tree) {
+// Group grp = 4n + j's chunk t of a Q2_K block of 8 rows (its codes at q): codes 0-3
+inline __attribute__((always_inline)) __m256i q2k_codes(const uint8_t* q, int grp, int t) {
+  const int n = grp / 4, j = grp % 4;
+  return _mm256_and_si256(_mm256_srli_epi16(load32(q + 32 * (4 + 8 * n + t)), 2 * j), _mm256_set1_epi8(3));
+}
+
+template <int R, bool EXP>
+void rows8_dot_q2_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& tree, const uint8_t* ex) {
   using L = Rows8<Q2_K>;
-  const __m256i three = _mm256_set1_epi8(3), low = _mm256_set1_epi8(15);
+  const __m256i low = _mm256_set1_epi8(15);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
-    prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
+    if constexpr (!EXP) prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
     const __m256 dv = halves8(p), dminv = halves8(p + 16);
     const uint8_t* q = p + L::CODES_AT;
     __m256i acc[R], macc[R];
     for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int grp = 0; grp < 8; ++grp) {
-      const int n = grp / 4, j = grp % 4;
       const auto codes = [&](int t) __attribute__((always_inline)) {
-        return _mm256_and_si256(_mm256_srli_epi16(load32(q + 32 * (4 + 8 * n + t)), 2 * j), three);
+        return EXP ? load32(ex + EXPANDED_BYTES * b + 32 * (8 * grp + t)) : q2k_codes(q, grp, t);
       };
       // scales 4 (grp / 2).. 4 (grp / 2) + 3 as bytes
       add_group_3bit<R>(grp, _mm256_and_si256(load32(q + 32 * (grp / 2)), low), codes, xr, b, acc);
@@ -1227,26 +1256,73 @@ void rows8_dot_q2_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R
   }
 }
 
+// The super-block formats whose codes take several ops each to decode (every K-quant: IQ4_XS's
+// are signed) and, for a call of EXPAND_FROM_ROWS rows of x or more (prefill), are decoded once
+// a block of 8 rows into EXPANDED_BYTES a block, a byte a weight (expand_codes), rather than
+// once for each MAX_ROWS rows of x. The same integers, so the same outputs bit for bit.
+template <class F>
+constexpr bool EXPANDS = F::BLOCK == 256 && !std::is_same_v<F, IQ4_XS>;
+constexpr int64_t EXPAND_FROM_ROWS = 16;
+
+// A block of 8 rows' codes (nb blocks from g) decoded into ex: block b's code vector of group
+// grp and chunk t (weights [32 grp + 4 t, + 4) of each row) at EXPANDED_BYTES b + 32 (8 grp + t)
+template <class F>
+void expand_codes(const uint8_t* g, int64_t nb, uint8_t* ex) {
+  using L = Rows8<F>;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* q = g + b * L::BYTES + L::CODES_AT;
+    prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(q - L::CODES_AT);
+    uint8_t* out = ex + EXPANDED_BYTES * b;
+#pragma GCC unroll 8
+    for (int grp = 0; grp < 8; ++grp)
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        __m256i v;
+        if constexpr (std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K>)
+          v = k_codes<F>(q + 96 + (std::is_same_v<F, Q5_K> ? 256 : 0) + 32 * 8 * (grp / 2), q + 96, grp, t);
+        else if constexpr (std::is_same_v<F, Q6_K>)
+          v = q6k_codes(q, grp, t);
+        else if constexpr (std::is_same_v<F, Q3_K>)
+          v = q3k_codes(q, grp, t);
+        else
+          v = q2k_codes(q, grp, t);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * (8 * grp + t)), v);
+      }
+  }
+}
+
 // A block of 8 rows of W (at g, nb blocks a row) against rows [m0, m0 + R) of x: each block's
 // sums by the format's kernel into each row of x's tree over the blocks, its root then y[(m0 +
-// r) N + l] for the block's rows l
-template <class F, int R>
-void rows8_call(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, float* y, int64_t N) {
+// r) N + l] for the block's rows l. EXP: the block's codes decoded in ex (expand_codes).
+template <class F, int R, bool EXP>
+void rows8_call(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, float* y, int64_t N,
+                const uint8_t* ex) {
   const XRows<R> xr(x, m0);
   TreeSums<R> tree(nb);
   if constexpr (F::BLOCK == QK)
     rows8_dot<F, R>(g, nb, xr, tree);
   else if constexpr (std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K>)
-    rows8_dot_k<F, R>(g, nb, xr, tree);
+    rows8_dot_k<F, R, EXP>(g, nb, xr, tree, ex);
   else if constexpr (std::is_same_v<F, IQ4_XS>)
     rows8_dot_iq4_xs<R>(g, nb, xr, tree);
   else if constexpr (std::is_same_v<F, Q3_K>)
-    rows8_dot_q3_k<R>(g, nb, xr, tree);
+    rows8_dot_q3_k<R, EXP>(g, nb, xr, tree, ex);
   else if constexpr (std::is_same_v<F, Q2_K>)
-    rows8_dot_q2_k<R>(g, nb, xr, tree);
+    rows8_dot_q2_k<R, EXP>(g, nb, xr, tree, ex);
   else
-    rows8_dot_q6_k<R>(g, nb, xr, tree);
+    rows8_dot_q6_k<R, EXP>(g, nb, xr, tree, ex);
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N, tree.root(r));
+}
+
+// Every row of x against one block of 8 rows of W, MAX_ROWS rows at a time
+template <class F, bool EXP>
+void rows8_rows(const uint8_t* g, int64_t nb, const QuantizedX& x, float* y, int64_t N, const uint8_t* ex) {
+  for (int64_t m0 = 0; m0 < x.M; m0 += MAX_ROWS) switch (std::min<int64_t>(MAX_ROWS, x.M - m0)) {
+      case 1: rows8_call<F, 1, EXP>(g, nb, x, m0, y, N, ex); break;
+      case 2: rows8_call<F, 2, EXP>(g, nb, x, m0, y, N, ex); break;
+      case 3: rows8_call<F, 3, EXP>(g, nb, x, m0, y, N, ex); break;
+      default: rows8_call<F, 4, EXP>(g, nb, x, m0, y, N, ex); break;
+    }
 }
 
 // y = x @ W^T over W's blocks of 8 rows: each thread takes blocks of rows, each meets x's rows
@@ -1256,20 +1332,25 @@ void rows8_call(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, f
 template <class F, bool PACK>
 void gemm_rows8(const QuantizedX& x, const uint8_t* w, int64_t row_bytes, int64_t N, float* y) {
   const int64_t nb = x.K / F::BLOCK, M = x.M;
+  bool expand = false;
+  if constexpr (EXPANDS<F>) expand = M >= EXPAND_FROM_ROWS;
   at::parallel_for(0, N / 8, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint8_t> packed(PACK ? 8 * row_bytes : 0);
+    std::vector<uint8_t> expanded(expand ? nb * EXPANDED_BYTES : 0);
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* gp = w + g * 8 * row_bytes;
       if constexpr (PACK) {
         repack_rows8<F, true>(gp, packed.data(), row_bytes);
         gp = packed.data();
       }
-      for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) switch (std::min<int64_t>(MAX_ROWS, M - m0)) {
-          case 1: rows8_call<F, 1>(gp, nb, x, m0, y + 8 * g, N); break;
-          case 2: rows8_call<F, 2>(gp, nb, x, m0, y + 8 * g, N); break;
-          case 3: rows8_call<F, 3>(gp, nb, x, m0, y + 8 * g, N); break;
-          default: rows8_call<F, 4>(gp, nb, x, m0, y + 8 * g, N); break;
+      if constexpr (EXPANDS<F>) {
+        if (expand) {
+          expand_codes<F>(gp, nb, expanded.data());
+          rows8_rows<F, true>(gp, nb, x, y + 8 * g, N, expanded.data());
+          continue;
         }
+      }
+      rows8_rows<F, false>(gp, nb, x, y + 8 * g, N, nullptr);
     }
   });
 }
