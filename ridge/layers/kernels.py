@@ -394,22 +394,6 @@ class TorchKernels:
         return None
 
 
-# Avx2Kernels: rows of x from which a dense bf16 layer runs torch's float32 GEMM on its widened
-# weight (below: csrc/avx2_dense.cpp, which streams the weight once), and the weight rows widened
-# at a time. A 5632 x 2048 layer on the 2-core Zen 3 EPYC (2026-11-29, 2 rounds): 32 rows
-# 10.5-11.1 ms against 16.8-21.9 in float32, 64 rows 20.7-21.5 against 22.4-29.4, 96 rows
-# 30.2-31.2 against 30.4-31.5, 128 rows 39.9-40.6 against 33.8-36.7. (Widening the weight
-# alone costs most of the float32 path's time below 64 rows; torch's bf16 GEMM there took 28 ms
-# on 24 rows.)
-FLOAT32_GEMM_MIN_ROWS = 64
-# The weight values widened at a time (rows of K: ELEMENTS // K, 8 at least). Slices of 2048 rows
-# cost 2x on the 2048 x 5632 down_proj: its 46 MB float32 slice, over glibc's largest mmap
-# threshold, was mapped and faulted in anew each call. 128 rows of x, 7 rounds, Zen 3 EPYC
-# (2026-11-29): 2048 x 5632 45.2 ms at 2048 rows a slice, 22.3 at 184 (1M values), 21.6 at 368,
-# 22.3 at 552; 11264 x 2048 49.1 at 2048, 44.6 at 512, 46.4 at 1024, 47.8 at 1536.
-FLOAT32_GEMM_ELEMENTS = 1 << 20
-
-
 class Avx2Kernels(TorchKernels):
     """A CPU with AVX2 but not AVX-512 BF16 (AMD Zen 2-3, Intel's client cores).
 
@@ -427,11 +411,13 @@ class Avx2Kernels(TorchKernels):
       fp8 one's codes dequantized in registers as rows are read; over an int8 one the AVX-512
       kernel's formula: the query in int8 per group, integer dot products). Each other op
       rounds where torch's op rounds.
-    - Dense bf16 layers run ``csrc/avx2_dense.cpp`` below FLOAT32_GEMM_MIN_ROWS rows (decode:
-      the weight streamed once for up to 4 rows at a time, widened in registers), and torch's
-      float32 GEMM on the weight widened a slice at a time from there (prefill). Without
-      AVX-512 BF16 torch's bf16 GEMM is a slow path: 9.4 GB/s on one row, 11.5x one row's time
-      on 23.
+    - Dense bf16 layers run ``csrc/avx2_dense.cpp``: below 16 rows (decode) the weight
+      streamed once for up to 4 rows at a time, from 16 rows (prefill) tiles of 4 rows of x
+      and 3 of W, the weight widened in registers either way. Without AVX-512 BF16 torch's bf16
+      GEMM is a slow path (9.4 GB/s on one row, 11.5x one row's time on 23), and its float32
+      GEMM on the weight widened a slice at a time, which prefill ran until stop 82, spent a
+      third of its time widening and repacking the weight (Zen 3, 128-token prefill of the bf16
+      file: 1.45x since).
     - An MoE's top-k routing runs ``csrc/avx2_ops.cpp``'s ``route_topk`` (the AVX-512 router
       kernel's arithmetic on 8 lanes); each expert's rows run ``linear`` on its slice.
     - MLA's absorbed per-head matrices are stacked layers (``plan_heads``, ``absorbed_heads``):
@@ -453,8 +439,6 @@ class Avx2Kernels(TorchKernels):
             return self.linear_parts(x, layer)
         fmt = layer.method.format
         if fmt is None and self._dense_bf16(x, layer):
-            if rows is None and x.numel() >= FLOAT32_GEMM_MIN_ROWS * x.shape[-1]:
-                return self._bf16_by_float32_gemm(x, layer)
             if rows is not None:  # one expert's rows of a stacked layer (no bias)
                 return self.ext.linear_bf16(x, layer.weight[rows], None)
             return self.ext.linear_bf16(x, layer.weight, layer.bias)
@@ -517,31 +501,13 @@ class Avx2Kernels(TorchKernels):
             and layer.weight.numel() > 0
         )
 
-    @staticmethod
-    def _bf16_by_float32_gemm(x, layer):
-        """x @ W^T (+ b) for bf16 x and W through torch's float32 GEMM, W widened
-        FLOAT32_GEMM_ELEMENTS values at a time (its float32 copy never whole), the output rounded to
-        bf16 once. Without AVX-512 BF16, torch's bf16 GEMM ran 12-19 GFLOP/s on the 2-core Zen 3
-        EPYC where its float32 GEMM ran 78-143 (2026-11-29, 128-1024 rows, F.linear's layout).
-        The products are bf16's exactly and sum in float32, as torch's bf16 GEMM sums them."""
-        xf = x.float()
-        weight, bias = layer.weight, layer.bias
-        out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
-        rows = max(8, FLOAT32_GEMM_ELEMENTS // weight.shape[1])
-        for start in range(0, weight.shape[0], rows):
-            part = slice(start, start + rows)
-            out[..., part] = xf @ weight[part].float().T
-        if bias is not None:
-            out += bias.float()
-        return out.to(torch.bfloat16)
-
     def decode_plan(self):
         """An empty ``DecodePlan`` (``csrc/avx2_plan.cpp``): a bf16 decode step's Llama layers
         with dense MLPs or MoEs, over a bf16, int8 or fp8 cache, in one call through the kernels below,
         on the views and in the order the model's Python forward uses (so with its results, bit
         for bit). Its ``run`` declines a step (None) where this class would send a dense layer
         or decode attention to torch."""
-        return self.ext.DecodePlan(FLOAT32_GEMM_MIN_ROWS, MANY_HEADS_PER_KV_HEAD)
+        return self.ext.DecodePlan(MANY_HEADS_PER_KV_HEAD)
 
     def plan_takes_cache(self, cache, head_dim):
         return cache.v is not cache.k and self._plan_reads(cache, head_dim)

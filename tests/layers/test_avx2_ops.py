@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from ridge.kv.cache import PagedKV, dequantize, quantize
-from ridge.layers import kernels as kernels_module
 from ridge.layers.attention import AttentionMetadata
 from ridge.layers.cpu_kernels import cpu_has_avx2, load_avx2_extension
-from ridge.layers.kernels import FLOAT32_GEMM_MIN_ROWS, Avx2Kernels, TorchKernels
+from ridge.layers.kernels import Avx2Kernels, TorchKernels
 from ridge.layers.linear import Linear
 from ridge.quantization.methods import UnquantizedLinearMethod
 
@@ -372,30 +371,36 @@ def _dense_layer(n: int, k: int, bias: bool) -> Linear:
     return layer
 
 
+PREFILL_ROWS = 16  # csrc/avx2_dense.cpp: from these rows of x, tiles of 4 rows of x and 3 of W
+
+
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_dense_bf16_prefill_runs_a_float32_gemm(kernels, bias, monkeypatch):
-    """From FLOAT32_GEMM_MIN_ROWS rows a dense bf16 layer is torch's float32 GEMM of the widened
-    weight (a slice of rows at a time), rounded to bf16 once; below, the streaming kernel."""
-    monkeypatch.setattr(kernels_module, "FLOAT32_GEMM_ELEMENTS", 48 * 64)  # 100 rows of 64: 3 slices of 48
-    layer = _dense_layer(100, 64, bias)
-    gen = torch.Generator().manual_seed(1)
-    few = torch.randn(FLOAT32_GEMM_MIN_ROWS - 1, 64, generator=gen).bfloat16()
-    assert torch.equal(kernels.linear(few, layer), kernels.ext.linear_bf16(few, layer.weight, layer.bias))
-    many = torch.randn(2, FLOAT32_GEMM_MIN_ROWS // 2, 64, generator=gen).bfloat16()  # leading dims: rows counted
-    got = kernels.linear(many, layer)
-    want = many.float() @ layer.weight.float().T + (layer.bias.float() if bias else 0)
-    assert got.dtype is torch.bfloat16 and got.shape == (2, FLOAT32_GEMM_MIN_ROWS // 2, 100)
-    assert (_ulps(got, want.bfloat16()) <= 1).all()  # float32 sums in another order: one rounding apart at most
+@pytest.mark.parametrize("k", [2048, 100, 13])  # a multiple of 8, a tail of 4, under 8
+def test_a_dense_bf16_prefill_runs_tiles_of_x_and_w(kernels, bias, k):
+    """From PREFILL_ROWS rows a dense bf16 layer runs tiles of 4 rows of x and 3 of W (ragged
+    edges: 37 rows of W, 150 rows of x past a block of 128): float32 products and sums within
+    one bf16 rounding of float32's, and each row's output the same in any call of PREFILL_ROWS
+    rows or more."""
+    layer = _dense_layer(37, k, bias)
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(150, k, generator=gen).bfloat16()
+    got = kernels.linear(x, layer)
+    want = x.float() @ layer.weight.float().T + (layer.bias.float() if bias else 0)
+    assert got.dtype is torch.bfloat16 and got.shape == (150, 37)
+    assert (_ulps(got, want.bfloat16()) <= 1).all()  # float32 sums in another order: one rounding apart
+    for start, stop in [(0, PREFILL_ROWS), (3, 3 + PREFILL_ROWS + 1), (100, 150), (5, 140)]:
+        assert torch.equal(kernels.linear(x[start:stop], layer), got[start:stop])
+    assert torch.equal(kernels.linear(x.view(2, 75, k), layer), got.view(2, 75, 37))  # leading dims
     # and the matmul is timed as every other (the telemetry's matmul share)
     kernels.take_matmul_s()
-    kernels.matmul(many, layer)
+    kernels.matmul(x, layer)
     assert kernels.take_matmul_s() > 0
 
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("k", [2048, 100, 72, 13])  # multiples of 16 and of 8, a tail of 4, under 8
 def test_a_dense_bf16_decode_streams_the_weight_once_for_its_rows(kernels, bias, k):
-    """Below FLOAT32_GEMM_MIN_ROWS (decode) a dense bf16 layer is csrc/avx2_dense.cpp: float32
+    """Below PREFILL_ROWS (decode) a dense bf16 layer streams the weight once a call: float32
     products and sums rounded to bf16 once, each row's output the same alone or in any batch."""
     layer = _dense_layer(37, k, bias)
     gen = torch.Generator().manual_seed(k)

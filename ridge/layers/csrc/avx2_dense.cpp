@@ -1,19 +1,24 @@
-// A dense bf16 layer on a few rows (decode) for CPUs with AVX2 but without AVX-512 BF16
-// (Avx2Kernels): y = x @ W^T (+ bias), W (N, K) bf16 as the checkpoint holds it, x float32
-// or bf16, y in x's dtype rounded once from float32.
+// A dense bf16 layer for CPUs with AVX2 but without AVX-512 BF16 (Avx2Kernels): y = x @ W^T
+// (+ bias), W (N, K) bf16 as the checkpoint holds it, x float32 or bf16, y in x's dtype rounded
+// once from float32.
 //
 // Why: without AVX-512 BF16 torch's bf16 matmul is a slow path. On the 2-core Zen 3 EPYC
 // (2026-11-29, 8 matrices of 5632 x 2048) it streamed W at 9.4 GB/s on one row and cost
 // 1.9x one row's time on 2 rows, 4.1x on 8, 11.5x on 23: a decode step of 8 sequences took
-// 4 times one sequence's. Here W is read once a call whatever the rows (up to MAX_ROWS at a
-// time: ridge_avx2::tiled_gemm, as the block formats tile), widened to float32 in registers
-// (bf16 is the top half of an fp32: a shift), and
-// multiplied by every row of x in float32 FMAs.
-//
-// Each output is one row of x against one row of W, computed by one thread in the same order
-// whatever the batch: two accumulators over alternate 8-wide chunks of k, the tail in the
-// first, then ((a0 + a1) summed across lanes) (+ bias). A row's output does not depend on the
-// rows beside it.
+// 4 times one sequence's. Here W is widened to float32 in registers as it is loaded (bf16 is
+// the top half of an fp32: a shift) and multiplied in float32 FMAs:
+// - below PREFILL_ROWS rows of x (decode), W is read once a call whatever the rows (up to
+//   MAX_ROWS at a time: ridge_avx2::tiled_gemm, as the block formats tile). Each output is one
+//   row of x against one row of W, computed by one thread in the same order whatever the
+//   batch: two accumulators over alternate 8-wide chunks of k, the tail in the first, then
+//   ((a0 + a1) summed across lanes) (+ bias).
+// - from PREFILL_ROWS rows (prefill), tiles of 4 rows of x and 3 of W (prefill_gemm). Until stop
+//   82 prefill ran torch's float32 GEMM on W widened a slice at a time; a third of that time
+//   went to widening W and to the GEMM's own copy of it (Zen 3, 128-token prefill of the bf16
+//   TinyLlama file: perf, 52% in the GEMM's kernel, 16% in its packing, 11% widening). These
+//   tiles, the same file's 128-token prefill in one process, 5 alternated rounds: 1.45x
+//   (1.04-1.67); 512 tokens 1.04x (0.98-1.10).
+// Either way a row's output does not depend on the rows beside it in a call of the same kind.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -21,6 +26,7 @@
 #include "avx2_kernels.h"
 #include "avx2_simd.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -74,6 +80,71 @@ void gemm(const float* x, int64_t M, int64_t K, const bf16* w, int64_t N, float*
   });
 }
 
+// Prefill (PREFILL_ROWS rows of x or more): tiles of TM rows of x against TN rows of W, one
+// 8-lane accumulator per (row of x, row of W) over all of K, W widened in registers as it is
+// loaded and x read as float32; each thread's W rows in blocks of W_BLOCK_BYTES (they stay in
+// L2 while every tile of x meets them). Each output sums its products in one order whatever
+// the rows beside it (lane by lane over k, the tail in order, then hsum): the same in any batch
+// of PREFILL_ROWS rows or more.
+constexpr int TM = 4, TN = 3;  // 12 accumulators, 3 W vectors and an x vector: 16 ymm registers
+constexpr int64_t PREFILL_ROWS = 16, W_BLOCK_BYTES = 96 * 1024, X_BLOCK_ROWS = 128;
+
+template <int RM, int RN>
+inline void prefill_tile(const float* x, int64_t K, const bf16* w, float* y, int64_t N) {
+  __m256 acc[RM][RN];
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) acc[i][j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[RN];
+    for (int j = 0; j < RN; ++j) wv[j] = load8(w + j * K + k);
+    for (int i = 0; i < RM; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + i * K + k);
+      for (int j = 0; j < RN; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) {
+      float s = hsum(acc[i][j]);
+      for (int64_t t = k; t < K; ++t) s += x[i * K + t] * static_cast<float>(w[j * K + t]);
+      y[i * N + j] = s;
+    }
+}
+
+template <int RM>
+inline void prefill_tiles(const float* x, int64_t K, const bf16* w, int64_t n0, int64_t n1, float* y, int64_t N) {
+  int64_t n = n0;
+  for (; n + TN <= n1; n += TN) prefill_tile<RM, TN>(x, K, w + n * K, y + n, N);
+  if (n1 - n == 2) prefill_tile<RM, 2>(x, K, w + n * K, y + n, N);
+  if (n1 - n == 1) prefill_tile<RM, 1>(x, K, w + n * K, y + n, N);
+}
+
+// y (M, N) float32 = x (M, K) float32 @ W^T for M >= PREFILL_ROWS: X_BLOCK_ROWS rows of x at a
+// time (so that the rows a thread's tiles read stay in L2/L3; W is read once per block of them),
+// each thread taking blocks of W's rows
+void prefill_gemm(const float* x, int64_t M, int64_t K, const bf16* w, int64_t N, float* y) {
+  const int64_t rows = std::max<int64_t>(TN, W_BLOCK_BYTES / (2 * K) / TN * TN);
+  for (int64_t mb = 0; mb < M; mb += X_BLOCK_ROWS) {
+    const int64_t mb_end = std::min(M, mb + X_BLOCK_ROWS);
+    at::parallel_for(0, (N + rows - 1) / rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t blk = begin; blk < end; ++blk) {
+        const int64_t n0 = blk * rows, n1 = std::min(N, n0 + rows);
+        for (int64_t m0 = mb; m0 < mb_end; m0 += TM) {
+          const float* xm = x + m0 * K;
+          float* ym = y + m0 * N;
+          switch (std::min<int64_t>(TM, mb_end - m0)) {
+            case 1: prefill_tiles<1>(xm, K, w, n0, n1, ym, N); break;
+            case 2: prefill_tiles<2>(xm, K, w, n0, n1, ym, N); break;
+            case 3: prefill_tiles<3>(xm, K, w, n0, n1, ym, N); break;
+            default: prefill_tiles<4>(xm, K, w, n0, n1, ym, N); break;
+          }
+        }
+      }
+    });
+  }
+}
+static_assert(TM == 4, "prefill_gemm's switch names each tile height");
+
 }  // namespace
 
 namespace ridge_avx2 {
@@ -92,7 +163,10 @@ void linear_bf16_into(const T* x, int64_t M, int64_t K, const bf16* w, int64_t N
     xf = xs.data();
   }
   ys.resize(M * N);
-  gemm(xf, M, K, w, N, ys.data());
+  if (M >= PREFILL_ROWS)
+    prefill_gemm(xf, M, K, w, N, ys.data());
+  else
+    gemm(xf, M, K, w, N, ys.data());
   store_sums(ys.data(), M, N, bias, y, ldy);
 }
 

@@ -15,8 +15,8 @@
 // block format or bf16 rows, Avx2Kernels.plan_heads), dense MLPs and MoEs (greedy,
 // group-limited or noaux_tc routers through Avx2Kernels.route_topk's kernel; a shared expert,
 // gated or not). Anything else is refused when the plan is built (Avx2Kernels.plan_*), and a
-// step the Python path would run elsewhere (a dense layer on FLOAT32_GEMM_MIN_ROWS rows or
-// more, a Llama attention's GEMM path for fewer jobs than threads, decode_attention_jobs) is
+// step the Python path would run elsewhere (a Llama attention's GEMM path for fewer jobs than
+// threads, decode_attention_jobs) is
 // declined when it comes: run() returns None before touching anything, and the caller runs
 // the step op by op.
 #include <ATen/Parallel.h>
@@ -228,11 +228,10 @@ void check_bf16_vector(const torch::Tensor& t, int64_t n, const char* what) {
 
 class Avx2DecodePlan {
  public:
-  // dense_max_rows: the rows from which Avx2Kernels runs a dense layer through torch's GEMM
-  // (FLOAT32_GEMM_MIN_ROWS); many_heads: the query heads per KV head from which its decode
-  // attention gives way to torch's GEMMs when the kernel's jobs are fewer than the threads
-  // (MANY_HEADS_PER_KV_HEAD, decode_attention_jobs). A step either would take is declined.
-  Avx2DecodePlan(int64_t dense_max_rows, int64_t many_heads) : dense_max_rows_(dense_max_rows), many_heads_(many_heads) {}
+  // many_heads: the query heads per KV head from which its decode attention gives way to
+  // torch's GEMMs when the kernel's jobs are fewer than the threads (MANY_HEADS_PER_KV_HEAD,
+  // decode_attention_jobs). A step that would take them is declined.
+  explicit Avx2DecodePlan(int64_t many_heads) : many_heads_(many_heads) {}
 
   // The same arguments as the AVX-512 DecodePlan's add_layer (LlamaAttention.add_to_plan):
   // bf16 pools, or int8 / fp8 ones with fp16 scales (Avx2Kernels.plan_takes_cache: the ones
@@ -399,8 +398,7 @@ class Avx2DecodePlan {
   // attend). positions, slots and context_lens advance in place; the block tables must hold
   // every pass's position. Returns (T, steps) tokens, the seconds in the linear kernels (the
   // lm_head's too) and the last pass's experts per layer; None, before anything ran, where
-  // the Python path would send these rows elsewhere (run's takes, or a dense lm_head on
-  // FLOAT32_GEMM_MIN_ROWS rows).
+  // the Python path would send these rows elsewhere (run's takes).
   std::optional<std::tuple<torch::Tensor, double, std::vector<int64_t>>> run_greedy(
       torch::Tensor h, torch::Tensor slots, torch::Tensor block_tables, torch::Tensor context_lens,
       torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t steps) {
@@ -408,7 +406,7 @@ class Avx2DecodePlan {
     TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.is_contiguous() && h.dim() == 2 && h.size(1) == hidden_,
                 "AVX2 decode plan: (T, hidden) bf16 h");
     const int64_t T = h.size(0), V = head_.width, vocab = embed_.size(0);
-    if (!takes(T, cos.size(1)) || (head_.dense && T >= dense_max_rows_)) return std::nullopt;
+    if (!takes(T, cos.size(1))) return std::nullopt;
     const int64_t BS = layers_[0].k_pool.size(1), width = block_tables.size(1);
     auto tokens = torch::empty({T, steps}, torch::TensorOptions().dtype(at::kLong));
     std::vector<bf16> x(T * hidden_), logits(T * V);
@@ -524,12 +522,6 @@ class Avx2DecodePlan {
   bool takes(int64_t T, int64_t rotary_dim) const {
     for (const auto& l : layers_) {
       if (rotary_dim != (l.mla ? l.rope : l.head_dim)) return false;  // rope_ takes full-width tables only
-      const bool shared_dense =
-          l.moe.has_value() && l.moe->shared && (l.moe->shared_gate_up.dense || l.moe->shared_down.dense);
-      const bool q_b_dense = l.q_b.has_value() && l.q_b->dense;
-      if ((l.qkv.dense || l.o.dense || l.gate_up.dense || l.down.dense || shared_dense || q_b_dense) &&
-          T >= dense_max_rows_)
-        return false;
       const bool few_jobs = ridge_avx2::decode_attention_jobs(T, l.heads, l.kv_heads) < at::get_num_threads();
       if (!l.mla && l.heads / l.kv_heads >= many_heads_ && few_jobs) return false;  // a latent pool takes the kernel
     }
@@ -762,7 +754,7 @@ class Avx2DecodePlan {
     rows_ = T;
   }
 
-  int64_t dense_max_rows_, many_heads_;
+  int64_t many_heads_;
   int64_t hidden_ = 0, rows_ = 0;
   std::vector<Layer> layers_;
   std::vector<bf16> x_, o_, ffn_, qkv_, attn_, gu_, act_;
@@ -777,7 +769,7 @@ class Avx2DecodePlan {
 void register_decode_plan(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<Avx2DecodePlan>(m, "DecodePlan", py::module_local(), "every decoder layer of a bf16 decode step in one call (AVX2)")
-      .def(py::init<int64_t, int64_t>())
+      .def(py::init<int64_t>())
       .def("add_layer", &Avx2DecodePlan::add_layer)
       .def("add_mla_layer", &Avx2DecodePlan::add_mla_layer)
       .def("set_mlp", &Avx2DecodePlan::set_mlp)
