@@ -89,8 +89,8 @@ void gemm(const float* x, int64_t M, int64_t K, const bf16* w, int64_t N, float*
 constexpr int TM = 4, TN = 3;  // 12 accumulators, 3 W vectors and an x vector: 16 ymm registers
 constexpr int64_t PREFILL_ROWS = 16, W_BLOCK_BYTES = 96 * 1024, X_BLOCK_ROWS = 128;
 
-template <int RM, int RN>
-inline void prefill_tile(const float* x, int64_t K, const bf16* w, float* y, int64_t N) {
+template <int RM, int RN, class T>
+inline void prefill_tile(const float* x, int64_t K, const bf16* w, const float* bias, T* y, int64_t ldy) {
   __m256 acc[RM][RN];
   for (int i = 0; i < RM; ++i)
     for (int j = 0; j < RN; ++j) acc[i][j] = _mm256_setzero_ps();
@@ -107,22 +107,26 @@ inline void prefill_tile(const float* x, int64_t K, const bf16* w, float* y, int
     for (int j = 0; j < RN; ++j) {
       float s = hsum(acc[i][j]);
       for (int64_t t = k; t < K; ++t) s += x[i * K + t] * static_cast<float>(w[j * K + t]);
-      y[i * N + j] = s;
+      y[i * ldy + j] = static_cast<T>(bias ? s + bias[j] : s);  // store_sums' rounding
     }
 }
 
-template <int RM>
-inline void prefill_tiles(const float* x, int64_t K, const bf16* w, int64_t n0, int64_t n1, float* y, int64_t N) {
+template <int RM, class T>
+inline void prefill_tiles(const float* x, int64_t K, const bf16* w, int64_t n0, int64_t n1, const float* bias, T* y,
+                          int64_t ldy) {
   int64_t n = n0;
-  for (; n + TN <= n1; n += TN) prefill_tile<RM, TN>(x, K, w + n * K, y + n, N);
-  if (n1 - n == 2) prefill_tile<RM, 2>(x, K, w + n * K, y + n, N);
-  if (n1 - n == 1) prefill_tile<RM, 1>(x, K, w + n * K, y + n, N);
+  const auto at = [&](int64_t n) { return bias ? bias + n : nullptr; };
+  for (; n + TN <= n1; n += TN) prefill_tile<RM, TN>(x, K, w + n * K, at(n), y + n, ldy);
+  if (n1 - n == 2) prefill_tile<RM, 2>(x, K, w + n * K, at(n), y + n, ldy);
+  if (n1 - n == 1) prefill_tile<RM, 1>(x, K, w + n * K, at(n), y + n, ldy);
 }
 
-// y (M, N) float32 = x (M, K) float32 @ W^T for M >= PREFILL_ROWS: X_BLOCK_ROWS rows of x at a
-// time (so that the rows a thread's tiles read stay in L2/L3; W is read once per block of them),
-// each thread taking blocks of W's rows
-void prefill_gemm(const float* x, int64_t M, int64_t K, const bf16* w, int64_t N, float* y) {
+// y (M, N, rows ldy apart) = x (M, K) float32 @ W^T (+ bias) rounded once to T, for M >=
+// PREFILL_ROWS: X_BLOCK_ROWS rows of x at a time (so that the rows a thread's tiles read stay
+// in L2/L3; W is read once per block of them), each thread taking blocks of W's rows
+template <class T>
+void prefill_gemm(const float* x, int64_t M, int64_t K, const bf16* w, int64_t N, const float* bias, T* y,
+                  int64_t ldy) {
   const int64_t rows = std::max<int64_t>(TN, W_BLOCK_BYTES / (2 * K) / TN * TN);
   for (int64_t mb = 0; mb < M; mb += X_BLOCK_ROWS) {
     const int64_t mb_end = std::min(M, mb + X_BLOCK_ROWS);
@@ -131,12 +135,12 @@ void prefill_gemm(const float* x, int64_t M, int64_t K, const bf16* w, int64_t N
         const int64_t n0 = blk * rows, n1 = std::min(N, n0 + rows);
         for (int64_t m0 = mb; m0 < mb_end; m0 += TM) {
           const float* xm = x + m0 * K;
-          float* ym = y + m0 * N;
+          T* ym = y + m0 * ldy;
           switch (std::min<int64_t>(TM, mb_end - m0)) {
-            case 1: prefill_tiles<1>(xm, K, w, n0, n1, ym, N); break;
-            case 2: prefill_tiles<2>(xm, K, w, n0, n1, ym, N); break;
-            case 3: prefill_tiles<3>(xm, K, w, n0, n1, ym, N); break;
-            default: prefill_tiles<4>(xm, K, w, n0, n1, ym, N); break;
+            case 1: prefill_tiles<1>(xm, K, w, n0, n1, bias, ym, ldy); break;
+            case 2: prefill_tiles<2>(xm, K, w, n0, n1, bias, ym, ldy); break;
+            case 3: prefill_tiles<3>(xm, K, w, n0, n1, bias, ym, ldy); break;
+            default: prefill_tiles<4>(xm, K, w, n0, n1, bias, ym, ldy); break;
           }
         }
       }
@@ -153,6 +157,19 @@ template <class T>
 void linear_bf16_into(const T* x, int64_t M, int64_t K, const bf16* w, int64_t N, const float* bias, T* y,
                       int64_t ldy) {
   if (M == 0 || N == 0) return;
+  if (M >= PREFILL_ROWS) {  // the tiles round into y; x widened into the call's own buffer (a
+                            // prefill's can be large, so not kept as decode's are)
+    std::vector<float> xw;
+    const float* xf = nullptr;
+    if constexpr (std::is_same_v<T, float>) {
+      xf = x;
+    } else {
+      xw.resize(M * K);
+      for (int64_t i = 0; i < M * K; ++i) xw[i] = static_cast<float>(x[i]);
+      xf = xw.data();
+    }
+    return prefill_gemm(xf, M, K, w, N, bias, y, ldy);
+  }
   thread_local std::vector<float> xs, ys;  // x widened, and y's sums (the caller's thread)
   const float* xf = nullptr;
   if constexpr (std::is_same_v<T, float>) {
@@ -163,10 +180,7 @@ void linear_bf16_into(const T* x, int64_t M, int64_t K, const bf16* w, int64_t N
     xf = xs.data();
   }
   ys.resize(M * N);
-  if (M >= PREFILL_ROWS)
-    prefill_gemm(xf, M, K, w, N, ys.data());
-  else
-    gemm(xf, M, K, w, N, ys.data());
+  gemm(xf, M, K, w, N, ys.data());
   store_sums(ys.data(), M, N, bias, y, ldy);
 }
 
