@@ -153,6 +153,18 @@ static_assert(TM == 4, "prefill_gemm's switch names each tile height");
 
 namespace ridge_avx2 {
 
+// x's M * K values as float32: x itself, or widened into buf
+template <class T>
+const float* as_float(const T* x, int64_t n, std::vector<float>& buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    buf.resize(n);
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(x[i]);
+    return buf.data();
+  }
+}
+
 template <class T>
 void linear_bf16_into(const T* x, int64_t M, int64_t K, const bf16* w, int64_t N, const float* bias, T* y,
                       int64_t ldy) {
@@ -160,25 +172,10 @@ void linear_bf16_into(const T* x, int64_t M, int64_t K, const bf16* w, int64_t N
   if (M >= PREFILL_ROWS) {  // the tiles round into y; x widened into the call's own buffer (a
                             // prefill's can be large, so not kept as decode's are)
     std::vector<float> xw;
-    const float* xf = nullptr;
-    if constexpr (std::is_same_v<T, float>) {
-      xf = x;
-    } else {
-      xw.resize(M * K);
-      for (int64_t i = 0; i < M * K; ++i) xw[i] = static_cast<float>(x[i]);
-      xf = xw.data();
-    }
-    return prefill_gemm(xf, M, K, w, N, bias, y, ldy);
+    return prefill_gemm(as_float(x, M * K, xw), M, K, w, N, bias, y, ldy);
   }
   thread_local std::vector<float> xs, ys;  // x widened, and y's sums (the caller's thread)
-  const float* xf = nullptr;
-  if constexpr (std::is_same_v<T, float>) {
-    xf = x;
-  } else {
-    xs.resize(M * K);
-    for (int64_t i = 0; i < M * K; ++i) xs[i] = static_cast<float>(x[i]);
-    xf = xs.data();
-  }
+  const float* xf = as_float(x, M * K, xs);
   ys.resize(M * N);
   gemm(xf, M, K, w, N, ys.data());
   store_sums(ys.data(), M, N, bias, y, ldy);
