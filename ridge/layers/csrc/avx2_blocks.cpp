@@ -28,7 +28,8 @@
 //   minimum exactly but leave the codes' products, all of one sign, with the activations'
 //   error: on a 2-layer model 0.5 nats off float32's log-probabilities, against 0.03 so.)
 // - A group is unpacked once for up to 4 rows of x; in calls of EXPAND_FROM_ROWS rows or more
-//   (prefill) a K-quant's block of 8 rows is unpacked once for all of them (expand_codes). Every output (row of x, row of W) is
+//   (prefill) a K-quant's block of 8 rows is unpacked once for all of them (expand_codes).
+//   Every output (row of x, row of W) is
 //   computed by one thread, in the same order whatever the batch: a row's output does not
 //   depend on the rows beside it. It is a sum of its blocks' sums as a tree (tree_sum), so a
 //   layer split by tensor parallelism sums to the unsplit layer's outputs exactly.
@@ -68,8 +69,10 @@ constexpr int64_t PREFETCH_SUPER_BLOCKS = 8192, PREFETCH_BLOCKS = 4096;
 // speed packing / not: Q8_0 0.60 at 1 row, 0.75 at 4, 1.13 at 16, 1.27 at 32, 1.36 at 128;
 // Q6_K 0.52, 0.57, 0.93, 1.02, 1.01.
 constexpr int64_t PACK_FROM_ROWS = 32;
-// A super-block of 8 rows' codes decoded, a byte a weight (expand_codes)
+// A super-block of 8 rows' codes decoded, a byte a weight (expand_codes): block b's code vector
+// of group grp and chunk t at expanded_at(b, grp, t)
 constexpr int64_t EXPANDED_BYTES = 8 * 256;
+constexpr int64_t expanded_at(int64_t b, int grp, int t) { return EXPANDED_BYTES * b + 32 * (8 * grp + t); }
 
 // Fetch the BYTES at p + AHEAD into L1, or on Intel the BYTES L2_FETCH_AHEAD on into L2
 // (avx2_simd.h), a line at a time (a prefetch past the matrix's end does not fault)
@@ -899,6 +902,13 @@ inline __attribute__((always_inline)) void k_scales8(const uint8_t* q, __m256i s
                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(u1, 6), two), 4));
 }
 
+// Group j's run of 8 code chunks in a Q4_K / Q5_K block of 8 rows (its codes at q: 96 bytes of
+// scales, Q5_K's 256 of high bits, then a run for each pair of groups)
+template <class F>
+inline const uint8_t* k_chunks(const uint8_t* q, int j) {
+  return q + 96 + (std::is_same_v<F, Q5_K> ? 256 : 0) + 32 * 8 * (j / 2);
+}
+
 // Group j's chunk t of a Q4_K / Q5_K block of 8 rows: cp the group's code chunks (a run of 8,
 // low nibbles for j even), hp Q5_K's 8 chunks of high bits (bit j of each byte, moved to bit 4)
 template <class F>
@@ -925,7 +935,6 @@ void rows8_dot_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& 
   // int16 lanes sum the products of T chunks: at most 2 T 15 * 127 (Q4_K, T = 8) or 2 T 31 *
   // 127 (Q5_K, T = 4) < 2^15
   constexpr int T = Q5 ? 4 : 8;
-  constexpr int64_t HIGH_BYTES = Q5 ? 256 : 0;  // Q5_K's 8 chunks of high bits
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
     if constexpr (!EXP) prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
@@ -934,13 +943,13 @@ void rows8_dot_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& 
     const uint8_t* q = p + L::CODES_AT;
     __m256i sc[2], mn[2];
     k_scales8(q, sc, mn);
-    const uint8_t *high = q + 96, *codes = q + 96 + HIGH_BYTES;
+    const uint8_t* high = q + 96;
     __m256i acc[R], macc[R];
     for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {  // group j: code chunks 8 (j / 2) + t, their low nibbles (j even) or high ones
       const __m256i s = pick_q4k(sc[j / 4], j % 4);
-      const uint8_t *cp = EXP ? ex + EXPANDED_BYTES * b + 256 * j : codes + 32 * 8 * (j / 2), *hp = high;
+      const uint8_t *cp = EXP ? ex + expanded_at(b, j, 0) : k_chunks<F>(q, j), *hp = high;
       asm volatile("" : "+r"(cp), "+r"(hp));  // chunks loaded anew for each group, not kept live across them
 #pragma GCC unroll 2
       for (int t0 = 0; t0 < 8; t0 += T) {
@@ -1141,7 +1150,7 @@ void rows8_dot_q6_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R
         __m256i part[R];
 #pragma GCC unroll 8
         for (int t = 0; t < 8; ++t) {
-          const __m256i codes = EXP ? load32(ex + EXPANDED_BYTES * b + 32 * (8 * grp + t)) : q6k_codes(q, grp, t);
+          const __m256i codes = EXP ? load32(ex + expanded_at(b, grp, t)) : q6k_codes(q, grp, t);
           for (int r = 0; r < R; ++r) {
             const __m256i pr = _mm256_maddubs_epi16(codes, broadcast4(xr.codes[r] + b * 256 + 32 * grp + 4 * t));
             if (t % 2 == 0) {
@@ -1202,7 +1211,7 @@ void rows8_dot_q3_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R
 #pragma GCC unroll 8
     for (int grp = 0; grp < 8; ++grp) {
       const auto codes = [&](int t) __attribute__((always_inline)) {
-        return EXP ? load32(ex + EXPANDED_BYTES * b + 32 * (8 * grp + t)) : q3k_codes(q, grp, t);
+        return EXP ? load32(ex + expanded_at(b, grp, t)) : q3k_codes(q, grp, t);
       };
       add_group_3bit<R>(grp, sv[grp / 2], codes, xr, b, acc);
     }
@@ -1237,7 +1246,7 @@ void rows8_dot_q2_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R
 #pragma GCC unroll 8
     for (int grp = 0; grp < 8; ++grp) {
       const auto codes = [&](int t) __attribute__((always_inline)) {
-        return EXP ? load32(ex + EXPANDED_BYTES * b + 32 * (8 * grp + t)) : q2k_codes(q, grp, t);
+        return EXP ? load32(ex + expanded_at(b, grp, t)) : q2k_codes(q, grp, t);
       };
       // scales 4 (grp / 2).. 4 (grp / 2) + 3 as bytes
       add_group_3bit<R>(grp, _mm256_and_si256(load32(q + 32 * (grp / 2)), low), codes, xr, b, acc);
@@ -1272,21 +1281,20 @@ void expand_codes(const uint8_t* g, int64_t nb, uint8_t* ex) {
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* q = g + b * L::BYTES + L::CODES_AT;
     prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(q - L::CODES_AT);
-    uint8_t* out = ex + EXPANDED_BYTES * b;
 #pragma GCC unroll 8
     for (int grp = 0; grp < 8; ++grp)
 #pragma GCC unroll 8
       for (int t = 0; t < 8; ++t) {
         __m256i v;
         if constexpr (std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K>)
-          v = k_codes<F>(q + 96 + (std::is_same_v<F, Q5_K> ? 256 : 0) + 32 * 8 * (grp / 2), q + 96, grp, t);
+          v = k_codes<F>(k_chunks<F>(q, grp), q + 96, grp, t);
         else if constexpr (std::is_same_v<F, Q6_K>)
           v = q6k_codes(q, grp, t);
         else if constexpr (std::is_same_v<F, Q3_K>)
           v = q3k_codes(q, grp, t);
         else
           v = q2k_codes(q, grp, t);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * (8 * grp + t)), v);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(ex + expanded_at(b, grp, t)), v);
       }
   }
 }
