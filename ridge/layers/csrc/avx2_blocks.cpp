@@ -1342,24 +1342,30 @@ void gemm_rows8(const QuantizedX& x, const uint8_t* w, int64_t row_bytes, int64_
   const int64_t nb = x.K / F::BLOCK, M = x.M;
   bool expand = false;
   if constexpr (EXPANDS<F>) expand = M >= EXPAND_FROM_ROWS;
-  at::parallel_for(0, N / 8, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint8_t> packed(PACK ? 8 * row_bytes : 0);
-    std::vector<uint8_t> expanded(expand ? nb * EXPANDED_BYTES : 0);
-    for (int64_t g = begin; g < end; ++g) {
-      const uint8_t* gp = w + g * 8 * row_bytes;
-      if constexpr (PACK) {
-        repack_rows8<F, true>(gp, packed.data(), row_bytes);
-        gp = packed.data();
-      }
-      if constexpr (EXPANDS<F>) {
-        if (expand) {
-          expand_codes<F>(gp, nb, expanded.data());
-          rows8_rows<F, true>(gp, nb, x, y + 8 * g, N, expanded.data());
-          continue;
-        }
-      }
-      rows8_rows<F, false>(gp, nb, x, y + 8 * g, N, nullptr);
+  struct Scratch {  // a thread's: a block of 8 rows packed, its codes expanded
+    std::vector<uint8_t> packed, expanded;
+  };
+  const auto scratch = [&] {
+    return Scratch{std::vector<uint8_t>(PACK ? 8 * row_bytes : 0), std::vector<uint8_t>(expand ? nb * EXPANDED_BYTES : 0)};
+  };
+  const auto block = [&](Scratch& s, int64_t g) {  // block g of 8 rows against every row of x
+    const uint8_t* gp = w + g * 8 * row_bytes;
+    if constexpr (PACK) {
+      repack_rows8<F, true>(gp, s.packed.data(), row_bytes);
+      gp = s.packed.data();
     }
+    if constexpr (EXPANDS<F>) {
+      if (expand) {
+        expand_codes<F>(gp, nb, s.expanded.data());
+        return rows8_rows<F, true>(gp, nb, x, y + 8 * g, N, s.expanded.data());
+      }
+    }
+    rows8_rows<F, false>(gp, nb, x, y + 8 * g, N, nullptr);
+  };
+  if (M >= ridge_avx2::TAKE_FROM_ROWS) return ridge_avx2::parallel_take(N / 8, scratch, block);
+  at::parallel_for(0, N / 8, 1, [&](int64_t begin, int64_t end) {
+    Scratch s = scratch();
+    for (int64_t g = begin; g < end; ++g) block(s, g);
   });
 }
 

@@ -123,25 +123,24 @@ inline void prefill_tiles(const float* x, int64_t K, const bf16* w, int64_t n0, 
 
 // y (M, N, rows ldy apart) = x (M, K) float32 @ W^T (+ bias) rounded once to T, for M >=
 // PREFILL_ROWS: X_BLOCK_ROWS rows of x at a time (so that the rows a thread's tiles read stay
-// in L2/L3; W is read once per block of them), each thread taking blocks of W's rows
+// in L2/L3; W is read once per block of them), each thread taking the next block of W's rows
+// (parallel_take)
 template <class T>
 void prefill_gemm(const float* x, int64_t M, int64_t K, const bf16* w, int64_t N, const float* bias, T* y,
                   int64_t ldy) {
   const int64_t rows = std::max<int64_t>(TN, W_BLOCK_BYTES / (2 * K) / TN * TN);
   for (int64_t mb = 0; mb < M; mb += X_BLOCK_ROWS) {
     const int64_t mb_end = std::min(M, mb + X_BLOCK_ROWS);
-    at::parallel_for(0, (N + rows - 1) / rows, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t blk = begin; blk < end; ++blk) {
-        const int64_t n0 = blk * rows, n1 = std::min(N, n0 + rows);
-        for (int64_t m0 = mb; m0 < mb_end; m0 += TM) {
-          const float* xm = x + m0 * K;
-          T* ym = y + m0 * ldy;
-          switch (std::min<int64_t>(TM, mb_end - m0)) {
-            case 1: prefill_tiles<1>(xm, K, w, n0, n1, bias, ym, ldy); break;
-            case 2: prefill_tiles<2>(xm, K, w, n0, n1, bias, ym, ldy); break;
-            case 3: prefill_tiles<3>(xm, K, w, n0, n1, bias, ym, ldy); break;
-            default: prefill_tiles<4>(xm, K, w, n0, n1, bias, ym, ldy); break;
-          }
+    ridge_avx2::parallel_take((N + rows - 1) / rows, [] { return 0; }, [&](int, int64_t blk) {
+      const int64_t n0 = blk * rows, n1 = std::min(N, n0 + rows);
+      for (int64_t m0 = mb; m0 < mb_end; m0 += TM) {
+        const float* xm = x + m0 * K;
+        T* ym = y + m0 * ldy;
+        switch (std::min<int64_t>(TM, mb_end - m0)) {
+          case 1: prefill_tiles<1>(xm, K, w, n0, n1, bias, ym, ldy); break;
+          case 2: prefill_tiles<2>(xm, K, w, n0, n1, bias, ym, ldy); break;
+          case 3: prefill_tiles<3>(xm, K, w, n0, n1, bias, ym, ldy); break;
+          default: prefill_tiles<4>(xm, K, w, n0, n1, bias, ym, ldy); break;
         }
       }
     });
