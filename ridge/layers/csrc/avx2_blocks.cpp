@@ -1333,8 +1333,9 @@ void rows8_rows(const uint8_t* g, int64_t nb, const QuantizedX& x, float* y, int
     }
 }
 
-// y = x @ W^T over W's blocks of 8 rows: each thread takes blocks of rows, each meets x's rows
-// MAX_ROWS at a time (a block of rows' bytes stay in L1/L2 across them). PACK: w is GGUF's
+// y = x @ W^T over W's blocks of 8 rows: each thread takes blocks of rows (a fixed share in a
+// decode call, the next free block from TAKE_FROM_ROWS rows of x: parallel_take), each meets x's
+// rows MAX_ROWS at a time (a block of rows' bytes stay in L1/L2 across them). PACK: w is GGUF's
 // layout, and each block of 8 rows is packed into the thread's buffer first, for calls of many
 // rows of x (prefill), where the packing's cost is small beside the products (see gemm).
 template <class F, bool PACK>
@@ -1346,7 +1347,8 @@ void gemm_rows8(const QuantizedX& x, const uint8_t* w, int64_t row_bytes, int64_
     std::vector<uint8_t> packed, expanded;
   };
   const auto scratch = [&] {
-    return Scratch{std::vector<uint8_t>(PACK ? 8 * row_bytes : 0), std::vector<uint8_t>(expand ? nb * EXPANDED_BYTES : 0)};
+    return Scratch{std::vector<uint8_t>(PACK ? 8 * row_bytes : 0),
+                   std::vector<uint8_t>(expand ? nb * EXPANDED_BYTES : 0)};
   };
   const auto block = [&](Scratch& s, int64_t g) {  // block g of 8 rows against every row of x
     const uint8_t* gp = w + g * 8 * row_bytes;

@@ -86,20 +86,21 @@ static_assert(MAX_ROWS == 4, "tiled_gemm's switch names each tile height");
 // Items [0, n) over this process's threads, each thread taking the next item as it finishes
 // one rather than a fixed share: for the matmuls of many rows of x (prefill: the block formats'
 // calls of TAKE_FROM_ROWS rows or more, the dense bf16 tiles), whose items (a block of W's rows
-// against every row of x) are long. With fixed halves
-// one core idled at each call's end whenever the other ran slower (the 2-vCPU Zen 3 EPYC,
-// 2026-12-03, 512-token prefills, both ways alternated in one process: IQ4_XS 1.08x (1.05-1.16,
-// 6 rounds), Q8_0 1.10x (1.00-1.21, 5)). Decode calls keep fixed shares: each thread streams
-// its contiguous part of W. make_state() is called once per thread (its scratch), then
-// run(state, i) for each item it takes; which thread runs an item never changes its outputs.
+// against every row of x) are long. With fixed halves one core idled at each call's end
+// whenever the other ran slower (the 2-vCPU Zen 3 EPYC, 2026-12-03, 512-token prefills, both
+// ways alternated: IQ4_XS 1.08x (1.05-1.16, 6 rounds), Q8_0 1.10x (1.00-1.21, 5), bf16 1.05x
+// (1.02-1.19, 3)). Decode calls keep fixed shares, each thread streaming its contiguous part
+// of W (runs of 4 or 16 blocks of 8 rows taken so: batch-1 decode of the Q4_K_M file 0.91x and
+// 0.95x). make_state() is called once per thread (its scratch), then run(state, i) for each
+// item it takes; which thread runs an item never changes its outputs.
 constexpr int64_t TAKE_FROM_ROWS = 16;
 template <class MakeState, class Run>
 void parallel_take(int64_t n, MakeState&& make_state, Run&& run) {
   std::atomic<int64_t> next{0};
+  const auto take = [&] { return next.fetch_add(1, std::memory_order_relaxed); };
   at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     auto state = make_state();
-    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n; i = next.fetch_add(1, std::memory_order_relaxed))
-      run(state, i);
+    for (int64_t i = take(); i < n; i = take()) run(state, i);
   });
 }
 
