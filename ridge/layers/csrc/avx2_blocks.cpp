@@ -29,10 +29,10 @@
 //   error: on a 2-layer model 0.5 nats off float32's log-probabilities, against 0.03 so.)
 // - A group is unpacked once for up to 4 rows of x; in calls of EXPAND_FROM_ROWS rows or more
 //   (prefill) a K-quant's block of 8 rows is unpacked once for all of them (expand_codes).
-//   Every output (row of x, row of W) is
-//   computed by one thread, in the same order whatever the batch: a row's output does not
-//   depend on the rows beside it. It is a sum of its blocks' sums as a tree (tree_sum), so a
-//   layer split by tensor parallelism sums to the unsplit layer's outputs exactly.
+//   Every output (row of x, row of W) is computed by one thread (whichever takes its block of
+//   rows), in the same order whatever the batch: a row's output does not depend on the rows
+//   beside it. It is a sum of its blocks' sums as a tree (tree_sum), so a layer split by tensor
+//   parallelism sums to the unsplit layer's outputs exactly.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
