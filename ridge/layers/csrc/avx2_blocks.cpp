@@ -28,7 +28,8 @@
 //   minimum exactly but leave the codes' products, all of one sign, with the activations'
 //   error: on a 2-layer model 0.5 nats off float32's log-probabilities, against 0.03 so.)
 // - A group is unpacked once for up to 4 rows of x; in calls of EXPAND_FROM_ROWS rows or more
-//   (prefill) a K-quant's block of 8 rows is unpacked once for all of them (expand_codes).
+//   (prefill) a K-quant's or IQ4_XS's block of 8 rows is unpacked once for all of them
+//   (expand_codes).
 //   Every output (row of x, row of W) is computed by one thread (whichever takes its block of
 //   rows), in the same order whatever the batch: a row's output does not depend on the rows
 //   beside it. It is a sum of its blocks' sums as a tree (tree_sum), so a layer split by tensor
@@ -995,14 +996,46 @@ void rows8_dot_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& 
 // in their high ones (GGUF's order). The 8 rows' scales of group j come out as int32 lanes,
 // then int16 pairs (s, s) for vpmaddwd. The codebook's values are signed (vpsignb, as
 // super_block_row), and their products (up to 2 * 127 * 127 a pair) are widened each chunk.
-template <int R>
-void rows8_dot_iq4_xs(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& tree) {
-  using L = Rows8<IQ4_XS>;
-  const __m256i low = _mm256_set1_epi8(15), low4 = _mm256_set1_epi32(15), low2 = _mm256_set1_epi32(3);
+// Expanded (expand_iq4_xs, a prefill's calls), a block's 8 groups' scales lie decoded as those
+// int16 pairs, 32 bytes each, then each group's 8 code vectors (chunk t's low nibbles at t, its
+// high ones at 4 + t) twice: the values' magnitudes, then the values. The kernel then only
+// loads its weights: on the Zen 3, 2 threads, 512 rows of x, 1.15x the kernel decoding them for
+// each 4 rows of x (median of 6 alternated rounds), 1.11x a 512-token prefill of the IQ4_XS
+// file (10 rounds), the same outputs bit for bit.
+constexpr int64_t IQ4_XS_EXPANDED_BYTES = 8 * 32 + 8 * 2 * 256;
+constexpr int64_t iq4_xs_codes_at(int64_t b, int j, int t) {
+  return IQ4_XS_EXPANDED_BYTES * b + 8 * 32 + 512 * j + 32 * t;
+}
+
+// Group j's scales of a block of 8 rows (sl its scales_l chunk, sh its scales_h as int32 lanes):
+// nibble j of scales_l, bits 2j of scales_h above it, less 32, as int16 pairs (s, s)
+inline __attribute__((always_inline)) __m256i iq4_xs_scales(__m256i sl, __m256i sh, int j) {
+  const __m256i low4 = _mm256_set1_epi32(15), low2 = _mm256_set1_epi32(3);
+  const __m256i s32 =
+      _mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(sl, 4 * j), low4),
+                                       _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(sh, 2 * j), low2), 4)),
+                       _mm256_set1_epi32(32));
+  return _mm256_or_si256(_mm256_and_si256(s32, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(s32, 16));
+}
+
+// Code vector 4j + t of an IQ4_XS block of 8 rows (codes at q) as the codebook's values: the low
+// nibbles' (cl) and the high ones' (ch)
+inline __attribute__((always_inline)) void iq4_xs_values(const uint8_t* q, int j, int t, __m256i& cl, __m256i& ch) {
+  const __m256i low = _mm256_set1_epi8(15);
   const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_VALUES)));
+  const __m256i v = load32(q + 32 + 32 * (4 * j + t));
+  cl = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low));
+  ch = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+}
+
+// IQ4_XS's kernel on a block of 8 rows (the layout above); EXP: its scales and values loaded
+// from ex (expand_iq4_xs), not decoded from the block
+template <int R, bool EXP>
+void rows8_dot_iq4_xs(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& tree, const uint8_t* ex) {
+  using L = Rows8<IQ4_XS>;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
-    prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
+    if constexpr (!EXP) prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
     const __m256 dv = halves8(p);
     const __m256i sh = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
     const uint8_t* q = p + L::CODES_AT;
@@ -1011,18 +1044,17 @@ void rows8_dot_iq4_xs(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
-      // group j's scale: nibble j of scales_l, bits 2j of scales_h above it, less 32
-      const __m256i s32 = _mm256_sub_epi32(
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(sl, 4 * j), low4),
-                          _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(sh, 2 * j), low2), 4)),
-          _mm256_set1_epi32(32));
-      const __m256i s = _mm256_or_si256(_mm256_and_si256(s32, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(s32, 16));
+      const __m256i s = EXP ? load32(ex + IQ4_XS_EXPANDED_BYTES * b + 32 * j) : iq4_xs_scales(sl, sh, j);
 #pragma GCC unroll 4
       for (int t = 0; t < 4; ++t) {
-        const __m256i v = load32(q + 32 + 32 * (4 * j + t));
-        const __m256i cl = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low));
-        const __m256i ch = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
-        const __m256i ul = _mm256_sign_epi8(cl, cl), uh = _mm256_sign_epi8(ch, ch);
+        __m256i cl, ch, ul, uh;
+        if constexpr (EXP) {
+          const uint8_t* e = ex + iq4_xs_codes_at(b, j, t);
+          ul = load32(e), uh = load32(e + 128), cl = load32(e + 256), ch = load32(e + 384);
+        } else {
+          iq4_xs_values(q, j, t, cl, ch);
+          ul = _mm256_sign_epi8(cl, cl), uh = _mm256_sign_epi8(ch, ch);
+        }
         for (int r = 0; r < R; ++r) {
           const int8_t* xb = xr.codes[r] + b * 256 + 32 * j + 4 * t;
           const __m256i pl = _mm256_maddubs_epi16(ul, _mm256_sign_epi8(broadcast4(xb), cl));
@@ -1038,6 +1070,31 @@ void rows8_dot_iq4_xs(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums
       out[r] = _mm256_mul_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(acc[r]));
     }
     tree.put(out);
+  }
+}
+
+// An IQ4_XS block of 8 rows (nb blocks from g) expanded into ex (IQ4_XS_EXPANDED_BYTES a block)
+inline void expand_iq4_xs(const uint8_t* g, int64_t nb, uint8_t* ex) {
+  using L = Rows8<IQ4_XS>;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = g + b * L::BYTES;
+    prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
+    const __m256i sh = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+    const uint8_t* q = p + L::CODES_AT;
+    const __m256i sl = load32(q);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ex + IQ4_XS_EXPANDED_BYTES * b + 32 * j), iq4_xs_scales(sl, sh, j));
+      for (int t = 0; t < 4; ++t) {
+        __m256i cl, ch;
+        iq4_xs_values(q, j, t, cl, ch);
+        uint8_t* e = ex + iq4_xs_codes_at(b, j, t);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(e), _mm256_sign_epi8(cl, cl));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(e + 128), _mm256_sign_epi8(ch, ch));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(e + 256), cl);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(e + 384), ch);
+      }
+    }
   }
 }
 
@@ -1265,19 +1322,23 @@ void rows8_dot_q2_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R
   }
 }
 
-// The super-block formats whose codes take several ops each to decode (every K-quant: IQ4_XS's
-// are signed) and, for a call of EXPAND_FROM_ROWS rows of x or more (prefill), are decoded once
-// a block of 8 rows into EXPANDED_BYTES a block, a byte a weight (expand_codes), rather than
+// The super-block formats, whose codes take several ops each to decode (IQ4_XS's: a codebook
+// lookup and signed values), for a call of EXPAND_FROM_ROWS rows of x or more (prefill) are
+// decoded once a block of 8 rows into expanded_bytes<F> a block (expand_codes), rather than
 // once for each MAX_ROWS rows of x. The same integers, so the same outputs bit for bit.
 template <class F>
-constexpr bool EXPANDS = F::BLOCK == 256 && !std::is_same_v<F, IQ4_XS>;
+constexpr bool EXPANDS = F::BLOCK == 256;
 constexpr int64_t EXPAND_FROM_ROWS = 16;
+template <class F>
+constexpr int64_t expanded_bytes = std::is_same_v<F, IQ4_XS> ? IQ4_XS_EXPANDED_BYTES : EXPANDED_BYTES;
 
-// A block of 8 rows' codes (nb blocks from g) decoded into ex: block b's code vector of group
-// grp and chunk t (weights [32 grp + 4 t, + 4) of each row) at EXPANDED_BYTES b + 32 (8 grp + t)
+// A block of 8 rows' codes (nb blocks from g) decoded into ex: a K-quant's block b's code vector
+// of group grp and chunk t (weights [32 grp + 4 t, + 4) of each row) at expanded_at(b, grp, t), a
+// byte a weight; IQ4_XS's as expand_iq4_xs lays them
 template <class F>
 void expand_codes(const uint8_t* g, int64_t nb, uint8_t* ex) {
   using L = Rows8<F>;
+  if constexpr (std::is_same_v<F, IQ4_XS>) return expand_iq4_xs(g, nb, ex);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* q = g + b * L::BYTES + L::CODES_AT;
     prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(q - L::CODES_AT);
@@ -1312,7 +1373,7 @@ void rows8_call(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, f
   else if constexpr (std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K>)
     rows8_dot_k<F, R, EXP>(g, nb, xr, tree, ex);
   else if constexpr (std::is_same_v<F, IQ4_XS>)
-    rows8_dot_iq4_xs<R>(g, nb, xr, tree);
+    rows8_dot_iq4_xs<R, EXP>(g, nb, xr, tree, ex);
   else if constexpr (std::is_same_v<F, Q3_K>)
     rows8_dot_q3_k<R, EXP>(g, nb, xr, tree, ex);
   else if constexpr (std::is_same_v<F, Q2_K>)
@@ -1348,7 +1409,7 @@ void gemm_rows8(const QuantizedX& x, const uint8_t* w, int64_t row_bytes, int64_
   };
   const auto scratch = [&] {
     return Scratch{std::vector<uint8_t>(PACK ? 8 * row_bytes : 0),
-                   std::vector<uint8_t>(expand ? nb * EXPANDED_BYTES : 0)};
+                   std::vector<uint8_t>(expand ? nb * expanded_bytes<F> : 0)};
   };
   const auto block = [&](Scratch& s, int64_t g) {  // block g of 8 rows against every row of x
     const uint8_t* gp = w + g * 8 * row_bytes;
