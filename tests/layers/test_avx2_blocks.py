@@ -111,8 +111,8 @@ def test_a_layer_split_along_k_sums_to_the_unsplit_layers_outputs_exactly(ext, n
 @pytest.mark.parametrize("m", [11, 40])
 def test_a_rows_output_does_not_depend_on_its_batch(ext, name, m):
     """Also across the kernel's switches to packing W's rows as it goes (from 32 rows of x: the
-    batch of 40 packs, its rows alone and the slice of 6 do not) and to decoding a K-quant's or
-    IQ4_XS's codes once for all rows of x (from 16 rows: the batch of 40 does)."""
+    batch of 40 packs, its rows alone and the slice of 6 do not) and to decoding a format's
+    codes once for all rows of x (all but Q8_0's, from 16 rows: the batch of 40 does)."""
     fmt, k = FORMATS[name], 512
     blocks = _blocks(name, 40, k, seed=3)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(4))
@@ -133,8 +133,8 @@ def test_rows_of_8_keep_the_bytes_and_the_outputs_bit_for_bit(ext, name):
     """The packed layout: the same bytes in blocks of 8 rows (its inverse gives GGUF's back),
     and the same outputs as the GGUF layout for every tile height (m), every shape of a row's
     tree over its blocks (their count a power of 2, odd, or neither; up to 512 leaves), a
-    K-quant's or IQ4_XS's codes decoded once for all rows (m = 17 and 33: 16 rows or more), and
-    GGUF's layout packed as the kernel goes (m = 33: 32 rows or more)."""
+    format's codes decoded once for all rows (all but Q8_0's; m = 17 and 33: 16 rows or more),
+    and GGUF's layout packed as the kernel goes (m = 33: 32 rows or more)."""
     fmt = FORMATS[name]
     for k in (32, 96, 256, 416, 768, 2048, 2816, 12288, 16384):
         if k % fmt.block:

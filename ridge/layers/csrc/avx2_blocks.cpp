@@ -28,7 +28,7 @@
 //   minimum exactly but leave the codes' products, all of one sign, with the activations'
 //   error: on a 2-layer model 0.5 nats off float32's log-probabilities, against 0.03 so.)
 // - A group is unpacked once for up to 4 rows of x; in calls of EXPAND_FROM_ROWS rows or more
-//   (prefill) a K-quant's or IQ4_XS's block of 8 rows is unpacked once for all of them
+//   (prefill) a block of 8 rows of any format but Q8_0 is unpacked once for all of them
 //   (expand_codes).
 //   Every output (row of x, row of W) is computed by one thread (whichever takes its block of
 //   rows), in the same order whatever the batch: a row's output does not depend on the rows
@@ -827,16 +827,20 @@ inline __m256i broadcast4(const int8_t* p) {
 
 // The 32-weight formats: a block of 8 rows of W (at g, nb blocks a row) against the rows of x
 // in xr: each block's sums (the same integer products, then the same float ops as
-// block_sums_8) into the tree.
-template <class F, int R>
-void rows8_dot(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& tree) {
+// block_sums_8) into the tree. EXP: the codes loaded from ex (expand_codes), not unpacked.
+template <class F, int R, bool EXP>
+void rows8_dot(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& tree, const uint8_t* ex) {
   using L = Rows8<F>;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
-    prefetch_ahead<PREFETCH_BLOCKS, L::BYTES>(p);
+    if constexpr (!EXP) prefetch_ahead<PREFETCH_BLOCKS, L::BYTES>(p);
     __m256i c[8];
-    rows8_codes<F>(p + L::CODES_AT, c);
+    if constexpr (EXP) {
+      for (int j = 0; j < 8; ++j) c[j] = load32(ex + 256 * b + 32 * j);
+    } else {
+      rows8_codes<F>(p + L::CODES_AT, c);
+    }
     const __m256 dv = halves8(p);
     const __m256 mv = F::MIN ? halves8(p + 16) : _mm256_setzero_ps();
     __m256 out[R];
@@ -1322,23 +1326,23 @@ void rows8_dot_q2_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R
   }
 }
 
-// The super-block formats, whose codes take several ops each to decode (IQ4_XS's: a codebook
-// lookup and signed values), for a call of EXPAND_FROM_ROWS rows of x or more (prefill) are
-// decoded once a block of 8 rows into expanded_bytes<F> a block (expand_codes), rather than
-// once for each MAX_ROWS rows of x. The same integers, so the same outputs bit for bit.
+// The formats whose codes take ops to decode (all but Q8_0's bytes: nibbles, bit planes, IQ4's
+// codebook lookups), for a call of EXPAND_FROM_ROWS rows of x or more (prefill), are decoded
+// once a block of 8 rows into expanded_bytes<F> a block (expand_codes), rather than once for
+// each MAX_ROWS rows of x. The same integers, so the same outputs bit for bit. The kernel alone,
+// 5632 x 2048, 512 rows, 2 threads, Zen 3, decoded once against each pass, alternated in one
+// process: IQ4_XS 1.15x (6 rounds), IQ4_NL 1.20x (4), Q4_0 1.04x (6; 0.99-1.14); the K-quants
+// since stop 82 (README).
 template <class F>
-constexpr bool EXPANDS = F::BLOCK == 256;
+constexpr bool EXPANDS = !std::is_same_v<F, Q8_0>;
 constexpr int64_t EXPAND_FROM_ROWS = 16;
 template <class F>
-constexpr int64_t expanded_bytes = std::is_same_v<F, IQ4_XS> ? IQ4_XS_EXPANDED_BYTES : EXPANDED_BYTES;
+constexpr int64_t expanded_bytes = std::is_same_v<F, IQ4_XS> ? IQ4_XS_EXPANDED_BYTES : F::BLOCK == QK ? 256 : EXPANDED_BYTES;
 
-// A block of 8 rows' codes (nb blocks from g) decoded into ex: a K-quant's block b's code vector
-// of group grp and chunk t (weights [32 grp + 4 t, + 4) of each row) at expanded_at(b, grp, t), a
-// byte a weight; IQ4_XS's as expand_iq4_xs lays them
+// A K-quant's block of 8 rows decoded (expand_codes)
 template <class F>
-void expand_codes(const uint8_t* g, int64_t nb, uint8_t* ex) {
+void expand_k_codes(const uint8_t* g, int64_t nb, uint8_t* ex) {
   using L = Rows8<F>;
-  if constexpr (std::is_same_v<F, IQ4_XS>) return expand_iq4_xs(g, nb, ex);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* q = g + b * L::BYTES + L::CODES_AT;
     prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(q - L::CODES_AT);
@@ -1360,6 +1364,28 @@ void expand_codes(const uint8_t* g, int64_t nb, uint8_t* ex) {
   }
 }
 
+// A block of 8 rows' codes (nb blocks from g) decoded into ex: a 32-weight format's block b as
+// rows8_codes gives its 8 vectors, at 256 b + 32 j; a K-quant's code vector of group grp and
+// chunk t (weights [32 grp + 4 t, + 4) of each row) at expanded_at(b, grp, t), a byte a weight;
+// IQ4_XS's as expand_iq4_xs lays them
+template <class F>
+void expand_codes(const uint8_t* g, int64_t nb, uint8_t* ex) {
+  using L = Rows8<F>;
+  if constexpr (std::is_same_v<F, IQ4_XS>) {
+    expand_iq4_xs(g, nb, ex);
+  } else if constexpr (F::BLOCK == QK) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = g + b * L::BYTES;
+      prefetch_ahead<PREFETCH_BLOCKS, L::BYTES>(p);
+      __m256i c[8];
+      rows8_codes<F>(p + L::CODES_AT, c);
+      for (int j = 0; j < 8; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(ex + 256 * b + 32 * j), c[j]);
+    }
+  } else {
+    expand_k_codes<F>(g, nb, ex);
+  }
+}
+
 // A block of 8 rows of W (at g, nb blocks a row) against rows [m0, m0 + R) of x: each block's
 // sums by the format's kernel into each row of x's tree over the blocks, its root then y[(m0 +
 // r) N + l] for the block's rows l. EXP: the block's codes decoded in ex (expand_codes).
@@ -1369,7 +1395,7 @@ void rows8_call(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, f
   const XRows<R> xr(x, m0);
   TreeSums<R> tree(nb);
   if constexpr (F::BLOCK == QK)
-    rows8_dot<F, R>(g, nb, xr, tree);
+    rows8_dot<F, R, EXP>(g, nb, xr, tree, ex);
   else if constexpr (std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K>)
     rows8_dot_k<F, R, EXP>(g, nb, xr, tree, ex);
   else if constexpr (std::is_same_v<F, IQ4_XS>)
