@@ -1447,11 +1447,10 @@ void rows8_call(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, f
     rows8_dot<F, R, EXP>(g, nb, xr, tree, ex);
   else if constexpr (std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K>)
     rows8_dot_k<F, R, EXP>(g, nb, xr, tree, ex);
+  else if constexpr (std::is_same_v<F, IQ4_XS> && EXP)
+    rows8_dot_iq4_xs_expanded<R>(g, nb, xr, tree, ex);
   else if constexpr (std::is_same_v<F, IQ4_XS>)
-    if constexpr (EXP)
-      rows8_dot_iq4_xs_expanded<R>(g, nb, xr, tree, ex);
-    else
-      rows8_dot_iq4_xs<R>(g, nb, xr, tree);
+    rows8_dot_iq4_xs<R>(g, nb, xr, tree);
   else if constexpr (std::is_same_v<F, Q3_K>)
     rows8_dot_q3_k<R, EXP>(g, nb, xr, tree, ex);
   else if constexpr (std::is_same_v<F, Q2_K>)
