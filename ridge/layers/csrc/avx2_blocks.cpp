@@ -837,7 +837,7 @@ void rows8_dot(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& tr
     if constexpr (!EXP) prefetch_ahead<PREFETCH_BLOCKS, L::BYTES>(p);
     __m256i c[8];
     if constexpr (EXP) {
-      for (int j = 0; j < 8; ++j) c[j] = load32(ex + 256 * b + 32 * j);
+      for (int j = 0; j < 8; ++j) c[j] = load32(ex + 8 * QK * b + 32 * j);
     } else {
       rows8_codes<F>(p + L::CODES_AT, c);
     }
@@ -1386,7 +1386,7 @@ template <class F>
 constexpr bool EXPANDS = !std::is_same_v<F, Q8_0>;
 constexpr int64_t EXPAND_FROM_ROWS = 16;
 template <class F>
-constexpr int64_t expanded_bytes = std::is_same_v<F, IQ4_XS> ? IQ4_XS_EXPANDED_BYTES : F::BLOCK == QK ? 256 : EXPANDED_BYTES;
+constexpr int64_t expanded_bytes = std::is_same_v<F, IQ4_XS> ? IQ4_XS_EXPANDED_BYTES : 8 * F::BLOCK;  // else a byte a weight
 
 // A K-quant's block of 8 rows decoded (expand_codes)
 template <class F>
@@ -1414,7 +1414,7 @@ void expand_k_codes(const uint8_t* g, int64_t nb, uint8_t* ex) {
 }
 
 // A block of 8 rows' codes (nb blocks from g) decoded into ex: a 32-weight format's block b as
-// rows8_codes gives its 8 vectors, at 256 b + 32 j; a K-quant's code vector of group grp and
+// rows8_codes gives its 8 vectors, at 8 QK b + 32 j; a K-quant's code vector of group grp and
 // chunk t (weights [32 grp + 4 t, + 4) of each row) at expanded_at(b, grp, t), a byte a weight;
 // IQ4_XS's as expand_iq4_xs lays them
 template <class F>
@@ -1428,7 +1428,7 @@ void expand_codes(const uint8_t* g, int64_t nb, uint8_t* ex) {
       prefetch_ahead<PREFETCH_BLOCKS, L::BYTES>(p);
       __m256i c[8];
       rows8_codes<F>(p + L::CODES_AT, c);
-      for (int j = 0; j < 8; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(ex + 256 * b + 32 * j), c[j]);
+      for (int j = 0; j < 8; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(ex + 8 * QK * b + 32 * j), c[j]);
     }
   } else {
     expand_k_codes<F>(g, nb, ex);
