@@ -404,7 +404,7 @@ class Avx2Kernels(TorchKernels):
       IQ4_NL, Q4_K, Q5_K, IQ4_XS, Q3_K and Q2_K) is repacked at load, at its size, into blocks
       of 8 rows whose codes put a row in each int32 lane (``repack_rows``), where the layer's
       rows are a multiple of 8; Q6_K stays as loaded (and the kernel packs its blocks of 8 rows
-      as it goes in calls of 32 rows or more: prefill). Every weight
+      as it goes in calls of 8 rows or more: a batch of 8 sequences, a prefill). Every weight
       they stream lies in 2 MiB pages (``place_weight``).
     - A decode step's other ops in float32 or bfloat16 run ``csrc/avx2_ops.cpp``: RMSNorm (with
       the residual add), SiLU-and-multiply, RoPE, and decode attention from the paged cache (an

@@ -110,9 +110,10 @@ def test_a_layer_split_along_k_sums_to_the_unsplit_layers_outputs_exactly(ext, n
 @pytest.mark.parametrize("name", sorted(FORMATS))
 @pytest.mark.parametrize("m", [11, 40])
 def test_a_rows_output_does_not_depend_on_its_batch(ext, name, m):
-    """Also across the kernel's switches to packing W's rows as it goes (from 32 rows of x: the
-    batch of 40 packs, its rows alone and the slice of 6 do not) and to decoding a format's
-    codes once for all rows of x (all but Q8_0's, from 16 rows: the batch of 40 does)."""
+    """Also across the kernel's switches to packing W's rows as it goes (from 8 rows of x: both
+    batches pack, their rows alone and the slice of 6 do not) and to decoding a format's codes
+    once for all rows of x (all but Q8_0's, from 16 rows, and from 8 for Q5_K, Q6_K and Q3_K:
+    the batch of 40 does, and the batch of 11 for those three)."""
     fmt, k = FORMATS[name], 512
     blocks = _blocks(name, 40, k, seed=3)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(4))
@@ -133,8 +134,9 @@ def test_rows_of_8_keep_the_bytes_and_the_outputs_bit_for_bit(ext, name):
     """The packed layout: the same bytes in blocks of 8 rows (its inverse gives GGUF's back),
     and the same outputs as the GGUF layout for every tile height (m), every shape of a row's
     tree over its blocks (their count a power of 2, odd, or neither; up to 512 leaves), a
-    format's codes decoded once for all rows (all but Q8_0's; m = 17 and 33: 16 rows or more),
-    and GGUF's layout packed as the kernel goes (m = 33: 32 rows or more)."""
+    format's codes decoded once for all rows (all but Q8_0's; m = 17 and 33: 16 rows or more;
+    Q5_K's, Q6_K's and Q3_K's from 8, m = 9 too), and GGUF's layout packed as the kernel goes
+    (m = 9, 17 and 33: 8 rows or more)."""
     fmt = FORMATS[name]
     for k in (32, 96, 256, 416, 768, 2048, 2816, 12288, 16384):
         if k % fmt.block:
@@ -148,7 +150,7 @@ def test_rows_of_8_keep_the_bytes_and_the_outputs_bit_for_bit(ext, name):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             gguf = ext.linear_blocks(x, blocks, fmt.ggml_type, None)
             torch.testing.assert_close(ext.linear_blocks_packed(x, packed, fmt.ggml_type, None), gguf, rtol=0, atol=0)
-            if m == 33:  # packed as it goes, against each row alone in GGUF's layout
+            if m in (9, 33):  # packed as it goes, against each row alone in GGUF's layout
                 rows = torch.cat([ext.linear_blocks(x[i : i + 1], blocks, fmt.ggml_type, None) for i in range(m)])
                 torch.testing.assert_close(gguf, rows, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="rows of 35 bytes are not whole blocks of 34"):

@@ -27,9 +27,9 @@
 //   of the sums of x's codes: one scalar a group and row. (The sums of x itself would take the
 //   minimum exactly but leave the codes' products, all of one sign, with the activations'
 //   error: on a 2-layer model 0.5 nats off float32's log-probabilities, against 0.03 so.)
-// - A group is unpacked once for up to 4 rows of x; in calls of EXPAND_FROM_ROWS rows or more
-//   (prefill) a block of 8 rows of any format but Q8_0 is unpacked once for all of them
-//   (expand_codes).
+// - A group is unpacked once for up to 4 rows of x; in calls of 16 rows or more (prefill; 8
+//   for the formats with bit planes: expand_from_rows) a block of 8 rows of any format but Q8_0
+//   is unpacked once for all of them (expand_codes).
 //   Every output (row of x, row of W) is computed by one thread (whichever takes its block of
 //   rows), in the same order whatever the batch: a row's output does not depend on the rows
 //   beside it. It is a sum of its blocks' sums as a tree (tree_sum), so a layer split by tensor
@@ -68,8 +68,12 @@ constexpr int64_t PREFETCH_SUPER_BLOCKS = 8192, PREFETCH_BLOCKS = 4096;
 // reads each block once per call, then computes in rows of 8): the kernel alone, 8 matrices of
 // 5632 x 2048 from memory, 2 threads, Zen 3 EPYC (2026-11-29, median of 5-7 paired rounds),
 // speed packing / not: Q8_0 0.60 at 1 row, 0.75 at 4, 1.13 at 16, 1.27 at 32, 1.36 at 128;
-// Q6_K 0.52, 0.57, 0.93, 1.02, 1.01.
-constexpr int64_t PACK_FROM_ROWS = 32;
+// Q6_K 0.52, 0.57, 0.93, 1.02, 1.01. Since Q8_0 is packed at load this is Q6_K's alone, and
+// since its blocks of 8 rows are decoded once a call (expand_codes) it packs from 8 rows: 22
+// TinyLlama layers from memory, 2 threads, Zen 3, one process, 5 alternated rounds (2026-12-04),
+// speed from 8 rows / from 32: 1.05x at 8 rows (1.24x in a run of 3), 1.28x at 12; 1.44x at 16
+// and 1.63x at 24 (3 rounds).
+constexpr int64_t PACK_FROM_ROWS = 8;
 // A super-block of 8 rows' codes decoded, a byte a weight (expand_codes): block b's code vector
 // of group grp and chunk t at expanded_at(b, grp, t)
 constexpr int64_t EXPANDED_BYTES = 8 * 256;
@@ -1376,15 +1380,22 @@ void rows8_dot_q2_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R
 }
 
 // The formats whose codes take ops to decode (all but Q8_0's bytes: nibbles, bit planes, IQ4's
-// codebook lookups), for a call of EXPAND_FROM_ROWS rows of x or more (prefill), are decoded
-// once a block of 8 rows into expanded_bytes<F> a block (expand_codes), rather than once for
-// each MAX_ROWS rows of x. The same integers, so the same outputs bit for bit. The kernel alone,
+// codebook lookups), for a call of expand_from_rows<F> rows of x or more, are decoded once a
+// block of 8 rows into expanded_bytes<F> a block (expand_codes), rather than once for each
+// MAX_ROWS rows of x. The same integers, so the same outputs bit for bit. The kernel alone,
 // 5632 x 2048, 512 rows, 2 threads, Zen 3, decoded once against each pass, alternated in one
 // process: IQ4_XS 1.15x (6 rounds), IQ4_NL 1.20x (4), Q4_0 1.04x (6; 0.99-1.14); the K-quants
-// since stop 82 (README).
+// since stop 82 (README). From 16 rows (a prefill); from 8 (a decode step of 8 sequences, a
+// speculative step's checks) for the formats whose codes come from bit planes, Q5_K, Q6_K and
+// Q3_K: 22 TinyLlama layers from memory, 2 threads, Zen 3, one process, 5 alternated rounds
+// (2026-12-04), from 8 rows / from 16: Q3_K 1.30x at 8 rows, 1.37x at 12; Q5_K 1.17x, 1.12x;
+// and where the nibbles or 2-bit fields take an op or two, not: Q4_K 0.88x, 0.97x; Q2_K 1.03x,
+// 1.05x; IQ4_XS 0.88x at 8 (3 rounds).
 template <class F>
 constexpr bool EXPANDS = !std::is_same_v<F, Q8_0>;
-constexpr int64_t EXPAND_FROM_ROWS = 16;
+template <class F>
+constexpr int64_t expand_from_rows =
+    std::is_same_v<F, Q5_K> || std::is_same_v<F, Q6_K> || std::is_same_v<F, Q3_K> ? 8 : 16;
 template <class F>
 constexpr int64_t expanded_bytes = std::is_same_v<F, IQ4_XS> ? IQ4_XS_EXPANDED_BYTES : 8 * F::BLOCK;  // else a byte a weight
 
@@ -1480,7 +1491,7 @@ template <class F, bool PACK>
 void gemm_rows8(const QuantizedX& x, const uint8_t* w, int64_t row_bytes, int64_t N, float* y) {
   const int64_t nb = x.K / F::BLOCK, M = x.M;
   bool expand = false;
-  if constexpr (EXPANDS<F>) expand = M >= EXPAND_FROM_ROWS;
+  if constexpr (EXPANDS<F>) expand = M >= expand_from_rows<F>;
   struct Scratch {  // a thread's: a block of 8 rows packed, its codes expanded
     std::vector<uint8_t> packed, expanded;
   };
