@@ -19,7 +19,8 @@
 //   layers ridge packs at load is kernels.py's AVX2_PACKED_FORMATS (every format but Q6_K, which
 //   read from memory for one row runs slower in rows of 8; Q8_0 since stop 81, which measured
 //   it faster once weights lay in 2 MiB pages); a call of PACK_FROM_ROWS rows of x or more (a
-//   prefill) on GGUF's layout packs each block of 8 rows as it goes.
+//   decode step of 8 sequences or more, a prefill) on GGUF's layout packs each block of 8 rows
+//   as it goes.
 // - vpmaddubsw with an x row's codes, then vpmaddwd with the group's integer sub-scales (one
 //   per 16 weights: lanes 0-3 of the result hold weights 0-15), into float lanes times the
 //   block's fp16 factor and the x group's scale.
