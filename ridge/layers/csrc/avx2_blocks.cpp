@@ -92,6 +92,25 @@ template <int64_t AHEAD, int64_t BYTES>
 inline void prefetch_ahead_l1(const uint8_t* p) {
   for (int64_t o = 0; o < BYTES; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + AHEAD + o), _MM_HINT_T0);
 }
+// A rows-of-8 kernel's fetches of W: ONE, one L1 fetch a line (prefetch_ahead_l1), which a call
+// of ONE_FETCH_ROWS rows of x or fewer takes on AMD (where fetch_ahead's second fetch, of the
+// line itself, is not wanted); else prefetch_ahead's two. 22 TinyLlama layers from memory, 2
+// threads, the Zen 3 EPYC, both ways alternated in one process (5 rounds, 2026-12-04), one row
+// of x: Q6_K 1.39x, Q5_K 1.30x, Q4_K 1.24x, Q2_K 1.18x, IQ4_NL 1.14x, IQ4_XS 1.10x, Q8_0 1.10x,
+// Q3_K 1.07x, Q4_0 0.97x; 2 rows: Q4_K 1.43x, Q5_K and Q6_K 1.28x, IQ4_NL 1.11x, the others
+// 0.95-1.03x; 4 rows: Q3_K 0.77x, Q2_K 0.88x (the compiler places the kernel's other loads
+// differently), the others 1.02-1.28x. The files' decode steps, both ways toggled step by step in
+// one process (48 pairs at batch 1, 28 at 2 and 4): batch 1 Q5_K_M 1.18x, Q3_K_M 1.16x, Q4_K_M
+// 1.16x, IQ4_XS 1.13x, Q2_K 1.08x, Q4_0 1.02x, Q8_0 0.97-1.02x; batch 2 Q4_K_M 1.17x, Q3_K_M
+// and Q2_K 0.99x; batch 4 Q3_K_M 0.81x, Q2_K 0.85x, Q4_K_M 1.02x.
+constexpr int ONE_FETCH_ROWS = 2;
+template <bool ONE, int64_t AHEAD, int64_t BYTES>
+inline void fetch_w(const uint8_t* p) {
+  if constexpr (ONE)
+    prefetch_ahead_l1<AHEAD, BYTES>(p);
+  else
+    prefetch_ahead<AHEAD, BYTES>(p);
+}
 
 // llama.cpp's kvalues_iq4nl (formats.py IQ4_NL_VALUES)
 alignas(16) constexpr int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
@@ -833,13 +852,13 @@ inline __m256i broadcast4(const int8_t* p) {
 // The 32-weight formats: a block of 8 rows of W (at g, nb blocks a row) against the rows of x
 // in xr: each block's sums (the same integer products, then the same float ops as
 // block_sums_8) into the tree. EXP: the codes loaded from ex (expand_codes), not unpacked.
-template <class F, int R, bool EXP>
+template <class F, int R, bool EXP, bool ONE>
 void rows8_dot(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& tree, const uint8_t* ex) {
   using L = Rows8<F>;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
-    if constexpr (!EXP) prefetch_ahead<PREFETCH_BLOCKS, L::BYTES>(p);
+    if constexpr (!EXP) fetch_w<ONE, PREFETCH_BLOCKS, L::BYTES>(p);
     __m256i c[8];
     if constexpr (EXP) {
       for (int j = 0; j < 8; ++j) c[j] = load32(ex + 8 * QK * b + 32 * j);
@@ -938,7 +957,7 @@ inline __attribute__((always_inline)) __m256i k_codes(const uint8_t* cp, const u
 // at once keep twice the sums live, and the kernel spilled them), each row of x's products
 // summed in int16 over T chunks, then vpmaddwd by the group's scale. EXP: the codes come
 // decoded from ex (expand_codes), not from the block.
-template <class F, int R, bool EXP>
+template <class F, int R, bool EXP, bool ONE>
 void rows8_dot_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& tree, const uint8_t* ex) {
   using L = Rows8<F>;
   constexpr bool Q5 = std::is_same_v<F, Q5_K>;
@@ -947,7 +966,7 @@ void rows8_dot_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& 
   constexpr int T = Q5 ? 4 : 8;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
-    if constexpr (!EXP) prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
+    if constexpr (!EXP) fetch_w<ONE, PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
     const __m256 dv = halves8(p);
     const __m256 dminv = halves8(p + 16);
     const uint8_t* q = p + L::CODES_AT;
@@ -1029,12 +1048,12 @@ inline __attribute__((always_inline)) void iq4_xs_values(const uint8_t* q, int j
 }
 
 // IQ4_XS's kernel on a block of 8 rows (the layout above)
-template <int R>
+template <int R, bool ONE>
 void rows8_dot_iq4_xs(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& tree) {
   using L = Rows8<IQ4_XS>;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
-    prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
+    fetch_w<ONE, PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
     const __m256 dv = halves8(p);
     const __m256i sh = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
     const uint8_t* q = p + L::CODES_AT;
@@ -1244,12 +1263,12 @@ inline __attribute__((always_inline)) __m256i q6k_codes(const uint8_t* q, int gr
   return _mm256_or_si256(_mm256_and_si256(lo4, low), _mm256_and_si256(hi2, top));
 }
 
-template <int R, bool EXP>
+template <int R, bool EXP, bool ONE>
 void rows8_dot_q6_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& tree, const uint8_t* ex) {
   using L = Rows8<Q6_K>;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
-    if constexpr (!EXP) prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
+    if constexpr (!EXP) fetch_w<ONE, PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
     const __m256 dv = halves8(p);
     const uint8_t* q = p + L::CODES_AT;
     __m256i acc[R], off[R];
@@ -1302,13 +1321,13 @@ inline __attribute__((always_inline)) __m256i q3k_codes(const uint8_t* q, int gr
       lo2, _mm256_and_si256(grp <= 2 ? _mm256_slli_epi16(hm, 2 - grp) : _mm256_srli_epi16(hm, grp - 2), four));
 }
 
-template <int R, bool EXP>
+template <int R, bool EXP, bool ONE>
 void rows8_dot_q3_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& tree, const uint8_t* ex) {
   using L = Rows8<Q3_K>;
   const __m256i three = _mm256_set1_epi8(3), low = _mm256_set1_epi8(15);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
-    if constexpr (!EXP) prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
+    if constexpr (!EXP) fetch_w<ONE, PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
     const __m256 dv = halves8(p);
     const uint8_t* q = p + L::CODES_AT;
     // scale i: 4 bits (nibble i / 8 of byte i % 8: chunk 24 + i % 8 / 4) and 2 (bits 2 (i / 4)
@@ -1347,13 +1366,13 @@ inline __attribute__((always_inline)) __m256i q2k_codes(const uint8_t* q, int gr
   return _mm256_and_si256(_mm256_srli_epi16(load32(q + 32 * (4 + 8 * n + t)), 2 * j), _mm256_set1_epi8(3));
 }
 
-template <int R, bool EXP>
+template <int R, bool EXP, bool ONE>
 void rows8_dot_q2_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& tree, const uint8_t* ex) {
   using L = Rows8<Q2_K>;
   const __m256i low = _mm256_set1_epi8(15);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
-    if constexpr (!EXP) prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
+    if constexpr (!EXP) fetch_w<ONE, PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
     const __m256 dv = halves8(p), dminv = halves8(p + 16);
     const uint8_t* q = p + L::CODES_AT;
     __m256i acc[R], macc[R];
@@ -1449,27 +1468,35 @@ void expand_codes(const uint8_t* g, int64_t nb, uint8_t* ex) {
 
 // A block of 8 rows of W (at g, nb blocks a row) against rows [m0, m0 + R) of x: each block's
 // sums by the format's kernel into each row of x's tree over the blocks, its root then y[(m0 +
-// r) N + l] for the block's rows l. EXP: the block's codes decoded in ex (expand_codes).
-template <class F, int R, bool EXP>
-void rows8_call(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, float* y, int64_t N,
-                const uint8_t* ex) {
+// r) N + l] for the block's rows l. EXP: the block's codes decoded in ex (expand_codes); ONE:
+// W fetched ahead one L1 fetch a line (fetch_w).
+template <class F, int R, bool EXP, bool ONE>
+void rows8_kernel(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, float* y, int64_t N,
+                  const uint8_t* ex) {
   const XRows<R> xr(x, m0);
   TreeSums<R> tree(nb);
   if constexpr (F::BLOCK == QK)
-    rows8_dot<F, R, EXP>(g, nb, xr, tree, ex);
+    rows8_dot<F, R, EXP, ONE>(g, nb, xr, tree, ex);
   else if constexpr (std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K>)
-    rows8_dot_k<F, R, EXP>(g, nb, xr, tree, ex);
+    rows8_dot_k<F, R, EXP, ONE>(g, nb, xr, tree, ex);
   else if constexpr (std::is_same_v<F, IQ4_XS> && EXP)
     rows8_dot_iq4_xs_expanded<R>(g, nb, xr, tree, ex);
   else if constexpr (std::is_same_v<F, IQ4_XS>)
-    rows8_dot_iq4_xs<R>(g, nb, xr, tree);
+    rows8_dot_iq4_xs<R, ONE>(g, nb, xr, tree);
   else if constexpr (std::is_same_v<F, Q3_K>)
-    rows8_dot_q3_k<R, EXP>(g, nb, xr, tree, ex);
+    rows8_dot_q3_k<R, EXP, ONE>(g, nb, xr, tree, ex);
   else if constexpr (std::is_same_v<F, Q2_K>)
-    rows8_dot_q2_k<R, EXP>(g, nb, xr, tree, ex);
+    rows8_dot_q2_k<R, EXP, ONE>(g, nb, xr, tree, ex);
   else
-    rows8_dot_q6_k<R, EXP>(g, nb, xr, tree, ex);
+    rows8_dot_q6_k<R, EXP, ONE>(g, nb, xr, tree, ex);
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N, tree.root(r));
+}
+template <class F, int R, bool EXP>
+void rows8_call(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, float* y, int64_t N,
+                const uint8_t* ex) {
+  if constexpr (!EXP && R <= ONE_FETCH_ROWS)
+    if (!ridge_avx2::g_fetch_into_l2) return rows8_kernel<F, R, EXP, true>(g, nb, x, m0, y, N, ex);
+  rows8_kernel<F, R, EXP, false>(g, nb, x, m0, y, N, ex);
 }
 
 // Every row of x against one block of 8 rows of W, MAX_ROWS rows at a time
