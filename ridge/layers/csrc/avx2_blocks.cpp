@@ -98,12 +98,14 @@ inline void prefetch_ahead_l1(const uint8_t* p) {
 // threads, the Zen 3 EPYC, both ways alternated in one process (5 rounds, 2026-12-04), one row
 // of x: Q6_K 1.39x, Q5_K 1.30x, Q4_K 1.24x, Q2_K 1.18x, IQ4_NL 1.14x, IQ4_XS 1.10x, Q8_0 1.10x,
 // Q3_K 1.07x, Q4_0 0.97x; 2 rows: Q4_K 1.43x, Q5_K and Q6_K 1.28x, IQ4_NL 1.11x, the others
-// 0.95-1.03x; 4 rows: Q3_K 0.77x, Q2_K 0.88x (the compiler places the kernel's other loads
-// differently), the others 1.02-1.28x. The files' decode steps, both ways toggled step by step in
-// one process (48 pairs at batch 1, 28 at 2 and 4): batch 1 Q5_K_M 1.18x, Q3_K_M 1.16x, Q4_K_M
-// 1.16x, IQ4_XS 1.13x, Q2_K 1.08x, Q4_0 1.02x, Q8_0 0.97-1.02x; batch 2 Q4_K_M 1.17x, Q3_K_M
-// and Q2_K 0.99x; batch 4 Q3_K_M 0.81x, Q2_K 0.85x, Q4_K_M 1.02x.
-constexpr int ONE_FETCH_ROWS = 2;
+// 0.95-1.03x; 3 rows: Q4_K and Q5_K 1.24x, Q4_0 1.08x, Q3_K 1.06x, the others 0.96-1.01x; 4
+// rows: Q3_K 0.77x, Q2_K 0.88x (the compiler places the kernel's other loads differently), the
+// others 1.02-1.28x. The files' decode steps, both ways toggled step by step in one process (48
+// pairs at batch 1, 28 at 2-4): batch 1 Q5_K_M 1.18x, Q3_K_M 1.16x, Q4_K_M 1.16x, IQ4_XS 1.13x,
+// Q2_K 1.08x, Q4_0 1.02x, Q8_0 0.97-1.02x; batch 2 Q4_K_M 1.17x, Q3_K_M and Q2_K 0.99x; batch 3
+// Q5_K_M 1.13x, Q4_K_M 1.10x, Q3_K_M 1.06x, IQ4_XS, Q4_0 and Q8_0 1.02-1.03x, Q2_K 1.01x; batch
+// 4 Q3_K_M 0.81x, Q2_K 0.85x, Q4_K_M 1.02x.
+constexpr int ONE_FETCH_ROWS = 3;
 template <bool ONE, int64_t AHEAD, int64_t BYTES>
 inline void fetch_w(const uint8_t* p) {
   if constexpr (ONE)

@@ -23,7 +23,7 @@ namespace ridge_avx2 {
 // Q2_K 1.03x, Q4_0 0.96x; 4 rows 0.97-1.18x; whole batch-1 steps Q4_K_M 1.55x, Q8_0 1.25x (at
 // its fast level both ways read the same). Q6_K's one-row kernel keeps L1 (prefetch_ahead_l1),
 // as do the dense bf16 kernel (0.93-0.97x with L2) and the AMD machines, measured with L1
-// fetches only; there the rows-of-8 kernels' calls of 1-2 rows of x fetch each line once
+// fetches only; there the rows-of-8 kernels' calls of 1-3 rows of x fetch each line once
 // (avx2_blocks.cpp's fetch_w: 1.08-1.18x the K-quant files' batch-1 steps on the Zen 3).
 // set_fetch_into_l2 in the bindings switches it (benchmarks, tests: where a line is fetched
 // never changes a result).
