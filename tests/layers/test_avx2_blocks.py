@@ -163,10 +163,11 @@ def test_rows_of_8_keep_the_bytes_and_the_outputs_bit_for_bit(ext, name):
         ext.linear_blocks_packed(torch.randn(1, k), torch.zeros(2, 36, dtype=torch.uint8), fmt.ggml_type, None)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "q4_k", "iq4_xs", "q6_k", "q3_k", "q2_k"])
+@pytest.mark.parametrize("name", ["int8", "int4", "q4_k", "iq4_xs", "q5_k", "q6_k", "q3_k", "q2_k"])
 def test_where_w_is_fetched_ahead_never_changes_an_output(ext, name):
     """The matmuls fetch W ahead into L1 on AMD (in rows of 8, once a line for 1-3 rows of x:
-    fetch_w) and into L2 elsewhere (avx2_simd.h): both ways give the same outputs bit for bit,
+    fetch_w; while a block of 8 rows is decoded once for 8-15 rows, the thread's next block:
+    NextBlock) and into L2 elsewhere (avx2_simd.h): both ways give the same outputs bit for bit,
     in either layout and at any height, and the default is the CPU vendor's."""
     with open("/proc/cpuinfo") as f:
         amd = "AuthenticAMD" in f.read()
@@ -175,7 +176,7 @@ def test_where_w_is_fetched_ahead_never_changes_an_output(ext, name):
     k = 2048  # 40 rows: 70-140 KB, past both fetch distances
     blocks = _blocks(name, 40, k, seed=5)
     packed = ext.repack_rows(blocks, fmt.ggml_type, True)
-    xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16() for m in (1, 2, 3, 4, 9)]
+    xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16() for m in (1, 2, 3, 4, 9, 12)]
     outputs = {}
     try:
         for into_l2 in (False, True):

@@ -114,6 +114,32 @@ inline void fetch_w(const uint8_t* p) {
     prefetch_ahead<AHEAD, BYTES>(p);
 }
 
+// The next block of 8 rows of a thread's share (its `bytes` at p, either layout) in a decode call
+// that decodes each block once (expand_codes: 8-15 rows of x for Q5_K, Q6_K and Q3_K), which the
+// thread fetches into L1 while it decodes the block before, a slice a super-block (fetch_slice),
+// instead of fetching ahead of the block it decodes. The products of a decoded block fetch
+// nothing, so W's next bytes were asked for only as its decoding began, and a call that packs
+// as it goes (Q6_K) reads a block of rows first: its packing's loads waited on memory with no
+// work beside them (29-32% of such a call's time in a perf sample). None (p null) where the next
+// block is not the thread's (its share's last; calls of TAKE_FROM_ROWS rows or more, whose
+// blocks go to whichever thread is free) and on Intel (fetch_into_l2: not measured there). 22
+// TinyLlama layers from memory, 2 threads, the Zen 3 EPYC, alternated in one process (7-9
+// rounds, 2026-12-04): Q6_K 1.14x at 8 rows, 1.08x at 12; Q5_K 1.06x at 8 and 10 rows (1.03x in
+// a run of 7), Q3_K 1.02-1.03x. The files' decode steps at batch 8, both ways alternated step by
+// step in one process (26 pairs): Q6_K 1.15x (and 1.11x, 1.14x at batch 12 in an earlier form),
+// Q5_K_M 1.03x, Q3_K_M 1.02x.
+struct NextBlock {
+  const uint8_t* p = nullptr;
+  int64_t bytes = 0;
+};
+// slice b of nb of the next block's lines
+inline void fetch_slice(const NextBlock& next, int64_t b, int64_t nb) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(next.p);
+  const uintptr_t end = at + next.bytes * (b + 1) / nb;
+  for (uintptr_t line = (at + next.bytes * b / nb) & ~uintptr_t(63); line < end; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+}
+
 // llama.cpp's kvalues_iq4nl (formats.py IQ4_NL_VALUES)
 alignas(16) constexpr int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                   1,    13,   25,  38,  53,  69,  89,  113};
@@ -1104,12 +1130,15 @@ void rows8_dot_iq4_xs(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums
 // tokens.
 constexpr int64_t IQ4_XS_EXPANDED_BYTES = 8 * 96 + 8 * 2 * 256;
 
-inline void expand_iq4_xs(const uint8_t* g, int64_t nb, uint8_t* ex) {
+inline void expand_iq4_xs(const uint8_t* g, int64_t nb, uint8_t* ex, const NextBlock& next) {
   using L = Rows8<IQ4_XS>;
   const __m256i low = _mm256_set1_epi8(15), off = _mm256_set1_epi8(127), m127 = _mm256_set1_epi16(-127);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
-    prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
+    if (next.p)
+      fetch_slice(next, b, nb);
+    else
+      prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
     const __m256i sh = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
     const uint8_t* q = p + L::CODES_AT;
     const __m256i sl = load32(q);
@@ -1423,11 +1452,14 @@ constexpr int64_t expanded_bytes = std::is_same_v<F, IQ4_XS> ? IQ4_XS_EXPANDED_B
 
 // A K-quant's block of 8 rows decoded (expand_codes)
 template <class F>
-void expand_k_codes(const uint8_t* g, int64_t nb, uint8_t* ex) {
+void expand_k_codes(const uint8_t* g, int64_t nb, uint8_t* ex, const NextBlock& next) {
   using L = Rows8<F>;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* q = g + b * L::BYTES + L::CODES_AT;
-    prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(q - L::CODES_AT);
+    if (next.p)
+      fetch_slice(next, b, nb);
+    else
+      prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(q - L::CODES_AT);
 #pragma GCC unroll 8
     for (int grp = 0; grp < 8; ++grp)
 #pragma GCC unroll 8
@@ -1451,20 +1483,23 @@ void expand_k_codes(const uint8_t* g, int64_t nb, uint8_t* ex) {
 // chunk t (weights [32 grp + 4 t, + 4) of each row) at expanded_at(b, grp, t), a byte a weight;
 // IQ4_XS's as expand_iq4_xs lays them
 template <class F>
-void expand_codes(const uint8_t* g, int64_t nb, uint8_t* ex) {
+void expand_codes(const uint8_t* g, int64_t nb, uint8_t* ex, const NextBlock& next) {
   using L = Rows8<F>;
   if constexpr (std::is_same_v<F, IQ4_XS>) {
-    expand_iq4_xs(g, nb, ex);
+    expand_iq4_xs(g, nb, ex, next);
   } else if constexpr (F::BLOCK == QK) {
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* p = g + b * L::BYTES;
-      prefetch_ahead<PREFETCH_BLOCKS, L::BYTES>(p);
+      if (next.p)
+        fetch_slice(next, b, nb);
+      else
+        prefetch_ahead<PREFETCH_BLOCKS, L::BYTES>(p);
       __m256i c[8];
       rows8_codes<F>(p + L::CODES_AT, c);
       for (int j = 0; j < 8; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(ex + 8 * QK * b + 32 * j), c[j]);
     }
   } else {
-    expand_k_codes<F>(g, nb, ex);
+    expand_k_codes<F>(g, nb, ex, next);
   }
 }
 
@@ -1515,8 +1550,9 @@ void rows8_rows(const uint8_t* g, int64_t nb, const QuantizedX& x, float* y, int
 // y = x @ W^T over W's blocks of 8 rows: each thread takes blocks of rows (a fixed share in a
 // decode call, the next free block from TAKE_FROM_ROWS rows of x: parallel_take), each meets x's
 // rows MAX_ROWS at a time (a block of rows' bytes stay in L1/L2 across them). PACK: w is GGUF's
-// layout, and each block of 8 rows is packed into the thread's buffer first, for calls of many
-// rows of x (prefill), where the packing's cost is small beside the products (see gemm).
+// layout, and each block of 8 rows is packed into the thread's buffer first, for calls of
+// PACK_FROM_ROWS rows of x or more, where the packing's cost is small beside the products. A
+// fixed share's blocks that are decoded once fetch the next one as they go (NextBlock).
 template <class F, bool PACK>
 void gemm_rows8(const QuantizedX& x, const uint8_t* w, int64_t row_bytes, int64_t N, float* y) {
   const int64_t nb = x.K / F::BLOCK, M = x.M;
@@ -1529,7 +1565,8 @@ void gemm_rows8(const QuantizedX& x, const uint8_t* w, int64_t row_bytes, int64_
     return Scratch{std::vector<uint8_t>(PACK ? 8 * row_bytes : 0),
                    std::vector<uint8_t>(expand ? nb * expanded_bytes<F> : 0)};
   };
-  const auto block = [&](Scratch& s, int64_t g) {  // block g of 8 rows against every row of x
+  // block g of 8 rows against every row of x (next: the thread's next one, if fetched)
+  const auto block = [&](Scratch& s, int64_t g, const NextBlock& next) {
     const uint8_t* gp = w + g * 8 * row_bytes;
     if constexpr (PACK) {
       repack_rows8<F, true>(gp, s.packed.data(), row_bytes);
@@ -1537,16 +1574,19 @@ void gemm_rows8(const QuantizedX& x, const uint8_t* w, int64_t row_bytes, int64_
     }
     if constexpr (EXPANDS<F>) {
       if (expand) {
-        expand_codes<F>(gp, nb, s.expanded.data());
+        expand_codes<F>(gp, nb, s.expanded.data(), next);
         return rows8_rows<F, true>(gp, nb, x, y + 8 * g, N, s.expanded.data());
       }
     }
     rows8_rows<F, false>(gp, nb, x, y + 8 * g, N, nullptr);
   };
-  if (M >= ridge_avx2::TAKE_FROM_ROWS) return ridge_avx2::parallel_take(N / 8, scratch, block);
+  if (M >= ridge_avx2::TAKE_FROM_ROWS)
+    return ridge_avx2::parallel_take(N / 8, scratch, [&](Scratch& s, int64_t g) { block(s, g, NextBlock{}); });
+  const bool fetch_next = expand && !ridge_avx2::g_fetch_into_l2;
   at::parallel_for(0, N / 8, 1, [&](int64_t begin, int64_t end) {
     Scratch s = scratch();
-    for (int64_t g = begin; g < end; ++g) block(s, g);
+    for (int64_t g = begin; g < end; ++g)
+      block(s, g, fetch_next && g + 1 < end ? NextBlock{w + (g + 1) * 8 * row_bytes, 8 * row_bytes} : NextBlock{});
   });
 }
 
