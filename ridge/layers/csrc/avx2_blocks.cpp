@@ -1528,6 +1528,8 @@ void rows8_kernel(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0,
     rows8_dot_q6_k<R, EXP, ONE>(g, nb, xr, tree, ex);
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N, tree.root(r));
 }
+// rows8_kernel, W fetched once a line (ONE) where a pass of R rows of x reads it from memory on
+// AMD (fetch_w), else twice: the choice made here, once a call, so neither kernel branches
 template <class F, int R, bool EXP>
 void rows8_call(const uint8_t* g, int64_t nb, const QuantizedX& x, int64_t m0, float* y, int64_t N,
                 const uint8_t* ex) {
