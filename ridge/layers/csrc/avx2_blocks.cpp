@@ -116,7 +116,7 @@ inline void fetch_w(const uint8_t* p) {
 
 // The next block of 8 rows of a thread's share (its `bytes` at p, either layout) in a decode call
 // that decodes each block once (expand_codes: 8-15 rows of x for Q5_K, Q6_K and Q3_K), which the
-// thread fetches into L1 while it decodes the block before, a slice a super-block (fetch_slice),
+// thread fetches into L1 while it decodes the block before, a slice a super-block (fetch_decoding),
 // instead of fetching ahead of the block it decodes. The products of a decoded block fetch
 // nothing, so W's next bytes were asked for only as its decoding began, and a call that packs
 // as it goes (Q6_K) reads a block of rows first: its packing's loads waited on memory with no
@@ -132,8 +132,11 @@ struct NextBlock {
   const uint8_t* p = nullptr;
   int64_t bytes = 0;
 };
-// slice b of nb of the next block's lines
-inline void fetch_slice(const NextBlock& next, int64_t b, int64_t nb) {
+// What decoding block b of nb (its BYTES at p) fetches: slice b of the next block's lines, or
+// without one the BYTES AHEAD of p (prefetch_ahead)
+template <int64_t AHEAD, int64_t BYTES>
+inline void fetch_decoding(const uint8_t* p, const NextBlock& next, int64_t b, int64_t nb) {
+  if (!next.p) return prefetch_ahead<AHEAD, BYTES>(p);
   const uintptr_t at = reinterpret_cast<uintptr_t>(next.p);
   const uintptr_t end = at + next.bytes * (b + 1) / nb;
   for (uintptr_t line = (at + next.bytes * b / nb) & ~uintptr_t(63); line < end; line += 64)
@@ -1135,10 +1138,7 @@ inline void expand_iq4_xs(const uint8_t* g, int64_t nb, uint8_t* ex, const NextB
   const __m256i low = _mm256_set1_epi8(15), off = _mm256_set1_epi8(127), m127 = _mm256_set1_epi16(-127);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
-    if (next.p)
-      fetch_slice(next, b, nb);
-    else
-      prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
+    fetch_decoding<PREFETCH_SUPER_BLOCKS, L::BYTES>(p, next, b, nb);
     const __m256i sh = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
     const uint8_t* q = p + L::CODES_AT;
     const __m256i sl = load32(q);
@@ -1456,10 +1456,7 @@ void expand_k_codes(const uint8_t* g, int64_t nb, uint8_t* ex, const NextBlock& 
   using L = Rows8<F>;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* q = g + b * L::BYTES + L::CODES_AT;
-    if (next.p)
-      fetch_slice(next, b, nb);
-    else
-      prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(q - L::CODES_AT);
+    fetch_decoding<PREFETCH_SUPER_BLOCKS, L::BYTES>(q - L::CODES_AT, next, b, nb);
 #pragma GCC unroll 8
     for (int grp = 0; grp < 8; ++grp)
 #pragma GCC unroll 8
@@ -1490,10 +1487,7 @@ void expand_codes(const uint8_t* g, int64_t nb, uint8_t* ex, const NextBlock& ne
   } else if constexpr (F::BLOCK == QK) {
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* p = g + b * L::BYTES;
-      if (next.p)
-        fetch_slice(next, b, nb);
-      else
-        prefetch_ahead<PREFETCH_BLOCKS, L::BYTES>(p);
+      fetch_decoding<PREFETCH_BLOCKS, L::BYTES>(p, next, b, nb);
       __m256i c[8];
       rows8_codes<F>(p + L::CODES_AT, c);
       for (int j = 0; j < 8; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(ex + 8 * QK * b + 32 * j), c[j]);
