@@ -343,7 +343,7 @@ struct Q6_K {
     h.d = f16(p + 208), h.dmin = 0.f, h.mins = _mm256_setzero_si256();
     const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
     h.offsets = _mm256_slli_epi16(s, 5);  // the codes' offset, 32
-    const __m256i low = _mm256_set1_epi8(15);
+    const __m256i low = _mm256_set1_epi8(15), high = _mm256_set1_epi8(0x30);
 #pragma GCC unroll 2
     for (int half = 0; half < 2; ++half) {  // each: 64 bytes of low nibbles, 32 of top 2-bit pairs, 8 scales
       const __m256i sc = half ? _mm256_permute2x128_si256(s, s, 0x11) : _mm256_permute2x128_si256(s, s, 0x00);
@@ -352,8 +352,10 @@ struct Q6_K {
                               _mm256_and_si256(_mm256_srli_epi16(a, 4), low),
                               _mm256_and_si256(_mm256_srli_epi16(b, 4), low)};
 #pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i)
-        sink(4 * half + i, _mm256_or_si256(nib[i], _mm256_slli_epi16(two_bits(top, i), 4)), pick_pair(sc, i));
+      for (int i = 0; i < 4; ++i) {  // bits 2i of top moved to bits 4-5, then masked: 1-2 ops, not 3-4
+        const __m256i t = i < 2 ? _mm256_slli_epi16(top, 4 - 2 * i) : i == 2 ? top : _mm256_srli_epi16(top, 2);
+        sink(4 * half + i, _mm256_or_si256(nib[i], _mm256_and_si256(t, high)), pick_pair(sc, i));
+      }
     }
   }
 };
@@ -640,6 +642,25 @@ void block_sums_8(const uint8_t* w, int64_t b0, int n, int64_t nbp, const Quanti
 // are then aligned runs too, down to 8)
 inline bool takes_runs_of_8(int64_t nb) { return nb >= 8 && (nb & (nb - 1)) == 0; }
 
+// The pairwise levels of n sums s (n a power of 2): ((s0 + s1) + (s2 + s3)) + ... Levels above
+// 8 go 16 -> 8 a vector at a time (vhaddps's pairs, put back in order) into buf (s may be buf);
+// the last 8 in registers. The loop this replaces summed each level in place in a float array,
+// every add waiting on the store before it (forwarded through memory): most of tree_sum's time,
+// which took 10% of the Q6_K file's batch-1 decode steps on the Zen 3 EPYC (perf).
+inline float pairwise(const float* s, int64_t n, float* buf) {
+  for (; n > 8; n /= 2, s = buf)
+    for (int64_t i = 0; i < n / 16; ++i) {
+      const __m256 h = _mm256_hadd_ps(_mm256_loadu_ps(s + 16 * i), _mm256_loadu_ps(s + 16 * i + 8));
+      _mm256_storeu_ps(buf + 8 * i, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(h), 0xd8)));
+    }
+  switch (n) {
+    case 1: return s[0];
+    case 2: return s[0] + s[1];
+    case 4: return (s[0] + s[1]) + (s[2] + s[3]);
+    default: return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+  }
+}
+
 float tree_sum(const float* c, const float* c8, int64_t b, int64_t n) {
   constexpr int64_t MAX_LEAVES = 64;
   int64_t odd = n, leaves = 1;
@@ -647,20 +668,16 @@ float tree_sum(const float* c, const float* c8, int64_t b, int64_t n) {
   const bool runs_of_8 = odd == 1 && leaves >= 8 && c8 != nullptr && b % 8 == 0;
   if (runs_of_8) leaves /= 8;
   if (leaves > MAX_LEAVES) return tree_sum(c, c8, b, n / 2) + tree_sum(c, c8, b + n / 2, n / 2);
-  float s[MAX_LEAVES];
+  alignas(32) float s[MAX_LEAVES];
+  if (runs_of_8) return pairwise(c8 + b / 8, leaves, s);
+  if (odd == 1) return pairwise(c + b, leaves, s);
   for (int64_t i = 0; i < leaves; ++i) {
-    if (runs_of_8) {
-      s[i] = c8[b / 8 + i];
-      continue;
-    }
     const float* leaf = c + b + i * odd;
     float t = leaf[0];
     for (int64_t j = 1; j < odd; ++j) t += leaf[j];
     s[i] = t;
   }
-  for (; leaves > 1; leaves /= 2)
-    for (int64_t i = 0; i < leaves / 2; ++i) s[i] = s[2 * i] + s[2 * i + 1];
-  return s[0];
+  return pairwise(s, leaves, s);
 }
 
 // A thread's scratch for one row of W against up to MAX_ROWS rows of x: block sums (c, and
