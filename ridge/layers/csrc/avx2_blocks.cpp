@@ -104,7 +104,8 @@ inline void prefetch_ahead_l1(const uint8_t* p) {
 // pairs at batch 1, 28 at 2-4): batch 1 Q5_K_M 1.18x, Q3_K_M 1.16x, Q4_K_M 1.16x, IQ4_XS 1.13x,
 // Q2_K 1.08x, Q4_0 1.02x, Q8_0 0.97-1.02x; batch 2 Q4_K_M 1.17x, Q3_K_M and Q2_K 0.99x; batch 3
 // Q5_K_M 1.13x, Q4_K_M 1.10x, Q3_K_M 1.06x, IQ4_XS, Q4_0 and Q8_0 1.02-1.03x, Q2_K 1.01x; batch
-// 4 Q3_K_M 0.81x, Q2_K 0.85x, Q4_K_M 1.02x.
+// 4 Q3_K_M 0.81x, Q2_K 0.85x, Q4_K_M 1.02x. (The super-block kernels' one fetch a line is
+// spread over a block's groups since: fetch_slice.)
 constexpr int ONE_FETCH_ROWS = 3;
 template <bool ONE, int64_t AHEAD, int64_t BYTES>
 inline void fetch_w(const uint8_t* p) {
@@ -112,6 +113,20 @@ inline void fetch_w(const uint8_t* p) {
     prefetch_ahead_l1<AHEAD, BYTES>(p);
   else
     prefetch_ahead<AHEAD, BYTES>(p);
+}
+
+// A rows-of-8 super-block kernel's fetches of W at ONE (Q4_K, Q5_K, IQ4_XS, Q3_K, Q2_K): group j
+// of a block's 8 fetches slice j of the block's bytes (a GGUF block's size, 84-176 bytes), where
+// the whole block's 11-22 lines went in one burst as it began. 22 TinyLlama layers from memory,
+// 2 threads, the Zen 3 EPYC, both ways alternated in one process (7-9 rounds, 2026-12-04), at
+// 1 / 2 / 3 rows of x: Q5_K 1.12x / 1.24x / 1.21x, Q3_K 1.15x / 1.15x / 1.09x, IQ4_XS 1.11x /
+// 1.03x / 1.04x, Q4_K 1.00x / 1.03x / 1.08x, Q2_K 1.00x / 1.03x / 1.08x. The files' decode steps,
+// both ways toggled step by step in one process (33-43 pairs): batch 1 Q2_K 1.15x, Q3_K_M 1.08x,
+// Q5_K_M 1.06x, IQ4_XS 1.05x, Q4_K_M 1.04x; batch 2 Q5_K_M 1.12x, Q4_K_M 1.01x; batch 3 Q5_K_M
+// 1.24x.
+template <int64_t SLICE>
+inline void fetch_slice(const uint8_t* p, int j) {
+  prefetch_ahead_l1<PREFETCH_SUPER_BLOCKS, SLICE>(p + j * SLICE);
 }
 
 // The next block of 8 rows of a thread's share (its `bytes` at p, either layout) in a decode call
@@ -1014,7 +1029,7 @@ void rows8_dot_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& 
   constexpr int T = Q5 ? 4 : 8;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
-    if constexpr (!EXP) fetch_w<ONE, PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
+    if constexpr (!EXP && !ONE) prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
     const __m256 dv = halves8(p);
     const __m256 dminv = halves8(p + 16);
     const uint8_t* q = p + L::CODES_AT;
@@ -1025,6 +1040,7 @@ void rows8_dot_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R>& 
     for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {  // group j: code chunks 8 (j / 2) + t, their low nibbles (j even) or high ones
+      if constexpr (!EXP && ONE) fetch_slice<F::BYTES>(p, j);
       const __m256i s = pick_q4k(sc[j / 4], j % 4);
       const uint8_t *cp = EXP ? ex + expanded_at(b, j, 0) : k_chunks<F>(q, j), *hp = high;
       asm volatile("" : "+r"(cp), "+r"(hp));  // chunks loaded anew for each group, not kept live across them
@@ -1101,7 +1117,7 @@ void rows8_dot_iq4_xs(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums
   using L = Rows8<IQ4_XS>;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
-    fetch_w<ONE, PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
+    if constexpr (!ONE) prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
     const __m256 dv = halves8(p);
     const __m256i sh = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
     const uint8_t* q = p + L::CODES_AT;
@@ -1110,6 +1126,7 @@ void rows8_dot_iq4_xs(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
+      if constexpr (ONE) fetch_slice<IQ4_XS::BYTES>(p, j);
       const __m256i s = iq4_xs_scales(sl, sh, j);
 #pragma GCC unroll 4
       for (int t = 0; t < 4; ++t) {
@@ -1375,7 +1392,7 @@ void rows8_dot_q3_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R
   const __m256i three = _mm256_set1_epi8(3), low = _mm256_set1_epi8(15);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
-    if constexpr (!EXP) fetch_w<ONE, PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
+    if constexpr (!EXP && !ONE) prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
     const __m256 dv = halves8(p);
     const uint8_t* q = p + L::CODES_AT;
     // scale i: 4 bits (nibble i / 8 of byte i % 8: chunk 24 + i % 8 / 4) and 2 (bits 2 (i / 4)
@@ -1392,6 +1409,7 @@ void rows8_dot_q3_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R
     for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int grp = 0; grp < 8; ++grp) {
+      if constexpr (!EXP && ONE) fetch_slice<Q3_K::BYTES>(p, grp);
       const auto codes = [&](int t) __attribute__((always_inline)) {
         return EXP ? load32(ex + expanded_at(b, grp, t)) : q3k_codes(q, grp, t);
       };
@@ -1420,13 +1438,14 @@ void rows8_dot_q2_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R
   const __m256i low = _mm256_set1_epi8(15);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
-    if constexpr (!EXP) fetch_w<ONE, PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
+    if constexpr (!EXP && !ONE) prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
     const __m256 dv = halves8(p), dminv = halves8(p + 16);
     const uint8_t* q = p + L::CODES_AT;
     __m256i acc[R], macc[R];
     for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int grp = 0; grp < 8; ++grp) {
+      if constexpr (!EXP && ONE) fetch_slice<Q2_K::BYTES>(p, grp);
       const auto codes = [&](int t) __attribute__((always_inline)) {
         return EXP ? load32(ex + expanded_at(b, grp, t)) : q2k_codes(q, grp, t);
       };
