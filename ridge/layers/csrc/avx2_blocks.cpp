@@ -115,15 +115,16 @@ inline void fetch_w(const uint8_t* p) {
     prefetch_ahead<AHEAD, BYTES>(p);
 }
 
-// A rows-of-8 super-block kernel's fetches of W at ONE (Q4_K, Q5_K, IQ4_XS, Q3_K, Q2_K): group j
-// of a block's 8 fetches slice j of the block's bytes (a GGUF block's size, 84-176 bytes), where
-// the whole block's 11-22 lines went in one burst as it began. 22 TinyLlama layers from memory,
+// A rows-of-8 super-block kernel's fetches of W at ONE (every super-block format's): group j
+// of a block's 8 fetches slice j of the block's bytes (a GGUF block's size, 84-210 bytes), where
+// the whole block's 11-27 lines went in one burst as it began. 22 TinyLlama layers from memory,
 // 2 threads, the Zen 3 EPYC, both ways alternated in one process (7-9 rounds, 2026-12-04), at
 // 1 / 2 / 3 rows of x: Q5_K 1.12x / 1.24x / 1.21x, Q3_K 1.15x / 1.15x / 1.09x, IQ4_XS 1.11x /
 // 1.03x / 1.04x, Q4_K 1.00x / 1.03x / 1.08x, Q2_K 1.00x / 1.03x / 1.08x. The files' decode steps,
 // both ways toggled step by step in one process (33-43 pairs): batch 1 Q2_K 1.15x, Q3_K_M 1.08x,
 // Q5_K_M 1.06x, IQ4_XS 1.05x, Q4_K_M 1.04x; batch 2 Q5_K_M 1.12x, Q4_K_M 1.01x; batch 3 Q5_K_M
-// 1.24x.
+// 1.24x. (Q6_K keeps GGUF's layout: in rows of 8 with these fetches it still read 0.86x that
+// layout at one row and 0.82x at 2, 1.08-1.09x at 3-4, alternated the same way.)
 template <int64_t SLICE>
 inline void fetch_slice(const uint8_t* p, int j) {
   prefetch_ahead_l1<PREFETCH_SUPER_BLOCKS, SLICE>(p + j * SLICE);
@@ -1333,7 +1334,7 @@ void rows8_dot_q6_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R
   using L = Rows8<Q6_K>;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * L::BYTES;
-    if constexpr (!EXP) fetch_w<ONE, PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
+    if constexpr (!EXP && !ONE) prefetch_ahead<PREFETCH_SUPER_BLOCKS, L::BYTES>(p);
     const __m256 dv = halves8(p);
     const uint8_t* q = p + L::CODES_AT;
     __m256i acc[R], off[R];
@@ -1343,6 +1344,7 @@ void rows8_dot_q6_k(const uint8_t* g, int64_t nb, const XRows<R>& xr, TreeSums<R
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
         const int grp = 4 * h + i;
+        if constexpr (!EXP && ONE) fetch_slice<Q6_K::BYTES>(p, grp);
         const __m256i scales = load32(q + 32 * (48 + grp / 2));  // bytes 4 (grp % 2) + 0, 1: this group's 2 scales
         const __m256i s0 = pick_i8(scales, Q6K_PICKS.same[2 * (grp % 2)]);
         const __m256i s1 = pick_i8(scales, Q6K_PICKS.same[2 * (grp % 2) + 1]);
