@@ -181,9 +181,10 @@ inline void pv_chunk(const uint8_t* vp, const int64_t* rows, int64_t t0, int64_t
     for (int j = 0; j < DN; ++j) acc[g][j] = _mm512_loadu_ps(out + g * D + 16 * j);
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* row = vp + rows[t] * D + d0;
-    // blocks are scattered over the pool: fetch ahead, the hardware prefetcher cannot
+    // blocks are scattered over the pool: fetch ahead (into L2, paged_rows.h), the hardware
+    // prefetcher cannot
     if (t + KV_PREFETCH_TOKENS < L)
-      _mm_prefetch(reinterpret_cast<const char*>(vp + rows[t + KV_PREFETCH_TOKENS] * D + d0), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(vp + rows[t + KV_PREFETCH_TOKENS] * D + d0), _MM_HINT_T1);
     __m512 v[DN];
     for (int j = 0; j < DN; ++j)
       v[j] = _mm512_mul_ps(FP8 ? fp8x16(row + 16 * j) : int8x16(row + 16 * j), _mm512_set1_ps(vscale[t * NGR + group[j]]));
@@ -259,14 +260,14 @@ void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* k
         alignas(64) int64_t rows16[16];
         alignas(64) float ks[16 * 64];  // [group][token], up to 64 groups
         for (int64_t i = 0; i < 16; ++i) rows16[i] = rows[t0 + std::min<int64_t>(i, n - 1)];  // tail lanes repeat a valid token
-        // the rows and scales of the chunk KV_PREFETCH_TOKENS ahead (the scales' gather waited on
+        // the rows (into L2: paged_rows.h) and scales of the chunk KV_PREFETCH_TOKENS ahead (the scales' gather waited on
         // memory: fetching them a chunk ahead measured 1.13x for int8 over 22 layers at 4,096
         // tokens, Xeon), and V's into L2 for the pass after the scores (int8, 2 Zen 5 cores,
         // alternated as prefetch_rows says, with its first window: 160 tokens 1.12x, 1,100
         // 1.08x, 1,900 1.035x; the bf16 kernel measured 0.95x with it at 1,900 and does not)
         const int64_t ahead_end = std::min<int64_t>(L, t0 + KV_PREFETCH_TOKENS + 16);
         const int64_t ahead = std::min<int64_t>(ahead_end, t0 + KV_PREFETCH_TOKENS);
-        prefetch_rows<_MM_HINT_T0>(kp, rows.data(), ahead, ahead_end, D, HJ);
+        prefetch_rows<_MM_HINT_T1>(kp, rows.data(), ahead, ahead_end, D, HJ);
         prefetch_rows<_MM_HINT_T0>(ksp, rows.data(), ahead, ahead_end, 2 * NGR, HJ);
         if (HJ == 1) {
           prefetch_rows<_MM_HINT_T1>(vp, rows.data(), ahead, ahead_end, D, HJ);

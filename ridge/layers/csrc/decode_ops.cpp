@@ -131,8 +131,9 @@ inline void pv_block(const bf16* vp, const int64_t* rows, int64_t t0, int64_t t1
     for (int j = 0; j < DN; ++j) acc[g][j] = _mm512_loadu_ps(acc_io + g * D + 16 * j);
   for (int64_t t = t0; t < t1; ++t) {
     const bf16* vrow = vp + rows[t] * D + d0;
-    // blocks are scattered over the pool: fetch ahead, the hardware prefetcher cannot
-    if (t + KV_PREFETCH_TOKENS < L) _mm_prefetch((const char*)(vp + rows[t + KV_PREFETCH_TOKENS] * D + d0), _MM_HINT_T0);
+    // blocks are scattered over the pool: fetch ahead (into L2, paged_rows.h), the hardware
+    // prefetcher cannot
+    if (t + KV_PREFETCH_TOKENS < L) _mm_prefetch((const char*)(vp + rows[t + KV_PREFETCH_TOKENS] * D + d0), _MM_HINT_T1);
     __m512 vv[DN];
     for (int j = 0; j < DN; ++j) vv[j] = load16(vrow + 16 * j);
     for (int g = 0; g < GN; ++g) {
@@ -339,10 +340,10 @@ void paged_decode_attention_bf16_into(const bf16* qp, int64_t q_stride, int64_t 
       prefetch_rows<_MM_HINT_T1>(vp, rows.data(), 0, first, 2 * D, HJ);
       for (int64_t t0 = 0; t0 < L; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, L - t0);
-        // the rows of the chunk KV_PREFETCH_TOKENS ahead
+        // the rows of the chunk KV_PREFETCH_TOKENS ahead, into L2 (paged_rows.h)
         const int64_t ahead_end = std::min<int64_t>(L, t0 + KV_PREFETCH_TOKENS + 16);
         const int64_t ahead = std::min<int64_t>(ahead_end, t0 + KV_PREFETCH_TOKENS);
-        prefetch_rows<_MM_HINT_T0>(kp, rows.data(), ahead, ahead_end, 2 * D, HJ);
+        prefetch_rows<_MM_HINT_T1>(kp, rows.data(), ahead, ahead_end, 2 * D, HJ);
         for (int64_t j = 0; j < HJ; ++j) {
           alignas(64) int64_t rows16[16];
           for (int64_t i = 0; i < 16; ++i)  // tail lanes repeat a valid token

@@ -21,6 +21,16 @@
 // them waiting: batch 16 at 4,096 tokens, TinyLlama's heads, 2-core AMD EPYC (Zen 5), both
 // versions alternated in one process, 11-21 rounds: 64 tokens ran bf16 1.12-1.17x and int8
 // 1.28-1.37x faster; 32 tokens less, 96 and 128 no better than 64.
+//
+// The rows that far ahead go into L2 (prefetcht1), not L1: a job's 64 tokens of K rows (16
+// KiB at 4 int8 heads of 64, 32 KiB in bf16) with the scores' and PV's own lines overran the
+// 32 KiB L1, and the rows were read again from farther away (the loads of row_columns held a
+// third of the int8 scores' samples, perf). The loads then hit L2 (14 cycles) and the core's
+// own fetch covers that. 2-core AMD EPYC Zen 4, 8 layers' pools alternated in one process, 7
+// rounds (benchmarks/decode_attention.py's pools): K's rows and PV's V rows into L2 against
+// L1, 16 x 4,096 tokens bf16 1.44x, int8 1.33x; 1 x 4,096 bf16 1.55x, int8 1.41x; 16 x 1,024
+// bf16 1.38x, int8 1.06x; 1 x 512 and 4 x 1,024 level (0.94-1.02x, within the rounds' noise).
+// A near fetch into L1 (16 or 32 tokens ahead) on top of it was no faster.
 constexpr int64_t KV_PREFETCH_TOKENS = 64;
 
 // A thread's buffer of n T for a decode kernel's call (scores, probabilities, rows), kept from
