@@ -81,8 +81,10 @@ def test_cpu_kernel_reads_codes_and_scales_from_the_pool(kind, dim, heads, dtype
     got = select_kernels("ridge", torch.device("cpu"), dtype).decode_attention(q, cache, meta)
     want = _dense_reference(q, cache, meta)
     assert got.dtype == dtype
-    # int8 K: the query is quantized to int8 per 32 too (outputs within 1%); bf16 output rounding
-    tol = 0.02 if dtype is torch.bfloat16 else 0.01 if kind == "int8" else 1e-5
+    # int8 K: the query is quantized to int8 per 32 too (outputs within 1%); V's weights (p times
+    # the token's scale) are bf16 in the PV's dot products (a 2^-9 rounding each, fp8 too); bf16
+    # output rounding
+    tol = 0.02 if dtype is torch.bfloat16 else 0.01 if kind == "int8" else 0.004
     assert (got.float() - want).abs().max().item() <= tol * want.abs().max().item()
 
 
@@ -126,8 +128,9 @@ def test_shared_latent_kernel_computes_what_the_per_head_kernel_does(
     shared = ext.paged_decode_attention_shared_quant(q, cache.k, cache.k_scale, tables, context, 0.2, value_dim, fp8)
     assert torch.equal(got, shared)  # the kernels route MLA's quantized latent there
     scale = per_head.float().abs().max().item()
-    # float32: the order of fp32 sums; bf16: that, and so now and then the other side of a rounding
-    tol = 1e-5 if dtype is torch.float32 else 2**-7
+    # float32: the per-head kernel's V weights in bf16 (pv_pairs_chunk: a 2^-9 rounding each)
+    # and the order of fp32 sums; bf16: that, and so now and then the other side of a rounding
+    tol = 2**-8 if dtype is torch.float32 else 2**-7
     assert (got.float() - per_head.float()).abs().max().item() <= tol * scale
     k = kv_cache.dequantize(cache.k, cache.k_scale, kind, torch.float32)
     want = TorchKernels().decode_attention(q.float(), PagedKV(k, k), meta, 0.2, value_dim)

@@ -473,11 +473,6 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
-// softmax_row for the other decode kernels (decode_attention_quant.cpp)
-namespace ridge {
-void softmax_row(float* scores, int64_t L, bool round_to_bf16) { ::softmax_row(scores, L, round_to_bf16); }
-}  // namespace ridge
-
 // Structured output: the tokens a row's grammar does not allow get -inf, in place. Bit j of
 // word w of a row's mask allows token 32 w + j (llguidance's and xgrammar's layout); tokens
 // past the mask's words are disallowed. Each word is one or two masked stores of -inf (no

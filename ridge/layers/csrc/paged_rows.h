@@ -127,7 +127,7 @@ inline int64_t kv_head_jobs(int64_t B, int64_t Hkv, const int64_t* lens, int64_t
 // Tokens a run of the decode kernels' PV pass where a job has several KV heads: the run's rows
 // of the job's heads stay in L1 while each head (and each 32 or 64 of its dims) sums over
 // them, its accumulators in registers over the run and in memory between runs
-constexpr int64_t PV_TOKENS = 32;
+constexpr int64_t PV_TOKENS = 32;  // even: the int8 / fp8 PV takes tokens in pairs (decode_attention_quant.cpp)
 
 // The PV pass's cuts of a KV head's G query heads and D dims (a multiple of 16): fn(heads,
 // dims16, g0, d0) once a cut, its head count and its count of 16 dims as constants
