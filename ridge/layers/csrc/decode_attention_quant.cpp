@@ -159,13 +159,21 @@ inline void qk_int8(const __m512i* col, const int8_t* qq, const int32_t* qsum, c
   for (int g = 0; g < NG; ++g) _mm512_mask_storeu_ps(scores + g * L, valid, sacc[g]);
 }
 
+// The weights of V's codes (softmax_pairs, pv_pairs_chunk) lie by groups of V's dims, then by
+// chunks of 16 tokens, then by heads: the word of head g, group gi and token pair t / 2 (t even)
+//   w[gi * wgroup + (t / 16) * 8 G + 8 g + (t % 16) / 2]
+// so a token pair's weights of a cut's heads are 32 bytes apart, constant offsets from one
+// pointer (a row of L / 2 words a head kept 8 pointers and their arithmetic in the PV's loop).
+inline int64_t pair_word(int64_t t, int64_t G) { return t / 16 * 8 * G + t % 16 / 2; }
+
 // One query head's scores over tokens 0 .. L (s[t]) -> its weights of V's codes, for each group gi
-// of V's dims as bf16 pairs: w[gi * wgroup + t / 2] holds bf16(p_t v_t) in its low half and
-// bf16(p_t+1 v_t+1) in its high one, p the softmax of the scores (fp32) and v_t the token's V
-// scale of the group (vs[gi * LS + t], token_scales_grouped); zeros from L to the end of its 16
-// tokens. The softmax's normalizing pass writes them: no pass of their own (a pass a run of 32
-// tokens, a call a head and group, cost more than the PV's pairs saved: 0.90x).
-inline void softmax_pairs(float* s, int64_t L, const float* vs, int64_t LS, int64_t NGR, uint32_t* w, int64_t wgroup) {
+// of V's dims bf16 pairs: w[gi * wgroup + pair_word(t, G)] (w: the head's first word) holds bf16(p_t
+// v_t) in its low half and bf16(p_t+1 v_t+1) in its high one, p the softmax of the scores (fp32)
+// and v_t the token's V scale of the group (vs[gi * LS + t], token_scales_grouped); zeros from L
+// to the end of its 16 tokens. The softmax's normalizing pass writes them: no pass of their own
+// (a pass a run of 32 tokens, a call a head and group, cost more than the PV's pairs saved: 0.90x).
+inline void softmax_pairs(float* s, int64_t L, const float* vs, int64_t LS, int64_t NGR, int64_t G, uint32_t* w,
+                          int64_t wgroup) {
   auto lanes = [L](int64_t t) { return L - t >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (L - t)) - 1); };
   __m512 mx16 = _mm512_set1_ps(-INFINITY);
   for (int64_t t = 0; t < L; t += 16) mx16 = _mm512_mask_max_ps(mx16, lanes(t), mx16, _mm512_maskz_loadu_ps(lanes(t), s + t));
@@ -182,7 +190,7 @@ inline void softmax_pairs(float* s, int64_t L, const float* vs, int64_t LS, int6
     const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes(t), s + t), inv);
     for (int64_t gi = 0; gi < NGR; ++gi) {
       const __m256bh pair = _mm512_cvtneps_pbh(_mm512_mul_ps(p, _mm512_loadu_ps(vs + gi * LS + t)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + gi * wgroup + t / 2), reinterpret_cast<__m256i>(pair));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + gi * wgroup + pair_word(t, G)), reinterpret_cast<__m256i>(pair));
     }
   }
 }
@@ -191,8 +199,8 @@ inline void softmax_pairs(float* s, int64_t L, const float* vs, int64_t LS, int6
 // tokens a vdpbf16ps: lane d of a pair vector holds token t's code at d (low bf16) and token
 // t + 1's (high), and the heads' weight pairs (softmax_pairs) are broadcast. An int8 code has at
 // most 8 significant bits, an fp8 e4m3 one 4: the top half of the fp32 int8x16 / fp8x16 give
-// is the code's exact bf16. w: the cut's first head's pairs of group 0 (head g + 1 RP on, the
-// next group wgroup on; ONE: the cut's dims lie in one group, one weight a head). Against the
+// is the code's exact bf16. w: the cut's first head's word of group 0 (pair_word; the next group
+// wgroup on; ONE: the cut's dims lie in one group, one weight a head). Against the
 // fp32 loop it replaced (each row's codes times its scales, then an FMA per head and 16 dims),
 // half the multiply-adds: 2-core AMD EPYC Zen 4, TinyLlama's heads (32 on 4, 64 dims), 8
 // layers' pools alternated in one process, 7 rounds: 16 x 4,096 tokens 1.15x for the whole
@@ -202,15 +210,15 @@ inline void softmax_pairs(float* s, int64_t L, const float* vs, int64_t LS, int6
 // query's int8 codes make the rest).
 template <int NG, int DN, bool ONE, bool FP8>
 inline void pv_pairs_chunk(const uint8_t* vp, const int64_t* rows, int64_t t0, int64_t t1, int64_t L, int64_t D,
-                           int64_t d0, const uint32_t* w, int64_t wgroup, int64_t RP, int64_t GS, float* out) {
+                           int64_t d0, const uint32_t* w, int64_t wgroup, int64_t G, int64_t GS, float* out) {
   __m512 acc[NG][DN];
   const uint32_t* wj[DN];
   for (int j = 0; j < DN; ++j) wj[j] = w + (d0 + 16 * j) / GS * wgroup;
   for (int g = 0; g < NG; ++g)
     for (int j = 0; j < DN; ++j) acc[g][j] = _mm512_loadu_ps(out + g * D + 16 * j);
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  auto weights = [&](int j, int g, int64_t pair) {
-    return reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(wj[j][g * RP + pair])));
+  auto weights = [&](int j, int g, int64_t at) {
+    return reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(wj[j][at + 8 * g])));
   };
   for (int64_t t = t0; t < t1; t += 2) {
     const int64_t u = t + 1 < t1 ? t + 1 : t;  // an odd run's last pair: its second weight is 0
@@ -229,10 +237,10 @@ inline void pv_pairs_chunk(const uint8_t* vp, const int64_t* rows, int64_t t0, i
       // f1's top half and f0's moved down (0xE4: where the third operand's bits are set, the first's, else the second's)
       v[j] = reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(f1, _mm512_srli_epi32(f0, 16), high, 0xE4));
     }
-    const int64_t pair = t / 2;
+    const int64_t at = pair_word(t, G);
     for (int g = 0; g < NG; ++g) {
-      const __m512bh w0 = weights(0, g, pair);
-      for (int j = 0; j < DN; ++j) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], v[j], ONE || j == 0 ? w0 : weights(j, g, pair));
+      const __m512bh w0 = weights(0, g, at);
+      for (int j = 0; j < DN; ++j) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], v[j], ONE || j == 0 ? w0 : weights(j, g, at));
     }
   }
   for (int g = 0; g < NG; ++g)
@@ -240,18 +248,18 @@ inline void pv_pairs_chunk(const uint8_t* vp, const int64_t* rows, int64_t t0, i
 }
 
 // out[g] += the PV sums over tokens [t0, t1) of a KV head's G query heads, a cut of heads and
-// dims at a time (pv_cuts); w: the KV head's weight pairs (group gi of head g at (gi G + g) LP)
+// dims at a time (pv_cuts); w: the KV head's weight words (a group's wgroup apart)
 template <bool FP8>
 void pv_pairs(int64_t G, const uint8_t* vp, const int64_t* rows, int64_t t0, int64_t t1, int64_t L, int64_t D,
-              const uint32_t* w, int64_t LP, int64_t GS, float* out) {
+              const uint32_t* w, int64_t wgroup, int64_t GS, float* out) {
   pv_cuts(G, D, [&](auto heads, auto dims16, int64_t g0, int64_t d0) {
     constexpr int NG = decltype(heads)::value, DN = decltype(dims16)::value;
-    const uint32_t* wg = w + g0 * LP;
+    const uint32_t* wg = w + 8 * g0;
     float* og = out + g0 * D + d0;
     if (d0 / GS == (d0 + 16 * DN - 1) / GS)
-      pv_pairs_chunk<NG, DN, true, FP8>(vp, rows, t0, t1, L, D, d0, wg, G * LP, LP, GS, og);
+      pv_pairs_chunk<NG, DN, true, FP8>(vp, rows, t0, t1, L, D, d0, wg, wgroup, G, GS, og);
     else
-      pv_pairs_chunk<NG, DN, false, FP8>(vp, rows, t0, t1, L, D, d0, wg, G * LP, LP, GS, og);
+      pv_pairs_chunk<NG, DN, false, FP8>(vp, rows, t0, t1, L, D, d0, wg, wgroup, G, GS, og);
   });
 }
 
@@ -362,13 +370,14 @@ void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* k
       uint32_t* wp = wpair_buf.get(HJ * NGR * G * LP);
       for (int64_t j = 0; j < HJ; ++j)
         for (int64_t g = 0; g < G; ++g)
-          softmax_pairs(&scores[(j * G + g) * L], L, vs + j * NGR * LS, LS, NGR, wp + (j * NGR * G + g) * LP, G * LP);
+          softmax_pairs(&scores[(j * G + g) * L], L, vs + j * NGR * LS, LS, NGR, G, wp + j * NGR * G * LP + 8 * g, G * LP);
       std::fill(acc, acc + HG * D, 0.f);
-      const int64_t run = HJ == 1 ? L : PV_TOKENS;  // even: a run's pairs are the call's
+      // a job of several heads in runs of PV_CODE_TOKENS (paged_rows.h's PV_TOKENS, for rows of 1-byte codes)
+      const int64_t run = HJ == 1 ? L : PV_CODE_TOKENS;
       for (int64_t t0 = 0; t0 < L; t0 += run) {
         const int64_t t1 = std::min<int64_t>(L, t0 + run);
         for (int64_t j = 0; j < HJ; ++j)
-          pv_pairs<FP8>(G, vp + j * D, rows.data(), t0, t1, L, D, wp + j * NGR * G * LP, LP, GS, acc + j * G * D);
+          pv_pairs<FP8>(G, vp + j * D, rows.data(), t0, t1, L, D, wp + j * NGR * G * LP, G * LP, GS, acc + j * G * D);
       }
       for (int64_t i = 0; i < HG * D; ++i) op[(b * Hq + h0 * G) * D + i] = static_cast<T>(acc[i]);
     }
