@@ -4,6 +4,8 @@ pool size)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -86,6 +88,33 @@ def test_cpu_kernel_reads_codes_and_scales_from_the_pool(kind, dim, heads, dtype
     # output rounding
     tol = 0.02 if dtype is torch.bfloat16 else 0.01 if kind == "int8" else 0.004
     assert (got.float() - want).abs().max().item() <= tol * want.abs().max().item()
+
+
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU has no AVX-512 BF16 + VNNI")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kv_heads", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_cpu_kernel_reads_whole_blocks_of_scales_as_it_gathers_them(kind, kv_heads, block_size):
+    """Blocks of 16k tokens: a chunk of 16 tokens lies in one block and the kernel loads its
+    scales as they lie (1, 2 or 4 KV heads; others gather them). The same pool read as blocks
+    half as long (each block two, the tables to match), where every chunk's scales are gathered,
+    gives the same outputs bit for bit; contexts that end mid-chunk included."""
+    lens = [16, 40, 130, 3]
+    cache, meta, gen = _cache_case(kind, 64, lens, kv_heads=kv_heads, block_size=block_size, num_blocks=40)
+    q = torch.randn(len(lens), 2 * kv_heads, 64, generator=gen)
+    kernels = select_kernels("ridge", torch.device("cpu"), torch.float32)
+    got = kernels.decode_attention(q, cache, meta)
+
+    def halves(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(t.shape[0] * 2, t.shape[1] // 2, *t.shape[2:])
+
+    split = PagedKV(halves(cache.k), halves(cache.v), halves(cache.k_scale), halves(cache.v_scale), kind)
+    tables = meta.decode_block_tables
+    tables = torch.stack([2 * tables, 2 * tables + 1], dim=-1).reshape(tables.shape[0], -1)
+    gathered = kernels.decode_attention(q, split, dataclasses.replace(meta, decode_block_tables=tables))
+    assert torch.equal(got, gathered)
+    want = _dense_reference(q, cache, meta)  # and both near the dequantized cache's attention
+    assert (got - want).abs().max().item() <= 0.02 * want.abs().max().item()
 
 
 def _shared_cache_case(kind, dim, lens, block_size=16, num_blocks=60, seed=2):
