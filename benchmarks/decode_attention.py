@@ -4,8 +4,8 @@ several, alternated on the same pools.
 The decode kernels (AVX-512: csrc/decode_ops.cpp, csrc/decode_attention_quant.cpp; AVX2 with
 ``--kernels avx2``: csrc/avx2_ops.cpp, on an AVX-512 CPU too) give a job several KV heads of a
 sequence where the batch's mean context is past a bound (``kv_head_jobs`` in
-csrc/paged_rows.h; 1 MiB of K and V), and one head otherwise (an fp8 cache always one:
-``--kinds fp8`` shows the settings alike). This times
+csrc/paged_rows.h; 1 MiB of K and V, never for the AVX-512 kernels on Zen 4), and one head
+otherwise (an fp8 cache always one: ``--kinds fp8`` shows the settings alike). This times
 one call per layer over ``--layers`` layers' pools (far more bytes than the caches hold; blocks
 of 16 tokens handed out in a shuffled order, as a busy server's pool has them; each pool in
 the memory the engine gives one, ``kv_cache.pool_empty``'s 2 MiB pages) per cache kind

@@ -1769,7 +1769,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up for (T, 2I) -> (T, I)");
   m.def("rope_", &rope_, nogil, "rotate-half RoPE in place on (T, H, D) rows");
   m.def("rope_write_kv_", &rope_write_kv_, nogil, "rope_ on qkv's q and k heads, then k and v into the pools at slots");
-  def_kv_grouped_bytes(m);
+  def_kv_grouped_bytes(m, KV_GROUPED_BYTES);  // the AVX2 kernels' own bound (paged_rows.h)
   ridge_shared::def_step_parts(m);
   m.def("decode_attention_jobs", &ridge_avx2::decode_attention_jobs, nogil,
         "the jobs paged_decode_attention splits (sequences, query heads, KV heads) into on this process's threads");

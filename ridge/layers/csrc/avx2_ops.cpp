@@ -874,7 +874,7 @@ template <class T>
 void decode_attention_into(const T* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, const T* kp, const T* vp,
                            int64_t BS, int64_t Hkv, const int64_t* tp, int64_t max_blocks, const int64_t* lp,
                            float scale, T* op) {
-  const int64_t split = kv_head_jobs(B, Hkv, lp, Hkv * 2 * D * static_cast<int64_t>(sizeof(T)));
+  const int64_t split = kv_head_jobs(B, Hkv, lp, Hkv * 2 * D * static_cast<int64_t>(sizeof(T)), kv_grouped_bound(KV_GROUPED_BYTES));
   attend<T>(qp, q_stride, B, Hq, D, Hkv, split, lp, scale, op, PlainRows<T>{},
             [&](PlainRows<T>& kr, PlainRows<T>& vr, int64_t b, int64_t h, int64_t L) {
               const int64_t* table = tp + b * max_blocks;
@@ -896,7 +896,7 @@ void decode_attention_quant_into(const T* qp, int64_t q_stride, int64_t B, int64
     proto.G = groups;
     proto.shift = groups == 1 ? 63 : __builtin_ctzll(static_cast<uint64_t>(D / groups));
     // an e4m3 cache keeps one KV head a job, as the AVX-512 kernel's does (decode_attention_quant.cpp)
-    const int64_t split = Rows::INT8_QUERY ? kv_head_jobs(B, Hkv, lp, Hkv * 2 * (D + 2 * groups)) : Hkv;
+    const int64_t split = Rows::INT8_QUERY ? kv_head_jobs(B, Hkv, lp, Hkv * 2 * (D + 2 * groups), kv_grouped_bound(KV_GROUPED_BYTES)) : Hkv;
     attend<T>(qp, q_stride, B, Hq, D, Hkv, split, lp, scale, op, proto,
               [&](Rows& kr, Rows& vr, int64_t b, int64_t h, int64_t L) {
       const int64_t* table = tp + b * max_blocks;

@@ -32,7 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_bf16", &silu_mul_bf16, py::call_guard<py::gil_scoped_release>(), "silu(gate) * up for (T, 2I) -> (T, I)");
   m.def("route_topk", &route_topk, py::call_guard<py::gil_scoped_release>(),
         "an MoE's top-k routing, greedy or group-limited (n_group, topk_group, bias): (ids, bf16 weights), best first");
-  def_kv_grouped_bytes(m);
+  def_kv_grouped_bytes(m, kv_grouped_default());  // these kernels' own bound on this CPU (paged_rows.h)
   ridge_shared::def_step_parts(m);
   m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16, py::call_guard<py::gil_scoped_release>(),
         "one query per sequence over its paged K/V, no gather");

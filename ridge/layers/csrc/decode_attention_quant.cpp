@@ -301,7 +301,7 @@ void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* k
   // the PV pass goes (with V's fetch in the scores' pass too: 0.90-1.00x, alternated). An fp8
   // cache keeps one head a job: its scores decode and transpose every K value in float, 6-10
   // GB/s where the rows' order hardly shows (grouped 0.95-1.07x, benchmarks/decode_attention.py).
-  const int64_t split = FP8 ? Hkv : kv_head_jobs(B, Hkv, lp, Hkv * 2 * (D + 2 * NGR));
+  const int64_t split = FP8 ? Hkv : kv_head_jobs(B, Hkv, lp, Hkv * 2 * (D + 2 * NGR), kv_grouped_bound(kv_grouped_default()));
   const int64_t HJ = Hkv / split, HG = HJ * G;
   at::parallel_for(0, B * split, 1, [&](int64_t begin, int64_t end) {
     // the thread's buffers, kept from call to call (paged_rows.h's Scratch; every element is

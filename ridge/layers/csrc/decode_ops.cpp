@@ -317,7 +317,7 @@ void paged_decode_attention_bf16_into(const bf16* qp, int64_t q_stride, int64_t 
   // job reads each token's rows of its heads as one run of HJ D values (a block of BS tokens,
   // one stretch of memory), where a job of one head read D of every Hkv D (kv_head_jobs).
   const int64_t DP = D / 2;
-  const int64_t split = kv_head_jobs(B, Hkv, lp, Hkv * D * 2 * static_cast<int64_t>(sizeof(bf16)));
+  const int64_t split = kv_head_jobs(B, Hkv, lp, Hkv * D * 2 * static_cast<int64_t>(sizeof(bf16)), kv_grouped_bound(kv_grouped_default()));
   const int64_t HJ = Hkv / split;
   at::parallel_for(0, B * split, 1, [&](int64_t begin, int64_t end) {
     // the thread's buffers, kept from call to call (paged_rows.h's Scratch; every element is

@@ -11,8 +11,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <vector>
+
+#include "cpu_vendor.h"
 
 // How far ahead of the token it reads a decode kernel fetches a token's K and V rows (and an
 // int8 / fp8 cache's scales). A KV head's rows lie a pool row apart within a block and blocks
@@ -82,7 +85,7 @@ inline void prefetch_rows(const void* base, const int64_t* rows, int64_t begin, 
 // How many jobs a sequence's KV heads are cut into (a divisor of Hkv; each job takes Hkv / that
 // many heads). A token's rows of all KV heads lie side by side in the pool (token_bytes of K
 // and V together), so a job of one head reads one row of every Hkv; where a sequence's context
-// (the batch's mean, all heads, K and V) is past g_kv_grouped_bytes (times the jobs a sequence
+// (the batch's mean, all heads, K and V) is past a bound (kv_grouped_bound; times the jobs a sequence
 // is cut into), the L2 cache no longer holds the lines the hardware fetched beside each row
 // (the other heads') until those heads' jobs come, and they were read from memory again. There
 // a job takes as many heads as still give the busiest thread the least work (threads take
@@ -96,22 +99,48 @@ inline void prefetch_rows(const void* base, const int64_t* rows, int64_t begin, 
 // it, int8 0.95-1.12x (bound by their arithmetic there). The bound is the process's setting
 // (either extension's set_kv_grouped_bytes: 0 groups every call, a huge one none), so that the
 // benchmark compares them on the same pools; which heads a job takes never changes a result.
+//
+// With K's and V's rows fetched ahead into L2 (KV_PREFETCH_TOKENS), the AVX-512 kernels on Zen
+// 4 read one head a job faster nearly everywhere: 2-core AMD EPYC Zen 4, 2026-12-04,
+// benchmarks/decode_attention.py, 9 rounds, grouped (the 1 MiB bound) against one head a job:
+// TinyLlama's heads 16 x 4,096 tokens bf16 0.98x, int8 0.93x; 16 x 2,048 0.94x, 0.92x; Llama-3-8B's
+// 8 x 1,024 0.97x, 0.78x, 1 x 4,096 0.85x, 0.89x; Qwen's (28 on 4, 128 dims) 4 x 2,048 0.75x,
+// 0.91x; only batch 1 of TinyLlama's heads at 2,048-4,096 tokens gained (int8 1.03-1.07x, bf16
+// 0.95-1.04x). So the AVX-512 kernels' own bound is never on AMD CPUs of family 25 and older
+// (kv_grouped_default); the Xeon and Zen 5, where grouping was measured with the rows fetched
+// into L1 and not since, and the AVX2 kernels keep 1 MiB.
 constexpr int64_t KV_GROUPED_BYTES = int64_t{1} << 20;
-inline int64_t g_kv_grouped_bytes = KV_GROUPED_BYTES;  // read by each call; written only between calls
+constexpr int64_t KV_GROUPED_NEVER = int64_t{1} << 62;
+// The process's setting: -1 (each kernel set its own bound), or a bound every kernel takes
+// (set_kv_grouped_bytes). Read by each call; written only between calls.
+inline int64_t g_kv_grouped_bytes = -1;
 
-// The setting's two bindings, for each extension's module. An inline variable is one object in
-// the process (GCC makes it a unique global): where both extensions are loaded, both read it.
-template <class Module>
-void def_kv_grouped_bytes(Module& m) {
-  m.def("kv_grouped_bytes", [] { return g_kv_grouped_bytes; },
-        "the mean context (bytes of K and V, all heads) past which a decode attention job takes several KV heads");
-  m.def("set_kv_grouped_bytes", [](int64_t n) {
-    TORCH_CHECK(n >= 0, "kv_grouped_bytes: a byte count >= 0");
-    g_kv_grouped_bytes = n;
-  }, "change it (between kernel calls; 0: always, a huge one: never); never changes a result");
+// The AVX-512 kernels' own bound on this CPU (see above)
+inline int64_t kv_grouped_default() {
+  static const int64_t bound =
+      ridge_shared::cpu_is_amd() && ridge_shared::cpu_family() < 0x1A ? KV_GROUPED_NEVER : KV_GROUPED_BYTES;
+  return bound;
 }
 
-inline int64_t kv_head_jobs(int64_t B, int64_t Hkv, const int64_t* lens, int64_t token_bytes) {
+// The bound a kernel set whose own is own_bound takes now
+inline int64_t kv_grouped_bound(int64_t own_bound) { return g_kv_grouped_bytes >= 0 ? g_kv_grouped_bytes : own_bound; }
+
+// The setting's bindings, for each extension's module (own_bound: its kernels' own). An inline
+// variable is one object in the process (GCC makes it a unique global): where both extensions
+// are loaded, a bound set through either holds for both, and None gives each its own back.
+template <class Module>
+void def_kv_grouped_bytes(Module& m, int64_t own_bound) {
+  m.def("kv_grouped_bytes", [own_bound] { return kv_grouped_bound(own_bound); },
+        "the mean context (bytes of K and V, all heads) past which a decode attention job takes several KV heads");
+  m.def("kv_grouped_default", [own_bound] { return own_bound; }, "this extension's own bound on this CPU");
+  m.def("set_kv_grouped_bytes", [](std::optional<int64_t> n) {
+    TORCH_CHECK(!n || *n >= 0, "kv_grouped_bytes: a byte count >= 0, or None");
+    g_kv_grouped_bytes = n ? *n : -1;
+  }, "change it for every kernel set (between kernel calls; 0: always, a huge one: never; None: each its own); "
+     "never changes a result");
+}
+
+inline int64_t kv_head_jobs(int64_t B, int64_t Hkv, const int64_t* lens, int64_t token_bytes, int64_t bound) {
   if (B == 0) return Hkv;
   int64_t tokens = 0;
   for (int64_t b = 0; b < B; ++b) tokens += lens[b];
@@ -121,7 +150,7 @@ inline int64_t kv_head_jobs(int64_t B, int64_t Hkv, const int64_t* lens, int64_t
     if (Hkv % s == 0 && (B * s + threads - 1) / threads * split < (B * split + threads - 1) / threads * s) split = s;
   // a job of 1 / split of the heads reads runs split times shorter: it pays past a context
   // split times longer (batch 1 on 2 threads, half the heads a job: 1,900 tokens 0.97x, 3,000 1.05x)
-  return tokens * token_bytes / B / split > g_kv_grouped_bytes ? split : Hkv;
+  return tokens * token_bytes / B / split > bound ? split : Hkv;
 }
 
 // Tokens a run of the decode kernels' PV pass where a job has several KV heads: the run's rows
