@@ -348,11 +348,22 @@ void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* k
         // 1.08x, 1,900 1.035x; the bf16 kernel measured 0.95x with it at 1,900 and does not)
         const int64_t ahead_end = std::min<int64_t>(L, t0 + KV_PREFETCH_TOKENS + 16);
         const int64_t ahead = std::min<int64_t>(ahead_end, t0 + KV_PREFETCH_TOKENS);
+        // (a chunk of 16 in one block: its scales lie in one stretch, each line fetched once; a
+        // fetch a token was 4 of every line at 4 KV heads, and the fetch loops a fifth of the
+        // scores' samples with one head a job. 2-core Zen 4, 8 layers' pools alternated in one
+        // process, 7 rounds: 16 x 4,096 tokens 1.035x, 1 x 4,096 1.12x, 4 x 1,024 1.15x)
+        const bool ahead_in_block = ahead_end - ahead == 16 && BS % 16 == 0;
         prefetch_rows<_MM_HINT_T1>(kp, rows.data(), ahead, ahead_end, D, HJ);
-        prefetch_rows<_MM_HINT_T0>(ksp, rows.data(), ahead, ahead_end, 2 * NGR, HJ);
+        if (ahead_in_block)
+          prefetch_stretch<_MM_HINT_T0>(ksp + rows[ahead] * NGR, ksp + (rows[ahead_end - 1] + HJ) * NGR);
+        else
+          prefetch_rows<_MM_HINT_T0>(ksp, rows.data(), ahead, ahead_end, 2 * NGR, HJ);
         if (HJ == 1) {
           prefetch_rows<_MM_HINT_T1>(vp, rows.data(), ahead, ahead_end, D, HJ);
-          prefetch_rows<_MM_HINT_T1>(vsp, rows.data(), ahead, ahead_end, 2 * NGR, HJ);
+          if (ahead_in_block)
+            prefetch_stretch<_MM_HINT_T1>(vsp + rows[ahead] * NGR, vsp + (rows[ahead_end - 1] + HJ) * NGR);
+          else
+            prefetch_rows<_MM_HINT_T1>(vsp, rows.data(), ahead, ahead_end, 2 * NGR, HJ);
         }
         for (int64_t j = 0; j < HJ; ++j) {
           token_scales16(ksp + j * NGR, rows16, NGR, ks, in_block ? Hkv : 0, h0 + j);

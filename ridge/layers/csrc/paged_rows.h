@@ -82,6 +82,14 @@ inline void prefetch_rows(const void* base, const int64_t* rows, int64_t begin, 
     for (int64_t c = 0; c < heads * row_bytes; c += 64) _mm_prefetch(b + rows[t] * row_bytes + c, HINT);
 }
 
+// Fetch every line of the bytes [begin, end), each once
+template <_mm_hint HINT>
+inline void prefetch_stretch(const void* begin, const void* end) {
+  const char* e = static_cast<const char*>(end);
+  for (const char* p = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(begin) & ~uintptr_t{63}); p < e; p += 64)
+    _mm_prefetch(p, HINT);
+}
+
 // How many jobs a sequence's KV heads are cut into (a divisor of Hkv; each job takes Hkv / that
 // many heads). A token's rows of all KV heads lie side by side in the pool (token_bytes of K
 // and V together), so a job of one head reads one row of every Hkv; where a sequence's context
