@@ -232,7 +232,7 @@ inline void softmax_pairs(float* s, int64_t L, const float* vs, int64_t LS, int6
 // 1,024 1.07x. Its outputs move by the weights' bf16 rounding: against an fp64 attention over
 // the same dequantized cache, 5% more error than before (0.0061 against 0.0058, relative; the
 // query's int8 codes make the rest).
-template <int NG, int DN, bool ONE, bool FP8>
+template <int NG, int DN, bool ONE, bool FP8, bool L2>
 inline void pv_pairs_chunk(const uint8_t* vp, const int64_t* rows, int64_t t0, int64_t t1, int64_t L, int64_t D,
                            int64_t d0, const uint32_t* w, int64_t wgroup, int64_t G, int64_t GS, float* out) {
   __m512 acc[NG][DN];
@@ -248,11 +248,11 @@ inline void pv_pairs_chunk(const uint8_t* vp, const int64_t* rows, int64_t t0, i
     const int64_t u = t + 1 < t1 ? t + 1 : t;  // an odd run's last pair: its second weight is 0
     const uint8_t* r0 = vp + rows[t] * D + d0;
     const uint8_t* r1 = vp + rows[u] * D + d0;
-    // blocks are scattered over the pool: fetch ahead (into L2, paged_rows.h), the hardware
-    // prefetcher cannot
+    // blocks are scattered over the pool: fetch ahead (into L2 or L1: paged_rows.h), the
+    // hardware prefetcher cannot
     if (t + 1 + KV_PREFETCH_TOKENS < L) {
-      _mm_prefetch(reinterpret_cast<const char*>(vp + rows[t + KV_PREFETCH_TOKENS] * D + d0), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(vp + rows[t + 1 + KV_PREFETCH_TOKENS] * D + d0), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(vp + rows[t + KV_PREFETCH_TOKENS] * D + d0), kv_hint<L2>);
+      _mm_prefetch(reinterpret_cast<const char*>(vp + rows[t + 1 + KV_PREFETCH_TOKENS] * D + d0), kv_hint<L2>);
     }
     __m512bh v[DN];
     for (int j = 0; j < DN; ++j) {
@@ -273,7 +273,7 @@ inline void pv_pairs_chunk(const uint8_t* vp, const int64_t* rows, int64_t t0, i
 
 // out[g] += the PV sums over tokens [t0, t1) of a KV head's G query heads, a cut of heads and
 // dims at a time (pv_cuts); w: the KV head's weight words (a group's wgroup apart)
-template <bool FP8>
+template <bool FP8, bool L2>
 void pv_pairs(int64_t G, const uint8_t* vp, const int64_t* rows, int64_t t0, int64_t t1, int64_t L, int64_t D,
               const uint32_t* w, int64_t wgroup, int64_t GS, float* out) {
   pv_cuts(G, D, [&](auto heads, auto dims16, int64_t g0, int64_t d0) {
@@ -281,14 +281,14 @@ void pv_pairs(int64_t G, const uint8_t* vp, const int64_t* rows, int64_t t0, int
     const uint32_t* wg = w + 8 * g0;
     float* og = out + g0 * D + d0;
     if (d0 / GS == (d0 + 16 * DN - 1) / GS)
-      pv_pairs_chunk<NG, DN, true, FP8>(vp, rows, t0, t1, L, D, d0, wg, wgroup, G, GS, og);
+      pv_pairs_chunk<NG, DN, true, FP8, L2>(vp, rows, t0, t1, L, D, d0, wg, wgroup, G, GS, og);
     else
-      pv_pairs_chunk<NG, DN, false, FP8>(vp, rows, t0, t1, L, D, d0, wg, wgroup, G, GS, og);
+      pv_pairs_chunk<NG, DN, false, FP8, L2>(vp, rows, t0, t1, L, D, d0, wg, wgroup, G, GS, og);
   });
 }
 
-template <typename T, bool FP8>
-void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* ksp, const at::Half* vsp,
+template <typename T, bool FP8, bool L2>
+void attend_fetching(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* ksp, const at::Half* vsp,
             const int64_t* tp, const int64_t* lp, T* op, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
             int64_t max_blocks, int64_t NGR, float scale, int64_t q_stride) {
   const int64_t G = Hq / Hkv, GS = D / NGR;
@@ -341,7 +341,7 @@ void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* k
         alignas(64) float ks[16 * 64];  // [group][token], up to 64 groups
         for (int64_t i = 0; i < 16; ++i) rows16[i] = rows[t0 + std::min<int64_t>(i, n - 1)];  // tail lanes repeat a valid token
         const bool in_block = n == 16 && BS % 16 == 0;  // the chunk's tokens: 16 consecutive of one block
-        // the rows (into L2: paged_rows.h) and scales of the chunk KV_PREFETCH_TOKENS ahead (the scales' gather waited on
+        // the rows (into L2 or L1: paged_rows.h) and scales of the chunk KV_PREFETCH_TOKENS ahead (the scales' gather waited on
         // memory: fetching them a chunk ahead measured 1.13x for int8 over 22 layers at 4,096
         // tokens, Xeon), and V's into L2 for the pass after the scores (int8, 2 Zen 5 cores,
         // alternated as prefetch_rows says, with its first window: 160 tokens 1.12x, 1,100
@@ -353,7 +353,7 @@ void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* k
         // scores' samples with one head a job. 2-core Zen 4, 8 layers' pools alternated in one
         // process, 7 rounds: 16 x 4,096 tokens 1.035x, 1 x 4,096 1.12x, 4 x 1,024 1.15x)
         const bool ahead_in_block = ahead_end - ahead == 16 && BS % 16 == 0;
-        prefetch_rows<_MM_HINT_T1>(kp, rows.data(), ahead, ahead_end, D, HJ);
+        prefetch_rows<kv_hint<L2>>(kp, rows.data(), ahead, ahead_end, D, HJ);
         if (ahead_in_block)
           prefetch_stretch<_MM_HINT_T0>(ksp + rows[ahead] * NGR, ksp + (rows[ahead_end - 1] + HJ) * NGR);
         else
@@ -413,11 +413,20 @@ void attend(const T* qp, const uint8_t* kp, const uint8_t* vp, const at::Half* k
       for (int64_t t0 = 0; t0 < L; t0 += run) {
         const int64_t t1 = std::min<int64_t>(L, t0 + run);
         for (int64_t j = 0; j < HJ; ++j)
-          pv_pairs<FP8>(G, vp + j * D, rows.data(), t0, t1, L, D, wp + j * NGR * G * LP, G * LP, GS, acc + j * G * D);
+          pv_pairs<FP8, L2>(G, vp + j * D, rows.data(), t0, t1, L, D, wp + j * NGR * G * LP, G * LP, GS, acc + j * G * D);
       }
       for (int64_t i = 0; i < HG * D; ++i) op[(b * Hq + h0 * G) * D + i] = static_cast<T>(acc[i]);
     }
   });
+}
+
+// attend_fetching with K's and V's rows fetched into L2 or L1 as this CPU takes them (paged_rows.h)
+template <typename T, bool FP8, typename... Args>
+void attend(Args... args) {
+  if (kv_fetch_into_l2())
+    attend_fetching<T, FP8, true>(args...);
+  else
+    attend_fetching<T, FP8, false>(args...);
 }
 
 }  // namespace

@@ -123,7 +123,7 @@ inline void qk_chunk(const __m512i* col, const int32_t* qpairs, int64_t DP, floa
 // acc[g][d0 .. d0 + 16 DN) += p[g][t] v_t over tokens [t0, t1) for GN heads (probs[g L + t]),
 // in token order: the accumulators stay in registers over the run, and a head's sums are the
 // same fp32 ops in the same order however its tokens are cut into runs
-template <int GN, int DN>
+template <int GN, int DN, bool L2>
 inline void pv_block(const bf16* vp, const int64_t* rows, int64_t t0, int64_t t1, int64_t L, int64_t D, int64_t d0,
                      const float* probs, float* acc_io) {
   __m512 acc[GN][DN];
@@ -131,9 +131,9 @@ inline void pv_block(const bf16* vp, const int64_t* rows, int64_t t0, int64_t t1
     for (int j = 0; j < DN; ++j) acc[g][j] = _mm512_loadu_ps(acc_io + g * D + 16 * j);
   for (int64_t t = t0; t < t1; ++t) {
     const bf16* vrow = vp + rows[t] * D + d0;
-    // blocks are scattered over the pool: fetch ahead (into L2, paged_rows.h), the hardware
-    // prefetcher cannot
-    if (t + KV_PREFETCH_TOKENS < L) _mm_prefetch((const char*)(vp + rows[t + KV_PREFETCH_TOKENS] * D + d0), _MM_HINT_T1);
+    // blocks are scattered over the pool: fetch ahead (into L2 or L1: paged_rows.h), the
+    // hardware prefetcher cannot
+    if (t + KV_PREFETCH_TOKENS < L) _mm_prefetch((const char*)(vp + rows[t + KV_PREFETCH_TOKENS] * D + d0), kv_hint<L2>);
     __m512 vv[DN];
     for (int j = 0; j < DN; ++j) vv[j] = load16(vrow + 16 * j);
     for (int g = 0; g < GN; ++g) {
@@ -302,9 +302,13 @@ std::vector<torch::Tensor> route_topk(torch::Tensor x, torch::Tensor router, int
                                          bias, route_topk_into);
 }
 
-void paged_decode_attention_bf16_into(const bf16* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D,
-                                      const bf16* kp, const bf16* vp, int64_t BS, int64_t Hkv, const int64_t* tp,
-                                      int64_t max_blocks, const int64_t* lp, double scale, bf16* op) {
+namespace {
+
+// paged_decode_attention_bf16_into with K's and V's rows fetched into L2 (L2) or L1 (paged_rows.h)
+template <bool L2>
+void bf16_attention(const bf16* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D, const bf16* kp, const bf16* vp,
+                    int64_t BS, int64_t Hkv, const int64_t* tp, int64_t max_blocks, const int64_t* lp, double scale,
+                    bf16* op) {
   const int64_t G = Hq / Hkv;
   const float fscale = static_cast<float>(scale);
   // Scores, 16 tokens at a time: lane i of a column holds token i's (k[2p], k[2p+1]) pair
@@ -340,10 +344,10 @@ void paged_decode_attention_bf16_into(const bf16* qp, int64_t q_stride, int64_t 
       prefetch_rows<_MM_HINT_T1>(vp, rows.data(), 0, first, 2 * D, HJ);
       for (int64_t t0 = 0; t0 < L; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, L - t0);
-        // the rows of the chunk KV_PREFETCH_TOKENS ahead, into L2 (paged_rows.h)
+        // the rows of the chunk KV_PREFETCH_TOKENS ahead, into L2 or L1 (paged_rows.h)
         const int64_t ahead_end = std::min<int64_t>(L, t0 + KV_PREFETCH_TOKENS + 16);
         const int64_t ahead = std::min<int64_t>(ahead_end, t0 + KV_PREFETCH_TOKENS);
-        prefetch_rows<_MM_HINT_T1>(kp, rows.data(), ahead, ahead_end, 2 * D, HJ);
+        prefetch_rows<kv_hint<L2>>(kp, rows.data(), ahead, ahead_end, 2 * D, HJ);
         for (int64_t j = 0; j < HJ; ++j) {
           alignas(64) int64_t rows16[16];
           for (int64_t i = 0; i < 16; ++i)  // tail lanes repeat a valid token
@@ -383,7 +387,7 @@ void paged_decode_attention_bf16_into(const bf16* qp, int64_t q_stride, int64_t 
           float* aj = &acc[j * G * D];
           pv_cuts(G, D, [&](auto heads, auto dims16, int64_t g0, int64_t d0) {
             constexpr int GN = decltype(heads)::value, DN = decltype(dims16)::value;
-            pv_block<GN, DN>(vj, rows.data(), t0, t1, L, D, d0, pj + g0 * L, aj + g0 * D + d0);
+            pv_block<GN, DN, L2>(vj, rows.data(), t0, t1, L, D, d0, pj + g0 * L, aj + g0 * D + d0);
           });
         }
       }
@@ -391,6 +395,17 @@ void paged_decode_attention_bf16_into(const bf16* qp, int64_t q_stride, int64_t 
       for (int64_t i = 0; i + 16 <= HJ * G * D; i += 16) store16(out + i, _mm512_loadu_ps(&acc[i]));
     }
   });
+}
+
+}  // namespace
+
+void paged_decode_attention_bf16_into(const bf16* qp, int64_t q_stride, int64_t B, int64_t Hq, int64_t D,
+                                      const bf16* kp, const bf16* vp, int64_t BS, int64_t Hkv, const int64_t* tp,
+                                      int64_t max_blocks, const int64_t* lp, double scale, bf16* op) {
+  if (kv_fetch_into_l2())
+    bf16_attention<true>(qp, q_stride, B, Hq, D, kp, vp, BS, Hkv, tp, max_blocks, lp, scale, op);
+  else
+    bf16_attention<false>(qp, q_stride, B, Hq, D, kp, vp, BS, Hkv, tp, max_blocks, lp, scale, op);
 }
 
 torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,

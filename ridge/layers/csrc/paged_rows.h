@@ -25,7 +25,8 @@
 // versions alternated in one process, 11-21 rounds: 64 tokens ran bf16 1.12-1.17x and int8
 // 1.28-1.37x faster; 32 tokens less, 96 and 128 no better than 64.
 //
-// The rows that far ahead go into L2 (prefetcht1), not L1: a job's 64 tokens of K rows (16
+// On AMD CPUs of family 25 and older (kv_fetch_into_l2) the rows that far ahead go into L2
+// (prefetcht1), not L1: a job's 64 tokens of K rows (16
 // KiB at 4 int8 heads of 64, 32 KiB in bf16) with the scores' and PV's own lines overran the
 // 32 KiB L1, and the rows were read again from farther away (the loads of row_columns held a
 // third of the int8 scores' samples, perf). The loads then hit L2 (14 cycles) and the core's
@@ -33,8 +34,16 @@
 // rounds (benchmarks/decode_attention.py's pools): K's rows and PV's V rows into L2 against
 // L1, 16 x 4,096 tokens bf16 1.44x, int8 1.33x; 1 x 4,096 bf16 1.55x, int8 1.41x; 16 x 1,024
 // bf16 1.38x, int8 1.06x; 1 x 512 and 4 x 1,024 level (0.94-1.02x, within the rounds' noise).
-// A near fetch into L1 (16 or 32 tokens ahead) on top of it was no faster.
+// A near fetch into L1 (16 or 32 tokens ahead) on top of it was no faster. The Xeon measured K's
+// fetch into L2 at 0.87-1.09x in stop 76's kernel (README, "A job reads its KV heads
+// together") and Zen 5 never: both keep L1 until measured with these kernels. The kernels
+// take the hint as a template argument (kv_hint), chosen once a call.
 constexpr int64_t KV_PREFETCH_TOKENS = 64;
+
+inline bool kv_fetch_into_l2() { return ridge_shared::cpu_is_amd() && ridge_shared::cpu_family() < 0x1A; }
+
+template <bool L2>
+constexpr _mm_hint kv_hint = L2 ? _MM_HINT_T1 : _MM_HINT_T0;
 
 // A thread's buffer of n T for a decode kernel's call (scores, probabilities, rows), kept from
 // call to call: grown when a call needs more, never shrunk, never zeroed (a call writes every
