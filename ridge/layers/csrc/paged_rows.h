@@ -132,12 +132,8 @@ constexpr int64_t KV_GROUPED_NEVER = int64_t{1} << 62;
 // (set_kv_grouped_bytes). Read by each call; written only between calls.
 inline int64_t g_kv_grouped_bytes = -1;
 
-// The AVX-512 kernels' own bound on this CPU (see above)
-inline int64_t kv_grouped_default() {
-  static const int64_t bound =
-      ridge_shared::cpu_is_amd() && ridge_shared::cpu_family() < 0x1A ? KV_GROUPED_NEVER : KV_GROUPED_BYTES;
-  return bound;
-}
+// The AVX-512 kernels' own bound on this CPU (see above): never where they fetch the rows into L2
+inline int64_t kv_grouped_default() { return kv_fetch_into_l2() ? KV_GROUPED_NEVER : KV_GROUPED_BYTES; }
 
 // The bound a kernel set whose own is own_bound takes now
 inline int64_t kv_grouped_bound(int64_t own_bound) { return g_kv_grouped_bytes >= 0 ? g_kv_grouped_bytes : own_bound; }
