@@ -40,7 +40,12 @@
 // take the hint as a template argument (kv_hint), chosen once a call.
 constexpr int64_t KV_PREFETCH_TOKENS = 64;
 
-inline bool kv_fetch_into_l2() { return ridge_shared::cpu_is_amd() && ridge_shared::cpu_family() < 0x1A; }
+// Asked once a process: cpuid traps to the hypervisor in a VM (17 us a check on this project's
+// 2-core EPYC), and each attention call asks
+inline bool kv_fetch_into_l2() {
+  static const bool l2 = ridge_shared::cpu_is_amd() && ridge_shared::cpu_family() < 0x1A;
+  return l2;
+}
 
 template <bool L2>
 constexpr _mm_hint kv_hint = L2 ? _MM_HINT_T1 : _MM_HINT_T0;
