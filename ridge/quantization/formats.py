@@ -120,8 +120,12 @@ Q4_K = BlockFormat("q4_k", "Q4_K", 12, 144, offset=0, has_min=True, nibbles=True
 IQ4_XS = BlockFormat(
     "iq4_xs", "IQ4_XS", 23, 136, offset=0, has_min=False, nibbles=True, codebook=IQ4_NL_VALUES, block=256
 )
-Q5_K = BlockFormat("q5_k", "Q5_K", 13, 176, offset=0, has_min=True, nibbles=True, block=256, code_bits=5)
-Q6_K = BlockFormat("q6_k", "Q6_K", 14, 210, offset=32, has_min=False, nibbles=False, block=256, code_bits=6)
+Q5_K = BlockFormat(
+    "q5_k", "Q5_K", 13, 176, offset=0, has_min=True, nibbles=True, block=256, code_bits=5, activation_block=256
+)
+Q6_K = BlockFormat(
+    "q6_k", "Q6_K", 14, 210, offset=32, has_min=False, nibbles=False, block=256, code_bits=6, activation_block=256
+)
 Q3_K = BlockFormat(
     "q3_k", "Q3_K", 11, 110, offset=4, has_min=False, nibbles=False, block=256, code_bits=3, activation_block=256
 )

@@ -1,7 +1,7 @@
 // y = x @ w^T (+ bias) for weights in llama.cpp's block formats (Q8_0, Q4_0, Q4_1, IQ4_NL, IQ4_XS, Q4_K,
 // Q5_K, Q6_K, Q3_K, Q2_K), with
 // integer dot products (AVX-512 VNNI, vpdpbusd): x is quantized per row to int8 in blocks
-// of 32 (as llama.cpp quantizes activations to Q8_0; for Q3_K and Q2_K per super-block of
+// of 32 (as llama.cpp quantizes activations to Q8_0; for the K-quants per super-block of
 // 256, as its Q8_K), so one instruction does 64 multiply-adds (twice vdpbf16ps) and W is read
 // in its own 2.6-8.5 bits per weight.
 //
@@ -56,11 +56,18 @@ enum Format : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, IQ4_NL = 3, Q4_K = 4, IQ4_
 constexpr bool is_super_block(int64_t fmt) { return fmt >= Q4_K; }  // K-quants and IQ4_XS: super-blocks of 256
 constexpr bool scale_per_16(int64_t fmt) { return fmt == Q6_K || fmt == Q3_K || fmt == Q2_K; }  // not per 32
 // x quantized per super-block of 256 (one scale a row and super-block, as llama.cpp's Q8_K
-// for the K-quants), not per 32: a super-block's integer sums then add up, each half group's
-// scaled by its integer scale with one vpdpwssd (its sum of 16 products fits int16 at 2-3
-// bits a code), and leave the integers once per super-block instead of a float op chain per
-// half group. Q6_K's half sums reach 16 x 63 x 127, past int16: it keeps x per 32.
-constexpr bool x_per_superblock(int64_t fmt) { return fmt == Q3_K || fmt == Q2_K; }
+// for the K-quants), not per 32: a super-block's integer sums then add up, each group's (or
+// half group's) times its integer scale, and leave the integers once per super-block instead
+// of a float op chain per group and row. A half group's sum of 16 products that fits int16
+// (Q2_K, Q3_K) is paired with its neighbour and scaled by one vpdpwssd; Q5_K's group sums and
+// Q6_K's half sums (16 x 63 x 127) pass int16 and take a vpmulld. Against x per 32 and a float
+// scale per group, 2-core AMD EPYC Zen 4, 22 layers' weights from memory, alternated: Q6_K
+// (with its new planes, pack_q6_k) 1.9-2.0x at 8 rows, 0.97-1.16x at one row; Q5_K 1.10-1.36x
+// at 8 rows, 0.92-1.22x at one row. Q4_K keeps x per 32: taken per 256 (1.05-1.13x at 8 rows)
+// it moved the KL divergence of Q4_K_M's file from 1.02x llama.cpp's to 1.06x (README, stop 91).
+constexpr bool x_per_superblock(int64_t fmt) {
+  return fmt == Q5_K || fmt == Q6_K || fmt == Q3_K || fmt == Q2_K;
+}
 
 // IQ4_NL's table (llama.cpp's kvalues_iq4nl) plus 128: the unsigned bytes vpdpbusd multiplies
 alignas(16) constexpr uint8_t IQ4_NL_TABLE[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
@@ -232,7 +239,7 @@ struct NoFetch {
 // A group's weights unpacked into w; after each of its 64-byte loads, loaded() (the group's
 // fetches, one at a time: GroupFetches)
 template <int FMT, class Loaded = NoFetch>
-inline void load_weights(const uint8_t* chunk, __m512i w[8], Loaded&& loaded = {}) {
+__attribute__((always_inline)) inline void load_weights(const uint8_t* chunk, __m512i w[8], Loaded&& loaded = {}) {
   auto load = [&](const uint8_t* p) __attribute__((always_inline)) {
     const __m512i v = _mm512_loadu_si512(p);
     loaded();
@@ -252,24 +259,18 @@ inline void load_weights(const uint8_t* chunk, __m512i w[8], Loaded&& loaded = {
       w[j] = _mm512_ternarylogic_epi32(v, top_j, low, 0xEC);                           // (v & 0x0F) | top
       w[j + 4] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), top_j4, low, 0xEC);  // (v >> 4 & 0x0F) | top
     }
-  } else if constexpr (FMT == Q6_K) {  // low 4 bits as Q4_0's nibbles, top 2 bits from a second plane
-    // (see pack_q6_k): quads j and j + 4 of a position take bits 4 (j & 1) .. +3 of plane j / 2.
-    // GFNI's affine byte transform moves any bits of a byte to any others in one op.
-    constexpr uint64_t TOP[4] = {bit_move(0, 4, 2), bit_move(2, 4, 2), bit_move(4, 4, 2), bit_move(6, 4, 2)};
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    const __m512i high_nibble = _mm512_set1_epi64(static_cast<long long>(bit_move(4, 0, 4)));
-    const __m512i tops[4] = {_mm512_set1_epi64(static_cast<long long>(TOP[0])), _mm512_set1_epi64(static_cast<long long>(TOP[1])),
-                             _mm512_set1_epi64(static_cast<long long>(TOP[2])), _mm512_set1_epi64(static_cast<long long>(TOP[3]))};
-    const __m512i planes[2] = {load(chunk + 256), load(chunk + 320)};
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const __m512i v = load(chunk + 64 * j);
-      const __m512i h = planes[j >> 1];
-      const __m512i top_j = _mm512_gf2p8affine_epi64_epi8(h, tops[2 * (j & 1)], 0);
-      const __m512i top_j4 = _mm512_gf2p8affine_epi64_epi8(h, tops[2 * (j & 1) + 1], 0);
-      w[j] = _mm512_ternarylogic_epi32(v, top_j, low, 0xEC);  // (v & 0x0F) | top
-      w[j + 4] = _mm512_or_si512(_mm512_gf2p8affine_epi64_epi8(v, high_nibble, 0), top_j4);
-    }
+  } else if constexpr (FMT == Q6_K) {  // six planes: quads 0-5's codes in bits 0-5 (see pack_q6_k), quads
+    // 6 and 7 in the planes' bits 6-7, two bits from each of three planes: one GFNI op moves a
+    // plane's two to their place (zeros elsewhere), one vpternlog joins three
+    const __m512i code = _mm512_set1_epi8(0x3F);
+    __m512i p[6];
+    for (int j = 0; j < 6; ++j) p[j] = load(chunk + 64 * j);
+    for (int j = 0; j < 6; ++j) w[j] = _mm512_and_si512(p[j], code);
+    auto top = [](__m512i v, int out) __attribute__((always_inline)) {
+      return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(static_cast<long long>(bit_move(6, out, 2))), 0);
+    };
+    w[6] = _mm512_ternarylogic_epi32(top(p[0], 0), top(p[1], 2), top(p[4], 4), 0xFE);  // a | b | c
+    w[7] = _mm512_ternarylogic_epi32(top(p[2], 0), top(p[3], 2), top(p[5], 4), 0xFE);
   } else if constexpr (FMT == Q3_K) {  // 3-bit codes in three planes (see q3_k_place): one GFNI op
     // takes a quad's code out of its plane byte, two for quads 6 and 7, whose top bits lie apart
     const __m512i p0 = load(chunk), p1 = load(chunk + 64), p2 = load(chunk + 128);
@@ -326,7 +327,7 @@ inline void unpack_codes6(const uint8_t* codes, Q4KScales& out) {
   }
 }
 
-inline void q4_k_superblock(const uint8_t* scales, int64_t G, int64_t s, Q4KScales& out) {
+__attribute__((always_inline)) inline void q4_k_superblock(const uint8_t* scales, int64_t G, int64_t s, Q4KScales& out) {
   const uint8_t* dd = scales + s * 64;
   unpack_codes6(scales + (G >> 3) * 64 + s * 192, out);
   out.d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd)));
@@ -485,7 +486,6 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
   constexpr bool KQ = FMT == Q4_K || FMT == Q5_K;  // Q4_K's super-block scales and minimums
   constexpr bool MIN = FMT == Q4_1 || KQ;
   constexpr bool X256 = x_per_superblock(FMT);
-  constexpr bool HALVES = scale_per_16(FMT) && !X256;  // Q6_K: a float scale per half group
   constexpr int64_t CHUNK = FMT == Q8_0     ? 512 + 32
                             : FMT == Q4_1   ? 256 + 64
                             : FMT == IQ4_XS ? 256 + 16
@@ -499,7 +499,7 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   [[maybe_unused]] __m512i isum[X256 ? MR : 1];  // X256: the super-block's integer sums
-  [[maybe_unused]] alignas(64) int32_t mins[X256 ? 8 * 16 : 1];  // Q2_K: its groups' minimums, int16 pairs
+  [[maybe_unused]] alignas(64) int32_t mins[X256 ? 8 * 16 : 1];  // Q2_K, Q5_K: its groups' minimums, int16 pairs
   if constexpr (X256)
     for (int i = 0; i < MR; ++i) isum[i] = _mm512_setzero_si512();
   const uint8_t* scales = block + G * WB;
@@ -617,10 +617,52 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
     } else {
       load_weights<FMT>(chunk, w);
     }
-    if constexpr (X256) {  // Q3_K, Q2_K: integer sums over the super-block (see x_per_superblock)
+    if constexpr (KQ && X256) {  // Q5_K: integer sums over the super-block (see x_per_superblock)
+      // a group's sum times its 6-bit scale in int32 (|sum| < 2^17, times 63: 8 of them fit);
+      // its minimum times its sum of x (int16 pairs: hs) at the super-block's end
+      const int64_t jj = (g & 7) * 16;
+      const __m512i sck = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.sc + jj)));
+      const __m512i mk = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.m + jj)));
+      _mm512_store_si512(mins + 16 * (g & 7), _mm512_or_si512(mk, _mm512_slli_epi32(mk, 16)));  // (m, m) int16 pairs
+      const int32_t* xq = t.q + g * 8 * MR;
+      constexpr int RB = MR >= 4 ? 4 : MR;  // 2 chains a row, RB rows interleaved
+#pragma GCC unroll 4  // isum indexed by constants
+      for (int i0 = 0; i0 < MR; i0 += RB) {
+        __m512i s0[RB], s1[RB];
+        if constexpr (AMX) {  // the tile's products (the same integers)
+          for (int i = 0; i < RB; ++i) s0[i] = _mm512_load_si512(dots + 16 * (i0 + i)), s1[i] = _mm512_setzero_si512();
+        } else {
+          for (int i = 0; i < RB; ++i) s0[i] = s1[i] = _mm512_setzero_si512();
+          for (int j = 0; j < 4; ++j)
+            for (int i = 0; i < RB; ++i) {
+              s0[i] = dpbusd_x(s0[i], w[j], xq + j * MR + i0 + i);
+              s1[i] = dpbusd_x(s1[i], w[j + 4], xq + (j + 4) * MR + i0 + i);
+            }
+        }
+        for (int i = 0; i < RB; ++i)
+          isum[i0 + i] = _mm512_add_epi32(isum[i0 + i], _mm512_mullo_epi32(_mm512_add_epi32(s0[i], s1[i]), sck));
+      }
+      if ((g & 7) == 7) {  // the super-block's end: d sum sc q x - dmin sum m x, once
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; ++i) {
+          __m512i imin = _mm512_setzero_si512();
+          for (int j = 0; j < 8; ++j)
+            imin = _mm512_dpwssd_epi32(imin, _mm512_set1_epi32(t.hs[(g - 7 + j) * MR + i]), _mm512_load_si512(mins + 16 * j));
+          const __m512 v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin), sb.dmin, _mm512_mul_ps(_mm512_cvtepi32_ps(isum[i]), sb.d));
+          acc[i] = _mm512_fmadd_ps(v, _mm512_set1_ps(t.d[g * MR + i]), acc[i]);
+          isum[i] = _mm512_setzero_si512();
+        }
+      }
+      continue;
+    } else if constexpr (X256) {  // Q6_K, Q3_K, Q2_K: integer sums over the super-block (see x_per_superblock)
       // sc01: the 16 rows' scales of k 0-15 (low int16) and 16-31 (high)
-      __m512i sc01;
-      if constexpr (FMT == Q2_K) {  // a byte per row and half: 4-bit scale | 4-bit minimum << 4
+      [[maybe_unused]] __m512i sc01;
+      [[maybe_unused]] __m512i sc0, sc1;  // Q6_K: the halves' int8 scales, one int32 lane a row
+      if constexpr (FMT == Q6_K) {
+        const uint8_t* sc = scales + S * 32 + g * 32;
+        sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+        sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)));
+      } else if constexpr (FMT == Q2_K) {  // a byte per row and half: 4-bit scale | 4-bit minimum << 4
         const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + S * 64 + g * 32)));
         sc01 = _mm512_and_si512(b, _mm512_set1_epi16(15));
         _mm512_store_si512(mins + 16 * (g & 7), _mm512_srli_epi16(b, 4));
@@ -637,7 +679,7 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
       for (int i0 = 0; i0 < MR; i0 += RB) {
         __m512i s0[RB], s1[RB];
         for (int i = 0; i < RB; ++i) {
-          if constexpr (FMT == Q3_K) {  // the offset (-4 times the half's sum of x) starts each half's sum
+          if constexpr (FMT == Q3_K || FMT == Q6_K) {  // the offset (-off times the half's sum of x) starts each half's sum
             const int32_t qsa = t.qsa[g * MR + i0 + i];
             s0[i] = _mm512_set1_epi32(qsa), s1[i] = _mm512_set1_epi32(t.qs[g * MR + i0 + i] - qsa);
           } else {
@@ -654,12 +696,18 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
               s1[i] = dpbusd_x(s1[i], w[j + 4], xq + (j + 4) * MR + i0 + i);
             }
           }
-        for (int i = 0; i < RB; ++i)  // each half's sum fits int16: pair them, times their scales
-          isum[i0 + i] = _mm512_dpwssd_epi32(
-              isum[i0 + i], _mm512_mask_blend_epi16(0xAAAAAAAA, s0[i], _mm512_slli_epi32(s1[i], 16)), sc01);
+        if constexpr (FMT == Q6_K) {  // a half's sum passes int16: times its scale in int32
+          for (int i = 0; i < RB; ++i)
+            isum[i0 + i] = _mm512_add_epi32(
+                isum[i0 + i], _mm512_add_epi32(_mm512_mullo_epi32(s0[i], sc0), _mm512_mullo_epi32(s1[i], sc1)));
+        } else {
+          for (int i = 0; i < RB; ++i)  // each half's sum fits int16: pair them, times their scales
+            isum[i0 + i] = _mm512_dpwssd_epi32(
+                isum[i0 + i], _mm512_mask_blend_epi16(0xAAAAAAAA, s0[i], _mm512_slli_epi32(s1[i], 16)), sc01);
+        }
       }
       if ((g & 7) == 7) {  // the super-block's end: its sums leave the integers, once
-        const __m512 d = FMT == Q2_K ? dk : sb.d;
+        const __m512 d = FMT == Q2_K || FMT == Q6_K ? dk : sb.d;
         // unrolled, so that isum and acc are indexed by constants and stay in registers:
         // this loop with Q2_K's inner one was left rolled, and both arrays went through the
         // stack every group (2 Zen 5 cores, 22 layers alternated in one process, 16 passes:
@@ -679,16 +727,12 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
       }
       continue;
     }
-    // dw: the 16 rows' weight scale (HALVES: of k 0-15, and mw of k 16-31); mw: minimum
+    // dw: the 16 rows' weight scale; mw: minimum
     __m512 dw, mw;
     if constexpr (KQ) {
       const int64_t j = (g & 7) * 16;
       dw = _mm512_mul_ps(sb.d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.sc + j)))));
       mw = _mm512_mul_ps(sb.dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.m + j)))));
-    } else if constexpr (FMT == Q6_K) {  // the two halves' int8 scales times d
-      const uint8_t* sc = scales + S * 32 + g * 32;
-      dw = _mm512_mul_ps(dk, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)))));
-      mw = _mm512_mul_ps(dk, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)))));
     } else if constexpr (FMT == IQ4_XS) {
       const int64_t j = (g & 7) * 16;
       dw = _mm512_mul_ps(sb.d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.sc + j)))));
@@ -706,27 +750,6 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
     // Measured on a 2-core Xeon (VNNI, a TinyLlama layer): 8 rows 1.03-1.18x faster than row
     // by row, 4-64 rows 1.01-1.09x. Integer sums do not depend on their order, and each row's
     // float ops are the same ones in the same order: so are the results.
-    if constexpr (HALVES) {  // quads 0-3 and 4-7 sum apart, each half its own scale
-      constexpr int RB = MR >= 4 ? 4 : MR;
-      for (int i0 = 0; i0 < MR; i0 += RB) {
-        __m512i s0[RB], s1[RB];
-        for (int i = 0; i < RB; ++i) {
-          const int32_t qsa = t.qsa[g * MR + i0 + i];
-          s0[i] = _mm512_set1_epi32(qsa), s1[i] = _mm512_set1_epi32(t.qs[g * MR + i0 + i] - qsa);
-        }
-        for (int j = 0; j < 4; ++j)
-          for (int i = 0; i < RB; ++i) {
-            s0[i] = dpbusd_x(s0[i], w[j], xq + j * MR + i0 + i);
-            s1[i] = dpbusd_x(s1[i], w[j + 4], xq + (j + 4) * MR + i0 + i);
-          }
-        for (int i = 0; i < RB; ++i) {
-          const int64_t r = g * MR + i0 + i;
-          const __m512 both = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[i]), dw, _mm512_mul_ps(_mm512_cvtepi32_ps(s1[i]), mw));
-          acc[i0 + i] = _mm512_fmadd_ps(both, _mm512_set1_ps(t.d[r]), acc[i0 + i]);
-        }
-      }
-      continue;
-    }
     if constexpr (AMX) {  // the sums come from the tile (this loop as it was: 0.88-0.94x as the one below in int4)
       for (int i = 0; i < MR; ++i) {
         __m512i s = MIN ? _mm512_setzero_si512() : _mm512_set1_epi32(t.qs[g * MR + i]);
@@ -1196,11 +1219,13 @@ torch::Tensor unpack_iq4_xs(torch::Tensor packed, int64_t N, int64_t K) {
 // Q6_K super-blocks (N, K/256 * 210 bytes: 128 of low 4 bits, 64 of top 2 bits, 16 int8
 // scales, fp16 d) -> blocks of 16 rows, the same bytes regrouped:
 //
-//   [ G x (256 bytes of low 4 bits as Q4_0's nibbles, 128 bytes of top 2 bits) ]
-//   [ K/256 x 16 fp16 d ][ G x 32 bytes: the 16 rows' int8 scale of k 0-15, then of k 16-31 ]
+//   [ G x 384 bytes: six planes of 64 ][ K/256 x 16 fp16 d ]
+//   [ G x 32 bytes: the 16 rows' int8 scale of k 0-15, then of k 16-31 ]
 //
-// Top bits of group g: byte p of plane P (0, 1) holds those of quads 2P and 2P + 4 (bits 0-1,
-// 2-3) and 2P + 1 and 2P + 5 (bits 4-5, 6-7) at position p (row p / 4, k 4 quad + p % 4).
+// Byte p of plane P (row p / 4, k 4 quad + p % 4) holds quad P's code in bits 0-5 (P < 6);
+// bits 6-7 of planes 0, 1 and 4 hold quad 6's code's bits 0-1, 2-3 and 4-5, those of planes 2,
+// 3 and 5 quad 7's: a code is one mask (quads 0-5) or three GFNI ops and a join (6, 7), where
+// the low nibbles and top bits apart took 20 ops a group for 8 quads (14 now).
 // A file's half h of a super-block holds element 32 q + l (quarter q) in the low (q < 2) or
 // high nibble of ql[64 h + l + 32 (q & 1)] and bits 2 q of qh[32 h + l].
 inline uint8_t q6_k_code(const uint8_t* sb, int64_t e) {  // element e (0-255) of a super-block, 0-63
@@ -1210,10 +1235,24 @@ inline uint8_t q6_k_code(const uint8_t* sb, int64_t e) {  // element e (0-255) o
   return static_cast<uint8_t>(lo | (hi << 4));
 }
 
-inline int64_t q6_k_plane_byte(int64_t quad, int64_t r, int64_t t, int& shift) {  // quad 0-7 of a group
-  const int64_t j = quad & 3;  // quads j and j + 4 share a nibble byte
-  shift = 4 * (j & 1) + 2 * (quad >> 2);
-  return 256 + 64 * (j >> 1) + r * 4 + t;
+// Where quad 6's (7's) code's bits 2 i .. 2 i + 1 lie: bits 6-7 of this plane
+constexpr int64_t Q6_K_SPLIT_PLANE[2][3] = {{0, 1, 4}, {2, 3, 5}};
+
+inline void q6_k_put(uint8_t* chunk, int64_t quad, int64_t r, int64_t t, uint8_t code) {
+  const int64_t p = r * 4 + t;
+  if (quad < 6) {
+    chunk[64 * quad + p] |= code;
+    return;
+  }
+  for (int i = 0; i < 3; ++i) chunk[64 * Q6_K_SPLIT_PLANE[quad - 6][i] + p] |= static_cast<uint8_t>(((code >> (2 * i)) & 3) << 6);
+}
+
+inline uint8_t q6_k_get(const uint8_t* chunk, int64_t quad, int64_t r, int64_t t) {
+  const int64_t p = r * 4 + t;
+  if (quad < 6) return chunk[64 * quad + p] & 63;
+  uint8_t code = 0;
+  for (int i = 0; i < 3; ++i) code |= static_cast<uint8_t>((chunk[64 * Q6_K_SPLIT_PLANE[quad - 6][i] + p] >> 6) << (2 * i));
+  return code;
 }
 
 torch::Tensor pack_q6_k(torch::Tensor blocks, int64_t N, int64_t K) {
@@ -1228,12 +1267,7 @@ torch::Tensor pack_q6_k(torch::Tensor blocks, int64_t N, int64_t K) {
       scl[g * 32 + 16 + r] = sb[192 + 2 * j + 1];
       uint8_t* chunk = block + g * 384;
       for (int64_t quad = 0; quad < 8; ++quad)
-        for (int64_t t = 0; t < 4; ++t) {
-          const uint8_t code = q6_k_code(sb, 32 * j + 4 * quad + t);
-          chunk[((quad & 3) * ROWS + r) * 4 + t] |= static_cast<uint8_t>((code & 15) << (quad < 4 ? 0 : 4));
-          int shift;
-          chunk[q6_k_plane_byte(quad, r, t, shift)] |= static_cast<uint8_t>((code >> 4) << shift);
-        }
+        for (int64_t t = 0; t < 4; ++t) q6_k_put(chunk, quad, r, t, q6_k_code(sb, 32 * j + 4 * quad + t));
     }
   });
 }
@@ -1251,12 +1285,10 @@ torch::Tensor unpack_q6_k(torch::Tensor packed, int64_t N, int64_t K) {
       const uint8_t* chunk = block + g * 384;
       for (int64_t quad = 0; quad < 8; ++quad)
         for (int64_t t = 0; t < 4; ++t) {
-          const uint8_t lo = (chunk[((quad & 3) * ROWS + r) * 4 + t] >> (quad < 4 ? 0 : 4)) & 15;
-          int shift;
-          const uint8_t hi = (chunk[q6_k_plane_byte(quad, r, t, shift)] >> shift) & 3;
+          const uint8_t code = q6_k_get(chunk, quad, r, t);
           const int64_t e = 32 * j + 4 * quad + t, h = e / 128, q = (e % 128) / 32, l = e % 32;
-          sb[64 * h + l + 32 * (q & 1)] |= static_cast<uint8_t>(lo << (q < 2 ? 0 : 4));
-          sb[128 + 32 * h + l] |= static_cast<uint8_t>(hi << (2 * q));
+          sb[64 * h + l + 32 * (q & 1)] |= static_cast<uint8_t>((code & 15) << (q < 2 ? 0 : 4));
+          sb[128 + 32 * h + l] |= static_cast<uint8_t>((code >> 4) << (2 * q));
         }
     }
   });
