@@ -617,48 +617,16 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
     } else {
       load_weights<FMT>(chunk, w);
     }
-    if constexpr (KQ && X256) {  // Q5_K: integer sums over the super-block (see x_per_superblock)
-      // a group's sum times its 6-bit scale in int32 (|sum| < 2^17, times 63: 8 of them fit);
-      // its minimum times its sum of x (int16 pairs: hs) at the super-block's end
-      const int64_t jj = (g & 7) * 16;
-      const __m512i sck = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.sc + jj)));
-      const __m512i mk = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.m + jj)));
-      _mm512_store_si512(mins + 16 * (g & 7), _mm512_or_si512(mk, _mm512_slli_epi32(mk, 16)));  // (m, m) int16 pairs
-      const int32_t* xq = t.q + g * 8 * MR;
-      constexpr int RB = MR >= 4 ? 4 : MR;  // 2 chains a row, RB rows interleaved
-#pragma GCC unroll 4  // isum indexed by constants
-      for (int i0 = 0; i0 < MR; i0 += RB) {
-        __m512i s0[RB], s1[RB];
-        if constexpr (AMX) {  // the tile's products (the same integers)
-          for (int i = 0; i < RB; ++i) s0[i] = _mm512_load_si512(dots + 16 * (i0 + i)), s1[i] = _mm512_setzero_si512();
-        } else {
-          for (int i = 0; i < RB; ++i) s0[i] = s1[i] = _mm512_setzero_si512();
-          for (int j = 0; j < 4; ++j)
-            for (int i = 0; i < RB; ++i) {
-              s0[i] = dpbusd_x(s0[i], w[j], xq + j * MR + i0 + i);
-              s1[i] = dpbusd_x(s1[i], w[j + 4], xq + (j + 4) * MR + i0 + i);
-            }
-        }
-        for (int i = 0; i < RB; ++i)
-          isum[i0 + i] = _mm512_add_epi32(isum[i0 + i], _mm512_mullo_epi32(_mm512_add_epi32(s0[i], s1[i]), sck));
-      }
-      if ((g & 7) == 7) {  // the super-block's end: d sum sc q x - dmin sum m x, once
-#pragma GCC unroll 16
-        for (int i = 0; i < MR; ++i) {
-          __m512i imin = _mm512_setzero_si512();
-          for (int j = 0; j < 8; ++j)
-            imin = _mm512_dpwssd_epi32(imin, _mm512_set1_epi32(t.hs[(g - 7 + j) * MR + i]), _mm512_load_si512(mins + 16 * j));
-          const __m512 v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin), sb.dmin, _mm512_mul_ps(_mm512_cvtepi32_ps(isum[i]), sb.d));
-          acc[i] = _mm512_fmadd_ps(v, _mm512_set1_ps(t.d[g * MR + i]), acc[i]);
-          isum[i] = _mm512_setzero_si512();
-        }
-      }
-      continue;
-    } else if constexpr (X256) {  // Q6_K, Q3_K, Q2_K: integer sums over the super-block (see x_per_superblock)
+    if constexpr (X256) {  // Q5_K, Q6_K, Q3_K, Q2_K: integer sums over the super-block (see x_per_superblock)
       // sc01: the 16 rows' scales of k 0-15 (low int16) and 16-31 (high)
       [[maybe_unused]] __m512i sc01;
-      [[maybe_unused]] __m512i sc0, sc1;  // Q6_K: the halves' int8 scales, one int32 lane a row
-      if constexpr (FMT == Q6_K) {
+      [[maybe_unused]] __m512i sc0, sc1;  // Q6_K: the halves' int8 scales (Q5_K: sc0 the group's), an int32 lane a row
+      if constexpr (FMT == Q5_K) {  // 6-bit scale and minimum a group; the minimums as (m, m) int16 pairs
+        const int64_t j = (g & 7) * 16;
+        sc0 = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.sc + j)));
+        const __m512i m = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sb.m + j)));
+        _mm512_store_si512(mins + 16 * (g & 7), _mm512_or_si512(m, _mm512_slli_epi32(m, 16)));
+      } else if constexpr (FMT == Q6_K) {
         const uint8_t* sc = scales + S * 32 + g * 32;
         sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
         sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)));
@@ -682,11 +650,13 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
           if constexpr (FMT == Q3_K || FMT == Q6_K) {  // the offset (-off times the half's sum of x) starts each half's sum
             const int32_t qsa = t.qsa[g * MR + i0 + i];
             s0[i] = _mm512_set1_epi32(qsa), s1[i] = _mm512_set1_epi32(t.qs[g * MR + i0 + i] - qsa);
+          } else if constexpr (AMX) {  // Q5_K's tile products (the same integers)
+            s0[i] = _mm512_load_si512(dots + 16 * (i0 + i)), s1[i] = _mm512_setzero_si512();
           } else {
             s0[i] = s1[i] = _mm512_setzero_si512();
           }
         }
-        for (int j = 0; j < 4; ++j)
+        for (int j = 0; j < 4 && !AMX; ++j)
           for (int i = 0; i < RB; ++i) {
             if constexpr (SET1) {
               s0[i] = _mm512_dpbusd_epi32(s0[i], w[j], _mm512_set1_epi32(xq[j * MR + i0 + i]));
@@ -696,7 +666,10 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
               s1[i] = dpbusd_x(s1[i], w[j + 4], xq + (j + 4) * MR + i0 + i);
             }
           }
-        if constexpr (FMT == Q6_K) {  // a half's sum passes int16: times its scale in int32
+        if constexpr (FMT == Q5_K) {  // a group's sum passes int16 (32 x 31 x 127): times its scale in int32
+          for (int i = 0; i < RB; ++i)
+            isum[i0 + i] = _mm512_add_epi32(isum[i0 + i], _mm512_mullo_epi32(_mm512_add_epi32(s0[i], s1[i]), sc0));
+        } else if constexpr (FMT == Q6_K) {  // a half's sum passes int16: times its scale in int32
           for (int i = 0; i < RB; ++i)
             isum[i0 + i] = _mm512_add_epi32(
                 isum[i0 + i], _mm512_add_epi32(_mm512_mullo_epi32(s0[i], sc0), _mm512_mullo_epi32(s1[i], sc1)));
@@ -708,6 +681,7 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
       }
       if ((g & 7) == 7) {  // the super-block's end: its sums leave the integers, once
         const __m512 d = FMT == Q2_K || FMT == Q6_K ? dk : sb.d;
+        [[maybe_unused]] const __m512 dmin = FMT == Q2_K ? dmink : sb.dmin;
         // unrolled, so that isum and acc are indexed by constants and stay in registers:
         // this loop with Q2_K's inner one was left rolled, and both arrays went through the
         // stack every group (2 Zen 5 cores, 22 layers alternated in one process, 16 passes:
@@ -715,11 +689,11 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
 #pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) {
           __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(isum[i]), d);
-          if constexpr (FMT == Q2_K) {  // - dmin times each half's minimum times its sum of x
+          if constexpr (FMT == Q2_K || FMT == Q5_K) {  // - dmin times each (half) group's minimum times its sum of x
             __m512i imin = _mm512_setzero_si512();
             for (int j = 0; j < 8; ++j)
               imin = _mm512_dpwssd_epi32(imin, _mm512_set1_epi32(t.hs[(g - 7 + j) * MR + i]), _mm512_load_si512(mins + 16 * j));
-            v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin), dmink, v);
+            v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin), dmin, v);
           }
           acc[i] = _mm512_fmadd_ps(v, _mm512_set1_ps(t.d[g * MR + i]), acc[i]);
           isum[i] = _mm512_setzero_si512();
