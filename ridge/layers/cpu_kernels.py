@@ -93,6 +93,7 @@ AVX512 = ExtensionSpec(
         "-mamx-int8",
         "-mf16c",
         "-mgfni",  # cpu_has_avx512_bf16 asks for it
+        "-mavx512vbmi",  # and for this (byte permutes: decode_attention_quant.cpp)
         "-mfma",
         "-fopenmp",
     ),
@@ -144,10 +145,11 @@ def cpu_flags() -> set[str]:
 
 
 def cpu_has_avx512_bf16() -> bool:
-    """AVX-512 BF16, VNNI and GFNI: what the kernels use (Zen 4 and Sapphire Rapids on have all
-    three; Cooper Lake has BF16 without GFNI, which the block formats' unpacking needs)."""
+    """AVX-512 BF16, VNNI, GFNI and VBMI: what the kernels use (Zen 4 and Sapphire Rapids on have
+    all four; Cooper Lake has BF16 without GFNI, which the block formats' unpacking needs, or
+    VBMI's byte permutes, which the fp8 KV cache's PV takes)."""
     flags = cpu_flags()
-    return "avx512_bf16" in flags and "avx512_vnni" in flags and "gfni" in flags
+    return all(f in flags for f in ("avx512_bf16", "avx512_vnni", "gfni", "avx512vbmi"))
 
 
 PREFETCH_ENV = "RIDGE_PREFETCH"

@@ -10,13 +10,14 @@ from ridge.layers import cpu_kernels
 @pytest.mark.parametrize(
     "flags,usable",
     [
-        ({"avx512_bf16", "avx512_vnni", "gfni"}, True),  # Zen 4, Sapphire Rapids and later
-        ({"avx512_bf16", "avx512_vnni"}, False),  # Cooper Lake: BF16 without GFNI
-        ({"avx512_vnni", "gfni"}, False),  # Ice Lake: no BF16
+        ({"avx512_bf16", "avx512_vnni", "gfni", "avx512vbmi"}, True),  # Zen 4, Sapphire Rapids and later
+        ({"avx512_bf16", "avx512_vnni"}, False),  # Cooper Lake: BF16 without GFNI or VBMI
+        ({"avx512_bf16", "avx512_vnni", "gfni"}, False),  # no VBMI (the fp8 KV cache's byte permutes)
+        ({"avx512_vnni", "gfni", "avx512vbmi"}, False),  # Ice Lake: no BF16
         (set(), False),
     ],
 )
-def test_the_extension_needs_bf16_vnni_and_gfni(monkeypatch, flags, usable):
+def test_the_extension_needs_bf16_vnni_gfni_and_vbmi(monkeypatch, flags, usable):
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: flags)
     assert cpu_kernels.cpu_has_avx512_bf16() is usable
 
@@ -37,7 +38,7 @@ def test_the_avx2_kernels_need_avx2_fma_and_f16c(monkeypatch, flags, usable):
 @pytest.mark.parametrize(
     "flags,built",
     [
-        ({"avx512_bf16", "avx512_vnni", "gfni", "avx2", "fma", "f16c"}, ["ridge_cpu", "ridge_cpu_avx2"]),
+        ({"avx512_bf16", "avx512_vnni", "gfni", "avx512vbmi", "avx2", "fma", "f16c"}, ["ridge_cpu", "ridge_cpu_avx2"]),
         ({"avx2", "fma", "f16c"}, ["ridge_cpu_avx2"]),
         (set(), []),
     ],

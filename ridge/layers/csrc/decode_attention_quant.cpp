@@ -17,9 +17,10 @@
 // parts, which doubled the integer work: README, "KV cache in int8 or fp8"). An fp8 K: 16
 // tokens' rows decoded to fp32 and transposed in registers, so that each dim is a vector of 16
 // tokens that every head's fp32 query value multiplies (no reduction per token and head). V of
-// either kind: two tokens' codes a vdpbf16ps (every code is exact in bf16), weighted by bf16(p_t
-// times the token's scale of the group), accumulated in fp32 registers (pv_pairs_chunk). Work
-// is split over (sequence, run of KV heads) as in decode_ops.cpp.
+// either kind: two tokens' codes a vdpbf16ps (every code is exact in bf16), weighted by
+// bf16(e_t times the token's scale of the group), e_t = exp(score_t - max), accumulated in fp32
+// registers (pv_pairs_chunk) and divided by sum_t e_t at the end. Work is split over (sequence,
+// run of KV heads) as in decode_ops.cpp.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -133,7 +134,7 @@ inline void token_scales_grouped(const at::Half* sp, const int64_t* rows, int64_
 // scales of the group; then times 256 (fp8x16's unit) and the attention scale.
 template <int NG>
 inline void qk_fp8(const float* col, const float* qf, int64_t D, int64_t GS, const float* ks, __m512 unit_scale,
-                   float* scores, int64_t L, int64_t n) {
+                   float* scores, int64_t L, int64_t n, __m512* mx) {
   const int64_t NGR = D / GS;
   __m512 sacc[NG];
   for (int g = 0; g < NG; ++g) sacc[g] = _mm512_setzero_ps();
@@ -151,7 +152,11 @@ inline void qk_fp8(const float* col, const float* qf, int64_t D, int64_t GS, con
     for (int g = 0; g < NG; ++g) sacc[g] = _mm512_fmadd_ps(_mm512_add_ps(even[g], odd[g]), k_scale, sacc[g]);
   }
   const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-  for (int g = 0; g < NG; ++g) _mm512_mask_storeu_ps(scores + g * L, valid, _mm512_mul_ps(sacc[g], unit_scale));
+  for (int g = 0; g < NG; ++g) {
+    const __m512 v = _mm512_mul_ps(sacc[g], unit_scale);
+    _mm512_mask_storeu_ps(scores + g * L, valid, v);
+    mx[g] = _mm512_mask_max_ps(mx[g], valid, mx[g], v);
+  }
 }
 
 // Scores of NG query heads against 16 tokens of an int8 K (see the header): per group of GS
@@ -164,7 +169,7 @@ inline void qk_fp8(const float* col, const float* qf, int64_t D, int64_t GS, con
 // attention with K in cache (2-core AMD EPYC, Zen 5).
 template <int NG, int QG = 0>
 inline void qk_int8(const __m512i* col, const int8_t* qq, const int32_t* qsum, const float* qf, int64_t D, int64_t GS,
-                    const float* ks, float* scores, int64_t L, int64_t n) {
+                    const float* ks, float* scores, int64_t L, int64_t n, __m512* mx) {
   const int64_t NGR = D / GS, quads = QG > 0 ? QG : GS / 4;
   __m512 sacc[NG];
   for (int g = 0; g < NG; ++g) sacc[g] = _mm512_setzero_ps();
@@ -181,7 +186,10 @@ inline void qk_int8(const __m512i* col, const int8_t* qq, const int32_t* qsum, c
       sacc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[g]), _mm512_mul_ps(k_scale, _mm512_set1_ps(qf[g * NGR + gi])), sacc[g]);
   }
   const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-  for (int g = 0; g < NG; ++g) _mm512_mask_storeu_ps(scores + g * L, valid, sacc[g]);
+  for (int g = 0; g < NG; ++g) {
+    _mm512_mask_storeu_ps(scores + g * L, valid, sacc[g]);
+    mx[g] = _mm512_mask_max_ps(mx[g], valid, mx[g], sacc[g]);
+  }
 }
 
 // The weights of V's codes (softmax_pairs, pv_pairs_chunk) lie by groups of V's dims, then by
@@ -191,33 +199,26 @@ inline void qk_int8(const __m512i* col, const int8_t* qq, const int32_t* qsum, c
 // pointer (a row of L / 2 words a head kept 8 pointers and their arithmetic in the PV's loop).
 inline int64_t pair_word(int64_t t, int64_t G) { return t / 16 * 8 * G + t % 16 / 2; }
 
-// One query head's scores over tokens 0 .. L (s[t]) -> its weights of V's codes, for each group gi
-// of V's dims bf16 pairs: w[gi * wgroup + pair_word(t, G)] (w: the head's first word) holds bf16(p_t
-// v_t) in its low half and bf16(p_t+1 v_t+1) in its high one, p the softmax of the scores (fp32)
-// and v_t the token's V scale of the group (vs[gi * LS + t], token_scales_grouped); zeros from L
-// to the end of its 16 tokens. The softmax's normalizing pass writes them: no pass of their own
-// (a pass a run of 32 tokens, a call a head and group, cost more than the PV's pairs saved: 0.90x).
-inline void softmax_pairs(float* s, int64_t L, const float* vs, int64_t LS, int64_t NGR, int64_t G, uint32_t* w,
-                          int64_t wgroup) {
-  auto lanes = [L](int64_t t) { return L - t >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (L - t)) - 1); };
-  __m512 mx16 = _mm512_set1_ps(-INFINITY);
-  for (int64_t t = 0; t < L; t += 16) mx16 = _mm512_mask_max_ps(mx16, lanes(t), mx16, _mm512_maskz_loadu_ps(lanes(t), s + t));
+// One query head's scores over tokens 0 .. L (s[t]; mx16's largest lane their largest) -> its
+// weights of V's codes, for each group gi of V's dims bf16 pairs: w[gi * wgroup + pair_word(t,
+// G)] (w: the head's first word) holds bf16(e_t v_t) in its low half and bf16(e_t+1 v_t+1) in its
+// high one, e_t = exp(s_t - max) and v_t the token's V scale of the group (vs[gi * LS + t],
+// token_scales_grouped); zeros from L to the end of its 16 tokens. Returns sum_t e_t, which the
+// PV's sums are divided by once at the end: one pass over the scores, no normalizing pass.
+inline float softmax_pairs(const float* s, int64_t L, __m512 mx16, const float* vs, int64_t LS, int64_t NGR, int64_t G,
+                           uint32_t* w, int64_t wgroup) {
   const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mx16));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t t = 0; t < L; t += 16) {
-    const __mmask16 m = lanes(t);
-    const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mx)));
-    _mm512_mask_storeu_ps(s + t, m, e);
+    const __mmask16 m = L - t >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (L - t)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(m, exp512_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mx)));
     sum = _mm512_add_ps(sum, e);
-  }
-  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-  for (int64_t t = 0; t < L; t += 16) {
-    const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes(t), s + t), inv);
     for (int64_t gi = 0; gi < NGR; ++gi) {
-      const __m256bh pair = _mm512_cvtneps_pbh(_mm512_mul_ps(p, _mm512_loadu_ps(vs + gi * LS + t)));
+      const __m256bh pair = _mm512_cvtneps_pbh(_mm512_mul_ps(e, _mm512_loadu_ps(vs + gi * LS + t)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + gi * wgroup + pair_word(t, G)), reinterpret_cast<__m256i>(pair));
     }
   }
+  return _mm512_reduce_add_ps(sum);
 }
 
 // out[g][d0 : d0 + 16 DN] += sum_t w_g,t code_t[d0 : ...] over tokens [t0, t1) (t0 even), two
@@ -233,6 +234,62 @@ inline void softmax_pairs(float* s, int64_t L, const float* vs, int64_t LS, int6
 // 1,024 1.07x. Its outputs move by the weights' bf16 rounding: against an fp64 attention over
 // the same dequantized cache, 5% more error than before (0.0061 against 0.0058, relative; the
 // query's int8 codes make the rest).
+// An e4m3 code's value / 256 (as fp8x16 gives it) in bf16, of its 7 bits below the sign, as two
+// 128-byte tables, the low bytes and the high ones, for vpermi2b: built from fp8x16 itself, so
+// the bf16 are exactly the top halves of its fp32.
+struct Fp8Tables {
+  __m512i lo[2], hi[2];
+};
+
+inline const Fp8Tables& fp8_tables() {
+  static const Fp8Tables tables = [] {
+    alignas(64) uint8_t lo[128], hi[128];
+    for (int m = 0; m < 128; m += 16) {
+      alignas(16) uint8_t codes[16];
+      alignas(64) uint32_t f[16];
+      for (int i = 0; i < 16; ++i) codes[i] = static_cast<uint8_t>(m + i);
+      _mm512_store_si512(f, _mm512_castps_si512(fp8x16(codes)));
+      for (int i = 0; i < 16; ++i) lo[m + i] = static_cast<uint8_t>(f[i] >> 16), hi[m + i] = static_cast<uint8_t>(f[i] >> 24);
+    }
+    Fp8Tables t;
+    for (int k = 0; k < 2; ++k) t.lo[k] = _mm512_load_si512(lo + 64 * k), t.hi[k] = _mm512_load_si512(hi + 64 * k);
+    return t;
+  }();
+  return tables;
+}
+
+// fp8_pairs32's byte order: in each 16 bytes k, a's and b's codes of dims 4k .. 4k + 3 in turns,
+// then of dims 16 + 4k .. 16 + 4k + 3 (vpunpck{l,h}bw read a 16-byte lane's halves)
+inline __m512i fp8_pair_order() {
+  alignas(64) uint8_t idx[64];
+  for (int k = 0; k < 4; ++k)
+    for (int m = 0; m < 4; ++m) {
+      idx[16 * k + 2 * m] = static_cast<uint8_t>(4 * k + m);
+      idx[16 * k + 2 * m + 1] = static_cast<uint8_t>(64 + 4 * k + m);
+      idx[16 * k + 8 + 2 * m] = static_cast<uint8_t>(16 + 4 * k + m);
+      idx[16 * k + 8 + 2 * m + 1] = static_cast<uint8_t>(64 + 16 + 4 * k + m);
+    }
+  return _mm512_load_si512(idx);
+}
+
+// Two tokens' fp8 codes of 32 dims (a, b: 32 bytes each) -> v[0], v[1]: lane d of v[j] holds
+// a's value / 256 at dim 16 j + d in bf16 (low half) and b's (high half), as pv_pairs_chunk
+// takes them. A byte permute pairs the tokens' codes (in fp8_pair_order), two table lookups
+// give each code's bf16 bytes, the sign bit is or-ed into the high byte, two unpacks make the
+// words: 6 ops where four fp8x16 (7 each) and two merges took 32. 2-core AMD EPYC Zen 4, fp8
+// attention over 16 x 4,096 tokens, alternated with the build before, 3 rounds: 1.10-1.12x.
+// (The same lookup for int8 codes, on their magnitudes, ran 0.95-1.03x against int8x16's two
+// ops: Zen 4's vpermi2b costs more than vpmovsxbd and vcvtdq2ps.)
+inline void fp8_pairs32(const uint8_t* a, const uint8_t* b, const Fp8Tables& tab, __m512i order, __m512bh v[2]) {
+  const __m512i y = _mm512_permutex2var_epi8(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), order,
+                                             _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b))));
+  const __m512i lo = _mm512_permutex2var_epi8(tab.lo[0], y, tab.lo[1]);  // (vpermi2b reads an index's bits 0-6)
+  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(tab.hi[0], y, tab.hi[1]), y,
+                                               _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // | the sign
+  v[0] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi8(lo, hi));
+  v[1] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi8(lo, hi));
+}
+
 template <int NG, int DN, bool ONE, bool FP8, bool L2>
 inline void pv_pairs_chunk(const uint8_t* vp, const int64_t* rows, int64_t t0, int64_t t1, int64_t L, int64_t D,
                            int64_t d0, const uint32_t* w, int64_t wgroup, int64_t G, int64_t GS, float* out) {
@@ -242,6 +299,8 @@ inline void pv_pairs_chunk(const uint8_t* vp, const int64_t* rows, int64_t t0, i
   for (int g = 0; g < NG; ++g)
     for (int j = 0; j < DN; ++j) acc[g][j] = _mm512_loadu_ps(out + g * D + 16 * j);
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  [[maybe_unused]] const Fp8Tables& tab = fp8_tables();
+  [[maybe_unused]] const __m512i order = fp8_pair_order();
   auto weights = [&](int j, int g, int64_t at) {
     return reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(wj[j][at + 8 * g])));
   };
@@ -256,7 +315,10 @@ inline void pv_pairs_chunk(const uint8_t* vp, const int64_t* rows, int64_t t0, i
       _mm_prefetch(reinterpret_cast<const char*>(vp + rows[t + 1 + KV_PREFETCH_TOKENS] * D + d0), kv_hint<L2>);
     }
     __m512bh v[DN];
-    for (int j = 0; j < DN; ++j) {
+    int j0 = 0;
+    if constexpr (FP8)  // two vectors at a time where it can
+      for (; j0 + 1 < DN; j0 += 2) fp8_pairs32(r0 + 16 * j0, r1 + 16 * j0, tab, order, v + j0);
+    for (int j = j0; j < DN; ++j) {
       const __m512i f0 = _mm512_castps_si512(FP8 ? fp8x16(r0 + 16 * j) : int8x16(r0 + 16 * j));
       const __m512i f1 = _mm512_castps_si512(FP8 ? fp8x16(r1 + 16 * j) : int8x16(r1 + 16 * j));
       // f1's top half and f0's moved down (0xE4: where the third operand's bits are set, the first's, else the second's)
@@ -308,15 +370,18 @@ void attend_fetching(const T* qp, const uint8_t* kp, const uint8_t* vp, const at
     // the thread's buffers, kept from call to call (paged_rows.h's Scratch; every element is
     // written before it is read): the query in float, its int8 codes, their sums and scales,
     // K's columns, the scores, V's scales, the sums
-    thread_local Scratch<float> qf_buf, qscale_buf, score_buf, vscale_buf, acc_buf;
+    thread_local Scratch<float> qf_buf, qscale_buf, score_buf, vscale_buf, acc_buf, inv_buf;
     thread_local Scratch<int8_t> qq_buf;
     thread_local Scratch<int32_t> qsum_buf;
     thread_local Scratch<uint32_t> wpair_buf;  // V's weights, bf16 pairs (softmax_pairs)
+    thread_local Scratch<__m512> smax_buf;  // each head's largest score, of the tokens a lane holds
     thread_local Scratch<__m512i> col_buf;
     thread_local Scratch<__m512> colv_buf;  // fp8: [d][16 tokens] fp32
     float* qf = qf_buf.get(HG * D);
     float* qscale = qscale_buf.get(HG * NGR);
     float* acc = acc_buf.get(HG * D);
+    __m512* smax = smax_buf.get(HG);
+    float* inv = inv_buf.get(HG);  // each head's 1 / its sum of exp (softmax_pairs)
     int8_t* qq = qq_buf.get(HG * D);
     int32_t* qsum = qsum_buf.get(HG * NGR);
     __m512i* col = col_buf.get(FP8 ? 1 : D / 4);
@@ -332,6 +397,7 @@ void attend_fetching(const T* qp, const uint8_t* kp, const uint8_t* vp, const at
       prefetch_rows<_MM_HINT_T1>(vsp, rows.data(), 0, first, 2 * NGR, HJ);
       for (int64_t i = 0; i < HG * D; ++i) qf[i] = static_cast<float>(qp[b * q_stride + h0 * G * D + i]);
       float* scores = score_buf.get(HG * L);  // every score is written below
+      for (int64_t g = 0; g < HG; ++g) smax[g] = _mm512_set1_ps(-INFINITY);
       if constexpr (!FP8)
         for (int64_t g = 0; g < HG; ++g) quantize_query(qf + g * D, D, GS, scale, qq + g * D, qsum + g * NGR, qscale + g * NGR);
       const __m512 unit_scale = _mm512_set1_ps(code_unit * scale);
@@ -378,36 +444,39 @@ void attend_fetching(const T* qp, const uint8_t* kp, const uint8_t* vp, const at
             if constexpr (FP8) {
               const float* q = qf + (j * G + g0) * D;
               switch (std::min<int64_t>(4, G - g0)) {
-                case 1: qk_fp8<1>(colf, q, D, GS, ks, unit_scale, s, L, n); break;
-                case 2: qk_fp8<2>(colf, q, D, GS, ks, unit_scale, s, L, n); break;
-                case 3: qk_fp8<3>(colf, q, D, GS, ks, unit_scale, s, L, n); break;
-                default: qk_fp8<4>(colf, q, D, GS, ks, unit_scale, s, L, n);
+                case 1: qk_fp8<1>(colf, q, D, GS, ks, unit_scale, s, L, n, smax + j * G + g0); break;
+                case 2: qk_fp8<2>(colf, q, D, GS, ks, unit_scale, s, L, n, smax + j * G + g0); break;
+                case 3: qk_fp8<3>(colf, q, D, GS, ks, unit_scale, s, L, n, smax + j * G + g0); break;
+                default: qk_fp8<4>(colf, q, D, GS, ks, unit_scale, s, L, n, smax + j * G + g0);
               }
             } else {
               const int8_t* q = qq + (j * G + g0) * D;
               const int32_t* qs = qsum + (j * G + g0) * NGR;
               const float* qfs = qscale + (j * G + g0) * NGR;
               if (eight)
-                qk_int8<8, 8>(col, q, qs, qfs, D, GS, ks, s, L, n);
+                qk_int8<8, 8>(col, q, qs, qfs, D, GS, ks, s, L, n, smax + j * G + g0);
               else
                 switch (std::min<int64_t>(4, G - g0)) {
-                  case 1: qk_int8<1>(col, q, qs, qfs, D, GS, ks, s, L, n); break;
-                  case 2: qk_int8<2>(col, q, qs, qfs, D, GS, ks, s, L, n); break;
-                  case 3: qk_int8<3>(col, q, qs, qfs, D, GS, ks, s, L, n); break;
-                  default: qk_int8<4>(col, q, qs, qfs, D, GS, ks, s, L, n);
+                  case 1: qk_int8<1>(col, q, qs, qfs, D, GS, ks, s, L, n, smax + j * G + g0); break;
+                  case 2: qk_int8<2>(col, q, qs, qfs, D, GS, ks, s, L, n, smax + j * G + g0); break;
+                  case 3: qk_int8<3>(col, q, qs, qfs, D, GS, ks, s, L, n, smax + j * G + g0); break;
+                  default: qk_int8<4>(col, q, qs, qfs, D, GS, ks, s, L, n, smax + j * G + g0);
                 }
             }
           }
         }
       }
-      // softmax, then the weights of V's codes (p times V's scales, bf16 pairs: softmax_pairs)
+      // the softmax's exponentials times V's scales, bf16 pairs (softmax_pairs), each head's sum of them
       const int64_t LS = (L + 15) / 16 * 16, LP = LS / 2;
       float* vs = vscale_buf.get(HJ * NGR * LS);
       for (int64_t j = 0; j < HJ; ++j) token_scales_grouped(vsp + j * NGR, rows.data(), L, NGR, code_unit, vs + j * NGR * LS, LS, BS, Hkv, h0 + j);
       uint32_t* wp = wpair_buf.get(HJ * NGR * G * LP);
       for (int64_t j = 0; j < HJ; ++j)
-        for (int64_t g = 0; g < G; ++g)
-          softmax_pairs(&scores[(j * G + g) * L], L, vs + j * NGR * LS, LS, NGR, G, wp + j * NGR * G * LP + 8 * g, G * LP);
+        for (int64_t g = 0; g < G; ++g) {
+          const float sum = softmax_pairs(&scores[(j * G + g) * L], L, smax[j * G + g], vs + j * NGR * LS, LS, NGR, G,
+                                          wp + j * NGR * G * LP + 8 * g, G * LP);
+          inv[j * G + g] = sum > 0.f ? 1.f / sum : 0.f;  // (no tokens: zeros, as before)
+        }
       std::fill(acc, acc + HG * D, 0.f);
       // a job of several heads in runs of PV_CODE_TOKENS (paged_rows.h's PV_TOKENS, for rows of 1-byte codes)
       const int64_t run = HJ == 1 ? L : PV_CODE_TOKENS;
@@ -416,7 +485,8 @@ void attend_fetching(const T* qp, const uint8_t* kp, const uint8_t* vp, const at
         for (int64_t j = 0; j < HJ; ++j)
           pv_pairs<FP8, L2>(G, vp + j * D, rows.data(), t0, t1, L, D, wp + j * NGR * G * LP, G * LP, GS, acc + j * G * D);
       }
-      for (int64_t i = 0; i < HG * D; ++i) op[(b * Hq + h0 * G) * D + i] = static_cast<T>(acc[i]);
+      for (int64_t g = 0; g < HG; ++g)
+        for (int64_t d = 0; d < D; ++d) op[(b * Hq + h0 * G + g) * D + d] = static_cast<T>(acc[g * D + d] * inv[g]);
     }
   });
 }
