@@ -199,41 +199,38 @@ inline void qk_int8(const __m512i* col, const int8_t* qq, const int32_t* qsum, c
 // pointer (a row of L / 2 words a head kept 8 pointers and their arithmetic in the PV's loop).
 inline int64_t pair_word(int64_t t, int64_t G) { return t / 16 * 8 * G + t % 16 / 2; }
 
-// One query head's scores over tokens 0 .. L (s[t]; mx16's largest lane their largest) -> its
-// weights of V's codes, for each group gi of V's dims bf16 pairs: w[gi * wgroup + pair_word(t,
-// G)] (w: the head's first word) holds bf16(e_t v_t) in its low half and bf16(e_t+1 v_t+1) in its
-// high one, e_t = exp(s_t - max) and v_t the token's V scale of the group (vs[gi * LS + t],
-// token_scales_grouped); zeros from L to the end of its 16 tokens. Returns sum_t e_t, which the
-// PV's sums are divided by once at the end: one pass over the scores, no normalizing pass.
-inline float softmax_pairs(const float* s, int64_t L, __m512 mx16, const float* vs, int64_t LS, int64_t NGR, int64_t G,
-                           uint32_t* w, int64_t wgroup) {
-  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mx16));
-  __m512 sum = _mm512_setzero_ps();
+// NG query heads' scores over tokens 0 .. L (head g's s[g * L + t], their largest the largest
+// lane of mx16[g]) -> their weights of V's codes, for each group gi of V's dims bf16 pairs:
+// w[gi * wgroup + pair_word(t, G) + 8 g] (w: the first head's word) holds bf16(e_t v_t) in its
+// low half and bf16(e_t+1 v_t+1) in its high one, e_t = exp(s_t - max) and v_t the token's V
+// scale of the group (vs[gi * LS + t], token_scales_grouped); zeros from L to the end of its 16
+// tokens. sums[g] = head g's sum_t e_t, which the PV's sums are divided by once at the end: one
+// pass over the scores, no normalizing pass. A chunk of 16 tokens at a time for all NG heads,
+// so that its V scales are read once and a chunk's weight lines are written whole (against a
+// head at a time, in one process alternating both, 60 rounds: 1.03x at 16 x 4,096 tokens and
+// 4 x 2,048, 2-core AMD EPYC Zen 4).
+template <int NG>
+inline void softmax_pairs(const float* s, int64_t L, const __m512* mx16, const float* vs, int64_t LS, int64_t NGR,
+                          int64_t G, uint32_t* w, int64_t wgroup, float* sums) {
+  float mx[NG];
+  __m512 sum[NG], e[NG];
+  for (int g = 0; g < NG; ++g) mx[g] = _mm512_reduce_max_ps(mx16[g]), sum[g] = _mm512_setzero_ps();
   for (int64_t t = 0; t < L; t += 16) {
     const __mmask16 m = L - t >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (L - t)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(m, exp512_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mx)));
-    sum = _mm512_add_ps(sum, e);
+    for (int g = 0; g < NG; ++g) {
+      e[g] = _mm512_maskz_mov_ps(m, exp512_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + g * L + t), _mm512_set1_ps(mx[g]))));
+      sum[g] = _mm512_add_ps(sum[g], e[g]);
+    }
     for (int64_t gi = 0; gi < NGR; ++gi) {
-      const __m256bh pair = _mm512_cvtneps_pbh(_mm512_mul_ps(e, _mm512_loadu_ps(vs + gi * LS + t)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + gi * wgroup + pair_word(t, G)), reinterpret_cast<__m256i>(pair));
+      const __m512 v = _mm512_loadu_ps(vs + gi * LS + t);
+      uint32_t* wt = w + gi * wgroup + pair_word(t, G);
+      for (int g = 0; g < NG; ++g)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(wt + 8 * g), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(e[g], v))));
     }
   }
-  return _mm512_reduce_add_ps(sum);
+  for (int g = 0; g < NG; ++g) sums[g] = _mm512_reduce_add_ps(sum[g]);
 }
 
-// out[g][d0 : d0 + 16 DN] += sum_t w_g,t code_t[d0 : ...] over tokens [t0, t1) (t0 even), two
-// tokens a vdpbf16ps: lane d of a pair vector holds token t's code at d (low bf16) and token
-// t + 1's (high), and the heads' weight pairs (softmax_pairs) are broadcast. An int8 code has at
-// most 8 significant bits, an fp8 e4m3 one 4: the top half of the fp32 int8x16 / fp8x16 give
-// is the code's exact bf16. w: the cut's first head's word of group 0 (pair_word; the next group
-// wgroup on; ONE: the cut's dims lie in one group, one weight a head). Against the
-// fp32 loop it replaced (each row's codes times its scales, then an FMA per head and 16 dims),
-// half the multiply-adds: 2-core AMD EPYC Zen 4, TinyLlama's heads (32 on 4, 64 dims), 8
-// layers' pools alternated in one process, 7 rounds: 16 x 4,096 tokens 1.15x for the whole
-// int8 attention, 1 x 4,096 1.12x, 1 x 512 1.09x, 16 x 1,024 1.02x; Llama-3-8B's heads 8 x
-// 1,024 1.07x. Its outputs move by the weights' bf16 rounding: against an fp64 attention over
-// the same dequantized cache, 5% more error than before (0.0061 against 0.0058, relative; the
-// query's int8 codes make the rest).
 // An e4m3 code's value / 256 (as fp8x16 gives it) in bf16, of its 7 bits below the sign, as two
 // 128-byte tables, the low bytes and the high ones, for vpermi2b: built from fp8x16 itself, so
 // the bf16 are exactly the top halves of its fp32.
@@ -290,6 +287,19 @@ inline void fp8_pairs32(const uint8_t* a, const uint8_t* b, const Fp8Tables& tab
   v[1] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi8(lo, hi));
 }
 
+// out[g][d0 : d0 + 16 DN] += sum_t w_g,t code_t[d0 : ...] over tokens [t0, t1) (t0 even), two
+// tokens a vdpbf16ps: lane d of a pair vector holds token t's code at d (low bf16) and token
+// t + 1's (high), and the heads' weight pairs (softmax_pairs) are broadcast. An int8 code has at
+// most 8 significant bits, an fp8 e4m3 one 4: the top half of the fp32 int8x16 / fp8x16 give
+// is the code's exact bf16 (fp8: looked up, fp8_pairs32). w: the cut's first head's word of
+// group 0 (pair_word; the next group wgroup on; ONE: the cut's dims lie in one group, one weight
+// a head). Against the fp32 loop it replaced (each row's codes times its scales, then an FMA
+// per head and 16 dims), half the multiply-adds: 2-core AMD EPYC Zen 4, TinyLlama's heads (32
+// on 4, 64 dims), 8 layers' pools alternated in one process, 7 rounds: 16 x 4,096 tokens 1.15x
+// for the whole int8 attention, 1 x 4,096 1.12x, 1 x 512 1.09x, 16 x 1,024 1.02x; Llama-3-8B's
+// heads 8 x 1,024 1.07x. Its outputs move by the weights' bf16 rounding: against an fp64
+// attention over the same dequantized cache, 5% more error than before (0.0061 against 0.0058,
+// relative; the query's int8 codes make the rest).
 template <int NG, int DN, bool ONE, bool FP8, bool L2>
 inline void pv_pairs_chunk(const uint8_t* vp, const int64_t* rows, int64_t t0, int64_t t1, int64_t L, int64_t D,
                            int64_t d0, const uint32_t* w, int64_t wgroup, int64_t G, int64_t GS, float* out) {
@@ -472,11 +482,24 @@ void attend_fetching(const T* qp, const uint8_t* kp, const uint8_t* vp, const at
       for (int64_t j = 0; j < HJ; ++j) token_scales_grouped(vsp + j * NGR, rows.data(), L, NGR, code_unit, vs + j * NGR * LS, LS, BS, Hkv, h0 + j);
       uint32_t* wp = wpair_buf.get(HJ * NGR * G * LP);
       for (int64_t j = 0; j < HJ; ++j)
-        for (int64_t g = 0; g < G; ++g) {
-          const float sum = softmax_pairs(&scores[(j * G + g) * L], L, smax[j * G + g], vs + j * NGR * LS, LS, NGR, G,
-                                          wp + j * NGR * G * LP + 8 * g, G * LP);
-          inv[j * G + g] = sum > 0.f ? 1.f / sum : 0.f;  // (no tokens: zeros, as before)
+        for (int64_t g0 = 0; g0 < G; g0 += 8) {
+          const int64_t h = j * G + g0;
+          auto heads = [&](auto ng) {
+            softmax_pairs<decltype(ng)::value>(&scores[h * L], L, smax + h, vs + j * NGR * LS, LS, NGR, G,
+                                               wp + j * NGR * G * LP + 8 * g0, G * LP, inv + h);
+          };
+          switch (std::min<int64_t>(8, G - g0)) {
+            case 1: heads(std::integral_constant<int, 1>{}); break;
+            case 2: heads(std::integral_constant<int, 2>{}); break;
+            case 3: heads(std::integral_constant<int, 3>{}); break;
+            case 4: heads(std::integral_constant<int, 4>{}); break;
+            case 5: heads(std::integral_constant<int, 5>{}); break;
+            case 6: heads(std::integral_constant<int, 6>{}); break;
+            case 7: heads(std::integral_constant<int, 7>{}); break;
+            default: heads(std::integral_constant<int, 8>{});
+          }
         }
+      for (int64_t h = 0; h < HG; ++h) inv[h] = inv[h] > 0.f ? 1.f / inv[h] : 0.f;  // each head's sum -> 1 / it (no tokens: zeros)
       std::fill(acc, acc + HG * D, 0.f);
       // a job of several heads in runs of PV_CODE_TOKENS (paged_rows.h's PV_TOKENS, for rows of 1-byte codes)
       const int64_t run = HJ == 1 ? L : PV_CODE_TOKENS;
