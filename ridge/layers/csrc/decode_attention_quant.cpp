@@ -108,27 +108,6 @@ inline void token_scales16(const at::Half* sp, const int64_t* rows16, int64_t NG
   }
 }
 
-// V's scales of tokens 0 .. L (pool rows ``rows``) as fp32 times ``unit``, group-major:
-// vs[gi * LS + t] (LS: L rounded up to 16; the lanes past L hold a valid token's), 16 tokens at
-// a time by token_scales16, each line of the scales KV_PREFETCH_TOKENS ahead fetched once (a
-// line holds several tokens': 4 at TinyLlama's 4 KV heads and 2 scales a head; 1.04x for int8
-// attention, Zen 5, measured as KV_PREFETCH_TOKENS says)
-inline void token_scales_grouped(const at::Half* sp, const int64_t* rows, int64_t L, int64_t NGR, float unit, float* vs,
-                                 int64_t LS, int64_t BS, int64_t Hkv, int64_t hh) {
-  const __m512 u = _mm512_set1_ps(unit);
-  for (int64_t t0 = 0; t0 < L; t0 += 16) {
-    const int64_t n = std::min<int64_t>(16, L - t0);
-    alignas(64) int64_t rows16[16];
-    alignas(64) float ks[16 * 64];  // [group][token], up to 64 groups
-    for (int64_t i = 0; i < 16; ++i) rows16[i] = rows[t0 + std::min<int64_t>(i, n - 1)];
-    for (int64_t j = t0 + KV_PREFETCH_TOKENS, line = -1; j < std::min<int64_t>(L, t0 + KV_PREFETCH_TOKENS + 16); ++j)
-      if (const int64_t l = reinterpret_cast<intptr_t>(sp + rows[j] * NGR) >> 6; l != line)
-        _mm_prefetch(reinterpret_cast<const char*>(sp + rows[j] * NGR), _MM_HINT_T0), line = l;
-    token_scales16(sp, rows16, NGR, ks, n == 16 && BS % 16 == 0 ? Hkv : 0, hh);  // a chunk of 16 in one block
-    for (int64_t gi = 0; gi < NGR; ++gi) _mm512_storeu_ps(vs + gi * LS + t0, _mm512_mul_ps(_mm512_load_ps(ks + gi * 16), u));
-  }
-}
-
 // Scores of NG query heads (fp32 queries qf[g][D]) against 16 tokens of an fp8 K: per group
 // of GS dims sum_d q[d] k_t[d] (two chains a head, even and odd dims), times the tokens' K
 // scales of the group; then times 256 (fp8x16's unit) and the attention scale.
@@ -203,7 +182,7 @@ inline int64_t pair_word(int64_t t, int64_t G) { return t / 16 * 8 * G + t % 16 
 // lane of mx16[g]) -> their weights of V's codes, for each group gi of V's dims bf16 pairs:
 // w[gi * wgroup + pair_word(t, G) + 8 g] (w: the first head's word) holds bf16(e_t v_t) in its
 // low half and bf16(e_t+1 v_t+1) in its high one, e_t = exp(s_t - max) and v_t the token's V
-// scale of the group (vs[gi * LS + t], token_scales_grouped); zeros from L to the end of its 16
+// scale of the group (vs[gi * LS + t], from the scores' loop); zeros from L to the end of its 16
 // tokens. sums[g] = head g's sum_t e_t, which the PV's sums are divided by once at the end: one
 // pass over the scores, no normalizing pass. A chunk of 16 tokens at a time for all NG heads,
 // so that its V scales are read once and a chunk's weight lines are written whole (against a
@@ -407,6 +386,8 @@ void attend_fetching(const T* qp, const uint8_t* kp, const uint8_t* vp, const at
       prefetch_rows<_MM_HINT_T1>(vsp, rows.data(), 0, first, 2 * NGR, HJ);
       for (int64_t i = 0; i < HG * D; ++i) qf[i] = static_cast<float>(qp[b * q_stride + h0 * G * D + i]);
       float* scores = score_buf.get(HG * L);  // every score is written below
+      const int64_t LS = (L + 15) / 16 * 16, LP = LS / 2;
+      float* vs = vscale_buf.get(HJ * NGR * LS);
       for (int64_t g = 0; g < HG; ++g) smax[g] = _mm512_set1_ps(-INFINITY);
       if constexpr (!FP8)
         for (int64_t g = 0; g < HG; ++g) quantize_query(qf + g * D, D, GS, scale, qq + g * D, qsum + g * NGR, qscale + g * NGR);
@@ -438,12 +419,17 @@ void attend_fetching(const T* qp, const uint8_t* kp, const uint8_t* vp, const at
         };
         prefetch_rows<kv_hint<L2>>(kp, rows.data(), ahead, ahead_end, D, HJ);
         fetch_scales(ksp, std::integral_constant<_mm_hint, _MM_HINT_T0>{});
-        if (HJ == 1) {
-          prefetch_rows<_MM_HINT_T1>(vp, rows.data(), ahead, ahead_end, D, HJ);
-          fetch_scales(vsp, std::integral_constant<_mm_hint, _MM_HINT_T1>{});
-        }
+        if (HJ == 1) prefetch_rows<_MM_HINT_T1>(vp, rows.data(), ahead, ahead_end, D, HJ);
+        fetch_scales(vsp, std::integral_constant<_mm_hint, _MM_HINT_T0>{});  // (read in this loop, below)
         for (int64_t j = 0; j < HJ; ++j) {
           token_scales16(ksp + j * NGR, rows16, NGR, ks, in_block ? Hkv : 0, h0 + j);
+          // V's scales of the chunk too, for the softmax pass: group-major, vs[gi * LS + t], times the
+          // codes' unit (lanes past L: a valid token's). Their own pass over the tokens afterwards
+          // cost 1.03-1.04x (in one process alternating both, 60 rounds, 2-core AMD EPYC Zen 4).
+          alignas(64) float vk[16 * 64];
+          token_scales16(vsp + j * NGR, rows16, NGR, vk, in_block ? Hkv : 0, h0 + j);
+          for (int64_t gi = 0; gi < NGR; ++gi)
+            _mm512_storeu_ps(vs + (j * NGR + gi) * LS + t0, _mm512_mul_ps(_mm512_load_ps(vk + gi * 16), _mm512_set1_ps(code_unit)));
           if constexpr (FP8)
             k_columns_fp8(kp + j * D, rows16, D, colf);
           else
@@ -477,9 +463,6 @@ void attend_fetching(const T* qp, const uint8_t* kp, const uint8_t* vp, const at
         }
       }
       // the softmax's exponentials times V's scales, bf16 pairs (softmax_pairs), each head's sum of them
-      const int64_t LS = (L + 15) / 16 * 16, LP = LS / 2;
-      float* vs = vscale_buf.get(HJ * NGR * LS);
-      for (int64_t j = 0; j < HJ; ++j) token_scales_grouped(vsp + j * NGR, rows.data(), L, NGR, code_unit, vs + j * NGR * LS, LS, BS, Hkv, h0 + j);
       uint32_t* wp = wpair_buf.get(HJ * NGR * G * LP);
       for (int64_t j = 0; j < HJ; ++j)
         for (int64_t g0 = 0; g0 < G; g0 += 8) {
