@@ -197,7 +197,7 @@ inline void softmax_pairs(const float* s, int64_t L, const __m512* mx16, const f
   for (int64_t t = 0; t < L; t += 16) {
     const __mmask16 m = L - t >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (L - t)) - 1);
     for (int g = 0; g < NG; ++g) {
-      e[g] = _mm512_maskz_mov_ps(m, exp512_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + g * L + t), _mm512_set1_ps(mx[g]))));
+      e[g] = exp512_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + g * L + t), _mm512_set1_ps(mx[g])), m);
       sum[g] = _mm512_add_ps(sum[g], e[g]);
     }
     for (int64_t gi = 0; gi < NGR; ++gi) {
