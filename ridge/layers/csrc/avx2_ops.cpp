@@ -645,21 +645,6 @@ void weigh_values_int8(const float* ps, const Rows& vr, int64_t t_begin, int64_t
   }
 }
 
-// fn(std::integral_constant<int, n>) for n in [1, 8]: the query heads a KV head's kernels take at once
-template <class Fn>
-void with_heads(int64_t n, Fn&& fn) {
-  switch (n) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    case 5: fn(std::integral_constant<int, 5>{}); break;
-    case 6: fn(std::integral_constant<int, 6>{}); break;
-    case 7: fn(std::integral_constant<int, 7>{}); break;
-    default: fn(std::integral_constant<int, 8>{}); break;
-  }
-}
-
 }  // namespace
 
 namespace {

@@ -467,20 +467,10 @@ void attend_fetching(const T* qp, const uint8_t* kp, const uint8_t* vp, const at
       for (int64_t j = 0; j < HJ; ++j)
         for (int64_t g0 = 0; g0 < G; g0 += 8) {
           const int64_t h = j * G + g0;
-          auto heads = [&](auto ng) {
+          with_heads(std::min<int64_t>(8, G - g0), [&](auto ng) {
             softmax_pairs<decltype(ng)::value>(&scores[h * L], L, smax + h, vs + j * NGR * LS, LS, NGR, G,
                                                wp + j * NGR * G * LP + 8 * g0, G * LP, inv + h);
-          };
-          switch (std::min<int64_t>(8, G - g0)) {
-            case 1: heads(std::integral_constant<int, 1>{}); break;
-            case 2: heads(std::integral_constant<int, 2>{}); break;
-            case 3: heads(std::integral_constant<int, 3>{}); break;
-            case 4: heads(std::integral_constant<int, 4>{}); break;
-            case 5: heads(std::integral_constant<int, 5>{}); break;
-            case 6: heads(std::integral_constant<int, 6>{}); break;
-            case 7: heads(std::integral_constant<int, 7>{}); break;
-            default: heads(std::integral_constant<int, 8>{});
-          }
+          });
         }
       for (int64_t h = 0; h < HG; ++h) inv[h] = inv[h] > 0.f ? 1.f / inv[h] : 0.f;  // each head's sum -> 1 / it (no tokens: zeros)
       std::fill(acc, acc + HG * D, 0.f);

@@ -183,6 +183,22 @@ constexpr int64_t PV_TOKENS = 32;
 // (the layout alone 1.04x, 1.10x, 0.99x); 128 no faster than 64.
 constexpr int64_t PV_CODE_TOKENS = 64;
 
+// fn(std::integral_constant<int, n>) for n in [1, 8]: the query heads a KV head's kernels take at
+// once (avx2_ops.cpp's scores and PV, decode_attention_quant.cpp's softmax)
+template <class Fn>
+inline void with_heads(int64_t n, Fn&& fn) {
+  switch (n) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 7: fn(std::integral_constant<int, 7>{}); break;
+    default: fn(std::integral_constant<int, 8>{}); break;
+  }
+}
+
 // The PV pass's cuts of a KV head's G query heads and D dims (a multiple of 16): fn(heads,
 // dims16, g0, d0) once a cut, its head count and its count of 16 dims as constants
 // (std::integral_constant), so that each cut's accumulators stay in registers. 8 heads x 32
