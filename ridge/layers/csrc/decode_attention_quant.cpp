@@ -212,14 +212,16 @@ inline void softmax_pairs(const float* s, int64_t L, const __m512* mx16, const f
 
 // An e4m3 code's value / 256 (as fp8x16 gives it) in bf16, of its 7 bits below the sign, as two
 // 128-byte tables, the low bytes and the high ones, for vpermi2b: built from fp8x16 itself, so
-// the bf16 are exactly the top halves of its fp32.
+// the bf16 are exactly the top halves of its fp32. order: fp8_pairs32's byte permute (in each 16
+// bytes k, a's and b's codes of dims 4k .. 4k + 3 in turns, then of dims 16 + 4k .. 16 + 4k + 3:
+// vpunpck{l,h}bw read a 16-byte lane's halves). Built once a process.
 struct Fp8Tables {
-  __m512i lo[2], hi[2];
+  __m512i lo[2], hi[2], order;
 };
 
 inline const Fp8Tables& fp8_tables() {
   static const Fp8Tables tables = [] {
-    alignas(64) uint8_t lo[128], hi[128];
+    alignas(64) uint8_t lo[128], hi[128], idx[64];
     for (int m = 0; m < 128; m += 16) {
       alignas(16) uint8_t codes[16];
       alignas(64) uint32_t f[16];
@@ -227,37 +229,31 @@ inline const Fp8Tables& fp8_tables() {
       _mm512_store_si512(f, _mm512_castps_si512(fp8x16(codes)));
       for (int i = 0; i < 16; ++i) lo[m + i] = static_cast<uint8_t>(f[i] >> 16), hi[m + i] = static_cast<uint8_t>(f[i] >> 24);
     }
+    for (int k = 0; k < 4; ++k)
+      for (int m = 0; m < 4; ++m) {
+        idx[16 * k + 2 * m] = static_cast<uint8_t>(4 * k + m);
+        idx[16 * k + 2 * m + 1] = static_cast<uint8_t>(64 + 4 * k + m);
+        idx[16 * k + 8 + 2 * m] = static_cast<uint8_t>(16 + 4 * k + m);
+        idx[16 * k + 8 + 2 * m + 1] = static_cast<uint8_t>(64 + 16 + 4 * k + m);
+      }
     Fp8Tables t;
     for (int k = 0; k < 2; ++k) t.lo[k] = _mm512_load_si512(lo + 64 * k), t.hi[k] = _mm512_load_si512(hi + 64 * k);
+    t.order = _mm512_load_si512(idx);
     return t;
   }();
   return tables;
 }
 
-// fp8_pairs32's byte order: in each 16 bytes k, a's and b's codes of dims 4k .. 4k + 3 in turns,
-// then of dims 16 + 4k .. 16 + 4k + 3 (vpunpck{l,h}bw read a 16-byte lane's halves)
-inline __m512i fp8_pair_order() {
-  alignas(64) uint8_t idx[64];
-  for (int k = 0; k < 4; ++k)
-    for (int m = 0; m < 4; ++m) {
-      idx[16 * k + 2 * m] = static_cast<uint8_t>(4 * k + m);
-      idx[16 * k + 2 * m + 1] = static_cast<uint8_t>(64 + 4 * k + m);
-      idx[16 * k + 8 + 2 * m] = static_cast<uint8_t>(16 + 4 * k + m);
-      idx[16 * k + 8 + 2 * m + 1] = static_cast<uint8_t>(64 + 16 + 4 * k + m);
-    }
-  return _mm512_load_si512(idx);
-}
-
 // Two tokens' fp8 codes of 32 dims (a, b: 32 bytes each) -> v[0], v[1]: lane d of v[j] holds
 // a's value / 256 at dim 16 j + d in bf16 (low half) and b's (high half), as pv_pairs_chunk
-// takes them. A byte permute pairs the tokens' codes (in fp8_pair_order), two table lookups
+// takes them. A byte permute pairs the tokens' codes (tab.order), two table lookups
 // give each code's bf16 bytes, the sign bit is or-ed into the high byte, two unpacks make the
 // words: 6 ops where four fp8x16 (7 each) and two merges took 32. 2-core AMD EPYC Zen 4, fp8
 // attention over 16 x 4,096 tokens, alternated with the build before, 3 rounds: 1.10-1.12x.
 // (The same lookup for int8 codes, on their magnitudes, ran 0.95-1.03x against int8x16's two
 // ops: Zen 4's vpermi2b costs more than vpmovsxbd and vcvtdq2ps.)
-inline void fp8_pairs32(const uint8_t* a, const uint8_t* b, const Fp8Tables& tab, __m512i order, __m512bh v[2]) {
-  const __m512i y = _mm512_permutex2var_epi8(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), order,
+inline void fp8_pairs32(const uint8_t* a, const uint8_t* b, const Fp8Tables& tab, __m512bh v[2]) {
+  const __m512i y = _mm512_permutex2var_epi8(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), tab.order,
                                              _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b))));
   const __m512i lo = _mm512_permutex2var_epi8(tab.lo[0], y, tab.lo[1]);  // (vpermi2b reads an index's bits 0-6)
   const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(tab.hi[0], y, tab.hi[1]), y,
@@ -288,8 +284,8 @@ inline void pv_pairs_chunk(const uint8_t* vp, const int64_t* rows, int64_t t0, i
   for (int g = 0; g < NG; ++g)
     for (int j = 0; j < DN; ++j) acc[g][j] = _mm512_loadu_ps(out + g * D + 16 * j);
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  [[maybe_unused]] const Fp8Tables& tab = fp8_tables();
-  [[maybe_unused]] const __m512i order = fp8_pair_order();
+  [[maybe_unused]] const Fp8Tables* tab = nullptr;
+  if constexpr (FP8) tab = &fp8_tables();
   auto weights = [&](int j, int g, int64_t at) {
     return reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(wj[j][at + 8 * g])));
   };
@@ -306,7 +302,7 @@ inline void pv_pairs_chunk(const uint8_t* vp, const int64_t* rows, int64_t t0, i
     __m512bh v[DN];
     int j0 = 0;
     if constexpr (FP8)  // two vectors at a time where it can
-      for (; j0 + 1 < DN; j0 += 2) fp8_pairs32(r0 + 16 * j0, r1 + 16 * j0, tab, order, v + j0);
+      for (; j0 + 1 < DN; j0 += 2) fp8_pairs32(r0 + 16 * j0, r1 + 16 * j0, *tab, v + j0);
     for (int j = j0; j < DN; ++j) {
       const __m512i f0 = _mm512_castps_si512(FP8 ? fp8x16(r0 + 16 * j) : int8x16(r0 + 16 * j));
       const __m512i f1 = _mm512_castps_si512(FP8 ? fp8x16(r1 + 16 * j) : int8x16(r1 + 16 * j));
@@ -429,7 +425,8 @@ void attend_fetching(const T* qp, const uint8_t* kp, const uint8_t* vp, const at
           alignas(64) float vk[16 * 64];
           token_scales16(vsp + j * NGR, rows16, NGR, vk, in_block ? Hkv : 0, h0 + j);
           for (int64_t gi = 0; gi < NGR; ++gi)
-            _mm512_storeu_ps(vs + (j * NGR + gi) * LS + t0, _mm512_mul_ps(_mm512_load_ps(vk + gi * 16), _mm512_set1_ps(code_unit)));
+            _mm512_storeu_ps(vs + (j * NGR + gi) * LS + t0,
+                             FP8 ? _mm512_mul_ps(_mm512_load_ps(vk + gi * 16), _mm512_set1_ps(code_unit)) : _mm512_load_ps(vk + gi * 16));
           if constexpr (FP8)
             k_columns_fp8(kp + j * D, rows16, D, colf);
           else
