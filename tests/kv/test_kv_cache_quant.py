@@ -94,14 +94,17 @@ def test_cpu_kernel_reads_codes_and_scales_from_the_pool(kind, dim, heads, dtype
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("kv_heads", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_cpu_kernel_reads_whole_blocks_of_scales_as_it_gathers_them(kind, kv_heads, block_size):
+@pytest.mark.parametrize("group", [2, 8])
+def test_cpu_kernel_reads_whole_blocks_of_scales_as_it_gathers_them(kind, kv_heads, block_size, group):
     """Blocks of 16k tokens: a chunk of 16 tokens lies in one block and the kernel loads its
-    scales as they lie (1, 2 or 4 KV heads; others gather them). The same pool read as blocks
-    half as long (each block two, the tables to match), where every chunk's scales are gathered,
-    gives the same outputs bit for bit; contexts that end mid-chunk included."""
+    scales as they lie (1, 2 or 4 KV heads; others gather them) and fetches the rows ahead by a
+    stride. The same pool read as blocks half as long (each block two, the tables to match),
+    where every chunk's scales are gathered, gives the same outputs bit for bit; contexts that
+    end mid-chunk included. 8 query heads a KV head: int8's scores 8 heads a pass, the query's
+    codes by quads of dims."""
     lens = [16, 40, 130, 3]
     cache, meta, gen = _cache_case(kind, 64, lens, kv_heads=kv_heads, block_size=block_size, num_blocks=40)
-    q = torch.randn(len(lens), 2 * kv_heads, 64, generator=gen)
+    q = torch.randn(len(lens), group * kv_heads, 64, generator=gen)
     kernels = select_kernels("ridge", torch.device("cpu"), torch.float32)
     got = kernels.decode_attention(q, cache, meta)
 

@@ -145,11 +145,15 @@ inline void qk_fp8(const float* col, const float* qf, int64_t D, int64_t GS, con
 // Groups of 32 (every head size a multiple of 32) with 8 heads a pass: the group's loop
 // unrolled and the query codes an embedded broadcast (dpbusd_x), each K column loaded once
 // for 8 heads instead of twice for 4: the same integers and float ops, 1.03x for the whole
-// attention with K in cache (2-core AMD EPYC, Zen 5).
-template <int NG, int QG = 0>
+// attention with K in cache (2-core AMD EPYC, Zen 5). WORDS: the query's codes by quads of dims,
+// then heads (query_words: word p NG + g is head g's dims 4p .. 4p + 3), so that each
+// vpdpbusd's broadcast is a constant offset from one pointer; head by head (qq + g D + 4 p) the
+// compiler stepped a register by D before each (see prefetch_rows16 for what it measured).
+template <int NG, int QG = 0, bool WORDS = false>
 inline void qk_int8(const __m512i* col, const int8_t* qq, const int32_t* qsum, const float* qf, int64_t D, int64_t GS,
                     const float* ks, float* scores, int64_t L, int64_t n, __m512* mx) {
   const int64_t NGR = D / GS, quads = QG > 0 ? QG : GS / 4;
+  const int32_t* qw = reinterpret_cast<const int32_t*>(qq);
   __m512 sacc[NG];
   for (int g = 0; g < NG; ++g) sacc[g] = _mm512_setzero_ps();
   for (int64_t gi = 0; gi < NGR; ++gi) {
@@ -158,7 +162,7 @@ inline void qk_int8(const __m512i* col, const int8_t* qq, const int32_t* qsum, c
 #pragma GCC unroll 8
     for (int64_t p = gi * quads; p < (gi + 1) * quads; ++p) {
       const __m512i kv = _mm512_load_si512(col + p);
-      for (int g = 0; g < NG; ++g) acc[g] = dpbusd_x(acc[g], kv, reinterpret_cast<const int32_t*>(qq + g * D + 4 * p));
+      for (int g = 0; g < NG; ++g) acc[g] = dpbusd_x(acc[g], kv, WORDS ? qw + p * NG + g : qw + g * D / 4 + p);
     }
     const __m512 k_scale = _mm512_load_ps(ks + gi * 16);
     for (int g = 0; g < NG; ++g)
@@ -169,6 +173,15 @@ inline void qk_int8(const __m512i* col, const int8_t* qq, const int32_t* qsum, c
     _mm512_mask_storeu_ps(scores + g * L, valid, sacc[g]);
     mx[g] = _mm512_mask_max_ps(mx[g], valid, mx[g], sacc[g]);
   }
+}
+
+// NG heads' int8 query codes (qq, D a head) as qk_int8's WORDS takes them: out[p NG + g] = head
+// g's word p (its dims 4p .. 4p + 3)
+template <int NG>
+inline void query_words(const int8_t* qq, int64_t D, int32_t* out) {
+  const int32_t* w = reinterpret_cast<const int32_t*>(qq);
+  for (int64_t p = 0; p < D / 4; ++p)
+    for (int g = 0; g < NG; ++g) out[p * NG + g] = w[g * D / 4 + p];
 }
 
 // The weights of V's codes (softmax_pairs, pv_pairs_chunk) lie by groups of V's dims, then by
@@ -357,7 +370,7 @@ void attend_fetching(const T* qp, const uint8_t* kp, const uint8_t* vp, const at
     // K's columns, the scores, V's scales, the sums
     thread_local Scratch<float> qf_buf, qscale_buf, score_buf, vscale_buf, acc_buf, inv_buf;
     thread_local Scratch<int8_t> qq_buf;
-    thread_local Scratch<int32_t> qsum_buf;
+    thread_local Scratch<int32_t> qsum_buf, qwords_buf;
     thread_local Scratch<uint32_t> wpair_buf;  // V's weights, bf16 pairs (softmax_pairs)
     thread_local Scratch<__m512> smax_buf;  // each head's largest score, of the tokens a lane holds
     thread_local Scratch<__m512i> col_buf;
@@ -369,6 +382,7 @@ void attend_fetching(const T* qp, const uint8_t* kp, const uint8_t* vp, const at
     float* inv = inv_buf.get(HG);  // each head's 1 / its sum of exp (softmax_pairs)
     int8_t* qq = qq_buf.get(HG * D);
     int32_t* qsum = qsum_buf.get(HG * NGR);
+    int32_t* qwords = qwords_buf.get(HG * D / 4);  // the codes as qk_int8's WORDS takes them (8 heads a pass)
     __m512i* col = col_buf.get(FP8 ? 1 : D / 4);
     float* colf = reinterpret_cast<float*>(colv_buf.get(FP8 ? D : 1));
     std::vector<int64_t> rows;
@@ -385,10 +399,12 @@ void attend_fetching(const T* qp, const uint8_t* kp, const uint8_t* vp, const at
       const int64_t LS = (L + 15) / 16 * 16, LP = LS / 2;
       float* vs = vscale_buf.get(HJ * NGR * LS);
       for (int64_t g = 0; g < HG; ++g) smax[g] = _mm512_set1_ps(-INFINITY);
+      const bool eight = !FP8 && GS == 32 && G % 8 == 0;  // int8 scores 8 heads a pass (see qk_int8)
       if constexpr (!FP8)
         for (int64_t g = 0; g < HG; ++g) quantize_query(qf + g * D, D, GS, scale, qq + g * D, qsum + g * NGR, qscale + g * NGR);
+      if (eight)  // each 8 heads' codes by quads of dims (qk_int8's WORDS)
+        for (int64_t g0 = 0; g0 < HG; g0 += 8) query_words<8>(qq + g0 * D, D, qwords + g0 * D / 4);
       const __m512 unit_scale = _mm512_set1_ps(code_unit * scale);
-      const bool eight = !FP8 && GS == 32 && G % 8 == 0;  // int8 scores 8 heads a pass (see qk_int8)
       for (int64_t t0 = 0; t0 < L; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, L - t0);
         alignas(64) int64_t rows16[16];
@@ -413,9 +429,15 @@ void attend_fetching(const T* qp, const uint8_t* kp, const uint8_t* vp, const at
           else
             prefetch_rows<hint()>(sp, rows.data(), ahead, ahead_end, 2 * NGR, HJ);
         };
-        prefetch_rows<kv_hint<L2>>(kp, rows.data(), ahead, ahead_end, D, HJ);
+        auto fetch_rows = [&](const uint8_t* base, auto hint) {
+          if (ahead_in_block)
+            prefetch_rows16<hint()>(base, rows.data(), ahead, D, HJ, Hkv);
+          else
+            prefetch_rows<hint()>(base, rows.data(), ahead, ahead_end, D, HJ);
+        };
+        fetch_rows(kp, std::integral_constant<_mm_hint, kv_hint<L2>>{});
         fetch_scales(ksp, std::integral_constant<_mm_hint, _MM_HINT_T0>{});
-        if (HJ == 1) prefetch_rows<_MM_HINT_T1>(vp, rows.data(), ahead, ahead_end, D, HJ);
+        if (HJ == 1) fetch_rows(vp, std::integral_constant<_mm_hint, _MM_HINT_T1>{});
         fetch_scales(vsp, std::integral_constant<_mm_hint, _MM_HINT_T0>{});  // (read in this loop, below)
         for (int64_t j = 0; j < HJ; ++j) {
           token_scales16(ksp + j * NGR, rows16, NGR, ks, in_block ? Hkv : 0, h0 + j);
@@ -447,7 +469,8 @@ void attend_fetching(const T* qp, const uint8_t* kp, const uint8_t* vp, const at
               const int32_t* qs = qsum + (j * G + g0) * NGR;
               const float* qfs = qscale + (j * G + g0) * NGR;
               if (eight)
-                qk_int8<8, 8>(col, q, qs, qfs, D, GS, ks, s, L, n, smax + j * G + g0);
+                qk_int8<8, 8, true>(col, reinterpret_cast<const int8_t*>(qwords + (j * G + g0) * D / 4), qs, qfs, D, GS, ks,
+                                    s, L, n, smax + j * G + g0);
               else
                 switch (std::min<int64_t>(4, G - g0)) {
                   case 1: qk_int8<1>(col, q, qs, qfs, D, GS, ks, s, L, n, smax + j * G + g0); break;

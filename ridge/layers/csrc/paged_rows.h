@@ -65,13 +65,18 @@ struct Scratch {
   }
 };
 
-// Tokens t0 .. t0 + n of a sequence (a chunk of its context): rows[i] for token t0 + i.
+// Tokens t0 .. t0 + n of a sequence (a chunk of its context): rows[i] for token t0 + i. A
+// block's rows a run of stores through a local pointer, which the compiler vectorizes (through
+// rows[i] it reloaded the vector's data pointer at each store: 4,096 tokens a job, a few percent
+// of the int8 decode attention's samples at 16 x 4,096 tokens, 2-core AMD EPYC Zen 4).
 inline void paged_rows_from(const int64_t* table, int64_t t0, int64_t n, int64_t BS, int64_t Hkv, int64_t h,
                             std::vector<int64_t>& rows) {
   rows.resize(n);
+  int64_t* out = rows.data();
   for (int64_t i = 0, b = t0 / BS, o = t0 % BS; i < n; ++b, o = 0) {
-    const int64_t slot0 = table[b] * BS;
-    for (; o < BS && i < n; ++o, ++i) rows[i] = (slot0 + o) * Hkv + h;
+    const int64_t first = (table[b] * BS + o) * Hkv + h, run = std::min<int64_t>(BS - o, n - i);
+    for (int64_t k = 0; k < run; ++k) out[i + k] = first + k * Hkv;
+    i += run;
   }
 }
 
@@ -94,6 +99,22 @@ inline void prefetch_rows(const void* base, const int64_t* rows, int64_t begin, 
   const char* b = static_cast<const char*>(base);
   for (int64_t t = begin; t < end; ++t)
     for (int64_t c = 0; c < heads * row_bytes; c += 64) _mm_prefetch(b + rows[t] * row_bytes + c, HINT);
+}
+
+// prefetch_rows for the 16 tokens from begin, which lie in one block (BS a multiple of 16 and
+// begin of one): their rows are rows[begin] + i Hkv, so the loop steps a pointer by a constant
+// stride where the general one reads each token's row and multiplies. In the int8 decode
+// attention's scores' loop (K's and V's chunk ahead), 2-core AMD EPYC Zen 4, ordered pools, in
+// one process alternating both: with the query's word layout (qk_int8_8) and paged_rows_from's
+// run stores, 16 x 4,096 tokens 1.05x, 1 x 4,096 1.08x, 4 x 1,024 1.06x; the bf16 kernel's K fetch
+// level (0.996x, 40 rounds).
+template <_mm_hint HINT>
+inline void prefetch_rows16(const void* base, const int64_t* rows, int64_t begin, int64_t row_bytes, int64_t heads,
+                            int64_t Hkv) {
+  const char* p = static_cast<const char*>(base) + rows[begin] * row_bytes;
+  const int64_t stride = Hkv * row_bytes, run = heads * row_bytes;
+  for (int i = 0; i < 16; ++i, p += stride)
+    for (int64_t c = 0; c < run; c += 64) _mm_prefetch(p + c, HINT);
 }
 
 // Fetch every line of the bytes [begin, end), each once
