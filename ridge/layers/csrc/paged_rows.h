@@ -85,6 +85,26 @@ inline void paged_rows(const int64_t* table, int64_t L, int64_t BS, int64_t Hkv,
   paged_rows_from(table, 0, L, BS, Hkv, h, rows);
 }
 
+// One prefetch of the line at p, as _mm_prefetch(p, HINT), but an asm statement the compiler
+// keeps. GCC 12 at -O3 deleted whole loops of _mm_prefetch (tree DCE: a prefetch is not a side
+// effect) where they were reached through decode_attention_quant.cpp's generic lambdas: its
+// fetch of the scales a chunk ahead had compiled to nothing since it was written, and its rows'
+// fetch moved into such a lambda ran the int8 attention 1.45x slower (16 x 4,096 tokens, 2-core
+// AMD EPYC Zen 4). With the scales' fetch running (in one process alternating both, 40 rounds):
+// shuffled pools 16 x 4,096 tokens 1.10x, 4 x 1,024 level; ordered pools 0.99x.
+template <_mm_hint HINT>
+inline void prefetch_line(const void* p) {
+  const char& m = *static_cast<const char*>(p);
+  if constexpr (HINT == _MM_HINT_T0)
+    asm volatile("prefetcht0 %0" : : "m"(m));
+  else if constexpr (HINT == _MM_HINT_T1)
+    asm volatile("prefetcht1 %0" : : "m"(m));
+  else if constexpr (HINT == _MM_HINT_T2)
+    asm volatile("prefetcht2 %0" : : "m"(m));
+  else
+    asm volatile("prefetchnta %0" : : "m"(m));
+}
+
 // Fetch the pool rows of tokens begin .. end (rows[t] rows of row_bytes into base, and the
 // heads - 1 rows after each: a job's KV heads side by side), every line of each. A kernel calls
 // it for a KV head's first KV_PREFETCH_TOKENS tokens as it starts the head, where its loops'
@@ -98,23 +118,23 @@ inline void prefetch_rows(const void* base, const int64_t* rows, int64_t begin, 
                           int64_t heads = 1) {
   const char* b = static_cast<const char*>(base);
   for (int64_t t = begin; t < end; ++t)
-    for (int64_t c = 0; c < heads * row_bytes; c += 64) _mm_prefetch(b + rows[t] * row_bytes + c, HINT);
+    for (int64_t c = 0; c < heads * row_bytes; c += 64) prefetch_line<HINT>(b + rows[t] * row_bytes + c);
 }
 
 // prefetch_rows for the 16 tokens from begin, which lie in one block (BS a multiple of 16 and
 // begin of one): their rows are rows[begin] + i Hkv, so the loop steps a pointer by a constant
 // stride where the general one reads each token's row and multiplies. In the int8 decode
 // attention's scores' loop (K's and V's chunk ahead), 2-core AMD EPYC Zen 4, ordered pools, in
-// one process alternating both: with the query's word layout (qk_int8_8) and paged_rows_from's
-// run stores, 16 x 4,096 tokens 1.05x, 1 x 4,096 1.08x, 4 x 1,024 1.06x; the bf16 kernel's K fetch
-// level (0.996x, 40 rounds).
+// one process alternating both, 40 rounds: 16 x 4,096 tokens 1.03x; with qk_int8's query words
+// and paged_rows_from's run stores, 16 x 4,096 1.05x, 1 x 4,096 1.08x, 4 x 1,024 1.06x. The
+// bf16 kernel's K fetch level (0.996x).
 template <_mm_hint HINT>
 inline void prefetch_rows16(const void* base, const int64_t* rows, int64_t begin, int64_t row_bytes, int64_t heads,
                             int64_t Hkv) {
   const char* p = static_cast<const char*>(base) + rows[begin] * row_bytes;
   const int64_t stride = Hkv * row_bytes, run = heads * row_bytes;
   for (int i = 0; i < 16; ++i, p += stride)
-    for (int64_t c = 0; c < run; c += 64) _mm_prefetch(p + c, HINT);
+    for (int64_t c = 0; c < run; c += 64) prefetch_line<HINT>(p + c);
 }
 
 // Fetch every line of the bytes [begin, end), each once
@@ -122,7 +142,7 @@ template <_mm_hint HINT>
 inline void prefetch_stretch(const void* begin, const void* end) {
   const char* e = static_cast<const char*>(end);
   for (const char* p = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(begin) & ~uintptr_t{63}); p < e; p += 64)
-    _mm_prefetch(p, HINT);
+    prefetch_line<HINT>(p);
 }
 
 // How many jobs a sequence's KV heads are cut into (a divisor of Hkv; each job takes Hkv / that
