@@ -120,6 +120,23 @@ def test_cpu_kernel_reads_whole_blocks_of_scales_as_it_gathers_them(kind, kv_hea
     assert (got - want).abs().max().item() <= 0.02 * want.abs().max().item()
 
 
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU has no AVX-512 BF16 + VNNI")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("block_size", [1, 5, 6])
+@pytest.mark.parametrize("group", [2, 8])
+def test_cpu_kernel_reads_blocks_of_odd_and_even_token_counts(kind, block_size, group):
+    """The PV pass takes a token pair's second row a stride after the first where blocks hold an
+    even count of tokens, and looks each row up where they hold an odd one (a pair across two
+    blocks): both near the dequantized cache's attention, odd context lengths included."""
+    lens = [1, 7, 40, 33]
+    cache, meta, gen = _cache_case(kind, 64, lens, kv_heads=2, block_size=block_size, num_blocks=200)
+    q = torch.randn(len(lens), group * 2, 64, generator=gen)
+    got = select_kernels("ridge", torch.device("cpu"), torch.float32).decode_attention(q, cache, meta)
+    want = _dense_reference(q, cache, meta)
+    tol = 0.01 if kind == "int8" else 0.004
+    assert (got - want).abs().max().item() <= tol * want.abs().max().item()
+
+
 def _shared_cache_case(kind, dim, lens, block_size=16, num_blocks=60, seed=2):
     """MLA's latent in int8/fp8: one KV head that is both K and V (``v is k``), as kv/cache.py
     allocates it for ``keys_only`` specs."""
