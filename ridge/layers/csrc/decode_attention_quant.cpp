@@ -147,13 +147,13 @@ inline void qk_fp8(const float* col, const float* qf, int64_t D, int64_t GS, con
 // for 8 heads instead of twice for 4: the same integers and float ops, 1.03x for the whole
 // attention with K in cache (2-core AMD EPYC, Zen 5). WORDS: the query's codes by quads of dims,
 // then heads (query_words: word p NG + g is head g's dims 4p .. 4p + 3), so that each
-// vpdpbusd's broadcast is a constant offset from one pointer; head by head (qq + g D + 4 p) the
-// compiler stepped a register by D before each (see prefetch_rows16 for what it measured).
+// vpdpbusd's broadcast is a constant offset from one pointer; head by head (qw + g D / 4 + p)
+// the compiler stepped a register by D before each (see prefetch_chunk_rows for what it
+// measured). qw: the heads' codes as 4-byte words, head by head or (WORDS) as query_words lays them.
 template <int NG, int QG = 0, bool WORDS = false>
-inline void qk_int8(const __m512i* col, const int8_t* qq, const int32_t* qsum, const float* qf, int64_t D, int64_t GS,
+inline void qk_int8(const __m512i* col, const int32_t* qw, const int32_t* qsum, const float* qf, int64_t D, int64_t GS,
                     const float* ks, float* scores, int64_t L, int64_t n, __m512* mx) {
   const int64_t NGR = D / GS, quads = QG > 0 ? QG : GS / 4;
-  const int32_t* qw = reinterpret_cast<const int32_t*>(qq);
   __m512 sacc[NG];
   for (int g = 0; g < NG; ++g) sacc[g] = _mm512_setzero_ps();
   for (int64_t gi = 0; gi < NGR; ++gi) {
@@ -442,7 +442,7 @@ void attend_fetching(const T* qp, const uint8_t* kp, const uint8_t* vp, const at
         // paged_rows.h's prefetch_line the compiler deleted these lambdas' fetch loops: what
         // that measured was the loops gone; the scales' fetch running against none, shuffled
         // pools 16 x 4,096 1.10x, 4 x 1,024 level, ordered 0.99x. Within a block the rows
-        // are fetched by a stride, prefetch_rows16.)
+        // are fetched by a stride, prefetch_chunk_rows.)
         const bool ahead_in_block = ahead_end - ahead == 16 && BS % 16 == 0;
         auto fetch_scales = [&](const at::Half* sp, auto hint) {
           if (ahead_in_block)
@@ -450,15 +450,9 @@ void attend_fetching(const T* qp, const uint8_t* kp, const uint8_t* vp, const at
           else
             prefetch_rows<hint()>(sp, rows.data(), ahead, ahead_end, 2 * NGR, HJ);
         };
-        auto fetch_rows = [&](const uint8_t* base, auto hint) {
-          if (ahead_in_block)
-            prefetch_rows16<hint()>(base, rows.data(), ahead, D, HJ, Hkv);
-          else
-            prefetch_rows<hint()>(base, rows.data(), ahead, ahead_end, D, HJ);
-        };
-        fetch_rows(kp, std::integral_constant<_mm_hint, kv_hint<L2>>{});
+        prefetch_chunk_rows<kv_hint<L2>>(kp, rows.data(), ahead, ahead_end, D, HJ, BS, Hkv);
         fetch_scales(ksp, std::integral_constant<_mm_hint, _MM_HINT_T0>{});
-        if (HJ == 1) fetch_rows(vp, std::integral_constant<_mm_hint, _MM_HINT_T1>{});
+        if (HJ == 1) prefetch_chunk_rows<_MM_HINT_T1>(vp, rows.data(), ahead, ahead_end, D, HJ, BS, Hkv);
         fetch_scales(vsp, std::integral_constant<_mm_hint, _MM_HINT_T0>{});  // (read in this loop, below)
         for (int64_t j = 0; j < HJ; ++j) {
           token_scales16(ksp + j * NGR, rows16, NGR, ks, in_block ? Hkv : 0, h0 + j);
@@ -486,12 +480,11 @@ void attend_fetching(const T* qp, const uint8_t* kp, const uint8_t* vp, const at
                 default: qk_fp8<4>(colf, q, D, GS, ks, unit_scale, s, L, n, smax + j * G + g0);
               }
             } else {
-              const int8_t* q = qq + (j * G + g0) * D;
+              const int32_t* q = reinterpret_cast<const int32_t*>(qq + (j * G + g0) * D);
               const int32_t* qs = qsum + (j * G + g0) * NGR;
               const float* qfs = qscale + (j * G + g0) * NGR;
               if (eight)
-                qk_int8<8, 8, true>(col, reinterpret_cast<const int8_t*>(qwords + (j * G + g0) * D / 4), qs, qfs, D, GS, ks,
-                                    s, L, n, smax + j * G + g0);
+                qk_int8<8, 8, true>(col, qwords + (j * G + g0) * D / 4, qs, qfs, D, GS, ks, s, L, n, smax + j * G + g0);
               else
                 switch (std::min<int64_t>(4, G - g0)) {
                   case 1: qk_int8<1>(col, q, qs, qfs, D, GS, ks, s, L, n, smax + j * G + g0); break;

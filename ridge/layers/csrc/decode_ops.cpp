@@ -347,10 +347,7 @@ void bf16_attention(const bf16* qp, int64_t q_stride, int64_t B, int64_t Hq, int
         // the rows of the chunk KV_PREFETCH_TOKENS ahead, into L2 or L1 (paged_rows.h)
         const int64_t ahead_end = std::min<int64_t>(L, t0 + KV_PREFETCH_TOKENS + 16);
         const int64_t ahead = std::min<int64_t>(ahead_end, t0 + KV_PREFETCH_TOKENS);
-        if (ahead_end - ahead == 16 && BS % 16 == 0)  // 16 tokens of one block
-          prefetch_rows16<kv_hint<L2>>(kp, rows.data(), ahead, 2 * D, HJ, Hkv);
-        else
-          prefetch_rows<kv_hint<L2>>(kp, rows.data(), ahead, ahead_end, 2 * D, HJ);
+        prefetch_chunk_rows<kv_hint<L2>>(kp, rows.data(), ahead, ahead_end, 2 * D, HJ, BS, Hkv);
         for (int64_t j = 0; j < HJ; ++j) {
           alignas(64) int64_t rows16[16];
           for (int64_t i = 0; i < 16; ++i)  // tail lanes repeat a valid token

@@ -121,16 +121,18 @@ inline void prefetch_rows(const void* base, const int64_t* rows, int64_t begin, 
     for (int64_t c = 0; c < heads * row_bytes; c += 64) prefetch_line<HINT>(b + rows[t] * row_bytes + c);
 }
 
-// prefetch_rows for the 16 tokens from begin, which lie in one block (BS a multiple of 16 and
-// begin of one): their rows are rows[begin] + i Hkv, so the loop steps a pointer by a constant
-// stride where the general one reads each token's row and multiplies. In the int8 decode
-// attention's scores' loop (K's and V's chunk ahead), 2-core AMD EPYC Zen 4, ordered pools, in
-// one process alternating both, 40 rounds: 16 x 4,096 tokens 1.03x; with qk_int8's query words
-// and paged_rows_from's run stores, 16 x 4,096 1.05x, 1 x 4,096 1.08x, 4 x 1,024 1.06x. The
-// bf16 kernel's K fetch level (0.996x).
+// prefetch_rows for the chunk of tokens begin .. end that a decode kernel fetches ahead (blocks
+// of BS tokens, Hkv KV heads). Where it is 16 tokens of one block (BS a multiple of 16, begin of
+// 16 too) their rows are rows[begin] + i Hkv, and the loop steps a pointer by a constant stride
+// where the general one reads each token's row and multiplies. In the int8 decode attention's
+// scores' loop (K's and V's chunk ahead), 2-core AMD EPYC Zen 4, ordered pools, in one process
+// alternating both, 40 rounds: 16 x 4,096 tokens 1.03x; with qk_int8's query words and
+// paged_rows_from's run stores, 16 x 4,096 1.05x, 1 x 4,096 1.08x, 4 x 1,024 1.06x. The bf16
+// kernel's K fetch level (0.996x).
 template <_mm_hint HINT>
-inline void prefetch_rows16(const void* base, const int64_t* rows, int64_t begin, int64_t row_bytes, int64_t heads,
-                            int64_t Hkv) {
+inline void prefetch_chunk_rows(const void* base, const int64_t* rows, int64_t begin, int64_t end, int64_t row_bytes,
+                                int64_t heads, int64_t BS, int64_t Hkv) {
+  if (end - begin != 16 || BS % 16 != 0 || begin % 16 != 0) return prefetch_rows<HINT>(base, rows, begin, end, row_bytes, heads);
   const char* p = static_cast<const char*>(base) + rows[begin] * row_bytes;
   const int64_t stride = Hkv * row_bytes, run = heads * row_bytes;
   for (int i = 0; i < 16; ++i, p += stride)
