@@ -93,6 +93,16 @@ class PhaseStats:
     matmul_steps: int = 0
     step_parts: dict[str, float] = field(default_factory=dict)  # summed over the steps that timed them
 
+    def add_matmul_timing(self, rec: StepRecord) -> None:
+        """A step's matmul seconds, wall time and step parts, where its kernels timed them."""
+        if rec.matmul_s is None:
+            return
+        self.matmul_s += rec.matmul_s
+        self.matmul_timed_wall_s += rec.wall_s
+        self.matmul_steps += 1
+        for part, s in (rec.step_parts or {}).items():
+            self.step_parts[part] = self.step_parts.get(part, 0.0) + s
+
     @property
     def achieved_bytes_per_s(self) -> float:
         return self.bytes / self.wall_s if self.wall_s else 0.0
@@ -356,12 +366,7 @@ class Telemetry:
             stats.comm_s += rec.comm_s
             stats.mask_s += rec.mask_s
             stats.mask_steps += rec.mask_s > 0
-            if rec.matmul_s is not None:
-                stats.matmul_s += rec.matmul_s
-                stats.matmul_timed_wall_s += rec.wall_s
-                stats.matmul_steps += 1
-                for part, s in (rec.step_parts or {}).items():
-                    stats.step_parts[part] = stats.step_parts.get(part, 0.0) + s
+            stats.add_matmul_timing(rec)
             if self._link is not None:
                 stats.predicted_comm_s += self._link.time_s(cost.comm)
             stats.flops += cost.flops
@@ -424,27 +429,41 @@ class Telemetry:
                     if s["mask_steps"]
                     else ""
                 )
-                + (_outside_matmuls(s) if s["matmul_timed_wall_s"] else "")
+                + (f"  {outside_matmuls_text(split)}" if (split := outside_matmuls(s)) else "")
             )
         lines += [f"  note: {notice}" for notice in rep["notices"]]
         return "\n".join(lines)
 
 
-def _outside_matmuls(s: dict) -> str:
-    """A phase's measured time outside the linear kernels, per step and as a share of it, and
-    where the kernels timed their ops, by kind (the rest, "other": the engine, Python, untimed
-    ops), then the matmuls' own setup and waiting threads."""
+def outside_matmuls(s: dict) -> dict | None:
+    """Where a phase's steps that timed their matmuls (``PhaseStats.to_json``'s keys) spent
+    their time, in ms per step: outside the linear kernels in all (and that share of the steps'
+    wall time), by kind of op where the kernels timed them (their parts that took time, and
+    "other": the engine, Python, untimed ops), and the matmuls' own setup and waiting threads
+    (within the matmuls' time). None where no step timed its matmuls."""
     steps, parts = s["matmul_steps"], dict(s.get("step_parts") or {})
+    if not steps or not s["matmul_timed_wall_s"]:
+        return None
     outside = s["matmul_timed_wall_s"] - s["matmul_s"]
-    text = f"  outside matmuls {1e3 * outside / steps:.2f} ms/step ({100 * outside / s['matmul_timed_wall_s']:.0f}%)"
-    inside = {part: parts.pop(part) for part in list(parts) if part.startswith("matmul_")}  # within matmul_s
+    inside = {part.removeprefix("matmul_"): parts.pop(part) for part in list(parts) if part.startswith("matmul_")}
+    by_op = {}
     if any(t > 0 for t in parts.values()):  # (a prefill runs no timed op outside its matmuls)
-        shown = {part: t for part, t in parts.items() if t > 0} | {"other": outside - sum(parts.values())}
-        text += ": " + ", ".join(f"{part} {1e3 * t / steps:.2f}" for part, t in shown.items())
-    if any(inside.values()):
-        text += "; in matmuls " + ", ".join(
-            f"{part.removeprefix('matmul_')} {1e3 * t / steps:.2f}" for part, t in inside.items()
-        )
+        by_op = {part: t for part, t in parts.items() if t > 0} | {"other": outside - sum(parts.values())}
+    return {
+        "ms_per_step": 1e3 * outside / steps,
+        "share": outside / s["matmul_timed_wall_s"],
+        "by_op_ms_per_step": {part: 1e3 * t / steps for part, t in by_op.items()},
+        "in_matmuls_ms_per_step": {part: 1e3 * t / steps for part, t in inside.items()} if any(inside.values()) else {},
+    }
+
+
+def outside_matmuls_text(split: dict) -> str:
+    """``outside_matmuls``' figures on one line."""
+    text = f"outside matmuls {split['ms_per_step']:.2f} ms/step ({100 * split['share']:.0f}%)"
+    if split["by_op_ms_per_step"]:
+        text += ": " + ", ".join(f"{part} {ms:.2f}" for part, ms in split["by_op_ms_per_step"].items())
+    if split["in_matmuls_ms_per_step"]:
+        text += "; in matmuls " + ", ".join(f"{part} {ms:.2f}" for part, ms in split["in_matmuls_ms_per_step"].items())
     return text
 
 

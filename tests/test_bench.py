@@ -112,6 +112,33 @@ def test_bench_latency_json(stories_dir, no_probes, capsys):
         assert 0 < p["roofline_fraction"]["median"] <= 1.0
 
 
+def test_bench_latency_splits_the_decode_steps_time_outside_the_matmuls(tmp_path, no_probes, capsys):
+    """Where ridge's CPU kernels time their matmuls and the decode plan its ops (a bf16 Llama),
+    the decode result says what the steps spent outside the matmuls, by kind of op, "other" the
+    untimed rest, in ms per step; the text prints the same figures on a line."""
+    from ridge.layers.cpu_kernels import cpu_has_avx512_bf16
+
+    from .models.hf_tiny import build
+
+    if not cpu_has_avx512_bf16():
+        pytest.skip("ridge's CPU kernels need AVX-512 BF16")
+    build("llama-gqa", tmp_path)
+    args = ["--model", str(tmp_path), "--dtype", "bfloat16", "--device", "cpu", "--tokenizer", "bytes"]
+    args += ["--num-kv-blocks", "64", "--input-len", "4", "--output-len", "6", "--warmup-rounds", "0"]
+    d = bench(capsys, "latency", *args, "--rounds", "2")["results"][0]["decode"]
+    split = d["outside_matmuls"]
+    assert split is not None and 0 < split["share"] < 1
+    assert 0 < split["ms_per_step"] < d["ms_per_step"]["max"]
+    # the plan's ops by kind, and "other": together the time outside the matmuls
+    assert {"attention", "norms", "other"} <= set(split["by_op_ms_per_step"])
+    assert sum(split["by_op_ms_per_step"].values()) == pytest.approx(split["ms_per_step"])
+    assert all(ms >= 0 for ms in split["in_matmuls_ms_per_step"].values())
+    assert main(["bench", "latency", *args, "--rounds", "1"]) == 0
+    text = capsys.readouterr().out
+    line = next(line for line in text.splitlines() if "outside matmuls" in line)
+    assert "ms/step (" in line and "attention " in line and "other " in line
+
+
 def test_no_fraction_above_100_percent_when_steps_beat_the_roofline(stories_dir, monkeypatch, capsys):
     """A roofline every step beats (a stale, busy probe; a peak below ridge's own kernels): the
     bench re-probes once, then raises the roofline to the steps' rates and says so; it reported

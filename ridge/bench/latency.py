@@ -6,7 +6,9 @@ FLOPs and bytes. Memory bandwidth is probed right before and after every round (
 machines it jumps between levels), so each floor is ``bytes / bandwidth measured in the
 same round`` or ``FLOPs / measured peak``, whichever is larger. A step faster than its floor
 re-probes the machine once and, if it still beats it, raises the roofline to its own rate
-(``telemetry.Ceiling``): the report says so in its notes, and no fraction exceeds 100%.
+(``telemetry.Ceiling``): the report says so in its notes, and no fraction exceeds 100%. Where
+ridge's CPU kernels time their matmuls, the report also splits the decode steps' time outside
+them by kind of op (the telemetry's step parts: attention, norms, ...; "other" the rest).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import argparse
 from ridge.bench.common import dump_json, machine, random_prompts, summarize
 from ridge.engine.args import add_engine_args, engine_options
 from ridge.spec_decode.stats import SpecDecodeStats
-from ridge.telemetry import Ceiling
+from ridge.telemetry import Ceiling, PhaseStats, outside_matmuls, outside_matmuls_text
 
 
 def register(subparsers) -> None:
@@ -84,6 +86,7 @@ def bench_latency(llm, batch: int, input_len: int, output_len: int, rounds: int,
 
     prefill_rates, decode_ms, floors_ms, fractions, gbps, prefill_fracs, bandwidths = [], [], [], [], [], [], []
     decode_tokens, decode_time = 0, 0.0
+    matmul_split = PhaseStats()  # the timed rounds' decode steps, where the kernels timed their matmuls
     speculator = engine.speculator
     for round_index in range(warmup_rounds + rounds):
         if speculator is not None and round_index == warmup_rounds:
@@ -120,6 +123,7 @@ def bench_latency(llm, batch: int, input_len: int, output_len: int, rounds: int,
             floors_ms.append(floor * 1e3)
             fractions.append(floor / r.wall_s)
             gbps.append(cost.bytes / r.wall_s / 1e9)
+            matmul_split.add_matmul_timing(r)
         ceiling.peak_flops = max(ceiling.peak_flops, round_ceiling.peak_flops)  # a raise holds for later rounds
     step = summarize(decode_ms)
     # With speculation a step emits several tokens per sequence: tokens over decode time.
@@ -136,6 +140,8 @@ def bench_latency(llm, batch: int, input_len: int, output_len: int, rounds: int,
             "floor_ms": summarize(floors_ms),
             "roofline_fraction": summarize(fractions),
             "achieved_gb_per_s": summarize(gbps),
+            # the step's time outside its matmuls, by kind of op (CPU kernels; None elsewhere)
+            "outside_matmuls": outside_matmuls(matmul_split.to_json()),
         },
         "speculation": speculator.report() if speculator is not None else None,
     }
@@ -160,6 +166,7 @@ def format_latency(payload: dict) -> str:
             f"p90 {d['ms_per_step']['p90']:.2f})  {d['tokens_per_s']:.1f} tok/s",
             f"           floor {d['floor_ms']['median']:.2f} ms -> {100 * d['roofline_fraction']['median']:5.1f}% "
             f"of roofline, {d['achieved_gb_per_s']['median']:.1f} GB/s achieved",
+            *([f"           {outside_matmuls_text(d['outside_matmuls'])}"] if d.get("outside_matmuls") else []),
             *(f"  note: {notice}" for notice in r["notices"]),
         ]
         spec = r.get("speculation")
