@@ -87,7 +87,7 @@ struct Layout {
   bool nibbles, has_min;
 };
 
-Layout layout_of(int64_t fmt) {
+constexpr Layout layout_of(int64_t fmt) {
   switch (fmt) {
     case Q8_0: return {34, 512, 512 + 32, 128, false, false};
     case Q4_0: return {18, 256, 256 + 32, 8, true, false};
@@ -482,18 +482,10 @@ struct GroupFetches {
 // 1.10-1.16x faster at 8 rows (simd_math.h): its table and Zen 4's never take this.
 template <int FMT, int MR, bool AMX, bool SET1 = false>
 inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const uint8_t* pf_end, float* out) {
-  constexpr int64_t WB = FMT == Q8_0 ? 512 : FMT == Q6_K ? 384 : FMT == Q5_K ? 320 : FMT == Q3_K ? 192 : FMT == Q2_K ? 128 : 256;
+  constexpr int64_t WB = layout_of(FMT).wbytes, CHUNK = layout_of(FMT).chunk;  // a group's codes; its share of the block
   constexpr bool KQ = FMT == Q4_K || FMT == Q5_K;  // Q4_K's super-block scales and minimums
   constexpr bool MIN = FMT == Q4_1 || KQ;
   constexpr bool X256 = x_per_superblock(FMT);
-  constexpr int64_t CHUNK = FMT == Q8_0     ? 512 + 32
-                            : FMT == Q4_1   ? 256 + 64
-                            : FMT == IQ4_XS ? 256 + 16
-                            : FMT == Q6_K   ? 384 + 36
-                            : FMT == Q5_K   ? 320 + 32
-                            : FMT == Q3_K   ? 192 + 28
-                            : FMT == Q2_K   ? 128 + 40
-                                            : 256 + 32;
   const int64_t S = G >> 3;  // super-blocks (K-quants)
   [[maybe_unused]] __m512 dk, dmink;  // Q6_K's d, Q2_K's d and dmin for the 16 rows
   __m512 acc[MR];
@@ -1035,13 +1027,14 @@ inline void get_codes6(const uint8_t* codes, int64_t c, uint8_t& sc, uint8_t& m)
   m = (codes[c] >> 4) | ((high >> 2) << 4);
 }
 
-// The walk every super-block format's (un)packing shares. Packing checks the file's (N, K/256 *
-// sb_bytes) bytes, allocates (N/16, K/32, chunk) zeroed (rows past N add nothing), and calls
+// The walk every super-block format's (un)packing shares (sb_bytes and chunk: its layout_of).
+// Packing checks the file's (N, K/256 * sb_bytes) bytes, allocates (N/16, K/32, chunk) zeroed
+// (rows past N add nothing), and calls
 // fill(block, r, s, sb) for each real row r of each block of 16 rows and each super-block s;
 // unpacking calls read(block, r, s, sb) to rebuild the file's bytes sb from a block.
 template <typename Fill>
-torch::Tensor pack_superblocks(torch::Tensor blocks, int64_t N, int64_t K, int64_t sb_bytes, int64_t chunk,
-                               const char* name, Fill fill) {
+torch::Tensor pack_superblocks(torch::Tensor blocks, int64_t N, int64_t K, int64_t fmt, const char* name, Fill fill) {
+  const int64_t sb_bytes = layout_of(fmt).type_size, chunk = layout_of(fmt).chunk;
   TORCH_CHECK(K % QK_K == 0, "pack_quant: ", name, " needs K a multiple of 256");
   const int64_t G = K / QK, S = K / QK_K, NB = (N + ROWS - 1) / ROWS, row_bytes = S * sb_bytes;
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.device().is_cpu() && blocks.dim() == 2 &&
@@ -1063,7 +1056,8 @@ torch::Tensor pack_superblocks(torch::Tensor blocks, int64_t N, int64_t K, int64
 }
 
 template <typename Read>
-torch::Tensor unpack_superblocks(torch::Tensor packed, int64_t N, int64_t K, int64_t sb_bytes, int64_t chunk, Read read) {
+torch::Tensor unpack_superblocks(torch::Tensor packed, int64_t N, int64_t K, int64_t fmt, Read read) {
+  const int64_t sb_bytes = layout_of(fmt).type_size, chunk = layout_of(fmt).chunk;
   const int64_t G = K / QK, S = K / QK_K, row_bytes = S * sb_bytes;
   auto out = torch::zeros({N, row_bytes}, packed.options());
   const uint8_t* src = packed.data_ptr<uint8_t>();
@@ -1073,14 +1067,14 @@ torch::Tensor unpack_superblocks(torch::Tensor packed, int64_t N, int64_t K, int
   return out;
 }
 
-// Q4_K and Q5_K (sb_bytes 144 / 176; nibbles at qs_at; Q5_K's fifth bits at 16, qh_at >= 0)
+// Q4_K and Q5_K (super-blocks of 144 / 176 bytes; nibbles at qs_at; Q5_K's fifth bits at 16, qh_at >= 0)
 // into blocks of chunk bytes per group: [ nibbles as Q4_0's, 256 | Q5_K's bit plane, 64 ]
 // per group, then the scales as above. Bit plane byte p = 4 r + t holds in bit q the fifth
 // bit of row r's element 4 q + t (quad q's byte p).
-torch::Tensor pack_k_quant(torch::Tensor blocks, int64_t N, int64_t K, int64_t sb_bytes, int64_t qs_at, int64_t qh_at,
+torch::Tensor pack_k_quant(torch::Tensor blocks, int64_t N, int64_t K, int64_t fmt, int64_t qs_at, int64_t qh_at,
                            const char* name) {
-  const int64_t G = K / QK, S = K / QK_K, wb = qh_at >= 0 ? 320 : 256;
-  return pack_superblocks(blocks, N, K, sb_bytes, wb + 32, name, [&](uint8_t* block, int64_t r, int64_t s, const uint8_t* sb) {
+  const int64_t G = K / QK, S = K / QK_K, wb = layout_of(fmt).wbytes;
+  return pack_superblocks(blocks, N, K, fmt, name, [&](uint8_t* block, int64_t r, int64_t s, const uint8_t* sb) {
     uint8_t* dd = block + G * wb;
     uint8_t* sbc = dd + S * 64 + s * 192;
     std::memcpy(dd + s * 64 + 2 * r, sb, 2);
@@ -1105,9 +1099,9 @@ torch::Tensor pack_k_quant(torch::Tensor blocks, int64_t N, int64_t K, int64_t s
   });
 }
 
-torch::Tensor unpack_k_quant(torch::Tensor packed, int64_t N, int64_t K, int64_t sb_bytes, int64_t qs_at, int64_t qh_at) {
-  const int64_t G = K / QK, S = K / QK_K, wb = qh_at >= 0 ? 320 : 256;
-  return unpack_superblocks(packed, N, K, sb_bytes, wb + 32, [&](const uint8_t* block, int64_t r, int64_t s, uint8_t* sb) {
+torch::Tensor unpack_k_quant(torch::Tensor packed, int64_t N, int64_t K, int64_t fmt, int64_t qs_at, int64_t qh_at) {
+  const int64_t G = K / QK, S = K / QK_K, wb = layout_of(fmt).wbytes;
+  return unpack_superblocks(packed, N, K, fmt, [&](const uint8_t* block, int64_t r, int64_t s, uint8_t* sb) {
     const uint8_t* dd = block + G * wb;
     const uint8_t* sbc = dd + S * 64 + s * 192;
     std::memcpy(sb, dd + s * 64 + 2 * r, 2);
@@ -1150,7 +1144,7 @@ torch::Tensor unpack_k_quant(torch::Tensor packed, int64_t N, int64_t K, int64_t
 // i and i + 16): they move as they are.
 torch::Tensor pack_iq4_xs(torch::Tensor blocks, int64_t N, int64_t K) {
   const int64_t G = K / QK, S = K / QK_K;
-  return pack_superblocks(blocks, N, K, 136, 256 + 16, "IQ4_XS", [&](uint8_t* block, int64_t r, int64_t s, const uint8_t* sb) {
+  return pack_superblocks(blocks, N, K, IQ4_XS, "IQ4_XS", [&](uint8_t* block, int64_t r, int64_t s, const uint8_t* sb) {
     uint8_t* dd = block + G * 256;
     uint8_t* sbc = dd + S * 32 + s * 96;
     std::memcpy(dd + s * 32 + 2 * r, sb, 2);
@@ -1170,7 +1164,7 @@ torch::Tensor pack_iq4_xs(torch::Tensor blocks, int64_t N, int64_t K) {
 
 torch::Tensor unpack_iq4_xs(torch::Tensor packed, int64_t N, int64_t K) {
   const int64_t G = K / QK, S = K / QK_K;
-  return unpack_superblocks(packed, N, K, 136, 256 + 16, [&](const uint8_t* block, int64_t r, int64_t s, uint8_t* sb) {
+  return unpack_superblocks(packed, N, K, IQ4_XS, [&](const uint8_t* block, int64_t r, int64_t s, uint8_t* sb) {
     const uint8_t* dd = block + G * 256;
     const uint8_t* sbc = dd + S * 32 + s * 96;
     std::memcpy(sb, dd + s * 32 + 2 * r, 2);
@@ -1231,7 +1225,7 @@ inline uint8_t q6_k_get(const uint8_t* chunk, int64_t quad, int64_t r, int64_t t
 
 torch::Tensor pack_q6_k(torch::Tensor blocks, int64_t N, int64_t K) {
   const int64_t G = K / QK, S = K / QK_K;
-  return pack_superblocks(blocks, N, K, 210, 384 + 36, "Q6_K", [&](uint8_t* block, int64_t r, int64_t s, const uint8_t* sb) {
+  return pack_superblocks(blocks, N, K, Q6_K, "Q6_K", [&](uint8_t* block, int64_t r, int64_t s, const uint8_t* sb) {
     uint8_t* dd = block + G * 384;
     uint8_t* scl = dd + S * 32;
     std::memcpy(dd + s * 32 + 2 * r, sb + 208, 2);
@@ -1248,7 +1242,7 @@ torch::Tensor pack_q6_k(torch::Tensor blocks, int64_t N, int64_t K) {
 
 torch::Tensor unpack_q6_k(torch::Tensor packed, int64_t N, int64_t K) {
   const int64_t G = K / QK, S = K / QK_K;
-  return unpack_superblocks(packed, N, K, 210, 384 + 36, [&](const uint8_t* block, int64_t r, int64_t s, uint8_t* sb) {
+  return unpack_superblocks(packed, N, K, Q6_K, [&](const uint8_t* block, int64_t r, int64_t s, uint8_t* sb) {
     const uint8_t* dd = block + G * 384;
     const uint8_t* scl = dd + S * 32;
     std::memcpy(sb + 208, dd + s * 32 + 2 * r, 2);
@@ -1300,7 +1294,7 @@ inline uint8_t q3_k_scale(const uint8_t* sc, int i) {  // scale code i (0-15) of
 
 torch::Tensor pack_q3_k(torch::Tensor blocks, int64_t N, int64_t K) {
   const int64_t G = K / QK, S = K / QK_K;
-  return pack_superblocks(blocks, N, K, 110, 192 + 28, "Q3_K", [&](uint8_t* block, int64_t r, int64_t s, const uint8_t* sb) {
+  return pack_superblocks(blocks, N, K, Q3_K, "Q3_K", [&](uint8_t* block, int64_t r, int64_t s, const uint8_t* sb) {
     uint8_t* dd = block + G * 192;
     std::memcpy(dd + s * 32 + 2 * r, sb + 108, 2);
     for (int j = 0; j < 8; ++j) {
@@ -1316,7 +1310,7 @@ torch::Tensor pack_q3_k(torch::Tensor blocks, int64_t N, int64_t K) {
 
 torch::Tensor unpack_q3_k(torch::Tensor packed, int64_t N, int64_t K) {
   const int64_t G = K / QK, S = K / QK_K;
-  return unpack_superblocks(packed, N, K, 110, 192 + 28, [&](const uint8_t* block, int64_t r, int64_t s, uint8_t* sb) {
+  return unpack_superblocks(packed, N, K, Q3_K, [&](const uint8_t* block, int64_t r, int64_t s, uint8_t* sb) {
     const uint8_t* dd = block + G * 192;
     std::memcpy(sb + 108, dd + s * 32 + 2 * r, 2);
     for (int j = 0; j < 8; ++j) {
@@ -1348,7 +1342,7 @@ torch::Tensor unpack_q3_k(torch::Tensor packed, int64_t N, int64_t K) {
 // qs[32 (j / 4) + l], as Q3_K's low bits.
 torch::Tensor pack_q2_k(torch::Tensor blocks, int64_t N, int64_t K) {
   const int64_t G = K / QK, S = K / QK_K;
-  return pack_superblocks(blocks, N, K, 84, 128 + 40, "Q2_K", [&](uint8_t* block, int64_t r, int64_t s, const uint8_t* sb) {
+  return pack_superblocks(blocks, N, K, Q2_K, "Q2_K", [&](uint8_t* block, int64_t r, int64_t s, const uint8_t* sb) {
     uint8_t* dd = block + G * 128;
     std::memcpy(dd + s * 64 + 2 * r, sb + 80, 2);
     std::memcpy(dd + s * 64 + 32 + 2 * r, sb + 82, 2);
@@ -1368,7 +1362,7 @@ torch::Tensor pack_q2_k(torch::Tensor blocks, int64_t N, int64_t K) {
 
 torch::Tensor unpack_q2_k(torch::Tensor packed, int64_t N, int64_t K) {
   const int64_t G = K / QK, S = K / QK_K;
-  return unpack_superblocks(packed, N, K, 84, 128 + 40, [&](const uint8_t* block, int64_t r, int64_t s, uint8_t* sb) {
+  return unpack_superblocks(packed, N, K, Q2_K, [&](const uint8_t* block, int64_t r, int64_t s, uint8_t* sb) {
     const uint8_t* dd = block + G * 128;
     std::memcpy(sb + 80, dd + s * 64 + 2 * r, 2);
     std::memcpy(sb + 82, dd + s * 64 + 32 + 2 * r, 2);
@@ -1387,8 +1381,8 @@ torch::Tensor unpack_q2_k(torch::Tensor packed, int64_t N, int64_t K) {
 }
 
 torch::Tensor pack_quant(torch::Tensor blocks, int64_t fmt, int64_t N, int64_t K) {
-  if (fmt == Q4_K) return pack_k_quant(blocks, N, K, 144, 16, -1, "Q4_K");
-  if (fmt == Q5_K) return pack_k_quant(blocks, N, K, 176, 48, 16, "Q5_K");
+  if (fmt == Q4_K) return pack_k_quant(blocks, N, K, Q4_K, 16, -1, "Q4_K");
+  if (fmt == Q5_K) return pack_k_quant(blocks, N, K, Q5_K, 48, 16, "Q5_K");
   if (fmt == IQ4_XS) return pack_iq4_xs(blocks, N, K);
   if (fmt == Q6_K) return pack_q6_k(blocks, N, K);
   if (fmt == Q3_K) return pack_q3_k(blocks, N, K);
@@ -1429,8 +1423,8 @@ torch::Tensor pack_quant(torch::Tensor blocks, int64_t fmt, int64_t N, int64_t K
 }
 
 torch::Tensor unpack_quant(torch::Tensor packed, int64_t fmt, int64_t N, int64_t K) {
-  if (fmt == Q4_K) return unpack_k_quant(packed, N, K, 144, 16, -1);
-  if (fmt == Q5_K) return unpack_k_quant(packed, N, K, 176, 48, 16);
+  if (fmt == Q4_K) return unpack_k_quant(packed, N, K, Q4_K, 16, -1);
+  if (fmt == Q5_K) return unpack_k_quant(packed, N, K, Q5_K, 48, 16);
   if (fmt == IQ4_XS) return unpack_iq4_xs(packed, N, K);
   if (fmt == Q6_K) return unpack_q6_k(packed, N, K);
   if (fmt == Q3_K) return unpack_q3_k(packed, N, K);
