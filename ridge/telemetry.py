@@ -145,10 +145,14 @@ class Ceiling:
     operator at its own bound (``max(FLOPs / peak, bytes / bandwidth)``), summed; the one floor
     convention of ridge's reports. When a step took less than that, the ceiling is wrong: the
     first time, ``reprobe()`` (if given) measures the machine again and returns ``(peak,
-    bandwidth)``; if the step still beats the new ceiling, each term its floor rests on (the
-    peak if some operator is compute-bound, the bandwidth if some is memory-bound) is raised by
-    the factor the step beat the floor by (a measured rate is a lower bound on the true
-    ceiling). What happened is appended to ``notices``.
+    bandwidth)``; if the step still beats the new ceiling, the term its floor mostly rests on
+    (the peak where its compute-bound operators take longer than its memory-bound ones, else
+    the bandwidth) is raised by the least factor that brings the floor down to the step's time
+    (a measured rate is a lower bound on the true ceiling), and the other term is left alone:
+    a prefill that beats the peak says nothing of the bandwidth that later decode steps are
+    held to. Only where the first term cannot do it alone (the other's operators take longer
+    than the step did) are both raised, by the factor the step beat the floor by. What
+    happened is appended to ``notices``.
     """
 
     def __init__(
@@ -179,14 +183,36 @@ class Ceiling:
             floor = cost.time_s(self.peak_flops, self.bandwidth)
             if wall_s >= floor:
                 return floor
-        bounds = {op.bound(self.peak_flops, self.bandwidth) for op in cost.ops}  # what the floor rests on
-        before, factor = self._describe(), floor / wall_s
-        if "compute" in bounds:
-            self.peak_flops *= factor
-        if "memory" in bounds:
-            self.bandwidth *= factor
+        before = self._describe()
+        self._raise(cost, floor, wall_s)
         self.notices.append(f"raised the roofline to what a step reached: {what} ({before} -> {self._describe()})")
         return wall_s  # the raised terms give it (exactly: no rounding above 100%)
+
+    def _raise(self, cost: StepCost, floor: float, wall_s: float) -> None:
+        """The least raise of the term ``floor`` mostly rests on that brings it to ``wall_s``
+        (the class's rule); both terms by ``floor / wall_s`` where that one cannot."""
+        peak, bandwidth = self.peak_flops, self.bandwidth
+        compute_s = sum(op.flops / peak for op in cost.ops if op.bound(peak, bandwidth) == "compute")
+        on_peak = compute_s >= floor - compute_s
+
+        def floor_at(scale: float) -> float:  # the floor with the first term raised by scale
+            return cost.time_s(peak * scale, bandwidth) if on_peak else cost.time_s(peak, bandwidth * scale)
+
+        # raised without bound, the first term leaves the other's operators' own time
+        rest = sum(op.bytes / bandwidth if on_peak else op.flops / peak for op in cost.ops)
+        if rest >= wall_s:
+            self.peak_flops, self.bandwidth = peak * floor / wall_s, bandwidth * floor / wall_s
+            return
+        low, high = 1.0, 2.0  # floor_at falls as scale grows: bracket wall_s, then halve
+        while floor_at(high) > wall_s:
+            low, high = high, 2 * high
+        for _ in range(60):
+            mid = (low + high) / 2
+            low, high = (mid, high) if floor_at(mid) > wall_s else (low, mid)
+        if on_peak:
+            self.peak_flops = peak * high
+        else:
+            self.bandwidth = bandwidth * high
 
     def step_floor_s(self, cost: StepCost, rec: StepRecord) -> float:
         """``rec``'s floor: ``floor_s(cost, rec.wall_s)``, or for a pipelined step at most its

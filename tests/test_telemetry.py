@@ -307,17 +307,28 @@ def test_a_pipelined_step_never_moves_the_roofline():
 
 def test_the_floor_is_the_analyzers_and_a_step_that_beats_it_raises_the_terms_it_rests_on():
     """One floor convention: the telemetry's floor of a step is the analyzer's roofline time
-    (``StepCost.time_s``). A prefill whose floor rests on both terms (compute-bound matmuls,
-    memory-bound norms) and that ran in half of it raises both by 2x; a memory-bound decode
-    step raises the bandwidth alone."""
+    (``StepCost.time_s``). A prefill whose floor rests mostly on the peak (compute-bound
+    matmuls, memory-bound norms) and that beat it raises the peak alone, by what brings its
+    floor to its time, and leaves the bandwidth that decode steps are held to; one that ran in
+    half of it, faster than its memory-bound operators alone allow, raises both by 2x; a
+    memory-bound decode step raises the bandwidth alone."""
     peak, bandwidth = 1e12, 100e9
     cost = step_cost(TINY_SHAPE, PREFILL, [], 2, 2, 2)
     bounds = {op.bound(peak, bandwidth) for op in cost.ops}
     assert bounds == {"compute", "memory"}
     floor = sum(max(op.flops / peak, op.bytes / bandwidth) for op in cost.ops)
     assert floor > max(cost.flops / peak, cost.bytes / bandwidth)  # not the max of the totals
+    compute_s = sum(op.flops / peak for op in cost.ops if op.bound(peak, bandwidth) == "compute")
+    memory_alone = sum(op.bytes / bandwidth for op in cost.ops)
+    assert compute_s > floor - compute_s and memory_alone < 0.8 * floor  # mostly the peak's
+    ceiling = Ceiling(peak, bandwidth)
+    assert ceiling.floor_s(cost, 0.8 * floor) == pytest.approx(0.8 * floor)
+    assert ceiling.bandwidth == bandwidth and ceiling.peak_flops > peak / 0.8  # the norms' time stays
+    assert ceiling.floor_s(cost) == pytest.approx(0.8 * floor) and len(ceiling.notices) == 1
+
     ceiling = Ceiling(peak, bandwidth)
     assert ceiling.floor_s(cost) == pytest.approx(floor) == pytest.approx(cost.time_s(peak, bandwidth))
+    assert floor / 2 < memory_alone  # the peak alone cannot bring the floor there
     assert ceiling.floor_s(cost, floor / 2) == pytest.approx(floor / 2)
     assert ceiling.peak_flops == pytest.approx(2 * peak) and ceiling.bandwidth == pytest.approx(2 * bandwidth)
     assert ceiling.floor_s(cost) == pytest.approx(floor / 2) and len(ceiling.notices) == 1
@@ -327,7 +338,9 @@ def test_the_floor_is_the_analyzers_and_a_step_that_beats_it_raises_the_terms_it
     memory_floor = decode.bytes / bandwidth
     assert ceiling.floor_s(decode) == pytest.approx(memory_floor)  # every op memory-bound
     ceiling.floor_s(decode, memory_floor / 3)
-    assert ceiling.peak_flops == peak and ceiling.bandwidth == pytest.approx(3 * bandwidth)
+    # at 3x some operators turn compute-bound: the bandwidth goes as far as the floor needs
+    assert ceiling.peak_flops == peak and ceiling.bandwidth >= 3 * bandwidth
+    assert ceiling.floor_s(decode) == pytest.approx(memory_floor / 3)
 
 
 def test_reset_empties_the_records_and_totals():
