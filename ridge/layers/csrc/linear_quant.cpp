@@ -237,8 +237,13 @@ struct NoFetch {
 };
 
 // A group's weights unpacked into w; after each of its 64-byte loads, loaded() (the group's
-// fetches, one at a time: GroupFetches)
-template <int FMT, class Loaded = NoFetch>
+// fetches, one at a time: GroupFetches). SHIFT: the codes' bits are moved by shifts and masks
+// instead of GFNI's affine byte transform. vgf2p8affineqb issues on the two pipes that run
+// vpdpbusd (2-core AMD EPYC Zen 4, 2026-12-05, a loop of 12 independent vpdpbusd: 12.0 cycles;
+// with 4 vgf2p8affineqb 16.7, with 4 vpsrlw, vpandd or vpshufb 12.3), so where the dot products
+// bind, at 4 or more rows of x, shifts and masks (more ops, on the other pipes); at 1-2 rows,
+// where the ops' count matters more, GFNI (tile_block; the same bytes either way).
+template <int FMT, bool SHIFT = false, class Loaded = NoFetch>
 __attribute__((always_inline)) inline void load_weights(const uint8_t* chunk, __m512i w[8], Loaded&& loaded = {}) {
   auto load = [&](const uint8_t* p) __attribute__((always_inline)) {
     const __m512i v = _mm512_loadu_si512(p);
@@ -253,9 +258,12 @@ __attribute__((always_inline)) inline void load_weights(const uint8_t* chunk, __
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       const __m512i v = load(chunk + 64 * j);
-      const __m512i top_j = _mm512_gf2p8affine_epi64_epi8(plane, _mm512_set1_epi64(static_cast<long long>(bit_move(j, 4, 1))), 0);
+      const __m512i five = _mm512_set1_epi8(0x10);  // SHIFT: bits j and j + 4 of a plane byte to its bit 4
+      const __m512i top_j = SHIFT ? _mm512_and_si512(_mm512_slli_epi16(plane, 4 - j), five)
+                                  : _mm512_gf2p8affine_epi64_epi8(plane, _mm512_set1_epi64(static_cast<long long>(bit_move(j, 4, 1))), 0);
       const __m512i top_j4 =
-          _mm512_gf2p8affine_epi64_epi8(plane, _mm512_set1_epi64(static_cast<long long>(bit_move(j + 4, 4, 1))), 0);
+          SHIFT ? _mm512_and_si512(_mm512_srli_epi16(plane, j), five)
+                : _mm512_gf2p8affine_epi64_epi8(plane, _mm512_set1_epi64(static_cast<long long>(bit_move(j + 4, 4, 1))), 0);
       w[j] = _mm512_ternarylogic_epi32(v, top_j, low, 0xEC);                           // (v & 0x0F) | top
       w[j + 4] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), top_j4, low, 0xEC);  // (v >> 4 & 0x0F) | top
     }
@@ -267,6 +275,7 @@ __attribute__((always_inline)) inline void load_weights(const uint8_t* chunk, __
     for (int j = 0; j < 6; ++j) p[j] = load(chunk + 64 * j);
     for (int j = 0; j < 6; ++j) w[j] = _mm512_and_si512(p[j], code);
     auto top = [](__m512i v, int out) __attribute__((always_inline)) {
+      if constexpr (SHIFT) return _mm512_and_si512(_mm512_srli_epi16(v, 6 - out), _mm512_set1_epi8(static_cast<char>(3 << out)));
       return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(static_cast<long long>(bit_move(6, out, 2))), 0);
     };
     w[6] = _mm512_ternarylogic_epi32(top(p[0], 0), top(p[1], 2), top(p[4], 4), 0xFE);  // a | b | c
@@ -274,6 +283,14 @@ __attribute__((always_inline)) inline void load_weights(const uint8_t* chunk, __
   } else if constexpr (FMT == Q3_K) {  // 3-bit codes in three planes (see q3_k_place): one GFNI op
     // takes a quad's code out of its plane byte, two for quads 6 and 7, whose top bits lie apart
     const __m512i p0 = load(chunk), p1 = load(chunk + 64), p2 = load(chunk + 128);
+    if constexpr (SHIFT) {  // code = plane byte >> at & 7; quads 6, 7: bits 6-7 | a bit of p2 at bit 2 (A | B & C)
+      const __m512i b3 = _mm512_set1_epi8(7), b2 = _mm512_set1_epi8(3), b4 = _mm512_set1_epi8(4);
+      const __m512i p[3] = {p0, p1, p2};
+      for (int j = 0; j < 6; ++j) w[j] = _mm512_and_si512(j & 1 ? _mm512_srli_epi16(p[j >> 1], 3) : p[j >> 1], b3);
+      w[6] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(p0, 6), b2), _mm512_srli_epi16(p2, 4), b4, 0xF8);
+      w[7] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(p1, 6), b2), _mm512_srli_epi16(p2, 5), b4, 0xF8);
+      return;
+    }
     auto take = [](__m512i v, uint64_t a) { return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(static_cast<long long>(a)), 0); };
     w[0] = take(p0, bit_move(0, 0, 3));
     w[1] = take(p0, bit_move(3, 0, 3));
@@ -287,14 +304,15 @@ __attribute__((always_inline)) inline void load_weights(const uint8_t* chunk, __
     const __m512i planes[2] = {load(chunk), load(chunk + 64)};
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j)
-      w[j] = _mm512_gf2p8affine_epi64_epi8(planes[j >> 2], _mm512_set1_epi64(static_cast<long long>(bit_move(2 * (j & 3), 0, 2))), 0);
-  } else {  // nibbles: the low ones masked, the high ones moved down by one GFNI op (not shift + mask)
+      w[j] = SHIFT ? _mm512_and_si512(_mm512_srli_epi16(planes[j >> 2], 2 * (j & 3)), _mm512_set1_epi8(3))
+                   : _mm512_gf2p8affine_epi64_epi8(planes[j >> 2], _mm512_set1_epi64(static_cast<long long>(bit_move(2 * (j & 3), 0, 2))), 0);
+  } else {  // nibbles: the low ones masked, the high ones moved down by one GFNI op (or shift + mask)
     const __m512i low = _mm512_set1_epi8(0x0F);
     const __m512i high_nibble = _mm512_set1_epi64(static_cast<long long>(bit_move(4, 0, 4)));
     for (int j = 0; j < 4; ++j) {
       const __m512i v = load(chunk + 64 * j);
       w[j] = _mm512_and_si512(v, low);
-      w[j + 4] = _mm512_gf2p8affine_epi64_epi8(v, high_nibble, 0);
+      w[j + 4] = SHIFT ? _mm512_and_si512(_mm512_srli_epi16(v, 4), low) : _mm512_gf2p8affine_epi64_epi8(v, high_nibble, 0);
     }
     if constexpr (FMT == IQ4_NL || FMT == IQ4_XS) {  // codes -> table values (+ 128), 16 bytes per 128-bit lane
       const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_TABLE)));
@@ -486,6 +504,7 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
   constexpr bool KQ = FMT == Q4_K || FMT == Q5_K;  // Q4_K's super-block scales and minimums
   constexpr bool MIN = FMT == Q4_1 || KQ;
   constexpr bool X256 = x_per_superblock(FMT);
+  constexpr bool SHIFT = MR >= 4;  // the codes' bits moved by shifts and masks, not GFNI (load_weights)
   const int64_t S = G >> 3;  // super-blocks (K-quants)
   [[maybe_unused]] __m512 dk, dmink;  // Q6_K's d, Q2_K's d and dmin for the 16 rows
   __m512 acc[MR];
@@ -604,10 +623,10 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
         amx_chunk_dots<FMT, WB, MR>(block, t.xa, g + AMX_CHUNK, G, cbuf[(k + 1) & 1]);
       dots = cbuf[k & 1] + j * 256;
     } else if (interleave) {
-      load_weights<FMT>(chunk, w, [&]() __attribute__((always_inline)) { fetches.next(); });
+      load_weights<FMT, SHIFT>(chunk, w, [&]() __attribute__((always_inline)) { fetches.next(); });
       fetches.rest();
     } else {
-      load_weights<FMT>(chunk, w);
+      load_weights<FMT, SHIFT>(chunk, w);
     }
     if constexpr (X256) {  // Q5_K, Q6_K, Q3_K, Q2_K: integer sums over the super-block (see x_per_superblock)
       // sc01: the 16 rows' scales of k 0-15 (low int16) and 16-31 (high)
