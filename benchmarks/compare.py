@@ -204,11 +204,16 @@ def mixed_workload(args, vocab: int, seed: int) -> tuple[list[list[int]], list[i
 
 
 def run_rounds(args, runners: list, vocab: int) -> list[dict]:
-    """Every round: per scenario a bandwidth probe, then each engine on the same prompts."""
+    """Every round: per scenario a bandwidth probe, then each engine on the same prompts; odd
+    rounds take the engines in the reverse order, so that of two engines compared neither runs
+    first in every round (the 2-core EPYC's memory changes level every minute or so: in a run
+    whose rounds all took ridge before llama.cpp, ridge's Q6_K ran at a probed 33 GB/s in both
+    rounds and llama.cpp's right after it at 52-58)."""
     rounds = []
     for r in range(args.rounds):
         seed = args.seed + 1000 * (r + 1)
         record: dict = {"round": r}
+        order = runners if r % 2 == 0 else runners[::-1]
         for scenario in args.scenarios:
             bandwidth = probe_read_bandwidth(PROBE)
             entry: dict = {
@@ -218,7 +223,7 @@ def run_rounds(args, runners: list, vocab: int) -> list[dict]:
             }
             if scenario == "mixed":
                 prompts, output_lens = mixed_workload(args, vocab, seed)
-                for runner in runners:
+                for runner in order:
                     seconds = runner.run_offline(prompts, output_lens)
                     entry["engines"][runner.name] = {
                         "seconds": seconds,
@@ -231,7 +236,7 @@ def run_rounds(args, runners: list, vocab: int) -> list[dict]:
                 prompts = random_prompts(batch, [args.prompt_len] * batch, vocab, seed)
                 timed_by: dict[str, Timed] = {}
                 before = bandwidth  # each run between two probes: its floor takes the higher
-                for runner in runners:
+                for runner in order:
                     timed = runner.run_batch(prompts, args.new_tokens)
                     after = probe_read_bandwidth(PROBE)
                     timed_by[runner.name] = timed
