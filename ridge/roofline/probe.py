@@ -224,8 +224,9 @@ def probe_block_kernel(
     run here or do not take the format. Zero blocks: the integer and float work per block does
     not depend on the values. On the 2-core EPYC Zen 4 (2 threads): int8 531, int4 546, q4_k 518,
     q5_k 494, iq4_xs 527, q6_k 461, q3_k 480, q2_k 410 GFLOP/s at 64 rows; one row reaches 28-42%
-    of that (the weights' unpacking is not shared), still above what a weight read from memory
-    leaves it at batch 1. On 2 Zen 5 cores (2026-11-28, median of 3): int8 1025, int4 1062, q4_k
+    of that (the weights' unpacking is not shared): above what a weight read from memory leaves
+    it at batch 1, except Q3_K's and Q2_K's one-row loops, which at the memory's fast level
+    (25-30 GB/s a core) run at about their own speed (README, "Stop 95"). On 2 Zen 5 cores (2026-11-28, median of 3): int8 1025, int4 1062, q4_k
     1045, q5_k 1034, iq4_xs 1064, q6_k 990, q3_k 1077, q2_k 1071 GFLOP/s, 51-56% of torch's int8
     GEMM there (1.93 TFLOP/s); a decode step of 8 rows streamed from memory runs at that ceiling
     (q2_k 1036, q3_k 1067 GFLOP/s): ``ridge analyze`` places q2_k's linear layers compute-bound
