@@ -226,11 +226,12 @@ def probe_block_kernel(
     q5_k 494, iq4_xs 527, q6_k 461, q3_k 480, q2_k 410 GFLOP/s at 64 rows; one row reaches 28-42%
     of that (the weights' unpacking is not shared): above what a weight read from memory leaves
     it at batch 1, except Q3_K's and Q2_K's one-row loops, which at the memory's fast level
-    (25-30 GB/s a core) run at about their own speed (README, "Stop 95"). On 2 Zen 5 cores (2026-11-28, median of 3): int8 1025, int4 1062, q4_k
-    1045, q5_k 1034, iq4_xs 1064, q6_k 990, q3_k 1077, q2_k 1071 GFLOP/s, 51-56% of torch's int8
-    GEMM there (1.93 TFLOP/s); a decode step of 8 rows streamed from memory runs at that ceiling
-    (q2_k 1036, q3_k 1067 GFLOP/s): ``ridge analyze`` places q2_k's linear layers compute-bound
-    from batch 3 at 80 GB/s.
+    (25-30 GB/s a core) run at about their own speed (README, "Stop 95"). On 2 Zen 5 cores
+    (2026-11-28, median of 3): int8 1025, int4 1062, q4_k 1045, q5_k 1034, iq4_xs 1064, q6_k
+    990, q3_k 1077, q2_k 1071 GFLOP/s, 51-56% of torch's int8 GEMM there (1.93 TFLOP/s); a
+    decode step of 8 rows streamed from memory runs at that ceiling (q2_k 1036, q3_k 1067
+    GFLOP/s): ``ridge analyze`` places q2_k's linear layers compute-bound from batch 3 at 80
+    GB/s.
 
     The first runs of a process read low, so the kernel runs ``warmup_s`` before the
     ``repeats`` samples, which go on for at least ``min_s`` (2026-11-28, the Zen 5 cores: the
