@@ -33,6 +33,7 @@ KEYS = {
     "quant_far_kib",
     "quant_interleave",
     "q3_k_set1_rows",
+    "quant_shift_rows",
 }
 
 
@@ -112,7 +113,7 @@ def test_no_policy_changes_a_result(ext, name):
     packed = ext.pack_quant(random_blocks(FORMATS[name], n, k, seed=3), code, n, k)
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(4)).bfloat16()
     wp = ext.pack_vnni(w)
-    xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16() for m in (1, 2, 8, 16)]
+    xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16() for m in (1, 2, 4, 8, 16)]
     outputs = {}
     for text in (
         "intel",
@@ -130,6 +131,9 @@ def test_no_policy_changes_a_result(ext, name):
         "intel,quant_far_kib=0",
         "intel,q3_k_set1_rows=1",
         "zen5,q3_k_set1_rows=17",
+        "intel,quant_shift_rows=4",
+        "amd,quant_shift_rows=17",
+        "zen5,quant_shift_rows=8,q3_k_set1_rows=4",
         "intel,quant_interleave=0",
         "zen5,quant_interleave=1",
         "amd,quant_interleave=1,quant_near_rows=1,int8_near_rows=1",
@@ -148,7 +152,7 @@ def test_no_policy_changes_a_result(ext, name):
     [
         (
             "amd,quant_near_rows=2",
-            '{"bf16_far": 0, "int8_near_rows": 8, "q3_k_set1_rows": 17, "quant_far_kib": 64, "quant_far_lines": 0, "quant_far_nta": 0, "quant_interleave": 0, "quant_near_every": 0, "quant_near_rows": 2}',  # noqa: E501
+            '{"bf16_far": 0, "int8_near_rows": 8, "q3_k_set1_rows": 17, "quant_far_kib": 64, "quant_far_lines": 0, "quant_far_nta": 0, "quant_interleave": 0, "quant_near_every": 0, "quant_near_rows": 2, "quant_shift_rows": 4}',  # noqa: E501
         ),
         (
             "bf16_far",

@@ -35,10 +35,13 @@ struct PrefetchPolicy {
   int64_t quant_interleave;  // block formats: 1: a group's far and near fetches go one after each of
                              // its weight loads (VNNI tiles; linear_quant.cpp's GroupFetches); 0: in a
                              // run before the loads
-  // Not a fetch but the one other choice of the loops that the CPUs measured apart, kept in
-  // the same per-CPU table: Q3_K tiles of this many rows up to 8 broadcast each x code with its
-  // own vpbroadcastd rather than vpdpbusd's embedded broadcast (linear_quant.cpp; 17: never)
+  // Not fetches but the other choices of the loops that the CPUs measured apart, kept in the
+  // same per-CPU table: Q3_K tiles of this many rows up to 8 broadcast each x code with its own
+  // vpbroadcastd rather than vpdpbusd's embedded broadcast (linear_quant.cpp; 17: never) ...
   int64_t q3_k_set1_rows;
+  // ... and block formats' VNNI tiles of this many rows (at least 4) unpack the codes' bits by
+  // shifts and masks rather than GFNI (linear_quant.cpp's load_weights; 17: never)
+  int64_t quant_shift_rows;
 };
 extern PrefetchPolicy g_prefetch;  // read by the kernels; written only between calls
 

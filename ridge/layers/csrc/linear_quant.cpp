@@ -242,7 +242,9 @@ struct NoFetch {
 // vpdpbusd (2-core AMD EPYC Zen 4, 2026-12-05, a loop of 12 independent vpdpbusd: 12.0 cycles;
 // with 4 vgf2p8affineqb 16.7, with 4 vpsrlw, vpandd or vpshufb 12.3), so where the dot products
 // bind, at 4 or more rows of x, shifts and masks (more ops, on the other pipes); at 1-2 rows,
-// where the ops' count matters more, GFNI (tile_block; the same bytes either way).
+// where the ops' count matters more, GFNI. On the 2-core Intel Xeon with AMX the shifts lost at
+// 4-8 rows (they share port 0 with vpdpbusd there): which tiles take them is the process's
+// policy (quant_shift_rows, linear_call.h; tile_block_policy). The same bytes either way.
 template <int FMT, bool SHIFT = false, class Loaded = NoFetch>
 __attribute__((always_inline)) inline void load_weights(const uint8_t* chunk, __m512i w[8], Loaded&& loaded = {}) {
   auto load = [&](const uint8_t* p) __attribute__((always_inline)) {
@@ -498,13 +500,12 @@ struct GroupFetches {
 // 0.99-1.01x, at 16 rows 0.96-0.97x; Q2_K gained at 4 rows (1.04-1.06x) but lost at 8 and 16
 // (0.78-0.88x), so it keeps the embedded form. The 2-core Xeon measured the embedded form
 // 1.10-1.16x faster at 8 rows (simd_math.h): its table and Zen 4's never take this.
-template <int FMT, int MR, bool AMX, bool SET1 = false>
+template <int FMT, int MR, bool AMX, bool SET1, bool SHIFT>
 inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const uint8_t* pf_end, float* out) {
   constexpr int64_t WB = layout_of(FMT).wbytes, CHUNK = layout_of(FMT).chunk;  // a group's codes; its share of the block
   constexpr bool KQ = FMT == Q4_K || FMT == Q5_K;  // Q4_K's super-block scales and minimums
   constexpr bool MIN = FMT == Q4_1 || KQ;
   constexpr bool X256 = x_per_superblock(FMT);
-  constexpr bool SHIFT = MR >= 4;  // the codes' bits moved by shifts and masks, not GFNI (load_weights)
   const int64_t S = G >> 3;  // super-blocks (K-quants)
   [[maybe_unused]] __m512 dk, dmink;  // Q6_K's d, Q2_K's d and dmin for the 16 rows
   __m512 acc[MR];
@@ -773,16 +774,28 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
   for (int i = 0; i < MR; ++i) _mm512_storeu_ps(out + i * 16, acc[i]);
 }
 
+// tile_block in the forms the process's policy picks for this tile (linear_call.h), read per
+// call: Q3_K's x broadcast by its own vpbroadcastd (SET1, q3_k_set1_rows up to 8 rows), the
+// codes unpacked by shifts and masks (SHIFT, quant_shift_rows; VNNI tiles of 4+ rows: one row
+// with shifts read 0.87-0.93x on Zen 4, load_weights). Only the forms a tile can take are built.
+template <int FMT, int MR, bool AMX>
+inline void tile_block_policy(const uint8_t* block, int64_t G, const XTile& t, const uint8_t* pf_end, float* out) {
+  constexpr bool set1_loop = FMT == Q3_K && !AMX && MR <= 8;  // the one loop with both broadcasts
+  constexpr bool shift_loop = !AMX && MR >= 4;
+  const bool set1 = set1_loop && MR >= g_prefetch.q3_k_set1_rows;
+  const bool shift = shift_loop && MR >= g_prefetch.quant_shift_rows;
+  if (set1 && shift) return tile_block<FMT, MR, AMX, set1_loop, shift_loop>(block, G, t, pf_end, out);
+  if (set1) return tile_block<FMT, MR, AMX, set1_loop, false>(block, G, t, pf_end, out);
+  if (shift) return tile_block<FMT, MR, AMX, false, shift_loop>(block, G, t, pf_end, out);
+  tile_block<FMT, MR, AMX, false, false>(block, G, t, pf_end, out);
+}
+
 // y's rows are ldy apart (N, or H N for one head's outputs among H heads')
 template <int FMT, int MR, bool AMX, typename T>
 inline void run_tile(const XTile& t, const uint8_t* block, const uint8_t* pf_end, int64_t G, int64_t nb, int64_t N,
                      int64_t ldy, const float* bias, T* y) {
   alignas(64) float buf[MR * 16];
-  constexpr bool set1_loop = FMT == Q3_K && !AMX;  // the one loop with both forms (tile_block)
-  if (set1_loop && MR >= g_prefetch.q3_k_set1_rows && MR <= 8)
-    tile_block<FMT, MR, AMX, set1_loop>(block, G, t, pf_end, buf);
-  else
-    tile_block<FMT, MR, AMX>(block, G, t, pf_end, buf);
+  tile_block_policy<FMT, MR, AMX>(block, G, t, pf_end, buf);
   const int64_t n0 = nb * ROWS, n_end = std::min<int64_t>(N, n0 + ROWS);
   for (int64_t i = 0; i < t.rows; ++i) {
     T* yrow = y + (t.row0 + i) * ldy;

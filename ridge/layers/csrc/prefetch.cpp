@@ -92,8 +92,18 @@
 //   Q6_K 1.069x, Q2_K 1.081x. Other keys with it (near_rows 2, near_every 0, far_lines 1, the
 //   near lines in a run after the loads): 0.95-1.03x. Intel takes it; the AMD tables, not
 //   measured with it, keep 0.
-// - q3_k_set1_rows is not a fetch: how the Q3_K loop broadcasts x, the one other choice the CPUs
-//   measured apart (Zen 5 8, the others 17: never; linear_quant.cpp says what was measured).
+// - q3_k_set1_rows is not a fetch: how the Q3_K loop broadcasts x, a choice the CPUs measured
+//   apart (Zen 5 8, the others 17: never; linear_quant.cpp says what was measured).
+// - quant_shift_rows is not a fetch either: from how many rows of x a block format's VNNI tile
+//   unpacks its codes by shifts and masks rather than GFNI (linear_quant.cpp's load_weights).
+//   2-core AMD EPYC Zen 4, 2026-12-05 (stop 95): 8 rows over 22 layers 1.00-1.09x with shifts,
+//   one row 0.87-0.93x; the AMD tables take 4 (Zen 5 not measured). 2-core Intel Xeon with AMX,
+//   2026-12-05 (stop 96; benchmarks/prefetch.py, 22 layers, 7 rounds, intel against
+//   intel,quant_shift_rows=4 and =16 on one build): with shifts from 4 rows Q6_K 0.959x, 0.943x
+//   and 0.983x at 4, 8 and 16 rows, int4 0.966x at 4, Q5_K 0.961x, Q2_K 0.966x, IQ4_XS 0.975x, Q4_K
+//   1.019x, Q3_K 1.046x (0.98-1.10), at 8 rows 0.98-1.00x but Q6_K; from 16 rows 0.98-1.03x (int8,
+//   which unpacks nothing, 1.000-1.005x). On Intel vpsrlw zmm issues on port 0, as vpdpbusd does:
+//   Intel takes 17.
 // benchmarks/prefetch.py compares the tables (and any other policy) on one machine's bytes.
 // quant_near_rows (int8_near_rows for int8) 17 turns the near fetch off (tiles have at most 16 rows).
 #include <map>
@@ -105,9 +115,9 @@
 
 namespace {
 
-constexpr PrefetchPolicy AMD = {0, 8, 0, 8, 0, 0, 64, 0, 17};  // Zen 4 and older
-constexpr PrefetchPolicy ZEN5 = {1, 2, 1, 2, 1, 1, 24, 0, 8};  // AMD family 26 (0x1A) and later
-constexpr PrefetchPolicy INTEL = {1, 1, 1, 1, 0, 0, 64, 1, 17};
+constexpr PrefetchPolicy AMD = {0, 8, 0, 8, 0, 0, 64, 0, 17, 4};  // Zen 4 and older
+constexpr PrefetchPolicy ZEN5 = {1, 2, 1, 2, 1, 1, 24, 0, 8, 4};  // AMD family 26 (0x1A) and later
+constexpr PrefetchPolicy INTEL = {1, 1, 1, 1, 0, 0, 64, 1, 17, 17};
 
 // Every key of a policy, its member and whether it is a switch (0 or 1) or a row count (>= 0):
 // the one list that naming, checking and setting a policy read
@@ -126,6 +136,7 @@ constexpr Key KEYS[] = {
     {"quant_far_kib", &PrefetchPolicy::quant_far_kib, false},
     {"quant_interleave", &PrefetchPolicy::quant_interleave, true},
     {"q3_k_set1_rows", &PrefetchPolicy::q3_k_set1_rows, false},
+    {"quant_shift_rows", &PrefetchPolicy::quant_shift_rows, false},
 };
 
 const Key* find_key(const std::string& name) {
