@@ -68,3 +68,23 @@ def write_cpu_entry(path: Path, cpu: str, record: dict) -> None:
     old[cpu] = record
     path.write_text(json.dumps(old, indent=1) + "\n")
     print(f"wrote {path}")
+
+
+def huge_page_fallbacks() -> int | None:
+    """How many times the kernel has handed out 4 KiB pages where a region asked for a 2 MiB one
+    (``thp_fault_fallback`` in /proc/vmstat, since boot; None where there is none). ridge's CPU
+    weights ask for 2 MiB pages (csrc/weight_arena.h); read before and after a load, a rise says
+    some of them stream through 4 KiB pages (a TLB miss every 64 lines), so that engine reads
+    slow. Why it is asked (stop 96, the 2-core Xeon): in a run of ``compare.py`` over every file,
+    with llama.cpp's models loaded beside ridge's in one process, the engine quantized at load to
+    int4 decoded at 25.7 ms a step, against 19.1-20.2 in the rerun, in a process of its own and
+    beside ridge's engines alone; the system had served 104 such requests with small pages by
+    then, and that run did not say which engine's they were."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("thp_fault_fallback "):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None

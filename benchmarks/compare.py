@@ -65,6 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from common import huge_page_fallbacks
 
 from ridge.bench.common import parse_range, random_prompts, summarize
 from ridge.bench.peers import LLAMA_FTYPES, LlamaCppRunner, RidgeRunner, Timed, TransformersRunner, quantize_gguf
@@ -600,6 +601,20 @@ def main(argv=None) -> int:
         kernels=args.kernels,
     )
     files: dict[str, str] = {}  # each format's file, as both engines loaded it
+    fallbacks: dict[str, int] = {}  # ridge engine -> 2 MiB page requests served with 4 KiB pages during its load
+
+    def load_ridge(name: str, *args, **kwargs):
+        before = huge_page_fallbacks()
+        engine = LLM(*args, **kwargs)
+        after = huge_page_fallbacks()
+        if before is not None and after is not None and after > before:
+            fallbacks[name] = after - before
+            notes.append(
+                f"{name}: {after - before} of the 2 MiB pages its load asked for came as 4 KiB pages (the memory "
+                "was fragmented; /proc/vmstat thp_fault_fallback): its weights stream slower than they would"
+            )
+        return engine
+
     for fmt in [f for f in args.formats.split(",") if f and f != "bf16"]:
         if fmt not in LLAMA_FTYPES:
             raise SystemExit(f"unknown format {fmt!r}; choose from bf16, {', '.join(LLAMA_FTYPES)}")
@@ -608,13 +623,22 @@ def main(argv=None) -> int:
         path = quantize_gguf(gguf_path, fmt, args.threads)
         files[fmt] = str(path)
         log(f"loading {path.name} in ridge and in llama.cpp")
-        runners.append(RidgeRunner(LLM(str(path), tokenizer="bytes", **engine_options), f"ridge {fmt}"))
+        runners.append(
+            RidgeRunner(load_ridge(f"ridge {fmt}", str(path), tokenizer="bytes", **engine_options), f"ridge {fmt}")
+        )
         runners.append(LlamaCppRunner(path, args.threads, longest + 16, args.llamacpp_n_batch, f"llama.cpp {fmt}"))
         how[f"ridge {fmt}"] = f"{how['ridge']}, {path.name}"
         how[f"llama.cpp {fmt}"] = f"{how['llama.cpp']}, {path.name}"
         if fmt in RIDGE_QUANTIZATION:
             q = RIDGE_QUANTIZATION[fmt]
-            quantized = LLM(f"random:{args.preset}", dtype=args.dtype, seed=args.seed, quantization=q, **engine_options)
+            quantized = load_ridge(
+                f"ridge --quantization {q}",
+                f"random:{args.preset}",
+                dtype=args.dtype,
+                seed=args.seed,
+                quantization=q,
+                **engine_options,
+            )
             runners.append(RidgeRunner(quantized, f"ridge --quantization {q}"))
             how[f"ridge --quantization {q}"] = f"{how['ridge']}, quantized at load"
         notes.append(
@@ -668,6 +692,7 @@ def main(argv=None) -> int:
         },
         "engines": engines,
         "files": files,
+        "huge_page_fallbacks": fallbacks,
         "how": how,
         "notes": notes,
         "peak_gflop_per_s": peak / 1e9,

@@ -10,7 +10,7 @@
 #            another policy wins in every round, put it in this CPU's table (and rebuild)
 #            before the steps below.
 #   peers    llama-cpp-python 0.3.36 built natively into the venv where it is missing (about 8
-#            minutes; AMX off: its AMX kernels crash on the Intel VMs, the AMD has none), and
+#            minutes; AMX off: its AMX kernels fault on the Intel VMs, the AMD has none), and
 #            ik_llama.cpp's llama-bench built from $IK_SRC at $IK_COMMIT (about 10 minutes)
 #            where $IK_BENCH is not an executable yet. $IK_SRC: a checkout, or the git directory
 #            that the `fetch` tool gives for github:ikawrakow/ik_llama.cpp.
@@ -40,7 +40,11 @@ THREADS=${THREADS:-2}
 STEPS=${STEPS:-8}
 IK_COMMIT=${IK_COMMIT:-8337e4cd3}
 IK_BENCH=${IK_BENCH:-/tmp/ik_llama.cpp/build/bin/llama-bench}
-LLAMACPP_CMAKE_ARGS=${LLAMACPP_CMAKE_ARGS:--DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF}
+# -march=native (GGML_NATIVE) compiles ggml's AMX kernels in where the CPU has AMX whatever the
+# GGML_AMX_* switches say, and on the Intel VMs their first ldtilecfg is a general-protection
+# fault in libggml-cpu: the compiler's -mno-amx-* keep them out (a no-op on the AMD)
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+LLAMACPP_CMAKE_ARGS=${LLAMACPP_CMAKE_ARGS:-"-DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF '-DCMAKE_C_FLAGS=$NO_AMX' '-DCMAKE_CXX_FLAGS=$NO_AMX'"}
 OUT=${OUT:-/tmp/ridge-cpu-targets}
 FORMATS=${FORMATS:-q8_0,q6_k,q5_k_m,q4_0,q4_k_m,iq4_xs,q3_k_m,q2_k}
 mkdir -p "$OUT"
