@@ -39,8 +39,9 @@ struct PrefetchPolicy {
   // same per-CPU table: Q3_K tiles of this many rows up to 8 broadcast each x code with its own
   // vpbroadcastd rather than vpdpbusd's embedded broadcast (linear_quant.cpp; 17: never) ...
   int64_t q3_k_set1_rows;
-  // ... and block formats' VNNI tiles of this many rows (at least 4) unpack the codes' bits by
-  // shifts and masks rather than GFNI (linear_quant.cpp's load_weights; 17: never)
+  // ... and block formats' VNNI tiles of this many rows or more unpack the codes' bits by shifts
+  // and masks rather than GFNI (linear_quant.cpp's load_weights; tiles of 1-2 rows never do;
+  // 17: none)
   int64_t quant_shift_rows;
 };
 extern PrefetchPolicy g_prefetch;  // read by the kernels; written only between calls
