@@ -610,8 +610,9 @@ def main(argv=None) -> int:
         if before is not None and after is not None and after > before:
             fallbacks[name] = after - before
             notes.append(
-                f"{name}: {after - before} of the 2 MiB pages its load asked for came as 4 KiB pages (the memory "
-                "was fragmented; /proc/vmstat thp_fault_fallback): its weights stream slower than they would"
+                f"{name}: {after - before} of the 2 MiB pages asked for during its load came as 4 KiB pages "
+                "(/proc/vmstat thp_fault_fallback; with transparent huge pages on 'madvise' only ridge's weights ask): "
+                "its weights may stream slower than they would"
             )
         return engine
 
