@@ -152,7 +152,9 @@ class Ceiling:
     a prefill that beats the peak says nothing of the bandwidth that later decode steps are
     held to. Only where the first term cannot do it alone (the other's operators take longer
     than the step did) are both raised, by the factor the step beat the floor by. What
-    happened is appended to ``notices``.
+    happened is appended to ``notices``: the re-probe, and one line for the raises, which says
+    how many there were and the last (each faster step raises again; a decode run of 64 tokens
+    printed a line a step).
     """
 
     def __init__(
@@ -166,6 +168,9 @@ class Ceiling:
         self.bandwidth = bandwidth
         self._reprobe = reprobe
         self.notices = notices if notices is not None else []
+        self._raises = 0  # how many times this ceiling was raised ...
+        self._raised_at = -1  # ... the index of its line in notices, and the ceiling before the first
+        self._before_raises = ""
 
     def floor_s(self, cost: StepCost, wall_s: float | None = None) -> float:
         floor = cost.time_s(self.peak_flops, self.bandwidth)
@@ -183,9 +188,15 @@ class Ceiling:
             floor = cost.time_s(self.peak_flops, self.bandwidth)
             if wall_s >= floor:
                 return floor
-        before = self._describe()
+        if not self._raises:
+            self._before_raises, self._raised_at = self._describe(), len(self.notices)
+            self.notices.append("")
         self._raise(cost, floor, wall_s)
-        self.notices.append(f"raised the roofline to what a step reached: {what} ({before} -> {self._describe()})")
+        self._raises += 1
+        times = "" if self._raises == 1 else f" ({self._raises} times; the last)"
+        self.notices[self._raised_at] = (
+            f"raised the roofline to what a step reached{times}: {what} ({self._before_raises} -> {self._describe()})"
+        )
         return wall_s  # the raised terms give it (exactly: no rounding above 100%)
 
     def _raise(self, cost: StepCost, floor: float, wall_s: float) -> None:

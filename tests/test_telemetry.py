@@ -277,7 +277,9 @@ def test_a_step_faster_than_its_floor_reprobes_once_then_raises_the_roofline():
     assert rep["phases"]["decode"]["roofline_fraction"] <= 1.0
     t.record([], DECODE, memory_floor / 8)  # faster again: no second probe, raised again
     rep = t.report()
-    assert probes == [False, True] and len(rep["notices"]) == 3
+    assert probes == [False, True] and len(rep["notices"]) == 2  # one line for the raises
+    assert rep["notices"][1].startswith("raised the roofline to what a step reached (2 times; the last)")
+    assert rep["hardware"]["bandwidth_gb_per_s"] == pytest.approx(cost.bytes / (memory_floor / 8) / 1e9)
     assert rep["phases"]["decode"]["roofline_fraction"] <= 1.0
     assert "note: raised the roofline" in t.format()
 

@@ -34,6 +34,7 @@ KEYS = {
     "quant_interleave",
     "q3_k_set1_rows",
     "quant_shift_rows",
+    "quant_far_scales",
 }
 
 
@@ -137,6 +138,9 @@ def test_no_policy_changes_a_result(ext, name):
         "intel,quant_interleave=0",
         "zen5,quant_interleave=1",
         "amd,quant_interleave=1,quant_near_rows=1,int8_near_rows=1",
+        "amd,quant_far_scales=1",
+        "intel,quant_far_scales=1",
+        "zen5,quant_far_scales=1,quant_near_rows=17,int8_near_rows=17",
     ):
         apply_prefetch(ext, text)
         quant = [ext.linear_quant(x, packed, code, n, None) for x in xs]
@@ -152,7 +156,7 @@ def test_no_policy_changes_a_result(ext, name):
     [
         (
             "amd,quant_near_rows=2",
-            '{"bf16_far": 0, "int8_near_rows": 8, "q3_k_set1_rows": 17, "quant_far_kib": 64, "quant_far_lines": 0, "quant_far_nta": 0, "quant_interleave": 0, "quant_near_every": 0, "quant_near_rows": 2, "quant_shift_rows": 4}',  # noqa: E501
+            '{"bf16_far": 0, "int8_near_rows": 8, "q3_k_set1_rows": 17, "quant_far_kib": 64, "quant_far_lines": 0, "quant_far_nta": 0, "quant_far_scales": 0, "quant_interleave": 0, "quant_near_every": 0, "quant_near_rows": 2, "quant_shift_rows": 4}',  # noqa: E501
         ),
         (
             "bf16_far",

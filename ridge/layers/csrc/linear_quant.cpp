@@ -524,6 +524,7 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
   const bool near_every = near_on && g_prefetch.quant_near_every, near_first = near_on && !near_every;
   const bool far_nta = g_prefetch.quant_far_nta;
   const bool interleave = !AMX && g_prefetch.quant_interleave;
+  const bool far_scales = g_prefetch.quant_far_scales;  // the far fetch: the next block's scales only
   // The far fetch line by line (quant_far_lines): each line of the window once, as the loop
   // reaches the bytes far_ahead before it, where the fixed CHUNK's lines a group fetch some lines
   // twice (a chunk is not whole lines). Only where it measured faster (prefetch.cpp): Q8_0
@@ -556,17 +557,26 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
     // (The runs below could be GroupFetches' too; built that way, a 2-core Xeon's Q2_K one row
     // read 0.88x and 8 rows of int8 0.95x under the AMD and Intel tables without interleaving,
     // the two builds alternated in one process: the runs stay as they were.)
+    if (far_scales) {  // the next block's scales, G groups' share each; the codes to the hardware
+      const uint8_t* next_scales = block + G * CHUNK + G * WB;
+      const int64_t lines = (G * (CHUNK - WB) + 63) / 64;
+      for (int64_t l = g * lines / G; l < (g + 1) * lines / G && next_scales + 64 * l < pf_end; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(next_scales + 64 * l), _MM_HINT_T2);
+    }
     if (interleave) {  // the same lines as below, issued one at a time between the group's loads
-      const uint8_t* far = block + far_ahead;
-      const int64_t from = far_lines ? (g * CHUNK + 63) & ~int64_t{63} : g * CHUNK;
-      const int64_t to = far_lines ? (g + 1) * CHUNK : g * CHUNK + (CHUNK + 63) / 64 * 64;
-      const int64_t before_end = far + from < pf_end ? (pf_end - (far + from) + 63) / 64 : 0;
-      fetches.far = reinterpret_cast<const char*>(far + from);
-      fetches.far_count = from < to ? std::min<int64_t>((to - from + 63) / 64, before_end) : 0;
+      if (!far_scales) {
+        const uint8_t* far = block + far_ahead;
+        const int64_t from = far_lines ? (g * CHUNK + 63) & ~int64_t{63} : g * CHUNK;
+        const int64_t to = far_lines ? (g + 1) * CHUNK : g * CHUNK + (CHUNK + 63) / 64 * 64;
+        const int64_t before_end = far + from < pf_end ? (pf_end - (far + from) + 63) / 64 : 0;
+        fetches.far = reinterpret_cast<const char*>(far + from);
+        fetches.far_count = from < to ? std::min<int64_t>((to - from + 63) / 64, before_end) : 0;
+      }
       fetches.near = reinterpret_cast<const char*>(chunk + near);
       fetches.near_step = near_every ? 64 : 256;
       fetches.near_count = near_on ? (WB + fetches.near_step - 1) / fetches.near_step : 0;
       fetches.nta = far_nta;
+    } else if (far_scales) {  // (fetched above)
     } else if (far_lines) {  // the lines that start in this group's bytes, far_ahead on (a block is 64-byte aligned)
       const uint8_t* far = block + far_ahead;
       for (int64_t at = (g * CHUNK + 63) & ~int64_t{63}; at < (g + 1) * CHUNK && far + at < pf_end; at += 64) {

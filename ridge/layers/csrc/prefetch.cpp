@@ -104,6 +104,16 @@
 //   1.019x, Q3_K 1.046x (0.98-1.10), at 8 rows 0.98-1.00x but Q6_K; from 16 rows 0.98-1.03x (int8,
 //   which unpacks nothing, 1.000-1.005x). On Intel vpsrlw zmm issues on port 0, as vpdpbusd does:
 //   Intel takes 17.
+// - quant_far_scales: the far fetch takes the next block's scales only (a block's codes lie in
+//   one run, its scales after them: a second, short stream a block that stop 94's synthetic
+//   loops on Zen 4 found the hardware prefetcher does not follow, 0.57-0.61 of a load loop with
+//   no software fetch, 0.79-0.83 with the far fetch of every line, 1.00-1.07 for one stream in
+//   address order). 2-core Intel Xeon with AMX, 2026-12-05 (stop 97; benchmarks/prefetch.py, 22
+//   layers, 5 rounds, intel against intel,quant_far_scales=1, prefetch_far_scales_xeon.json):
+//   one row int8 0.966x, int4 0.915x, Q4_K 0.928x, Q5_K 0.955x, Q6_K 0.935x, IQ4_XS 0.901x, Q3_K
+//   0.853x, Q2_K 0.835x; 8 rows 0.93-1.00x: this Xeon's prefetchers do not carry the codes
+//   alone, and Intel keeps 0. Zen 4, where the far fetch caps the stream, is where it may pay:
+//   not measured there yet, every table keeps 0.
 // benchmarks/prefetch.py compares the tables (and any other policy) on one machine's bytes.
 // quant_near_rows (int8_near_rows for int8) 17 turns the near fetch off (tiles have at most 16 rows).
 #include <map>
@@ -115,9 +125,9 @@
 
 namespace {
 
-constexpr PrefetchPolicy AMD = {0, 8, 0, 8, 0, 0, 64, 0, 17, 4};  // Zen 4 and older
-constexpr PrefetchPolicy ZEN5 = {1, 2, 1, 2, 1, 1, 24, 0, 8, 4};  // AMD family 26 (0x1A) and later
-constexpr PrefetchPolicy INTEL = {1, 1, 1, 1, 0, 0, 64, 1, 17, 17};
+constexpr PrefetchPolicy AMD = {0, 8, 0, 8, 0, 0, 64, 0, 17, 4, 0};  // Zen 4 and older
+constexpr PrefetchPolicy ZEN5 = {1, 2, 1, 2, 1, 1, 24, 0, 8, 4, 0};  // AMD family 26 (0x1A) and later
+constexpr PrefetchPolicy INTEL = {1, 1, 1, 1, 0, 0, 64, 1, 17, 17, 0};
 
 // Every key of a policy, its member and whether it is a switch (0 or 1) or a row count (>= 0):
 // the one list that naming, checking and setting a policy read
@@ -137,6 +147,7 @@ constexpr Key KEYS[] = {
     {"quant_interleave", &PrefetchPolicy::quant_interleave, true},
     {"q3_k_set1_rows", &PrefetchPolicy::q3_k_set1_rows, false},
     {"quant_shift_rows", &PrefetchPolicy::quant_shift_rows, false},
+    {"quant_far_scales", &PrefetchPolicy::quant_far_scales, true},
 };
 
 const Key* find_key(const std::string& name) {
