@@ -25,6 +25,11 @@
 #   jobs     decode_attention.py: decode attention's jobs of several KV heads against one head a
 #            job, on the same pools (csrc/paged_rows.h's bound; about 6 minutes)
 #   targets  benchmarks/targets.py: each target, its figure, met or not
+#   policies prefetch.py --steps: prefetch policies alternated over whole batch-1 decode steps
+#            of the files (after 'files'; PREFETCH_STEP_POLICIES, default this CPU's table
+#            against it with quant_far_scales=1; STEP_FORMATS, default q4_0,q4_k_m,q6_k; about
+#            2 minutes a file) -> benchmarks/prefetch_steps.json. Not in the run above: a
+#            policy that wins here in every round goes into this CPU's table.
 #
 # Environment: ROUNDS (default 2), THREADS (2), STEPS (ridge's --num-scheduler-steps in the
 # 'files' and 'ik' steps, default 8), FORMATS (the file types, comma-separated),
@@ -124,6 +129,12 @@ for step in "$@"; do
     "$PYTHON" benchmarks/prefetch.py --policies "${PREFETCH_POLICIES:-amd;zen5;intel;amd,quant_near_every=1}" \
       --rounds 7 --threads "$THREADS" 2>&1 | tee "$OUT/prefetch.log" | tail -n 40
     ;;
+  policies)
+    files=$(files_of "${STEP_FORMATS:-q4_0,q4_k_m,q6_k}") || exit 1
+    "$PYTHON" benchmarks/prefetch.py --policies "${PREFETCH_STEP_POLICIES:-cpu;cpu,quant_far_scales=1}" \
+      --steps "$files" --rounds 7 --threads "$THREADS" --num-scheduler-steps "$STEPS" 2>&1 |
+      tee "$OUT/prefetch_steps.log" | grep -v '^ridge: ' | tail -n 8
+    ;;
   rows)
     "$PYTHON" benchmarks/quant_rows.py --rounds 3 --threads "$THREADS" 2>&1 | tee "$OUT/quant_rows.log" | tail -n 16
     ;;
@@ -137,7 +148,7 @@ for step in "$@"; do
     "$PYTHON" benchmarks/targets.py --compare "$COMPARE_JSON" | tee "$OUT/targets.md"
     ;;
   *)
-    echo "unknown step $step (prefetch peers files ik plan rows kv jobs targets)" >&2
+    echo "unknown step $step (prefetch peers files ik plan rows kv jobs targets policies)" >&2
     exit 2
     ;;
   esac

@@ -14,7 +14,16 @@ Policies are ``$RIDGE_PREFETCH``-style texts separated by ``;`` (``amd``, ``zen5
 that beats this CPU's table by a clear margin in every round belongs in that vendor's table in
 csrc/prefetch.cpp. Writes ``benchmarks/prefetch.json`` (one entry per CPU; a rerun replaces it).
 
+A kernel's gain need not survive a whole step (the other ops, the calls' edges: stop 94's
+Q8_0 kernel gained 1.03x and its steps 0.98x), so ``--steps`` times batch-1 greedy decode of
+GGUF files instead: each file loaded once, ``--tokens`` tokens from a 4-token prompt a run
+(``--num-scheduler-steps`` as the targets' runs), the policies alternated the same way, and the
+tokens checked to be the same under every policy. Reported per file: each policy's ms a token
+and its speed against the first policy's in the same round. Writes
+``benchmarks/prefetch_steps.json`` (one entry per CPU).
+
     python benchmarks/prefetch.py [--policies "amd;intel"] [--formats bf16,int4,q4_k] [--rows 1,8]
+    python benchmarks/prefetch.py --policies "amd;amd,quant_far_scales=1" --steps q4_0.gguf,q4_k_m.gguf
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import torch
 from common import add_kernel_run_args, kernel_run_record, time_alternated, write_cpu_entry
 
 OUT = Path(__file__).with_name("prefetch.json")
+OUT_STEPS = Path(__file__).with_name("prefetch_steps.json")
 SHAPES = ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))  # (N, K) of one layer
 
 
@@ -68,13 +78,52 @@ def time_policies(ext, policies: list[str], mats: list, call, m: int, rounds: in
     return time_alternated(policies, rounds, lambda p: apply_prefetch(ext, p), one_pass)
 
 
+def time_steps(ext, policies: list[str], path: str, args) -> dict[str, list[float]]:
+    """{policy: seconds a token of batch-1 greedy decode of the GGUF file at ``path``, a round
+    each}, the policies alternated (``time_alternated``); raises where a policy changed a token."""
+    from ridge import LLM, SamplingParams
+    from ridge.layers.cpu_kernels import apply_prefetch
+
+    llm = LLM(
+        path,
+        tokenizer="bytes",
+        num_threads=args.threads,
+        max_num_seqs=1,
+        max_model_len=args.tokens + 16,
+        num_kv_blocks=(args.tokens + 16) // 16 + 8,  # one sequence's
+        num_scheduler_steps=args.num_scheduler_steps,
+        enable_prefix_caching=False,
+    )
+    params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0.0)
+    current, tokens = [policies[0]], {}
+
+    def prepare(policy: str) -> None:
+        apply_prefetch(ext, policy)
+        current[0] = policy
+
+    def run() -> None:
+        out = llm.generate([[10, 11, 12, 13]], params, use_tqdm=False)[0].outputs[0].token_ids
+        tokens.setdefault(current[0], list(out))
+        if list(out) != tokens[current[0]] or list(out) != next(iter(tokens.values())):
+            raise SystemExit(f"{path}: policy {current[0]!r} changed the tokens")
+
+    times = time_alternated(policies, args.rounds, prepare, run)
+    return {p: [t / args.tokens for t in ts] for p, ts in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policies", default="amd;zen5;intel", help="RIDGE_PREFETCH-style texts, ';' between")
     parser.add_argument("--formats", default="bf16,int8,int4,iq4_xs,q4_k,q5_k,q6_k,q3_k,q2_k")
     parser.add_argument("--rows", default="1,2,4,8")
+    parser.add_argument("--steps", default="", help="GGUF files (',' between): time whole decode steps instead")
+    parser.add_argument("--tokens", type=int, default=64, help="--steps: tokens a run")
+    parser.add_argument("--num-scheduler-steps", type=int, default=8, help="--steps: ridge's multi-step scheduling")
     add_kernel_run_args(parser, rounds=7, layers=22, out=OUT)
     args = parser.parse_args()
+    files = [f for f in args.steps.split(",") if f]
+    if files and args.json == OUT:
+        args.json = OUT_STEPS
 
     from ridge.layers.cpu_kernels import apply_prefetch, load_extension
     from ridge.roofline.probe import cpu_model
@@ -88,6 +137,31 @@ def main() -> None:
     print(f"{cpu_model()}, {args.threads} threads; this CPU's table: {dict(ext.prefetch_preset('cpu'))}")
     for p in policies:
         print(f"  {p}: {resolved[p]}")
+    if files:
+        steps = {}
+        for path in files:
+            times = time_steps(ext, policies, path, args)
+            first, cell = policies[0], {}
+            for p in policies:
+                ratios = [a / b for a, b in zip(times[first], times[p])]
+                cell[p] = {
+                    "ms_per_token": statistics.median(times[p]) * 1e3,
+                    "vs_first": statistics.median(ratios),
+                    "vs_first_range": [min(ratios), max(ratios)],
+                }
+            steps[Path(path).name] = cell
+            line = "  ".join(
+                f"{p}: {c['ms_per_token']:6.2f} ms {c['vs_first']:.3f}x ({low:.2f}-{high:.2f})"
+                for p, c in cell.items()
+                for low, high in [c["vs_first_range"]]
+            )
+            print(f"{Path(path).name}  {line}", flush=True)
+        ext.set_prefetch_policy(start_policy)
+        record = kernel_run_record(args, cpu_model(), policies=resolved, tokens=args.tokens, steps=steps)
+        record["num_scheduler_steps"] = args.num_scheduler_steps
+        del record["layers"]
+        write_cpu_entry(args.json, cpu_model(), record)
+        return
     results = {}
     for name in args.formats.split(","):
         mats, nbytes, call = build_layers(ext, name, args.layers)

@@ -32,3 +32,25 @@ def test_each_policy_is_timed_on_the_same_bytes_and_recorded(tmp_path):
             assert set(cell) == {"intel", "amd,quant_near_rows=1"}
             assert cell["intel"]["vs_first"] == 1.0
             assert all(c["gb_per_s"] > 0 and c["vs_first"] > 0 for c in cell.values())
+
+
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU has no AVX-512 BF16 + VNNI")
+def test_whole_steps_of_a_file_under_each_policy_give_the_same_tokens(stories_dir, tmp_path):
+    gguf_types = pytest.importorskip("gguf").GGMLQuantizationType
+    from ..models.gguf_files import quantized
+
+    source = stories_dir.parent / "stories260K-gguf" / "stories260K.gguf"
+    if not source.is_file():
+        pytest.skip(f"{source} is absent")
+    path = quantized(source, tmp_path / "q8_0.gguf", gguf_types.Q8_0)
+    out = tmp_path / "steps.json"
+    cmd = [sys.executable, str(SCRIPT), "--steps", str(path), "--tokens", "8", "--rounds", "2"]
+    cmd += ["--policies", "cpu;cpu,quant_far_scales=1", "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (record,) = json.loads(out.read_text()).values()
+    assert record["rounds"] == 2 and record["tokens"] == 8 and record["num_scheduler_steps"] == 8
+    assert record["policies"]["cpu,quant_far_scales=1"]["quant_far_scales"] == 1
+    (cell,) = record["steps"].values()
+    assert set(cell) == {"cpu", "cpu,quant_far_scales=1"} and cell["cpu"]["vs_first"] == 1.0
+    assert all(c["ms_per_token"] > 0 and c["vs_first"] > 0 for c in cell.values())
