@@ -43,9 +43,10 @@ struct PrefetchPolicy {
   // and masks rather than GFNI (linear_quant.cpp's load_weights; tiles of 1-2 rows never do;
   // 17: none)
   int64_t quant_shift_rows;
-  // block formats: 1: the far fetch takes only the scales of the block after this one (into L2,
-  // spread over this block's groups) and leaves the codes, a block's one long stream, to the
-  // hardware prefetcher; 0: every line far_ahead on (prefetch.cpp says what each CPU measured)
+  // block formats' VNNI tiles: 1: the far fetch takes only the scales of the block after this
+  // one (into L2, spread over this block's groups) and leaves the codes, a block's one long
+  // stream, to the hardware prefetcher; 0: every line far_ahead on (prefetch.cpp says what each
+  // CPU measured; linear_quant.cpp builds the two as separate loops)
   int64_t quant_far_scales;
 };
 extern PrefetchPolicy g_prefetch;  // read by the kernels; written only between calls

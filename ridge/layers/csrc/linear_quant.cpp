@@ -500,7 +500,7 @@ struct GroupFetches {
 // 0.99-1.01x, at 16 rows 0.96-0.97x; Q2_K gained at 4 rows (1.04-1.06x) but lost at 8 and 16
 // (0.78-0.88x), so it keeps the embedded form. The 2-core Xeon measured the embedded form
 // 1.10-1.16x faster at 8 rows (simd_math.h): its table and Zen 4's never take this.
-template <int FMT, int MR, bool AMX, bool SET1, bool SHIFT>
+template <int FMT, int MR, bool AMX, bool SET1, bool SHIFT, bool FAR_SCALES>
 inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const uint8_t* pf_end, float* out) {
   constexpr int64_t WB = layout_of(FMT).wbytes, CHUNK = layout_of(FMT).chunk;  // a group's codes; its share of the block
   constexpr bool KQ = FMT == Q4_K || FMT == Q5_K;  // Q4_K's super-block scales and minimums
@@ -524,7 +524,7 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
   const bool near_every = near_on && g_prefetch.quant_near_every, near_first = near_on && !near_every;
   const bool far_nta = g_prefetch.quant_far_nta;
   const bool interleave = !AMX && g_prefetch.quant_interleave;
-  const bool far_scales = g_prefetch.quant_far_scales;  // the far fetch: the next block's scales only
+  constexpr bool far_scales = FAR_SCALES;  // the far fetch: the next block's scales only (quant_far_scales)
   // The far fetch line by line (quant_far_lines): each line of the window once, as the loop
   // reaches the bytes far_ahead before it, where the fixed CHUNK's lines a group fetch some lines
   // twice (a chunk is not whole lines). Only where it measured faster (prefetch.cpp): Q8_0
@@ -557,14 +557,14 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
     // (The runs below could be GroupFetches' too; built that way, a 2-core Xeon's Q2_K one row
     // read 0.88x and 8 rows of int8 0.95x under the AMD and Intel tables without interleaving,
     // the two builds alternated in one process: the runs stay as they were.)
-    if (far_scales) {  // the next block's scales, G groups' share each; the codes to the hardware
+    if constexpr (far_scales) {  // the next block's scales, G groups' share each; the codes to the hardware
       const uint8_t* next_scales = block + G * CHUNK + G * WB;
       const int64_t lines = (G * (CHUNK - WB) + 63) / 64;
       for (int64_t l = g * lines / G; l < (g + 1) * lines / G && next_scales + 64 * l < pf_end; ++l)
         _mm_prefetch(reinterpret_cast<const char*>(next_scales + 64 * l), _MM_HINT_T2);
     }
     if (interleave) {  // the same lines as below, issued one at a time between the group's loads
-      if (!far_scales) {
+      if constexpr (!far_scales) {
         const uint8_t* far = block + far_ahead;
         const int64_t from = far_lines ? (g * CHUNK + 63) & ~int64_t{63} : g * CHUNK;
         const int64_t to = far_lines ? (g + 1) * CHUNK : g * CHUNK + (CHUNK + 63) / 64 * 64;
@@ -576,7 +576,7 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
       fetches.near_step = near_every ? 64 : 256;
       fetches.near_count = near_on ? (WB + fetches.near_step - 1) / fetches.near_step : 0;
       fetches.nta = far_nta;
-    } else if (far_scales) {  // (fetched above)
+    } else if constexpr (far_scales) {  // (fetched above)
     } else if (far_lines) {  // the lines that start in this group's bytes, far_ahead on (a block is 64-byte aligned)
       const uint8_t* far = block + far_ahead;
       for (int64_t at = (g * CHUNK + 63) & ~int64_t{63}; at < (g + 1) * CHUNK && far + at < pf_end; at += 64) {
@@ -787,17 +787,30 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
 // tile_block in the forms the process's policy picks for this tile (linear_call.h), read per
 // call: Q3_K's x broadcast by its own vpbroadcastd (SET1, q3_k_set1_rows up to 8 rows), the
 // codes unpacked by shifts and masks (SHIFT, quant_shift_rows; VNNI tiles of 4+ rows: one row
-// with shifts read 0.87-0.93x on Zen 4, load_weights). Only the forms a tile can take are built.
-template <int FMT, int MR, bool AMX>
-inline void tile_block_policy(const uint8_t* block, int64_t G, const XTile& t, const uint8_t* pf_end, float* out) {
+// with shifts read 0.87-0.93x on Zen 4, load_weights), the far fetch of the next block's scales
+// alone (FAR_SCALES, quant_far_scales; VNNI tiles). Only the forms a tile can take are built,
+// and each is its own loop: the far-scales test as a branch in the one loop cost the default
+// form 2-14% at one row in L2 on a 2-core Xeon (int4, Q6_K, int8, Q4_K, against a build with
+// that test a constant false; 3 builds alternated in one process), and as a form of its own
+// nothing (within 4% of the constant's build).
+template <int FMT, int MR, bool AMX, bool FAR_SCALES>
+inline void tile_block_forms(bool set1, bool shift, const uint8_t* block, int64_t G, const XTile& t,
+                             const uint8_t* pf_end, float* out) {
   constexpr bool set1_loop = FMT == Q3_K && !AMX && MR <= 8;  // the one loop with both broadcasts
   constexpr bool shift_loop = !AMX && MR >= 4;
-  const bool set1 = set1_loop && MR >= g_prefetch.q3_k_set1_rows;
-  const bool shift = shift_loop && MR >= g_prefetch.quant_shift_rows;
-  if (set1 && shift) return tile_block<FMT, MR, AMX, set1_loop, shift_loop>(block, G, t, pf_end, out);
-  if (set1) return tile_block<FMT, MR, AMX, set1_loop, false>(block, G, t, pf_end, out);
-  if (shift) return tile_block<FMT, MR, AMX, false, shift_loop>(block, G, t, pf_end, out);
-  tile_block<FMT, MR, AMX, false, false>(block, G, t, pf_end, out);
+  if (set1 && shift) return tile_block<FMT, MR, AMX, set1_loop, shift_loop, FAR_SCALES>(block, G, t, pf_end, out);
+  if (set1) return tile_block<FMT, MR, AMX, set1_loop, false, FAR_SCALES>(block, G, t, pf_end, out);
+  if (shift) return tile_block<FMT, MR, AMX, false, shift_loop, FAR_SCALES>(block, G, t, pf_end, out);
+  tile_block<FMT, MR, AMX, false, false, FAR_SCALES>(block, G, t, pf_end, out);
+}
+
+template <int FMT, int MR, bool AMX>
+inline void tile_block_policy(const uint8_t* block, int64_t G, const XTile& t, const uint8_t* pf_end, float* out) {
+  const bool set1 = FMT == Q3_K && !AMX && MR <= 8 && MR >= g_prefetch.q3_k_set1_rows;
+  const bool shift = !AMX && MR >= 4 && MR >= g_prefetch.quant_shift_rows;
+  if constexpr (!AMX)
+    if (g_prefetch.quant_far_scales) return tile_block_forms<FMT, MR, AMX, true>(set1, shift, block, G, t, pf_end, out);
+  tile_block_forms<FMT, MR, AMX, false>(set1, shift, block, G, t, pf_end, out);
 }
 
 // y's rows are ldy apart (N, or H N for one head's outputs among H heads')

@@ -110,10 +110,11 @@
 //   no software fetch, 0.79-0.83 with the far fetch of every line, 1.00-1.07 for one stream in
 //   address order). 2-core Intel Xeon with AMX, 2026-12-05 (stop 97; benchmarks/prefetch.py, 22
 //   layers, 5 rounds, intel against intel,quant_far_scales=1, prefetch_far_scales_xeon.json):
-//   one row int8 0.966x, int4 0.915x, Q4_K 0.928x, Q5_K 0.955x, Q6_K 0.935x, IQ4_XS 0.901x, Q3_K
-//   0.853x, Q2_K 0.835x; 8 rows 0.93-1.00x: this Xeon's prefetchers do not carry the codes
-//   alone, and Intel keeps 0. Zen 4, where the far fetch caps the stream, is where it may pay:
-//   not measured there yet, every table keeps 0.
+//   one row int8 0.925x, int4 0.898x, Q4_K 0.963x, Q5_K 0.919x, Q6_K 0.936x, IQ4_XS 0.917x, Q3_K
+//   0.905x, Q2_K 0.903x; 8 rows 0.96-1.08x; whole batch-1 steps of the files (prefetch.py
+//   --steps, 7 rounds, prefetch_steps.json) Q4_0 0.897x, Q4_K_M 0.958x, Q6_K 0.941x: this
+//   Xeon's prefetchers do not carry the codes alone, and Intel keeps 0. Zen 4, where the far
+//   fetch caps the stream, is where it may pay: not measured there yet, every table keeps 0.
 // benchmarks/prefetch.py compares the tables (and any other policy) on one machine's bytes.
 // quant_near_rows (int8_near_rows for int8) 17 turns the near fetch off (tiles have at most 16 rows).
 #include <map>
