@@ -95,17 +95,17 @@ def time_steps(ext, policies: list[str], path: str, args) -> dict[str, list[floa
         enable_prefix_caching=False,
     )
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0.0)
-    current, tokens = [policies[0]], {}
+    current, first = [policies[0]], []  # the policy set last; the first run's tokens
 
     def prepare(policy: str) -> None:
         apply_prefetch(ext, policy)
         current[0] = policy
 
     def run() -> None:
-        out = llm.generate([[10, 11, 12, 13]], params, use_tqdm=False)[0].outputs[0].token_ids
-        tokens.setdefault(current[0], list(out))
-        if list(out) != tokens[current[0]] or list(out) != next(iter(tokens.values())):
+        out = list(llm.generate([[10, 11, 12, 13]], params, use_tqdm=False)[0].outputs[0].token_ids)
+        if first and out != first:
             raise SystemExit(f"{path}: policy {current[0]!r} changed the tokens")
+        first[:] = out
 
     times = time_alternated(policies, args.rounds, prepare, run)
     return {p: [t / args.tokens for t in ts] for p, ts in times.items()}

@@ -793,11 +793,13 @@ inline void tile_block(const uint8_t* block, int64_t G, const XTile& t, const ui
 // form 2-14% at one row in L2 on a 2-core Xeon (int4, Q6_K, int8, Q4_K, against a build with
 // that test a constant false; 3 builds alternated in one process), and as a form of its own
 // nothing (within 4% of the constant's build).
+constexpr bool set1_form(int fmt, int mr, bool amx) { return fmt == Q3_K && !amx && mr <= 8; }  // both broadcasts
+constexpr bool shift_form(int mr, bool amx) { return !amx && mr >= 4; }
+
 template <int FMT, int MR, bool AMX, bool FAR_SCALES>
 inline void tile_block_forms(bool set1, bool shift, const uint8_t* block, int64_t G, const XTile& t,
                              const uint8_t* pf_end, float* out) {
-  constexpr bool set1_loop = FMT == Q3_K && !AMX && MR <= 8;  // the one loop with both broadcasts
-  constexpr bool shift_loop = !AMX && MR >= 4;
+  constexpr bool set1_loop = set1_form(FMT, MR, AMX), shift_loop = shift_form(MR, AMX);
   if (set1 && shift) return tile_block<FMT, MR, AMX, set1_loop, shift_loop, FAR_SCALES>(block, G, t, pf_end, out);
   if (set1) return tile_block<FMT, MR, AMX, set1_loop, false, FAR_SCALES>(block, G, t, pf_end, out);
   if (shift) return tile_block<FMT, MR, AMX, false, shift_loop, FAR_SCALES>(block, G, t, pf_end, out);
@@ -806,8 +808,8 @@ inline void tile_block_forms(bool set1, bool shift, const uint8_t* block, int64_
 
 template <int FMT, int MR, bool AMX>
 inline void tile_block_policy(const uint8_t* block, int64_t G, const XTile& t, const uint8_t* pf_end, float* out) {
-  const bool set1 = FMT == Q3_K && !AMX && MR <= 8 && MR >= g_prefetch.q3_k_set1_rows;
-  const bool shift = !AMX && MR >= 4 && MR >= g_prefetch.quant_shift_rows;
+  const bool set1 = set1_form(FMT, MR, AMX) && MR >= g_prefetch.q3_k_set1_rows;
+  const bool shift = shift_form(MR, AMX) && MR >= g_prefetch.quant_shift_rows;
   if constexpr (!AMX)
     if (g_prefetch.quant_far_scales) return tile_block_forms<FMT, MR, AMX, true>(set1, shift, block, G, t, pf_end, out);
   tile_block_forms<FMT, MR, AMX, false>(set1, shift, block, G, t, pf_end, out);
