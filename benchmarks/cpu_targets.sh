@@ -27,9 +27,10 @@
 #   targets  benchmarks/targets.py: each target, its figure, met or not
 #   policies prefetch.py --steps: prefetch policies alternated over whole batch-1 decode steps
 #            of the files (after 'files'; PREFETCH_STEP_POLICIES, default this CPU's table
-#            against it with quant_far_scales=1; STEP_FORMATS, default q4_0,q4_k_m,q6_k; about
-#            2 minutes a file) -> benchmarks/prefetch_steps.json. Not in the run above: a
-#            policy that wins here in every round goes into this CPU's table.
+#            against it with quant_far_scales=1, quant_alternate=1 and both: the two keys no
+#            Zen 4 has measured yet; STEP_FORMATS, default q4_0,q4_k_m,q6_k; about 3 minutes a
+#            file) -> benchmarks/prefetch_steps.json. Not in the run above: a policy that wins
+#            here in every round goes into this CPU's table.
 #
 # Environment: ROUNDS (default 2), THREADS (2), STEPS (ridge's --num-scheduler-steps in the
 # 'files' and 'ik' steps, default 8), FORMATS (the file types, comma-separated),
@@ -131,7 +132,7 @@ for step in "$@"; do
     ;;
   policies)
     files=$(files_of "${STEP_FORMATS:-q4_0,q4_k_m,q6_k}") || exit 1
-    "$PYTHON" benchmarks/prefetch.py --policies "${PREFETCH_STEP_POLICIES:-cpu;cpu,quant_far_scales=1}" \
+    "$PYTHON" benchmarks/prefetch.py --policies "${PREFETCH_STEP_POLICIES:-cpu;cpu,quant_far_scales=1;cpu,quant_alternate=1;cpu,quant_far_scales=1,quant_alternate=1}" \
       --steps "$files" --rounds 7 --threads "$THREADS" --num-scheduler-steps "$STEPS" 2>&1 |
       tee "$OUT/prefetch_steps.log" | grep -v '^ridge: ' | tail -n 8
     ;;

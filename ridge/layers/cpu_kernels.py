@@ -166,8 +166,7 @@ def prefetch_setting(text: str) -> tuple[str | None, dict[str, int]]:
     ``cpu``: this CPU's) or ``key=value`` (``bf16_far``, ``quant_near_rows``,
     ``quant_near_every``, ``int8_near_rows``, ``quant_far_nta``, ``quant_far_lines``,
     ``quant_far_kib``, ``quant_interleave``, ``q3_k_set1_rows``, ``quant_shift_rows``,
-    ``quant_far_scales``;
-    csrc/linear_call.h), applied over the table,
+    ``quant_far_scales``, ``quant_alternate``; csrc/linear_call.h), applied over the table,
     e.g. ``amd,quant_near_rows=1``."""
     preset, values = None, {}
     for item in (part.strip() for part in text.split(",")):

@@ -35,6 +35,7 @@ KEYS = {
     "q3_k_set1_rows",
     "quant_shift_rows",
     "quant_far_scales",
+    "quant_alternate",
 }
 
 
@@ -141,6 +142,8 @@ def test_no_policy_changes_a_result(ext, name):
         "amd,quant_far_scales=1",
         "intel,quant_far_scales=1",
         "zen5,quant_far_scales=1,quant_near_rows=17,int8_near_rows=17",
+        "amd,quant_alternate=1",
+        "intel,quant_alternate=1",
     ):
         apply_prefetch(ext, text)
         quant = [ext.linear_quant(x, packed, code, n, None) for x in xs]
@@ -156,7 +159,7 @@ def test_no_policy_changes_a_result(ext, name):
     [
         (
             "amd,quant_near_rows=2",
-            '{"bf16_far": 0, "int8_near_rows": 8, "q3_k_set1_rows": 17, "quant_far_kib": 64, "quant_far_lines": 0, "quant_far_nta": 0, "quant_far_scales": 0, "quant_interleave": 0, "quant_near_every": 0, "quant_near_rows": 2, "quant_shift_rows": 4}',  # noqa: E501
+            '{"bf16_far": 0, "int8_near_rows": 8, "q3_k_set1_rows": 17, "quant_alternate": 0, "quant_far_kib": 64, "quant_far_lines": 0, "quant_far_nta": 0, "quant_far_scales": 0, "quant_interleave": 0, "quant_near_every": 0, "quant_near_rows": 2, "quant_shift_rows": 4}',  # noqa: E501
         ),
         (
             "bf16_far",

@@ -6,6 +6,8 @@
 // waits at the join. Here each thread starts on the run a static split gives it and takes its
 // blocks front first; a thread out of blocks takes the back half of the run with the most
 // left and walks that in order too. Which thread computes a block never changes what it computes.
+// Reversed, slot t starts on the run a static split gives slot slots - 1 - t (quant_alternate,
+// linear_call.h: the runs' order flipped every other call).
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -14,9 +16,11 @@
 class BlockRuns {
  public:
   // blocks [0, n) over `slots` runs (the threads of the parallel_for that calls next)
-  BlockRuns(int64_t n, int64_t slots) : runs_(static_cast<size_t>(slots)) {
-    for (int64_t t = 0; t < slots; ++t)
-      runs_[t].v.store(pack(n * t / slots, n * (t + 1) / slots), std::memory_order_relaxed);
+  BlockRuns(int64_t n, int64_t slots, bool reversed = false) : runs_(static_cast<size_t>(slots)) {
+    for (int64_t t = 0; t < slots; ++t) {
+      const int64_t r = reversed ? slots - 1 - t : t;
+      runs_[t].v.store(pack(n * r / slots, n * (r + 1) / slots), std::memory_order_relaxed);
+    }
   }
 
   // slot t's next block j and the end of the run it lies in, as it stands now (a thief may

@@ -48,6 +48,13 @@ struct PrefetchPolicy {
   // stream, to the hardware prefetcher; 0: every line far_ahead on (prefetch.cpp says what each
   // CPU measured; linear_quant.cpp builds the two as separate loops)
   int64_t quant_far_scales;
+  // block formats: 1: every other call gives the threads their runs in reverse order, so the
+  // thread whose run ended at one call's last block starts the next call at its first block,
+  // and its far fetch runs on past that last block by the window. A decode step's matrices lie
+  // end to end in the order its calls read them (weight_arena.h), so that thread's stream goes
+  // on from call to call instead of starting over; 0: each thread's run at the same place
+  // every call
+  int64_t quant_alternate;
 };
 extern PrefetchPolicy g_prefetch;  // read by the kernels; written only between calls
 

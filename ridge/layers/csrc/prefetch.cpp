@@ -115,6 +115,16 @@
 //   --steps, 7 rounds, prefetch_steps.json) Q4_0 0.897x, Q4_K_M 0.958x, Q6_K 0.941x: this
 //   Xeon's prefetchers do not carry the codes alone, and Intel keeps 0. Zen 4, where the far
 //   fetch caps the stream, is where it may pay: not measured there yet, every table keeps 0.
+// - quant_alternate: every other call the threads take their runs in reverse order, so the
+//   thread that read up to one call's last byte starts the next call at its first (the step's
+//   matrices lie end to end in call order, weight_arena.h), and its far fetch goes on past the
+//   last block by the window: half the runs of a step continue a stream instead of starting one
+//   (stop 95 put what Zen 4 loses over a step at the calls' edges, where each run starts over).
+//   2-core Intel Xeon with AMX, 2026-12-05 (stop 98): one int4 matrix of a step's bytes (473,088
+//   x 2048) called as 88 row slices, 9 rounds: 12.7 us a call over one call, 14.9 with it (0.88-1.07
+//   a round); whole batch-1 steps (prefetch.py --steps, 7 rounds) Q4_0 0.997x, Q4_K_M 1.000x:
+//   this Xeon's far fetch already hides a run's start (stop 97: fetching a run's first window at
+//   its start, 0.998x). Not measured on Zen 4; every table keeps 0.
 // benchmarks/prefetch.py compares the tables (and any other policy) on one machine's bytes.
 // quant_near_rows (int8_near_rows for int8) 17 turns the near fetch off (tiles have at most 16 rows).
 #include <map>
@@ -126,9 +136,9 @@
 
 namespace {
 
-constexpr PrefetchPolicy AMD = {0, 8, 0, 8, 0, 0, 64, 0, 17, 4, 0};  // Zen 4 and older
-constexpr PrefetchPolicy ZEN5 = {1, 2, 1, 2, 1, 1, 24, 0, 8, 4, 0};  // AMD family 26 (0x1A) and later
-constexpr PrefetchPolicy INTEL = {1, 1, 1, 1, 0, 0, 64, 1, 17, 17, 0};
+constexpr PrefetchPolicy AMD = {0, 8, 0, 8, 0, 0, 64, 0, 17, 4, 0, 0};  // Zen 4 and older
+constexpr PrefetchPolicy ZEN5 = {1, 2, 1, 2, 1, 1, 24, 0, 8, 4, 0, 0};  // AMD family 26 (0x1A) and later
+constexpr PrefetchPolicy INTEL = {1, 1, 1, 1, 0, 0, 64, 1, 17, 17, 0, 0};
 
 // Every key of a policy, its member and whether it is a switch (0 or 1) or a row count (>= 0):
 // the one list that naming, checking and setting a policy read
@@ -149,6 +159,7 @@ constexpr Key KEYS[] = {
     {"q3_k_set1_rows", &PrefetchPolicy::q3_k_set1_rows, false},
     {"quant_shift_rows", &PrefetchPolicy::quant_shift_rows, false},
     {"quant_far_scales", &PrefetchPolicy::quant_far_scales, true},
+    {"quant_alternate", &PrefetchPolicy::quant_alternate, true},
 };
 
 const Key* find_key(const std::string& name) {
