@@ -118,11 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vs-ik", type=Path, default=HERE / "vs_ik.json")
     parser.add_argument("--quant-rows", type=Path, default=HERE / "quant_rows.json")
     parser.add_argument("--quantized-decode", type=Path, default=HERE / "quantized_decode.json")
-    parser.add_argument("--cpu", default=None, help="the CPU entry to read (default: this machine's)")
+    parser.add_argument(
+        "--cpu", default=None, help="the CPU entry to read (default: the --compare run's CPU, else this machine's)"
+    )
     args = parser.parse_args(argv)
-    cpu = args.cpu or cpu_model()
     compare = json.loads(args.compare.read_text())
     machine = compare.get("machine", {})
+    # one machine's figures: the other runs' entries for the CPU the files were run on, never
+    # another machine's beside them (a Xeon session reading the AMD run's file)
+    cpu = args.cpu or machine.get("cpu") or cpu_model()
     ik, per_rows = cpu_entry(args.vs_ik, cpu), cpu_entry(args.quant_rows, cpu)
     kv_run = json.loads(args.quantized_decode.read_text()) if args.quantized_decode.is_file() else None
     kv_here = kv_run if kv_run and kv_run.get("machine") == cpu else None  # a run of this CPU only
