@@ -7,10 +7,10 @@
 #
 #   prefetch prefetch.py: the prefetch tables (csrc/prefetch.cpp: Zen 4's "amd", "zen5",
 #            "intel") alternated on the same bytes, the kernels alone (about 3 minutes; on an
-#            AMD CPU also the amd table with each key no Zen 4 has measured alone:
-#            quant_far_scales, quant_alternate, quant_interleave, and quant_far_kib=24, about
-#            6 minutes); where another policy wins in every round, put it in this CPU's table
-#            (and rebuild) before the steps below.
+#            AMD CPU also this CPU's table with each key that no Zen 4 has measured alone:
+#            quant_far_scales, quant_alternate, quant_interleave, quant_far_nta=1 and
+#            quant_far_kib=24, about 6 minutes); where another policy wins in every round, put
+#            it in this CPU's table (and rebuild) before the steps below.
 #   peers    llama-cpp-python 0.3.36 built natively into the venv where it is missing (about 8
 #            minutes; AMX off: its AMX kernels fault on the Intel VMs, the AMD has none), and
 #            ik_llama.cpp's llama-bench built from $IK_SRC at $IK_COMMIT (about 10 minutes)
@@ -130,7 +130,9 @@ for step in "$@"; do
     ;;
   prefetch)
     tables="amd;zen5;intel"
-    [ "$CPU" = amd ] && tables="$tables;amd,quant_far_scales=1;amd,quant_alternate=1;amd,quant_interleave=1;amd,quant_far_kib=24"
+    [ "$CPU" = amd ] && for key in quant_far_scales=1 quant_alternate=1 quant_interleave=1 quant_far_kib=24 quant_far_nta=1; do
+      tables="$tables;cpu,$key"
+    done
     "$PYTHON" benchmarks/prefetch.py --policies "${PREFETCH_POLICIES:-$tables}" \
       --rounds 7 --threads "$THREADS" 2>&1 | tee "$OUT/prefetch.log" | tail -n 40
     ;;
