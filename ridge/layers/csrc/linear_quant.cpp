@@ -953,9 +953,9 @@ void segments_slab(const std::vector<Segment<T>>& segs, int64_t K, int64_t N, co
     return segs[s].w + ((j_end - 1) % NB + 1) * block_bytes + (j_end == S * NB ? past_end : 0);
   };
   // the blocks over the threads: a contiguous run each, the slower one's tail taken by the
-  // other (block_runs.h); under quant_alternate in reverse order every other call, and the run
-  // that ends at the call's last block fetches on past it (the next call's first bytes, where
-  // the weights lie end to end in the order they are called; a fetch of any address is harmless)
+  // other (block_runs.h); under quant_alternate (linear_call.h) in reverse order every other
+  // call, and the run to the call's last block fetches on past it (a fetch of any address is
+  // harmless)
   const int64_t slots = std::min<int64_t>(at::get_num_threads(), S * NB);
   const bool alternate = g_prefetch.quant_alternate;
   static std::atomic<uint64_t> calls{0};
