@@ -157,9 +157,11 @@ def main() -> None:
             )
             print(f"{Path(path).name}  {line}", flush=True)
         ext.set_prefetch_policy(start_policy)
-        record = kernel_run_record(args, cpu_model(), policies=resolved, tokens=args.tokens, steps=steps)
-        record["num_scheduler_steps"] = args.num_scheduler_steps
-        del record["layers"]
+        record = kernel_run_record(
+            args, cpu_model(), policies=resolved, tokens=args.tokens, num_scheduler_steps=args.num_scheduler_steps
+        )
+        del record["layers"]  # (whole models: --layers is the kernels' option)
+        record["steps"] = steps
         write_cpu_entry(args.json, cpu_model(), record)
         return
     results = {}

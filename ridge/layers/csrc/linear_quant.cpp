@@ -944,7 +944,8 @@ void segments_slab(const std::vector<Segment<T>>& segs, int64_t K, int64_t N, co
   // j_end - 1): the far prefetch stops there (tile_block). Segments whose Ws lie end to end
   // (heads of one stacked weight) are one stream. Under quant_alternate, a stream to the
   // call's last block goes on past_end bytes (below).
-  int64_t past_end = 0;
+  const bool alternate = g_prefetch.quant_alternate;
+  const int64_t past_end = alternate ? std::max<int64_t>(L2_PREFETCH_AHEAD, g_prefetch.quant_far_kib * 1024) : 0;
   auto stream_end = [&](int64_t j, int64_t j_end) {
     int64_t s = j / NB;
     const int64_t last = (j_end - 1) / NB;
@@ -954,13 +955,11 @@ void segments_slab(const std::vector<Segment<T>>& segs, int64_t K, int64_t N, co
   };
   // the blocks over the threads: a contiguous run each, the slower one's tail taken by the
   // other (block_runs.h); under quant_alternate (linear_call.h) in reverse order every other
-  // call, and the run to the call's last block fetches on past it (a fetch of any address is
-  // harmless)
+  // call, and the run to the call's last block fetches on past it (above; a fetch of any
+  // address is harmless)
   const int64_t slots = std::min<int64_t>(at::get_num_threads(), S * NB);
-  const bool alternate = g_prefetch.quant_alternate;
   static std::atomic<uint64_t> calls{0};
   BlockRuns runs(S * NB, slots, alternate && (calls.fetch_add(1, std::memory_order_relaxed) & 1));
-  if (alternate) past_end = std::max<int64_t>(L2_PREFETCH_AHEAD, g_prefetch.quant_far_kib * 1024);
   B.busy.assign(slots, 0.0);
   const double region = ridge_shared::clock_s();
   ridge_shared::g_step_parts[ridge_shared::PART_MATMUL_SETUP] += region - entered;
